@@ -1,0 +1,257 @@
+"""Host (CPU) device: a separate worker process that runs launched ops in order.
+
+Why: on a CPU machine the only way device work overlaps host work is another process (see
+DESIGN.md, "Devices"). `Stream.launch` pickles the batch, writes it to a pipe and returns an
+Event at once; a reader thread receives completions and finishes the Events.
+
+Streams: all streams of one host device execute in launch order in the one worker process.
+That is a valid in-order execution of a multi-stream device (each stream is in order, and any
+interleaving of streams is allowed); a CPU has no intra-device concurrency to offer. Hence
+`wait_event` on an event of the same device is satisfied by construction.
+
+Failures: an exception in an op fails that op's Event with `DeviceError` (remote traceback
+attached) and the device keeps working. A dead worker process fails every pending and later
+Event with `DeviceCrashed` naming its exit code; nothing waits forever.
+"""
+from __future__ import annotations
+
+import io
+import itertools
+import multiprocessing as mp
+import pickle
+import signal
+import threading
+import time
+from multiprocessing.connection import wait as wait_any
+from typing import Any
+
+from runtime.devices import worker_main
+from runtime.devices.events import CompletionEvent
+from runtime.devices.spec import DeviceStartError, WorkerSpec
+from scheduler.protocols import Batch, DeviceCrashed, DeviceError, Event
+
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "closed its pipe but is still running"
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+class HostStream:
+    """A named in-order queue on a HostDevice (all its streams share one execution order)."""
+
+    def __init__(self, device: HostDevice, name: str):
+        self.name = name
+        self.device = device
+
+    def __repr__(self) -> str:
+        return f"<HostStream {self.device.name}/{self.name}>"
+
+    def launch(self, op: str, batch: Batch) -> CompletionEvent:
+        return self.device._launch(self.name, op, batch)
+
+    def wait_event(self, event: Event) -> None:
+        if getattr(event, "owner", None) is self.device or event.query():
+            return  # launched earlier on this device, so it runs first; or already done
+        raise ValueError(f"host device {self.device.name!r} cannot wait on unfinished op {event.op!r} "
+                         "of another device; synchronize it on the host first")
+
+
+class HostDevice:
+    """A device backed by one worker process that owns the Worker (weights, KV cache)."""
+
+    kind = "host"
+
+    def __init__(self, spec: WorkerSpec, *, name: str = "host", num_threads: int = 1,
+                 start_timeout_s: float = 120.0, close_timeout_s: float = 10.0):
+        if not isinstance(spec, WorkerSpec):
+            raise TypeError(f"HostDevice needs a WorkerSpec, got {type(spec).__name__}")
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        self.name = name
+        self.spec = spec
+        self.num_threads = num_threads
+        self._close_timeout_s = close_timeout_s
+        self._streams: dict[str, HostStream] = {}
+        self._seq = itertools.count()
+        self._send_lock = threading.Lock()  # launch order == pipe order == execution order
+        self._pending_lock = threading.Lock()
+        self._pending: dict[int, CompletionEvent] = {}
+        self._failure: str | None = None  # set once the worker is gone; fails later launches
+        self._closed = False
+
+        ctx = mp.get_context("spawn")
+        launch_recv, self._launch_send = ctx.Pipe(duplex=False)
+        self._reply_recv, reply_send = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=worker_main.main, name=f"specsched-{name}", daemon=True,
+                                    args=(spec, num_threads, launch_recv, reply_send))
+        self._process.start()
+        launch_recv.close()
+        reply_send.close()
+        try:
+            self.pid = self._handshake(start_timeout_s)
+        except BaseException:
+            self._stop_process(timeout_s=1.0)
+            self._launch_send.close()
+            self._reply_recv.close()
+            self._closed = True
+            raise
+        self._reader = threading.Thread(target=self._read_replies, name=f"{name}-replies", daemon=True)
+        self._reader.start()
+
+    def __repr__(self) -> str:
+        return f"<HostDevice {self.name!r} pid={self.pid} pending={self.num_pending}>"
+
+    def __enter__(self) -> HostDevice:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- public API --
+
+    def stream(self, name: str) -> HostStream:
+        if name not in self._streams:
+            self._streams[name] = HostStream(self, name)
+        return self._streams[name]
+
+    def call(self, op: str, batch: Batch | None = None, *, timeout_s: float | None = 60.0) -> Any:
+        """Launch `op` on the "control" stream and block for its result (e.g. "__stats__")."""
+        return self.stream("control").launch(op, batch or {}).synchronize(timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        """Worker-process counters: pid, num_ops, busy_ns, num_threads, torch_threads."""
+        return self.call("__stats__")
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def is_alive(self) -> bool:
+        return self._failure is None and self._process.is_alive()
+
+    def close(self) -> None:
+        """Finish queued ops, stop the worker process (terminate it after close_timeout_s)."""
+        with self._send_lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._launch_send.send_bytes(pickle.dumps(None, _PROTOCOL))
+            except OSError:
+                pass
+        self._stop_process(self._close_timeout_s)
+        self._reader.join(timeout=5.0)
+        self._launch_send.close()
+        self._reply_recv.close()
+
+    # -- internals --
+
+    def _handshake(self, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        factory = self.spec.factory
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeviceStartError(factory, f"worker process not ready after {timeout_s} s")
+            ready = wait_any([self._reply_recv, self._process.sentinel], timeout=remaining)
+            if self._reply_recv in ready or (ready and self._reply_recv.poll()):
+                try:
+                    message = self._reply_recv.recv()
+                except EOFError:
+                    self._process.join(timeout=1.0)
+                    raise DeviceStartError(factory, "worker process " + _describe_exit(self._process.exitcode)
+                                           + " before it was ready") from None
+                if message[0] == "ready":
+                    return message[1]
+                raise DeviceStartError(factory, message[1], remote_traceback=message[2])
+            if ready:
+                self._process.join(timeout=1.0)
+                raise DeviceStartError(factory, "worker process " + _describe_exit(self._process.exitcode)
+                                       + " before it was ready")
+
+    def _launch(self, stream: str, op: str, batch: Batch) -> CompletionEvent:
+        if not isinstance(op, str) or not op:
+            raise ValueError(f"op must be a non-empty string, got {op!r}")
+        try:
+            payload = pickle.dumps(batch, _PROTOCOL)
+        except Exception as exc:
+            raise TypeError(f"batch for device op {op!r} is not picklable: {exc}") from exc
+        with self._send_lock:
+            if self._closed:
+                raise RuntimeError(f"host device {self.name!r} is closed; cannot launch {op!r}")
+            seq = next(self._seq)
+            event = CompletionEvent(op, stream, seq, time.monotonic_ns(), owner=self)
+            with self._pending_lock:
+                if self._failure is not None:
+                    event.set_error(DeviceCrashed, self._failure)
+                    return event
+                self._pending[seq] = event
+            try:
+                self._launch_send.send_bytes(pickle.dumps((seq, stream, op), _PROTOCOL) + payload)
+            except OSError:
+                pass  # the worker is gone; the reader thread fails every pending event
+        return event
+
+    def _read_replies(self) -> None:
+        conn, sentinel = self._reply_recv, self._process.sentinel
+        broken: str | None = None
+        while True:
+            try:
+                ready = wait_any([conn, sentinel])
+                if conn not in ready and not conn.poll():
+                    break  # the process exited and nothing is left to read
+                self._complete(conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            except Exception as exc:  # an unreadable reply: the pipe can no longer be trusted
+                broken = f"unreadable reply from the worker process: {type(exc).__name__}: {exc}"
+                self._stop_process(timeout_s=0.0)
+                break
+        self._process.join(timeout=2.0)
+        if self._closed:
+            reason = f"host device {self.name!r} was closed"
+        else:
+            reason = (f"host device {self.name!r}: " + (broken or f"worker process (pid {self.pid}) "
+                      + _describe_exit(self._process.exitcode)))
+        with self._pending_lock:
+            self._failure = reason
+            pending, self._pending = self._pending, {}
+        for event in pending.values():
+            event.set_error(DeviceCrashed, reason)
+
+    def _complete(self, data: bytes) -> None:
+        buf = io.BytesIO(data)
+        header = pickle.load(buf)  # reads the first pickle only; the payload follows
+        with self._pending_lock:
+            event = self._pending.pop(header[1], None)
+        if event is None:
+            return
+        if header[0] == "err":
+            _, _, start_ns, end_ns, message, remote_tb = header
+            event.set_error(DeviceError, message, remote_tb, start_ns, end_ns)
+            return
+        _, _, start_ns, end_ns = header
+        try:
+            result = pickle.load(buf)
+        except Exception as exc:
+            event.set_error(DeviceError, f"result could not be unpickled on the host: "
+                            f"{type(exc).__name__}: {exc}", None, start_ns, end_ns)
+            return
+        event.set_result(result, start_ns, end_ns)
+
+    def _stop_process(self, timeout_s: float) -> None:
+        self._process.join(timeout_s)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(2.0)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()

@@ -1,0 +1,120 @@
+"""The host device's worker process: build the Worker, then run launched ops in order.
+
+Why a process and not a thread: the small models' forward is Python-dispatch bound and holds
+the GIL, so a device thread gives no overlap with host work; a process does.
+
+Wire format (both directions, one `send_bytes` message each): a pickled header followed by a
+pickled payload, so a payload that fails to unpickle still names its op and sequence number.
+- host -> worker: header `(seq, stream, op)` + batch; header `None` asks the worker to stop.
+- worker -> host: `("ok", seq, start_ns, end_ns)` + result, or
+  `("err", seq, start_ns, end_ns, message, traceback)` + `None`.
+Before any of that the worker sends one plain message, `("ready", pid)` or
+`("init_err", message, traceback)`. Times are `time.monotonic_ns()`: the system monotonic
+clock, the same base as the host's.
+
+A receiver thread drains the launch pipe into a local queue while ops run, so the host's
+`launch` does not block on a full pipe while the worker is busy.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from runtime.devices.spec import WorkerSpec
+
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+
+def _set_threads(num_threads: int) -> None:
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(num_threads)
+
+
+def _receive(conn: Any, inbox: queue.SimpleQueue) -> None:
+    try:
+        while True:
+            inbox.put(conn.recv_bytes())
+    except (EOFError, OSError):
+        inbox.put(None)  # the host went away: stop after the queued ops
+
+
+class _Builtins:
+    """Ops every host worker answers itself (names start with "__")."""
+
+    def __init__(self, num_threads: int):
+        self.num_threads = num_threads
+        self.num_ops = 0
+        self.busy_ns = 0
+
+    def execute(self, op: str, batch: Any) -> Any:
+        if op == "__ping__":
+            return None
+        if op == "__stats__":
+            torch = sys.modules.get("torch")
+            return {"pid": os.getpid(), "num_ops": self.num_ops, "busy_ns": self.busy_ns,
+                    "num_threads": self.num_threads,
+                    "torch_threads": torch.get_num_threads() if torch else None}
+        raise ValueError(f"unknown built-in op {op!r} (known: __ping__, __stats__)")
+
+
+def main(spec: WorkerSpec, num_threads: int, launch_conn: Any, reply_conn: Any) -> None:
+    """Entry point of the worker process (multiprocessing spawn target)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when this process stops
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(num_threads)
+    try:
+        _set_threads(num_threads)
+        worker = spec.build()
+        _set_threads(num_threads)
+    except Exception as exc:
+        reply_conn.send(("init_err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        return
+    reply_conn.send(("ready", os.getpid()))
+
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_receive, args=(launch_conn, inbox), name="launch-receiver",
+                     daemon=True).start()
+    builtins = _Builtins(num_threads)
+    try:
+        _serve(worker, builtins, inbox, reply_conn)
+    finally:
+        close = getattr(worker, "close", None)
+        if callable(close):
+            close()
+
+
+def _serve(worker: Any, builtins: _Builtins, inbox: queue.SimpleQueue, reply_conn: Any) -> None:
+    while True:
+        message = inbox.get()
+        if message is None:
+            return
+        buf = io.BytesIO(message)
+        header = pickle.load(buf)
+        if header is None:
+            return
+        seq, _stream, op = header
+        start_ns = time.monotonic_ns()
+        try:
+            batch = pickle.load(buf)
+            runner = builtins if op.startswith("__") else worker
+            result = runner.execute(op, batch)
+            end_ns = time.monotonic_ns()
+            payload = pickle.dumps(("ok", seq, start_ns, end_ns), _PROTOCOL) + pickle.dumps(result, _PROTOCOL)
+        except Exception as exc:
+            end_ns = time.monotonic_ns()
+            reply = ("err", seq, start_ns, end_ns, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+            payload = pickle.dumps(reply, _PROTOCOL) + pickle.dumps(None, _PROTOCOL)
+        builtins.num_ops += 1
+        builtins.busy_ns += end_ns - start_ns
+        try:
+            reply_conn.send_bytes(payload)
+        except (BrokenPipeError, OSError):
+            return  # the host is gone

@@ -1,0 +1,81 @@
+"""Prompt-lookup (n-gram) proposer: model-free drafts copied from the request's own history.
+
+If the last n tokens occurred earlier in the prompt or output, guess that what followed
+them then follows them now. No weights, no KV cache, no device work: it pays off on
+repetitive workloads (code edits, extraction, summaries quoting their input). Drafts are
+deterministic, so the verifier treats q as one-hot (`rejection_verify(draft_probs=None)`).
+
+Matching is vectorized: one numpy compare per suffix length k < max_n over the whole
+sequence keeps, for every earlier end position, whether the last k+1 tokens still match;
+no Python loop runs over positions.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+class NgramProposer:
+    """Propose up to `num_tokens` tokens by matching the last n tokens, max_n down to min_n."""
+
+    def __init__(self, min_n: int, max_n: int, num_tokens: int) -> None:
+        if min_n < 1:
+            raise ValueError(f"ngram min_n must be >= 1, got {min_n}")
+        if max_n < min_n:
+            raise ValueError(f"ngram max_n must be >= min_n ({min_n}), got {max_n}")
+        if num_tokens < 1:
+            raise ValueError(f"ngram num_tokens must be >= 1, got {num_tokens}")
+        self.min_n = min_n
+        self.max_n = max_n
+        self.num_tokens = num_tokens
+
+    def find_match(self, token_ids: np.ndarray | Sequence[int]) -> tuple[int, int]:
+        """(n, start): the longest n in [min_n, max_n] whose last-n suffix occurred earlier,
+        and the index right after its most recent earlier occurrence; (0, -1) if none."""
+        seq = np.asarray(token_ids)
+        if seq.ndim != 1:
+            raise ValueError(f"token_ids must be 1-D, got shape {seq.shape}")
+        length = seq.shape[0]
+        best = (0, -1)
+        if length < self.min_n + 1:
+            return best
+        alive = np.ones(length - 1, dtype=bool)  # alive[e]: seq[e-k..e] == seq[L-1-k..L-1]
+        for k in range(min(self.max_n, length - 1)):
+            alive[:k] = False
+            alive[k:] &= seq[: length - 1 - k] == seq[length - 1 - k]
+            hits = np.flatnonzero(alive)
+            if hits.size == 0:
+                break
+            if k + 1 >= self.min_n:
+                best = (k + 1, int(hits[-1]) + 1)
+        return best
+
+    def propose(self, token_ids: np.ndarray | Sequence[int], num_tokens: int | None = None) -> list[int]:
+        """Up to num_tokens (default: the proposer's) tokens that followed the match; [] if none."""
+        k = self.num_tokens if num_tokens is None else num_tokens
+        if k < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {k}")
+        n, start = self.find_match(token_ids)
+        if n == 0:
+            return []
+        return [int(x) for x in np.asarray(token_ids)[start : start + k]]
+
+    def propose_batch(
+        self,
+        sequences: Sequence[np.ndarray | Sequence[int]],
+        num_tokens: int | None = None,
+        pad_id: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts for a batch: tokens [B, num_tokens] int64 padded with pad_id (0 keeps the
+        padding a valid embedding index; the verifier never reads it), counts [B] int64."""
+        k = self.num_tokens if num_tokens is None else num_tokens
+        tokens = torch.full((len(sequences), k), pad_id, dtype=torch.int64)
+        counts = torch.zeros(len(sequences), dtype=torch.int64)
+        for i, seq in enumerate(sequences):
+            draft = self.propose(seq, k)
+            if draft:
+                tokens[i, : len(draft)] = torch.tensor(draft, dtype=torch.int64)
+                counts[i] = len(draft)
+        return tokens, counts

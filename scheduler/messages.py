@@ -1,0 +1,140 @@
+"""Packing a scheduled step into device messages (the `plan` stage's output).
+
+Why: work crosses to the device as an op name plus plain arrays, so it can go over a pipe
+to a worker process, to CUDA in-process, or to the simulator's virtual device unchanged.
+The device keeps per-request token state (indexed by `slot`); messages say which
+positions to compute, never the tokens the device itself produced, so the host need not
+wait for them (the basis of the no-sync schedules).
+
+Ops and their messages (all arrays are per scheduled sequence, B rows):
+  forward  target forward of prefill chunks / decodes; samples where `samples`
+  draft    proposer makes up to `num_draft` tokens per row (one launch for all D steps)
+  verify   target forward over the last token + candidates, acceptance, bonus token
+  fill     proposer KV fill (draft model: unseen tokens; head: the previous target batch)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from scheduler.batch_builder import StepBatch
+from scheduler.block_manager import BlockManager
+from scheduler.plan import build_plan
+from scheduler.proposer import ProposerSpec
+from scheduler.request import Request
+
+
+def _params(req: Request) -> dict:
+    p = req.params
+    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "seed": p.seed}
+
+
+def registrations(batch: StepBatch) -> list[tuple[int, list[int], dict]]:
+    """(slot, token ids, sampling params) for rows the device has no state for yet."""
+    return [
+        (s.request.slot, s.request.all_token_ids, _params(s.request))
+        for s in batch.seqs
+        if s.request.num_computed_tokens == 0
+    ]
+
+
+def forward_message(batch: StepBatch, blocks: BlockManager) -> dict:
+    reqs = [s.request for s in batch.seqs]
+    start = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+    num_new = np.array([s.num_new_tokens for s in batch.seqs], dtype=np.int64)
+    plan = build_plan(
+        num_new,
+        start + num_new,
+        [blocks.page_table(r.request_id) for r in reqs],
+        blocks.page_size,
+    )
+    return {
+        "step": batch.step,
+        "slots": np.array([r.slot for r in reqs], dtype=np.int64),
+        "start": start,
+        "num_new": num_new,
+        "samples": np.array([s.samples for s in batch.seqs], dtype=bool),
+        "register": registrations(batch),
+        "plan": plan.to_message(),
+    }
+
+
+def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec) -> dict:
+    """Target over [last token, candidates]: W = 1 + num_candidates tokens per row."""
+    reqs = [s.request for s in batch.seqs]
+    width = 1 + spec.num_candidates
+    start = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+    positions = masks = None
+    if spec.kind == "eagle":
+        depths = np.concatenate([[0], spec.tree_depths()])
+        positions = [s + depths for s in start]
+        tree = spec.tree_mask()
+        masks = []
+        for s0 in start:
+            m = np.ones((width, int(s0) + width), dtype=bool)
+            m[:, s0:] = tree
+            masks.append(m)
+    plan = build_plan(
+        np.full(len(reqs), width),
+        start + width,
+        [blocks.page_table(r.request_id) for r in reqs],
+        blocks.page_size,
+        positions=positions,
+        custom_masks=masks,
+    )
+    return {
+        "step": batch.step,
+        "slots": np.array([r.slot for r in reqs], dtype=np.int64),
+        "start": start,
+        "num_draft": np.array([s.num_draft for s in batch.seqs], dtype=np.int64),
+        "plan": plan.to_message(),
+    }
+
+
+def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec) -> dict:
+    """The proposer's D steps in one launch; the device derives per-step plans from the
+    page tables (multi-step work that belongs together is one launch)."""
+    reqs = [s.request for s in batch.seqs]
+    msg = {
+        "step": batch.step,
+        "slots": np.array([r.slot for r in reqs], dtype=np.int64),
+        "num_tokens": np.array([r.num_tokens for r in reqs], dtype=np.int64),
+        "num_draft": np.array([s.num_draft for s in batch.seqs], dtype=np.int64),
+        "page_size": blocks.page_size,
+    }
+    if spec.kv_model is not None:
+        msg["page_tables"] = [list(blocks.page_table(r.request_id, spec.kv_model)) for r in reqs]
+        msg["proposer_computed"] = np.array([r.num_proposer_computed for r in reqs], dtype=np.int64)
+    return msg
+
+
+def fill_message(
+    step: int,
+    reqs: list[Request],
+    starts: np.ndarray,
+    ends: np.ndarray,
+    blocks: BlockManager,
+    spec: ProposerSpec,
+    *,
+    after: str,
+) -> dict:
+    """Proposer KV fill over positions [starts[i], ends[i]) of each row.
+
+    after="forward"/"verify": a head (MTP) consumes the target hidden states of that launch,
+    so its rows and positions equal the target batch's; a draft model only needs tokens.
+    """
+    assert spec.kv_model is not None
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.asarray(ends, dtype=np.int64)
+    plan = build_plan(
+        ends - starts,
+        ends,
+        [blocks.page_table(r.request_id, spec.kv_model) for r in reqs],
+        blocks.page_size,
+    )
+    return {
+        "step": step,
+        "after": after,
+        "slots": np.array([r.slot for r in reqs], dtype=np.int64),
+        "start": starts,
+        "plan": plan.to_message(),
+    }

@@ -1,0 +1,463 @@
+"""The async step pipeline: CPU stages as coroutines overlapped with device work.
+
+Why: this one object runs in the engine (real clock, worker-process or CUDA device) and in
+the simulator (virtual clock and device). It only sees the Clock/Device protocols, a sink
+for outputs and a tracer, so a simulated schedule *is* the production schedule.
+
+Stages (host unless noted; names are span names): schedule, kv_alloc, plan, draft (device),
+verify (device), accept (device), sync, fill (device: the proposer's KV fill, called
+`draft_fill` in traces), output.
+
+Schedules:
+  sync           every launch is awaited before the next stage: the baseline.
+  overlap        after the sync on acceptance the draft fill is launched and *not* awaited;
+                 the output stage and the next step's schedule/kv_alloc/plan run while it
+                 executes (the next draft launch queues behind it on the draft stream).
+  mtp            the head's fill re-uses the verify batch, so it is launched right behind the
+                 verify before any sync; the host learns accepted lengths when the verify's
+                 result arrives and schedules the next step while the fill runs.
+  plain_overlap  plain decoding one step ahead: step N+1 is launched before step N's tokens
+                 reach the host (finished requests waste one step's slot).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+import numpy as np
+
+from scheduler import messages
+from scheduler.batch_builder import BatchBuilder, StepBatch
+from scheduler.protocols import Clock, Device, DeviceError, Event
+from scheduler.proposer import ProposerSpec, validate_combination
+from scheduler.request import Request, RequestState
+
+
+class OutputSink(Protocol):
+    """Host-side output handling (detokenizing, streaming, stop strings)."""
+
+    def on_tokens(self, req: Request, token_ids: list[int]) -> tuple[int, str | None]:
+        """New tokens for `req`. Return (how many of them to keep, finish reason or None)."""
+        ...
+
+    def on_finish(self, req: Request) -> None: ...
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    schedule: str = "sync"
+    proposer: ProposerSpec = ProposerSpec()
+
+    def __post_init__(self) -> None:
+        validate_combination(self.proposer.kind, self.schedule, self.proposer.draft_len)
+
+
+class _NullTracer:
+    enabled = False
+
+    def span(self, *a: Any, **k: Any) -> None: ...
+    def step(self, *a: Any, **k: Any) -> None: ...
+    def request(self, *a: Any, **k: Any) -> None: ...
+    def finish(self, *a: Any, **k: Any) -> None: ...
+
+
+@dataclass
+class _Launch:
+    event: Event
+    step: int
+    op: str
+    attrs: dict
+
+
+class Pipeline:
+    def __init__(
+        self,
+        config: PipelineConfig,
+        builder: BatchBuilder,
+        device: Device,
+        clock: Clock,
+        sink: OutputSink,
+        tracer: Any = None,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
+        self.config = config
+        self.spec = config.proposer
+        self.builder = builder
+        self.blocks = builder.blocks
+        self.clock = clock
+        self.sink = sink
+        self.tracer = tracer if tracer is not None else _NullTracer()
+        self.eos = set(eos_token_ids)
+        self.main = device.stream("main")
+        self.aux = device.stream("draft")
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._release: list[int] = []
+        self._unrecorded: list[_Launch] = []
+        self._pending_fill: _Launch | None = None
+        self._inflight: tuple[StepBatch, _Launch] | None = None
+        self._wake = anyio.Event()
+        self._stopping = False
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if self._free_slots:
+            req.slot = self._free_slots.pop()
+        else:
+            req.slot = self._next_slot
+            self._next_slot += 1
+        self.requests[req.request_id] = req
+        self.builder.add(req)
+        p = req.params
+        self.tracer.request(
+            request_id=req.request_id, arrival_ns=req.arrival_ns, prompt_len=req.num_prompt_tokens,
+            max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+            seed=p.seed,
+        )
+        self._wake.set()
+
+    def abort(self, request_id: str) -> bool:
+        """Abort at the next step boundary; pages are freed then. False if unknown/finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        req.abort_requested = True
+        self._wake.set()
+        return True
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req.is_finished:
+            return
+        req.state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        req.finish_ns = self.clock.now_ns()
+        self.builder.remove(req)
+        self._release.append(req.slot)
+        self._free_slots.append(req.slot)
+        self.requests.pop(req.request_id, None)
+        self.tracer.finish(
+            request_id=req.request_id, finish_ns=req.finish_ns, finish_reason=reason,
+            output_len=req.num_output_tokens, first_token_ns=req.first_token_ns,
+            ttft_ns=(req.first_token_ns - req.arrival_ns) if req.first_token_ns else None,
+            agreement=req.agreement, agreement_kind=None, error=error,
+        )
+        self.sink.on_finish(req)
+
+    def _process_aborts(self) -> None:
+        for req in list(self.requests.values()):
+            if req.abort_requested and not self._in_flight(req):
+                self._finish(req, "abort")
+
+    def _in_flight(self, req: Request) -> bool:
+        return self._inflight is not None and any(s.request is req for s in self._inflight[0].seqs)
+
+    # -- tracing helpers --------------------------------------------------------------------
+    def _span(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
+        self.tracer.span("host", name, step, start_ns, self.clock.now_ns(), **attrs)
+
+    def _launch(self, stream: Any, op: str, msg: dict, step: int, **attrs: Any) -> _Launch:
+        if self._release:
+            msg["release"] = self._release
+            self._release = []
+        t0 = self.clock.now_ns()
+        ev = stream.launch(op, msg)
+        launch = _Launch(ev, step, op, attrs)
+        if self.tracer.enabled:
+            launch_id = f"{step}:{op}"
+            self.tracer.span("host", "launch", step, t0, self.clock.now_ns(), op=op, launch_id=launch_id)
+            launch.attrs["launch_id"] = launch_id
+            self._unrecorded.append(launch)
+        return launch
+
+    async def _sync(self, launch: _Launch) -> Any:
+        t0 = self.clock.now_ns()
+        try:
+            return await launch.event.wait()
+        finally:
+            self._span("sync", launch.step, t0, op=launch.op)
+
+    def _record_device_spans(self, force: bool = False) -> None:
+        keep = []
+        for launch in self._unrecorded:
+            ev = launch.event
+            if not (force or ev.query()) or ev.start_ns is None:
+                if not force:
+                    keep.append(launch)
+                continue
+            track = f"device:{ev.stream}"
+            name = "draft_fill" if launch.op == "fill" else launch.op
+            sub = getattr(ev, "substages", None)
+            if sub:
+                for sname, s0, s1 in sub:
+                    self.tracer.span(track, sname, launch.step, s0, s1, **launch.attrs)
+            else:
+                self.tracer.span(track, name, launch.step, ev.start_ns, ev.end_ns, **launch.attrs)
+        self._unrecorded = keep
+
+    # -- main loop --------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Serve until `stop()`; then drain in-flight work and return."""
+        while True:
+            self._process_aborts()
+            if not self.builder.has_work:
+                await self._drain()
+                self._process_aborts()
+                if self._stopping:
+                    break
+                if not self.builder.has_work:
+                    self._wake = anyio.Event()
+                    await self._wake.wait()
+                    continue
+            await self.step()
+        self._record_device_spans(force=True)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    async def _drain(self) -> None:
+        if self._inflight is not None:
+            batch, launch = self._inflight
+            self._inflight = None
+            await self._complete_forward(batch, launch)
+        if self._pending_fill is not None:
+            fill, self._pending_fill = self._pending_fill, None
+            try:
+                await self._sync(fill)
+            except DeviceError:
+                pass  # the next launch for these rows reports it
+        self._record_device_spans()
+
+    async def step(self) -> None:
+        if self._inflight is not None and self.blocks.num_free_pages < len(self.builder.running) + 1:
+            await self._drain()  # preemption may be needed: never preempt a request in flight
+        t_step = self.clock.now_ns()
+        t0 = t_step
+        batch = self.builder.schedule()
+        self._span("schedule", batch.step, t0, requests=len(batch), tokens=batch.num_tokens)
+        if not batch.seqs:
+            await self._drain()
+            if not batch.seqs and self.builder.has_work and self._inflight is None:
+                await anyio.sleep(0)
+            return
+        t0 = self.clock.now_ns()
+        self.builder.allocate(batch)
+        self._span("kv_alloc", batch.step, t0, pages_used=self.blocks.num_used_pages)
+        if batch.is_spec:
+            await self._spec_step(batch, t_step)
+        else:
+            await self._forward_step(batch, t_step)
+        self.num_steps += 1
+        self._record_device_spans()
+
+    # -- plain / prefill steps ----------------------------------------------------------------
+    async def _forward_step(self, batch: StepBatch, t_step: int) -> None:
+        spec = self.spec
+        t0 = self.clock.now_ns()
+        msg = messages.forward_message(batch, self.blocks)
+        fill_msg = None
+        if spec.kv_model is not None:
+            fill_msg = self._prefill_fill_message(batch)
+        self._span("plan", batch.step, t0, tokens=batch.num_tokens)
+        launch = self._launch(self.main, "forward", msg, batch.step, tokens=batch.num_tokens,
+                              requests=len(batch), kind=batch.kind)
+        launch.attrs["t_step"] = t_step
+        for s in batch.seqs:
+            r = s.request
+            samples = s.samples
+            r.num_computed_tokens += s.num_new_tokens
+            if samples:
+                r.num_pending_tokens += 1
+            if spec.kind == "draft":
+                r.num_proposer_computed = r.num_computed_tokens + (1 if samples else 0)
+            elif spec.kv_model is not None:
+                r.num_proposer_computed = r.num_computed_tokens
+        s_fill = None
+        if fill_msg is not None:
+            self.aux.wait_event(launch.event)
+            s_fill = self._launch(self.aux, "fill", fill_msg, batch.step, after="forward")
+        if self.config.schedule == "plain_overlap":
+            prev, self._inflight = self._inflight, (batch, launch)
+            if prev is not None:
+                await self._complete_forward(*prev)
+            return
+        await self._complete_forward(batch, launch)
+        if s_fill is not None:
+            if self.config.schedule == "sync":
+                await self._await_fill(s_fill, batch)
+            else:
+                self._pending_fill = s_fill
+
+    def _prefill_fill_message(self, batch: StepBatch) -> dict | None:
+        spec = self.spec
+        reqs, starts, ends = [], [], []
+        for s in batch.seqs:
+            r = s.request
+            if spec.fill_same_batch or spec.kind == "eagle":
+                a, b = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            else:
+                a, b = r.num_proposer_computed, r.num_computed_tokens + s.num_new_tokens + (1 if s.samples else 0)
+            if b > a:
+                reqs.append(r)
+                starts.append(a)
+                ends.append(b)
+        if not reqs:
+            return None
+        return messages.fill_message(batch.step, reqs, np.array(starts), np.array(ends), self.blocks, spec, after="forward")
+
+    async def _await_fill(self, launch: _Launch, batch: StepBatch) -> None:
+        try:
+            await self._sync(launch)
+        except DeviceError as e:
+            self._fail_batch(batch, e)
+
+    async def _complete_forward(self, batch: StepBatch, launch: _Launch) -> None:
+        try:
+            result = await self._sync(launch)
+        except DeviceError as e:
+            self._fail_batch(batch, e)
+            return
+        t0 = self.clock.now_ns()
+        tokens = result["tokens"]
+        out_counts = []
+        for i, s in enumerate(batch.seqs):
+            r = s.request
+            if s.samples:
+                r.num_pending_tokens -= 1
+                out_counts.append(self._emit(r, [int(tokens[i])]))
+            else:
+                out_counts.append(0)
+        self._span("output", batch.step, t0, tokens=sum(out_counts))
+        self._step_record(batch, launch.attrs.get("t_step", t0), out_counts, [0] * len(batch), [0] * len(batch))
+
+    # -- speculative steps --------------------------------------------------------------------
+    async def _spec_step(self, batch: StepBatch, t_step: int) -> None:
+        spec, sched = self.spec, self.config.schedule
+        t0 = self.clock.now_ns()
+        vmsg = messages.verify_message(batch, self.blocks, spec)
+        dmsg = messages.draft_message(batch, self.blocks, spec)
+        fmsg = None
+        if spec.fill_same_batch:
+            reqs = [s.request for s in batch.seqs]
+            start = vmsg["start"]
+            fmsg = messages.fill_message(batch.step, reqs, start, start + 1 + spec.num_candidates,
+                                         self.blocks, spec, after="verify")
+        self._span("plan", batch.step, t0, tokens=batch.num_tokens)
+        d_launch = self._launch(self.aux, "draft", dmsg, batch.step, requests=len(batch))
+        self._pending_fill = None  # the draft queues behind any pending fill on its stream
+        if sched == "sync":
+            try:
+                await self._sync(d_launch)
+            except DeviceError as e:
+                self._fail_batch(batch, e)
+                return
+        self.main.wait_event(d_launch.event)
+        v_launch = self._launch(self.main, "verify", vmsg, batch.step, tokens=batch.num_tokens,
+                                requests=len(batch))
+        f_launch = None
+        if fmsg is not None and sched == "mtp":
+            self.aux.wait_event(v_launch.event)
+            f_launch = self._launch(self.aux, "fill", fmsg, batch.step, after="verify")
+        try:
+            result = await self._sync(v_launch)
+        except DeviceError as e:
+            self._fail_batch(batch, e)
+            return
+        accepted = np.asarray(result["accepted"])
+        emitted = result["tokens"]
+        num_drafts = np.asarray(result.get("num_drafts", [s.num_draft for s in batch.seqs]))
+        starts_before = [s.request.num_tokens for s in batch.seqs]
+        # host bookkeeping of the accepted lengths, then the proposer's fill
+        for i, s in enumerate(batch.seqs):
+            r = s.request
+            r.num_computed_tokens += 1 + int(accepted[i])
+        if spec.kv_model is not None and f_launch is None:
+            t0 = self.clock.now_ns()
+            reqs = [s.request for s in batch.seqs]
+            if spec.fill_same_batch:
+                fm = fmsg
+            else:
+                starts, ends = [], []
+                for i, r in enumerate(reqs):
+                    L = starts_before[i]
+                    a = int(accepted[i])
+                    valid = r.num_proposer_computed + min(a, max(int(batch.seqs[i].num_draft) - 1, 0))
+                    if spec.kind == "eagle":
+                        valid = L - 1
+                    starts.append(min(valid, L + a))
+                    ends.append(L + a + (1 if spec.kind == "draft" else 0))
+                fm = messages.fill_message(batch.step, reqs, np.array(starts), np.array(ends),
+                                           self.blocks, spec, after="verify")
+                fm["accepted"] = accepted
+            self._span("plan", batch.step, t0, kind="fill")
+            self.aux.wait_event(v_launch.event)
+            f_launch = self._launch(self.aux, "fill", fm, batch.step, after="verify")
+        t0 = self.clock.now_ns()
+        out_counts = []
+        for i, s in enumerate(batch.seqs):
+            r = s.request
+            r.record_spec(int(num_drafts[i]), int(accepted[i]))
+            L = starts_before[i]
+            # draft model: every emitted token after its fill; heads: up to the new last token
+            r.num_proposer_computed = L + int(accepted[i]) + (1 if spec.kind == "draft" else 0)
+            out_counts.append(self._emit(r, [int(t) for t in emitted[i]]))
+            if not r.is_finished:
+                self.blocks.trim(r.request_id, "target", r.num_tokens)
+        self._span("output", batch.step, t0, tokens=sum(out_counts))
+        self._step_record(batch, t_step, out_counts, [int(x) for x in num_drafts], [int(x) for x in accepted])
+        if f_launch is not None:
+            if sched == "sync":
+                await self._await_fill(f_launch, batch)
+            else:
+                self._pending_fill = f_launch
+
+    # -- outputs and failures -----------------------------------------------------------------
+    def _emit(self, req: Request, tokens: list[int]) -> int:
+        """Append new tokens, applying max_tokens / EOS / the sink's stop strings."""
+        if req.is_finished:
+            return 0
+        if req.abort_requested:
+            self._finish(req, "abort")
+            return 0
+        room = req.params.max_tokens - req.num_output_tokens
+        tokens = tokens[:room]
+        reason = None
+        if not req.params.ignore_eos:
+            for j, t in enumerate(tokens):
+                if t in self.eos:
+                    tokens = tokens[: j + 1]
+                    reason = "stop"
+                    break
+        if req.first_token_ns is None and tokens:
+            req.first_token_ns = self.clock.now_ns()
+        keep, sink_reason = self.sink.on_tokens(req, tokens)
+        tokens = tokens[:keep]
+        req.output_token_ids.extend(tokens)
+        reason = sink_reason or reason
+        if reason is None and req.num_output_tokens >= req.params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self._finish(req, reason)
+        return len(tokens)
+
+    def _fail_batch(self, batch: StepBatch, err: Exception) -> None:
+        for s in batch.seqs:
+            s.request.num_pending_tokens = 0
+            self._finish(s.request, "error", error=str(err))
+        self.tracer.span("host", "error", batch.step, self.clock.now_ns(), self.clock.now_ns(), error=str(err))
+
+    def _step_record(self, batch: StepBatch, t_step: int, out_counts: list[int], drafted: list[int], accepted: list[int]) -> None:
+        if not self.tracer.enabled:
+            return
+        self.tracer.step(
+            step=batch.step, kind=batch.kind, start_ns=t_step, end_ns=self.clock.now_ns(),
+            request_ids=[s.request.request_id for s in batch.seqs],
+            num_new_tokens=[s.num_new_tokens + s.num_draft for s in batch.seqs],
+            kv_lens=[s.request.num_computed_tokens for s in batch.seqs],
+            num_drafted=drafted, num_accepted=accepted, num_output=out_counts,
+        )

@@ -1,0 +1,157 @@
+"""Attention metadata for one step, in FlashInfer's paged-KV layout.
+
+Why: the `plan` stage is host work every step. Both attention backends (torch reference and
+FlashInfer) consume exactly these arrays, built once per step and reused by every layer, so
+the host cost measured here is the real one. Pure numpy: no torch, no wall clock.
+
+Layout (FlashInfer "NHD" paged KV, see BatchPrefillWithPagedKVCacheWrapper.plan):
+  sequence i has qo_len[i] new (query) tokens and kv_len[i] tokens of KV after appending them;
+  its KV lives in pages paged_kv_indices[paged_kv_indptr[i]:paged_kv_indptr[i+1]], the last
+  page holding paged_kv_last_page_len[i] valid entries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    qo_indptr: np.ndarray  # [B+1] int32, prefix sums of new tokens per sequence
+    paged_kv_indptr: np.ndarray  # [B+1] int32, prefix sums of pages per sequence
+    paged_kv_indices: np.ndarray  # [num_pages_used] int32, page ids, sequence-major
+    paged_kv_last_page_len: np.ndarray  # [B] int32, valid entries in each last page (1..page_size)
+    kv_lens: np.ndarray  # [B] int32, KV tokens per sequence after this step's append
+    positions: np.ndarray  # [N] int64, RoPE position of every new token
+    slot_mapping: np.ndarray  # [N] int64, page * page_size + offset where each new token's KV goes
+    page_size: int
+    # Optional FlashInfer custom mask: flattened bool, concatenation over i of [qo_len_i, kv_len_i]
+    # row-major (True = may attend). None means causal.
+    custom_mask: np.ndarray | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.kv_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.qo_indptr[-1])
+
+    @property
+    def qo_lens(self) -> np.ndarray:
+        return np.diff(self.qo_indptr)
+
+    def to_message(self) -> dict:
+        """The plan as plain arrays, for a packed batch message."""
+        msg = {
+            "qo_indptr": self.qo_indptr,
+            "paged_kv_indptr": self.paged_kv_indptr,
+            "paged_kv_indices": self.paged_kv_indices,
+            "paged_kv_last_page_len": self.paged_kv_last_page_len,
+            "kv_lens": self.kv_lens,
+            "positions": self.positions,
+            "slot_mapping": self.slot_mapping,
+            "page_size": self.page_size,
+        }
+        if self.custom_mask is not None:
+            msg["custom_mask"] = self.custom_mask
+        return msg
+
+    @classmethod
+    def from_message(cls, msg: dict) -> "AttentionPlan":
+        return cls(
+            qo_indptr=msg["qo_indptr"],
+            paged_kv_indptr=msg["paged_kv_indptr"],
+            paged_kv_indices=msg["paged_kv_indices"],
+            paged_kv_last_page_len=msg["paged_kv_last_page_len"],
+            kv_lens=msg["kv_lens"],
+            positions=msg["positions"],
+            slot_mapping=msg["slot_mapping"],
+            page_size=int(msg["page_size"]),
+            custom_mask=msg.get("custom_mask"),
+        )
+
+
+def build_plan(
+    qo_lens: Sequence[int],
+    kv_lens: Sequence[int],
+    page_tables: Sequence[Sequence[int]],
+    page_size: int,
+    *,
+    positions: Sequence[np.ndarray | None] | None = None,
+    custom_masks: Sequence[np.ndarray | None] | None = None,
+) -> AttentionPlan:
+    """Build the step's attention plan.
+
+    qo_lens[i]: new tokens of sequence i; kv_lens[i]: its KV length including them;
+    page_tables[i]: its page ids (at least ceil(kv_len / page_size) of them; extra pages,
+    e.g. reserved for drafts, are ignored). New tokens occupy KV slots
+    [kv_len - qo_len, kv_len). positions[i] overrides their RoPE positions (trees);
+    custom_masks[i] is a bool [qo_len, kv_len] mask (None: causal).
+    """
+    qo = np.asarray(qo_lens, dtype=np.int64)
+    kv = np.asarray(kv_lens, dtype=np.int64)
+    num_seqs = qo.shape[0]
+    if kv.shape[0] != num_seqs or len(page_tables) != num_seqs:
+        raise ValueError("qo_lens, kv_lens and page_tables must have one entry per sequence")
+    if num_seqs and (qo.min() < 1 or (kv < qo).any()):
+        raise ValueError("every sequence needs qo_len >= 1 and kv_len >= qo_len")
+    num_pages = (kv + page_size - 1) // page_size
+    tables = []
+    for i, table in enumerate(page_tables):
+        n = int(num_pages[i])
+        if len(table) < n:
+            raise ValueError(
+                f"sequence {i}: {kv[i]} KV tokens need {n} pages, page table has {len(table)}"
+            )
+        tables.append(np.asarray(table[:n], dtype=np.int64))
+    indices = np.concatenate(tables) if tables else np.zeros(0, dtype=np.int64)
+    kv_indptr = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(num_pages, out=kv_indptr[1:])
+    qo_indptr = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(qo, out=qo_indptr[1:])
+    last_page_len = kv - (num_pages - 1) * page_size
+
+    # Logical KV index of every new token, then through the page table to a physical slot.
+    total = int(qo_indptr[-1])
+    seq_of_tok = np.repeat(np.arange(num_seqs), qo)
+    offset_in_seq = np.arange(total) - qo_indptr[:-1][seq_of_tok]
+    logical = (kv - qo)[seq_of_tok] + offset_in_seq
+    page_of_tok = indices[kv_indptr[:-1][seq_of_tok] + logical // page_size]
+    slot_mapping = page_of_tok * page_size + logical % page_size
+
+    pos = logical.copy()
+    if positions is not None:
+        for i, p in enumerate(positions):
+            if p is not None:
+                if len(p) != qo[i]:
+                    raise ValueError(f"sequence {i}: {len(p)} positions for {qo[i]} tokens")
+                pos[qo_indptr[i] : qo_indptr[i + 1]] = p
+
+    mask = None
+    if custom_masks is not None and any(m is not None for m in custom_masks):
+        parts = []
+        for i in range(num_seqs):
+            m = custom_masks[i]
+            q_i, k_i = int(qo[i]), int(kv[i])
+            if m is None:
+                m = np.arange(k_i)[None, :] <= (k_i - q_i + np.arange(q_i))[:, None]
+            m = np.asarray(m, dtype=bool)
+            if m.shape != (q_i, k_i):
+                raise ValueError(f"sequence {i}: custom mask {m.shape}, expected {(q_i, k_i)}")
+            parts.append(m.reshape(-1))
+        mask = np.concatenate(parts)
+
+    return AttentionPlan(
+        qo_indptr=qo_indptr.astype(np.int32),
+        paged_kv_indptr=kv_indptr.astype(np.int32),
+        paged_kv_indices=indices.astype(np.int32),
+        paged_kv_last_page_len=last_page_len.astype(np.int32),
+        kv_lens=kv.astype(np.int32),
+        positions=pos.astype(np.int64),
+        slot_mapping=slot_mapping.astype(np.int64),
+        page_size=page_size,
+        custom_mask=mask,
+    )

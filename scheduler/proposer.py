@@ -1,0 +1,120 @@
+"""What the pipeline needs to know about a proposer, without importing it.
+
+Why: the scheduler plans KV and attention for draft, verify and fill launches, but the
+proposers themselves (models, n-gram tables) live in the runtime. This spec is the whole
+contract: how many tokens a verification covers, whether the proposer has its own KV, and
+whether its fill run can be planned before the accepted lengths are known.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PROPOSERS = ("none", "draft", "mtp", "eagle", "ngram")
+SCHEDULES = ("sync", "overlap", "mtp", "plain_overlap")
+
+
+@dataclass(frozen=True)
+class ProposerSpec:
+    kind: str = "none"  # one of PROPOSERS
+    draft_len: int = 0  # D: linear draft tokens per step, or tree depth for "eagle"
+    tree_parents: tuple[int, ...] = ()  # eagle: parent of tree node i (-1 = child of the root)
+
+    def __post_init__(self) -> None:
+        if self.kind not in PROPOSERS:
+            raise ValueError(f"unknown proposer {self.kind!r}; choose one of {PROPOSERS}")
+        if self.kind == "none" and self.draft_len:
+            raise ValueError("proposer 'none' takes no draft length")
+        if self.kind != "none" and self.draft_len < 1:
+            raise ValueError(f"proposer {self.kind!r} needs draft_len >= 1")
+        if self.kind == "eagle" and not self.tree_parents:
+            raise ValueError("the eagle proposer needs a tree shape")
+        for i, p in enumerate(self.tree_parents):
+            if not (-1 <= p < i):
+                raise ValueError(f"tree node {i}: parent {p} must be -1 or an earlier node")
+
+    @property
+    def speculative(self) -> bool:
+        return self.kind != "none"
+
+    @property
+    def kv_model(self) -> str | None:
+        """Name of the proposer's own page table, or None (n-gram, none)."""
+        return {"draft": "draft", "mtp": "mtp", "eagle": "mtp"}.get(self.kind)
+
+    @property
+    def num_candidates(self) -> int:
+        """Tokens a verification adds after the last emitted token (D, or the tree's size)."""
+        return len(self.tree_parents) if self.kind == "eagle" else self.draft_len
+
+    @property
+    def max_accept(self) -> int:
+        return self.draft_len
+
+    @property
+    def fill_same_batch(self) -> bool:
+        """The fill run reuses the verify batch (MTP / EAGLE heads), so it can be launched
+        before the host knows the accepted lengths. A draft model's fill cannot, nor can a
+        tree head's (its fill runs over the accepted path, known only after acceptance)."""
+        return self.kind == "mtp"
+
+    def tree_depths(self) -> np.ndarray:
+        d = np.zeros(len(self.tree_parents), dtype=np.int64)
+        for i, p in enumerate(self.tree_parents):
+            d[i] = 1 if p < 0 else d[p] + 1
+        return d
+
+    def tree_mask(self) -> np.ndarray:
+        """bool [1+T, 1+T]: row = query (0 = last emitted token, i+1 = tree node i)."""
+        t = len(self.tree_parents)
+        m = np.zeros((t + 1, t + 1), dtype=bool)
+        m[:, 0] = True
+        for i, p in enumerate(self.tree_parents):
+            m[i + 1] = m[p + 1] if p >= 0 else m[0]
+            m[i + 1, i + 1] = True
+        return m
+
+
+def default_tree(depth: int, top_k: int = 2, max_nodes: int = 16) -> tuple[int, ...]:
+    """A fixed tree like EAGLE-1's: the top-k children of the best node at each depth,
+    with k branches at depth 1. Parents in BFS order."""
+    parents: list[int] = []
+    frontier = [-1]
+    for _ in range(depth):
+        nxt = []
+        for rank, node in enumerate(frontier):
+            k = top_k if rank == 0 else 1
+            for _ in range(k):
+                if len(parents) >= max_nodes:
+                    break
+                parents.append(node)
+                nxt.append(len(parents) - 1)
+        frontier = nxt
+    return tuple(parents)
+
+
+def validate_combination(proposer: str, schedule: str, draft_len: int) -> None:
+    """Reject schedule/proposer pairs that make no sense, with a message saying why."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+    if proposer not in PROPOSERS:
+        raise ValueError(f"unknown proposer {proposer!r}; choose one of {PROPOSERS}")
+    if proposer == "none" and schedule in ("overlap", "mtp"):
+        raise ValueError(
+            f"schedule {schedule!r} overlaps a proposer's fill run; without a proposer use "
+            "'sync' or 'plain_overlap'"
+        )
+    if proposer != "none" and schedule == "plain_overlap":
+        raise ValueError("'plain_overlap' is for plain decoding; speculative runs use sync/overlap/mtp")
+    if schedule == "mtp" and proposer != "mtp":
+        raise ValueError(
+            f"the 'mtp' schedule re-runs a head on the verify batch; proposer {proposer!r} "
+            "has no such head (use 'overlap' for a draft model, 'sync' for n-gram)"
+        )
+    if schedule == "overlap" and proposer not in ("draft", "eagle"):
+        raise ValueError(
+            f"the 'overlap' schedule overlaps a proposer's fill run with the next step's host "
+            f"work; proposer {proposer!r} has none to overlap (use 'mtp' for an MTP head, "
+            "'sync' for n-gram)"
+        )

@@ -1,0 +1,99 @@
+"""The seams between the scheduler and whatever executes its work.
+
+Why: the pipeline must run unchanged on a real device (a worker process or CUDA streams)
+and on the simulator's virtual device and clock. So it only ever sees these protocols.
+
+Work crosses the seam as messages -- an op name plus a packed batch of arrays and scalars --
+never as closures, so it can cross a process boundary (and, with tensor parallelism, be
+broadcast to every rank unchanged).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+# A packed batch: names to numpy arrays / Python scalars / short lists. Must be picklable.
+Batch = Mapping[str, Any]
+
+
+class DeviceError(RuntimeError):
+    """Work launched on a device failed; raised at whoever waits on its event."""
+
+    def __init__(self, op: str, message: str, *, remote_traceback: str | None = None):
+        super().__init__(f"device op {op!r} failed: {message}")
+        self.op = op
+        self.remote_traceback = remote_traceback
+
+
+class DeviceCrashed(DeviceError):
+    """The device (e.g. its worker process) died; every pending and later wait raises this."""
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """Monotonic time in nanoseconds, plus sleeping on the same time base."""
+
+    def now_ns(self) -> int: ...
+
+    async def sleep_ns(self, duration_ns: int) -> None: ...
+
+
+@runtime_checkable
+class Event(Protocol):
+    """Completion of launched work.
+
+    `start_ns`/`end_ns` are the device interval of the op the event belongs to, on the
+    system monotonic clock (the same base as the host's Clock), available once done.
+    """
+
+    op: str
+    stream: str
+    start_ns: int | None
+    end_ns: int | None
+
+    def query(self) -> bool:
+        """True once the work finished (successfully or not). Never blocks."""
+        ...
+
+    def synchronize(self, timeout_s: float | None = None) -> Any:
+        """Block the calling thread until done; return the op's result or raise DeviceError."""
+        ...
+
+    async def wait(self) -> Any:
+        """Await completion from the event loop without blocking it; result or DeviceError."""
+        ...
+
+
+@runtime_checkable
+class Stream(Protocol):
+    """An in-order queue of device work."""
+
+    name: str
+
+    def launch(self, op: str, batch: Batch) -> Event:
+        """Enqueue `op` on this stream and return at once with its completion event."""
+        ...
+
+    def wait_event(self, event: Event) -> None:
+        """Later work on this stream starts only after `event` (a device-side dependency)."""
+        ...
+
+
+@runtime_checkable
+class Device(Protocol):
+    kind: str  # "host", "cuda", "virtual"
+    name: str
+
+    def stream(self, name: str) -> Stream: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Worker(Protocol):
+    """What actually executes ops, inside the device (worker process or CUDA context).
+
+    `execute` runs one op on a packed batch and returns a picklable result (the part of
+    the output the host needs, e.g. sampled or accepted token ids).
+    """
+
+    def execute(self, op: str, batch: Batch) -> Any: ...

@@ -1,0 +1,62 @@
+"""Per-request sampling parameters (validated at the API boundary)."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from scheduler.errors import InvalidRequestError
+
+
+class SamplingParams(BaseModel):
+    """What the caller asks for; mirrors vLLM's SamplingParams where names overlap."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = Field(64, description="maximum number of generated tokens (>= 1)")
+    temperature: float = Field(0.0, description="0 = greedy")
+    top_p: float = Field(1.0, description="nucleus mass in (0, 1]")
+    top_k: int = Field(0, description="0 = off")
+    seed: int | None = Field(None, description="per-request generator seed")
+    stop: list[str] = Field(default_factory=list, description="stop strings (not included)")
+    ignore_eos: bool = False
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {v}")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if not v >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {v}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float) -> float:
+        if not (0.0 < v <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {v}")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"top_k must be >= 0, got {v}")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def make(cls, **kwargs) -> "SamplingParams":
+        """Construct, turning pydantic's error into InvalidRequestError naming the field."""
+        try:
+            return cls(**kwargs)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(x) for x in err["loc"])
+            raise InvalidRequestError(f"invalid sampling parameter {field}: {err['msg']}") from None

@@ -1,0 +1,160 @@
+"""Reading trace files, with errors that name the file, the line and the field.
+
+Why: traces outlive the code that wrote them and runs get killed mid-write. A reader that
+says `run.jsonl:17: span.end_ns: end_ns (5) is before start_ns (9)` -- or that the file
+comes from a newer, incompatible version, or that its last line was cut off -- saves the
+user from guessing. Every line is validated against `traces.schema` (pydantic parses the
+JSON bytes directly, ~3 us a line).
+"""
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import orjson
+from pydantic import ValidationError
+
+from traces.schema import (FORMAT_MAJOR, FORMAT_MINOR, FORMAT_VERSION, RECORD_ADAPTER,
+                           RECORD_TYPES, FinishRecord, Header, RequestRecord, SpanRecord,
+                           StepRecord, Trace)
+
+Record = Header | RequestRecord | SpanRecord | StepRecord | FinishRecord
+_VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
+
+
+class TraceFormatError(ValueError):
+    """A trace file that cannot be read: where (path, 1-based line, field) and why."""
+
+    def __init__(self, path: str, line: int, field: str | None, message: str):
+        self.path, self.line, self.field, self.message = path, line, field, message
+        where = f"{path}:{line}: " + (f"{field}: " if field else "")
+        super().__init__(where + message)
+
+
+@dataclass
+class _ReadState:
+    num_skipped: int = 0
+    truncated: bool = False
+
+
+def iter_records(path: str | os.PathLike, *,
+                 allow_truncated_tail: bool = False) -> Iterator[Record]:
+    """Yields the header, then every record, validated, in file order (constant memory)."""
+    yield from _iter_records(os.fspath(path), allow_truncated_tail, _ReadState())
+
+
+def read_trace(path: str | os.PathLike, *, allow_truncated_tail: bool = False) -> Trace:
+    """Reads a whole trace file.
+
+    Raises TraceFormatError for an empty file or a missing header, a newer major format
+    version, a corrupt (non-JSON) line, a record that fails validation, and a truncated
+    final line (no trailing newline, unparsable). With `allow_truncated_tail=True` a
+    truncated final line is dropped with a warning and `Trace.truncated` is set -- the
+    normal state of a file whose run was killed.
+    """
+    name = os.fspath(path)
+    state = _ReadState()
+    records = _iter_records(name, allow_truncated_tail, state)
+    trace = Trace(header=next(records), path=name)
+    lists = {"request": trace.requests, "span": trace.spans, "step": trace.steps,
+             "finish": trace.finishes}
+    for record in records:
+        lists[record.type].append(record)
+    trace.num_skipped, trace.truncated = state.num_skipped, state.truncated
+    return trace
+
+
+def _iter_records(name: str, allow_truncated_tail: bool, state: _ReadState) -> Iterator[Record]:
+    with open(name, "rb") as f:
+        header = _parse_header(name, f.readline())
+        yield header
+        newer_minor = int(header.format_version.split(".")[1]) > FORMAT_MINOR
+        max_agreement_len = header.max_agreement_len
+        line_no = 1
+        for raw in f:
+            line_no += 1
+            if not raw.strip():
+                continue
+            try:
+                record = RECORD_ADAPTER.validate_json(raw)
+            except ValidationError as e:
+                err = e.errors(include_url=False)[0]
+                if err["type"] == "json_invalid" and not raw.endswith(b"\n"):
+                    if not allow_truncated_tail:
+                        raise TraceFormatError(
+                            name, line_no, None, "truncated final line (no trailing newline; "
+                            "the run was probably interrupted); pass allow_truncated_tail=True "
+                            "to read the records before it") from None
+                    warnings.warn(f"{name}:{line_no}: dropped a truncated final line",
+                                  stacklevel=3)
+                    state.truncated = True
+                    return
+                if err["type"] == "union_tag_invalid" and newer_minor:
+                    state.num_skipped += 1
+                    continue
+                raise _validation_error(name, line_no, err) from None
+            if record.type == "header":
+                raise TraceFormatError(name, line_no, "type",
+                                       "a second header; the header must be the first line only")
+            if (record.type == "finish" and record.agreement is not None
+                    and len(record.agreement) > max_agreement_len):
+                raise TraceFormatError(
+                    name, line_no, "finish.agreement", f"{len(record.agreement)} entries exceed "
+                    f"the header's max_agreement_len ({max_agreement_len})")
+            yield record
+
+
+def _parse_header(name: str, raw: bytes) -> Header:
+    if not raw.strip():
+        raise TraceFormatError(name, 1, None, "empty file: no header line")
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        what = "truncated header line" if not raw.endswith(b"\n") else "invalid JSON"
+        raise TraceFormatError(name, 1, None, f"{what}: {e}") from None
+    kind = obj.get("type") if isinstance(obj, dict) else type(obj).__name__
+    if kind != "header":
+        raise TraceFormatError(name, 1, None, "missing header: the first record must have "
+                               f"type 'header', got {kind!r}")
+    version = obj.get("format_version")
+    match = _VERSION_RE.match(version) if isinstance(version, str) else None
+    if match is None:
+        raise TraceFormatError(name, 1, "header.format_version",
+                               f"expected 'MAJOR.MINOR', got {version!r}")
+    major = int(match.group(1))
+    if major > FORMAT_MAJOR:
+        raise TraceFormatError(name, 1, "header.format_version", f"format version {version} is "
+                               f"newer than this reader supports ({FORMAT_VERSION}; same major "
+                               "version required); upgrade specsched to read it")
+    if major < FORMAT_MAJOR:
+        raise TraceFormatError(name, 1, "header.format_version", f"format version {version} is "
+                               f"older than this reader supports ({FORMAT_VERSION})")
+    try:
+        return Header.model_validate_json(raw)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        err["loc"] = ("header", *err["loc"])
+        raise _validation_error(name, 1, err) from None
+
+
+def _validation_error(name: str, line_no: int, err: dict[str, Any]) -> TraceFormatError:
+    kind, loc = err["type"], err["loc"]
+    if kind == "json_invalid":
+        return TraceFormatError(name, line_no, None, f"corrupt line: {err['msg']}")
+    if kind == "union_tag_not_found":
+        return TraceFormatError(name, line_no, "type", "record has no 'type'")
+    if kind == "union_tag_invalid":
+        return TraceFormatError(name, line_no, "type", f"unknown record type "
+                                f"{err['ctx']['tag']!r}; expected one of {list(RECORD_TYPES)}")
+    if kind == "dict_type" and not loc:
+        return TraceFormatError(name, line_no, None, "a record must be a JSON object")
+    field = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p))
+                    for i, p in enumerate(loc))
+    message = err["msg"].removeprefix("Value error, ")
+    shown = "input" in err and not isinstance(err["input"], (dict, list))
+    if shown and kind not in ("missing", "value_error"):
+        message += f" (got {err['input']!r})"
+    return TraceFormatError(name, line_no, field or None, message)

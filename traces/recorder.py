@@ -1,0 +1,201 @@
+"""Recorders: the `Tracer` hook writing trace records to a JSONL file or to memory.
+
+Why: recording sits in the engine's hot loop, so a span is appended to a buffer as a tuple
+and serialized (orjson) only at flush time. The file is written incrementally with bounded
+memory -- at most `max_buffered_lines` records wait in memory, and every step record flushes
+-- and always in whole lines, so a crashed or cancelled run leaves a file that reads up to
+its last complete line (see `read_trace(allow_truncated_tail=True)`).
+
+Recorders check only what is cheap (intervals, list lengths, enum values); the reader
+validates every field.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, BinaryIO, Mapping, Sequence, get_args
+
+import orjson
+
+from traces.hook import replay
+from traces.schema import RECORD_ADAPTER, FinishReason, Header, Trace
+
+_FINISH_REASONS = frozenset(get_args(FinishReason))
+_DUMPS_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+
+
+def _default(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):  # numpy scalars/arrays not covered by OPT_SERIALIZE_NUMPY
+        return obj.tolist()
+    raise TypeError(f"trace attribute of type {type(obj).__name__} is not JSON-serializable")
+
+
+class _RecordBuilder:
+    """Turns hook calls into records; subclasses decide where records go (`_emit`)."""
+
+    enabled = True
+
+    def __init__(self, header: Header | Mapping[str, Any]):
+        self.header = header if isinstance(header, Header) else Header.model_validate(
+            dict(header), strict=False)
+        self._arrival_ns: dict[str, int] = {}  # requests in flight, for ttft_ns
+
+    def _emit(self, record: dict | tuple, is_step: bool = False) -> None:
+        raise NotImplementedError
+
+    def request(self, request_id: str, arrival_ns: int, prompt_len: int, max_tokens: int,
+                temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                seed: int | None = None) -> None:
+        self._arrival_ns[request_id] = arrival_ns
+        self._emit({"type": "request", "request_id": request_id, "arrival_ns": arrival_ns,
+                    "prompt_len": prompt_len, "max_tokens": max_tokens,
+                    "temperature": temperature, "top_p": top_p, "top_k": top_k,
+                    "seed": seed})
+
+    def span(self, track: str, name: str, step: int | None, start_ns: int, end_ns: int,
+             **attrs: Any) -> None:
+        if end_ns < start_ns:
+            raise ValueError(f"span {track}/{name}: end_ns ({end_ns}) is before start_ns "
+                             f"({start_ns})")
+        self._emit((track, name, step, start_ns, end_ns, attrs))
+
+    def step(self, step: int, kind: str, start_ns: int, end_ns: int,
+             request_ids: Sequence[str], num_new_tokens: Sequence[int],
+             kv_lens: Sequence[int], num_drafted: Sequence[int] | None = None,
+             num_accepted: Sequence[int] | None = None,
+             num_output: Sequence[int] | None = None) -> None:
+        num_requests = len(request_ids)
+        zeros = [0] * num_requests
+        record = {"type": "step", "step": step, "kind": kind, "start_ns": start_ns,
+                  "end_ns": end_ns, "request_ids": list(request_ids),
+                  "num_new_tokens": num_new_tokens, "kv_lens": kv_lens,
+                  "num_drafted": zeros if num_drafted is None else num_drafted,
+                  "num_accepted": zeros if num_accepted is None else num_accepted,
+                  "num_output": zeros if num_output is None else num_output}
+        if end_ns < start_ns:
+            raise ValueError(f"step {step}: end_ns ({end_ns}) is before start_ns ({start_ns})")
+        for key in ("num_new_tokens", "kv_lens", "num_drafted", "num_accepted", "num_output"):
+            if len(record[key]) != num_requests:
+                raise ValueError(f"step {step}: {key} has {len(record[key])} entries for "
+                                 f"{num_requests} requests")
+        self._emit(record, is_step=True)
+
+    def finish(self, request_id: str, finish_ns: int, finish_reason: str, output_len: int,
+               first_token_ns: int | None, ttft_ns: int | None = None,
+               agreement: Sequence[int] | None = None, agreement_kind: str | None = None,
+               error: str | None = None) -> None:
+        if finish_reason not in _FINISH_REASONS:
+            raise ValueError(f"finish {request_id}: finish_reason {finish_reason!r} is not one "
+                             f"of {sorted(_FINISH_REASONS)}")
+        arrival_ns = self._arrival_ns.pop(request_id, None)
+        if ttft_ns is None and first_token_ns is not None and arrival_ns is not None:
+            ttft_ns = first_token_ns - arrival_ns
+        if agreement is not None:
+            agreement = list(agreement[: self.header.max_agreement_len])
+        self._emit({"type": "finish", "request_id": request_id, "finish_ns": finish_ns,
+                    "finish_reason": finish_reason, "output_len": output_len,
+                    "first_token_ns": first_token_ns, "ttft_ns": ttft_ns,
+                    "agreement": agreement, "agreement_kind": agreement_kind, "error": error})
+
+    def close(self) -> None:
+        pass
+
+
+def _as_dict(entry: dict | tuple) -> dict:
+    if entry.__class__ is dict:
+        return entry
+    track, name, step, start_ns, end_ns, attrs = entry
+    return {"type": "span", "track": track, "name": name, "step": step,
+            "start_ns": start_ns, "end_ns": end_ns, "attrs": attrs}
+
+
+def _dumps(entry: dict | tuple) -> bytes:
+    return orjson.dumps(_as_dict(entry), default=_default, option=_DUMPS_OPTIONS)
+
+
+class TraceRecorder(_RecordBuilder):
+    """Writes a trace to a JSONL file as the run goes.
+
+    The header line is written (and flushed) on construction. Thread-safe: device
+    completion callbacks may record from other threads. Use as a context manager or call
+    `close()`; records after `close()` raise RuntimeError.
+    """
+
+    def __init__(self, path: str | os.PathLike, header: Header | Mapping[str, Any], *,
+                 max_buffered_lines: int = 4096, flush_on_step: bool = True):
+        if max_buffered_lines < 1:
+            raise ValueError(f"max_buffered_lines must be >= 1, got {max_buffered_lines}")
+        super().__init__(header)
+        self.path = os.fspath(path)
+        self.max_buffered_lines = max_buffered_lines
+        self.flush_on_step = flush_on_step
+        self._lock = threading.Lock()
+        self._buffer: list[dict | tuple] = []
+        self._file: BinaryIO | None = open(self.path, "wb")
+        self._buffer.append(self.header.model_dump(mode="json"))
+        self.flush()
+
+    def _emit(self, record: dict | tuple, is_step: bool = False) -> None:
+        with self._lock:
+            if self._file is None:
+                raise RuntimeError(f"trace recorder for {self.path} is closed")
+            self._buffer.append(record)
+            if (is_step and self.flush_on_step) or len(self._buffer) >= self.max_buffered_lines:
+                self._flush_locked()
+
+    def flush(self) -> None:
+        """Writes buffered records as whole lines and hands them to the OS."""
+        with self._lock:
+            if self._file is not None:
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        if not self._buffer:
+            return
+        entries, self._buffer = self._buffer, []
+        data = b"\n".join(map(_dumps, entries)) + b"\n"
+        self._file.write(data)
+        self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is None:
+                return
+            try:
+                self._flush_locked()
+            finally:
+                self._file.close()
+                self._file = None
+
+    def __enter__(self) -> TraceRecorder:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class MemoryRecorder(_RecordBuilder):
+    """Keeps records (as JSON-ready dicts, header first) in `records`; for benches and tests."""
+
+    def __init__(self, header: Header | Mapping[str, Any]):
+        super().__init__(header)
+        self.records: list[dict | tuple] = [self.header.model_dump(mode="json")]
+
+    def _emit(self, record: dict | tuple, is_step: bool = False) -> None:
+        self.records.append(record)
+
+    def dicts(self) -> list[dict]:
+        return [_as_dict(r) for r in self.records]
+
+    def to_trace(self) -> Trace:
+        """Validates every record (through JSON, exactly as a file would be) into a Trace."""
+        trace = Trace(header=self.header)
+        for entry in self.records[1:]:
+            trace.add(RECORD_ADAPTER.validate_json(_dumps(entry)))
+        return trace
+
+
+def write_trace(trace: Trace, path: str | os.PathLike, **recorder_options: Any) -> None:
+    """Writes an in-memory trace to a JSONL file (records in time order, see `replay`)."""
+    with TraceRecorder(path, trace.header, **recorder_options) as recorder:
+        replay(trace, recorder)
