@@ -36,6 +36,9 @@ AgreementKind = Literal["teacher_forced", "first_token"]
 HOST_TRACK = "host"
 DEVICE_TRACK_PREFIX = "device:"
 TRACK_PATTERN = r"^(host|device:[A-Za-z0-9_.\-]+)$"
+# Known stage (span) names in pipeline order; tools list and color stages in this order.
+STAGES = ("schedule", "kv_alloc", "plan", "prefill", "decode", "draft", "mtp", "verify",
+          "accept", "sync", "draft_fill", "output")
 
 # Packages whose versions a header records (looked up without importing them).
 _VERSIONED_PACKAGES = ("specsched", "numpy", "torch", "pydantic", "orjson", "transformers",
@@ -230,6 +233,15 @@ class Trace:
 
     def device_tracks(self) -> list[str]:
         return sorted({s.track for s in self.spans if s.on_device})
+
+    def stage_names(self) -> list[str]:
+        """Span names present, known stages first in pipeline order, then alphabetical."""
+        return stage_order({s.name for s in self.spans})
+
+
+def stage_order(names: set[str] | list[str]) -> list[str]:
+    names = set(names)
+    return [s for s in STAGES if s in names] + sorted(names.difference(STAGES))
 
 
 _LIST_OF = {"request": "requests", "span": "spans", "step": "steps", "finish": "finishes"}

@@ -17,31 +17,20 @@ from __future__ import annotations
 
 import io
 import itertools
-import multiprocessing as mp
 import pickle
-import signal
+import sys
 import threading
 import time
+import weakref
 from multiprocessing.connection import wait as wait_any
 from typing import Any
 
-from runtime.devices import worker_main
 from runtime.devices.events import CompletionEvent
+from runtime.devices.process import WorkerProcess, kill_quietly
 from runtime.devices.spec import DeviceStartError, WorkerSpec
 from scheduler.protocols import Batch, DeviceCrashed, DeviceError, Event
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
-
-
-def _describe_exit(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "closed its pipe but is still running"
-    if exitcode < 0:
-        try:
-            return f"was killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"was killed by signal {-exitcode}"
-    return f"exited with code {exitcode}"
 
 
 class HostStream:
@@ -87,20 +76,15 @@ class HostDevice:
         self._failure: str | None = None  # set once the worker is gone; fails later launches
         self._closed = False
 
-        ctx = mp.get_context("spawn")
-        launch_recv, self._launch_send = ctx.Pipe(duplex=False)
-        self._reply_recv, reply_send = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=worker_main.main, name=f"specsched-{name}", daemon=True,
-                                    args=(spec, num_threads, launch_recv, reply_send))
-        self._process.start()
-        launch_recv.close()
-        reply_send.close()
+        self._process = WorkerProcess(name)
+        self.pid = self._process.pid
+        weakref.finalize(self, kill_quietly, self._process.popen)
         try:
-            self.pid = self._handshake(start_timeout_s)
+            self._process.launch.send((spec, num_threads, list(sys.path)))
+            self._handshake(start_timeout_s)
         except BaseException:
-            self._stop_process(timeout_s=1.0)
-            self._launch_send.close()
-            self._reply_recv.close()
+            self._process.stop(timeout_s=1.0)
+            self._process.close_handles()
             self._closed = True
             raise
         self._reader = threading.Thread(target=self._read_replies, name=f"{name}-replies", daemon=True)
@@ -135,7 +119,7 @@ class HostDevice:
         return len(self._pending)
 
     def is_alive(self) -> bool:
-        return self._failure is None and self._process.is_alive()
+        return self._failure is None and not self._closed and self._process.is_alive()
 
     def close(self) -> None:
         """Finish queued ops, stop the worker process (terminate it after close_timeout_s)."""
@@ -144,38 +128,35 @@ class HostDevice:
                 return
             self._closed = True
             try:
-                self._launch_send.send_bytes(pickle.dumps(None, _PROTOCOL))
+                self._process.launch.send_bytes(pickle.dumps(None, _PROTOCOL))
             except OSError:
                 pass
-        self._stop_process(self._close_timeout_s)
+        self._process.stop(self._close_timeout_s)
         self._reader.join(timeout=5.0)
-        self._launch_send.close()
-        self._reply_recv.close()
+        self._process.close_handles()
 
     # -- internals --
 
-    def _handshake(self, timeout_s: float) -> int:
+    def _handshake(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        factory = self.spec.factory
+        factory, replies = self.spec.factory, self._process.replies
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise DeviceStartError(factory, f"worker process not ready after {timeout_s} s")
-            ready = wait_any([self._reply_recv, self._process.sentinel], timeout=remaining)
-            if self._reply_recv in ready or (ready and self._reply_recv.poll()):
-                try:
-                    message = self._reply_recv.recv()
-                except EOFError:
-                    self._process.join(timeout=1.0)
-                    raise DeviceStartError(factory, "worker process " + _describe_exit(self._process.exitcode)
-                                           + " before it was ready") from None
-                if message[0] == "ready":
-                    return message[1]
-                raise DeviceStartError(factory, message[1], remote_traceback=message[2])
-            if ready:
-                self._process.join(timeout=1.0)
-                raise DeviceStartError(factory, "worker process " + _describe_exit(self._process.exitcode)
-                                       + " before it was ready")
+            ready = wait_any(self._process.waitables(), timeout=remaining)
+            if not ready:
+                continue
+            try:
+                if replies not in ready and not replies.poll():
+                    raise EOFError
+                message = replies.recv()
+            except EOFError:
+                raise DeviceStartError(factory, "worker process " + self._process.describe_exit()
+                                       + " before it was ready") from None
+            if message[0] == "ready":
+                return
+            raise DeviceStartError(factory, message[1], remote_traceback=message[2])
 
     def _launch(self, stream: str, op: str, batch: Batch) -> CompletionEvent:
         if not isinstance(op, str) or not op:
@@ -195,17 +176,17 @@ class HostDevice:
                     return event
                 self._pending[seq] = event
             try:
-                self._launch_send.send_bytes(pickle.dumps((seq, stream, op), _PROTOCOL) + payload)
+                self._process.launch.send_bytes(pickle.dumps((seq, stream, op), _PROTOCOL) + payload)
             except OSError:
                 pass  # the worker is gone; the reader thread fails every pending event
         return event
 
     def _read_replies(self) -> None:
-        conn, sentinel = self._reply_recv, self._process.sentinel
+        conn, waitables = self._process.replies, self._process.waitables()
         broken: str | None = None
         while True:
             try:
-                ready = wait_any([conn, sentinel])
+                ready = wait_any(waitables)
                 if conn not in ready and not conn.poll():
                     break  # the process exited and nothing is left to read
                 self._complete(conn.recv_bytes())
@@ -213,14 +194,12 @@ class HostDevice:
                 break
             except Exception as exc:  # an unreadable reply: the pipe can no longer be trusted
                 broken = f"unreadable reply from the worker process: {type(exc).__name__}: {exc}"
-                self._stop_process(timeout_s=0.0)
+                self._process.stop(timeout_s=0.0)
                 break
-        self._process.join(timeout=2.0)
         if self._closed:
             reason = f"host device {self.name!r} was closed"
         else:
-            reason = (f"host device {self.name!r}: " + (broken or f"worker process (pid {self.pid}) "
-                      + _describe_exit(self._process.exitcode)))
+            reason = f"host device {self.name!r}: " + (broken or "worker process " + self._process.describe_exit())
         with self._pending_lock:
             self._failure = reason
             pending, self._pending = self._pending, {}
@@ -246,12 +225,3 @@ class HostDevice:
                             f"{type(exc).__name__}: {exc}", None, start_ns, end_ns)
             return
         event.set_result(result, start_ns, end_ns)
-
-    def _stop_process(self, timeout_s: float) -> None:
-        self._process.join(timeout_s)
-        if self._process.is_alive():
-            self._process.terminate()
-            self._process.join(2.0)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join()

@@ -8,8 +8,8 @@ pickled payload, so a payload that fails to unpickle still names its op and sequ
 - host -> worker: header `(seq, stream, op)` + batch; header `None` asks the worker to stop.
 - worker -> host: `("ok", seq, start_ns, end_ns)` + result, or
   `("err", seq, start_ns, end_ns, message, traceback)` + `None`.
-Before any of that the worker sends one plain message, `("ready", pid)` or
-`("init_err", message, traceback)`. Times are `time.monotonic_ns()`: the system monotonic
+Before any of that the host sends `(spec, num_threads, sys_path)` and the worker answers
+`("ready", pid)` or `("init_err", message, traceback)` (plain `send`/`recv` messages). Times are `time.monotonic_ns()`: the system monotonic
 clock, the same base as the host's.
 
 A receiver thread drains the launch pipe into a local queue while ops run, so the host's
@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from multiprocessing.connection import Connection
 from typing import Any
 
 from runtime.devices.spec import WorkerSpec
@@ -65,8 +66,20 @@ class _Builtins:
         raise ValueError(f"unknown built-in op {op!r} (known: __ping__, __stats__)")
 
 
-def main(spec: WorkerSpec, num_threads: int, launch_conn: Any, reply_conn: Any) -> None:
-    """Entry point of the worker process (multiprocessing spawn target)."""
+def entry() -> None:
+    """Process entry: `python -c "...; entry()" LAUNCH_FD REPLY_FD NAME` (see process.py)."""
+    launch_conn = Connection(int(sys.argv[1]), readable=True, writable=False)
+    reply_conn = Connection(int(sys.argv[2]), readable=False, writable=True)
+    try:
+        spec, num_threads, sys_path = launch_conn.recv()
+    except EOFError:
+        return
+    sys.path[:] = sys_path  # the host's import path, so specs naming its modules resolve
+    main(spec, num_threads, launch_conn, reply_conn)
+
+
+def main(spec: WorkerSpec, num_threads: int, launch_conn: Connection, reply_conn: Connection) -> None:
+    """Build the Worker, report readiness, then serve launches until stopped."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when this process stops
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(num_threads)

@@ -1,0 +1,66 @@
+"""Attention backends behind one interface.
+
+Why: the model code must not care whether attention runs as plain torch (CPU, tests, any GPU)
+or as FlashInfer kernels (CUDA). A step is planned once (`backend.prepare(plan, device)`:
+index tensors, masks, FlashInfer's `plan()`), then every layer calls `attend`, which appends
+this step's K/V into that layer's paged cache and attends over it.
+
+Masking rule shared by all backends: sequence i's new tokens occupy the last qo_len[i] of its
+kv_len[i] KV slots; without a custom mask token t (0-based among the new ones) sees KV
+[0, kv_len - qo_len + t]; with `plan.custom_mask` it sees exactly the True entries (trees).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from scheduler.plan import AttentionPlan
+
+BACKENDS = ("torch", "flashinfer")
+
+
+@runtime_checkable
+class StepAttention(Protocol):
+    """Per-step attention state, shared by all layers of one forward."""
+
+    plan: AttentionPlan
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,  # [N, Hq, D], RoPE applied
+        k: torch.Tensor,  # [N, Hkv, D], RoPE applied
+        v: torch.Tensor,  # [N, Hkv, D]
+        kv_layer: torch.Tensor,  # [num_pages, 2, page_size, Hkv, D], written in place
+    ) -> torch.Tensor:  # [N, Hq, D]
+        ...
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, plan: AttentionPlan, device: torch.device | str) -> StepAttention:
+        ...
+
+
+def get_backend(name: str = "torch", **options) -> AttentionBackend:
+    """An attention backend by name.
+
+    Options (FlashInfer needs them, torch ignores them): num_qo_heads, num_kv_heads,
+    head_dim, dtype, workspace_bytes.
+    """
+    if name == "torch":
+        from runtime.attention.torch_backend import TorchBackend
+
+        return TorchBackend()
+    if name == "flashinfer":
+        from runtime.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(**options)
+    raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(BACKENDS)})")
+
+
+__all__ = ["AttentionBackend", "StepAttention", "get_backend", "BACKENDS"]

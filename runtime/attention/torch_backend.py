@@ -1,0 +1,178 @@
+"""Paged attention in plain torch: the reference backend, and the fast one on CPU.
+
+Why: the bundled models are tiny, so a forward is dominated by per-op dispatch, not FLOPs.
+Everything that depends only on the plan (write rows, gather rows, padded mask) is built once
+per step in numpy and moved to the device once; each layer then costs one write per K/V, one
+gather, and one `scaled_dot_product_attention` (GQA handled by `enable_gqa`, no head repeat).
+
+Gather layout: a layer's cache [P, 2, ps, Hkv, D] is viewed as rows of D values; the gather
+index [B, 2, Hkv, Lmax] picks, for sequence b, K (c=0) or V (c=1), head h and logical
+position l, so the result reshapes for free into SDPA's [B, Hkv, Lmax, D] K and V.
+Sequences shorter than Lmax are padded with row 0 and masked out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from scheduler.plan import AttentionPlan
+
+
+class TorchBackend:
+    """`num_kv_heads`/`dtype`, when given, let `prepare` build the gather index and mask
+    eagerly; otherwise they are built at the first layer's `attend` and reused."""
+
+    name = "torch"
+
+    def __init__(self, num_kv_heads: int | None = None, dtype: torch.dtype | None = None,
+                 **_unused) -> None:
+        self.num_kv_heads = num_kv_heads
+        self.dtype = dtype
+
+    def prepare(self, plan: AttentionPlan, device: torch.device | str = "cpu") -> "TorchStepAttention":
+        step = TorchStepAttention(plan, torch.device(device))
+        if self.num_kv_heads is not None:
+            step._gather_index(self.num_kv_heads)
+        if self.dtype is not None:
+            step._mask(self.dtype)
+        return step
+
+
+class TorchStepAttention:
+    def __init__(self, plan: AttentionPlan, device: torch.device) -> None:
+        self.plan = plan
+        self.device = device
+        ps = plan.page_size
+        qo = np.diff(plan.qo_indptr).astype(np.int64)
+        kv = plan.kv_lens.astype(np.int64)
+        self.num_seqs = b = int(kv.shape[0])
+        self.num_tokens = n = int(plan.qo_indptr[-1])
+        if b == 0 or n == 0:
+            raise ValueError("attention plan has no tokens")
+        if plan.slot_mapping.shape[0] != n:
+            raise ValueError(f"plan has {plan.slot_mapping.shape[0]} slots for {n} tokens")
+        self.max_q = int(qo.max())
+        self.max_kv = lmax = int(kv.max())
+
+        slots = plan.slot_mapping.astype(np.int64)
+        k_rows = (slots // ps) * (2 * ps) + slots % ps  # rows of the [P*2*ps, Hkv, D] view
+        self.k_rows = torch.from_numpy(k_rows).to(device)
+        self.v_rows = torch.from_numpy(k_rows + ps).to(device)
+
+        # Row (in the same view) of K for every (sequence, logical position); 0 where padded.
+        pos = np.arange(lmax)
+        valid = pos[None, :] < kv[:, None]  # [B, Lmax]
+        page_ptr = plan.paged_kv_indptr[:-1].astype(np.int64)[:, None] + pos[None, :] // ps
+        page_ptr = np.where(valid, page_ptr, plan.paged_kv_indptr[:-1][:, None])
+        pages = plan.paged_kv_indices.astype(np.int64)[page_ptr]
+        self._slot_rows = np.where(valid, pages * (2 * ps) + pos[None, :] % ps, 0)  # [B, Lmax]
+
+        self.is_decode = self.max_q == 1  # one new token per sequence: no q padding
+        if b > 1 and not self.is_decode:
+            t = np.arange(self.max_q)
+            q_valid = t[None, :] < qo[:, None]  # [B, Qmax]
+            q_start = plan.qo_indptr[:-1].astype(np.int64)
+            self.q_index = torch.from_numpy(
+                np.where(q_valid, q_start[:, None] + t[None, :], 0).reshape(-1)
+            ).to(device)
+            self.out_index = torch.from_numpy(np.flatnonzero(q_valid.reshape(-1))).to(device)
+        self._allowed = self._allowed_mask(qo, kv, valid)  # [B, Qmax, Lmax] bool or None
+        self.is_causal = (
+            self._allowed is None and b == 1 and n > 1 and n == lmax
+        )
+        self._index_cache: dict[int, torch.Tensor] = {}
+        self._mask_cache: dict[torch.dtype, torch.Tensor | None] = {}
+
+    def _allowed_mask(self, qo: np.ndarray, kv: np.ndarray, valid: np.ndarray) -> np.ndarray | None:
+        plan, b, qmax, lmax = self.plan, self.num_seqs, self.max_q, self.max_kv
+        if plan.custom_mask is None:
+            if b == 1 and (qmax == 1 or qmax == lmax):
+                return None  # whole row visible, or plain causal (SDPA's is_causal)
+            if self.is_decode and (kv == lmax).all():
+                return None
+        t = np.arange(qmax)
+        pos = np.arange(lmax)
+        allowed = pos[None, None, :] <= (kv - qo)[:, None, None] + t[None, :, None]
+        allowed &= valid[:, None, :]
+        if plan.custom_mask is not None:
+            flat = np.asarray(plan.custom_mask, dtype=bool)
+            expected = int((qo * kv).sum())
+            if flat.shape[0] != expected:
+                raise ValueError(f"custom_mask has {flat.shape[0]} entries, plan needs {expected}")
+            offset = 0
+            for i in range(b):
+                q_i, k_i = int(qo[i]), int(kv[i])
+                allowed[i, :q_i, :k_i] = flat[offset : offset + q_i * k_i].reshape(q_i, k_i)
+                allowed[i, :q_i, k_i:] = False
+                offset += q_i * k_i
+        padded_q = t[None, :] >= qo[:, None]  # [B, Qmax]
+        allowed[padded_q, 0] = True  # padded query rows attend to one key: no NaN
+        return allowed
+
+    def _gather_index(self, num_kv_heads: int) -> torch.Tensor:
+        idx = self._index_cache.get(num_kv_heads)
+        if idx is None:
+            ps = self.plan.page_size
+            rows = self._slot_rows[:, None, None, :] + np.array([0, ps])[None, :, None, None]
+            rows = rows * num_kv_heads + np.arange(num_kv_heads)[None, None, :, None]
+            idx = torch.from_numpy(rows.reshape(-1)).to(self.device)  # [B*2*Hkv*Lmax]
+            self._index_cache[num_kv_heads] = idx
+        return idx
+
+    def _mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        if dtype not in self._mask_cache:
+            mask = None
+            if self._allowed is not None:
+                allowed = torch.from_numpy(self._allowed).to(self.device)
+                mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+                mask.masked_fill_(~allowed, float("-inf"))
+                mask = mask.unsqueeze(1)  # [B, 1, Qmax, Lmax], broadcast over heads
+            self._mask_cache[dtype] = mask
+        return self._mask_cache[dtype]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_layer: torch.Tensor) -> torch.Tensor:
+        num_kv_heads, head_dim = k.shape[-2], k.shape[-1]
+        rows = kv_layer.view(-1, num_kv_heads, head_dim)
+        rows.index_copy_(0, self.k_rows, k)
+        rows.index_copy_(0, self.v_rows, v)
+        gathered = kv_layer.view(-1, head_dim).index_select(0, self._gather_index(num_kv_heads))
+        gathered = gathered.view(self.num_seqs, 2, num_kv_heads, self.max_kv, head_dim)
+        keys, values = gathered[:, 0], gathered[:, 1]
+        mask = self._mask(q.dtype)
+        b = self.num_seqs
+        if b == 1:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=mask,
+                is_causal=self.is_causal, enable_gqa=True,
+            )
+            return out[0].transpose(0, 1)
+        if self.is_decode:
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True
+            )
+            return out.squeeze(2)
+        num_heads = q.shape[1]
+        qp = q.index_select(0, self.q_index).view(b, self.max_q, num_heads, head_dim)
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True
+        )
+        out = out.transpose(1, 2).reshape(b * self.max_q, num_heads, head_dim)
+        return out.index_select(0, self.out_index)
+
+
+class CausalAttention:
+    """Dense causal attention without a KV cache, for `LlamaModel.forward_full`:
+    q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D]; `kv_layer` is ignored."""
+
+    plan = None
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_layer: torch.Tensor | None = None) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2)

@@ -1,0 +1,94 @@
+"""Run a workload through an AsyncEngine and measure it from its own trace.
+
+Why: `bench --json`, `stats TRACE --json` and the simulator report the same keys because
+they share `traces.metrics.compute_metrics`; the bench simply records a trace in memory
+(and optionally to a file) and computes its numbers from it.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import anyio
+
+from runtime.engine import AsyncEngine
+from runtime.engine_config import EngineConfig
+from runtime.workload import WorkItem
+from traces.hook import MultiTracer
+from traces.metrics import compute_metrics
+from traces.recorder import MemoryRecorder, write_trace
+from traces.schema import Header
+
+
+def make_header(config: EngineConfig, engine: AsyncEngine, device_name: str | None = None) -> Header:
+    return Header.create(
+        source="engine", clock="monotonic_ns", model=engine.model_dir,
+        draft_model=engine._proposer_dir(), proposer=config.proposer, schedule=config.schedule,
+        draft_len=config.draft_len, device={"kind": config.device, "name": device_name or config.device},
+        engine_config=config.model_dump(mode="json"),
+    )
+
+
+async def run_workload(
+    config: EngineConfig,
+    items: list[WorkItem],
+    *,
+    concurrency: int | None = None,
+    rate_qps: float | None = None,
+    warmup: int = 0,
+    trace_path: str | None = None,
+    agreement: bool = True,
+    on_done: Callable[[], None] | None = None,
+) -> tuple[dict, object, list]:
+    """Returns (metrics, trace, outputs). Closed loop with `concurrency` in flight, or
+    open loop at `rate_qps` (Poisson-free: evenly spaced) / the items' own arrival_s."""
+    engine = AsyncEngine(config)
+    outputs: list = [None] * len(items)
+    async with engine:
+        if warmup:
+            for it in items[:warmup]:
+                await engine.generate_all(it.prompt, it.params)
+        header = make_header(config, engine)
+        mem = MemoryRecorder(header)
+        tracer = MultiTracer(mem)
+        engine._pipeline.tracer = tracer
+        engine.tracer = tracer
+        start = time.monotonic()
+        sem = anyio.Semaphore(concurrency or len(items))
+
+        async def one(i: int, it: WorkItem) -> None:
+            if rate_qps or it.arrival_s is not None:
+                at = it.arrival_s if it.arrival_s is not None else i / rate_qps
+                await anyio.sleep(max(0.0, start + at - time.monotonic()))
+            async with sem:
+                outputs[i] = await engine.generate_all(it.prompt, it.params, request_id=f"r{i}")
+            if on_done:
+                on_done()
+
+        async with anyio.create_task_group() as tg:
+            for i, it in enumerate(items):
+                tg.start_soon(one, i, it)
+        if agreement and config.proposer != "none":
+            await _record_agreement(engine, items, outputs, mem)
+    trace = mem.to_trace()
+    if trace_path:
+        # written after the run: finish records then carry the proposer's agreement, which
+        # is computed once every request is done (so it never disturbs the measured timeline)
+        write_trace(trace, trace_path)
+    return compute_metrics(trace), trace, outputs
+
+
+async def _record_agreement(engine, items, outputs, mem) -> None:
+    """Per-position greedy agreement of the proposer with each greedy output (trace replay)."""
+    by_id = {}
+    for i, (it, out) in enumerate(zip(items, outputs)):
+        if out is None or not it.params.greedy:
+            continue
+        prompt = engine.validate(it.prompt, it.params)
+        ev = engine.device.stream("draft").launch("agreement", {"prompt": prompt, "output": out.token_ids})
+        by_id[f"r{i}"] = await ev.wait()
+    kind = "first_token" if engine.config.proposer in ("mtp", "eagle") else "teacher_forced"
+    for rec in mem.records:
+        if isinstance(rec, dict) and rec.get("type") == "finish" and rec["request_id"] in by_id:
+            rec["agreement"] = by_id[rec["request_id"]]["agreement"]
+            rec["agreement_kind"] = kind

@@ -1,0 +1,107 @@
+"""EngineConfig: one validated object for everything an engine run chooses.
+
+Why pydantic: the same object is loaded from JSON/YAML files, mapped to CLI flags, and
+written into every trace header, with one set of validation messages.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import orjson
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from scheduler.errors import ConfigurationError
+from scheduler.proposer import ProposerSpec, default_tree, validate_combination
+
+DEFAULT_DRAFT_LEN = {"none": 0, "draft": 4, "mtp": 1, "eagle": 3, "ngram": 4}
+NATURAL_SCHEDULE = {"none": "sync", "draft": "overlap", "mtp": "mtp", "eagle": "sync", "ngram": "sync"}
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="target checkpoint dir (HF layout); None = bundled")
+    draft: str | None = Field(None, description="draft checkpoint dir; None = bundled draft")
+    mtp_head: str | None = Field(None, description="MTP/EAGLE head dir; None = bundled head")
+    proposer: Literal["none", "draft", "mtp", "eagle", "ngram"] = "none"
+    draft_len: int | None = Field(None, description="D (tree depth for eagle); None = proposer default")
+    schedule: Literal["sync", "overlap", "mtp", "plain_overlap"] | None = Field(
+        None, description="None = the proposer's natural schedule"
+    )
+    ngram_min: int = 1
+    ngram_max: int = 3
+    tree_top_k: int = 2
+    tree_max_nodes: int = 8
+    acceptance: Literal["lossless", "threshold"] = "lossless"
+    threshold: float = Field(0.3, description="lossy threshold mode: min target prob per token")
+    device: Literal["host", "cuda"] = "host"
+    attention: Literal["torch", "flashinfer"] = "torch"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    page_size: int = 16
+    num_pages: int = 4096
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    worker_threads: int = 1
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if self.draft_len is None:
+            self.draft_len = DEFAULT_DRAFT_LEN[self.proposer]
+        if self.schedule is None:
+            self.schedule = NATURAL_SCHEDULE[self.proposer]
+        for name in ("page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens", "worker_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.proposer == "ngram" and not (1 <= self.ngram_min <= self.ngram_max):
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if self.acceptance == "threshold" and not (0.0 < self.threshold < 1.0):
+            raise ValueError("threshold must be in (0, 1)")
+        if self.attention == "flashinfer" and self.device != "cuda":
+            raise ValueError("attention 'flashinfer' needs device 'cuda'")
+        validate_combination(self.proposer, self.schedule, self.draft_len)
+        self.proposer_spec()  # validates the draft length
+        return self
+
+    def proposer_spec(self) -> ProposerSpec:
+        tree = ()
+        if self.proposer == "eagle":
+            tree = default_tree(self.draft_len, self.tree_top_k, self.tree_max_nodes)
+        return ProposerSpec(self.proposer, self.draft_len, tree)
+
+    @classmethod
+    def make(cls, **kwargs) -> "EngineConfig":
+        try:
+            return cls(**kwargs)
+        except ValidationError as e:
+            raise ConfigurationError(_describe(e)) from None
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides) -> "EngineConfig":
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigurationError(f"{path}: cannot read config: {e}") from None
+        try:
+            data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else orjson.loads(text)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigurationError(f"{path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigurationError(f"{path}: expected a mapping of config fields")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**data)
+        except ValidationError as e:
+            raise ConfigurationError(f"{path}: {_describe(e)}") from None
+
+
+def _describe(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}")
+    return "invalid engine config: " + "; ".join(parts)

@@ -1,0 +1,102 @@
+"""Paged KV cache storage, in FlashInfer's NHD layout.
+
+Why: the scheduler's block manager hands out page ids; this module owns the memory they
+index. One allocation holds every layer ([num_layers, num_pages, 2, page_size, kv_heads,
+head_dim]); `layers[i]` is a view of layer i, exactly the 5-D tensor FlashInfer's paged
+kernels take, and the torch backend reads the same layout. A slot is
+`page * page_size + offset`, the unit `AttentionPlan.slot_mapping` speaks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PagedKVCache:
+    """KV pages for all layers of one model; page ids are shared across layers."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (("num_layers", num_layers), ("num_pages", num_pages),
+                            ("page_size", page_size), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim)):
+            if value < 1:
+                raise ValueError(f"PagedKVCache: {name} must be >= 1, got {value}")
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # [L, P, 2, page_size, Hkv, D]; zero so padded/stale reads are finite
+        self.data = torch.zeros(
+            (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim), dtype=dtype,
+            device=self.device,
+        )
+        self.layers: list[torch.Tensor] = list(self.data.unbind(0))  # each [P, 2, ps, Hkv, D]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.data.element_size()
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def __getitem__(self, layer_idx: int) -> torch.Tensor:
+        return self.layers[layer_idx]
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def copy_slots(self, src_slots, dst_slots) -> None:
+        """Copy K and V of slots `src_slots[i]` to `dst_slots[i]`, in every layer.
+
+        Used to compact accepted tree branches into contiguous positions. All sources are
+        read before any destination is written, so overlapping ranges are safe.
+        """
+        src = torch.as_tensor(src_slots, dtype=torch.long, device=self.device).reshape(-1)
+        dst = torch.as_tensor(dst_slots, dtype=torch.long, device=self.device).reshape(-1)
+        if src.shape != dst.shape:
+            raise ValueError(f"copy_slots: {src.numel()} sources but {dst.numel()} destinations")
+        if src.numel() == 0:
+            return
+        if self.device.type == "cpu":
+            lo = int(torch.minimum(src.min(), dst.min()))
+            hi = int(torch.maximum(src.max(), dst.max()))
+            if lo < 0 or hi >= self.num_slots:
+                raise ValueError(f"copy_slots: slot out of range [0, {self.num_slots})")
+        ps = self.page_size
+        vals = self.data[:, src // ps, :, src % ps]  # [n, L, 2, Hkv, D]
+        self.data[:, dst // ps, :, dst % ps] = vals
+
+    def read_slots(self, layer_idx: int, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of the given slots of one layer, each [n, Hkv, D] (for tests and debugging)."""
+        s = torch.as_tensor(slots, dtype=torch.long, device=self.device).reshape(-1)
+        kv = self.layers[layer_idx][s // self.page_size, :, s % self.page_size]  # [n, 2, Hkv, D]
+        return kv[:, 0], kv[:, 1]
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(layers={self.num_layers}, pages={self.num_pages}, "
+            f"page_size={self.page_size}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"dtype={self.dtype}, {self.total_bytes / 2**20:.1f} MiB)"
+        )

@@ -1,0 +1,287 @@
+"""Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV cache.
+
+Why: the bundled models are tiny, so a forward is bound by per-op dispatch, not FLOPs. The
+layer is written for few ops: q/k/v are one Linear and gate/up one Linear (fused at load
+time), RoPE's cos/sin are computed once per forward for the step's positions and shared by
+all layers, RoPE is applied to q and k together (`x*cos + roll(x)*sin_signed`), and the
+attention backend's per-step state (`StepAttention`) is built once, not per layer.
+
+Weights load from Hugging Face names through `DecoderLayer.load_hf` / `LlamaModel.load_hf`
+and go back out through `hf_state_dict`, so other modules (an MTP head is one DecoderLayer)
+can reuse these classes with their own checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.attention import StepAttention, get_backend
+from runtime.attention.torch_backend import CausalAttention
+from runtime.config import ModelConfig
+from runtime.kv_cache import PagedKVCache
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None  # [M, V] float32, rows `logits_indices` (all N if None)
+    hidden: torch.Tensor | None  # [N, H] last layer output BEFORE the final norm, or None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables for given positions; `forward(positions) -> (cos, sin_signed)`, each
+    [*positions.shape, 1, D], broadcast over heads. `sin_signed` carries rotate_half's sign
+    (first half negated), so `apply_rope(x, cos, sin_signed)` needs only a roll."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        if config.rope_scaling is not None:
+            inv_freq = _llama3_inv_freq(inv_freq, config)
+        self.register_buffer("inv_freq", torch.cat([inv_freq, inv_freq]), persistent=False)  # [D]
+        self.register_buffer(
+            "sign", torch.cat([-torch.ones(d // 2), torch.ones(d // 2)]), persistent=False
+        )  # [D]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
+        angles = positions.unsqueeze(-1).float() * self.inv_freq  # [..., D] fp32
+        cos = angles.cos().unsqueeze(-2)
+        sin = (angles.sin() * self.sign).unsqueeze(-2)
+        if dtype != torch.float32:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Llama 3 scaling: long wavelengths stretched by `factor`, short kept, smooth between."""
+    s = config.rope_scaling
+    old_len = s.original_max_position_embeddings
+    low_wavelen = old_len / s.low_freq_factor
+    high_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [..., H, D] rotated (Hugging Face half-split convention)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Llama block: x + attn(norm(x)), then + mlp(norm(x)).
+
+    forward(x [N, H] (or [B, T, H] with CausalAttention), cos, sin_signed (from
+    RotaryEmbedding for x's positions), step (a StepAttention), kv_layer (this layer's
+    [P, 2, ps, Hkv, D] cache; None with CausalAttention), layer_idx (index passed to
+    `step.attend`)) -> x after the block, same shape.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d
+        self.intermediate_size = config.intermediate_size
+        self.eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.qkv_proj = nn.Linear(h, (self.num_heads + 2 * self.num_kv_heads) * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                step: StepAttention, kv_layer: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
+        lead = x.shape[:-1]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        h = F.rms_norm(x, self.input_layernorm.weight.shape, self.input_layernorm.weight, self.eps)
+        qkv = F.linear(h, self.qkv_proj.weight).view(*lead, hq + 2 * hkv, d)
+        qk = apply_rope(qkv[..., : hq + hkv, :], cos, sin)
+        attn = step.attend(layer_idx, qk[..., :hq, :], qk[..., hq:, :], qkv[..., hq + hkv :, :],
+                           kv_layer)
+        x = x + F.linear(attn.reshape(*lead, hq * d), self.o_proj.weight)
+        h = F.rms_norm(x, self.post_attention_layernorm.weight.shape,
+                       self.post_attention_layernorm.weight, self.eps)
+        gate_up = F.linear(h, self.gate_up_proj.weight)
+        i = self.intermediate_size
+        return x + F.linear(F.silu(gate_up[..., :i]) * gate_up[..., i:], self.down_proj.weight)
+
+    HF_NAMES = (
+        "input_layernorm.weight", "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    )
+
+    @staticmethod
+    def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Expected Hugging Face tensor shapes of one layer (names relative to the layer)."""
+        h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
+        hq, hkv = config.num_attention_heads, config.num_key_value_heads
+        return {
+            "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (hq * d, h), "self_attn.k_proj.weight": (hkv * d, h),
+            "self_attn.v_proj.weight": (hkv * d, h), "self_attn.o_proj.weight": (h, hq * d),
+            "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
+            "mlp.down_proj.weight": (h, i),
+        }
+
+    @torch.no_grad()
+    def load_hf(self, tensors: dict[str, torch.Tensor], prefix: str = "") -> None:
+        """Copy weights given under Hugging Face names (`prefix + 'self_attn.q_proj.weight'`...),
+        fusing q/k/v and gate/up."""
+        t = {n: tensors[prefix + n] for n in self.HF_NAMES}
+        self.input_layernorm.weight.copy_(t["input_layernorm.weight"])
+        self.post_attention_layernorm.weight.copy_(t["post_attention_layernorm.weight"])
+        self.qkv_proj.weight.copy_(torch.cat(
+            [t["self_attn.q_proj.weight"], t["self_attn.k_proj.weight"], t["self_attn.v_proj.weight"]]
+        ))
+        self.o_proj.weight.copy_(t["self_attn.o_proj.weight"])
+        self.gate_up_proj.weight.copy_(torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]]))
+        self.down_proj.weight.copy_(t["mlp.down_proj.weight"])
+
+    def hf_state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """This layer's weights under Hugging Face names (unfused), for saving."""
+        hq, hkv, d, i = self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
+        q, k, v = self.qkv_proj.weight.detach().split([hq * d, hkv * d, hkv * d])
+        gate, up = self.gate_up_proj.weight.detach().split([i, i])
+        out = {
+            "input_layernorm.weight": self.input_layernorm.weight.detach(),
+            "post_attention_layernorm.weight": self.post_attention_layernorm.weight.detach(),
+            "self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k,
+            "self_attn.v_proj.weight": v, "self_attn.o_proj.weight": self.o_proj.weight.detach(),
+            "mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up,
+            "mlp.down_proj.weight": self.down_proj.weight.detach(),
+        }
+        return {prefix + n: w.contiguous() for n, w in out.items()}
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head (tied to the embedding if the
+    config says so). Build empty with `LlamaModel(config)` (random init), load with
+    `runtime.checkpoint.load_model`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def make_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None,
+                      device: torch.device | str | None = None) -> PagedKVCache:
+        c = self.config
+        return PagedKVCache(c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads,
+                            c.head_dim, dtype or self.dtype, device or self.device)
+
+    def attention_backend(self, name: str = "torch"):
+        """A backend configured with this model's head counts and dtype."""
+        c = self.config
+        return get_backend(name, num_qo_heads=c.num_attention_heads,
+                           num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                           dtype=self.dtype)
+
+    def compute_logits(self, hidden_normed: torch.Tensor) -> torch.Tensor:
+        """[..., H] final-normed hidden states -> [..., V] float32 logits."""
+        return F.linear(hidden_normed, self.lm_head.weight).float()
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(hidden, self.norm.weight.shape, self.norm.weight, self.norm.eps)
+
+    def forward(self, input_ids: torch.Tensor, step: StepAttention, kv: PagedKVCache,
+                positions: torch.Tensor, *, logits_indices: torch.Tensor | None = None,
+                return_hidden: bool = False, inputs_embeds: torch.Tensor | None = None) -> ModelOutput:
+        """One step over N packed new tokens (the layout of `step.plan`).
+
+        input_ids [N] (ignored when inputs_embeds [N, H] is given), positions [N] RoPE
+        positions, logits_indices [M] rows to compute logits for (None: all N; an empty
+        tensor skips the LM head).
+        """
+        if inputs_embeds is None:
+            x = F.embedding(input_ids, self.embed_tokens.weight)
+        else:
+            x = inputs_embeds
+        cos, sin = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, step, kv.layers[i], i)
+        hidden = x if return_hidden else None
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        logits = self.compute_logits(self.final_norm(x)) if x.shape[0] else None
+        return ModelOutput(logits=logits, hidden=hidden)
+
+    def forward_full(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plain causal forward without a KV cache: input_ids [B, T] ->
+        (logits [B, T, V] float32, hidden [B, T, H] before the final norm)."""
+        x = F.embedding(input_ids, self.embed_tokens.weight)
+        positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+        cos, sin = self.rotary(positions, x.dtype)
+        step = CausalAttention()
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, step, None, i)
+        return self.compute_logits(self.final_norm(x)), x
+
+    # --- Hugging Face weights -------------------------------------------------------------
+
+    @staticmethod
+    def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Every tensor a Hugging Face checkpoint of this config holds, with its shape."""
+        shapes = {
+            "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
+            "model.norm.weight": (config.hidden_size,),
+            "lm_head.weight": (config.vocab_size, config.hidden_size),
+        }
+        for i in range(config.num_hidden_layers):
+            for name, shape in DecoderLayer.hf_shapes(config).items():
+                shapes[f"model.layers.{i}.{name}"] = shape
+        return shapes
+
+    @torch.no_grad()
+    def load_hf(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.embed_tokens.weight.copy_(tensors["model.embed_tokens.weight"])
+        self.norm.weight.copy_(tensors["model.norm.weight"])
+        if not self.config.tie_word_embeddings:
+            self.lm_head.weight.copy_(tensors["lm_head.weight"])
+        for i, layer in enumerate(self.layers):
+            layer.load_hf(tensors, f"model.layers.{i}.")
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {"model.embed_tokens.weight": self.embed_tokens.weight.detach(),
+               "model.norm.weight": self.norm.weight.detach()}
+        if not self.config.tie_word_embeddings:
+            out["lm_head.weight"] = self.lm_head.weight.detach()
+        for i, layer in enumerate(self.layers):
+            out.update(layer.hf_state_dict(f"model.layers.{i}."))
+        return out

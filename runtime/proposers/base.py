@@ -1,0 +1,96 @@
+"""The device-side proposer interface and the factory the worker uses.
+
+A proposer lives inside the worker next to the target. It answers four calls:
+  draft(msg)            make up to D tokens per row into SeqState.drafts (one launch)
+  fill(msg)             extend its own KV over tokens it has not seen; carry logits
+  draft_probs(rows, D)  [B, D, V] distributions the drafts were sampled from, or None (one-hot)
+  agreement(p, o)       teacher-forced greedy agreement with an output (for trace replay)
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from runtime.worker import ModelWorker, SeqState
+    from scheduler.proposer import ProposerSpec
+
+
+class NoProposer:
+    needs_hidden = False
+
+    def __init__(self, worker: "ModelWorker"):
+        self.worker = worker
+
+    def draft(self, msg: dict) -> np.ndarray:
+        raise RuntimeError("no proposer configured: this engine does not speculate")
+
+    def fill(self, msg: dict) -> None:
+        raise RuntimeError("no proposer configured: nothing to fill")
+
+    def draft_probs(self, rows: list["SeqState"], num: int) -> torch.Tensor | None:
+        return None
+
+    def agreement(self, prompt: list[int], output: list[int]) -> list[int]:
+        return []
+
+
+class NgramDrafter(NoProposer):
+    """Prompt lookup: drafts copied from the request's own history; q is one-hot."""
+
+    def __init__(self, worker: "ModelWorker", min_n: int, max_n: int, num_tokens: int):
+        super().__init__(worker)
+        from runtime.proposers.ngram import NgramProposer
+
+        self.lookup = NgramProposer(min_n, max_n, num_tokens)
+
+    def draft(self, msg: dict) -> np.ndarray:
+        counts = []
+        for slot, d in zip(msg["slots"], msg["num_draft"]):
+            st = self.worker.states[int(slot)]
+            st.drafts = self.lookup.propose(st.tokens, int(d)) if d > 0 else []
+            counts.append(len(st.drafts))
+        return np.asarray(counts, dtype=np.int64)
+
+    def agreement(self, prompt: list[int], output: list[int]) -> list[int]:
+        seq = list(prompt)
+        agree = []
+        for t in output:
+            guess = self.lookup.propose(seq, 1)
+            agree.append(int(bool(guess) and guess[0] == t))
+            seq.append(t)
+        return agree
+
+
+def one_hot_or(rows: list["SeqState"], num: int, vocab: int, device: torch.device) -> torch.Tensor | None:
+    """Stack rows' draft distributions [B, num, V]; rows drafted greedily get one-hot rows."""
+    if all(st.draft_q is None for st in rows):
+        return None
+    out = torch.zeros(len(rows), num, vocab, device=device)
+    for i, st in enumerate(rows):
+        if st.draft_q is not None:
+            n = min(num, st.draft_q.shape[0])
+            out[i, :n] = st.draft_q[:n]
+        else:
+            for j, t in enumerate(st.drafts[:num]):
+                out[i, j, t] = 1.0
+    return out
+
+
+def make_proposer(worker: "ModelWorker", spec: "ProposerSpec", proposer_dir: str | None,
+                  num_pages: int, ngram: tuple[int, int]) -> Any:
+    if spec.kind == "none":
+        return NoProposer(worker)
+    if spec.kind == "ngram":
+        return NgramDrafter(worker, ngram[0], ngram[1], spec.draft_len)
+    if spec.kind == "draft":
+        from runtime.proposers.draft_model import DraftModelProposer
+
+        return DraftModelProposer(worker, proposer_dir, num_pages)
+    if spec.kind in ("mtp", "eagle"):
+        from runtime.proposers.mtp import make_head_proposer
+
+        return make_head_proposer(worker, spec, proposer_dir, num_pages)
+    raise ValueError(f"unknown proposer {spec.kind!r}")

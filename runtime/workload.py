@@ -1,0 +1,67 @@
+"""Workload files: one request per line (prompt, max_tokens, optional arrival and sampling).
+
+    {"prompt": "def f(x):", "max_tokens": 64, "arrival_s": 0.5, "temperature": 0.0}
+
+Bad lines are rejected with file:line and the field, before anything runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from scheduler.errors import InvalidRequestError
+from scheduler.sampling_params import SamplingParams
+
+_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    prompt: str | list[int]
+    params: SamplingParams
+    arrival_s: float | None = None  # offset from the run's start; None = closed loop
+
+
+def load_workload(path: str | Path, *, limit: int | None = None, max_tokens: int | None = None,
+                  temperature: float | None = None) -> list[WorkItem]:
+    path = Path(path)
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise InvalidRequestError(f"{path}: cannot read workload: {e}") from None
+    items = []
+    for no, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise InvalidRequestError(f"{path}:{no}: not valid JSON: {e}") from None
+        if not isinstance(obj, dict) or "prompt" not in obj:
+            raise InvalidRequestError(f"{path}:{no}: expected an object with a 'prompt'")
+        prompt = obj["prompt"]
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
+            raise InvalidRequestError(f"{path}:{no}: prompt must be a string or a list of token ids")
+        unknown = set(obj) - {"prompt", "arrival_s", *_SAMPLING_KEYS}
+        if unknown:
+            raise InvalidRequestError(f"{path}:{no}: unknown field(s) {sorted(unknown)}")
+        kw = {k: obj[k] for k in _SAMPLING_KEYS if k in obj}
+        if max_tokens is not None:
+            kw["max_tokens"] = max_tokens
+        if temperature is not None:
+            kw["temperature"] = temperature
+        try:
+            params = SamplingParams.make(**kw)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"{path}:{no}: {e}") from None
+        arrival = obj.get("arrival_s")
+        if arrival is not None and not (isinstance(arrival, (int, float)) and arrival >= 0):
+            raise InvalidRequestError(f"{path}:{no}: arrival_s must be a number >= 0")
+        items.append(WorkItem(prompt, params, arrival))
+        if limit is not None and len(items) >= limit:
+            break
+    if not items:
+        raise InvalidRequestError(f"{path}: workload has no requests")
+    return items

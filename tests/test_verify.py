@@ -1,0 +1,376 @@
+"""Tests for runtime.verify: greedy, lossless rejection sampling (chi-square), threshold mode,
+token trees, acceptance statistics."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from runtime.verify import (
+    SpecStats,
+    TreeSpec,
+    greedy_tree_verify,
+    greedy_verify,
+    greedy_verify_ids,
+    rejection_verify,
+    threshold_verify,
+    tree_attention_mask,
+    tree_positions,
+)
+from scheduler.errors import InvalidRequestError
+
+N = 100_000  # rows per statistical test, run as one batch
+
+
+def chi2_pvalue(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value of counts [K] against probabilities [K]; 0 if any count
+    falls outside the support. Survival function via the regularized upper gamma."""
+    counts, probs = counts.double().flatten(), expected_probs.double().flatten()
+    support = probs > 0
+    if counts[~support].sum() > 0:
+        return 0.0
+    expected = probs[support] * counts.sum()
+    stat = ((counts[support] - expected) ** 2 / expected).sum()
+    dof = torch.tensor((int(support.sum()) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof, stat / 2))
+
+
+def dist(values: list[float]) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.float32)
+    return t / t.sum()
+
+
+def random_dist(v: int, gen: torch.Generator, zeros: int = 0) -> torch.Tensor:
+    p = torch.rand(v, generator=gen) + 0.05
+    p[torch.randperm(v, generator=gen)[:zeros]] = 0
+    return p / p.sum()
+
+
+# --- greedy --------------------------------------------------------------------------
+
+
+def reference_greedy(draft: list[int], n: int, target_ids: list[int]) -> list[int]:
+    out = []
+    for i in range(n):
+        if draft[i] != target_ids[i]:
+            break
+        out.append(draft[i])
+    out.append(target_ids[len(out)])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_greedy_verify_matches_reference_loop(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    b, d, v = 64, 5, 3  # tiny vocabulary: long accepted runs happen often
+    draft = torch.randint(0, v, (b, d), generator=gen)
+    num_drafts = torch.randint(0, d + 1, (b,), generator=gen)
+    logits = torch.randn(b, d + 1, v, generator=gen)
+    result = greedy_verify(draft, num_drafts, logits)
+    target_ids = logits.argmax(-1)
+    for i in range(b):
+        expected = reference_greedy(draft[i].tolist(), int(num_drafts[i]), target_ids[i].tolist())
+        assert result.to_lists()[i] == expected
+        assert int(result.num_accepted[i]) == len(expected) - 1
+        assert result.output_tokens[i, len(expected):].eq(-1).all()
+    assert torch.equal(result.num_output, result.num_accepted + 1)
+    assert result.num_accepted.max() >= 3
+
+
+def test_greedy_verify_edge_cases() -> None:
+    target = torch.tensor([[4, 5, 6]])
+    assert greedy_verify_ids(torch.tensor([[4, 5]]), torch.tensor([2]), target).to_lists() == [[4, 5, 6]]
+    assert greedy_verify_ids(torch.tensor([[4, 9]]), torch.tensor([2]), target).to_lists() == [[4, 5]]
+    assert greedy_verify_ids(torch.tensor([[4, 5]]), torch.tensor([1]), target).to_lists() == [[4, 5]]
+    assert greedy_verify_ids(torch.tensor([[4, 5]]), torch.tensor([0]), target).to_lists() == [[4]]
+    empty = greedy_verify_ids(torch.zeros(2, 0, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), torch.tensor([[7], [8]]))
+    assert empty.to_lists() == [[7], [8]]
+
+
+def test_verify_input_errors() -> None:
+    with pytest.raises(ValueError, match="num_drafts must lie"):
+        greedy_verify_ids(torch.zeros(1, 2, dtype=torch.int64), torch.tensor([3]), torch.zeros(1, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="target_ids must be"):
+        greedy_verify_ids(torch.zeros(1, 2, dtype=torch.int64), torch.tensor([2]), torch.zeros(1, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="draft_probs must be"):
+        rejection_verify(torch.zeros(1, 2, dtype=torch.int64), torch.tensor([2]), torch.ones(1, 2, 4), torch.ones(1, 3, 5), [None])
+
+
+# --- lossless rejection sampling -----------------------------------------------------
+
+
+def run_first_token(verifier, p0: torch.Tensor, q0: torch.Tensor | None, draft_token: int | None = None) -> torch.Tensor:
+    """Counts of the first emitted token over N one-draft steps; drafts ~ q0 (or fixed)."""
+    v = p0.numel()
+    if q0 is None:
+        draft = torch.full((N, 1), draft_token, dtype=torch.int64)
+        draft_probs = None
+    else:
+        draft = torch.multinomial(q0, N, replacement=True).unsqueeze(-1)
+        draft_probs = q0.expand(N, 1, v)
+    bonus = random_dist(v, torch.Generator().manual_seed(99))
+    target = torch.stack([p0, bonus]).expand(N, 2, v)
+    result = verifier(draft, torch.ones(N, dtype=torch.int64), draft_probs, target, [None] * N)
+    return torch.bincount(result.output_tokens[:, 0], minlength=v)
+
+
+def accept_always_verify(draft, num_drafts, draft_probs, target_probs, generators):
+    """WRONG: keeps every draft, so the first token follows q, not p."""
+    bonus = target_probs[:, -1].argmax(-1, keepdim=True)
+    return greedy_verify_ids(draft, num_drafts, torch.cat([draft, bonus], 1))
+
+
+def resample_from_p_verify(draft, num_drafts, draft_probs, target_probs, generators):
+    """WRONG: correct accept test, but a rejected draft is replaced by a sample from p."""
+    p = target_probs[:, 0].gather(1, draft)
+    q = torch.ones_like(p) if draft_probs is None else draft_probs[:, 0].gather(1, draft)
+    accepted = torch.rand_like(p) * q < p
+    first = torch.where(accepted, draft, torch.multinomial(target_probs[:, 0], 1))
+    return SimpleNamespace(output_tokens=first)
+
+
+CASES = {
+    "overlapping": (dist([5, 3, 1, 1, 0, 0]), dist([1, 1, 1, 1, 3, 3])),
+    "q_misses_support": (dist([2, 2, 2, 1, 1, 0, 0]), dist([0, 0, 1, 4, 4, 1, 0])),
+    "near_equal": (dist([3, 3, 2, 2, 1]), dist([3, 2, 3, 2, 1])),
+    "random_v8": (random_dist(8, torch.Generator().manual_seed(3), 2), random_dist(8, torch.Generator().manual_seed(4))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rejection_first_token_follows_target(case: str) -> None:
+    torch.manual_seed(1)
+    p0, q0 = CASES[case]
+    assert chi2_pvalue(run_first_token(rejection_verify, p0, q0), p0) > 1e-3
+
+
+@pytest.mark.parametrize("draft_token", [0, 3, 5])
+def test_rejection_one_hot_q_follows_target(draft_token: int) -> None:
+    torch.manual_seed(2)
+    p0 = dist([1, 4, 2, 2, 0, 3])  # draft_token 4 would be a zero-probability guess
+    assert chi2_pvalue(run_first_token(rejection_verify, p0, None, draft_token), p0) > 1e-3
+    assert chi2_pvalue(run_first_token(rejection_verify, p0, None, 4), p0) > 1e-3
+
+
+@pytest.mark.parametrize("case", ["overlapping", "q_misses_support", "random_v8"])
+def test_wrong_verifiers_fail_the_same_test(case: str) -> None:
+    torch.manual_seed(3)
+    p0, q0 = CASES[case]
+    assert chi2_pvalue(run_first_token(accept_always_verify, p0, q0), p0) < 1e-12
+    assert chi2_pvalue(run_first_token(resample_from_p_verify, p0, q0), p0) < 1e-12
+    likely = int(p0.argmax())  # a zero-probability one-hot draft is always rejected: no signal
+    assert chi2_pvalue(run_first_token(resample_from_p_verify, p0, None, likely), p0) < 1e-12
+
+
+def test_rejection_second_token_conditional_on_first() -> None:
+    """Given x_1 accepted, the second emitted token follows p_1(. | x_1), where p_1 depends on
+    x_1; rows drafting 2 (accept/recover at position 2) and rows drafting 1 (bonus) alike."""
+    torch.manual_seed(4)
+    v, gen = 6, torch.Generator().manual_seed(5)
+    p0, q0 = CASES["overlapping"]
+    p1_table = torch.stack([random_dist(v, gen, zeros=i % 3) for i in range(v)])  # [V, V]
+    q1_table = torch.stack([random_dist(v, gen) for _ in range(v)])
+    x1 = torch.multinomial(q0, N, replacement=True)
+    x2 = torch.multinomial(q1_table[x1], 1).squeeze(-1)
+    draft = torch.stack([x1, x2], 1)
+    num_drafts = torch.randint(1, 3, (N,))
+    draft_probs = torch.stack([q0.expand(N, v), q1_table[x1]], 1)
+    target = torch.stack([p0.expand(N, v), p1_table[x1], p1_table[x2]], 1)
+    result = rejection_verify(draft, num_drafts, draft_probs, target, [None] * N)
+    first, second = result.output_tokens[:, 0], result.output_tokens[:, 1]
+    assert chi2_pvalue(torch.bincount(first, minlength=v), p0) > 1e-3
+    kept = result.num_accepted >= 1
+    for token in range(v):
+        rows = kept & (first == token)
+        if rows.sum() > 500:
+            counts = torch.bincount(second[rows], minlength=v)
+            assert chi2_pvalue(counts, p1_table[token]) > 1e-4, token
+
+
+def test_rejection_with_one_hot_target_is_greedy() -> None:
+    gen = torch.Generator().manual_seed(6)
+    b, d, v = 200, 4, 3
+    logits = torch.randn(b, d + 1, v, generator=gen)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), v).float()
+    q = torch.softmax(torch.randn(b, d, v, generator=gen), -1)
+    draft = torch.multinomial(q.reshape(-1, v), 1, generator=gen).reshape(b, d)
+    num_drafts = torch.randint(0, d + 1, (b,), generator=gen)
+    expected = greedy_verify(draft, num_drafts, logits)
+    for probs in (q, None):
+        got = rejection_verify(draft, num_drafts, probs, one_hot, [None] * b)
+        assert torch.equal(got.output_tokens, expected.output_tokens)
+
+
+def test_rejection_seeded_rows_reproducible() -> None:
+    p = torch.softmax(torch.randn(8, 4, 10, generator=torch.Generator().manual_seed(7)), -1)
+    draft = torch.randint(0, 10, (8, 3), generator=torch.Generator().manual_seed(8))
+    runs = [
+        rejection_verify(draft, torch.full((8,), 3), None, p, [torch.Generator().manual_seed(i) for i in range(8)])
+        for _ in range(2)
+    ]
+    assert torch.equal(runs[0].output_tokens, runs[1].output_tokens)
+
+
+def test_rejection_padded_rows_bonus_from_their_position() -> None:
+    torch.manual_seed(9)
+    v = 5
+    bonus = dist([1, 2, 3, 4, 0])
+    p_first = torch.nn.functional.one_hot(torch.tensor(2), v).float()  # draft 2 always accepted
+    target = torch.stack([p_first, bonus, p_first, p_first]).expand(N, 4, v)
+    draft = torch.tensor([2, 0, 0]).expand(N, 3)  # padding after the first draft
+    result = rejection_verify(draft, torch.ones(N, dtype=torch.int64), None, target, [None] * N)
+    assert result.num_accepted.eq(1).all() and result.output_tokens[:, 2].eq(-1).all()
+    assert chi2_pvalue(torch.bincount(result.output_tokens[:, 1], minlength=v), bonus) > 1e-3
+
+
+# --- threshold mode ------------------------------------------------------------------
+
+
+def test_threshold_verify_keeps_confident_prefix() -> None:
+    v = 4
+    rows = [dist([0.9, 0.1, 0, 0]), dist([0.1, 0.6, 0.3, 0]), dist([0.2, 0.1, 0.3, 0.4]), dist([0, 0, 1, 0])]
+    target = torch.stack(rows).unsqueeze(0)
+    draft = torch.tensor([[0, 1, 0]])  # target probs of the drafts: 0.9, 0.6, 0.2
+    assert threshold_verify(draft, torch.tensor([3]), target, 0.5).to_lists() == [[0, 1, 3]]
+    assert threshold_verify(draft, torch.tensor([3]), target, 0.15).to_lists() == [[0, 1, 0, 2]]
+    assert threshold_verify(draft, torch.tensor([3]), target, 0.95).to_lists() == [[0]]
+    assert threshold_verify(draft, torch.tensor([1]), target, 0.5).to_lists() == [[0, 1]]
+    sampled = threshold_verify(draft, torch.tensor([3]), target, 0.5, [torch.Generator().manual_seed(0)])
+    assert sampled.to_lists()[0][:2] == [0, 1] and sampled.to_lists()[0][2] in (0, 1, 2, 3)
+    with pytest.raises(ValueError, match="threshold"):
+        threshold_verify(draft, torch.tensor([3]), target, 0.0)
+    assert v == target.shape[-1]
+
+
+def test_threshold_with_one_hot_target_equals_greedy() -> None:
+    gen = torch.Generator().manual_seed(10)
+    logits = torch.randn(100, 4, 3, generator=gen)
+    draft = torch.randint(0, 3, (100, 3), generator=gen)
+    num_drafts = torch.randint(0, 4, (100,), generator=gen)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), 3).float()
+    got = threshold_verify(draft, num_drafts, one_hot, 0.3)
+    assert torch.equal(got.output_tokens, greedy_verify(draft, num_drafts, logits).output_tokens)
+
+
+# --- trees ---------------------------------------------------------------------------
+
+#        0 (root)
+#       /        \
+#    1:5          2:7
+#    /  \           \
+#  3:8  4:9         5:3
+#   |
+#  6:4
+PARENTS = [-1, 0, 0, 1, 1, 2, 3]
+TOKENS = torch.tensor([0, 5, 7, 8, 9, 3, 4])
+
+
+def logits_for(argmax_per_node: list[int], v: int = 12) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(argmax_per_node), v).float()
+
+
+def test_tree_spec_mask_and_positions() -> None:
+    tree = TreeSpec.from_parents(PARENTS)
+    assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 3] and tree.max_depth == 3
+    mask = tree_attention_mask(tree)
+    assert torch.nonzero(mask[6]).flatten().tolist() == [0, 1, 3, 6]
+    assert torch.nonzero(mask[5]).flatten().tolist() == [0, 2, 5]
+    assert mask.diagonal().all() and not mask.triu(1).any()
+    assert tree_positions(tree, 10).tolist() == [10, 11, 11, 12, 12, 12, 13]
+    assert tree_positions(tree, torch.tensor([0, 5])).tolist()[1] == [5, 6, 6, 7, 7, 7, 8]
+    assert TreeSpec.chain(3).mask.equal(torch.ones(4, 4, dtype=torch.bool).tril())
+    with pytest.raises(ValueError, match="root"):
+        TreeSpec.from_parents([0, 0])
+    with pytest.raises(ValueError, match="bad nodes \\[2\\]"):
+        TreeSpec.from_parents([-1, 0, 3, 1])
+
+
+@pytest.mark.parametrize(
+    ("argmax", "nodes", "out"),
+    [
+        ([5, 9, 0, 0, 2, 0, 0], [1, 4, -1], [5, 9, 2]),
+        ([7, 0, 3, 0, 0, 11, 0], [2, 5, -1], [7, 3, 11]),
+        ([1, 0, 0, 0, 0, 0, 0], [-1, -1, -1], [1]),
+        ([5, 8, 0, 4, 0, 0, 6], [1, 3, 6], [5, 8, 4, 6]),
+        ([5, 1, 0, 0, 0, 0, 0], [1, -1, -1], [5, 1]),
+    ],
+)
+def test_greedy_tree_verify_hand_built(argmax: list[int], nodes: list[int], out: list[int]) -> None:
+    result = greedy_tree_verify(TOKENS, PARENTS, logits_for(argmax))
+    assert result.accepted_nodes[0].tolist() == nodes
+    assert result.to_lists() == [out]
+    assert int(result.num_accepted[0]) == len(out) - 1
+
+
+def reference_tree(tokens: list[int], parents: list[int], argmax: list[int]) -> list[int]:
+    depth = [0] * len(parents)
+    ok = [True] + [False] * (len(parents) - 1)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+        ok[i] = ok[parents[i]] and tokens[i] == argmax[parents[i]]
+    best = max(range(len(parents)), key=lambda i: (ok[i] * (depth[i] + 1), -i))
+    path = []
+    while best != 0:
+        path.append(best)
+        best = parents[best]
+    return [tokens[i] for i in reversed(path)] + [argmax[path[0] if path else 0]]
+
+
+def test_greedy_tree_verify_random_trees_vs_reference() -> None:
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(30):
+        t = int(torch.randint(2, 16, (1,), generator=gen))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, t)]
+        b, v = 16, 3
+        tokens = torch.randint(0, v, (b, t), generator=gen)
+        logits = torch.randn(b, t, v, generator=gen)
+        result = greedy_tree_verify(tokens, parents, logits)
+        argmax = logits.argmax(-1)
+        for i in range(b):
+            assert result.to_lists()[i] == reference_tree(tokens[i].tolist(), parents, argmax[i].tolist())
+
+
+def test_tree_chain_equals_linear_greedy() -> None:
+    gen = torch.Generator().manual_seed(12)
+    d = 4
+    draft = torch.randint(0, 3, (50, d), generator=gen)
+    logits = torch.randn(50, d + 1, 3, generator=gen)
+    tokens = torch.cat([torch.zeros(50, 1, dtype=torch.int64), draft], 1)
+    tree = greedy_tree_verify(tokens, TreeSpec.chain(d), logits)
+    linear = greedy_verify(draft, torch.full((50,), d), logits)
+    assert torch.equal(tree.output_tokens, linear.output_tokens)
+
+
+def test_tree_rejects_sampled_requests() -> None:
+    with pytest.raises(InvalidRequestError, match="greedily only.*rows \\[1\\]"):
+        greedy_tree_verify(TOKENS, PARENTS, logits_for([0] * 7), temperature=torch.tensor([0.0, 0.7]))
+    with pytest.raises(ValueError, match="tree of 7 nodes"):
+        greedy_tree_verify(TOKENS[:5], PARENTS, logits_for([0] * 5))
+
+
+# --- statistics ----------------------------------------------------------------------
+
+
+def test_spec_stats_per_request_and_merged() -> None:
+    a, b = SpecStats(), SpecStats()
+    a.record(3, 3)
+    a.record(3, 1)
+    a.record(0, 0)  # no drafts: a plain decode step, not counted
+    b.record_batch(torch.tensor([2, 4]), torch.tensor([0, 2]))
+    s = a.statistics()
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (2, 6, 4)
+    assert s.mean_acceptance_length == pytest.approx(3.0)
+    assert s.num_accepted_per_position == (2, 1, 1)
+    a.merge(b)
+    s = a.statistics()
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (4, 12, 6)
+    assert s.num_drafted_per_position == (4, 4, 3, 1)
+    assert s.num_accepted_per_position == (3, 2, 1, 0)
+    assert s.acceptance_rate_per_position == (0.75, 0.5, 1 / 3, 0.0)
+    assert s.acceptance_rate == 0.5 and s.mean_acceptance_length == 2.5
+    assert s.to_dict()["num_accepted_per_position"] == [3, 2, 1, 0]
+    empty = SpecStats().statistics()
+    assert empty.mean_acceptance_length == 1.0 and empty.acceptance_rate == 0.0
+    with pytest.raises(ValueError, match="num_accepted"):
+        a.record(2, 3)

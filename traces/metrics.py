@@ -1,0 +1,179 @@
+"""Run metrics from a trace: the one definition bench, stats and the simulator all use.
+
+Why: a number like "bubble fraction" is only comparable between a real run and a simulated
+one if both come from the same code on the same records. Pure Python/numpy; interval
+arithmetic is vectorized, so 100k spans take well under a second.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from traces.schema import HOST_TRACK, Trace, stage_order
+
+PERCENTILES = (50, 90, 99)
+
+
+def compute_metrics(trace: Trace) -> dict[str, Any]:
+    """The run's metrics as a JSON-ready dict with exactly these keys.
+
+    - `requests`: number of finished requests (finish records, any finish reason).
+    - `output_tokens`: sum of `output_len` over finish records.
+    - `duration_s`: first request arrival -> last finish (0.0 without both).
+    - `output_tokens_per_s`: output_tokens / duration_s (None when duration_s is 0).
+    - `ttft_ms`: {p50, p90, p99} of time to first token over finished requests that got one
+      (`ttft_ns`, else `first_token_ns - arrival_ns`); percentiles interpolate linearly
+      (numpy's default); None values when there are no samples.
+    - `tpot_ms`: {p50, p90, p99} of time per output token after the first,
+      `(finish_ns - first_token_ns) / (output_len - 1)`, over requests with output_len > 1.
+    - `steps`: number of step records.
+    - `mean_accept_len`: tokens emitted per speculative step, 1 + accepted / drafts, where a
+      draft is one (request, step) with num_drafted > 0 and `accepted` sums num_accepted
+      over drafts (accepted draft tokens; the 1 is the bonus/recovered token). None when
+      there are no drafts.
+    - `accept_rate_per_pos`: list over draft positions k = 1..max num_drafted: among drafts
+      with num_drafted >= k, the fraction with num_accepted >= k. Empty without drafts.
+    - `device_busy_fraction`: length of the union of all `device:*` span intervals, clipped
+      to [first arrival, last finish], divided by that duration (None when it is 0).
+    - `bubble_fraction`: time during which at least one request has arrived and not
+      finished (a request never finished counts until the trace's last timestamp) while no
+      device span is running, divided by the time at least one such request exists (None
+      when that time is 0). Intervals are half-open [start, end).
+    - `host_ms_per_step`: {stage: total duration of `host` spans with that name / number of
+      step records, in ms}, stages in pipeline order, plus "total": the sum over stages
+      (only "total" = 0.0 without step records).
+    """
+    arrival_ns = {r.request_id: r.arrival_ns for r in trace.requests}
+    finishes = trace.finishes
+    output_tokens = sum(f.output_len for f in finishes)
+    start_ns = min(arrival_ns.values()) if arrival_ns else None
+    end_ns = max((f.finish_ns for f in finishes), default=None)
+    duration_ns = end_ns - start_ns if start_ns is not None and end_ns is not None else 0
+    duration_ns = max(duration_ns, 0)
+    duration_s = duration_ns / 1e9
+
+    ttft_ns = [f.ttft_ns if f.ttft_ns is not None else f.first_token_ns - arrival_ns[f.request_id]
+               for f in finishes if f.ttft_ns is not None
+               or (f.first_token_ns is not None and f.request_id in arrival_ns)]
+    tpot_ns = [(f.finish_ns - f.first_token_ns) / (f.output_len - 1) for f in finishes
+               if f.output_len > 1 and f.first_token_ns is not None]
+
+    device_s, device_e = merge_intervals(*_span_arrays(trace, device=True))
+    busy_ns = 0
+    if duration_ns > 0:
+        busy_ns = int(np.clip(device_e, start_ns, end_ns).sum()
+                      - np.clip(device_s, start_ns, end_ns).sum())
+    pending_s, pending_e = pending_intervals(trace)
+    pending_ns = int((pending_e - pending_s).sum())
+    bubble_s, bubble_e = subtract_intervals(pending_s, pending_e, device_s, device_e)
+    bubble_ns = int((bubble_e - bubble_s).sum())
+
+    mean_accept_len, accept_rate_per_pos = _acceptance(trace)
+    return {
+        "requests": len(finishes),
+        "output_tokens": output_tokens,
+        "duration_s": duration_s,
+        "output_tokens_per_s": output_tokens / duration_s if duration_ns > 0 else None,
+        "ttft_ms": _percentiles_ms(ttft_ns),
+        "tpot_ms": _percentiles_ms(tpot_ns),
+        "steps": len(trace.steps),
+        "mean_accept_len": mean_accept_len,
+        "accept_rate_per_pos": accept_rate_per_pos,
+        "device_busy_fraction": busy_ns / duration_ns if duration_ns > 0 else None,
+        "bubble_fraction": bubble_ns / pending_ns if pending_ns > 0 else None,
+        "host_ms_per_step": _host_ms_per_step(trace),
+    }
+
+
+def merge_intervals(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Union of intervals [start, end) as sorted, disjoint, non-touching int64 arrays."""
+    starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+    keep = ends > starts
+    starts, ends = starts[keep], ends[keep]
+    if starts.size == 0:
+        return starts, ends
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], np.maximum.accumulate(ends[order])
+    new_group = np.empty(starts.size, dtype=bool)
+    new_group[0] = True
+    new_group[1:] = starts[1:] > ends[:-1]
+    last_of_group = np.append(np.flatnonzero(new_group)[1:] - 1, starts.size - 1)
+    return starts[new_group], ends[last_of_group]
+
+
+def subtract_intervals(a_s: np.ndarray, a_e: np.ndarray, b_s: np.ndarray,
+                       b_e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merged intervals A minus merged intervals B (both from `merge_intervals`)."""
+    if a_s.size == 0 or b_s.size == 0:
+        return a_s, a_e
+    points = np.unique(np.concatenate([a_s, a_e, b_s, b_e]))
+    seg_s, seg_e = points[:-1], points[1:]
+    keep = _member(a_s, a_e, seg_s) & ~_member(b_s, b_e, seg_s)
+    return merge_intervals(seg_s[keep], seg_e[keep])
+
+
+def pending_intervals(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """Merged intervals during which at least one request has arrived and not finished."""
+    finish_ns = {f.request_id: f.finish_ns for f in trace.finishes}
+    open_end_ns = trace.end_ns()
+    starts = [r.arrival_ns for r in trace.requests]
+    ends = [finish_ns.get(r.request_id, open_end_ns) for r in trace.requests]
+    return merge_intervals(np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64))
+
+
+def bubble_intervals(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """Merged intervals with requests pending and no device span running."""
+    return subtract_intervals(*pending_intervals(trace),
+                              *merge_intervals(*_span_arrays(trace, device=True)))
+
+
+def _member(s: np.ndarray, e: np.ndarray, points: np.ndarray) -> np.ndarray:
+    idx = np.searchsorted(s, points, side="right") - 1
+    inside = idx >= 0
+    inside[inside] = points[inside] < e[idx[inside]]
+    return inside
+
+
+def _span_arrays(trace: Trace, *, device: bool) -> tuple[np.ndarray, np.ndarray]:
+    spans = [s for s in trace.spans if s.on_device == device]
+    return (np.fromiter((s.start_ns for s in spans), dtype=np.int64, count=len(spans)),
+            np.fromiter((s.end_ns for s in spans), dtype=np.int64, count=len(spans)))
+
+
+def _percentiles_ms(values_ns: list[float]) -> dict[str, float | None]:
+    if not values_ns:
+        return {f"p{p}": None for p in PERCENTILES}
+    qs = np.percentile(np.asarray(values_ns, dtype=np.float64), PERCENTILES)
+    return {f"p{p}": float(q) / 1e6 for p, q in zip(PERCENTILES, qs)}
+
+
+def _acceptance(trace: Trace) -> tuple[float | None, list[float]]:
+    drafted = np.fromiter(itertools.chain.from_iterable(s.num_drafted for s in trace.steps),
+                          dtype=np.int64)
+    accepted = np.fromiter(itertools.chain.from_iterable(s.num_accepted for s in trace.steps),
+                           dtype=np.int64)
+    is_draft = drafted > 0
+    if not is_draft.any():
+        return None, []
+    drafted, accepted = drafted[is_draft], accepted[is_draft]
+    mean_accept_len = 1.0 + int(accepted.sum()) / int(drafted.size)
+    rates = []
+    for k in range(1, int(drafted.max()) + 1):
+        reached = drafted >= k
+        rates.append(int((accepted[reached] >= k).sum()) / int(reached.sum()))
+    return mean_accept_len, rates
+
+
+def _host_ms_per_step(trace: Trace) -> dict[str, float]:
+    num_steps = len(trace.steps)
+    if num_steps == 0:
+        return {"total": 0.0}
+    total_ns: dict[str, int] = {}
+    for s in trace.spans:
+        if s.track == HOST_TRACK:
+            total_ns[s.name] = total_ns.get(s.name, 0) + (s.end_ns - s.start_ns)
+    per_step = {name: total_ns[name] / num_steps / 1e6 for name in stage_order(set(total_ns))}
+    per_step["total"] = sum(per_step.values())
+    return per_step

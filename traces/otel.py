@@ -1,0 +1,370 @@
+"""OpenTelemetry export: request spans (gen_ai conventions) plus step and stage spans.
+
+Why: production stacks already collect OTel; a run should show up in Jaeger/Tempo next to
+the service that called the engine. Shape of the export:
+
+- one span per request, `text_completion {model}` (gen_ai semantic conventions: operation
+  name, request model and sampling parameters, usage tokens, finish reasons), from arrival
+  to finish, with time to first token as the attribute `gen_ai.server.time_to_first_token`
+  (seconds, named after the semconv metric) and a `first_token` event;
+- one span per scheduler step, `step`, linked (span links) to the request spans of its batch;
+- one span per stage, a child of its step's span: `spec.draft`, `spec.verify`,
+  `spec.accept`, `spec.draft_fill`, `spec.mtp`, and `schedule`, `kv_alloc`, `plan`,
+  `sync`, `output`, ... as recorded; device spans carry `specsched.device.stream`.
+
+Span attributes from the trace are exported as `specsched.<key>`. Trace timestamps are
+mapped to epoch ns with the header's (created_unix_s, created_clock_ns) anchor.
+
+`OtelTracer` implements the `Tracer` hook on an SDK TracerProvider; stage spans wait (a
+bounded number of steps) for their step record so they can be parented under it. The live
+variant exports through a BatchSpanProcessor (bounded queue that drops when full, export in
+a background thread, short OTLP timeout), so a slow or dead collector never blocks the caller.
+"""
+from __future__ import annotations
+
+import base64
+import os
+import time
+from collections import OrderedDict
+from typing import Any, Sequence
+
+import orjson
+from opentelemetry import trace as otel_trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+from traces.hook import replay
+from traces.schema import DEVICE_TRACK_PREFIX, FORMAT_VERSION, Header, Trace
+
+SPEC_STAGES = frozenset({"draft", "verify", "accept", "draft_fill", "mtp"})
+OPERATION = "text_completion"
+
+
+def stage_span_name(stage: str) -> str:
+    return f"spec.{stage}" if stage in SPEC_STAGES else stage
+
+
+def _attr(value: Any) -> Any:
+    """An OTel attribute value (primitives or homogeneous lists; others as JSON), or None."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)) and value and all(
+            type(v) is type(value[0]) and isinstance(v, (str, bool, int, float)) for v in value):
+        return list(value)
+    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY, default=str).decode()
+
+
+class OtelTracer:
+    """The tracer hook turning records into OpenTelemetry SDK spans on a span processor."""
+
+    enabled = True
+
+    def __init__(self, header: Header, span_processor: SpanProcessor, *,
+                 clock_offset_ns: int | None = None, max_pending_steps: int = 256,
+                 max_remembered: int = 65536, shutdown_on_exit: bool = True):
+        self.header = header
+        if clock_offset_ns is None:
+            clock_offset_ns = _clock_offset_ns(header, None)
+        self.clock_offset_ns = clock_offset_ns
+        resource = Resource.create({
+            "service.name": os.environ.get("OTEL_SERVICE_NAME", "specsched"),
+            "specsched.source": header.source, "specsched.schedule": header.schedule,
+            "specsched.proposer": header.proposer, "specsched.draft_len": header.draft_len,
+            "specsched.model": header.model, "specsched.device.kind": header.device.kind,
+            "specsched.device.name": header.device.name})
+        self.provider = TracerProvider(resource=resource, shutdown_on_exit=shutdown_on_exit)
+        self.provider.add_span_processor(span_processor)
+        self._tracer = self.provider.get_tracer("specsched.traces", FORMAT_VERSION)
+        self._max_pending_steps, self._max_remembered = max_pending_steps, max_remembered
+        self._open: dict[str, Any] = {}  # request_id -> open request span
+        self._stats: dict[str, list[int]] = {}  # request_id -> [steps, drafted, accepted]
+        self._request_ctx: OrderedDict[str, Any] = OrderedDict()  # finished, for links
+        self._step_ctx: OrderedDict[int, Any] = OrderedDict()
+        self._pending: OrderedDict[int, list[tuple]] = OrderedDict()  # step -> stage spans
+        self._last_ns = 0
+        self._closed = False
+
+    def _ns(self, t_ns: int) -> int:
+        return t_ns + self.clock_offset_ns
+
+    def request(self, request_id: str, arrival_ns: int, prompt_len: int, max_tokens: int,
+                temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                seed: int | None = None) -> None:
+        attrs = {"gen_ai.operation.name": OPERATION, "gen_ai.request.model": self.header.model,
+                 "gen_ai.usage.input_tokens": prompt_len, "gen_ai.request.max_tokens": max_tokens,
+                 "gen_ai.request.temperature": temperature, "gen_ai.request.top_p": top_p,
+                 "specsched.request_id": request_id}
+        if top_k > 0:
+            attrs["gen_ai.request.top_k"] = top_k
+        if seed is not None:
+            attrs["gen_ai.request.seed"] = seed
+        self._open[request_id] = self._tracer.start_span(
+            f"{OPERATION} {self.header.model}", kind=SpanKind.INTERNAL, attributes=attrs,
+            start_time=self._ns(arrival_ns))
+        self._stats[request_id] = [0, 0, 0]
+        self._last_ns = max(self._last_ns, arrival_ns)
+
+    def span(self, track: str, name: str, step: int | None, start_ns: int, end_ns: int,
+             **attrs: Any) -> None:
+        self._last_ns = max(self._last_ns, end_ns)
+        entry = (track, name, step, start_ns, end_ns, attrs)
+        if step is None or step in self._step_ctx:
+            self._emit_stage(entry, self._step_ctx.get(step))
+            return
+        self._pending.setdefault(step, []).append(entry)
+        if len(self._pending) > self._max_pending_steps:
+            self._emit_orphan_step(*self._pending.popitem(last=False))
+
+    def step(self, step: int, kind: str, start_ns: int, end_ns: int,
+             request_ids: Sequence[str], num_new_tokens: Sequence[int],
+             kv_lens: Sequence[int], num_drafted: Sequence[int] | None = None,
+             num_accepted: Sequence[int] | None = None,
+             num_output: Sequence[int] | None = None) -> None:
+        self._last_ns = max(self._last_ns, end_ns)
+        drafted = list(num_drafted) if num_drafted is not None else [0] * len(request_ids)
+        accepted = list(num_accepted) if num_accepted is not None else [0] * len(request_ids)
+        links = []
+        for rid, d, a in zip(request_ids, drafted, accepted):
+            ctx = self._request_context(rid)
+            if ctx is not None:
+                links.append(Link(ctx))
+            stats = self._stats.get(rid)
+            if stats is not None:
+                stats[0] += 1
+                stats[1] += d
+                stats[2] += a
+        attrs = {"specsched.step": step, "specsched.step.kind": kind,
+                 "specsched.batch_size": len(request_ids),
+                 "specsched.num_new_tokens": sum(num_new_tokens),
+                 "specsched.kv_tokens": sum(kv_lens), "specsched.num_drafted": sum(drafted),
+                 "specsched.num_accepted": sum(accepted)}
+        if num_output is not None:
+            attrs["specsched.num_output"] = sum(num_output)
+        span = self._tracer.start_span("step", attributes=attrs, links=links,
+                                       start_time=self._ns(start_ns))
+        span.end(end_time=self._ns(end_ns))
+        self._remember(self._step_ctx, step, span.get_span_context())
+        for entry in self._pending.pop(step, ()):
+            self._emit_stage(entry, self._step_ctx[step])
+
+    def finish(self, request_id: str, finish_ns: int, finish_reason: str, output_len: int,
+               first_token_ns: int | None, ttft_ns: int | None = None,
+               agreement: Sequence[int] | None = None, agreement_kind: str | None = None,
+               error: str | None = None) -> None:
+        self._last_ns = max(self._last_ns, finish_ns)
+        span = self._open.pop(request_id, None)
+        if span is None:  # its request record was never seen: start at the best guess
+            start_ns = (first_token_ns - ttft_ns if first_token_ns is not None
+                        and ttft_ns is not None else finish_ns)
+            span = self._tracer.start_span(f"{OPERATION} {self.header.model}",
+                                           start_time=self._ns(start_ns), attributes={
+                                               "gen_ai.operation.name": OPERATION,
+                                               "gen_ai.request.model": self.header.model,
+                                               "specsched.request_id": request_id})
+        steps, drafted, accepted = self._stats.pop(request_id, (0, 0, 0))
+        span.set_attribute("gen_ai.usage.output_tokens", output_len)
+        span.set_attribute("gen_ai.response.finish_reasons", [finish_reason])
+        span.set_attribute("specsched.num_steps", steps)
+        span.set_attribute("specsched.num_drafted", drafted)
+        span.set_attribute("specsched.num_accepted", accepted)
+        if ttft_ns is not None:
+            span.set_attribute("gen_ai.server.time_to_first_token", ttft_ns / 1e9)
+        if first_token_ns is not None:
+            span.add_event("first_token", timestamp=self._ns(first_token_ns))
+        if agreement is not None:
+            span.set_attribute("specsched.agreement_rate", sum(agreement) / max(len(agreement), 1))
+        if finish_reason == "error":
+            span.set_attribute("error.type", "error")
+            span.set_status(Status(StatusCode.ERROR, error or "error"))
+        span.end(end_time=self._ns(finish_ns))
+        self._remember(self._request_ctx, request_id, span.get_span_context())
+
+    def close(self) -> None:
+        """Emits waiting stage spans, ends unfinished requests, shuts the provider down."""
+        if self._closed:
+            return
+        self._closed = True
+        while self._pending:
+            self._emit_orphan_step(*self._pending.popitem(last=False))
+        for span in self._open.values():
+            span.set_attribute("specsched.finished", False)
+            span.end(end_time=self._ns(self._last_ns))
+        self._open.clear()
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        self.provider.shutdown()
+
+    def _request_context(self, request_id: str) -> Any:
+        span = self._open.get(request_id)
+        return span.get_span_context() if span is not None else self._request_ctx.get(request_id)
+
+    def _remember(self, cache: OrderedDict, key: Any, value: Any) -> None:
+        cache[key] = value
+        if len(cache) > self._max_remembered:
+            cache.popitem(last=False)
+
+    def _emit_stage(self, entry: tuple, parent_ctx: Any) -> None:
+        track, name, step, start_ns, end_ns, attrs = entry
+        otel_attrs = {"specsched.stage": name, "specsched.track": track}
+        if step is not None:
+            otel_attrs["specsched.step"] = step
+        if track.startswith(DEVICE_TRACK_PREFIX):
+            otel_attrs["specsched.device.stream"] = track[len(DEVICE_TRACK_PREFIX):]
+        for key, value in attrs.items():
+            value = _attr(value)
+            if value is not None:
+                otel_attrs[f"specsched.{key}"] = value
+        context = (otel_trace.set_span_in_context(otel_trace.NonRecordingSpan(parent_ctx))
+                   if parent_ctx is not None else None)
+        span = self._tracer.start_span(stage_span_name(name), context=context,
+                                       attributes=otel_attrs, start_time=self._ns(start_ns))
+        span.end(end_time=self._ns(end_ns))
+
+    def _emit_orphan_step(self, step: int, entries: list[tuple]) -> None:
+        """A step whose record never came: a `step` span spanning its stage spans."""
+        span = self._tracer.start_span(
+            "step", attributes={"specsched.step": step, "specsched.step.complete": False},
+            start_time=self._ns(min(e[3] for e in entries)))
+        span.end(end_time=self._ns(max(e[4] for e in entries)))
+        self._remember(self._step_ctx, step, span.get_span_context())
+        for entry in entries:
+            self._emit_stage(entry, span.get_span_context())
+
+
+class OtelLiveTracer(OtelTracer):
+    """Live export from a running engine over OTLP/HTTP (protobuf).
+
+    The exporter is `exporter`, else an OTLPSpanExporter for `endpoint` (full URL such as
+    http://collector:4318/v1/traces), else one configured by the standard
+    OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT/HEADERS/TIMEOUT/COMPRESSION variables. Spans queue
+    in a BatchSpanProcessor (at most `max_queue_size`; newer spans are dropped when full) and
+    are exported by its thread; each export gives up after `export_timeout_s`; `close()`
+    waits at most `shutdown_timeout_s` for the queue to drain.
+    """
+
+    def __init__(self, header: Header, exporter: SpanExporter | None = None, *,
+                 endpoint: str | None = None, export_timeout_s: float | None = 2.0,
+                 max_queue_size: int = 2048, max_export_batch_size: int = 512,
+                 schedule_delay_ms: float = 1000.0, shutdown_timeout_s: float = 3.0,
+                 **options: Any):
+        if exporter is None:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            env_timeout = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT" in os.environ
+                           or "OTEL_EXPORTER_OTLP_TIMEOUT" in os.environ)
+            exporter = OTLPSpanExporter(endpoint=endpoint,
+                                        timeout=None if env_timeout else export_timeout_s)
+        self._processor = BatchSpanProcessor(
+            exporter, max_queue_size=max_queue_size, schedule_delay_millis=schedule_delay_ms,
+            max_export_batch_size=min(max_export_batch_size, max_queue_size))
+        self.shutdown_timeout_s = shutdown_timeout_s
+        super().__init__(header, self._processor, **options)
+
+    def _shutdown(self) -> None:
+        self._processor.shutdown(timeout_millis=self.shutdown_timeout_s * 1e3)
+        self.provider.shutdown()
+
+
+class _ChunkedExportProcessor(SpanProcessor):
+    """Exports ended spans synchronously in chunks: lossless, for offline export.
+
+    Shutting it down flushes but leaves the exporter (owned by the caller) open.
+    """
+
+    def __init__(self, exporter: SpanExporter, chunk_size: int):
+        self.exporter, self.chunk_size = exporter, chunk_size
+        self._chunk: list[ReadableSpan] = []
+        self.num_exported = self.num_failed = 0
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self._chunk.append(span)
+        if len(self._chunk) >= self.chunk_size:
+            self.force_flush()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        chunk, self._chunk = self._chunk, []
+        if chunk:
+            result = self.exporter.export(chunk)
+            if result is SpanExportResult.SUCCESS:
+                self.num_exported += len(chunk)
+            else:
+                self.num_failed += len(chunk)
+        return True
+
+    def shutdown(self) -> None:
+        self.force_flush()
+
+
+def export_trace_otel(trace: Trace, span_exporter: SpanExporter, *,
+                      chunk_size: int = 512) -> int:
+    """Exports a recorded trace through `span_exporter`; returns the number of spans exported.
+
+    Raises RuntimeError when the exporter reported a failure. The exporter is not shut down.
+    """
+    processor = _ChunkedExportProcessor(span_exporter, chunk_size)
+    tracer = OtelTracer(trace.header, processor, shutdown_on_exit=False,
+                        clock_offset_ns=_clock_offset_ns(trace.header, trace),
+                        max_remembered=1 << 62)
+    replay(trace, tracer, close=True)
+    if processor.num_failed:
+        raise RuntimeError(f"OTel export failed for {processor.num_failed} of "
+                           f"{processor.num_failed + processor.num_exported} spans")
+    return processor.num_exported
+
+
+def export_otel_json(trace: Trace, path: str | os.PathLike, *, chunk_size: int = 1024) -> int:
+    """Writes the export as OTLP/JSON: one ExportTraceServiceRequest per line (the format
+    of the OpenTelemetry Collector's file exporter / otlpjsonfile receiver). Returns spans."""
+    from google.protobuf.json_format import MessageToDict
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    collector = _ListExporter()
+    count = export_trace_otel(trace, collector, chunk_size=chunk_size)
+    with open(path, "wb") as f:
+        for chunk in collector.chunks:
+            message = MessageToDict(encode_spans(chunk), use_integers_for_enums=True)
+            _ids_to_hex(message)
+            f.write(orjson.dumps(message) + b"\n")
+    return count
+
+
+class _ListExporter(SpanExporter):
+    def __init__(self) -> None:
+        self.chunks: list[list[ReadableSpan]] = []
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.chunks.append(list(spans))
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _ids_to_hex(node: Any) -> None:
+    """OTLP/JSON writes trace and span ids as hex, not proto3-JSON's base64."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("traceId", "spanId", "parentSpanId") and isinstance(value, str):
+                node[key] = base64.b64decode(value).hex()
+            else:
+                _ids_to_hex(value)
+    elif isinstance(node, list):
+        for item in node:
+            _ids_to_hex(item)
+
+
+def _clock_offset_ns(header: Header, trace: Trace | None) -> int:
+    """epoch_ns - trace_clock_ns: from the header's anchor, else assume the header was
+    created at the first record (offline) or now (live, monotonic clock)."""
+    created_ns = round(header.created_unix_s * 1e9)
+    if header.created_clock_ns is not None:
+        return created_ns - header.created_clock_ns
+    if trace is not None:
+        return created_ns - trace.start_ns()
+    if header.clock == "monotonic_ns":
+        return time.time_ns() - time.monotonic_ns()
+    return created_ns
