@@ -28,7 +28,7 @@ from runtime.kv_cache import PagedKVCache
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor | None  # [M, V] float32, rows `logits_indices` (all N if None)
+    logits: torch.Tensor  # [M, V] float32, rows `logits_indices` (all N if None)
     hidden: torch.Tensor | None  # [N, H] last layer output BEFORE the final norm, or None
 
 
@@ -49,14 +49,24 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        if config.rope_scaling is not None:
-            inv_freq = _llama3_inv_freq(inv_freq, config)
-        self.register_buffer("inv_freq", torch.cat([inv_freq, inv_freq]), persistent=False)  # [D]
-        self.register_buffer(
-            "sign", torch.cat([-torch.ones(d // 2), torch.ones(d // 2)]), persistent=False
-        )  # [D]
+        self.config = config
+        self._build(torch.device("cpu"))
+
+    def _build(self, device: torch.device) -> None:
+        c, d = self.config, self.config.head_dim
+        with torch.device(device):
+            inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+            if c.rope_scaling is not None:
+                inv_freq = _llama3_inv_freq(inv_freq, c)
+            self.register_buffer("inv_freq", torch.cat([inv_freq, inv_freq]), persistent=False)
+            sign = torch.cat([-torch.ones(d // 2), torch.ones(d // 2)])
+            self.register_buffer("sign", sign, persistent=False)  # [D]
+
+    def _apply(self, fn, recurse=True):
+        # Tables stay float32 whatever dtype the model is cast to; rebuilt on the new device.
+        super()._apply(fn, recurse)
+        self._build(self.inv_freq.device)
+        return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
         angles = positions.unsqueeze(-1).float() * self.inv_freq  # [..., D] fp32
@@ -188,9 +198,28 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the config ties them (again after a
+        device move that replaced parameters, e.g. `to_empty` from meta)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @classmethod
+    def random(cls, config: ModelConfig, seed: int = 0, std: float = 0.02,
+               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "LlamaModel":
+        """A randomly initialised model (N(0, std) weights, unit norms), frozen, for benchmarks."""
+        gen = torch.Generator().manual_seed(seed)
+        model = cls(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("layernorm.weight") or name == "norm.weight":
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+        return model.to(device=device, dtype=dtype).requires_grad_(False).eval()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -227,7 +256,7 @@ class LlamaModel(nn.Module):
 
         input_ids [N] (ignored when inputs_embeds [N, H] is given), positions [N] RoPE
         positions, logits_indices [M] rows to compute logits for (None: all N; an empty
-        tensor skips the LM head).
+        tensor gives [0, V] logits).
         """
         if inputs_embeds is None:
             x = F.embedding(input_ids, self.embed_tokens.weight)
@@ -239,8 +268,7 @@ class LlamaModel(nn.Module):
         hidden = x if return_hidden else None
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
-        logits = self.compute_logits(self.final_norm(x)) if x.shape[0] else None
-        return ModelOutput(logits=logits, hidden=hidden)
+        return ModelOutput(logits=self.compute_logits(self.final_norm(x)), hidden=hidden)
 
     def forward_full(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Plain causal forward without a KV cache: input_ids [B, T] ->

@@ -24,8 +24,8 @@ Modes: `greedy_verify` (exact match with the target's argmax), `rejection_verify
 sampling, Leviathan et al. 2023 / Chen et al. 2023: the emitted tokens are distributed
 exactly as sampling from the target), `threshold_verify` (LOSSY: keeps drafts the target
 finds likely enough), and `greedy_tree_verify` for token trees (greedy only). `SpecStats`
-counts drafted and accepted tokens for metrics. Everything is batched and loop-free over tokens; nothing here waits on the
-device except the input checks, which run only for CPU tensors.
+counts drafted and accepted tokens for metrics. Everything is batched and loop-free over
+tokens; nothing here waits on the device except input checks, which run for CPU tensors only.
 """
 from __future__ import annotations
 
@@ -190,14 +190,11 @@ class TreeSpec:
     parents: torch.Tensor  # [T] int64, parent node index; -1 for the root
     depths: torch.Tensor  # [T] int64, 0 for the root
     mask: torch.Tensor  # [T, T] bool, mask[i, j]: node i attends to node j (j ancestor-or-self)
+    max_depth: int  # longest root-to-leaf path, in drafts
 
     @property
     def num_nodes(self) -> int:
         return self.parents.shape[0]
-
-    @property
-    def max_depth(self) -> int:
-        return int(self.depths.max())
 
     @classmethod
     def from_parents(cls, parents: Sequence[int] | torch.Tensor) -> "TreeSpec":
@@ -212,7 +209,7 @@ class TreeSpec:
         for i in range(1, len(par)):
             depths[i] = depths[par[i]] + 1
             mask[i] |= mask[par[i]]
-        return cls(torch.tensor(par, dtype=torch.int64), torch.tensor(depths, dtype=torch.int64), mask)
+        return cls(torch.tensor(par, dtype=torch.int64), torch.tensor(depths, dtype=torch.int64), mask, max(depths))
 
     @classmethod
     def chain(cls, num_drafts: int) -> "TreeSpec":
@@ -220,7 +217,7 @@ class TreeSpec:
         return cls.from_parents([-1, *range(num_drafts)])
 
     def to(self, device: torch.device | str) -> "TreeSpec":
-        return TreeSpec(self.parents.to(device), self.depths.to(device), self.mask.to(device))
+        return TreeSpec(self.parents.to(device), self.depths.to(device), self.mask.to(device), self.max_depth)
 
 
 def tree_attention_mask(tree: TreeSpec) -> torch.Tensor:

@@ -32,6 +32,7 @@ from scheduler.batch_builder import BatchBuilder, StepBatch
 from scheduler.protocols import Clock, Device, DeviceError, Event
 from scheduler.proposer import ProposerSpec, validate_combination
 from scheduler.request import Request, RequestState
+from traces.hook import NULL_TRACER
 
 
 class OutputSink(Protocol):
@@ -53,21 +54,26 @@ class PipelineConfig:
         validate_combination(self.proposer.kind, self.schedule, self.proposer.draft_len)
 
 
-class _NullTracer:
-    enabled = False
-
-    def span(self, *a: Any, **k: Any) -> None: ...
-    def step(self, *a: Any, **k: Any) -> None: ...
-    def request(self, *a: Any, **k: Any) -> None: ...
-    def finish(self, *a: Any, **k: Any) -> None: ...
-
-
 @dataclass
 class _Launch:
     event: Event
     step: int
     op: str
     attrs: dict
+
+
+def batch_attrs(batch: StepBatch) -> dict:
+    """Shape of a step for traces and cost models: requests, tokens, KV tokens."""
+    return {
+        "requests": len(batch.seqs),
+        "tokens": batch.num_tokens,
+        "kv_tokens": sum(s.request.num_computed_tokens + s.num_new_tokens + s.num_draft for s in batch.seqs),
+    }
+
+
+def _fill_attrs(msg: dict) -> dict:
+    qo = msg["plan"]["qo_indptr"]
+    return {"requests": len(qo) - 1, "tokens": int(qo[-1]), "kv_tokens": int(msg["plan"]["kv_lens"].sum())}
 
 
 class Pipeline:
@@ -88,7 +94,7 @@ class Pipeline:
         self.blocks = builder.blocks
         self.clock = clock
         self.sink = sink
-        self.tracer = tracer if tracer is not None else _NullTracer()
+        self.tracer = tracer if tracer is not None else NULL_TRACER
         self.eos = set(eos_token_ids)
         self.main = device.stream("main")
         self.aux = device.stream("draft")
@@ -102,6 +108,9 @@ class Pipeline:
         self._stopping = False
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        # Simulator hook: virtual nanoseconds a host stage costs, given its attributes. The
+        # engine leaves it None: real host work takes real time.
+        self.host_cost: Any = None
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -157,19 +166,28 @@ class Pipeline:
         return self._inflight is not None and any(s.request is req for s in self._inflight[0].seqs)
 
     # -- tracing helpers --------------------------------------------------------------------
+    async def _host(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
+        """End of a host stage: charge its modelled cost (simulator), then record its span."""
+        if self.host_cost is not None:
+            await self.clock.sleep_ns(int(self.host_cost(name, attrs)))
+        self.tracer.span("host", name, step, start_ns, self.clock.now_ns(), **attrs)
+
     def _span(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
         self.tracer.span("host", name, step, start_ns, self.clock.now_ns(), **attrs)
 
-    def _launch(self, stream: Any, op: str, msg: dict, step: int, **attrs: Any) -> _Launch:
+    async def _launch(self, stream: Any, op: str, msg: dict, step: int, **attrs: Any) -> _Launch:
         if self._release:
             msg["release"] = self._release
             self._release = []
         t0 = self.clock.now_ns()
+        if self.host_cost is not None:
+            await self.clock.sleep_ns(int(self.host_cost("launch", attrs)))
         ev = stream.launch(op, msg)
         launch = _Launch(ev, step, op, attrs)
         if self.tracer.enabled:
             launch_id = f"{step}:{op}"
-            self.tracer.span("host", "launch", step, t0, self.clock.now_ns(), op=op, launch_id=launch_id)
+            self.tracer.span("host", "launch", step, t0, self.clock.now_ns(), op=op,
+                             launch_id=launch_id, **attrs)
             launch.attrs["launch_id"] = launch_id
             self._unrecorded.append(launch)
         return launch
@@ -182,21 +200,29 @@ class Pipeline:
             self._span("sync", launch.step, t0, op=launch.op)
 
     def _record_device_spans(self, force: bool = False) -> None:
+        """Device intervals become `device:<stream>` spans once their events are done."""
         keep = []
         for launch in self._unrecorded:
             ev = launch.event
-            if not (force or ev.query()) or ev.start_ns is None:
+            if not ev.query():
                 if not force:
                     keep.append(launch)
                 continue
+            if ev.start_ns is None:
+                continue
             track = f"device:{ev.stream}"
-            name = "draft_fill" if launch.op == "fill" else launch.op
-            sub = getattr(ev, "substages", None)
+            attrs = {k: v for k, v in launch.attrs.items() if k != "t_step"}
+            try:
+                result = ev.synchronize(0)
+            except Exception:  # noqa: BLE001 - failed work still occupied the device
+                result = None
+            sub = result.get("_substages") if isinstance(result, dict) else None
             if sub:
                 for sname, s0, s1 in sub:
-                    self.tracer.span(track, sname, launch.step, s0, s1, **launch.attrs)
+                    self.tracer.span(track, sname, launch.step, s0, s1, **attrs)
             else:
-                self.tracer.span(track, name, launch.step, ev.start_ns, ev.end_ns, **launch.attrs)
+                name = {"fill": "draft_fill", "forward": attrs.get("kind", "forward")}.get(launch.op, launch.op)
+                self.tracer.span(track, name, launch.step, ev.start_ns, ev.end_ns, **attrs)
         self._unrecorded = keep
 
     # -- main loop --------------------------------------------------------------------------
@@ -239,7 +265,7 @@ class Pipeline:
         t_step = self.clock.now_ns()
         t0 = t_step
         batch = self.builder.schedule()
-        self._span("schedule", batch.step, t0, requests=len(batch), tokens=batch.num_tokens)
+        await self._host("schedule", batch.step, t0, **batch_attrs(batch))
         if not batch.seqs:
             await self._drain()
             if not batch.seqs and self.builder.has_work and self._inflight is None:
@@ -247,7 +273,7 @@ class Pipeline:
             return
         t0 = self.clock.now_ns()
         self.builder.allocate(batch)
-        self._span("kv_alloc", batch.step, t0, pages_used=self.blocks.num_used_pages)
+        await self._host("kv_alloc", batch.step, t0, pages_used=self.blocks.num_used_pages, **batch_attrs(batch))
         if batch.is_spec:
             await self._spec_step(batch, t_step)
         else:
@@ -263,9 +289,9 @@ class Pipeline:
         fill_msg = None
         if spec.kv_model is not None:
             fill_msg = self._prefill_fill_message(batch)
-        self._span("plan", batch.step, t0, tokens=batch.num_tokens)
-        launch = self._launch(self.main, "forward", msg, batch.step, tokens=batch.num_tokens,
-                              requests=len(batch), kind=batch.kind)
+        await self._host("plan", batch.step, t0, **batch_attrs(batch))
+        launch = await self._launch(self.main, "forward", msg, batch.step, kind=batch.kind,
+                                    **batch_attrs(batch))
         launch.attrs["t_step"] = t_step
         for s in batch.seqs:
             r = s.request
@@ -280,7 +306,8 @@ class Pipeline:
         s_fill = None
         if fill_msg is not None:
             self.aux.wait_event(launch.event)
-            s_fill = self._launch(self.aux, "fill", fill_msg, batch.step, after="forward")
+            s_fill = await self._launch(self.aux, "fill", fill_msg, batch.step, after="forward",
+                                        **_fill_attrs(fill_msg))
         if self.config.schedule == "plain_overlap":
             prev, self._inflight = self._inflight, (batch, launch)
             if prev is not None:
@@ -332,7 +359,7 @@ class Pipeline:
                 out_counts.append(self._emit(r, [int(tokens[i])]))
             else:
                 out_counts.append(0)
-        self._span("output", batch.step, t0, tokens=sum(out_counts))
+        await self._host("output", batch.step, t0, **batch_attrs(batch), emitted=sum(out_counts))
         self._step_record(batch, launch.attrs.get("t_step", t0), out_counts, [0] * len(batch), [0] * len(batch))
 
     # -- speculative steps --------------------------------------------------------------------
@@ -347,8 +374,9 @@ class Pipeline:
             start = vmsg["start"]
             fmsg = messages.fill_message(batch.step, reqs, start, start + 1 + spec.num_candidates,
                                          self.blocks, spec, after="verify")
-        self._span("plan", batch.step, t0, tokens=batch.num_tokens)
-        d_launch = self._launch(self.aux, "draft", dmsg, batch.step, requests=len(batch))
+        await self._host("plan", batch.step, t0, **batch_attrs(batch))
+        d_launch = await self._launch(self.aux, "draft", dmsg, batch.step, **batch_attrs(batch),
+                                      num_draft=int(dmsg["num_draft"].max()))
         self._pending_fill = None  # the draft queues behind any pending fill on its stream
         if sched == "sync":
             try:
@@ -357,12 +385,12 @@ class Pipeline:
                 self._fail_batch(batch, e)
                 return
         self.main.wait_event(d_launch.event)
-        v_launch = self._launch(self.main, "verify", vmsg, batch.step, tokens=batch.num_tokens,
-                                requests=len(batch))
+        v_launch = await self._launch(self.main, "verify", vmsg, batch.step, **batch_attrs(batch))
         f_launch = None
         if fmsg is not None and sched == "mtp":
             self.aux.wait_event(v_launch.event)
-            f_launch = self._launch(self.aux, "fill", fmsg, batch.step, after="verify")
+            f_launch = await self._launch(self.aux, "fill", fmsg, batch.step, after="verify",
+                                          **_fill_attrs(fmsg))
         try:
             result = await self._sync(v_launch)
         except DeviceError as e:
@@ -394,9 +422,10 @@ class Pipeline:
                 fm = messages.fill_message(batch.step, reqs, np.array(starts), np.array(ends),
                                            self.blocks, spec, after="verify")
                 fm["accepted"] = accepted
-            self._span("plan", batch.step, t0, kind="fill")
+            await self._host("plan", batch.step, t0, kind="fill", **_fill_attrs(fm))
             self.aux.wait_event(v_launch.event)
-            f_launch = self._launch(self.aux, "fill", fm, batch.step, after="verify")
+            f_launch = await self._launch(self.aux, "fill", fm, batch.step, after="verify",
+                                          **_fill_attrs(fm))
         t0 = self.clock.now_ns()
         out_counts = []
         for i, s in enumerate(batch.seqs):
@@ -408,7 +437,7 @@ class Pipeline:
             out_counts.append(self._emit(r, [int(t) for t in emitted[i]]))
             if not r.is_finished:
                 self.blocks.trim(r.request_id, "target", r.num_tokens)
-        self._span("output", batch.step, t0, tokens=sum(out_counts))
+        await self._host("output", batch.step, t0, **batch_attrs(batch), emitted=sum(out_counts))
         self._step_record(batch, t_step, out_counts, [int(x) for x in num_drafts], [int(x) for x in accepted])
         if f_launch is not None:
             if sched == "sync":

@@ -99,10 +99,15 @@ def test_host_and_device_work_overlap(device):
         h1 = time.monotonic_ns()
         event.synchronize(TIMEOUT_S)
         wall_ns = time.monotonic_ns() - t0
-        overlapping = event.start_ns < h1 and h0 < event.end_ns
+        assert event.start_ns < h1 and h0 < event.end_ns  # the device ran while the host worked
         ratios.append(wall_ns / (2 * work_ms * 1e6))
-        if overlapping and ratios[-1] < 0.8:
+        if ratios[-1] < 0.8:
             return
+    load = os.getloadavg()[0]
+    num_cpus = len(os.sched_getaffinity(0))
+    if num_cpus < 2 or load > num_cpus - 0.5:
+        pytest.skip(f"machine too busy to show parallelism (load {load:.1f} on {num_cpus} cores); "
+                    f"wall / (host + device) = {[round(r, 2) for r in ratios]}")
     pytest.fail(f"no overlap: wall / (host + device) CPU time = {[round(r, 2) for r in ratios]}")
 
 

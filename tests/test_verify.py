@@ -374,3 +374,22 @@ def test_spec_stats_per_request_and_merged() -> None:
     assert empty.mean_acceptance_length == 1.0 and empty.acceptance_rate == 0.0
     with pytest.raises(ValueError, match="num_accepted"):
         a.record(2, 3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_verifiers_on_cuda_match_cpu() -> None:
+    gen = torch.Generator().manual_seed(13)
+    b, d, v = 32, 4, 5
+    logits = torch.randn(b, d + 1, v, generator=gen)
+    draft = torch.randint(0, v, (b, d), generator=gen)
+    num_drafts = torch.randint(0, d + 1, (b,), generator=gen)
+    cpu = greedy_verify(draft, num_drafts, logits)
+    gpu = greedy_verify(draft.cuda(), num_drafts.cuda(), logits.cuda())
+    assert torch.equal(gpu.output_tokens.cpu(), cpu.output_tokens)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), v).float().cuda()
+    gens = [torch.Generator(device="cuda").manual_seed(i) for i in range(b)]
+    sampled = rejection_verify(draft.cuda(), num_drafts.cuda(), None, one_hot, gens)
+    assert torch.equal(sampled.output_tokens.cpu(), cpu.output_tokens)
+    tree = greedy_tree_verify(TOKENS.cuda(), PARENTS, logits_for([5, 9, 0, 0, 2, 0, 0]).cuda())
+    assert tree.to_lists() == [[5, 9, 2]]

@@ -120,5 +120,6 @@ def drive(tracer: Tracer, *, num_requests: int, max_tokens: int, draft_len: int,
                 tracer.finish(r, t, "length", s["out"], s["first"], agreement=agreement[r],
                               agreement_kind="teacher_forced")
         device_free = fill_end
-        if schedule != "overlap":
-            t = max(t, fill_end)
+        if schedule != "overlap" and fill_end > t:
+            tracer.span("host", "sync", step + 1, t, fill_end)
+            t = fill_end

@@ -59,7 +59,7 @@ def plot_timeline(trace: Trace, out_path: str | os.PathLike,
                 ax.broken_barh(bars, (y_of[lane] - 0.38, 0.76), facecolors=stage_color(stage),
                                edgecolor="white", linewidth=0.4)
                 for x, w in bars:
-                    if w > width_ms * 0.035:
+                    if w > width_ms * 0.03:
                         ax.text(x + w / 2, y_of[lane], stage, ha="center", va="center",
                                 fontsize=7, clip_on=True)
 
@@ -80,9 +80,9 @@ def plot_timeline(trace: Trace, out_path: str | os.PathLike,
             ax.axvline(ms(s.start_ns), color="0.5", linestyle=":", linewidth=0.7, zorder=0)
     if len(in_window) <= MAX_STEP_LABELS:
         for s in in_window:
-            x = ms(max(s.start_ns, start_ns))
-            ax.text(x, len(lanes) - 0.45, f"{s.step}", fontsize=7, color="0.35",
-                    ha="left", va="bottom", clip_on=True)
+            if s.start_ns >= start_ns:
+                ax.text(ms(s.start_ns) + width_ms * 0.002, len(lanes) - 0.45, f"{s.step}",
+                        fontsize=7, color="0.35", ha="left", va="bottom", clip_on=True)
 
     ax.set_yticks([y_of[lane] for lane in lanes])
     ax.set_yticklabels([("device idle\n(requests pending)" if lane == "idle" else lane)
@@ -97,7 +97,7 @@ def plot_timeline(trace: Trace, out_path: str | os.PathLike,
     handles = [Patch(facecolor=stage_color(s), label=s) for s in stages]
     handles.append(Patch(facecolor="#fbe3e3", edgecolor=IDLE_COLOR, hatch="////",
                          label="device idle, requests pending"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14 - 0.1 / len(lanes)),
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.09 - 0.12 / len(lanes)),
               ncol=min(len(handles), 7), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(out_path, dpi=130)

@@ -83,7 +83,7 @@ class HostDevice:
             self._process.launch.send((spec, num_threads, list(sys.path)))
             self._handshake(start_timeout_s)
         except BaseException:
-            self._process.stop(timeout_s=1.0)
+            self._process.stop(timeout_s=0.5)
             self._process.close_handles()
             self._closed = True
             raise

@@ -1,0 +1,127 @@
+"""Load a Llama checkpoint in Hugging Face layout (config.json + safetensors).
+
+Why: models must load offline, fast and safely: safetensors only (never pickle), every tensor
+checked against the config before any is used, and each failure names the file and tensor
+so a broken checkpoint is fixed in one look. Sharded checkpoints
+(`model.safetensors.index.json`) are read shard by shard.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from runtime.config import ConfigError, ModelConfig
+from runtime.model import LlamaModel
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # stale buffers some older checkpoints carry
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and the problem."""
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    path = _model_dir(path)
+    cfg_path = path / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise CheckpointError(f"missing {CONFIG_FILE} in {path}")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {cfg_path}: {exc}") from None
+    try:
+        return ModelConfig.from_hf(raw)
+    except ConfigError as exc:
+        raise CheckpointError(f"unsupported config in {cfg_path}: {exc}") from None
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> LlamaModel:
+    """Read config and weights from a model directory; returns a frozen, eval-mode model."""
+    path = _model_dir(path)
+    config = load_config(path)
+    tensors = _read_tensors(path)
+    _check_tensors(config, tensors, path)
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model = model.to_empty(device=device).to(dtype=dtype)
+    model.tie_weights()
+    model.load_hf(tensors)
+    return model.requires_grad_(False).eval()
+
+
+def _model_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"model directory not found: {path}")
+    if not path.is_dir():
+        raise CheckpointError(f"model path is not a directory: {path}")
+    return path
+
+
+def _weight_files(path: Path) -> dict[Path, list[str] | None]:
+    """Shard file -> tensor names it should hold (None: whatever the single file holds)."""
+    single, index = path / WEIGHTS_FILE, path / INDEX_FILE
+    if single.is_file():
+        return {single: None}
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"cannot read weight_map from {index}: {exc!r}") from None
+        shards: dict[Path, list[str]] = {}
+        for name, shard in weight_map.items():
+            shards.setdefault(path / shard, []).append(name)
+        for shard in shards:
+            if not shard.is_file():
+                raise CheckpointError(f"missing shard file {shard.name} listed in {index}")
+        return shards
+    pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+    hint = f" (found {', '.join(pickled)}: only safetensors are loaded)" if pickled else ""
+    raise CheckpointError(f"missing weights: neither {WEIGHTS_FILE} nor {INDEX_FILE} in {path}{hint}")
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file, names in _weight_files(path).items():
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                keys = set(f.keys())
+                if names is not None:
+                    absent = [n for n in names if n not in keys]
+                    if absent:
+                        raise CheckpointError(
+                            f"missing tensor {absent[0]!r} in shard {file.name} (listed in {INDEX_FILE})"
+                        )
+                    keys = names
+                for name in keys:
+                    tensors[name] = f.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"cannot read {file}: {exc}") from None
+    return tensors
+
+
+def _check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    expected = LlamaModel.hf_shapes(config)
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    for name, shape in expected.items():
+        if name not in tensors:
+            if name in optional:
+                continue
+            raise CheckpointError(f"missing tensor {name!r} in {path} (expected shape {shape})")
+        got = tuple(tensors[name].shape)
+        if got != shape:
+            raise CheckpointError(
+                f"shape mismatch for tensor {name!r} in {path}: checkpoint has {got}, "
+                f"config.json implies {shape}"
+            )
+    for name in tensors:
+        if name not in expected and not name.endswith(IGNORED_SUFFIXES):
+            raise CheckpointError(f"unexpected tensor {name!r} in {path} (not part of a Llama model)")
