@@ -219,7 +219,9 @@ class LlamaModel(nn.Module):
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
-        return model.to(device=device, dtype=dtype).requires_grad_(False).eval()
+        model = model.to(device=device, dtype=dtype)
+        model.tie_weights()
+        return model.requires_grad_(False).eval()
 
     @property
     def dtype(self) -> torch.dtype:

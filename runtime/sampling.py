@@ -31,6 +31,7 @@ class SamplingTensors:
     any_greedy: bool | None = None  # host-side flags so the sampler never syncs to branch;
     any_top_k: bool | None = None  # None = derive from the tensors once, here
     any_top_p: bool | None = None
+    max_top_k: int | None = None  # every row has 0 < top_k <= this (0: some row has no top-k)
 
     def __post_init__(self) -> None:
         b = self.temperature.shape[0]
@@ -47,6 +48,8 @@ class SamplingTensors:
             self.any_top_k = bool((self.top_k > 0).any())
         if self.any_top_p is None:
             self.any_top_p = bool((self.top_p < 1.0).any())
+        if self.max_top_k is None:
+            self.max_top_k = int(self.top_k.max()) if b and bool((self.top_k > 0).all()) else 0
 
     @property
     def batch_size(self) -> int:
@@ -75,6 +78,7 @@ class SamplingTensors:
             any_greedy=any(p.temperature == 0 for p in params),
             any_top_k=any(p.top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
+            max_top_k=max((p.top_k for p in params), default=0) if all(p.top_k > 0 for p in params) else 0,
         )
 
     @classmethod
@@ -88,6 +92,7 @@ class SamplingTensors:
             any_greedy=True,
             any_top_k=False,
             any_top_p=False,
+            max_top_k=0,
         )
 
 
@@ -117,32 +122,38 @@ def apply_top_k_top_p(
     top_p: torch.Tensor,
     any_top_k: bool = True,
     any_top_p: bool = True,
+    max_top_k: int = 0,
 ) -> torch.Tensor:
     """Mask logits [B, V] to -inf outside each row's top-k, then outside its top-p nucleus.
 
     top-k keeps every token whose logit ties the k-th largest (as HF and vLLM do). top-p keeps
     the smallest prefix of the descending order whose probability mass reaches top_p, so at
     least one token always survives. Rows with top_k == 0 / top_p >= 1 are left as they are;
-    `any_top_k` / `any_top_p` = False skip a filter for the whole batch.
+    `any_top_k` / `any_top_p` = False skip a filter for the whole batch. `max_top_k` > 0
+    promises every row has 0 < top_k <= max_top_k: then only the max_top_k largest logits are
+    ordered (torch.topk) instead of sorting the vocabulary, and ties past them are dropped.
     """
-    use_k = top_k > 0
-    use_p = top_p < 1.0
     if not any_top_k and not any_top_p:
         return logits
     vocab = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    if 0 < max_top_k < vocab:
+        sorted_logits, sorted_idx = logits.topk(max_top_k, dim=-1)
+        out = torch.full_like(logits, float("-inf"))
+    else:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        out = torch.empty_like(logits)
     if any_top_k:
-        kth = (top_k.clamp(1, vocab) - 1).unsqueeze(-1)
-        kth_value = sorted_logits.gather(-1, kth)
-        drop_k = (sorted_logits < kth_value) & use_k.unsqueeze(-1)
+        use_k = (top_k > 0).unsqueeze(-1)
+        kth = (top_k.clamp(1, sorted_logits.shape[-1]) - 1).unsqueeze(-1)
+        drop_k = (sorted_logits < sorted_logits.gather(-1, kth)) & use_k
         sorted_logits = sorted_logits.masked_fill(drop_k, float("-inf"))
     if any_top_p:
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_p = (mass_before >= top_p.unsqueeze(-1)) & use_p.unsqueeze(-1)
+        drop_p = (mass_before >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
         drop_p[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop_p, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+    return out.scatter_(-1, sorted_idx, sorted_logits)
 
 
 def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -154,7 +165,8 @@ def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     greedy = st.greedy
     temperature = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
     scaled = logits.float() / temperature.unsqueeze(-1)
-    probs = apply_top_k_top_p(scaled, st.top_k, st.top_p, st.any_top_k, st.any_top_p).softmax(dim=-1)
+    masked = apply_top_k_top_p(scaled, st.top_k, st.top_p, st.any_top_k, st.any_top_p, st.max_top_k)
+    probs = masked.softmax(dim=-1)
     if st.any_greedy:
         probs = torch.where(greedy.unsqueeze(-1), _one_hot_argmax(logits), probs)
     return probs

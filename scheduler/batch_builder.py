@@ -16,15 +16,25 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler.block_manager import BlockManager
+from scheduler.errors import InvalidRequestError
 from scheduler.request import Request, RequestState
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    draft_len: int = 0  # D: draft tokens per speculative step (0 = no speculation)
+    max_num_batched_tokens: int = 2048  # per step, verify width (1 + D) counted per spec row
+    draft_len: int = 0  # D: verify candidates per speculative step (0 = no speculation)
     proposer_model: str | None = None  # second page table ("draft" / "mtp"), None if no KV
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.draft_len < 0:
+            raise ValueError("need max_num_seqs >= 1, max_num_batched_tokens >= 1, draft_len >= 0")
+        if self.max_num_batched_tokens < 1 + self.draft_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) cannot hold one "
+                f"verification of 1 + draft_len ({1 + self.draft_len}) tokens"
+            )
 
 
 @dataclass
@@ -76,8 +86,27 @@ class BatchBuilder:
 
     # -- queue management ---------------------------------------------------------------
     def add(self, request: Request) -> None:
+        """Queue a request; InvalidRequestError if it could never fit in the KV pool alone."""
+        rid = request.request_id
+        if any(r.request_id == rid for r in self.running) or any(r.request_id == rid for r in self.waiting):
+            raise InvalidRequestError(f"duplicate request id {rid!r}")
+        need = self.max_pages_needed(request)
+        if need > self.blocks.num_pages:
+            raise InvalidRequestError(
+                f"request {rid}: prompt ({request.num_prompt_tokens}) + max_tokens "
+                f"({request.params.max_tokens}) may need {need} KV pages, the pool has "
+                f"{self.blocks.num_pages}"
+            )
         request.state = RequestState.WAITING
         self.waiting.append(request)
+
+    def max_pages_needed(self, request: Request) -> int:
+        """Upper bound on the pages the request can hold at once (its last verification)."""
+        last = request.num_prompt_tokens + request.params.max_tokens + self.config.draft_len
+        slots = {"target": last}
+        if self.config.proposer_model is not None:
+            slots[self.config.proposer_model] = last + 1
+        return sum(self.blocks.pages_for(n) for n in slots.values())
 
     def remove(self, request: Request) -> None:
         """Take a finished/aborted request out of the queues and free its pages."""
@@ -107,6 +136,7 @@ class BatchBuilder:
         self.blocks.free(victim.request_id)
         victim.state = RequestState.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.num_proposer_computed = 0
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
 
@@ -116,48 +146,47 @@ class BatchBuilder:
         budget = cfg.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
-        # Decide speculation up front: only when nothing waits to prefill (decode-only batch).
-        decode_only = not self.waiting and all(not r.in_prefill for r in self.running)
+        # Speculate only on a decode-only batch: every running request decodes and no waiting
+        # one can be admitted (none waits, or every seat is taken).
+        decode_only = all(not r.in_prefill for r in self.running) and (
+            not self.waiting or len(self.running) >= cfg.max_num_seqs
+        )
         draft = cfg.draft_len if decode_only else 0
-        planned: dict[str, int] = {}  # pages already promised to earlier seqs this step
+        planned = 0  # pages already promised to earlier seqs this step
 
-        def fits(req: Request, n: int, d: int) -> bool:
-            need = self.blocks.pages_needed(req.request_id, self.slots_needed(req, n, d))
-            return need + sum(planned.values()) <= self.blocks.num_free_pages
+        def need(req: Request, n: int) -> int:
+            # a verification computes (and writes KV for) all 1 + D positions of every row
+            d = draft if n == 1 else 0
+            return self.blocks.pages_needed(req.request_id, self.slots_needed(req, n, d))
 
-        queue = list(self.running)
-        i = 0
-        while i < len(queue):
-            req = queue[i]
+        def fits(req: Request, n: int) -> bool:
+            return need(req, n) + planned <= self.blocks.num_free_pages
+
+        for req in list(self.running):
             if req not in self.running:  # preempted below
-                i += 1
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
-                i += 1
                 continue
-            d = min(draft, max(0, req.remaining_tokens - 1)) if n == 1 else 0
-            while not fits(req, n, d):
+            if n == 1 and draft and budget < 1 + draft:
+                break
+            while not fits(req, n) and self.running[-1] is not req:
                 victim = self.running[-1]
-                if victim is req:
-                    break
                 self._preempt(victim)
                 preempted.append(victim)
-            if not fits(req, n, d):
+            if not fits(req, n):
                 if len(self.running) == 1:
                     raise RuntimeError(
-                        f"request {req.request_id} does not fit in the KV pool even alone"
+                        f"request {req.request_id} does not fit in the KV pool even alone "
+                        f"({need(req, n)} pages needed, {self.blocks.num_free_pages} free)"
                     )
                 self._preempt(req)
                 preempted.append(req)
-                i += 1
                 continue
-            planned[req.request_id] = self.blocks.pages_needed(
-                req.request_id, self.slots_needed(req, n, d)
-            )
+            planned += need(req, n)
+            d = min(draft, max(0, req.remaining_tokens - 1)) if n == 1 else 0
             seqs.append(ScheduledSeq(req, n, d))
-            budget -= n + d
-            i += 1
+            budget -= n + (draft if n == 1 else 0)
             if budget <= 0:
                 break
 
@@ -165,14 +194,17 @@ class BatchBuilder:
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not fits(req, n, 0):
+            if not fits(req, n):
+                if not self.running:
+                    raise RuntimeError(
+                        f"request {req.request_id} does not fit in the KV pool even alone "
+                        f"({need(req, n)} pages needed, {self.blocks.num_free_pages} free)"
+                    )
                 break
             self.waiting.popleft()
             req.state = RequestState.RUNNING
             self.running.append(req)
-            planned[req.request_id] = self.blocks.pages_needed(
-                req.request_id, self.slots_needed(req, n, 0)
-            )
+            planned += need(req, n)
             seqs.append(ScheduledSeq(req, n, 0))
             budget -= n
 
@@ -185,5 +217,9 @@ class BatchBuilder:
 
     # -- the kv_alloc stage ---------------------------------------------------------------
     def allocate(self, batch: StepBatch) -> None:
+        """Grow page tables for the batch; a speculative batch reserves all 1 + D verify
+        slots of every row (rejected ones are trimmed after acceptance)."""
+        spec = batch.is_spec
         for s in batch.seqs:
-            self.blocks.allocate(s.request.request_id, self.slots_needed(s.request, s.num_new_tokens, s.num_draft))
+            d = self.config.draft_len if spec and s.num_new_tokens == 1 else s.num_draft
+            self.blocks.allocate(s.request.request_id, self.slots_needed(s.request, s.num_new_tokens, d))

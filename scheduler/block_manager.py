@@ -40,8 +40,14 @@ class BlockManager:
     def pages_for(self, num_slots: int) -> int:
         return (num_slots + self.page_size - 1) // self.page_size
 
+    def _model_tables(self, model: str) -> dict[str, list[int]]:
+        try:
+            return self._tables[model]
+        except KeyError:
+            raise ValueError(f"unknown model {model!r}; this pool has tables for {self.models}") from None
+
     def page_table(self, request_id: str, model: str = "target") -> list[int]:
-        return self._tables[model].get(request_id, [])
+        return self._model_tables(model).get(request_id, [])
 
     def num_slots(self, request_id: str, model: str = "target") -> int:
         return len(self.page_table(request_id, model)) * self.page_size
@@ -49,7 +55,7 @@ class BlockManager:
     def pages_needed(self, request_id: str, slots: Mapping[str, int]) -> int:
         need = 0
         for model, n in slots.items():
-            have = len(self._tables[model].get(request_id, ()))
+            have = len(self._model_tables(model).get(request_id, ()))
             need += max(0, self.pages_for(n) - have)
         return need
 
@@ -74,7 +80,9 @@ class BlockManager:
 
     def trim(self, request_id: str, model: str, num_slots: int) -> int:
         """Release pages wholly beyond `num_slots` (rejected draft slots). Returns pages freed."""
-        table = self._tables[model].get(request_id)
+        if num_slots < 0:
+            raise ValueError(f"request {request_id}: cannot trim to {num_slots} slots")
+        table = self._model_tables(model).get(request_id)
         if not table:
             return 0
         keep = self.pages_for(num_slots)
@@ -99,5 +107,5 @@ class BlockManager:
         for tables in self._tables.values():
             for t in tables.values():
                 seen.extend(t)
-        if len(seen) != self.num_pages or len(set(seen)) != self.num_pages:
+        if len(seen) != self.num_pages or set(seen) != set(range(self.num_pages)):
             raise AssertionError(f"page leak or double free: {len(seen)} refs, {len(set(seen))} unique")

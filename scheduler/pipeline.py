@@ -182,6 +182,7 @@ class Pipeline:
         t0 = self.clock.now_ns()
         if self.host_cost is not None:
             await self.clock.sleep_ns(int(self.host_cost("launch", attrs)))
+        msg["attrs"] = attrs  # the step's shape travels with the work (virtual device costs)
         ev = stream.launch(op, msg)
         launch = _Launch(ev, step, op, attrs)
         if self.tracer.enabled:

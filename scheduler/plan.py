@@ -91,13 +91,25 @@ def build_plan(
     [kv_len - qo_len, kv_len). positions[i] overrides their RoPE positions (trees);
     custom_masks[i] is a bool [qo_len, kv_len] mask (None: causal).
     """
-    qo = np.asarray(qo_lens, dtype=np.int64)
-    kv = np.asarray(kv_lens, dtype=np.int64)
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    qo = np.asarray(qo_lens, dtype=np.int64).reshape(-1)
+    kv = np.asarray(kv_lens, dtype=np.int64).reshape(-1)
     num_seqs = qo.shape[0]
     if kv.shape[0] != num_seqs or len(page_tables) != num_seqs:
-        raise ValueError("qo_lens, kv_lens and page_tables must have one entry per sequence")
-    if num_seqs and (qo.min() < 1 or (kv < qo).any()):
-        raise ValueError("every sequence needs qo_len >= 1 and kv_len >= qo_len")
+        raise ValueError(
+            f"qo_lens ({num_seqs}), kv_lens ({kv.shape[0]}) and page_tables ({len(page_tables)}) "
+            "must have one entry per sequence"
+        )
+    for name, per_seq in (("positions", positions), ("custom_masks", custom_masks)):
+        if per_seq is not None and len(per_seq) != num_seqs:
+            raise ValueError(f"{name} has {len(per_seq)} entries for {num_seqs} sequences")
+    bad = np.flatnonzero((qo < 1) | (kv < qo))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"sequence {i}: qo_len {qo[i]}, kv_len {kv[i]}; need qo_len >= 1 and kv_len >= qo_len"
+        )
     num_pages = (kv + page_size - 1) // page_size
     tables = []
     for i, table in enumerate(page_tables):

@@ -30,9 +30,15 @@ class ProposerSpec:
             raise ValueError(f"proposer {self.kind!r} needs draft_len >= 1")
         if self.kind == "eagle" and not self.tree_parents:
             raise ValueError("the eagle proposer needs a tree shape")
+        if self.kind != "eagle" and self.tree_parents:
+            raise ValueError(f"proposer {self.kind!r} drafts linearly; only 'eagle' takes a tree")
         for i, p in enumerate(self.tree_parents):
             if not (-1 <= p < i):
                 raise ValueError(f"tree node {i}: parent {p} must be -1 or an earlier node")
+        if self.tree_parents and int(self.tree_depths().max()) > self.draft_len:
+            raise ValueError(
+                f"tree of depth {int(self.tree_depths().max())} is deeper than draft_len {self.draft_len}"
+            )
 
     @property
     def speculative(self) -> bool:
@@ -50,6 +56,10 @@ class ProposerSpec:
 
     @property
     def max_accept(self) -> int:
+        """Most drafted tokens one verification can accept (a tree: its depth, which a
+        node budget may keep below draft_len)."""
+        if self.kind == "eagle":
+            return int(self.tree_depths().max())
         return self.draft_len
 
     @property
@@ -78,7 +88,9 @@ class ProposerSpec:
 
 def default_tree(depth: int, top_k: int = 2, max_nodes: int = 16) -> tuple[int, ...]:
     """A fixed tree like EAGLE-1's: the top-k children of the best node at each depth,
-    with k branches at depth 1. Parents in BFS order."""
+    with k branches at depth 1. Parents in BFS order; at most max_nodes nodes."""
+    if depth < 0 or top_k < 1 or max_nodes < 1:
+        raise ValueError(f"need depth >= 0, top_k >= 1, max_nodes >= 1 (got {depth}, {top_k}, {max_nodes})")
     parents: list[int] = []
     frontier = [-1]
     for _ in range(depth):
@@ -100,6 +112,10 @@ def validate_combination(proposer: str, schedule: str, draft_len: int) -> None:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
     if proposer not in PROPOSERS:
         raise ValueError(f"unknown proposer {proposer!r}; choose one of {PROPOSERS}")
+    if proposer == "none" and draft_len != 0:
+        raise ValueError(f"draft_len {draft_len} without a proposer: plain decoding drafts nothing")
+    if proposer != "none" and draft_len < 1:
+        raise ValueError(f"proposer {proposer!r} needs draft_len >= 1, got {draft_len}")
     if proposer == "none" and schedule in ("overlap", "mtp"):
         raise ValueError(
             f"schedule {schedule!r} overlaps a proposer's fill run; without a proposer use "

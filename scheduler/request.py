@@ -73,8 +73,12 @@ class Request:
 
     @property
     def in_prefill(self) -> bool:
-        """True while some token before the last still lacks KV (prompt or recompute)."""
-        return self.num_computed_tokens < self.num_tokens - 1 or self.num_output_tokens == 0
+        """True while the prompt, or some token before the last, still lacks KV (prompt or
+        recompute). A token sampled on the device but not yet seen counts as emitted."""
+        return (
+            self.num_computed_tokens < self.num_prompt_tokens
+            or self.num_computed_tokens < self.num_tokens - 1
+        )
 
     @property
     def remaining_tokens(self) -> int:

@@ -1,6 +1,8 @@
 """Per-request sampling parameters (validated at the API boundary)."""
 from __future__ import annotations
 
+import math
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from scheduler.errors import InvalidRequestError
@@ -19,6 +21,13 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list, description="stop strings (not included)")
     ignore_eos: bool = False
 
+    @field_validator("max_tokens", "top_k", "seed", mode="before")
+    @classmethod
+    def _no_bool(cls, v: object) -> object:
+        if isinstance(v, bool):  # pydantic's lax mode would read True as 1
+            raise ValueError(f"expected an integer, got {v!r}")
+        return v
+
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens(cls, v: int) -> int:
@@ -29,8 +38,8 @@ class SamplingParams(BaseModel):
     @field_validator("temperature")
     @classmethod
     def _temperature(cls, v: float) -> float:
-        if not v >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {v}")
+        if not (v >= 0.0 and math.isfinite(v)):
+            raise ValueError(f"temperature must be finite and >= 0, got {v}")
         return v
 
     @field_validator("top_p")

@@ -7,6 +7,7 @@ import signal
 import time
 
 import anyio
+import numpy as np
 import pytest
 
 from runtime.devices import DeviceStartError, HostDevice, WorkerSpec, make_device
@@ -144,6 +145,15 @@ def test_bad_input_is_refused_at_launch(device):
         device.stream("main").launch("", {})
 
 
+def test_large_batches_do_not_deadlock(device):
+    stream = device.stream("main")
+    busy = stream.launch("sleep", {"ms": 50})
+    big = [stream.launch("echo", {"tokens": np.full(1_000_000, i, dtype=np.int32)}) for i in range(4)]
+    for i, event in enumerate(big):
+        assert np.array_equal(event.synchronize(TIMEOUT_S)["tokens"], np.full(1_000_000, i))
+    assert busy.query()
+
+
 def test_wait_does_not_block_the_loop(device):
     async def main():
         ticks = 0
@@ -199,6 +209,8 @@ def test_control_call_and_stats(device):
     assert stats["pid"] == device.pid != os.getpid()
     assert stats["num_ops"] > 0 and stats["num_threads"] == 1
     assert device.call("echo", {"q": 1}) == {"q": 1}
+    assert device.call("matmul", {"n": 8, "repeat": 2}) == pytest.approx(8.0)  # imports torch there
+    assert device.stats()["torch_threads"] == 1  # num_threads reaches a lazily imported torch
 
 
 def test_crash_fails_pending_and_later_events(fresh_device):

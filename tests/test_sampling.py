@@ -111,6 +111,18 @@ def test_top_p_keeps_smallest_set_reaching_mass(top_p: float, kept: int) -> None
     assert [bool(finite[i]) for i in order] == [True] * kept + [False] * (4 - kept)
 
 
+def test_bounded_top_k_path_equals_full_sort() -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 500, generator=gen)
+    top_k = torch.tensor([1, 5, 40, 40, 7, 12])
+    top_p = torch.tensor([1.0, 0.5, 0.9, 1.0, 0.3, 0.95])
+    full = apply_top_k_top_p(logits, top_k, top_p)
+    bounded = apply_top_k_top_p(logits, top_k, top_p, max_top_k=40)
+    assert torch.equal(full, bounded)
+    st = tensors([1.0] * 6, top_k=top_k.tolist(), top_p=top_p.tolist())
+    assert st.max_top_k == 40 and tensors([1.0, 1.0], top_k=[3, 0]).max_top_k == 0
+
+
 def test_top_k_then_top_p_renormalizes_between() -> None:
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
     # top-k 2 leaves {0.4, 0.3} -> renormalized {0.571, 0.429}; top_p 0.55 then keeps one.

@@ -103,17 +103,19 @@ class MultiTracer:
 
 
 def replay(trace: Trace, tracer: Tracer, *, close: bool = False) -> None:
-    """Feeds a recorded trace into a tracer in the order a live run would have called it.
+    """Feeds a recorded trace into a tracer in about the order a live run called it.
 
-    Records are ordered by the time they become known (request: arrival, span: end, step:
-    end, finish: finish); ties go request < span < step < finish. Used to rewrite a trace
-    (`write_trace`) and to export one offline through the same code as a live export.
+    Records are merged by the time they become known (request: arrival, span: end, step:
+    end, finish: finish; ties go request < span < step < finish) while the records of each
+    kind keep their order in the trace, so replaying into a recorder reproduces every list.
+    Used to rewrite a trace (`write_trace`) and to export one offline (OTel) through the
+    same code as a live run.
     """
     keyed = heapq.merge(
-        ((r.arrival_ns, 0, i, r) for i, r in enumerate(sorted(trace.requests, key=_arrival))),
-        ((s.end_ns, 1, i, s) for i, s in enumerate(sorted(trace.spans, key=_end))),
-        ((s.end_ns, 2, i, s) for i, s in enumerate(sorted(trace.steps, key=_end))),
-        ((f.finish_ns, 3, i, f) for i, f in enumerate(sorted(trace.finishes, key=_finish))),
+        ((r.arrival_ns, 0, i, r) for i, r in enumerate(trace.requests)),
+        ((s.end_ns, 1, i, s) for i, s in enumerate(trace.spans)),
+        ((s.end_ns, 2, i, s) for i, s in enumerate(trace.steps)),
+        ((f.finish_ns, 3, i, f) for i, f in enumerate(trace.finishes)),
     )
     for *_, rec in keyed:
         kind = rec.type
@@ -133,14 +135,3 @@ def replay(trace: Trace, tracer: Tracer, *, close: bool = False) -> None:
     if close:
         tracer.close()
 
-
-def _arrival(r: Any) -> int:
-    return r.arrival_ns
-
-
-def _end(s: Any) -> int:
-    return s.end_ns
-
-
-def _finish(f: Any) -> int:
-    return f.finish_ns

@@ -176,7 +176,7 @@ class FinishRecord(_Record):
     ttft_ns: int | None = None  # first_token_ns - arrival_ns
     # [<= max_agreement_len] 0/1 per output position: proposer's greedy token == target's.
     agreement: list[Literal[0, 1]] | None = None
-    agreement_kind: AgreementKind | None = None
+    agreement_kind: AgreementKind | None = Field(default=None, validate_default=True)
     error: str | None = None
 
     @field_validator("agreement_kind")

@@ -80,7 +80,10 @@ class HostDevice:
         self.pid = self._process.pid
         weakref.finalize(self, kill_quietly, self._process.popen)
         try:
-            self._process.launch.send((spec, num_threads, list(sys.path)))
+            try:
+                self._process.launch.send((spec, num_threads, list(sys.path)))
+            except OSError:
+                pass  # the process already died; the handshake reports how
             self._handshake(start_timeout_s)
         except BaseException:
             self._process.stop(timeout_s=0.5)

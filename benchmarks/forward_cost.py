@@ -1,0 +1,144 @@
+"""Cost of one model forward versus the number of new tokens, at batch 1.
+
+Why: speculative decoding pays off only if verifying k+1 tokens costs little more than
+decoding 1, and if the draft is much cheaper than the target. This script measures both on
+this machine, side by side in one run: the target forward for 1, 4 and 8 new tokens over a
+cached context (median over interleaved repeats, relative to 1 token), the host-side
+`prepare` (attention planning) time, and the draft/target cost ratio.
+
+    python benchmarks/forward_cost.py                 # bundled target/draft
+    python benchmarks/forward_cost.py --random        # random models of the bundled shapes
+    python benchmarks/forward_cost.py --random --hf   # also time transformers at 1 token
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from runtime.checkpoint import load_model
+from runtime.config import ModelConfig
+from runtime.model import LlamaModel
+from scheduler.plan import build_plan
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET_SHAPE = dict(
+    vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=32, tie_word_embeddings=True,
+    max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0,
+)
+
+
+def random_model(num_layers: int, seed: int) -> LlamaModel:
+    config = ModelConfig.from_hf({**TARGET_SHAPE, "num_hidden_layers": num_layers, "model_type": "llama"})
+    return LlamaModel.random(config, seed=seed)
+
+
+class Runner:
+    """One model with `context` cached tokens; `forward(n)` runs n new tokens on top."""
+
+    def __init__(self, model: LlamaModel, context: int, page_size: int) -> None:
+        self.model, self.context, self.page_size = model, context, page_size
+        num_pages = (context + 64) // page_size + 1
+        self.pages = list(range(num_pages))
+        self.kv = model.make_kv_cache(num_pages, page_size)
+        self.backend = model.attention_backend("torch")
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, model.config.vocab_size, (context + 64,), generator=gen)
+        with torch.inference_mode():
+            self._run(0, context)
+
+    def _run(self, start: int, n: int) -> tuple[float, float]:
+        plan = build_plan([n], [start + n], [self.pages], self.page_size)
+        t0 = time.perf_counter()
+        step = self.backend.prepare(plan, "cpu")
+        positions = torch.from_numpy(plan.positions)
+        t1 = time.perf_counter()
+        self.model(self.ids[start:start + n], step, self.kv, positions)
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1
+
+    def forward(self, n: int) -> tuple[float, float]:
+        """(prepare_s, forward_s) for n new tokens after the cached context."""
+        with torch.inference_mode():
+            return self._run(self.context, n)
+
+
+def hf_forward_s(model: LlamaModel, context: int, repeats: int) -> float:
+    """Median 1-token decode time of transformers' LlamaForCausalLM with the same weights."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    c = model.config
+    hf = LlamaForCausalLM(LlamaConfig(**{k: getattr(c, k) for k in TARGET_SHAPE})).eval()
+    hf.load_state_dict(model.hf_state_dict(), strict=False)
+    ids = torch.randint(0, c.vocab_size, (1, context + 1))
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            cache = DynamicCache()
+            hf(ids[:, :context], past_key_values=cache, use_cache=True)
+            t0 = time.perf_counter()
+            hf(ids[:, context:], past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", type=Path, default=REPO / "runtime" / "bundled" / "target")
+    ap.add_argument("--draft", type=Path, default=REPO / "runtime" / "bundled" / "draft")
+    ap.add_argument("--random", action="store_true",
+                    help="random target (6 layers) and draft (1 layer) of the bundled shapes")
+    ap.add_argument("--context", type=int, default=200, help="cached tokens before the step")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--hf", action="store_true", help="also time transformers (dev extra)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    if args.random:
+        target, draft = random_model(6, seed=0), random_model(1, seed=1)
+    else:
+        if not args.target.is_dir():
+            raise SystemExit(f"no model at {args.target}; pass --target DIR or --random")
+        target = load_model(args.target)
+        draft = load_model(args.draft) if args.draft.is_dir() else None
+
+    runners = {"target": Runner(target, args.context, args.page_size)}
+    if draft is not None:
+        runners["draft"] = Runner(draft, args.context, args.page_size)
+    cases = [("target", 1), ("target", 4), ("target", 8)] + ([("draft", 1)] if draft else [])
+    for name, n in cases * 10:  # warm-up
+        runners[name].forward(n)
+    prep: dict = {c: [] for c in cases}
+    fwd: dict = {c: [] for c in cases}
+    for _ in range(args.repeats):
+        for name, n in cases:
+            p, f = runners[name].forward(n)
+            prep[(name, n)].append(p)
+            fwd[(name, n)].append(f)
+
+    med = {c: statistics.median(fwd[c]) for c in cases}
+    base = med[("target", 1)]
+    print(f"batch 1, {args.context} cached tokens, page size {args.page_size}, "
+          f"{args.threads} thread(s), median of {args.repeats}")
+    print(f"{'model':8} {'new tokens':>10} {'forward ms':>11} {'vs 1 token':>11} {'prepare ms':>11}")
+    for name, n in cases:
+        ratio = med[(name, n)] / base
+        print(f"{name:8} {n:>10} {med[(name, n)] * 1e3:>11.3f} {ratio:>10.2f}x "
+              f"{statistics.median(prep[(name, n)]) * 1e3:>11.3f}")
+    if draft is not None:
+        print(f"draft/target cost ratio (1 token): {med[('draft', 1)] / base:.3f}")
+    if args.hf:
+        hf_s = hf_forward_s(target, args.context, max(20, args.repeats // 4))
+        print(f"transformers LlamaForCausalLM, 1 token: {hf_s * 1e3:.3f} ms "
+              f"({hf_s / base:.2f}x this runtime)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Acceptance in the simulator: replayed from the trace, never derived from a formula.
+
+Modes:
+  trace      greedy requests with per-position agreement data (`finish.agreement`): the
+             accepted length of a step that starts at output position p with D drafts is
+             the run of 1s in agreement[p : p + D] -- exact for a draft model at any D up to
+             the captured maximum (teacher-forced agreement), exact for D = 1 with heads
+             (first-token agreement). Requests without agreement data (sampled, or heads at
+             D > 1) fall back to the trace's per-position acceptance rates.
+  rates      per-position conditional acceptance rates measured from the trace's steps.
+  bernoulli  synthetic: every draft position accepted independently with probability alpha.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class AcceptanceModel:
+    def __init__(self, mode: str, *, agreement: dict[int, list[int]] | None = None,
+                 rates: list[float] | None = None, alpha: float | None = None,
+                 exact_max_d: int | None = None, seed: int = 0):
+        if mode not in ("trace", "rates", "bernoulli"):
+            raise ValueError(f"unknown acceptance mode {mode!r}")
+        if mode == "bernoulli" and not (alpha is not None and 0.0 <= alpha <= 1.0):
+            raise ValueError("bernoulli acceptance needs 0 <= alpha <= 1")
+        self.mode = mode
+        self.agreement = agreement or {}
+        self.rates = list(rates or [])
+        self.alpha = alpha
+        self.exact_max_d = exact_max_d
+        self.rng = np.random.default_rng(seed)
+
+    @classmethod
+    def parse(cls, spec: str, trace, seed: int = 0) -> "AcceptanceModel":
+        """'trace' | 'rates' | 'bernoulli:ALPHA' against a trace's data."""
+        if spec.startswith("bernoulli:"):
+            try:
+                alpha = float(spec.split(":", 1)[1])
+            except ValueError:
+                raise ValueError(f"bad acceptance {spec!r}: use bernoulli:ALPHA") from None
+            return cls("bernoulli", alpha=alpha, seed=seed)
+        if spec not in ("trace", "rates"):
+            raise ValueError(f"bad acceptance {spec!r}: use trace, rates or bernoulli:ALPHA")
+        agreement = {}
+        exact = None
+        if spec == "trace":
+            for i, f in enumerate(sorted(trace.finishes, key=lambda f: f.request_id)):
+                pass
+            idx = {r.request_id: i for i, r in enumerate(sorted(trace.requests, key=lambda r: r.arrival_ns))}
+            for f in trace.finishes:
+                if f.agreement is not None and f.request_id in idx:
+                    agreement[idx[f.request_id]] = list(f.agreement)
+                    if f.agreement_kind == "first_token":
+                        exact = 1
+        return cls(spec, agreement=agreement, rates=step_rates(trace), exact_max_d=exact, seed=seed)
+
+    def accept(self, request_index: int, out_pos: int, num_drafts: int) -> int:
+        if num_drafts <= 0:
+            return 0
+        if self.mode == "bernoulli":
+            fails = self.rng.random(num_drafts) >= self.alpha
+            return int(np.argmax(fails)) if fails.any() else num_drafts
+        agree = self.agreement.get(request_index) if self.mode == "trace" else None
+        if agree is not None and (self.exact_max_d is None or num_drafts <= self.exact_max_d):
+            a = 0
+            while a < num_drafts and out_pos + a < len(agree) and agree[out_pos + a]:
+                a += 1
+            return a
+        a = 0
+        while a < num_drafts:
+            p = self.rates[a] if a < len(self.rates) else (self.rates[-1] if self.rates else 0.0)
+            if self.rng.random() >= p:
+                break
+            a += 1
+        return a
+
+
+def step_rates(trace) -> list[float]:
+    """Conditional per-position acceptance P(accept k | accepted k-1) from step records."""
+    reached: dict[int, int] = {}
+    passed: dict[int, int] = {}
+    for st in trace.steps:
+        if not st.num_drafted:
+            continue
+        for d, a in zip(st.num_drafted, st.num_accepted or []):
+            for k in range(min(d, a + 1)):
+                reached[k] = reached.get(k, 0) + 1
+                if k < a:
+                    passed[k] = passed.get(k, 0) + 1
+    return [passed.get(k, 0) / reached[k] for k in sorted(reached)]

@@ -1,0 +1,115 @@
+"""The virtual device: streams and events on the virtual clock, costs from a CostProfile.
+
+Why: the pipeline launches exactly the messages it launches on real hardware; here a launch
+computes its duration from the cost model and its result from a `Responder` (the
+simulator's stand-in for the worker: sampled tokens, accepted lengths), and completes at the
+modelled time. Streams run their work in order; with `serialize_streams` (a CPU worker
+process) every stream shares one queue, otherwise streams run concurrently and only
+`wait_event` orders them, like CUDA streams.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+from scheduler.protocols import DeviceError
+from simulator.costs import CostProfile
+
+
+class Responder(Protocol):
+    def respond(self, op: str, batch: dict, start_ns: int) -> tuple[Any, list[tuple[str, int]]]:
+        """(result, [(substage name, duration ns), ...]) for a launch starting at start_ns."""
+        ...
+
+
+class VirtualEvent:
+    def __init__(self, op: str, stream: str, start_ns: int, end_ns: int, result: Any,
+                 wakeup_ns: int, error: str | None = None):
+        self.op = op
+        self.stream = stream
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self._result = result
+        self._wakeup_ns = wakeup_ns
+        self._error = error
+
+    def _now(self) -> int:
+        return int(round(asyncio.get_running_loop().time() * 1e9))
+
+    def query(self) -> bool:
+        return self._now() >= self.end_ns
+
+    def synchronize(self, timeout_s: float | None = None) -> Any:
+        if not self.query():
+            raise RuntimeError("synchronize() on a virtual event before its time; await wait()")
+        return self._outcome()
+
+    async def wait(self) -> Any:
+        delay = self.end_ns + self._wakeup_ns - self._now()
+        if delay > 0:
+            await asyncio.sleep(delay / 1e9)
+        return self._outcome()
+
+    def _outcome(self) -> Any:
+        if self._error:
+            raise DeviceError(self.op, self._error)
+        return self._result
+
+
+class VirtualStream:
+    def __init__(self, device: "VirtualDevice", name: str):
+        self.device = device
+        self.name = name
+        self.busy_until_ns = 0
+        self._after_ns = 0  # wait_event dependencies
+
+    def launch(self, op: str, batch: dict) -> VirtualEvent:
+        dev = self.device
+        now = int(round(asyncio.get_running_loop().time() * 1e9))
+        ready = now + int(dev.profile.launch_latency_ns)
+        queue_free = dev.busy_until_ns if dev.profile.serialize_streams else self.busy_until_ns
+        start = max(ready, queue_free, self._after_ns)
+        attrs = batch.get("attrs", {})
+        error = None
+        try:
+            result, subs = dev.responder.respond(op, batch, start)
+        except Exception as e:  # noqa: BLE001 - surfaces at the waiter, like real devices
+            result, subs, error = None, [], str(e)
+        if not subs:
+            name = {"fill": "draft_fill", "forward": attrs.get("kind", "forward")}.get(op, op)
+            subs = [(name, int(dev.profile.device_ns(name, attrs)))]
+        t = start
+        stamps = []
+        for name, dur in subs:
+            stamps.append((name, t, t + int(dur)))
+            t += int(dur)
+        if isinstance(result, dict) and len(stamps) > 1:
+            result["_substages"] = stamps
+        self.busy_until_ns = t
+        dev.busy_until_ns = max(dev.busy_until_ns, t)
+        self._after_ns = 0
+        dev.num_launches += 1
+        return VirtualEvent(op, self.name, start, t, result, int(dev.profile.wakeup_ns), error)
+
+    def wait_event(self, event: VirtualEvent) -> None:
+        self._after_ns = max(self._after_ns, event.end_ns)
+
+
+class VirtualDevice:
+    kind = "virtual"
+
+    def __init__(self, profile: CostProfile, responder: Responder, name: str = "virtual"):
+        self.profile = profile
+        self.responder = responder
+        self.name = name
+        self.busy_until_ns = 0
+        self.num_launches = 0
+        self._streams: dict[str, VirtualStream] = {}
+
+    def stream(self, name: str) -> VirtualStream:
+        if name not in self._streams:
+            self._streams[name] = VirtualStream(self, name)
+        return self._streams[name]
+
+    def close(self) -> None:
+        pass

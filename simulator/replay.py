@@ -1,0 +1,198 @@
+"""Replay: the engine's own pipeline on a virtual clock and device, driven by a trace.
+
+Why: a captured trace gives the workload (arrivals, prompt and output lengths, sampling),
+the acceptance data and, through `fit_profile`, the costs. Replaying it under another
+schedule, draft length or arrival rate answers "what would happen" in a fraction of a second,
+and the result is a trace in the same format, so `stats`, `timeline` and `export` work on it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import anyio
+import numpy as np
+
+from scheduler.batch_builder import BatchBuilder, SchedulerConfig
+from scheduler.block_manager import BlockManager
+from scheduler.pipeline import Pipeline, PipelineConfig
+from scheduler.proposer import ProposerSpec, default_tree, validate_combination
+from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
+from simulator.acceptance import AcceptanceModel
+from simulator.costs import CostProfile
+from simulator.device import VirtualDevice
+from simulator.vtime import VirtualClock, run_virtual
+from traces.metrics import compute_metrics
+from traces.recorder import MemoryRecorder
+from traces.schema import Header, Trace
+
+_DUMMY_TOKEN = 7
+NATURAL_SCHEDULE = {"none": "sync", "draft": "overlap", "mtp": "mtp", "eagle": "sync", "ngram": "sync"}
+
+
+@dataclass
+class ReplayConfig:
+    schedule: str | None = None  # None = the trace's
+    proposer: str | None = None
+    draft_len: int | None = None
+    acceptance: str = "trace"  # trace | rates | bernoulli:ALPHA
+    rate_scale: float = 1.0  # open loop: arrival rate multiplier
+    concurrency: int | None = None  # closed loop; None = the trace's
+    seed: int = 0
+    engine_overrides: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkloadItem:
+    prompt_len: int
+    output_len: int
+    arrival_ns: int  # offset from the first arrival
+    params: SamplingParams
+
+
+def workload_from_trace(trace: Trace) -> list[WorkloadItem]:
+    fin = {f.request_id: f for f in trace.finishes}
+    reqs = sorted(trace.requests, key=lambda r: r.arrival_ns)
+    if not reqs:
+        raise ValueError(f"{trace.path or 'trace'}: no request records to replay")
+    t0 = reqs[0].arrival_ns
+    items = []
+    for r in reqs:
+        f = fin.get(r.request_id)
+        out_len = f.output_len if f is not None else r.max_tokens
+        items.append(WorkloadItem(r.prompt_len, max(1, out_len), r.arrival_ns - t0, SamplingParams(
+            max_tokens=max(1, out_len), temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            seed=r.seed, ignore_eos=True)))
+    return items
+
+
+class TraceResponder:
+    """The simulator's worker: token bookkeeping per slot and acceptance per verify."""
+
+    def __init__(self, profile: CostProfile, acceptance: AcceptanceModel, prompt_lens: list[int]):
+        self.profile = profile
+        self.acceptance = acceptance
+        self.prompt_lens = prompt_lens
+        self.slots: dict[int, list[int]] = {}  # slot -> [request index, tokens known]
+
+    def respond(self, op: str, batch: dict, start_ns: int):
+        for s in batch.get("release", ()):
+            self.slots.pop(int(s), None)
+        for slot, token_ids, _ in batch.get("register", ()):
+            self.slots[int(slot)] = [int(token_ids[0]), len(token_ids)]
+        attrs = batch.get("attrs", {})
+        if op == "forward":
+            out = np.full(len(batch["slots"]), -1, dtype=np.int64)
+            for i, (slot, samp) in enumerate(zip(batch["slots"], batch["samples"])):
+                if samp:
+                    self.slots[int(slot)][1] += 1
+                    out[i] = _DUMMY_TOKEN
+            return {"tokens": out}, []
+        if op == "draft":
+            return {"num_drafts": np.asarray(batch["num_draft"])}, []
+        if op == "verify":
+            accepted, emitted = [], []
+            for slot, nd in zip(batch["slots"], batch["num_draft"]):
+                st = self.slots[int(slot)]
+                pos = st[1] - self.prompt_lens[st[0]]
+                a = self.acceptance.accept(st[0], pos, int(nd))
+                accepted.append(a)
+                emitted.append([_DUMMY_TOKEN] * (a + 1))
+                st[1] += a + 1
+            subs = [("verify", int(self.profile.device_ns("verify", attrs))),
+                    ("accept", int(self.profile.device_ns("accept", attrs)) if "accept" in self.profile.device else 0)]
+            return {"accepted": np.asarray(accepted), "tokens": emitted,
+                    "num_drafts": np.asarray(batch["num_draft"])}, subs
+        if op == "fill":
+            return {}, []
+        raise ValueError(f"virtual device: unknown op {op!r}")
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.done: dict[str, anyio.Event] = {}
+
+    def on_tokens(self, req, token_ids):
+        return len(token_ids), None
+
+    def on_finish(self, req) -> None:
+        ev = self.done.get(req.request_id)
+        if ev is not None:
+            ev.set()
+
+
+def resolve(trace: Trace, cfg: ReplayConfig) -> tuple[str, str, int, dict]:
+    h = trace.header
+    proposer = cfg.proposer or h.proposer
+    draft_len = cfg.draft_len if cfg.draft_len is not None else (h.draft_len if proposer == h.proposer else 0)
+    schedule = cfg.schedule or h.schedule
+    if cfg.proposer and cfg.proposer != h.proposer and not cfg.schedule:
+        schedule = NATURAL_SCHEDULE[proposer]
+    validate_combination(proposer, schedule, draft_len)
+    engine = dict(h.engine_config)
+    engine.update(cfg.engine_overrides)
+    return proposer, schedule, draft_len, engine
+
+
+async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, items: list[WorkloadItem],
+                  acceptance: AcceptanceModel) -> Trace:
+    proposer, schedule, draft_len, engine = resolve(trace, cfg)
+    tree = default_tree(draft_len, engine.get("tree_top_k", 2), engine.get("tree_max_nodes", 8)) if proposer == "eagle" else ()
+    spec = ProposerSpec(proposer, draft_len if proposer != "none" else 0, tree)
+    page_size = int(engine.get("page_size", 16))
+    blocks = BlockManager(int(engine.get("num_pages", 4096)), page_size,
+                          ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
+    builder = BatchBuilder(SchedulerConfig(int(engine.get("max_num_seqs", 64)),
+                                           int(engine.get("max_num_batched_tokens", 2048)),
+                                           spec.num_candidates, spec.kv_model), blocks)
+    responder = TraceResponder(profile, acceptance, [it.prompt_len for it in items])
+    device = VirtualDevice(profile, responder)
+    clock = VirtualClock()
+    header = Header.create(source="simulator", clock="virtual_ns", model=trace.header.model,
+                           draft_model=trace.header.draft_model, proposer=proposer, schedule=schedule,
+                           draft_len=spec.draft_len, device={"kind": "virtual", "name": "replay"},
+                           engine_config=engine | {"proposer": proposer, "schedule": schedule, "draft_len": spec.draft_len},
+                           extra={"replayed_from": trace.path, "acceptance": cfg.acceptance,
+                                  "workload": trace.header.extra.get("workload", {})})
+    rec = MemoryRecorder(header)
+    sink = _Sink()
+    pipe = Pipeline(PipelineConfig(schedule, spec), builder, device, clock, sink, rec)
+
+    def host_cost(name: str, attrs: dict) -> float:
+        ns = profile.host_ns(name, attrs)
+        if name == "schedule":
+            ns += profile.step_overhead_ns
+        return ns
+
+    pipe.host_cost = host_cost
+    workload = trace.header.extra.get("workload", {})
+    concurrency = cfg.concurrency or workload.get("concurrency")
+    sem = anyio.Semaphore(concurrency or len(items))
+    start = clock.now_ns()
+
+    async def client(i: int, it: WorkloadItem) -> None:
+        if concurrency is None:
+            await clock.sleep_ns(int(start + it.arrival_ns / cfg.rate_scale - clock.now_ns()))
+        async with sem:
+            rid = f"r{i}"
+            ev = anyio.Event()
+            sink.done[rid] = ev
+            pipe.add_request(Request(rid, [i] * it.prompt_len, it.params, arrival_ns=clock.now_ns()))
+            await ev.wait()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pipe.run)
+        async with anyio.create_task_group() as clients:
+            for i, it in enumerate(items):
+                clients.start_soon(client, i, it)
+        pipe.stop()
+    return rec.to_trace()
+
+
+def replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig | None = None) -> tuple[dict, Trace]:
+    """Replay `trace` under `cfg`; returns (metrics with the bench keys, simulated trace)."""
+    cfg = cfg or ReplayConfig()
+    items = workload_from_trace(trace)
+    acceptance = AcceptanceModel.parse(cfg.acceptance, trace, seed=cfg.seed)
+    sim = run_virtual(_replay, trace, profile, cfg, items, acceptance)
+    return compute_metrics(sim), sim
