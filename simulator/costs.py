@@ -33,6 +33,7 @@ class StageModel:
     mape: float  # mean absolute percentage error on the fitting data, percent
     num_samples: int
     median_ns: float
+    cv: float = 0.0  # relative std of the residuals (noise for replicated replays)
 
     def predict(self, feats: dict[str, float]) -> float:
         return max(0.0, sum(c * feats.get(k, 0.0) for k, c in self.coef.items()))
@@ -48,6 +49,18 @@ class CostProfile:
     tile: int = 1
     serialize_streams: bool = True  # one worker process runs every stream in order
     source: list[str] = field(default_factory=list)
+    noise_seed: int | None = None  # set for a replicate: durations get the fitted residual noise
+
+    def __post_init__(self) -> None:
+        self._rng = np.random.default_rng(self.noise_seed) if self.noise_seed is not None else None
+
+    def with_noise(self, seed: int | None) -> "CostProfile":
+        return CostProfile.from_json(self.to_json() | {"noise_seed": seed})
+
+    def _noisy(self, m: StageModel, value: float) -> float:
+        if self._rng is None or m.cv <= 0:
+            return value
+        return value * float(np.clip(1.0 + m.cv * self._rng.standard_normal(), 0.2, 3.0))
 
     # -- prediction -----------------------------------------------------------------------------
     def features(self, attrs: dict) -> dict[str, float]:
@@ -63,11 +76,11 @@ class CostProfile:
         m = self.device.get(name)
         if m is None:
             raise KeyError(f"cost profile has no model for device op {name!r} (fitted: {sorted(self.device)})")
-        return m.predict(self.features(attrs))
+        return self._noisy(m, m.predict(self.features(attrs)))
 
     def host_ns(self, name: str, attrs: dict) -> float:
         m = self.host.get(name)
-        return 0.0 if m is None else m.predict(self.features(attrs))
+        return 0.0 if m is None else self._noisy(m, m.predict(self.features(attrs)))
 
     def mape(self) -> dict[str, float]:
         out = {f"device:{k}": v.mape for k, v in self.device.items()}
@@ -76,7 +89,9 @@ class CostProfile:
 
     # -- persistence ------------------------------------------------------------------------------
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("noise_seed", None)
+        return d
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2))
@@ -111,8 +126,10 @@ def fit_stage(rows: list[dict], durations: list[float], features: tuple[str, ...
     if coef[0] < 0:
         coef[0] = 0.0
     pred = np.maximum(X @ coef, 0.0)
+    rel = (y - pred) / np.maximum(pred, 1.0)
     mape = float(np.mean(np.abs(pred - y) / np.maximum(y, 1.0)) * 100) if len(y) else 0.0
-    return StageModel({f: float(c) for f, c in zip(features, coef)}, mape, len(y), float(np.median(y)) if len(y) else 0.0)
+    return StageModel({f: float(c) for f, c in zip(features, coef)}, mape, len(y),
+                      float(np.median(y)) if len(y) else 0.0, float(np.std(rel)) if len(y) > 1 else 0.0)
 
 
 def fit_profile(traces: list, *, tile: int = 1) -> CostProfile:

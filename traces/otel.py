@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import os
+import threading
 import time
 from collections import OrderedDict
 from typing import Any, Sequence
@@ -258,6 +259,7 @@ class OtelLiveTracer(OtelTracer):
                            or "OTEL_EXPORTER_OTLP_TIMEOUT" in os.environ)
             exporter = OTLPSpanExporter(endpoint=endpoint,
                                         timeout=None if env_timeout else export_timeout_s)
+        self._exporter = exporter
         self._processor = BatchSpanProcessor(
             exporter, max_queue_size=max_queue_size, schedule_delay_millis=schedule_delay_ms,
             max_export_batch_size=min(max_export_batch_size, max_queue_size))
@@ -265,8 +267,16 @@ class OtelLiveTracer(OtelTracer):
         super().__init__(header, self._processor, **options)
 
     def _shutdown(self) -> None:
-        self._processor.shutdown(timeout_millis=self.shutdown_timeout_s * 1e3)
-        self.provider.shutdown()
+        # The SDK's shutdown drains the queue with no overall deadline (each export may retry
+        # until its timeout), so it runs in a helper thread we wait on for a bounded time;
+        # past that, shutting the exporter down aborts retries and drops what is left.
+        stopper = threading.Thread(target=self.provider.shutdown, daemon=True,
+                                   name="specsched-otel-shutdown")
+        stopper.start()
+        stopper.join(self.shutdown_timeout_s)
+        if stopper.is_alive():
+            self._exporter.shutdown()
+            stopper.join(1.0)
 
 
 class _ChunkedExportProcessor(SpanProcessor):

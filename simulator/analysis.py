@@ -1,0 +1,157 @@
+"""validate, A/B and tune: the questions the simulator answers from one trace.
+
+validate  replay under the captured configuration; error against what was measured.
+ab        two configurations on the same workload and acceptance draws (paired), replicated
+          with the cost models' residual noise; bootstrap confidence intervals on the
+          differences; "no difference" when an interval spans zero.
+tune      sweep the draft length per batch-size regime; simulated speedup over plain
+          decoding next to the formula T_verif(B)·AL / (T_verif(B·(1+D)) + T_draft(B, D)).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from simulator.costs import CostProfile, fit_profile
+from simulator.replay import ReplayConfig, replay
+from traces.metrics import compute_metrics
+
+
+def _pct(sim: float | None, real: float | None) -> float | None:
+    if sim is None or real is None or real == 0:
+        return None
+    return abs(sim - real) / abs(real) * 100.0
+
+
+def validate(trace, profile: CostProfile | None = None) -> dict:
+    profile = profile or fit_profile([trace])
+    real = compute_metrics(trace)
+    sim_m, sim = replay(trace, profile, ReplayConfig())
+    rs = sorted(trace.steps, key=lambda s: s.step)
+    ss = sorted(sim.steps, key=lambda s: s.step)
+    n = min(len(rs), len(ss))
+    errs = np.array([_pct(b.end_ns - b.start_ns, a.end_ns - a.start_ns) or 0.0 for a, b in zip(rs[:n], ss[:n])])
+    out = {
+        "steps_real": len(rs), "steps_sim": len(ss),
+        "step_time_err_pct": {"p50": float(np.median(errs)) if n else None,
+                              "p90": float(np.percentile(errs, 90)) if n else None},
+        "makespan_err_pct": _pct(sim_m["duration_s"], real["duration_s"]),
+        "output_tokens_per_s_err_pct": _pct(sim_m["output_tokens_per_s"], real["output_tokens_per_s"]),
+        "ttft_err_pct": {k: _pct(sim_m["ttft_ms"][k], real["ttft_ms"][k]) for k in ("p50", "p99")},
+        "tpot_err_pct": {k: _pct(sim_m["tpot_ms"][k], real["tpot_ms"][k]) for k in ("p50", "p99")},
+        "bubble_fraction_err_pp": (abs(sim_m["bubble_fraction"] - real["bubble_fraction"]) * 100
+                                   if sim_m["bubble_fraction"] is not None and real["bubble_fraction"] is not None else None),
+        "fit_mape_pct": profile.mape(),
+        "real": real, "sim": sim_m,
+    }
+    return out
+
+
+def _bootstrap_ci(diffs: np.ndarray, rng: np.random.Generator, n: int = 4000, level: float = 0.95) -> tuple[float, float, float]:
+    if len(diffs) == 0:
+        return (float("nan"),) * 3
+    means = rng.choice(diffs, size=(n, len(diffs)), replace=True).mean(axis=1)
+    lo, hi = np.percentile(means, [(1 - level) / 2 * 100, (1 + level) / 2 * 100])
+    return float(diffs.mean()), float(lo), float(hi)
+
+
+def _per_request(trace) -> tuple[dict, dict]:
+    ttft, tpot = {}, {}
+    req = {r.request_id: r for r in trace.requests}
+    for f in trace.finishes:
+        r = req.get(f.request_id)
+        if r is None or f.first_token_ns is None:
+            continue
+        ttft[f.request_id] = (f.first_token_ns - r.arrival_ns) / 1e6
+        if f.output_len > 1:
+            tpot[f.request_id] = (f.finish_ns - f.first_token_ns) / 1e6 / (f.output_len - 1)
+    return ttft, tpot
+
+
+def ab(trace, a: ReplayConfig, b: ReplayConfig, *, profile: CostProfile | None = None,
+       replicates: int = 10, seed: int = 0) -> dict:
+    profile = profile or fit_profile([trace])
+    rng = np.random.default_rng(seed)
+    thr, ttft_d, tpot_d = [], [], []
+    ma = mb = None
+    for r in range(replicates):
+        pa = profile.with_noise(seed * 1000 + r)
+        pb = profile.with_noise(seed * 1000 + r)
+        ma, ta = replay(trace, pa, replace(a, seed=seed * 1000 + r))
+        mb, tb = replay(trace, pb, replace(b, seed=seed * 1000 + r))
+        thr.append(mb["output_tokens_per_s"] - ma["output_tokens_per_s"])
+        fa, ga = _per_request(ta)
+        fb, gb = _per_request(tb)
+        ttft_d += [fb[k] - fa[k] for k in fa if k in fb]
+        tpot_d += [gb[k] - ga[k] for k in ga if k in gb]
+    res = {}
+    for name, diffs in (("output_tokens_per_s", thr), ("ttft_ms", ttft_d), ("tpot_ms", tpot_d)):
+        mean, lo, hi = _bootstrap_ci(np.asarray(diffs, dtype=float), rng)
+        if lo <= 0 <= hi:
+            verdict = "no difference"
+        else:
+            better = (mean > 0) if name == "output_tokens_per_s" else (mean < 0)
+            verdict = "B better" if better else "A better"
+        res[name] = {"diff_mean": mean, "ci95": [lo, hi], "verdict": verdict}
+    return {"a": ma, "b": mb, "diff_b_minus_a": res, "replicates": replicates}
+
+
+def accept_len(trace, d: int) -> float | None:
+    """Mean accepted length per step at draft length d, from per-position agreement."""
+    vals = []
+    for f in trace.finishes:
+        ag = f.agreement
+        if not ag:
+            continue
+        pos = 0
+        while pos < len(ag):
+            a = 0
+            while a < d and pos + a < len(ag) and ag[pos + a]:
+                a += 1
+            vals.append(1 + a)
+            pos += a + 1
+    return float(np.mean(vals)) if vals else None
+
+
+def tune(trace, *, profile: CostProfile | None = None, draft_lens: list[int] | None = None,
+         concurrencies: list[int] | None = None) -> dict:
+    profile = profile or fit_profile([trace])
+    h = trace.header
+    if h.proposer == "none":
+        raise ValueError("tune needs a speculative trace (its acceptance data picks the draft length)")
+    dmax = max(1, min(8, h.max_agreement_len or 8))
+    draft_lens = draft_lens or list(range(1, dmax + 1))
+    concurrencies = concurrencies or [1, 4, 16]
+    kv_mean = float(np.mean([r.prompt_len for r in trace.requests])) if trace.requests else 64.0
+    rows = []
+    for c in concurrencies:
+        plain, _ = replay(trace, profile, ReplayConfig(proposer="none", schedule="sync", draft_len=0, concurrency=c))
+        for d in draft_lens:
+            try:
+                m, _ = replay(trace, profile, ReplayConfig(draft_len=d, concurrency=c))
+            except KeyError as e:
+                rows.append({"concurrency": c, "draft_len": d, "error": str(e)})
+                continue
+            al = accept_len(trace, d) or m["mean_accept_len"]
+            verify_name = "verify" if "verify" in profile.device else "decode"
+            base = {"requests": c, "kv_tokens": c * kv_mean}
+            t1 = profile.device_ns("decode", base | {"tokens": c}) if "decode" in profile.device else None
+            tv = profile.device_ns(verify_name, base | {"tokens": c * (1 + d)})
+            td = 0.0
+            if "draft" in profile.device:
+                td += profile.device_ns("draft", base | {"tokens": c * d, "num_draft": d})
+            if "draft_fill" in profile.device:
+                td += profile.device_ns("draft_fill", base | {"tokens": c * 2})
+            formula = (t1 * al / (tv + td)) if (t1 and al) else None
+            rows.append({
+                "concurrency": c, "draft_len": d,
+                "sim_tokens_per_s": m["output_tokens_per_s"],
+                "sim_speedup": m["output_tokens_per_s"] / plain["output_tokens_per_s"],
+                "mean_accept_len": al, "formula_speedup": formula,
+            })
+    best = {}
+    for r in rows:
+        if "sim_speedup" in r and r["sim_speedup"] > best.get(r["concurrency"], {}).get("sim_speedup", 0):
+            best[r["concurrency"]] = r
+    return {"rows": rows, "best": {str(k): v["draft_len"] for k, v in best.items()}}
