@@ -20,12 +20,13 @@ from traces.recorder import MemoryRecorder, write_trace
 from traces.schema import Header
 
 
-def make_header(config: EngineConfig, engine: AsyncEngine, device_name: str | None = None) -> Header:
+def make_header(config: EngineConfig, engine: AsyncEngine, device_name: str | None = None,
+                workload: dict | None = None) -> Header:
     return Header.create(
         source="engine", clock="monotonic_ns", model=engine.model_dir,
         draft_model=engine._proposer_dir(), proposer=config.proposer, schedule=config.schedule,
         draft_len=config.draft_len, device={"kind": config.device, "name": device_name or config.device},
-        engine_config=config.model_dump(mode="json"),
+        engine_config=config.model_dump(mode="json"), extra={"workload": workload or {}},
     )
 
 
@@ -48,7 +49,7 @@ async def run_workload(
         if warmup:
             for it in items[:warmup]:
                 await engine.generate_all(it.prompt, it.params)
-        header = make_header(config, engine)
+        header = make_header(config, engine, workload={"concurrency": concurrency, "rate_qps": rate_qps})
         mem = MemoryRecorder(header)
         tracer = MultiTracer(mem)
         engine._pipeline.tracer = tracer

@@ -91,6 +91,18 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tenso
     return torch.where(medium, smoothed, scaled)
 
 
+def column_major_linear(in_features: int, out_features: int) -> nn.Linear:
+    """nn.Linear whose weight [out, in] is stored column-major (weight.t() contiguous).
+
+    `F.linear` multiplies by weight.t(); with this layout BLAS streams the weight row by row,
+    which for the few-row inputs of decoding measured ~2x faster (MKL, AVX2) than the default
+    layout. Shapes, names and autograd are unchanged; `copy_` into it keeps the layout.
+    """
+    lin = nn.Linear(in_features, out_features, bias=False)
+    lin.weight = nn.Parameter(lin.weight.detach().t().contiguous().t())
+    return lin
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x [..., H, D] rotated (Hugging Face half-split convention)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
@@ -114,11 +126,11 @@ class DecoderLayer(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.qkv_proj = nn.Linear(h, (self.num_heads + 2 * self.num_kv_heads) * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.qkv_proj = column_major_linear(h, (self.num_heads + 2 * self.num_kv_heads) * d)
+        self.o_proj = column_major_linear(self.num_heads * d, h)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+        self.gate_up_proj = column_major_linear(h, 2 * config.intermediate_size)
+        self.down_proj = column_major_linear(config.intermediate_size, h)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 step: StepAttention, kv_layer: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
@@ -195,9 +207,11 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # column-major like the Linear layers: it may serve as the (tied) LM head
+        self.embed_tokens.weight = nn.Parameter(self.embed_tokens.weight.detach().t().contiguous().t())
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = column_major_linear(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(config)
         self.tie_weights()
 
@@ -308,10 +322,10 @@ class LlamaModel(nn.Module):
             layer.load_hf(tensors, f"model.layers.{i}.")
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        out = {"model.embed_tokens.weight": self.embed_tokens.weight.detach(),
-               "model.norm.weight": self.norm.weight.detach()}
+        out = {"model.embed_tokens.weight": self.embed_tokens.weight.detach().contiguous(),
+               "model.norm.weight": self.norm.weight.detach().contiguous()}
         if not self.config.tie_word_embeddings:
-            out["lm_head.weight"] = self.lm_head.weight.detach()
+            out["lm_head.weight"] = self.lm_head.weight.detach().contiguous()
         for i, layer in enumerate(self.layers):
             out.update(layer.hf_state_dict(f"model.layers.{i}."))
         return out

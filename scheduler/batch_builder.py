@@ -43,10 +43,12 @@ class ScheduledSeq:
     num_new_tokens: int  # target tokens computed this step (prefill chunk or 1)
     num_draft: int = 0  # extra speculative tokens (decode-only batches)
     samples: bool = field(init=False)  # this step produces an output token for the request
+    prefill: bool = field(init=False)  # the request was in prefill when scheduled
 
     def __post_init__(self) -> None:
         r = self.request
         self.samples = r.num_computed_tokens + self.num_new_tokens >= r.num_tokens
+        self.prefill = r.in_prefill
 
 
 @dataclass
@@ -61,7 +63,8 @@ class StepBatch:
 
     @property
     def kind(self) -> str:
-        prefill = [s for s in self.seqs if s.request.in_prefill]
+        """"spec" | "decode" | "prefill" | "mixed", as scheduled (stable after bookkeeping)."""
+        prefill = [s for s in self.seqs if s.prefill]
         if self.is_spec:
             return "spec"
         if not prefill:
@@ -208,7 +211,7 @@ class BatchBuilder:
             seqs.append(ScheduledSeq(req, n, 0))
             budget -= n
 
-        if draft and any(s.request.in_prefill for s in seqs):
+        if draft and any(s.prefill for s in seqs):
             for s in seqs:
                 s.num_draft = 0
         batch = StepBatch(self._step, seqs, preempted)

@@ -85,6 +85,10 @@ def test_lanes_spans_and_times(trace):
         assert e["args"]["step"] == s.step
 
 
+def encloses(event: dict, ts: float) -> bool:
+    return event["ts"] <= ts <= event["ts"] + event["dur"]
+
+
 def test_flow_arrows_pair_host_launch_with_device_spans(trace):
     events = to_chrome_trace(trace)["traceEvents"]
     starts = {e["id"]: e for e in events if e["ph"] == "s"}
@@ -98,8 +102,8 @@ def test_flow_arrows_pair_host_launch_with_device_spans(trace):
         f = finishes[flow_id]
         assert s["tid"] == host_tid and f["tid"] != host_tid and f["bp"] == "e"
         # each end binds to an enclosing slice on its lane, launched no later than it starts
-        src = [x for x in slices if x["tid"] == s["tid"] and x["ts"] <= s["ts"] <= x["ts"] + x["dur"]]
-        dst = [x for x in slices if x["tid"] == f["tid"] and x["ts"] <= f["ts"] <= x["ts"] + x["dur"]]
+        src = [x for x in slices if x["tid"] == s["tid"] and encloses(x, s["ts"])]
+        dst = [x for x in slices if x["tid"] == f["tid"] and encloses(x, f["ts"])]
         assert src and dst
         assert src[0]["args"]["launch_id"] == dst[0]["args"]["launch_id"]
 

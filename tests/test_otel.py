@@ -14,8 +14,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from traces import MemoryRecorder, Trace
-from traces.otel import OtelLiveTracer, export_otel_json, export_trace_otel
+from traces import MemoryRecorder, Trace, Tracer
+from traces.otel import OtelLiveTracer, export_otel_json, export_otlp, export_trace_otel
 from traces.schema import Header
 from traces.synthetic import synthetic_trace
 
@@ -76,7 +76,8 @@ def check_export(spans) -> None:
     named = by_name(spans)
     assert set(named) == {"text_completion tiny-llama", "step", "schedule", "prefill", "plan",
                           "spec.draft", "spec.verify", "spec.accept", "sync", "spec.draft_fill"}
-    requests = {s.attributes["specsched.request_id"]: s for s in named["text_completion tiny-llama"]}
+    requests = {s.attributes["specsched.request_id"]: s
+                for s in named["text_completion tiny-llama"]}
     a, b = requests["A"], requests["B"]
     assert a.attributes["gen_ai.operation.name"] == "text_completion"
     assert a.attributes["gen_ai.request.model"] == "tiny-llama"
@@ -87,7 +88,8 @@ def check_export(spans) -> None:
     assert a.attributes["gen_ai.request.top_k"] == 20 and a.attributes["gen_ai.request.seed"] == 3
     assert tuple(a.attributes["gen_ai.response.finish_reasons"]) == ("length",)
     assert a.attributes["gen_ai.server.time_to_first_token"] == pytest.approx(21e-6)
-    assert a.attributes["specsched.num_drafted"] == 3 and a.attributes["specsched.num_accepted"] == 2
+    assert a.attributes["specsched.num_drafted"] == 3
+    assert a.attributes["specsched.num_accepted"] == 2
     assert (a.start_time, a.end_time) == (10_000 + OFFSET_NS, 41_000 + OFFSET_NS)
     assert [(e.name, e.timestamp) for e in a.events] == [("first_token", 31_000 + OFFSET_NS)]
     assert a.parent is None and a.status.status_code == StatusCode.UNSET
@@ -116,12 +118,13 @@ def test_offline_export_names_attributes_parentage_links_times():
     exporter = InMemorySpanExporter()
     assert export_trace_otel(hand_trace(), exporter, chunk_size=4) == 12
     check_export(exporter.get_finished_spans())
-    assert exporter.export([]) .name == "SUCCESS"  # the caller's exporter is left open
+    assert exporter.export([]).name == "SUCCESS"  # the caller's exporter is left open
 
 
 def test_live_tracer_matches_offline_export():
     exporter = InMemorySpanExporter()
     tracer = OtelLiveTracer(header(), exporter, schedule_delay_ms=10)
+    assert isinstance(tracer, Tracer)
     feed(tracer)
     tracer.close()
     check_export(exporter.get_finished_spans())
@@ -181,16 +184,21 @@ class _Collector(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_live_export_over_otlp_http_protobuf():
+@pytest.mark.parametrize("mode", ["live", "offline"])
+def test_export_over_otlp_http_protobuf(mode):
     _Collector.received = []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
-        tracer = OtelLiveTracer(header(), endpoint=url, schedule_delay_ms=10)
-        feed(tracer)
-        tracer.close()
+        if mode == "live":
+            tracer = OtelLiveTracer(header(), endpoint=url, schedule_delay_ms=10)
+            feed(tracer)
+            tracer.close()
+        else:
+            assert export_otlp(hand_trace(), url, chunk_size=5) == 12
+            assert len(_Collector.received) == 3
     finally:
         server.shutdown()
         server.server_close()
@@ -232,20 +240,34 @@ def _record_calls(tracer, num_steps: int) -> list[float]:
     return durations
 
 
-def test_dead_collector_costs_the_caller_nothing():
+@pytest.mark.parametrize("collector", ["refusing", "silent"])
+def test_dead_collector_costs_the_caller_nothing(collector):
+    """A closed port (connection refused) or a socket that never answers (read timeout)."""
     options = dict(export_timeout_s=0.5, shutdown_timeout_s=1.0, max_queue_size=256,
                    max_export_batch_size=64, schedule_delay_ms=5)
     baseline = OtelLiveTracer(header(), InMemorySpanExporter(), **options)
     base = _record_calls(baseline, 400)
     baseline.close()
-    dead = OtelLiveTracer(header(), endpoint=f"http://127.0.0.1:{_closed_port()}/v1/traces",
-                          **options)
-    dead.request("A", 0, 3, 4)
-    calls = _record_calls(dead, 400)
-    started = time.perf_counter()
-    dead.close()
-    close_s = time.perf_counter() - started
+    with socket.socket() as silent:
+        if collector == "silent":
+            silent.bind(("127.0.0.1", 0))
+            silent.listen(64)  # the kernel accepts connections; nobody ever reads or replies
+            port = silent.getsockname()[1]
+        else:
+            port = _closed_port()
+        dead = OtelLiveTracer(header(), endpoint=f"http://127.0.0.1:{port}/v1/traces",
+                              **options)
+        dead.request("A", 0, 3, 4)
+        calls = _record_calls(dead, 400)
+        started = time.perf_counter()
+        dead.close()
+        close_s = time.perf_counter() - started
     median_us, base_us = statistics.median(calls) * 1e6, statistics.median(base) * 1e6
     assert median_us < 3 * base_us + 50, (median_us, base_us)
     assert median_us < 500, median_us  # microseconds, not an export round trip
     assert close_s < 4.0, close_s  # bounded by shutdown_timeout_s, not by retries
+
+
+def test_offline_export_to_dead_collector_raises():
+    with pytest.raises(RuntimeError, match="OTel export failed for 12 of 12 spans"):
+        export_otlp(hand_trace(), f"http://127.0.0.1:{_closed_port()}/v1/traces", timeout_s=0.5)

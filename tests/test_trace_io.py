@@ -9,8 +9,8 @@ import numpy as np
 import orjson
 import pytest
 
-from traces import (MemoryRecorder, MultiTracer, TraceFormatError, TraceRecorder, iter_records,
-                    read_trace, write_trace)
+from traces import (MemoryRecorder, MultiTracer, TraceFormatError, TraceRecorder, Tracer,
+                    iter_records, read_trace, write_trace)
 from traces.schema import Header
 from traces.synthetic import drive, synthetic_trace
 
@@ -32,6 +32,7 @@ def test_round_trip_file_equals_memory(tmp_path):
     path = tmp_path / "run.jsonl"
     memory = MemoryRecorder(header())
     with TraceRecorder(path, memory.header, max_buffered_lines=7) as recorder:
+        assert isinstance(recorder, Tracer) and isinstance(memory, Tracer)
         drive(MultiTracer(recorder, memory), **DRIVE)
     from_file, from_memory = read_trace(path), memory.to_trace()
     assert from_file.header == from_memory.header
@@ -89,6 +90,12 @@ def test_recorder_cheap_checks(tmp_path):
         rec.span("host", "plan", 1, 10, 5)
     with pytest.raises(ValueError, match="kv_lens has 1 entries for 2 requests"):
         rec.step(1, "decode", 0, 5, ["a", "b"], [1, 1], [3], num_output=[1, 1])
+    with pytest.raises(ValueError, match="track 'gpu' is not"):
+        rec.span("gpu", "plan", 1, 0, 5)
+    with pytest.raises(ValueError, match="kind 'verify' is not one of"):
+        rec.step(1, "verify", 0, 5, ["a"], [1], [3], num_output=[1])
+    with pytest.raises(ValueError, match="agreement needs an agreement_kind"):
+        rec.finish("a", 5, "stop", 1, 3, agreement=[1])
     with pytest.raises(ValueError, match="finish_reason"):
         rec.finish("a", 5, "done", 1, 3)
     rec.request("a", 100, 4, 8)
@@ -180,7 +187,8 @@ def test_error_truncated_final_line(tmp_path):
 
 
 @pytest.mark.parametrize("line, field, words", [
-    (SPAN.replace(b'"end_ns":2', b'"end_ns":0'), "span.end_ns", "end_ns (0) is before start_ns (1)"),
+    (SPAN.replace(b'"end_ns":2', b'"end_ns":0'), "span.end_ns",
+     "end_ns (0) is before start_ns (1)"),
     (SPAN.replace(b'"start_ns":1,', b""), "span.start_ns", "Field required"),
     (SPAN.replace(b'"host"', b'"cpu"'), "span.track", "should match pattern"),
     (b'{"type":"step","step":1,"kind":"spec","start_ns":0,"end_ns":1,"request_ids":["a"],'

@@ -32,8 +32,8 @@ def to_chrome_trace(trace: Trace) -> dict[str, Any]:
     tids = {HOST_TRACK: HOST_TID}
     for i, track in enumerate(trace.device_tracks()):
         tids[track] = HOST_TID + 1 + i
-    events: list[dict[str, Any]] = [_meta("process_name", 0, name=f"specsched {h.source}: "
-                                          f"{h.model} ({h.schedule}, {h.proposer}, D={h.draft_len})")]
+    process = f"specsched {h.source}: {h.model} ({h.schedule}, {h.proposer}, D={h.draft_len})"
+    events: list[dict[str, Any]] = [_meta("process_name", 0, name=process)]
     for lane, tid in [("steps", STEPS_TID), *tids.items()]:
         events.append(_meta("thread_name", tid, name=lane))
         events.append(_meta("thread_sort_index", tid, sort_index=tid))

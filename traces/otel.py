@@ -326,6 +326,22 @@ def export_trace_otel(trace: Trace, span_exporter: SpanExporter, *,
     return processor.num_exported
 
 
+def export_otlp(trace: Trace, endpoint: str | None = None, *, timeout_s: float = 10.0,
+                chunk_size: int = 512) -> int:
+    """Sends a recorded trace to an OTLP/HTTP collector; returns the number of spans sent.
+
+    `endpoint` is the full URL (http://host:4318/v1/traces); None uses the standard
+    OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT variables. Raises RuntimeError if a batch failed.
+    """
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    exporter = OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s)
+    try:
+        return export_trace_otel(trace, exporter, chunk_size=chunk_size)
+    finally:
+        exporter.shutdown()
+
+
 def export_otel_json(trace: Trace, path: str | os.PathLike, *, chunk_size: int = 1024) -> int:
     """Writes the export as OTLP/JSON: one ExportTraceServiceRequest per line (the format
     of the OpenTelemetry Collector's file exporter / otlpjsonfile receiver). Returns spans."""

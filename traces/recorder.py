@@ -12,15 +12,19 @@ validates every field.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from typing import Any, BinaryIO, Mapping, Sequence, get_args
 
 import orjson
 
 from traces.hook import replay
-from traces.schema import RECORD_ADAPTER, FinishReason, Header, Trace
+from traces.schema import (RECORD_ADAPTER, TRACK_PATTERN, FinishReason, Header, StepKind,
+                           Trace)
 
 _FINISH_REASONS = frozenset(get_args(FinishReason))
+_STEP_KINDS = frozenset(get_args(StepKind))
+_TRACK_RE = re.compile(TRACK_PATTERN)
 _DUMPS_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 
 
@@ -39,6 +43,7 @@ class _RecordBuilder:
         self.header = header if isinstance(header, Header) else Header.model_validate(
             dict(header), strict=False)
         self._arrival_ns: dict[str, int] = {}  # requests in flight, for ttft_ns
+        self._tracks: set[str] = set()  # track names already checked
 
     def _emit(self, record: dict | tuple, is_step: bool = False) -> None:
         raise NotImplementedError
@@ -57,6 +62,11 @@ class _RecordBuilder:
         if end_ns < start_ns:
             raise ValueError(f"span {track}/{name}: end_ns ({end_ns}) is before start_ns "
                              f"({start_ns})")
+        if track not in self._tracks:
+            if not _TRACK_RE.match(track):
+                raise ValueError(f"span {name}: track {track!r} is not 'host' or "
+                                 "'device:<stream>'")
+            self._tracks.add(track)
         self._emit((track, name, step, start_ns, end_ns, attrs))
 
     def step(self, step: int, kind: str, start_ns: int, end_ns: int,
@@ -72,6 +82,8 @@ class _RecordBuilder:
                   "num_drafted": zeros if num_drafted is None else num_drafted,
                   "num_accepted": zeros if num_accepted is None else num_accepted,
                   "num_output": zeros if num_output is None else num_output}
+        if kind not in _STEP_KINDS:
+            raise ValueError(f"step {step}: kind {kind!r} is not one of {sorted(_STEP_KINDS)}")
         if end_ns < start_ns:
             raise ValueError(f"step {step}: end_ns ({end_ns}) is before start_ns ({start_ns})")
         for key in ("num_new_tokens", "kv_lens", "num_drafted", "num_accepted", "num_output"):
@@ -91,6 +103,9 @@ class _RecordBuilder:
         if ttft_ns is None and first_token_ns is not None and arrival_ns is not None:
             ttft_ns = first_token_ns - arrival_ns
         if agreement is not None:
+            if agreement_kind is None:
+                raise ValueError(f"finish {request_id}: agreement needs an agreement_kind "
+                                 "('teacher_forced' or 'first_token')")
             agreement = list(agreement[: self.header.max_agreement_len])
         self._emit({"type": "finish", "request_id": request_id, "finish_ns": finish_ns,
                     "finish_reason": finish_reason, "output_len": output_len,

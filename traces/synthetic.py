@@ -77,7 +77,7 @@ def drive(tracer: Tracer, *, num_requests: int, max_tokens: int, draft_len: int,
             t += dur
         d = max(t, device_free)
         work = [("draft", draft_track, draft_len * 70 * US)] if spec else []
-        work.append(("verify" if spec else ("prefill" if prefill else "decode"), main_track,
+        work.append(("verify" if spec else kind, main_track,
                      150 * US + 4 * US * sum(new_tokens)))
         if spec:
             work.append(("accept", main_track, 20 * US))

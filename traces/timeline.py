@@ -4,27 +4,26 @@ Why: one glance should show whether CPU work hides behind device work under a sc
 Lanes: host stages, one per device stream, and a red hatched lane for device idle time
 while requests are pending (the bubbles `bubble_fraction` measures). Bars are colored by
 stage, step boundaries are dotted lines, the title carries the schedule, proposer, D and
-the run's key numbers. Uses matplotlib's Agg backend (no display needed).
+the run's key numbers. Draws on a bare matplotlib Figure (Agg rendering, no pyplot), so it
+needs no display and leaves the caller's backend and global figure state alone.
 """
 from __future__ import annotations
 
 import os
 
 import matplotlib
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-from traces.metrics import bubble_intervals, compute_metrics  # noqa: E402
-from traces.schema import HOST_TRACK, STAGES, Trace, stage_order  # noqa: E402
+from traces.metrics import bubble_intervals, compute_metrics
+from traces.schema import HOST_TRACK, Trace, stage_order
 
 STAGE_COLORS = {
     "schedule": "#4e79a7", "kv_alloc": "#76b7b2", "plan": "#59a14f", "prefill": "#b07aa1",
     "decode": "#9c755f", "draft": "#f28e2b", "mtp": "#edc948", "verify": "#e15759",
     "accept": "#ff9da7", "sync": "#bab0ac", "draft_fill": "#f1ce63", "output": "#86bcb6",
 }
-_EXTRA_COLORS = plt.get_cmap("tab20").colors
+_EXTRA_COLORS = matplotlib.colormaps["tab20"].colors
 IDLE_COLOR = "#d62728"
 MAX_STEP_LABELS = 40
 
@@ -47,7 +46,8 @@ def plot_timeline(trace: Trace, out_path: str | os.PathLike,
     spans = [s for s in trace.spans if s.end_ns >= start_ns and s.start_ns <= end_ns]
     lanes = [HOST_TRACK, *trace.device_tracks(), "idle"]
     y_of = {lane: len(lanes) - 1 - i for i, lane in enumerate(lanes)}
-    fig, ax = plt.subplots(figsize=(14, 1.1 * len(lanes) + 2.4))
+    fig = Figure(figsize=(14, 1.1 * len(lanes) + 2.4))
+    ax = fig.subplots()
     width_ms = max(ms(end_ns) - ms(start_ns), 1e-6)
 
     stages = stage_order({s.name for s in spans})
@@ -101,7 +101,6 @@ def plot_timeline(trace: Trace, out_path: str | os.PathLike,
               ncol=min(len(handles), 7), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(out_path, dpi=130)
-    plt.close(fig)
     return os.fspath(out_path)
 
 
@@ -129,7 +128,7 @@ def _title(trace: Trace, steps: tuple[int, int] | None) -> str:
     def fmt(value: float | None, spec: str) -> str:
         return "n/a" if value is None else format(value, spec)
 
-    where = f"steps {steps[0]}..{steps[1]}" if steps else "whole run"
+    where = f"steps {steps[0]}..{steps[1]}" if steps else "all steps"
     return (f"{h.model} ({h.source})  ·  schedule {h.schedule}  ·  proposer {h.proposer}"
             f"  ·  D={h.draft_len}  ·  {where}\n"
             f"whole run: {fmt(m['output_tokens_per_s'], ',.0f')} output tok/s  ·  "

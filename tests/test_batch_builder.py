@@ -1,0 +1,469 @@
+"""Tests for scheduler.batch_builder: budgets, FCFS admission, chunked prefill, speculation on
+decode-only batches, preemption and recompute, driven to completion by a small simulation of
+the pipeline's bookkeeping."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler import messages
+from scheduler.batch_builder import BatchBuilder, SchedulerConfig, StepBatch
+from scheduler.block_manager import BlockManager
+from scheduler.errors import InvalidRequestError
+from scheduler.proposer import ProposerSpec
+from scheduler.request import Request, RequestState
+from scheduler.sampling_params import SamplingParams
+
+
+def make_req(rid: str, prompt_len: int, max_tokens: int, arrival_ns: int = 0) -> Request:
+    return Request(rid, list(range(100, 100 + prompt_len)), SamplingParams(max_tokens=max_tokens), arrival_ns)
+
+
+def make_builder(
+    num_pages: int = 64,
+    page_size: int = 4,
+    *,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    draft_len: int = 0,
+    proposer_model: str | None = None,
+) -> BatchBuilder:
+    models = ("target",) + ((proposer_model,) if proposer_model else ())
+    cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, draft_len, proposer_model)
+    return BatchBuilder(cfg, BlockManager(num_pages, page_size, models))
+
+
+class Sim:
+    """The pipeline's host bookkeeping for one builder: allocate, advance computed tokens,
+    append sampled tokens (1 + accepted on a speculative step), trim rejected KV, finish."""
+
+    def __init__(self, builder: BatchBuilder, accept_rng: random.Random | None = None):
+        self.b = builder
+        self.rng = accept_rng or random.Random(0)
+        self.finished: list[Request] = []
+        self.batches: list[StepBatch] = []
+
+    def add(self, req: Request) -> None:
+        self.b.add(req)
+
+    def step(self) -> StepBatch:
+        b, cfg = self.b, self.b.config
+        batch = b.schedule()
+        self.batches.append(batch)
+        check_batch(b, batch)
+        b.allocate(batch)
+        check_allocation(b, batch)
+        check_messages(b, batch)
+        for s in batch.seqs:
+            r = s.request
+            if s.samples:
+                assert r.num_computed_tokens + s.num_new_tokens == r.num_tokens
+            if batch.is_spec:
+                accepted = self.rng.randint(0, s.num_draft)
+                r.num_computed_tokens += 1 + accepted
+                new = 1 + accepted
+            else:
+                r.num_computed_tokens += s.num_new_tokens
+                new = 1 if s.samples else 0
+            start = r.num_output_tokens
+            r.output_token_ids.extend(range(start, start + new))
+            assert r.num_output_tokens <= r.params.max_tokens
+            if r.num_output_tokens == r.params.max_tokens:
+                r.state = RequestState.FINISHED
+                b.remove(r)
+                self.finished.append(r)
+            elif batch.is_spec:
+                b.blocks.trim(r.request_id, "target", r.num_tokens)
+        b.blocks.check_invariants()
+        for r in b.running:
+            assert r.state is RequestState.RUNNING
+        for r in b.waiting:
+            assert b.blocks.page_table(r.request_id) == []
+            if cfg.proposer_model:
+                assert b.blocks.page_table(r.request_id, cfg.proposer_model) == []
+        return batch
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.b.has_work:
+                return
+            self.step()
+        raise AssertionError("the scheduler made no progress (livelock)")
+
+
+def check_batch(b: BatchBuilder, batch: StepBatch) -> None:
+    cfg = b.config
+    ids = [s.request.request_id for s in batch.seqs]
+    assert len(ids) == len(set(ids)), "a request scheduled twice"
+    assert len(batch) <= cfg.max_num_seqs and len(b.running) <= cfg.max_num_seqs
+    assert batch.num_tokens <= cfg.max_num_batched_tokens
+    for s in batch.seqs:
+        assert s.request in b.running
+        assert s.num_new_tokens >= 1
+        assert s.request.num_computed_tokens + s.num_new_tokens <= s.request.num_tokens
+        assert s.num_draft <= max(0, s.request.remaining_tokens - 1)
+    if batch.is_spec:
+        assert not any(s.request.in_prefill for s in batch.seqs)
+        assert all(s.num_new_tokens == 1 and s.samples for s in batch.seqs)
+        assert all(s.num_draft == min(cfg.draft_len, s.request.remaining_tokens - 1) for s in batch.seqs)
+        assert batch.kind == "spec"
+        # the verify computes 1 + D tokens for every row
+        assert len(batch) * (1 + cfg.draft_len) <= cfg.max_num_batched_tokens
+    for r in batch.preempted:
+        assert r not in b.running and r in b.waiting
+        assert r.state is RequestState.PREEMPTED and r.num_computed_tokens == 0
+        assert r.num_proposer_computed == 0
+        assert b.blocks.page_table(r.request_id) == []
+
+
+def check_allocation(b: BatchBuilder, batch: StepBatch) -> None:
+    cfg, bm = b.config, b.blocks
+    for s in batch.seqs:
+        r = s.request
+        width = cfg.draft_len if batch.is_spec else 0
+        target = r.num_computed_tokens + s.num_new_tokens + width
+        assert bm.num_slots(r.request_id) >= target
+        if cfg.proposer_model:
+            assert bm.num_slots(r.request_id, cfg.proposer_model) >= target + 1
+
+
+def spec_of(cfg: SchedulerConfig) -> ProposerSpec:
+    if not cfg.draft_len:
+        return ProposerSpec()
+    return ProposerSpec("draft" if cfg.proposer_model == "draft" else "ngram", cfg.draft_len)
+
+
+def check_messages(b: BatchBuilder, batch: StepBatch) -> None:
+    """The plan stage must succeed on what kv_alloc reserved, and no two tokens of the step
+    may write the same KV slot."""
+    if not batch.seqs:
+        return
+    if batch.is_spec:
+        msg = messages.verify_message(batch, b.blocks, spec_of(b.config))
+        messages.draft_message(batch, b.blocks, spec_of(b.config))
+    else:
+        msg = messages.forward_message(batch, b.blocks)
+    slots = msg["plan"]["slot_mapping"].tolist()
+    assert len(slots) == len(set(slots))
+
+
+# -- configuration and admission ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs >= 1"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens >= 1"),
+        ({"draft_len": -1}, "draft_len >= 0"),
+        ({"max_num_batched_tokens": 4, "draft_len": 4}, r"cannot hold one verification of 1 \+ draft_len \(5\)"),
+    ],
+)
+def test_config_validation(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SchedulerConfig(**kwargs)
+
+
+def test_token_budget_seats_and_fcfs_admission() -> None:
+    b = make_builder(max_num_seqs=3, max_num_batched_tokens=12)
+    reqs = [make_req(f"r{i}", 5, 4, arrival_ns=i) for i in range(6)]
+    for r in reqs:
+        b.add(r)
+    batch = b.schedule()
+    assert [s.request.request_id for s in batch.seqs] == ["r0", "r1", "r2"]
+    assert [s.num_new_tokens for s in batch.seqs] == [5, 5, 2]  # r2's prefill is chunked
+    assert [s.samples for s in batch.seqs] == [True, True, False]
+    assert batch.num_tokens == 12 and batch.kind == "prefill"
+    assert [r.request_id for r in b.waiting] == ["r3", "r4", "r5"]
+    assert all(r.state is RequestState.RUNNING for r in reqs[:3])
+    assert all(r.state is RequestState.WAITING for r in reqs[3:])
+
+
+def test_chunked_prefill_across_steps_then_decode() -> None:
+    b = make_builder(max_num_batched_tokens=10)
+    r = make_req("a", 25, 3)
+    sim = Sim(b)
+    sim.add(r)
+    chunks = []
+    for _ in range(3):
+        batch = sim.step()
+        (s,) = batch.seqs
+        chunks.append((s.num_new_tokens, s.samples))
+        assert batch.kind == "prefill"
+    assert chunks == [(10, False), (10, False), (5, True)]
+    assert r.num_computed_tokens == 25 and r.num_output_tokens == 1
+    batch = sim.step()
+    assert batch.kind == "decode" and batch.seqs[0].num_new_tokens == 1
+    sim.run()
+    assert r.num_output_tokens == 3 and r.state is RequestState.FINISHED
+    assert b.blocks.num_free_pages == b.blocks.num_pages
+
+
+def test_running_requests_come_before_new_prefill() -> None:
+    b = make_builder(max_num_batched_tokens=8)
+    sim = Sim(b)
+    sim.add(make_req("a", 20, 2))
+    sim.step()  # a: 8 of 20
+    sim.add(make_req("b", 3, 2))
+    batch = sim.step()
+    assert [(s.request.request_id, s.num_new_tokens) for s in batch.seqs] == [("a", 8)]
+    batch = sim.step()
+    assert [(s.request.request_id, s.num_new_tokens) for s in batch.seqs] == [("a", 4), ("b", 3)]
+
+
+# -- speculation ------------------------------------------------------------------------------------
+
+
+def test_speculation_only_on_decode_only_batches() -> None:
+    b = make_builder(draft_len=3, max_num_batched_tokens=32, proposer_model="draft")
+    sim = Sim(b, random.Random(1))
+    a = make_req("a", 4, 20)
+    sim.add(a)
+    batch = sim.step()
+    assert batch.kind == "prefill" and not batch.is_spec
+    batch = sim.step()
+    assert batch.is_spec and batch.seqs[0].num_draft == 3
+    sim.add(make_req("b", 6, 20))
+    batch = sim.step()  # b prefills: nobody speculates in this step
+    assert batch.kind == "mixed" and not batch.is_spec
+    assert all(s.num_draft == 0 for s in batch.seqs)
+    batch = sim.step()
+    assert batch.is_spec and [s.num_draft for s in batch.seqs] == [3, 3]
+
+
+def test_speculation_continues_when_waiting_requests_cannot_get_a_seat() -> None:
+    b = make_builder(max_num_seqs=1, draft_len=2, max_num_batched_tokens=16)
+    sim = Sim(b)
+    sim.add(make_req("a", 4, 10))
+    sim.step()
+    sim.add(make_req("b", 4, 10))
+    batch = sim.step()
+    assert batch.is_spec and [s.request.request_id for s in batch.seqs] == ["a"]
+    assert [r.request_id for r in b.waiting] == ["b"]
+
+
+def test_no_speculation_while_a_waiting_request_can_be_admitted() -> None:
+    b = make_builder(max_num_seqs=4, draft_len=2, max_num_batched_tokens=16)
+    sim = Sim(b)
+    sim.add(make_req("a", 4, 10))
+    sim.step()
+    sim.add(make_req("b", 4, 10))
+    batch = sim.step()
+    assert not batch.is_spec and {s.request.request_id for s in batch.seqs} == {"a", "b"}
+
+
+def test_num_draft_capped_by_remaining_tokens() -> None:
+    b = make_builder(draft_len=4, max_num_batched_tokens=32)
+    sim = Sim(b, random.Random(0))
+    sim.rng = type("AcceptAll", (), {"randint": staticmethod(lambda lo, hi: hi)})()
+    r = make_req("a", 3, 4)
+    sim.add(r)
+    sim.step()  # prefill -> 1 token, 3 remaining
+    batch = sim.step()
+    assert batch.seqs[0].num_draft == 2  # 1 + 2 drafts = the 3 remaining tokens
+    assert r.num_output_tokens == 4 and r.state is RequestState.FINISHED
+
+
+def test_spec_rows_reserve_the_whole_verify_width() -> None:
+    # a row with one token left drafts nothing but the verify still writes 1 + D KV slots
+    b = make_builder(page_size=2, draft_len=3, max_num_batched_tokens=16)
+    sim = Sim(b)
+    sim.rng = type("AcceptAll", (), {"randint": staticmethod(lambda lo, hi: hi)})()
+    long = make_req("long", 2, 10)
+    short = make_req("short", 2, 2)
+    sim.add(long)
+    sim.add(short)
+    sim.step()  # both prefill, one token each
+    batch = b.schedule()
+    assert batch.is_spec
+    assert {s.request.request_id: s.num_draft for s in batch.seqs} == {"long": 3, "short": 0}
+    b.allocate(batch)
+    for s in batch.seqs:
+        assert b.blocks.num_slots(s.request.request_id) >= s.request.num_computed_tokens + 1 + 3
+    plan = messages.verify_message(batch, b.blocks, ProposerSpec("ngram", 3))["plan"]
+    assert list(plan["qo_indptr"]) == [0, 4, 8]
+
+
+def test_spec_token_budget_counts_the_verify_width() -> None:
+    b = make_builder(draft_len=3, max_num_batched_tokens=10)
+    sim = Sim(b)
+    for i in range(3):
+        sim.add(make_req(f"r{i}", 2, 10))
+    sim.step()  # 3 prefills of 2 tokens
+    batch = sim.step()
+    assert batch.is_spec and len(batch) == 2  # 2 * (1 + 3) <= 10 < 3 * 4
+    batch = sim.step()
+    assert batch.is_spec and batch.seqs[0].request.request_id == "r0"
+
+
+# -- preemption -------------------------------------------------------------------------------------
+
+
+def test_preemption_takes_the_most_recent_request_and_recomputes_it() -> None:
+    # page_size 2, 6 pages; three 3-token prompts with max_tokens 6 (each needs up to 5 pages)
+    b = make_builder(num_pages=6, page_size=2, max_num_batched_tokens=16)
+    sim = Sim(b)
+    reqs = [make_req(f"r{i}", 3, 6, arrival_ns=i) for i in range(3)]
+    for r in reqs:
+        sim.add(r)
+    batch = sim.step()
+    assert [s.request.request_id for s in batch.seqs] == ["r0", "r1", "r2"]  # 2 pages each
+    batch = sim.step()  # all decode at position 3: fits in the 2 pages
+    assert not batch.preempted
+    batch = sim.step()  # position 4 needs a third page each: no room; r2 is preempted
+    assert [r.request_id for r in batch.preempted] == ["r2"]
+    r2 = reqs[2]
+    assert r2.state is RequestState.PREEMPTED and r2.num_preemptions == 1
+    assert list(b.waiting) == [r2]
+    assert r2.output_token_ids == [0, 1]  # outputs are kept, never dropped
+    assert [s.request.request_id for s in batch.seqs] == ["r0", "r1"]
+    sim.run()
+    assert all(r.state is RequestState.FINISHED and r.output_token_ids == list(range(6)) for r in reqs)
+    # r2 came back with a recompute of prompt + outputs in one prefill chunk
+    readmit = next(bt for bt in sim.batches if any(
+        s.request is r2 and s.num_new_tokens > 1 for s in bt.seqs) and bt.step > 2)
+    (s2,) = [s for s in readmit.seqs if s.request is r2]
+    assert s2.num_new_tokens == 3 + 2 and s2.samples
+    assert b.blocks.num_free_pages == b.blocks.num_pages
+
+
+def test_preempted_requests_return_to_the_front_in_fcfs_order() -> None:
+    # page_size 1, 9 pages; three 3-token prompts fill the pool. The next (speculative) step
+    # needs 1 + D = 4 more slots for r0: r2 and then r1 are preempted, in that order.
+    b = make_builder(num_pages=9, page_size=1, draft_len=3, max_num_batched_tokens=16)
+    sim = Sim(b)
+    reqs = [make_req(f"r{i}", 3, 3, arrival_ns=i) for i in range(3)]
+    for r in reqs:
+        sim.add(r)
+    sim.step()
+    assert b.blocks.num_free_pages == 0
+    batch = sim.step()
+    assert [r.request_id for r in batch.preempted] == ["r2", "r1"]
+    assert [s.request.request_id for s in batch.seqs] == ["r0"] and batch.is_spec
+    late = make_req("late", 2, 2, arrival_ns=9)
+    sim.add(late)
+    assert [r.request_id for r in b.waiting] == ["r1", "r2", "late"]
+    sim.run()
+    assert all(r.num_output_tokens == r.params.max_tokens for r in reqs + [late])
+    assert reqs[0].num_preemptions == 0 and min(r.num_preemptions for r in reqs[1:]) >= 1
+
+
+def test_request_larger_than_the_pool_is_rejected_at_add() -> None:
+    b = make_builder(num_pages=4, page_size=4, draft_len=2, proposer_model="draft")
+    # target may hold prompt + max_tokens + D = 8 + 4 + 2 = 14 slots (4 pages) and the draft
+    # one more (4 pages): 8 > 4
+    with pytest.raises(InvalidRequestError, match=r"request big: .* may need 8 KV pages, the pool has 4"):
+        b.add(make_req("big", 8, 4))
+    assert not b.has_work
+
+
+def test_request_at_the_bound_fits_and_finishes() -> None:
+    b = make_builder(num_pages=8, page_size=4, draft_len=2, proposer_model="draft",
+                     max_num_batched_tokens=8)
+    r = make_req("edge", 8, 5)  # target up to 8 + 5 + 2 = 15 slots (4 pages), draft 16 (4)
+    assert b.max_pages_needed(r) == 8
+    sim = Sim(b, random.Random(3))
+    sim.add(r)
+    sim.run()
+    assert r.num_output_tokens == 5
+
+
+def test_duplicate_request_id_is_rejected() -> None:
+    b = make_builder()
+    b.add(make_req("x", 3, 3))
+    with pytest.raises(InvalidRequestError, match="duplicate request id 'x'"):
+        b.add(make_req("x", 3, 3))
+
+
+def test_schedule_raises_when_the_waiting_head_cannot_fit_and_nothing_runs() -> None:
+    b = make_builder(num_pages=4, page_size=2)
+    b.add(make_req("a", 5, 2))
+    b.blocks.allocate("outside", {"target": 6})  # pages held outside the builder
+    with pytest.raises(RuntimeError, match=r"request a does not fit in the KV pool even alone"):
+        b.schedule()
+
+
+def test_schedule_raises_when_a_lone_running_request_cannot_grow() -> None:
+    b = make_builder(num_pages=4, page_size=2)
+    sim = Sim(b)
+    sim.add(make_req("a", 4, 4))
+    sim.step()
+    b.blocks.allocate("outside", {"target": 4})
+    with pytest.raises(RuntimeError, match=r"request a does not fit in the KV pool even alone"):
+        b.schedule()
+
+
+def test_remove_frees_pages_and_dequeues() -> None:
+    b = make_builder(proposer_model="draft")
+    sim = Sim(b)
+    a, w = make_req("a", 6, 4), make_req("w", 3, 4)
+    sim.add(a)
+    sim.step()
+    b.add(w)
+    assert b.blocks.num_used_pages > 0
+    b.remove(a)
+    b.remove(w)
+    assert not b.has_work and b.blocks.num_free_pages == b.blocks.num_pages
+
+
+# -- randomized end-to-end ---------------------------------------------------------------------------
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> dict:
+    page_size = draw(st.integers(1, 6))
+    draft_len = draw(st.integers(0, 3))
+    return {
+        "page_size": page_size,
+        "draft_len": draft_len,
+        "proposer_model": draw(st.sampled_from([None, "draft"])) if draft_len else None,
+        "max_num_seqs": draw(st.integers(1, 4)),
+        "max_num_batched_tokens": draw(st.integers(1 + draft_len, 24)),
+        "extra_pages": draw(st.integers(0, 6)),
+        "requests": draw(st.lists(
+            st.tuples(st.integers(1, 20), st.integers(1, 12), st.integers(0, 6)), min_size=1, max_size=7,
+        )),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@given(workloads())
+@settings(max_examples=120, deadline=None, database=None)
+def test_random_workloads_finish_with_every_token(w: dict) -> None:
+    cfg = SchedulerConfig(w["max_num_seqs"], w["max_num_batched_tokens"], w["draft_len"], w["proposer_model"])
+    reqs = [make_req(f"r{i}", p, m, arrival_ns=i) for i, (p, m, _) in enumerate(w["requests"])]
+    ps, d = w["page_size"], w["draft_len"]
+
+    def bound(r: Request) -> int:  # the last verify: prompt + max_tokens + D slots (+1 draft)
+        last = r.num_prompt_tokens + r.params.max_tokens + d
+        return -(-last // ps) + (-(-(last + 1) // ps) if w["proposer_model"] else 0)
+
+    num_pages = max(bound(r) for r in reqs) + w["extra_pages"]
+    models = ("target",) + ((w["proposer_model"],) if w["proposer_model"] else ())
+    b = BatchBuilder(cfg, BlockManager(num_pages, ps, models))
+    assert all(b.max_pages_needed(r) == bound(r) for r in reqs)
+    sim = Sim(b, random.Random(w["seed"]))
+    arrivals = sorted(((delay, i) for i, (_, _, delay) in enumerate(w["requests"])))
+    step = 0
+    for _ in range(5_000):
+        while arrivals and arrivals[0][0] <= step:
+            sim.add(reqs[arrivals.pop(0)[1]])
+        if not b.has_work and not arrivals:
+            break
+        if b.has_work:
+            sim.step()
+        step += 1
+    else:
+        raise AssertionError("livelock")
+    for r in reqs:
+        assert r.state is RequestState.FINISHED
+        assert r.output_token_ids == list(range(r.params.max_tokens))
+    assert b.blocks.num_free_pages == num_pages
+    admitted = [s.request.request_id for bt in sim.batches for s in bt.seqs if s.request.num_preemptions == 0]
+    first_seen = list(dict.fromkeys(admitted))
+    arrival_order = [reqs[i].request_id for _, i in sorted((d, i) for i, (_, _, d) in enumerate(w["requests"]))]
+    # FCFS: among requests never preempted, first scheduling follows arrival order
+    assert first_seen == [rid for rid in arrival_order if rid in first_seen]
