@@ -2,13 +2,17 @@
 
 Policy (vLLM-like, FCFS): running requests first, then admit waiting ones within the
 token budget (`max_num_batched_tokens`) and `max_num_seqs`. Prefill may be chunked.
-Speculation happens only on decode-only batches: a step that prefills anything samples
-normally for every request in it. When pages run out the most recently admitted running
-request is preempted (pages freed, recomputed later); a request is never dropped.
+Speculation happens only on decode-only batches (every running request decodes and no
+waiting one can get a seat): a step that prefills anything samples normally for every
+request in it. When pages run out the most recently admitted running request is preempted
+(pages freed, recomputed later from prompt + outputs); a request is never dropped. A request
+that could not fit in the pool even alone is rejected by `add`.
 
 Every scheduled sequence computes tokens [num_computed_tokens, num_computed_tokens +
 num_new_tokens) and samples iff that reaches its last token. A decode is the special case
-num_new_tokens == 1; a speculative decode adds `num_draft` extra scheduled tokens.
+num_new_tokens == 1; a speculative decode adds `num_draft` drafted tokens (at most D, and
+fewer near max_tokens), but its verification always covers 1 + D positions
+(D = `draft_len`), so budget and KV pages are reserved for 1 + D per row.
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ class SchedulerConfig:
 class ScheduledSeq:
     request: Request
     num_new_tokens: int  # target tokens computed this step (prefill chunk or 1)
-    num_draft: int = 0  # extra speculative tokens (decode-only batches)
+    num_draft: int = 0  # tokens to draft (decode-only batches; <= D, capped by max_tokens)
     samples: bool = field(init=False)  # this step produces an output token for the request
     prefill: bool = field(init=False)  # the request was in prefill when scheduled
 
@@ -63,7 +67,7 @@ class StepBatch:
 
     @property
     def kind(self) -> str:
-        """"spec" | "decode" | "prefill" | "mixed", as scheduled (stable after bookkeeping)."""
+        """One of spec / decode / prefill / mixed, as scheduled (stable after bookkeeping)."""
         prefill = [s for s in self.seqs if s.prefill]
         if self.is_spec:
             return "spec"

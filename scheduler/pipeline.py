@@ -62,11 +62,12 @@ class _Launch:
     attrs: dict
 
 
-def batch_attrs(batch: StepBatch) -> dict:
-    """Shape of a step for traces and cost models: requests, tokens, KV tokens."""
+def batch_attrs(batch: StepBatch, width: int = 0) -> dict:
+    """Shape of a step for traces and cost models: requests, tokens, KV tokens. A speculative
+    step computes a fixed `width` (1 + candidates) tokens per row, whatever was drafted."""
     return {
         "requests": len(batch.seqs),
-        "tokens": batch.num_tokens,
+        "tokens": len(batch.seqs) * width if (width and batch.is_spec) else batch.num_tokens,
         "kv_tokens": sum(s.request.num_computed_tokens + s.num_new_tokens + s.num_draft for s in batch.seqs),
     }
 
@@ -114,13 +115,13 @@ class Pipeline:
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        self.builder.add(req)  # raises InvalidRequestError before anything is held
         if self._free_slots:
             req.slot = self._free_slots.pop()
         else:
             req.slot = self._next_slot
             self._next_slot += 1
         self.requests[req.request_id] = req
-        self.builder.add(req)
         p = req.params
         self.tracer.request(
             request_id=req.request_id, arrival_ns=req.arrival_ns, prompt_len=req.num_prompt_tokens,
@@ -166,6 +167,9 @@ class Pipeline:
         return self._inflight is not None and any(s.request is req for s in self._inflight[0].seqs)
 
     # -- tracing helpers --------------------------------------------------------------------
+    def _attrs(self, batch: StepBatch) -> dict:
+        return batch_attrs(batch, 1 + self.spec.num_candidates)
+
     async def _host(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
         """End of a host stage: charge its modelled cost (simulator), then record its span."""
         if self.host_cost is not None:
@@ -266,7 +270,7 @@ class Pipeline:
         t_step = self.clock.now_ns()
         t0 = t_step
         batch = self.builder.schedule()
-        await self._host("schedule", batch.step, t0, **batch_attrs(batch))
+        await self._host("schedule", batch.step, t0, **self._attrs(batch))
         if not batch.seqs:
             await self._drain()
             if not batch.seqs and self.builder.has_work and self._inflight is None:
@@ -274,7 +278,7 @@ class Pipeline:
             return
         t0 = self.clock.now_ns()
         self.builder.allocate(batch)
-        await self._host("kv_alloc", batch.step, t0, pages_used=self.blocks.num_used_pages, **batch_attrs(batch))
+        await self._host("kv_alloc", batch.step, t0, pages_used=self.blocks.num_used_pages, **self._attrs(batch))
         if batch.is_spec:
             await self._spec_step(batch, t_step)
         else:
@@ -290,9 +294,9 @@ class Pipeline:
         fill_msg = None
         if spec.kv_model is not None:
             fill_msg = self._prefill_fill_message(batch)
-        await self._host("plan", batch.step, t0, **batch_attrs(batch))
+        await self._host("plan", batch.step, t0, **self._attrs(batch))
         launch = await self._launch(self.main, "forward", msg, batch.step, kind=batch.kind,
-                                    **batch_attrs(batch))
+                                    **self._attrs(batch))
         launch.attrs["t_step"] = t_step
         for s in batch.seqs:
             r = s.request
@@ -360,7 +364,7 @@ class Pipeline:
                 out_counts.append(self._emit(r, [int(tokens[i])]))
             else:
                 out_counts.append(0)
-        await self._host("output", batch.step, t0, **batch_attrs(batch), emitted=sum(out_counts))
+        await self._host("output", batch.step, t0, **self._attrs(batch), emitted=sum(out_counts))
         self._step_record(batch, launch.attrs.get("t_step", t0), out_counts, [0] * len(batch), [0] * len(batch))
 
     # -- speculative steps --------------------------------------------------------------------
@@ -375,8 +379,8 @@ class Pipeline:
             start = vmsg["start"]
             fmsg = messages.fill_message(batch.step, reqs, start, start + 1 + spec.num_candidates,
                                          self.blocks, spec, after="verify")
-        await self._host("plan", batch.step, t0, **batch_attrs(batch))
-        d_launch = await self._launch(self.aux, "draft", dmsg, batch.step, **batch_attrs(batch),
+        await self._host("plan", batch.step, t0, **self._attrs(batch))
+        d_launch = await self._launch(self.aux, "draft", dmsg, batch.step, **self._attrs(batch),
                                       num_draft=int(dmsg["num_draft"].max()))
         self._pending_fill = None  # the draft queues behind any pending fill on its stream
         if sched == "sync":
@@ -386,7 +390,7 @@ class Pipeline:
                 self._fail_batch(batch, e)
                 return
         self.main.wait_event(d_launch.event)
-        v_launch = await self._launch(self.main, "verify", vmsg, batch.step, **batch_attrs(batch))
+        v_launch = await self._launch(self.main, "verify", vmsg, batch.step, **self._attrs(batch))
         f_launch = None
         if fmsg is not None and sched == "mtp":
             self.aux.wait_event(v_launch.event)
@@ -438,7 +442,7 @@ class Pipeline:
             out_counts.append(self._emit(r, [int(t) for t in emitted[i]]))
             if not r.is_finished:
                 self.blocks.trim(r.request_id, "target", r.num_tokens)
-        await self._host("output", batch.step, t0, **batch_attrs(batch), emitted=sum(out_counts))
+        await self._host("output", batch.step, t0, **self._attrs(batch), emitted=sum(out_counts))
         self._step_record(batch, t_step, out_counts, [int(x) for x in num_drafts], [int(x) for x in accepted])
         if f_launch is not None:
             if sched == "sync":

@@ -112,8 +112,6 @@ def validate_combination(proposer: str, schedule: str, draft_len: int) -> None:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
     if proposer not in PROPOSERS:
         raise ValueError(f"unknown proposer {proposer!r}; choose one of {PROPOSERS}")
-    if proposer == "none" and draft_len != 0:
-        raise ValueError(f"draft_len {draft_len} without a proposer: plain decoding drafts nothing")
     if proposer != "none" and draft_len < 1:
         raise ValueError(f"proposer {proposer!r} needs draft_len >= 1, got {draft_len}")
     if proposer == "none" and schedule in ("overlap", "mtp"):

@@ -72,8 +72,19 @@ class CostProfile:
                 "kv_tokens": float(attrs.get("kv_tokens", 0)),
                 "draft_tokens": req * float(attrs.get("num_draft", 0))}
 
+    # A replay may run an op the captured trace never had (plain decoding replayed from a
+    # speculative trace): a target forward over N tokens costs the same whichever op it is.
+    FALLBACK = {"decode": ("verify", "mixed", "prefill"), "verify": ("mixed", "decode", "prefill"),
+                "mixed": ("prefill", "verify", "decode"), "prefill": ("mixed", "verify", "decode")}
+
     def device_ns(self, name: str, attrs: dict) -> float:
         m = self.device.get(name)
+        for alt in self.FALLBACK.get(name, ()):
+            if m is not None:
+                break
+            m = self.device.get(alt)
+        if m is None and name == "accept":
+            return 0.0
         if m is None:
             raise KeyError(f"cost profile has no model for device op {name!r} (fitted: {sorted(self.device)})")
         return self._noisy(m, m.predict(self.features(attrs)))

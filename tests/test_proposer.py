@@ -203,7 +203,6 @@ def test_rejected_pairs_cover_every_non_natural_pair() -> None:
     [
         ("medusa", "sync", 2, "unknown proposer 'medusa'"),
         ("draft", "async", 2, "unknown schedule 'async'"),
-        ("none", "sync", 2, "draft_len 2 without a proposer"),
         ("draft", "overlap", 0, "proposer 'draft' needs draft_len >= 1"),
         ("ngram", "sync", -1, "proposer 'ngram' needs draft_len >= 1"),
     ],

@@ -1,0 +1,107 @@
+"""Paged attention with FlashInfer kernels (CUDA only).
+
+Why: on a GPU the `plan` stage is FlashInfer's `wrapper.plan()` — host work every step that
+the schedules try to hide. `prepare` does exactly that once per step: pure-decode steps
+(one new token per sequence, no tree mask) use BatchDecodeWithPagedKVCacheWrapper, all
+others BatchPrefillWithPagedKVCacheWrapper (causal, or the plan's custom mask for trees).
+Each layer then appends K/V with `flashinfer.page.append_paged_kv_cache` and runs the
+planned wrapper. The KV layout is the runtime's NHD cache, unchanged.
+
+A wrapper holds one plan at a time, so the backend keeps `num_slots` wrapper sets (each with
+its own workspace) and rotates through them: up to `num_slots` steps may be prepared before
+the oldest is run (the overlap schedule plans step t+1 while step t runs).
+`import flashinfer` happens only when this backend is constructed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from scheduler.plan import AttentionPlan
+
+
+class FlashInferBackend:
+    name = "flashinfer"
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.bfloat16, workspace_bytes: int = 128 << 20,
+                 num_slots: int = 2, **_unused) -> None:
+        try:
+            import flashinfer
+        except ImportError as exc:
+            raise RuntimeError(
+                "the flashinfer backend needs the 'cuda' extra (pip install flashinfer-python)"
+            ) from exc
+        self._fi = flashinfer
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.dtype = dtype
+        self.workspace_bytes = workspace_bytes
+        self.num_slots = num_slots
+        self._slots: list[dict] = []
+        self._next = 0
+
+    def _slot(self, device: torch.device) -> dict:
+        if len(self._slots) < self.num_slots:
+            ws = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
+            self._slots.append({
+                "prefill": self._fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD"),
+                "decode": self._fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD"),
+            })
+        slot = self._slots[self._next % self.num_slots]
+        self._next += 1
+        return slot
+
+    def prepare(self, plan: AttentionPlan, device: torch.device | str) -> "FlashInferStepAttention":
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"the flashinfer backend runs on CUDA devices only, got {device}")
+        qo = np.diff(plan.qo_indptr)
+        kv = plan.kv_lens.astype(np.int64)
+        is_decode = plan.custom_mask is None and bool((qo == 1).all())
+
+        def cpu(a):
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+
+        kv_indptr_cpu, last_cpu = cpu(plan.paged_kv_indptr), cpu(plan.paged_kv_last_page_len)
+        kv_indices = cpu(plan.paged_kv_indices).to(device, non_blocking=True)
+        seq_of_tok = np.repeat(np.arange(qo.shape[0]), qo)
+        pos_in_seq = (kv - qo)[seq_of_tok] + np.arange(seq_of_tok.shape[0]) - plan.qo_indptr[:-1][seq_of_tok]
+        slot = self._slot(device)
+        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype)
+        if is_decode:
+            wrapper = slot["decode"]
+            wrapper.plan(kv_indptr_cpu, kv_indices, last_cpu, self.num_qo_heads,
+                         self.num_kv_heads, self.head_dim, plan.page_size, **common)
+        else:
+            wrapper = slot["prefill"]
+            mask = None
+            if plan.custom_mask is not None:
+                mask = torch.from_numpy(np.asarray(plan.custom_mask, dtype=bool)).to(device)
+            wrapper.plan(cpu(plan.qo_indptr), kv_indptr_cpu, kv_indices, last_cpu,
+                         self.num_qo_heads, self.num_kv_heads, self.head_dim, plan.page_size,
+                         custom_mask=mask, causal=mask is None, **common)
+        return FlashInferStepAttention(
+            plan=plan, wrapper=wrapper, append=self._fi.page.append_paged_kv_cache,
+            batch_indices=cpu(seq_of_tok).to(device, non_blocking=True),
+            positions=cpu(pos_in_seq).to(device, non_blocking=True),
+            kv_indices=kv_indices,
+            kv_indptr=kv_indptr_cpu.to(device, non_blocking=True),
+            last_page_len=last_cpu.to(device, non_blocking=True),
+        )
+
+
+class FlashInferStepAttention:
+    def __init__(self, *, plan: AttentionPlan, wrapper, append, batch_indices: torch.Tensor,
+                 positions: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
+                 last_page_len: torch.Tensor) -> None:
+        self.plan = plan
+        self._wrapper, self._append = wrapper, append
+        self._batch_indices, self._positions = batch_indices, positions  # [N] int32 each
+        self._kv_indices, self._kv_indptr, self._last = kv_indices, kv_indptr, last_page_len
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_layer: torch.Tensor) -> torch.Tensor:
+        self._append(k.contiguous(), v.contiguous(), self._batch_indices, self._positions,
+                     kv_layer, self._kv_indices, self._kv_indptr, self._last, kv_layout="NHD")
+        return self._wrapper.run(q.contiguous(), kv_layer)

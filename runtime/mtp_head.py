@@ -1,0 +1,281 @@
+"""The MTP head (DeepSeek-V3's multi-token-prediction module) and its checkpoint io.
+
+Why: a one-layer head on the target's own hidden states drafts nearly for free, because the
+expensive parts -- embedding and lm_head -- are the target's, shared and frozen. At head
+position i the input is concat(enorm(embed(t_{i+1})), hnorm(H_i)), H_i the target's last
+hidden state at i before its final norm; eh_proj maps 2H -> H, one Llama decoder layer
+(`runtime.model.DecoderLayer`) with its own paged KV runs, and a final norm + the target's
+lm_head give logits for t_{i+2}. The layer's output before that norm is the head's "hidden"
+(trained to match H_{i+1}), which multi-token drafting feeds back in place of H.
+`norms=False` drops enorm/hnorm (EAGLE's layout), kept for the ablation in the model card.
+
+A checkpoint is a directory: config.json (`architectures: ["SpecschedMTPHead"]`, the layer's
+shape, `norms`, `target_fingerprint`) and model.safetensors with the head's own weights
+only. Loading checks every field and tensor and names the file and the problem.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from runtime.attention import StepAttention
+from runtime.attention.torch_backend import CausalAttention
+from runtime.checkpoint import CheckpointError
+from runtime.config import ModelConfig
+from runtime.kv_cache import PagedKVCache
+from runtime.model import DecoderLayer, LlamaModel, RMSNorm, RotaryEmbedding
+
+ARCHITECTURE = "SpecschedMTPHead"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+_SHARED_FIELDS = ("vocab_size", "hidden_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")
+
+
+@dataclass
+class HeadOutput:
+    logits: torch.Tensor  # [M, V] float32 (rows `logits_indices`), or [B, T, V] dense
+    hidden: torch.Tensor  # [N, H] (or [B, T, H]) layer output before the final norm
+
+
+class MTPHead(nn.Module):
+    """The head's own weights; `bind(target)` attaches the shared embedding and lm_head
+    (kept outside the module's parameters, so they are never trained or saved)."""
+
+    def __init__(self, config: ModelConfig, norms: bool = True) -> None:
+        super().__init__()
+        if config.num_hidden_layers != 1:
+            raise ValueError(f"an MTP head has one decoder layer, config says {config.num_hidden_layers}")
+        h = config.hidden_size
+        self.config = config
+        self.norms = norms
+        self.enorm = RMSNorm(h, config.rms_norm_eps) if norms else None
+        self.hnorm = RMSNorm(h, config.rms_norm_eps) if norms else None
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(config)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        self._shared: tuple[torch.Tensor, torch.Tensor] | None = None  # (embed, lm_head)
+
+    @classmethod
+    def for_target(cls, target: LlamaModel, norms: bool = True, seed: int = 0,
+                   std: float = 0.02) -> "MTPHead":
+        """A randomly initialised head shaped like one of the target's layers, bound to it."""
+        config = target.config.model_copy(update={"num_hidden_layers": 1})
+        head = cls(config, norms)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+        head = head.to(device=target.device, dtype=target.dtype)
+        return head.bind(target)
+
+    def bind(self, target: LlamaModel) -> "MTPHead":
+        if target.config.hidden_size != self.config.hidden_size or target.config.vocab_size != self.config.vocab_size:
+            raise ValueError(
+                f"head (hidden {self.config.hidden_size}, vocab {self.config.vocab_size}) does not fit "
+                f"target (hidden {target.config.hidden_size}, vocab {target.config.vocab_size})"
+            )
+        self._shared = (target.embed_tokens.weight, target.lm_head.weight)
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.eh_proj.weight.dtype
+
+    def make_kv_cache(self, num_pages: int, page_size: int, device: torch.device | str | None = None) -> PagedKVCache:
+        c = self.config
+        return PagedKVCache(1, num_pages, page_size, c.num_key_value_heads, c.head_dim, self.dtype,
+                            device or self.eh_proj.weight.device)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self._weights()[0])
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._shared is None:
+            raise RuntimeError("MTPHead is not bound to a target: call head.bind(target) first")
+        return self._shared
+
+    def _inputs(self, token_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        e = self.embed(token_ids).to(hidden.dtype)
+        if self.norms:
+            e, hidden = self.enorm(e), self.hnorm(hidden)
+        return F.linear(torch.cat([e, hidden], dim=-1), self.eh_proj.weight)
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., H] head hidden (before the final norm) -> [..., V] float32 logits."""
+        return F.linear(self.norm(x), self._weights()[1]).float()
+
+    def forward(self, token_ids: torch.Tensor, hidden: torch.Tensor, step: StepAttention,
+                kv: PagedKVCache, positions: torch.Tensor, *,
+                logits_indices: torch.Tensor | None = None) -> HeadOutput:
+        """Paged step over N packed rows: token_ids [N] (t_{i+1}), hidden [N, H] (H_i or the
+        head's own hidden), positions [N] (i); logits for rows `logits_indices` (None: all)."""
+        x = self._inputs(token_ids, hidden)
+        cos, sin = self.rotary(positions, x.dtype)
+        x = self.layer(x, cos, sin, step, kv.layers[0], 0)
+        rows = x if logits_indices is None else x.index_select(0, logits_indices)
+        return HeadOutput(self.compute_logits(rows), x)
+
+    def forward_full(self, token_ids: torch.Tensor, hidden: torch.Tensor) -> HeadOutput:
+        """Dense causal pass without a KV cache: token_ids [B, T] (t_1..t_T), hidden [B, T, H]
+        (H_0..H_{T-1}) -> logits [B, T, V] for t_2..t_{T+1}, hidden [B, T, H]."""
+        x = self._inputs(token_ids, hidden)
+        positions = torch.arange(token_ids.shape[-1], device=token_ids.device)
+        cos, sin = self.rotary(positions, x.dtype)
+        x = self.layer(x, cos, sin, CausalAttention(), None, 0)
+        return HeadOutput(self.compute_logits(x), x)
+
+    # --- weights under checkpoint names ----------------------------------------------------
+
+    def state_for_save(self) -> dict[str, torch.Tensor]:
+        out = {"eh_proj.weight": self.eh_proj.weight.detach(), "norm.weight": self.norm.weight.detach()}
+        if self.norms:
+            out["enorm.weight"] = self.enorm.weight.detach()
+            out["hnorm.weight"] = self.hnorm.weight.detach()
+        out.update(self.layer.hf_state_dict("layer."))
+        return {k: v.contiguous() for k, v in out.items()}
+
+    @staticmethod
+    def expected_shapes(config: ModelConfig, norms: bool) -> dict[str, tuple[int, ...]]:
+        h = config.hidden_size
+        shapes = {"eh_proj.weight": (h, 2 * h), "norm.weight": (h,)}
+        if norms:
+            shapes["enorm.weight"] = (h,)
+            shapes["hnorm.weight"] = (h,)
+        shapes.update({f"layer.{n}": s for n, s in DecoderLayer.hf_shapes(config).items()})
+        return shapes
+
+    @torch.no_grad()
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.eh_proj.weight.copy_(tensors["eh_proj.weight"])
+        self.norm.weight.copy_(tensors["norm.weight"])
+        if self.norms:
+            self.enorm.weight.copy_(tensors["enorm.weight"])
+            self.hnorm.weight.copy_(tensors["hnorm.weight"])
+        self.layer.load_hf(tensors, "layer.")
+
+
+def target_fingerprint(target: LlamaModel) -> str:
+    """A cheap identity of a target's weights: shapes plus a strided sample of every tensor,
+    rounded to bf16 so a float32 and a bfloat16 load of one checkpoint agree."""
+    h = hashlib.sha256()
+    c = target.config
+    h.update(json.dumps([c.vocab_size, c.hidden_size, c.num_hidden_layers, c.intermediate_size,
+                         c.num_attention_heads, c.num_key_value_heads, c.head_dim]).encode())
+    for name, p in sorted(target.named_parameters()):
+        flat = p.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 1024)][:1024]
+        h.update(name.encode())
+        h.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return "sha256:" + h.hexdigest()[:16]
+
+
+def save_head(head: MTPHead, out_dir: str | Path, target: LlamaModel, **card_fields) -> Path:
+    """Write config.json + model.safetensors (float32) for `head`, trained against `target`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    c = head.config
+    cfg = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "specsched_mtp",
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling.model_dump() if c.rope_scaling is not None else None,
+        "max_position_embeddings": c.max_position_embeddings,
+        "norms": head.norms, "target_fingerprint": target_fingerprint(target),
+        "torch_dtype": "float32", **card_fields,
+    }
+    (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    tensors = {k: v.float().cpu() for k, v in head.state_for_save().items()}
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    return out
+
+
+def load_head_config(path: str | Path) -> tuple[ModelConfig, bool, dict]:
+    """(layer config, norms, raw config.json) of a head directory, validated."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"MTP head directory not found: {path}")
+    cfg_path = path / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise CheckpointError(f"missing {CONFIG_FILE} in MTP head directory {path}")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {cfg_path}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_path}: config must be a JSON object")
+    archs = raw.get("architectures")
+    if archs != [ARCHITECTURE]:
+        hint = " (that is a full model; pass it as the target or the draft)" if archs == ["LlamaForCausalLM"] else ""
+        raise CheckpointError(f"{cfg_path}: architectures must be [{ARCHITECTURE!r}], got {archs!r}{hint}")
+    norms = raw.get("norms")
+    if not isinstance(norms, bool):
+        raise CheckpointError(f"{cfg_path}: field 'norms' must be true or false, got {norms!r}")
+    fields = {k: v for k, v in raw.items() if k in ModelConfig.model_fields and v is not None}
+    if "head_dim" not in fields and "hidden_size" in fields and "num_attention_heads" in fields:
+        fields["head_dim"] = int(fields["hidden_size"]) // int(fields["num_attention_heads"])
+    fields.setdefault("num_key_value_heads", fields.get("num_attention_heads"))
+    fields["num_hidden_layers"] = 1
+    try:
+        config = ModelConfig.model_validate(fields)
+    except Exception as exc:  # pydantic ValidationError: name the fields
+        errors = getattr(exc, "errors", lambda: [])()
+        msg = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in errors) or str(exc)
+        raise CheckpointError(f"{cfg_path}: invalid MTP head config: {msg}") from None
+    return config, norms, raw
+
+
+def load_head(path: str | Path, target: LlamaModel, *, check_target: bool = True) -> MTPHead:
+    """Load a head directory and bind it to `target` (in the target's dtype and device).
+    With `check_target`, a head trained for another target (fingerprint) is refused."""
+    path = Path(path)
+    config, norms, raw = load_head_config(path)
+    cfg_path = path / CONFIG_FILE
+    for name in _SHARED_FIELDS:
+        mine, theirs = getattr(config, name), getattr(target.config, name)
+        if mine != theirs:
+            raise CheckpointError(f"{cfg_path}: {name} {mine} does not match the target's {theirs}")
+    if check_target and raw.get("target_fingerprint") is not None:
+        want, have = raw["target_fingerprint"], target_fingerprint(target)
+        if want != have:
+            raise CheckpointError(
+                f"{cfg_path}: head was trained for target {want}, this target is {have}; "
+                "train a head for it (specsched train-mtp) or load with check_target=False"
+            )
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"missing weights {WEIGHTS_FILE} in MTP head directory {path}")
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"cannot read {weights}: {exc}") from None
+    expected = MTPHead.expected_shapes(config, norms)
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise CheckpointError(f"missing tensor {name!r} in {weights} (expected shape {shape})")
+        if tuple(tensors[name].shape) != shape:
+            raise CheckpointError(f"shape mismatch for tensor {name!r} in {weights}: checkpoint has "
+                                  f"{tuple(tensors[name].shape)}, config.json implies {shape}")
+    for name in tensors:
+        if name not in expected:
+            why = " (norms is false in config.json)" if name in ("enorm.weight", "hnorm.weight") else ""
+            raise CheckpointError(f"unexpected tensor {name!r} in {weights}{why}")
+    head = MTPHead(config, norms)
+    head.load_tensors(tensors)
+    head = head.to(device=target.device, dtype=target.dtype).requires_grad_(False).eval()
+    return head.bind(target)

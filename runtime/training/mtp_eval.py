@@ -1,0 +1,184 @@
+"""Measure a proposer through the real inference path: Pipeline + ModelWorker, in-process.
+
+Why: MTP-head validation (and the losslessness tests) must go through the code that serves
+requests -- the scheduler's pipeline planning KV and attention, the worker's forward /
+draft / verify / fill ops, the paged head -- not a training-time proxy. A worker process is
+not needed for that: `InlineDevice` executes each launch at once, in launch order, in this
+process, which is a valid device (every stream is in order and dependencies are satisfied
+trivially). `run_requests` drives a batch of prompts to completion under any schedule.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+
+from scheduler.batch_builder import BatchBuilder, SchedulerConfig
+from scheduler.block_manager import BlockManager
+from scheduler.pipeline import Pipeline, PipelineConfig
+from scheduler.plan import build_plan
+from scheduler.protocols import DeviceError
+from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
+
+
+class _DoneEvent:
+    def __init__(self, op: str, stream: str, result: Any, error: str | None, start_ns: int, end_ns: int):
+        self.op, self.stream = op, stream
+        self.start_ns, self.end_ns = start_ns, end_ns
+        self._result, self._error = result, error
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self, timeout_s: float | None = None) -> Any:
+        if self._error is not None:
+            raise DeviceError(self.op, self._error)
+        return self._result
+
+    async def wait(self) -> Any:
+        return self.synchronize()
+
+
+class _InlineStream:
+    def __init__(self, device: "InlineDevice", name: str):
+        self.device, self.name = device, name
+
+    def launch(self, op: str, batch: dict) -> _DoneEvent:
+        t0 = time.monotonic_ns()
+        try:
+            result, error = self.device.worker.execute(op, batch), None
+        except Exception as exc:  # noqa: BLE001 - reported at the waiter, like a real device
+            if self.device.raise_errors:
+                raise
+            result, error = None, f"{type(exc).__name__}: {exc}"
+        return _DoneEvent(op, self.name, result, error, t0, time.monotonic_ns())
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+class InlineDevice:
+    """Runs a Worker's ops synchronously at launch (tests, offline evaluation)."""
+
+    kind = "inline"
+
+    def __init__(self, worker, name: str = "inline", raise_errors: bool = False):
+        self.worker, self.name, self.raise_errors = worker, name, raise_errors
+
+    def stream(self, name: str) -> _InlineStream:
+        return _InlineStream(self, name)
+
+    def close(self) -> None:
+        pass
+
+
+class _Clock:
+    def now_ns(self) -> int:
+        return time.monotonic_ns()
+
+    async def sleep_ns(self, duration_ns: int) -> None:
+        await anyio.sleep(duration_ns / 1e9)
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.finished: dict[str, Request] = {}
+        self.done = anyio.Event()
+        self.expected = 0
+
+    def on_tokens(self, req: Request, token_ids: list[int]) -> tuple[int, str | None]:
+        return len(token_ids), None
+
+    def on_finish(self, req: Request) -> None:
+        self.finished[req.request_id] = req
+        if len(self.finished) == self.expected:
+            self.done.set()
+
+
+def run_requests(worker, prompts: list[list[int]], params: SamplingParams, *,
+                 schedule: str | None = None, num_pages: int = 512, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048) -> list[Request]:
+    """Serve `prompts` (token ids) to completion through a Pipeline on an InlineDevice running
+    `worker` (a ModelWorker whose proposer defines the spec); returns the finished requests
+    in prompt order. `num_pages` must not exceed the worker's KV pages."""
+    spec = worker.spec
+    schedule = schedule or {"mtp": "mtp", "draft": "overlap"}.get(spec.kind, "sync")
+    blocks = BlockManager(num_pages, worker.page_size, ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
+    builder = BatchBuilder(SchedulerConfig(max_num_seqs, max_num_batched_tokens, spec.num_candidates,
+                                           spec.kv_model), blocks)
+    sink = _Sink()
+    eos = tuple(worker.target.config.eos_token_ids) if not params.ignore_eos else ()
+    pipe = Pipeline(PipelineConfig(schedule, spec), builder, InlineDevice(worker), _Clock(), sink,
+                    eos_token_ids=eos)
+    sink.expected = len(prompts)
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pipe.run)
+            for i, p in enumerate(prompts):
+                pipe.add_request(Request(f"r{i}", list(p), params, arrival_ns=time.monotonic_ns()))
+            if prompts:
+                await sink.done.wait()
+            pipe.stop()
+
+    anyio.run(main)
+    return [sink.finished[f"r{i}"] for i in range(len(prompts))]
+
+
+@dataclass(frozen=True)
+class AcceptanceSummary:
+    num_requests: int
+    num_output_tokens: int
+    num_drafts: int  # verify steps with >= 1 draft
+    mean_acceptance_length: float  # 1 + accepted / drafts
+    acceptance_per_position: tuple[float, ...]  # [D] accepted / drafted at draft position k
+
+
+def summarize(requests: list[Request]) -> AcceptanceSummary:
+    drafts = sum(r.num_drafts for r in requests)
+    accepted = sum(r.num_accepted_tokens for r in requests)
+    width = max((len(r.drafted_per_pos) for r in requests), default=0)
+    per_pos = []
+    for k in range(width):
+        d = sum(r.drafted_per_pos[k] for r in requests if k < len(r.drafted_per_pos))
+        a = sum(r.accepted_per_pos[k] for r in requests if k < len(r.accepted_per_pos))
+        per_pos.append(a / d if d else 0.0)
+    return AcceptanceSummary(len(requests), sum(r.num_output_tokens for r in requests), drafts,
+                             1.0 + accepted / drafts if drafts else 1.0, tuple(per_pos))
+
+
+@torch.inference_mode()
+def paged_agreement(target, head, windows: torch.Tensor, page_size: int = 16) -> float:
+    """First-token agreement through the paged path: for each window [N, S] the target runs a
+    paged prefill (hidden states H), the head a paged pass over (H_i, t_{i+1}); the fraction
+    of positions where the head's argmax at i equals the target's argmax at i+1."""
+    same = total = 0
+    backend = target.attention_backend("torch")
+    for w in windows:
+        s = int(w.shape[0])
+        pages = list(range((s + page_size - 1) // page_size))
+        kv_t = target.make_kv_cache(len(pages), page_size)
+        kv_h = head.make_kv_cache(len(pages), page_size)
+        plan = build_plan([s], [s], [pages], page_size)
+        step = backend.prepare(plan, target.device)
+        pos = torch.as_tensor(plan.positions, device=target.device)
+        ids = w.to(target.device)
+        out = target(ids, step, kv_t, pos, return_hidden=True)
+        hplan = build_plan([s - 1], [s - 1], [pages], page_size)
+        hstep = backend.prepare(hplan, target.device)
+        hout = head(ids[1:], out.hidden[:-1], hstep, kv_h, pos[:-1])
+        guess = hout.logits.argmax(-1)[:-1]  # head at i guesses t_{i+2}
+        want = out.logits.argmax(-1)[1:-1]  # target's greedy token after position i+1
+        same += int((guess == want).sum())
+        total += int(want.numel())
+    return same / max(total, 1)
+
+
+def agreement_stats(values: list[float]) -> tuple[float, float]:
+    arr = np.asarray(values, dtype=np.float64)
+    return float(arr.mean()), float(arr.std())
