@@ -49,10 +49,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     config = load_config(path)
     tensors = _read_tensors(path)
     _check_tensors(config, tensors, path)
-    with torch.device("meta"):
-        model = LlamaModel(config)
-    model = model.to_empty(device=device).to(dtype=dtype)
-    model.tie_weights()
+    model = LlamaModel(config, device=device, dtype=dtype)
     model.load_hf(tensors)
     return model.requires_grad_(False).eval()
 

@@ -16,7 +16,6 @@ from typing import AsyncIterator
 
 import anyio
 
-from runtime.bundled import draft_dir, mtp_dir, target_dir
 from runtime.engine_config import EngineConfig
 from runtime.tokenizer import Tokenizer
 from scheduler.batch_builder import BatchBuilder, SchedulerConfig
@@ -135,25 +134,32 @@ class AsyncEngine:
         self._pipeline: Pipeline | None = None
         self._tg = None
         self._closed = False
-        self.model_dir = self.config.model or str(target_dir())
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        if self.config.model:
+            self.model_dir = self.config.model
+        else:
+            from runtime import bundled
+
+            self.model_dir = str(bundled.target_dir())
+        self.tokenizer = Tokenizer(self.model_dir)
         self._check_tokenizers()
         self.max_model_len = self._max_model_len()
 
     # -- setup --------------------------------------------------------------------------------
     def _proposer_dir(self) -> str | None:
+        from runtime import bundled
+
         c = self.config
         if c.proposer == "draft":
-            return c.draft or str(draft_dir())
+            return c.draft or str(bundled.draft_dir())
         if c.proposer in ("mtp", "eagle"):
-            return c.mtp_head or str(mtp_dir())
+            return c.mtp_head or str(bundled.mtp_dir())
         return None
 
     def _check_tokenizers(self) -> None:
         if self.config.proposer != "draft":
             return
         d = self._proposer_dir()
-        other = Tokenizer.from_dir(d)
+        other = Tokenizer(d)
         if other.fingerprint() != self.tokenizer.fingerprint():
             raise ConfigurationError(
                 f"draft {d} and target {self.model_dir} use different tokenizers; speculative "
@@ -161,10 +167,9 @@ class AsyncEngine:
             )
 
     def _max_model_len(self) -> int:
-        from runtime.config import ModelConfig
+        from runtime.checkpoint import load_config
 
-        cfg = ModelConfig.from_dir(self.model_dir)
-        return cfg.max_position_embeddings
+        return load_config(self.model_dir).max_position_embeddings
 
     def worker_spec(self):
         from runtime.devices import WorkerSpec

@@ -32,38 +32,42 @@ class ModelOutput:
     hidden: torch.Tensor | None  # [N, H] last layer output BEFORE the final norm, or None
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
     """RoPE tables for given positions; `forward(positions) -> (cos, sin_signed)`, each
     [*positions.shape, 1, D], broadcast over heads. `sin_signed` carries rotate_half's sign
-    (first half negated), so `apply_rope(x, cos, sin_signed)` needs only a roll."""
+    (first half negated), so `apply_rope(x, cos, sin_signed)` needs only a roll. The tables
+    stay float32 whatever dtype the model is cast to."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, device=None) -> None:
         super().__init__()
         self.config = config
-        self._build(torch.device("cpu"))
+        self._build(torch.device(device or "cpu"))
 
     def _build(self, device: torch.device) -> None:
         c, d = self.config, self.config.head_dim
-        with torch.device(device):
-            inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-            if c.rope_scaling is not None:
-                inv_freq = _llama3_inv_freq(inv_freq, c)
-            self.register_buffer("inv_freq", torch.cat([inv_freq, inv_freq]), persistent=False)
-            sign = torch.cat([-torch.ones(d // 2), torch.ones(d // 2)])
-            self.register_buffer("sign", sign, persistent=False)  # [D]
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        if c.rope_scaling is not None:
+            inv_freq = _llama3_inv_freq(inv_freq, c)
+        self.register_buffer("inv_freq", torch.cat([inv_freq, inv_freq]).to(device),
+                             persistent=False)  # [D]
+        sign = torch.cat([-torch.ones(d // 2), torch.ones(d // 2)])
+        self.register_buffer("sign", sign.to(device), persistent=False)  # [D]
 
     def _apply(self, fn, recurse=True):
-        # Tables stay float32 whatever dtype the model is cast to; rebuilt on the new device.
         super()._apply(fn, recurse)
         self._build(self.inv_freq.device)
         return self
@@ -91,15 +95,20 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tenso
     return torch.where(medium, smoothed, scaled)
 
 
-def column_major_linear(in_features: int, out_features: int) -> nn.Linear:
-    """nn.Linear whose weight [out, in] is stored column-major (weight.t() contiguous).
+def column_major_weight(rows: int, cols: int, device=None, dtype=None) -> nn.Parameter:
+    """An uninitialised [rows, cols] parameter stored column-major (its .t() is contiguous).
 
     `F.linear` multiplies by weight.t(); with this layout BLAS streams the weight row by row,
     which for the few-row inputs of decoding measured ~2x faster (MKL, AVX2) than the default
     layout. Shapes, names and autograd are unchanged; `copy_` into it keeps the layout.
     """
-    lin = nn.Linear(in_features, out_features, bias=False)
-    lin.weight = nn.Parameter(lin.weight.detach().t().contiguous().t())
+    return nn.Parameter(torch.empty(cols, rows, device=device, dtype=dtype).t())
+
+
+def column_major_linear(in_features: int, out_features: int, device=None, dtype=None) -> nn.Linear:
+    """Bias-free nn.Linear with an uninitialised column-major weight (see column_major_weight)."""
+    lin = nn.Linear(in_features, out_features, bias=False, device="meta")
+    lin.weight = column_major_weight(out_features, in_features, device, dtype)
     return lin
 
 
@@ -115,9 +124,11 @@ class DecoderLayer(nn.Module):
     RotaryEmbedding for x's positions), step (a StepAttention), kv_layer (this layer's
     [P, 2, ps, Hkv, D] cache; None with CausalAttention), layer_idx (index passed to
     `step.attend`)) -> x after the block, same shape.
+
+    Weights start uninitialised: fill them with `load_hf` or `init_weights`.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, device=None, dtype=None) -> None:
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.num_heads = config.num_attention_heads
@@ -125,25 +136,34 @@ class DecoderLayer(nn.Module):
         self.head_dim = d
         self.intermediate_size = config.intermediate_size
         self.eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.qkv_proj = column_major_linear(h, (self.num_heads + 2 * self.num_kv_heads) * d)
-        self.o_proj = column_major_linear(self.num_heads * d, h)
-        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.gate_up_proj = column_major_linear(h, 2 * config.intermediate_size)
-        self.down_proj = column_major_linear(config.intermediate_size, h)
+        dd = dict(device=device, dtype=dtype)
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps, **dd)
+        self.qkv_proj = column_major_linear(h, (self.num_heads + 2 * self.num_kv_heads) * d, **dd)
+        self.o_proj = column_major_linear(self.num_heads * d, h, **dd)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, **dd)
+        self.gate_up_proj = column_major_linear(h, 2 * config.intermediate_size, **dd)
+        self.down_proj = column_major_linear(config.intermediate_size, h, **dd)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """N(0, std) projections, unit norm weights."""
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator) * std)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 step: StepAttention, kv_layer: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
         lead = x.shape[:-1]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        h = F.rms_norm(x, self.input_layernorm.weight.shape, self.input_layernorm.weight, self.eps)
+        h = rms_norm(x, self.input_layernorm.weight, self.eps)
         qkv = F.linear(h, self.qkv_proj.weight).view(*lead, hq + 2 * hkv, d)
         qk = apply_rope(qkv[..., : hq + hkv, :], cos, sin)
         attn = step.attend(layer_idx, qk[..., :hq, :], qk[..., hq:, :], qkv[..., hq + hkv :, :],
                            kv_layer)
         x = x + F.linear(attn.reshape(*lead, hq * d), self.o_proj.weight)
-        h = F.rms_norm(x, self.post_attention_layernorm.weight.shape,
-                       self.post_attention_layernorm.weight, self.eps)
+        h = rms_norm(x, self.post_attention_layernorm.weight, self.eps)
         gate_up = F.linear(h, self.gate_up_proj.weight)
         i = self.intermediate_size
         return x + F.linear(F.silu(gate_up[..., :i]) * gate_up[..., i:], self.down_proj.weight)
@@ -200,41 +220,48 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head (tied to the embedding if the
-    config says so). Build empty with `LlamaModel(config)` (random init), load with
-    `runtime.checkpoint.load_model`."""
+    config says so). `LlamaModel(config)` allocates uninitialised weights; use
+    `runtime.checkpoint.load_model` to load a checkpoint or `LlamaModel.random` for a
+    randomly initialised one."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, device=None, dtype=None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        # column-major like the Linear layers: it may serve as the (tied) LM head
-        self.embed_tokens.weight = nn.Parameter(self.embed_tokens.weight.detach().t().contiguous().t())
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = column_major_linear(config.hidden_size, config.vocab_size)
-        self.rotary = RotaryEmbedding(config)
+        dd = dict(device=device, dtype=dtype)
+        # column-major like the Linear layers, since it may serve as the (tied) LM head
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=column_major_weight(config.vocab_size, config.hidden_size, **dd).data,
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, **dd) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dd)
+        self.lm_head = column_major_linear(config.hidden_size, config.vocab_size, **dd)
+        self.rotary = RotaryEmbedding(config, device=device)
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the config ties them (again after a
-        device move that replaced parameters, e.g. `to_empty` from meta)."""
+        """Share the embedding with the LM head when the config ties them."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """N(0, std) embedding and projections, unit norm weights."""
+        self.embed_tokens.weight.copy_(torch.randn(self.embed_tokens.weight.shape, generator=generator) * std)
+        if not self.config.tie_word_embeddings:
+            self.lm_head.weight.copy_(torch.randn(self.lm_head.weight.shape, generator=generator) * std)
+        self.norm.weight.fill_(1.0)
+        for layer in self.layers:
+            layer.init_weights(std, generator)
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, std: float = 0.02,
                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "LlamaModel":
-        """A randomly initialised model (N(0, std) weights, unit norms), frozen, for benchmarks."""
-        gen = torch.Generator().manual_seed(seed)
-        model = cls(config)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("layernorm.weight") or name == "norm.weight":
-                    p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * std)
-        model = model.to(device=device, dtype=dtype)
-        model.tie_weights()
+        """A randomly initialised, frozen model (N(0, std) weights, unit norms)."""
+        model = cls(config, device=device, dtype=dtype)
+        model.init_weights(std, torch.Generator().manual_seed(seed))
         return model.requires_grad_(False).eval()
 
     @property
@@ -263,7 +290,7 @@ class LlamaModel(nn.Module):
         return F.linear(hidden_normed, self.lm_head.weight).float()
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(hidden, self.norm.weight.shape, self.norm.weight, self.norm.eps)
+        return rms_norm(hidden, self.norm.weight, self.norm.eps)
 
     def forward(self, input_ids: torch.Tensor, step: StepAttention, kv: PagedKVCache,
                 positions: torch.Tensor, *, logits_indices: torch.Tensor | None = None,

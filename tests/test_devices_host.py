@@ -148,7 +148,8 @@ def test_bad_input_is_refused_at_launch(device):
 def test_large_batches_do_not_deadlock(device):
     stream = device.stream("main")
     busy = stream.launch("sleep", {"ms": 50})
-    big = [stream.launch("echo", {"tokens": np.full(1_000_000, i, dtype=np.int32)}) for i in range(4)]
+    big = [stream.launch("echo", {"tokens": np.full(1_000_000, i, dtype=np.int32)})
+           for i in range(4)]
     for i, event in enumerate(big):
         assert np.array_equal(event.synchronize(TIMEOUT_S)["tokens"], np.full(1_000_000, i))
     assert busy.query()

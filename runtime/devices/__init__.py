@@ -20,7 +20,8 @@ __all__ = [
 ]
 
 
-def make_device(kind: Literal["host", "cuda"], spec: WorkerSpec, **kwargs: Any) -> HostDevice | CudaDevice:
+def make_device(kind: Literal["host", "cuda"], spec: WorkerSpec,
+                **kwargs: Any) -> HostDevice | CudaDevice:
     """Build a device of `kind` running `spec`'s Worker; kwargs go to the device's constructor."""
     if kind == "host":
         return HostDevice(spec, **kwargs)

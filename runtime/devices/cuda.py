@@ -128,15 +128,15 @@ class CudaEvent:
     def _fail_cuda(self, exc: BaseException) -> None:
         message = f"CUDA error: {exc}"
         self.owner._mark_failed(f"device {self.owner.name!r} hit a CUDA error: {exc}")
-        self._error = self._error or (DeviceCrashed, message, None)
+        self._error = (DeviceCrashed, message, None)
         self._done = True
 
     def _interval(self) -> tuple[int | None, int | None]:
-        if self._times is None and self._anchor is not None and self.query() and self._anchor.event.query():
+        anchor = self._anchor
+        if self._times is None and anchor is not None and self.query() and anchor.event.query():
             try:
-                ref = self._anchor.event
-                self._times = (self._anchor.host_ns + round(ref.elapsed_time(self._start) * 1e6),
-                               self._anchor.host_ns + round(ref.elapsed_time(self._end) * 1e6))
+                self._times = (anchor.host_ns + round(anchor.event.elapsed_time(self._start) * 1e6),
+                               anchor.host_ns + round(anchor.event.elapsed_time(self._end) * 1e6))
             except RuntimeError:
                 return None, None
         return self._times or (None, None)
@@ -185,7 +185,7 @@ class CudaDevice:
             raise TypeError(f"CudaDevice needs a WorkerSpec, got {type(spec).__name__}")
         torch = _import_torch()
         if not torch.cuda.is_available():
-            raise RuntimeError(f"CudaDevice needs a CUDA GPU, but torch.cuda.is_available() is False "
+            raise RuntimeError("CudaDevice needs a CUDA GPU but torch.cuda.is_available() is False "
                                f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
         target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if target.type != "cuda":
@@ -279,7 +279,8 @@ class CudaDevice:
             raise RuntimeError(f"CUDA device {self.name!r} is closed; cannot launch {op!r}")
         launch_ns = time.monotonic_ns()
         if self._failure is not None:
-            return CudaEvent(self, op, stream.name, launch_ns, error=(DeviceCrashed, self._failure, None))
+            return CudaEvent(self, op, stream.name, launch_ns,
+                             error=(DeviceCrashed, self._failure, None))
         torch, s = self.torch, stream.torch_stream
         result, error = None, None
         try:
@@ -294,7 +295,8 @@ class CudaDevice:
                     except Exception as exc:
                         if _is_cuda_error(torch, exc):
                             raise
-                        error = (DeviceError, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+                        message = f"{type(exc).__name__}: {exc}"
+                        error = (DeviceError, message, traceback.format_exc())
                     end.record(s)
         except RuntimeError as exc:
             if not _is_cuda_error(torch, exc):

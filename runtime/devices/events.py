@@ -52,7 +52,8 @@ class CompletionEvent:
                   start_ns: int | None = None, end_ns: int | None = None) -> bool:
         return self._finish(None, (kind, message, remote_traceback), start_ns, end_ns)
 
-    def _finish(self, result: Any, error: tuple | None, start_ns: int | None, end_ns: int | None) -> bool:
+    def _finish(self, result: Any, error: tuple | None,
+                start_ns: int | None, end_ns: int | None) -> bool:
         with self._lock:
             if self._done.is_set():
                 return False

@@ -49,8 +49,8 @@ class HostStream:
     def wait_event(self, event: Event) -> None:
         if getattr(event, "owner", None) is self.device or event.query():
             return  # launched earlier on this device, so it runs first; or already done
-        raise ValueError(f"host device {self.device.name!r} cannot wait on unfinished op {event.op!r} "
-                         "of another device; synchronize it on the host first")
+        raise ValueError(f"host device {self.device.name!r} cannot wait on unfinished op "
+                         f"{event.op!r} of another device; synchronize it on the host first")
 
 
 class HostDevice:
@@ -90,7 +90,8 @@ class HostDevice:
             self._process.close_handles()
             self._closed = True
             raise
-        self._reader = threading.Thread(target=self._read_replies, name=f"{name}-replies", daemon=True)
+        self._reader = threading.Thread(target=self._read_replies, name=f"{name}-replies",
+                                        daemon=True)
         self._reader.start()
 
     def __repr__(self) -> str:
@@ -179,7 +180,8 @@ class HostDevice:
                     return event
                 self._pending[seq] = event
             try:
-                self._process.launch.send_bytes(pickle.dumps((seq, stream, op), _PROTOCOL) + payload)
+                header = pickle.dumps((seq, stream, op), _PROTOCOL)
+                self._process.launch.send_bytes(header + payload)
             except OSError:
                 pass  # the worker is gone; the reader thread fails every pending event
         return event
@@ -202,7 +204,8 @@ class HostDevice:
         if self._closed:
             reason = f"host device {self.name!r} was closed"
         else:
-            reason = f"host device {self.name!r}: " + (broken or "worker process " + self._process.describe_exit())
+            broken = broken or "worker process " + self._process.describe_exit()
+            reason = f"host device {self.name!r}: {broken}"
         with self._pending_lock:
             self._failure = reason
             pending, self._pending = self._pending, {}

@@ -22,7 +22,7 @@ _ENTRY = "from runtime.devices.worker_main import entry; entry()"
 
 
 class WorkerProcess:
-    """A child Python process with a launch pipe (host -> worker) and a reply pipe (worker -> host)."""
+    """A child Python process with a launch pipe (host -> worker) and a reply pipe (back)."""
 
     def __init__(self, name: str):
         launch_r, launch_w = os.pipe()

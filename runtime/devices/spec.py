@@ -33,13 +33,15 @@ class WorkerSpec:
     def __post_init__(self) -> None:
         module, sep, attr = self.factory.partition(":")
         if not sep or not module or not attr or ":" in attr:
-            raise ValueError(f"WorkerSpec.factory must look like 'module:callable', got {self.factory!r}")
+            raise ValueError("WorkerSpec.factory must look like 'module:callable', "
+                             f"got {self.factory!r}")
         if not isinstance(self.kwargs, dict):
             raise TypeError(f"WorkerSpec.kwargs must be a dict, got {type(self.kwargs).__name__}")
         try:
             pickle.dumps(self.kwargs)
         except Exception as exc:
-            raise TypeError(f"WorkerSpec.kwargs for {self.factory!r} must be picklable: {exc}") from exc
+            raise TypeError(f"WorkerSpec.kwargs for {self.factory!r} must be picklable: "
+                            f"{exc}") from exc
 
     def build(self) -> Worker:
         """Import the factory and call it; errors name the factory."""

@@ -9,8 +9,8 @@ pickled payload, so a payload that fails to unpickle still names its op and sequ
 - worker -> host: `("ok", seq, start_ns, end_ns)` + result, or
   `("err", seq, start_ns, end_ns, message, traceback)` + `None`.
 Before any of that the host sends `(spec, num_threads, sys_path)` and the worker answers
-`("ready", pid)` or `("init_err", message, traceback)` (plain `send`/`recv` messages). Times are `time.monotonic_ns()`: the system monotonic
-clock, the same base as the host's.
+`("ready", pid)` or `("init_err", message, traceback)` (plain `send`/`recv` messages).
+Times are `time.monotonic_ns()`: the system monotonic clock, the same base as the host's.
 
 A receiver thread drains the launch pipe into a local queue while ops run, so the host's
 `launch` does not block on a full pipe while the worker is busy.
@@ -78,7 +78,8 @@ def entry() -> None:
     main(spec, num_threads, launch_conn, reply_conn)
 
 
-def main(spec: WorkerSpec, num_threads: int, launch_conn: Connection, reply_conn: Connection) -> None:
+def main(spec: WorkerSpec, num_threads: int, launch_conn: Connection,
+         reply_conn: Connection) -> None:
     """Build the Worker, report readiness, then serve launches until stopped."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when this process stops
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -120,10 +121,12 @@ def _serve(worker: Any, builtins: _Builtins, inbox: queue.SimpleQueue, reply_con
             runner = builtins if op.startswith("__") else worker
             result = runner.execute(op, batch)
             end_ns = time.monotonic_ns()
-            payload = pickle.dumps(("ok", seq, start_ns, end_ns), _PROTOCOL) + pickle.dumps(result, _PROTOCOL)
+            header = pickle.dumps(("ok", seq, start_ns, end_ns), _PROTOCOL)
+            payload = header + pickle.dumps(result, _PROTOCOL)
         except Exception as exc:
             end_ns = time.monotonic_ns()
-            reply = ("err", seq, start_ns, end_ns, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+            message = f"{type(exc).__name__}: {exc}"
+            reply = ("err", seq, start_ns, end_ns, message, traceback.format_exc())
             payload = pickle.dumps(reply, _PROTOCOL) + pickle.dumps(None, _PROTOCOL)
         builtins.num_ops += 1
         builtins.busy_ns += end_ns - start_ns

@@ -179,6 +179,45 @@ def paged_agreement(target, head, windows: torch.Tensor, page_size: int = 16) ->
     return same / max(total, 1)
 
 
-def agreement_stats(values: list[float]) -> tuple[float, float]:
-    arr = np.asarray(values, dtype=np.float64)
-    return float(arr.mean()), float(arr.std())
+def validate_head(target_dir: str, head_dir: str, heldout_windows: torch.Tensor, prompts: list[list[int]],
+                  *, max_tokens: int = 64, draft_lens: tuple[int, ...] = (1, 2, 3),
+                  eagle: tuple[int, int, int] | None = (3, 2, 8), log=print) -> dict:
+    """Acceptance of the head in `head_dir` through the inference implementation: paged
+    first-token agreement on held-out windows, then greedy Pipeline runs on `prompts` with
+    the MTP proposer at each D (and an EAGLE tree (depth, top_k, max_nodes)), each checked
+    token for token against plain greedy decoding."""
+    from runtime.worker import ModelWorker
+    from scheduler.proposer import default_tree
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    num_pages = 4 * len(prompts) * ((max(len(p) for p in prompts) + max_tokens + 32) // 16 + 2)
+    kw = {"page_size": 16, "num_pages": num_pages}
+    plain = ModelWorker(target_dir, {"kind": "none", "draft_len": 0}, **kw)
+    t0 = time.perf_counter()
+    reference = [r.output_token_ids for r in run_requests(plain, prompts, params, num_pages=num_pages)]
+    plain_s = time.perf_counter() - t0
+    report: dict = {"num_prompts": len(prompts), "max_tokens": max_tokens}
+    runs = [("mtp", d, {"kind": "mtp", "draft_len": d}) for d in draft_lens]
+    if eagle is not None:
+        depth, top_k, max_nodes = eagle
+        parents = list(default_tree(depth, top_k, max_nodes))
+        runs.append((f"eagle(depth={depth},top_k={top_k},nodes={len(parents)})", depth,
+                     {"kind": "eagle", "draft_len": depth, "tree_parents": parents}))
+    for name, d, prop in runs:
+        worker = ModelWorker(target_dir, prop, proposer_dir=head_dir, **kw)
+        if not report.get("paged_agreement"):
+            report["paged_agreement"] = paged_agreement(worker.target, worker.proposer.head, heldout_windows)
+            log(f"[validate] paged first-token agreement {report['paged_agreement']:.3f} "
+                f"on {heldout_windows.numel():,} held-out tokens")
+        t0 = time.perf_counter()
+        reqs = run_requests(worker, prompts, params, num_pages=num_pages)
+        s = summarize(reqs)
+        same = [r.output_token_ids for r in reqs] == reference
+        key = f"mtp D={d}" if name == "mtp" else name
+        report[key] = {"mean_acceptance_length": round(s.mean_acceptance_length, 3),
+                       "acceptance_per_position": [round(x, 3) for x in s.acceptance_per_position],
+                       "identical_to_greedy": same,
+                       "wall_ratio_vs_plain": round((time.perf_counter() - t0) / plain_s, 2)}
+        log(f"[validate] {key}: AL {s.mean_acceptance_length:.3f} per-position "
+            f"{report[key]['acceptance_per_position']} identical={same}")
+    return report

@@ -1,0 +1,43 @@
+"""Where the bundled tiny model family lives, so the default runs anywhere with no download.
+
+The files (HF layout: config.json, model.safetensors, tokenizer.json, model card README.md)
+are produced by `python -m runtime.training.bundled --out runtime/bundled`; the MTP head in
+`mtp/` is trained separately on top of the target.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BUNDLED_DIR = Path(__file__).resolve().parent
+MAX_BUNDLE_BYTES = 40 * 1024 * 1024  # all bundled files together stay under this
+
+
+def target_dir() -> Path:
+    """6-layer target model directory."""
+    return BUNDLED_DIR / "target"
+
+
+def draft_dir() -> Path:
+    """1-layer draft distilled from the target."""
+    return BUNDLED_DIR / "draft"
+
+
+def mtp_dir() -> Path:
+    """MTP head trained on the target (may be absent until it is trained)."""
+    return BUNDLED_DIR / "mtp"
+
+
+def workload_path() -> Path:
+    """Default workload: one {"prompt": str, "max_tokens": int} JSON object per line."""
+    return BUNDLED_DIR / "workload.jsonl"
+
+
+def tokenizer_path(model_dir: Path | None = None) -> Path:
+    """tokenizer.json of a bundled model directory (default: the target's)."""
+    return (model_dir or target_dir()) / "tokenizer.json"
+
+
+def bundle_bytes() -> int:
+    """Total size of the bundled data files (Python sources excluded)."""
+    return sum(p.stat().st_size for p in BUNDLED_DIR.rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc"))

@@ -1,0 +1,15 @@
+"""A ModelWorker whose device ops fail for rows whose prompt holds a poison token (tests)."""
+from runtime.worker import ModelWorker
+
+POISON = 3
+
+
+class FaultyWorker(ModelWorker):
+    def execute(self, op, batch):
+        for _, token_ids, _ in batch.get("register", ()):
+            if POISON in token_ids:
+                self._poisoned = True
+        if op == "forward" and getattr(self, "_poisoned", False):
+            self._poisoned = False
+            raise RuntimeError("injected device failure")
+        return super().execute(op, batch)

@@ -1,0 +1,99 @@
+"""The bundled tiny model family is present, small, loadable and consistent."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from runtime import bundled
+from runtime.training.corpus import SourceFile, function_prompts, is_excluded, is_heldout
+from runtime.training.tokenizer_train import train_tokenizer
+
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "README.md")
+
+
+@pytest.mark.parametrize("model_dir", [bundled.target_dir(), bundled.draft_dir()], ids=["target", "draft"])
+def test_model_files_exist(model_dir):
+    for name in MODEL_FILES:
+        assert (model_dir / name).is_file(), f"missing {model_dir / name}"
+
+
+def test_bundle_size_under_limit():
+    assert 0 < bundled.bundle_bytes() < bundled.MAX_BUNDLE_BYTES
+
+
+@pytest.mark.parametrize(("model_dir", "num_layers"), [(bundled.target_dir(), 6), (bundled.draft_dir(), 1)])
+def test_config_loads_with_transformers(model_dir, num_layers):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig.from_pretrained(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    assert raw["architectures"] == ["LlamaForCausalLM"] and raw["model_type"] == "llama"
+    assert cfg.num_hidden_layers == num_layers
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (256, 8, 4, 32)
+    assert cfg.vocab_size == tok.get_vocab_size() == 4096
+    assert cfg.bos_token_id == tok.token_to_id("<|bos|>")
+    assert cfg.eos_token_id == tok.token_to_id("<|eos|>")
+    assert raw["rope_theta"] == 10000.0 and cfg.tie_word_embeddings
+
+
+@pytest.mark.parametrize("model_dir", [bundled.target_dir(), bundled.draft_dir()], ids=["target", "draft"])
+def test_weights_match_config(model_dir):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        emb = f.get_tensor("model.embed_tokens.weight")
+    assert tuple(emb.shape) == (cfg["vocab_size"], cfg["hidden_size"])
+    assert emb.isfinite().all()
+    for i in range(cfg["num_hidden_layers"]):
+        assert f"model.layers.{i}.self_attn.q_proj.weight" in keys
+    assert f"model.layers.{cfg['num_hidden_layers']}.self_attn.q_proj.weight" not in keys
+
+
+def test_tokenizer_round_trips_python_source():
+    tok = Tokenizer.from_file(str(bundled.tokenizer_path()))
+    source = inspect.getsource(inspect) + "\tx = 'ünïcödé ✓'\r\n"
+    ids = tok.encode(source).ids
+    assert tok.decode(ids) == source
+    assert len(ids) < len(source.encode()) / 2, "BPE should compress Python source well"
+    assert bundled.tokenizer_path(bundled.draft_dir()).read_bytes() == bundled.tokenizer_path().read_bytes()
+
+
+def test_workload_is_valid():
+    tok = Tokenizer.from_file(str(bundled.tokenizer_path()))
+    rows = [json.loads(line) for line in bundled.workload_path().read_text().splitlines()]
+    assert len(rows) == 64
+    assert len({r["prompt"] for r in rows}) == 64
+    for r in rows:
+        assert set(r) == {"prompt", "max_tokens"} and r["max_tokens"] == 64
+        assert 32 <= len(tok.encode(r["prompt"]).ids) <= 120
+        assert r["prompt"].lstrip().startswith(("def ", "async def "))
+
+
+def test_corpus_split_rules():
+    assert is_excluded("test/test_os.py") and is_excluded("idlelib/idle_test/x.py")
+    assert is_excluded("site-packages/pip/__init__.py") and is_excluded("lib2to3/tests/data/a.py")
+    assert not is_excluded("asyncio/base_events.py")
+    assert is_heldout("json/decoder.py") == is_heldout("json/decoder.py")
+
+
+def test_function_prompts_deterministic():
+    text = "".join(f"def f{i}(x):\n    y = x + {i}\n    return y * 2\n\n" for i in range(40))
+    files = (SourceFile("m.py", text),)
+    count = lambda s: len(s.split())  # noqa: E731
+    a = function_prompts(files, count, 5, seed=1, min_tokens=4, max_tokens=12)
+    assert a == function_prompts(files, count, 5, seed=1, min_tokens=4, max_tokens=12)
+    assert all(p.startswith("def ") and 4 <= count(p) <= 12 for p in a)
+    with pytest.raises(ValueError, match="function prompts"):
+        function_prompts(files, count, 500, seed=1, min_tokens=4, max_tokens=12)
+
+
+def test_train_tokenizer_small():
+    tok = train_tokenizer(["def f(x):\n    return x\n"] * 20, vocab_size=300)
+    assert tok.token_to_id("<|bos|>") == 0 and tok.token_to_id("<|eos|>") == 1
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_tokenizer(["x"], vocab_size=100)
