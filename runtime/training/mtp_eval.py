@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import numpy as np
 import torch
 
 from scheduler.batch_builder import BatchBuilder, SchedulerConfig
@@ -128,6 +127,56 @@ def run_requests(worker, prompts: list[list[int]], params: SamplingParams, *,
 
     anyio.run(main)
     return [sink.finished[f"r{i}"] for i in range(len(prompts))]
+
+
+def save_llama(model, out_dir) -> None:
+    """Write a LlamaModel as a Hugging Face checkpoint (config.json + model.safetensors)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    c = model.config
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+           **c.model_dump(exclude={"rope_scaling", "torch_dtype"}), "torch_dtype": "float32"}
+    if c.rope_scaling is not None:
+        cfg["rope_scaling"] = c.rope_scaling.model_dump()
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    tensors = {k: v.float().contiguous() for k, v in model.hf_state_dict().items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def write_tiny_family(out_dir, *, seed: int = 0, vocab_size: int = 32, train_steps: int = 150,
+                      norms: bool = True) -> tuple[str, str]:
+    """A random 2-layer target and an MTP head briefly trained on the target's own greedy
+    continuations (so drafts are often accepted): (target_dir, head_dir) under `out_dir`.
+    For tests and demos; takes a few seconds on a CPU."""
+    from pathlib import Path
+
+    from runtime.config import ModelConfig
+    from runtime.model import LlamaModel
+    from runtime.mtp_head import save_head
+    from runtime.training.mtp import TrainConfig, precompute_hidden, train_head
+
+    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+                      max_position_embeddings=512, eos_token_id=None)
+    target = LlamaModel.random(cfg, seed=seed, std=0.25)
+    gen = torch.Generator().manual_seed(seed)
+    seqs = torch.randint(0, vocab_size, (64, 4), generator=gen)
+    with torch.inference_mode():
+        for _ in range(44):
+            logits, _ = target.forward_full(seqs)
+            seqs = torch.cat([seqs, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    out = Path(out_dir)
+    save_llama(target, out / "target")
+    hidden = precompute_hidden(target, seqs)
+    tcfg = TrainConfig(seq_len=seqs.shape[1] - 2, batch_size=16, lr=1e-2, steps=train_steps, seed=seed)
+    head, _ = train_head(target, seqs, hidden, norms=norms, cfg=tcfg, log=lambda *_: None)
+    save_head(head, out / "head", target)
+    return str(out / "target"), str(out / "head")
 
 
 @dataclass(frozen=True)
