@@ -9,7 +9,7 @@ import orjson
 import typer
 from rich.console import Console
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="specsched: the CPU side of speculative decoding (engine, traces, simulator).")
 console = Console(stderr=True)
 

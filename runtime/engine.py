@@ -283,10 +283,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> bool:
         return self._pipeline is not None and self._pipeline.abort(request_id)
 
-    async def generate_all(self, prompt: str | list[int], params: SamplingParams | None = None) -> RequestOutput:
+    async def generate_all(self, prompt: str | list[int], params: SamplingParams | None = None,
+                           *, request_id: str | None = None) -> RequestOutput:
         """Convenience: run one request to completion; one output with all tokens and text."""
         toks, text, last = [], [], None
-        async for out in self.generate(prompt, params):
+        async for out in self.generate(prompt, params, request_id=request_id):
             toks += out.token_ids
             text.append(out.text)
             last = out
