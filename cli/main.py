@@ -104,6 +104,21 @@ def generate(
         _fail(str(e))
 
 
+@app.command()
+def demo(
+    out: Path = typer.Option(Path("demo_out"), help="output folder"),
+    num_requests: int = typer.Option(8, "--num-requests"),
+    max_tokens: int = typer.Option(48, "--max-tokens"),
+    concurrency: int = typer.Option(4),
+) -> None:
+    """The main job: every proposer and schedule on the bundled model, traces, simulator check."""
+    from cli.demo import run_demo
+
+    t0 = __import__("time").monotonic()
+    run_demo(out, num_requests, max_tokens, concurrency, Console())
+    console.print(f"[dim]demo took {__import__('time').monotonic() - t0:.0f} s[/dim]")
+
+
 @app.command("train-models")
 def train_models(
     out: Path = typer.Option(Path("runtime/bundled"), help="output dir"),

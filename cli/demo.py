@@ -1,0 +1,96 @@
+"""`specsched demo`: the main job a newcomer runs first.
+
+Runs plain decoding and every proposer under its natural schedules on the bundled model and
+workload, captures a trace of each, validates the simulator on every trace, runs one A/B in
+the simulator, and prints one summary table. Traces, timeline pictures and a Chrome/Perfetto
+JSON land in the output folder.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import anyio
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+RUNS = [  # (name, proposer, schedule, draft_len)
+    ("plain", "none", "sync", 0),
+    ("plain-overlap", "none", "plain_overlap", 0),
+    ("draft-sync", "draft", "sync", 4),
+    ("draft-overlap", "draft", "overlap", 4),
+    ("mtp-sync", "mtp", "sync", 1),
+    ("mtp-mtp", "mtp", "mtp", 1),
+    ("eagle-sync", "eagle", "sync", 3),
+    ("ngram-sync", "ngram", "sync", 4),
+]
+
+
+def run_demo(out_dir: Path, num_requests: int, max_tokens: int, concurrency: int, console: Console) -> list[dict]:
+    from runtime import bundled
+    from runtime.bench import run_workload
+    from runtime.engine_config import EngineConfig
+    from runtime.workload import load_workload
+    from simulator.analysis import ab, validate
+    from simulator.replay import ReplayConfig
+    from traces.chrome import write_chrome_trace
+    from traces.timeline import plot_timeline
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    items = load_workload(bundled.workload_path(), limit=num_requests, max_tokens=max_tokens)
+    runs = [r for r in RUNS if r[1] not in ("mtp", "eagle") or (bundled.mtp_dir() / "config.json").exists()]
+    skipped = [r[0] for r in RUNS if r not in runs]
+    rows, traces = [], {}
+    columns = (TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        for name, proposer, schedule, d in runs:
+            task = progress.add_task(name, total=len(items))
+            cfg = EngineConfig.make(proposer=proposer, schedule=schedule, draft_len=d or None)
+            path = out_dir / f"trace_{name}.jsonl"
+            metrics, trace, _ = anyio.run(lambda: run_workload(
+                cfg, items, concurrency=concurrency, warmup=1, trace_path=str(path),
+                on_done=lambda: progress.advance(task)))
+            trace.path = str(path)
+            traces[name] = trace
+            v = validate(trace)
+            plot_timeline(trace, out_dir / f"timeline_{name}.png", steps=_window(trace))
+            rows.append({"run": name, "metrics": metrics, "sim_makespan_err_pct": v["makespan_err_pct"],
+                         "sim_step_err_pct": v["step_time_err_pct"]["p50"]})
+    base = rows[0]["metrics"]["output_tokens_per_s"]
+    for r in rows:
+        r["speedup"] = r["metrics"]["output_tokens_per_s"] / base
+    write_chrome_trace(traces["draft-overlap"], out_dir / "draft-overlap.chrome.json")
+    ab_res = ab(traces["draft-sync"], ReplayConfig(schedule="sync"), ReplayConfig(schedule="overlap"), replicates=6)
+    _summary(console, rows, ab_res, out_dir, skipped)
+    return rows
+
+
+def _window(trace) -> tuple[int, int] | None:
+    steps = sorted(s.step for s in trace.steps if s.kind in ("spec", "decode"))
+    if len(steps) < 4:
+        return None
+    mid = steps[len(steps) // 2]
+    return (mid, mid + 6)
+
+
+def _summary(console: Console, rows: list[dict], ab_res: dict, out_dir: Path, skipped: list[str]) -> None:
+    t = Table(title="specsched demo: bundled model, default workload (measured on this machine)")
+    for col in ("run", "tok/s", "TTFT p50 ms", "TPOT p50 ms", "mean AL", "bubble", "speedup", "sim err (makespan)"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        m = r["metrics"]
+        al = m.get("mean_accept_len")
+        t.add_row(r["run"], f"{m['output_tokens_per_s']:.1f}", f"{m['ttft_ms']['p50']:.1f}",
+                  f"{m['tpot_ms']['p50']:.2f}", f"{al:.2f}" if al else "-",
+                  f"{m['bubble_fraction']:.2f}", f"{r['speedup']:.2f}x", f"{r['sim_makespan_err_pct']:.1f}%")
+    console.print(t)
+    d = ab_res["diff_b_minus_a"]["output_tokens_per_s"]
+    console.print(f"A/B in the simulator on the draft-sync trace, A = sync, B = overlap: tokens/s B - A = "
+                  f"{d['diff_mean']:+.1f} (95% CI {d['ci95'][0]:+.1f} .. {d['ci95'][1]:+.1f}): {d['verdict']}")
+    if skipped:
+        console.print(f"[yellow]skipped (no bundled head yet): {', '.join(skipped)}[/yellow]")
+    console.print(f"\nEverything is in {out_dir}/:")
+    console.print("  trace_*.jsonl      traces: `specsched stats|validate|replay|timeline|export TRACE`")
+    console.print("  timeline_*.png     host and device lanes of a window of steps (idle device hatched)")
+    console.print("  draft-overlap.chrome.json  open in https://ui.perfetto.dev or chrome://tracing")
