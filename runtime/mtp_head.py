@@ -67,7 +67,8 @@ class MTPHead(nn.Module):
     @classmethod
     def for_target(cls, target: LlamaModel, norms: bool = True, seed: int = 0,
                    std: float = 0.02) -> "MTPHead":
-        """A randomly initialised head shaped like one of the target's layers, bound to it."""
+        """A randomly initialised, frozen head shaped like one of the target's layers, bound
+        to it (`requires_grad_(True).train()` it to train)."""
         config = target.config.model_copy(update={"num_hidden_layers": 1})
         head = cls(config, norms)
         gen = torch.Generator().manual_seed(seed)
@@ -77,7 +78,7 @@ class MTPHead(nn.Module):
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
-        head = head.to(device=target.device, dtype=target.dtype)
+        head = head.to(device=target.device, dtype=target.dtype).requires_grad_(False).eval()
         return head.bind(target)
 
     def bind(self, target: LlamaModel) -> "MTPHead":

@@ -169,28 +169,32 @@ class BatchBuilder:
         def fits(req: Request, n: int) -> bool:
             return need(req, n) + planned <= self.blocks.num_free_pages
 
+        gone: set[int] = set()  # ids of requests preempted in this loop
         for req in list(self.running):
-            if req not in self.running:  # preempted below
+            if id(req) in gone:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
             if n == 1 and draft and budget < 1 + draft:
                 break
-            while not fits(req, n) and self.running[-1] is not req:
+            pages = need(req, n)
+            while pages + planned > self.blocks.num_free_pages and self.running[-1] is not req:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
-            if not fits(req, n):
+                gone.add(id(victim))
+            if pages + planned > self.blocks.num_free_pages:
                 if len(self.running) == 1:
                     raise RuntimeError(
                         f"request {req.request_id} does not fit in the KV pool even alone "
-                        f"({need(req, n)} pages needed, {self.blocks.num_free_pages} free)"
+                        f"({pages} pages needed, {self.blocks.num_free_pages} free)"
                     )
                 self._preempt(req)
                 preempted.append(req)
+                gone.add(id(req))
                 continue
-            planned += need(req, n)
+            planned += pages
             d = min(draft, max(0, req.remaining_tokens - 1)) if n == 1 else 0
             seqs.append(ScheduledSeq(req, n, d))
             budget -= n + (draft if n == 1 else 0)

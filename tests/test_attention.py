@@ -104,6 +104,8 @@ def test_get_backend():
     assert isinstance(get_backend("torch"), AttentionBackend)
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         get_backend("nope")
+    with pytest.raises(ValueError, match="needs num_qo_heads, num_kv_heads and head_dim"):
+        get_backend("flashinfer")
 
 
 def test_plan_validation_errors():

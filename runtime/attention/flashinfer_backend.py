@@ -24,9 +24,14 @@ from scheduler.plan import AttentionPlan
 class FlashInferBackend:
     name = "flashinfer"
 
-    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.bfloat16, workspace_bytes: int = 128 << 20,
-                 num_slots: int = 2, **_unused) -> None:
+    def __init__(self, num_qo_heads: int | None = None, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                 workspace_bytes: int = 128 << 20, num_slots: int = 2, **_unused) -> None:
+        if None in (num_qo_heads, num_kv_heads, head_dim):
+            raise ValueError(
+                "the flashinfer backend needs num_qo_heads, num_kv_heads and head_dim "
+                "(use model.attention_backend('flashinfer'))"
+            )
         try:
             import flashinfer
         except ImportError as exc:

@@ -1,0 +1,76 @@
+"""Scheduler host cost per step (schedule + kv_alloc + plan) at 64 and 256 running requests.
+
+Runs the real scheduler code (BatchBuilder, BlockManager, message packing with the
+FlashInfer-layout plan) on N decoding requests, for plain decode steps and speculative
+(verify, D=4) steps, and prints the median milliseconds per stage. No model is involved:
+this is the CPU work that must hide behind the device.
+
+    python benchmarks/host_overhead.py [--requests 64 256] [--steps 200]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from scheduler import messages
+from scheduler.batch_builder import BatchBuilder, SchedulerConfig
+from scheduler.block_manager import BlockManager
+from scheduler.proposer import ProposerSpec
+from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
+
+
+def measure(num_requests: int, steps: int, draft_len: int, prompt_len: int = 512) -> dict[str, float]:
+    spec = ProposerSpec("draft", draft_len) if draft_len else ProposerSpec()
+    blocks = BlockManager(2 * num_requests * ((prompt_len + steps * (draft_len + 1) + 8) // 16 + 2) + 64, 16,
+                          ("target", "draft") if draft_len else ("target",))
+    builder = BatchBuilder(SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=1 << 20,
+                                           draft_len=draft_len, proposer_model="draft" if draft_len else None), blocks)
+    params = SamplingParams(max_tokens=steps * (draft_len + 1) + 8, ignore_eos=True)
+    for i in range(num_requests):
+        builder.add(Request(f"r{i}", list(range(prompt_len)), params, arrival_ns=0))
+    batch = builder.schedule()  # the prefill step
+    builder.allocate(batch)
+    for s in batch.seqs:
+        s.request.num_computed_tokens += s.num_new_tokens
+        s.request.output_token_ids.append(1)
+    times: dict[str, list[float]] = {"schedule": [], "kv_alloc": [], "plan": []}
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        batch = builder.schedule()
+        t1 = time.perf_counter()
+        builder.allocate(batch)
+        t2 = time.perf_counter()
+        if batch.is_spec:
+            messages.verify_message(batch, blocks, spec)
+            messages.draft_message(batch, blocks, spec)
+        else:
+            messages.forward_message(batch, blocks)
+        t3 = time.perf_counter()
+        times["schedule"].append(t1 - t0)
+        times["kv_alloc"].append(t2 - t1)
+        times["plan"].append(t3 - t2)
+        for s in batch.seqs:  # pretend every draft was accepted: sequences grow by D + 1
+            r = s.request
+            r.num_computed_tokens += 1 + s.num_draft
+            r.output_token_ids.extend([1] * (1 + s.num_draft))
+    out = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--steps", type=int, default=200)
+    args = ap.parse_args()
+    print(f"{'running':>8} {'step':>10} {'schedule':>9} {'kv_alloc':>9} {'plan':>9} {'total ms':>9}")
+    for n in args.requests:
+        for d, kind in ((0, "decode"), (4, "verify D=4")):
+            m = measure(n, args.steps, d)
+            print(f"{n:>8} {kind:>10} {m['schedule']:>9.3f} {m['kv_alloc']:>9.3f} {m['plan']:>9.3f} {m['total']:>9.3f}")
+
+
+if __name__ == "__main__":
+    main()
