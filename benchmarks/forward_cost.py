@@ -68,23 +68,29 @@ class Runner:
             return self._run(self.context, n)
 
 
-def hf_forward_s(model: LlamaModel, context: int, repeats: int) -> float:
-    """Median 1-token decode time of transformers' LlamaForCausalLM with the same weights."""
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+class HFRunner:
+    """transformers' LlamaForCausalLM with the same weights and context, for comparison."""
 
-    c = model.config
-    hf = LlamaForCausalLM(LlamaConfig(**{k: getattr(c, k) for k in TARGET_SHAPE})).eval()
-    hf.load_state_dict(model.hf_state_dict(), strict=False)
-    ids = torch.randint(0, c.vocab_size, (1, context + 1))
-    times = []
-    with torch.inference_mode():
-        for _ in range(repeats):
-            cache = DynamicCache()
-            hf(ids[:, :context], past_key_values=cache, use_cache=True)
+    def __init__(self, model: LlamaModel, context: int) -> None:
+        from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+        c = model.config
+        self.hf = LlamaForCausalLM(LlamaConfig(**{k: getattr(c, k) for k in TARGET_SHAPE})).eval()
+        self.hf.load_state_dict(model.hf_state_dict(), strict=False)
+        self.context = context
+        self.ids = torch.randint(0, c.vocab_size, (1, context + 64))
+        self.cache = DynamicCache()
+        with torch.inference_mode():
+            self.hf(self.ids[:, :context], past_key_values=self.cache, use_cache=True)
+
+    def forward(self, n: int) -> tuple[float, float]:
+        with torch.inference_mode():
             t0 = time.perf_counter()
-            hf(ids[:, context:], past_key_values=cache, use_cache=True)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            self.hf(self.ids[:, self.context:self.context + n], past_key_values=self.cache,
+                    use_cache=True)
+            t1 = time.perf_counter()
+            self.cache.crop(-n)
+        return 0.0, t1 - t0
 
 
 def main() -> None:
@@ -113,6 +119,12 @@ def main() -> None:
     if draft is not None:
         runners["draft"] = Runner(draft, args.context, args.page_size)
     cases = [("target", 1), ("target", 4), ("target", 8)] + ([("draft", 1)] if draft else [])
+    if args.hf:
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        runners["transformers"] = HFRunner(target, args.context)
+        cases.append(("transformers", 1))
     for name, n in cases * 10:  # warm-up
         runners[name].forward(n)
     prep: dict = {c: [] for c in cases}
@@ -127,17 +139,18 @@ def main() -> None:
     base = med[("target", 1)]
     print(f"batch 1, {args.context} cached tokens, page size {args.page_size}, "
           f"{args.threads} thread(s), median of {args.repeats}")
-    print(f"{'model':8} {'new tokens':>10} {'forward ms':>11} {'vs 1 token':>11} {'prepare ms':>11}")
+    print(f"{'model':12} {'tokens':>6} {'forward ms':>11} {'vs target 1':>11} {'prepare ms':>11}")
     for name, n in cases:
         ratio = med[(name, n)] / base
-        print(f"{name:8} {n:>10} {med[(name, n)] * 1e3:>11.3f} {ratio:>10.2f}x "
+        if name == "transformers":
+            print(f"{name:12} {n:>6} {med[(name, n)] * 1e3:>11.3f} {ratio:>10.2f}x {'-':>11}")
+            continue
+        print(f"{name:12} {n:>6} {med[(name, n)] * 1e3:>11.3f} {ratio:>10.2f}x "
               f"{statistics.median(prep[(name, n)]) * 1e3:>11.3f}")
     if draft is not None:
         print(f"draft/target cost ratio (1 token): {med[('draft', 1)] / base:.3f}")
     if args.hf:
-        hf_s = hf_forward_s(target, args.context, max(20, args.repeats // 4))
-        print(f"transformers LlamaForCausalLM, 1 token: {hf_s * 1e3:.3f} ms "
-              f"({hf_s / base:.2f}x this runtime)")
+        print(f"this runtime / transformers (1 token): {base / med[('transformers', 1)]:.3f}")
 
 
 if __name__ == "__main__":

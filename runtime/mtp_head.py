@@ -131,10 +131,16 @@ class MTPHead(nn.Module):
     def forward_full(self, token_ids: torch.Tensor, hidden: torch.Tensor) -> HeadOutput:
         """Dense causal pass without a KV cache: token_ids [B, T] (t_1..t_T), hidden [B, T, H]
         (H_0..H_{T-1}) -> logits [B, T, V] for t_2..t_{T+1}, hidden [B, T, H]."""
-        x = self._inputs(token_ids, hidden)
         positions = torch.arange(token_ids.shape[-1], device=token_ids.device)
+        return self.forward_dense(token_ids, hidden, positions, CausalAttention())
+
+    def forward_dense(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                      attention) -> HeadOutput:
+        """Dense pass with any cache-free attention (`attend(layer_idx, q, k, v, None)` on
+        [B, T, heads, D]); token_ids [B, T], hidden [B, T, H], positions [T]."""
+        x = self._inputs(token_ids, hidden)
         cos, sin = self.rotary(positions, x.dtype)
-        x = self.layer(x, cos, sin, CausalAttention(), None, 0)
+        x = self.layer(x, cos, sin, attention, None, 0)
         return HeadOutput(self.compute_logits(x), x)
 
     # --- weights under checkpoint names ----------------------------------------------------

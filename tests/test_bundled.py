@@ -93,7 +93,9 @@ def test_function_prompts_deterministic():
 
 
 def test_train_tokenizer_small():
-    tok = train_tokenizer(["def f(x):\n    return x\n"] * 20, vocab_size=300)
+    source = inspect.getsource(inspect)
+    tok = train_tokenizer([source], vocab_size=400)
+    assert tok.decode(tok.encode(source).ids) == source
     assert tok.token_to_id("<|bos|>") == 0 and tok.token_to_id("<|eos|>") == 1
     with pytest.raises(ValueError, match="vocab_size"):
         train_tokenizer(["x"], vocab_size=100)

@@ -120,10 +120,10 @@ FAKE_SPEC = WorkerSpec(f"{__name__}:FakeGpuWorker")
 def fake_device(monkeypatch):
     global FAKE
     FAKE = _FakeCuda()
-    fake_torch = types.SimpleNamespace(cuda=FAKE, device=torch.device, __version__="fake",
-                                       version=types.SimpleNamespace(cuda="fake"))
+    fake_torch = types.SimpleNamespace(cuda=FAKE, device=torch.device,
+                                       set_num_threads=lambda n: None)
     monkeypatch.setattr(cuda, "_import_torch", lambda: fake_torch)
-    with CudaDevice(FAKE_SPEC, name="fake-gpu") as dev:
+    with make_device("cuda", FAKE_SPEC, name="fake-gpu", num_threads=1) as dev:
         yield dev
 
 

@@ -14,6 +14,7 @@ from runtime.checkpoint import CheckpointError, load_model
 from runtime.config import ModelConfig
 from runtime.model import LlamaModel
 from runtime.mtp_head import MTPHead, load_head, save_head, target_fingerprint
+from runtime.training.mtp import head_rollout
 from runtime.training.mtp_eval import run_requests, save_llama, summarize, write_tiny_family
 from runtime.worker import ModelWorker
 from scheduler.plan import build_plan
@@ -21,6 +22,15 @@ from scheduler.sampling_params import SamplingParams
 
 PAGE = 4
 PAGES = 256
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny models are dispatch-bound: one thread avoids contention on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +94,25 @@ def test_paged_fill_and_draft_equal_dense(norms):
     torch.testing.assert_close(step.logits[0], want.logits[0, 15], atol=1e-4, rtol=1e-4)
 
 
+def test_training_rollout_matches_paged_draft_step():
+    """The training's second-draft-step pass sees exactly what a paged draft step sees."""
+    target = LlamaModel.random(tiny_config(), seed=3, std=0.2)
+    head = MTPHead.for_target(target, seed=4, std=0.2)
+    seq = torch.randint(0, 40, (14,), generator=torch.Generator().manual_seed(6))
+    _, hidden = target.forward_full(seq[None])
+    out1, out2 = head_rollout(head, seq[None], hidden)
+    backend = target.attention_backend()
+    pages = [3, 0, 5, 6]
+    for i in (0, 4, 10):
+        kv = head.make_kv_cache(8, PAGE)
+        plan = build_plan([i + 1], [i + 1], [pages], PAGE)
+        fill = head(seq[1 : i + 2], hidden[0, : i + 1], backend.prepare(plan), kv, torch.as_tensor(plan.positions))
+        torch.testing.assert_close(fill.hidden[-1], out1.hidden[0, i], atol=1e-4, rtol=1e-4)
+        plan = build_plan([1], [i + 2], [pages], PAGE)
+        step = head(seq[i + 2 : i + 3], fill.hidden[-1:], backend.prepare(plan), kv, torch.as_tensor(plan.positions))
+        torch.testing.assert_close(step.logits[0], out2.logits[0, i], atol=1e-4, rtol=1e-4)
+
+
 def test_worker_fill_carries_dense_logits(family, prompts):
     worker = ModelWorker(family[0], {"kind": "mtp", "draft_len": 2}, proposer_dir=family[1],
                          page_size=PAGE, num_pages=PAGES)
@@ -127,6 +156,7 @@ def test_mtp_with_preemption_is_lossless(family, prompts, reference):
                          page_size=PAGE, num_pages=40)
     reqs = run_requests(worker, prompts, SamplingParams(max_tokens=24, ignore_eos=True), num_pages=40)
     assert [r.output_token_ids for r in reqs] == reference
+    assert any(r.num_preemptions for r in reqs)
 
 
 def test_mtp_sampled_runs_with_draft_distributions(family, prompts):

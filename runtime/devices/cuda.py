@@ -180,9 +180,12 @@ class CudaDevice:
     kind = "cuda"
 
     def __init__(self, spec: WorkerSpec, *, device: str | int = "cuda", name: str | None = None,
-                 recalibrate_every_s: float = 5.0):
+                 num_threads: int | None = None, recalibrate_every_s: float = 5.0):
+        """`num_threads`, if given, sets torch's CPU threads -- of this whole process."""
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"CudaDevice needs a WorkerSpec, got {type(spec).__name__}")
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         torch = _import_torch()
         if not torch.cuda.is_available():
             raise RuntimeError("CudaDevice needs a CUDA GPU but torch.cuda.is_available() is False "
@@ -190,6 +193,8 @@ class CudaDevice:
         target = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         if target.type != "cuda":
             raise ValueError(f"CudaDevice needs a cuda device, got {device!r}")
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
         self.torch = torch
         self.index = target.index if target.index is not None else torch.cuda.current_device()
         self.name = name or f"cuda:{self.index}"

@@ -50,7 +50,7 @@ class HeadProposer(NoProposer):
         w = self.worker
         lh = w.last_hidden
         after = msg["after"]
-        if lh is None or lh["step"] != msg["step"] or lh["op"] != after:
+        if lh is None or lh["op"] != after or lh["step"] not in (msg["step"], None):
             got = None if lh is None else (lh["op"], lh["step"])
             raise RuntimeError(f"head fill after {after!r} of step {msg['step']} needs that launch's "
                                f"target hidden states; the latest recorded are {got}")

@@ -10,29 +10,31 @@ the fly, lm_head being shared), then the head trains on them:
          + hidden_weight * ||h_head_i - H_{i+1}||^2 / E[H^2]          hidden-state matching
 
 The hidden term teaches the head's output to stand in for H_{i+1}, which multi-token
-drafting feeds back. Validation never uses this loss: it measures acceptance through the
+drafting feeds back; a second pass trains that feedback directly (the head's second draft
+step, inputs (h_head_i, x_{i+2}), attending to first-pass keys exactly as the paged draft
+step does), weighted by `rollout_weight`. Validation never uses this loss: it measures acceptance through the
 inference implementation (paged target + paged head, then Pipeline + ModelWorker runs at
 D = 1..3; see `mtp_eval`).
 
-Budgets are wall-clock seconds: after a few timed steps the step count is fixed, and the
-cosine schedule is a function of (step, total) only, so `steps=N` reproduces a run exactly
-(same seed, same data order). The CLI (`specsched train-mtp`) calls `train_mtp`.
+Budgets are wall-clock minutes (the cosine schedule follows elapsed time, so a busy machine
+takes fewer steps); `steps=N` switches to a step schedule, deterministic for a fixed seed,
+library versions and thread count. The CLI (`specsched train-mtp`) calls `train_mtp`.
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from runtime.attention.torch_backend import CausalAttention
 from runtime.checkpoint import load_model
 from runtime.model import LlamaModel
 from runtime.mtp_head import MTPHead
 
-TIMED_STEPS = 10  # steps used to fix the step count of a time budget
 WARMUP_STEPS = 20
 
 
@@ -44,6 +46,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     ce_weight: float = 0.1
     hidden_weight: float = 0.1
+    rollout_weight: float = 0.5  # weight of the second-draft-step terms (0: teacher forcing only)
     budget_s: float = 360.0  # wall-clock training budget when `steps` is None
     steps: int | None = None  # fixed step count (overrides budget_s)
     seed: int = 0
@@ -73,62 +76,118 @@ def precompute_hidden(target: LlamaModel, windows: torch.Tensor, batch: int = 16
     return out
 
 
+class _RecordingCausal(CausalAttention):
+    """Causal attention that keeps the layer's keys and values for the rollout pass."""
+
+    def attend(self, layer_idx, q, k, v, kv_layer=None):
+        self.k, self.v = k, v
+        return super().attend(layer_idx, q, k, v, kv_layer)
+
+
+class _SecondDraftAttention:
+    """The head's second draft step, densely: the query at position i+1 (row i) sees the first
+    pass's keys at positions 0..i (what the fill wrote, from target hidden states) plus its
+    own key -- exactly the paged KV a draft step attends to."""
+
+    plan = None
+
+    def __init__(self, k1: torch.Tensor, v1: torch.Tensor):
+        self.k1, self.v1 = k1, v1  # [B, T, Hkv, D]
+
+    def attend(self, layer_idx, q, k, v, kv_layer=None):
+        b, t, hq, d = q.shape
+        rep = hq // k.shape[2]
+        k1 = self.k1[:, :t].repeat_interleave(rep, 2)
+        v1 = self.v1[:, :t].repeat_interleave(rep, 2)
+        scale = d ** -0.5
+        s1 = torch.einsum("bihd,bjhd->bhij", q, k1) * scale  # [B, Hq, T, T]
+        s1 = s1.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        s2 = (q * k.repeat_interleave(rep, 2)).sum(-1).transpose(1, 2).unsqueeze(-1) * scale  # [B, Hq, T, 1]
+        p = torch.cat([s1, s2], -1).softmax(-1)
+        out = torch.einsum("bhij,bjhd->bihd", p[..., :t], v1)
+        return out + p[..., t].transpose(1, 2).unsqueeze(-1) * v.repeat_interleave(rep, 2)
+
+
+def head_rollout(head: MTPHead, ids: torch.Tensor, hidden: torch.Tensor, second: bool = True):
+    """Teacher-forced pass over windows ids [B, S] / hidden [B, S, H] (positions 0..S-3, inputs
+    (H_i, x_{i+1})), and optionally the second draft step at positions 1..S-3 (inputs (the
+    first pass's hidden at i, x_{i+2})). Returns (first HeadOutput, second HeadOutput or None)."""
+    rec = _RecordingCausal()
+    t = ids.shape[1] - 2
+    pos = torch.arange(t, device=ids.device)
+    out1 = head.forward_dense(ids[:, 1:-1], hidden[:, :-2], pos, rec)
+    if not second:
+        return out1, None
+    out2 = head.forward_dense(ids[:, 2:-1], out1.hidden[:, :-1], pos[1:], _SecondDraftAttention(rec.k, rec.v))
+    return out1, out2
+
+
+def _terms(out, t_logp: torch.Tensor, labels: torch.Tensor, want_hidden: torch.Tensor):
+    h_logp = F.log_softmax(out.logits.float(), -1)
+    kl = F.kl_div(h_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="batchmean")
+    ce = F.nll_loss(h_logp.flatten(0, 1), labels.flatten())
+    mse = (out.hidden.float() - want_hidden).pow(2).mean() / want_hidden.pow(2).mean().clamp_min(1e-6)
+    return kl, ce, mse
+
+
 def head_loss(head: MTPHead, target: LlamaModel, ids: torch.Tensor, hidden: torch.Tensor,
               cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss over windows ids [B, S], hidden [B, S, H] (H_0..H_{S-1}): head positions 0..S-3."""
+    """Loss over windows ids [B, S], hidden [B, S, H] (H_0..H_{S-1}): head positions 0..S-3,
+    plus `rollout_weight` x the same terms for the second draft step."""
     hidden = hidden.float()
     with torch.no_grad():
         t_logp = F.log_softmax(target.compute_logits(target.final_norm(hidden[:, 1:-1])), -1)
-    out = head.forward_full(ids[:, 1:-1], hidden[:, :-2])
-    h_logp = F.log_softmax(out.logits.float(), -1)
-    kl = F.kl_div(h_logp.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="batchmean")
-    ce = F.nll_loss(h_logp.flatten(0, 1), ids[:, 2:].flatten())
-    want = hidden[:, 1:-1]
-    mse = (out.hidden.float() - want).pow(2).mean() / want.pow(2).mean().clamp_min(1e-6)
+    out1, out2 = head_rollout(head, ids, hidden, second=cfg.rollout_weight > 0)
+    kl, ce, mse = _terms(out1, t_logp, ids[:, 2:], hidden[:, 1:-1])
     loss = kl + cfg.ce_weight * ce + cfg.hidden_weight * mse
-    return loss, {"loss": loss.item(), "kl": kl.item(), "ce": ce.item(), "hidden_mse": mse.item()}
+    parts = {"kl": kl.item(), "ce": ce.item(), "hidden_mse": mse.item()}
+    if out2 is not None:
+        kl2, ce2, mse2 = _terms(out2, t_logp[:, 1:], ids[:, 3:], hidden[:, 2:-1])
+        loss = loss + cfg.rollout_weight * (kl2 + cfg.ce_weight * ce2 + cfg.hidden_weight * mse2)
+        parts["kl_step2"] = kl2.item()
+    return loss, {"loss": loss.item(), **parts}
 
 
-def lr_at(step: int, total: int, peak: float) -> float:
+def lr_at(step: int, progress: float, peak: float) -> float:
+    """Linear warmup by step, then cosine to 10% of peak over `progress` in [0, 1]."""
     if step < WARMUP_STEPS:
         return peak * (step + 1) / WARMUP_STEPS
-    frac = min(1.0, (step - WARMUP_STEPS) / max(1, total - WARMUP_STEPS))
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 def train_head(target: LlamaModel, ids: torch.Tensor, hidden: torch.Tensor, *, norms: bool = True,
                cfg: TrainConfig = TrainConfig(), log=print) -> tuple[MTPHead, TrainStats]:
-    """Train a fresh head on precomputed windows ids [N, S] / hidden [N, S, H]."""
+    """Train a fresh head on precomputed windows ids [N, S] / hidden [N, S, H].
+
+    With cfg.steps the schedule is by step (deterministic); otherwise by elapsed time over
+    cfg.budget_s (a busy machine takes fewer steps)."""
     torch.manual_seed(cfg.seed)
     target = target.float().requires_grad_(False).eval()
     head = MTPHead.for_target(target, norms=norms, seed=cfg.seed).float().train().requires_grad_(True)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
-    total = cfg.steps if cfg.steps is not None else 10**9
     history: list[dict[str, float]] = []
     start = time.perf_counter()
     step = 0
-    while step < total:
+    progress = 0.0
+    while progress < 1.0:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, cfg.lr)
+            g["lr"] = lr_at(step, progress, cfg.lr)
         pick = torch.randint(0, ids.shape[0], (cfg.batch_size,), generator=gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        # grad mode is global and a ModelWorker switches it off: enable it here explicitly
+        with torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
             loss, parts = head_loss(head, target, ids[pick], hidden[pick], cfg)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        with torch.enable_grad():
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         history.append(parts)
         step += 1
         elapsed = time.perf_counter() - start
-        if cfg.steps is None and step == TIMED_STEPS:
-            total = max(WARMUP_STEPS + 1, int(cfg.budget_s / (elapsed / step)))
-            log(f"[mtp norms={norms}] {elapsed / step:.2f} s/step -> {total} steps for {cfg.budget_s:.0f} s")
-        if cfg.steps is None and step > TIMED_STEPS and elapsed > 1.3 * cfg.budget_s + 30:
-            log(f"[mtp norms={norms}] over budget at step {step}; stopping early")
-            break
-        if step % 50 == 0 or step == total:
-            log(f"[mtp norms={norms}] step {step}/{total} {elapsed:.0f}s " + _fmt(_mean(history[-20:])))
+        progress = step / cfg.steps if cfg.steps is not None else elapsed / cfg.budget_s
+        if step % 50 == 0 or progress >= 1.0:
+            log(f"[mtp norms={norms}] step {step} {elapsed:.0f}s " + _fmt(_mean(history[-20:])))
     stats = TrainStats(norms, step, int(ids.shape[0]), step * cfg.batch_size * (ids.shape[1] - 2), 0.0,
                        time.perf_counter() - start, _mean(history[:10]), _mean(history[-20:]))
     return head.requires_grad_(False).eval(), stats
@@ -142,19 +201,16 @@ def _fmt(parts: dict[str, float]) -> str:
     return " ".join(f"{k} {v:.3f}" for k, v in parts.items())
 
 
-def corpus_windows(target_dir: str | Path, seq_len: int, num_train: int, num_heldout: int,
-                   seed: int) -> tuple[torch.Tensor, torch.Tensor, object]:
-    """Random train windows [num_train, seq_len + 2] and leading held-out windows from the
-    offline corpus, tokenized with the target's tokenizer.json; returns (train, heldout, corpus)."""
-    from tokenizers import Tokenizer
+def corpus_windows(tokenizer_file: Path, seq_len: int, num_train: int, num_heldout: int, seed: int):
+    """Random train windows [num_train, seq_len + 2] and leading held-out windows
+    [num_heldout, seq_len + 2] from the offline corpus (`<|bos|> file <|eos|>` per file, as
+    the bundled models were trained); returns (train, heldout, corpus)."""
+    from tokenizers import Tokenizer as HFTokenizer
 
     from runtime.training.bundled import token_stream
     from runtime.training.corpus import load_corpus
 
-    tok_path = Path(target_dir) / "tokenizer.json"
-    if not tok_path.is_file():
-        raise FileNotFoundError(f"no tokenizer.json in target directory {target_dir}")
-    tok = Tokenizer.from_file(str(tok_path))
+    tok = HFTokenizer.from_file(str(tokenizer_file))
     corpus = load_corpus()
     train, heldout = token_stream(tok, corpus.train), token_stream(tok, corpus.heldout)
     s = seq_len + 2
@@ -162,37 +218,123 @@ def corpus_windows(target_dir: str | Path, seq_len: int, num_train: int, num_hel
     starts = torch.randint(0, train.numel() - s, (num_train,), generator=gen)
     train_w = torch.stack([train[a : a + s] for a in starts.tolist()])
     num_heldout = min(num_heldout, heldout.numel() // s)
-    return train_w, heldout[: num_heldout * s].view(num_heldout, s), (corpus, tok)
+    return train_w, heldout[: num_heldout * s].view(num_heldout, s), corpus
 
 
 def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = None, *,
-              minutes: float = 6.0, norms: bool = True, seed: int = 0, num_windows: int = 2048,
-              seq_len: int = 256, batch_size: int = 16, lr: float = 2e-3, validate: bool = True,
-              log=print) -> dict:
-    """Train a head for the target in `target_dir` and save it to `out_dir`.
+              minutes: float = 6.0, norms: bool = True, ablation: bool = False, seed: int = 0,
+              num_windows: int = 2400, seq_len: int = 128, batch_size: int = 8, lr: float = 2e-3,
+              num_threads: int = 2, validate: bool = True, log=print) -> dict:
+    """Train an MTP head for the target in `target_dir` (HF layout with tokenizer.json) and
+    save it, with a model card, to `out_dir`.
 
-    steps: fixed optimizer steps (None: as many as `minutes` of training allow). norms=False
-    trains the EAGLE-style head without enorm/hnorm (for the ablation). Returns a report:
-    training stats, and with `validate` acceptance measured through the inference path.
+    steps: fixed optimizer steps (None: train for `minutes`). norms=False trains the
+    EAGLE-style head without enorm/hnorm. ablation=True also trains the other variant on the
+    same precomputed data for the same number of steps (not saved) and records both in the card. validate:
+    measure acceptance through the inference implementation. Returns the report (also in
+    the card): training stats per variant and their validation numbers.
     """
-    from runtime.mtp_head import save_head
+    import tempfile
 
-    torch.set_num_threads(2)
+    from runtime.mtp_head import save_head, target_fingerprint
+    from runtime.tokenizer import Tokenizer
+    from runtime.training.corpus import function_prompts
+    from runtime.training.mtp_eval import validate_head
+
+    torch.set_num_threads(num_threads)
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
     target = load_model(target_dir)
-    cfg = TrainConfig(seq_len=seq_len, batch_size=batch_size, lr=lr, budget_s=minutes * 60,
-                      steps=steps, seed=seed)
-    train_w, heldout_w, (corpus, tok) = corpus_windows(target_dir, seq_len, num_windows, 32, seed)
+    tok = Tokenizer(target_dir)
+    cfg = TrainConfig(seq_len=seq_len, batch_size=batch_size, lr=lr, budget_s=minutes * 60, steps=steps, seed=seed)
+    train_w, heldout_w, corpus = corpus_windows(target_dir / "tokenizer.json", seq_len, num_windows, 24, seed)
     t0 = time.perf_counter()
     hidden = precompute_hidden(target, train_w)
     pre_s = time.perf_counter() - t0
-    log(f"[mtp] precomputed target hidden states for {train_w.numel():,} tokens in {pre_s:.0f}s")
-    head, stats = train_head(target, train_w, hidden, norms=norms, cfg=cfg, log=log)
-    stats.precompute_s = pre_s
-    del hidden
-    report = {"train": asdict(stats), "config": asdict(cfg), "target_dir": str(target_dir)}
-    save_head(head, out_dir, target)
-    if validate:
-        from runtime.training.mtp_validate import validate_head
-
-        report["validation"] = validate_head(target_dir, out_dir, heldout_w, corpus, tok, log=log)
+    log(f"[mtp] target hidden states for {train_w.numel():,} tokens in {pre_s:.0f}s")
+    prompts = [tok.encode(p) for p in
+               function_prompts(corpus.heldout, lambda x: len(tok.encode(x)), 8, seed + 1)]
+    report: dict = {"target": str(target_dir), "target_fingerprint": target_fingerprint(target), "corpus": {
+        "train_files": len(corpus.train), "heldout_files": len(corpus.heldout),
+        "train_windows": int(train_w.shape[0]), "window_tokens": int(train_w.shape[1])},
+        "config": asdict(cfg), "num_threads": num_threads, "precompute_s": round(pre_s, 1), "variants": {}}
+    variants = [norms, not norms] if ablation else [norms]
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in variants:
+            head, stats = train_head(target, train_w, hidden, norms=v, cfg=cfg, log=log)
+            cfg = replace(cfg, steps=stats.steps)  # the ablation gets the same number of steps
+            stats.precompute_s = pre_s
+            where = out_dir if v == norms else Path(tmp) / "ablation"
+            save_head(head, where, target)
+            entry = {"train": asdict(stats)}
+            if validate:
+                entry["validation"] = validate_head(str(target_dir), str(where), heldout_w, prompts, log=log)
+            report["variants"]["norms" if v else "no_norms"] = entry
+    write_card(out_dir / "README.md", report, shipped="norms" if norms else "no_norms")
     return report
+
+
+def _cell(v: dict | None, key: str) -> str:
+    return "-" if v is None or key not in v else f"{v[key]['mean_acceptance_length']:.2f}"
+
+
+def write_card(path: Path, report: dict, shipped: str) -> None:
+    """The head's model card: data, training, and acceptance through the inference path."""
+    cfg, variants = report["config"], report["variants"]
+    main = variants[shipped]
+    t, v = main["train"], main.get("validation") or {}
+    steps_flag = f"--steps {t['steps']}"
+    flags = f"{steps_flag} --seed {cfg['seed']}" + (" --no-norms" if shipped == "no_norms" else "")
+    if len(variants) > 1:
+        flags += " --ablation"
+    eagle_key = next((k for k in v if k.startswith("eagle")), None)
+    lines = [
+        "# specsched bundled MTP head", "",
+        "DeepSeek-V3-style multi-token-prediction head for the bundled target: RMSNorm'd next-token",
+        "embedding and RMSNorm'd target hidden state (before the final norm), concatenated and",
+        "projected 2H -> H, one decoder layer shaped like the target's, a final RMSNorm, then the",
+        "target's own embedding / lm_head (shared, frozen, not stored here). Trained by",
+        "`runtime/training/mtp.py`; used by `--spec mtp` (linear drafts) and `--spec eagle` (top-k tree).",
+        "",
+        f"- target: `{Path(report['target']).name}`, fingerprint `{report['target_fingerprint']}`"
+        " (loading refuses a head trained for another target)",
+        f"- corpus: the interpreter's standard library (as for the target): {report['corpus']['train_files']}"
+        f" train / {report['corpus']['heldout_files']} held-out files; {report['corpus']['train_windows']} random"
+        f" train windows of {report['corpus']['window_tokens']} tokens",
+        f"- target hidden states precomputed with the runtime's `LlamaModel.forward_full` in"
+        f" {report['precompute_s']:.0f} s",
+        f"- training: {t['steps']} AdamW steps x {cfg['batch_size']} windows x {cfg['seq_len']} head positions"
+        f" ({t['tokens_seen']:,} positions), lr {cfg['lr']} warmup + cosine, {t['train_s'] / 60:.1f} min on"
+        f" {report['num_threads']} CPU threads, fp32",
+        f"- loss = KL(target || head) + {cfg['ce_weight']} CE + {cfg['hidden_weight']} relative hidden MSE;"
+        f" first 10 steps: {_fmt(t['first_loss'])}; last 20 steps: {_fmt(t['final_loss'])}",
+        "",
+        "## Acceptance, measured through the inference implementation", "",
+        "Paged target prefill + paged head on held-out text (first-token agreement with the target's",
+        "greedy token), then greedy generation through the engine's pipeline and worker on"
+        f" {v.get('num_prompts', '?')} held-out",
+        f"function prompts x {v.get('max_tokens', '?')} tokens (outputs checked identical to plain greedy):",
+        "mean acceptance length AL = 1 + accepted / drafts.", "",
+        "| head | first-token agreement | AL D=1 | AL D=2 | AL D=3 | AL eagle tree |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, entry in variants.items():
+        val = entry.get("validation")
+        label = ("with enorm/hnorm (shipped)" if name == shipped else "with enorm/hnorm") if name == "norms" \
+            else ("without enorm/hnorm (EAGLE layout" + (", shipped)" if name == shipped else ", not shipped)"))
+        agree = f"{val['paged_agreement']:.1%}" if val else "-"
+        lines.append(f"| {label} | {agree} | {_cell(val, 'mtp D=1')} | {_cell(val, 'mtp D=2')} |"
+                     f" {_cell(val, 'mtp D=3')} | {_cell(val, eagle_key) if eagle_key else '-'} |")
+    if v:
+        lines += ["", f"Per-position acceptance at D=3 (shipped head): {v['mtp D=3']['acceptance_per_position']}."]
+        if eagle_key:
+            lines.append(f"Eagle tree: `{eagle_key}` (default_tree), verified greedily in one target forward.")
+    if len(variants) > 1:
+        lines += ["", "Both variants trained on the same precomputed data with the same budget and seed."]
+    lines += [
+        "", "## Reproduce", "",
+        "    specsched train-mtp --target runtime/bundled/target --out runtime/bundled/mtp", "",
+        "trains for a wall-clock budget (6 min by default; a busy machine takes fewer steps). This",
+        "run's step schedule exactly (same seed, data order; fixed thread count):", "",
+        f"    specsched train-mtp --target runtime/bundled/target --out runtime/bundled/mtp {flags}", "",
+    ]
+    path.write_text("\n".join(lines))

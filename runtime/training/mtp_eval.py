@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -132,7 +133,6 @@ def run_requests(worker, prompts: list[list[int]], params: SamplingParams, *,
 def save_llama(model, out_dir) -> None:
     """Write a LlamaModel as a Hugging Face checkpoint (config.json + model.safetensors)."""
     import json
-    from pathlib import Path
 
     from safetensors.torch import save_file
 
@@ -152,17 +152,27 @@ def write_tiny_family(out_dir, *, seed: int = 0, vocab_size: int = 32, train_ste
                       norms: bool = True) -> tuple[str, str]:
     """A random 2-layer target and an MTP head briefly trained on the target's own greedy
     continuations (so drafts are often accepted): (target_dir, head_dir) under `out_dir`.
-    For tests and demos; takes a few seconds on a CPU."""
-    from pathlib import Path
-
+    For tests and demos; a few seconds on one CPU thread (the models are dispatch-bound, so
+    more threads only contend)."""
     from runtime.config import ModelConfig
-    from runtime.model import LlamaModel
-    from runtime.mtp_head import save_head
-    from runtime.training.mtp import TrainConfig, precompute_hidden, train_head
 
     cfg = ModelConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
                       max_position_embeddings=512, eos_token_id=None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _tiny_family(Path(out_dir), cfg, seed, train_steps, norms)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _tiny_family(out: Path, cfg, seed: int, train_steps: int, norms: bool) -> tuple[str, str]:
+    from runtime.model import LlamaModel
+    from runtime.mtp_head import save_head
+    from runtime.training.mtp import TrainConfig, precompute_hidden, train_head
+
+    vocab_size = cfg.vocab_size
     target = LlamaModel.random(cfg, seed=seed, std=0.25)
     gen = torch.Generator().manual_seed(seed)
     seqs = torch.randint(0, vocab_size, (64, 4), generator=gen)
@@ -170,7 +180,6 @@ def write_tiny_family(out_dir, *, seed: int = 0, vocab_size: int = 32, train_ste
         for _ in range(44):
             logits, _ = target.forward_full(seqs)
             seqs = torch.cat([seqs, logits[:, -1].argmax(-1, keepdim=True)], 1)
-    out = Path(out_dir)
     save_llama(target, out / "target")
     hidden = precompute_hidden(target, seqs)
     tcfg = TrainConfig(seq_len=seqs.shape[1] - 2, batch_size=16, lr=1e-2, steps=train_steps, seed=seed)

@@ -1,0 +1,257 @@
+"""Tests for the EAGLE-tree proposer: the verify tree mask against verifying each branch
+sequentially, the head's tree expansion against dense per-branch runs, KV compaction of
+the accepted path, greedy losslessness through the real pipeline, and the greedy-only rule."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.training.mtp_eval import run_requests, summarize, write_tiny_family
+from runtime.verify import greedy_verify
+from runtime.worker import ModelWorker
+from scheduler.block_manager import BlockManager
+from scheduler.batch_builder import ScheduledSeq, StepBatch
+from scheduler.errors import InvalidRequestError
+from scheduler.messages import verify_message
+from scheduler.plan import build_plan
+from scheduler.proposer import ProposerSpec, default_tree
+from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
+
+PAGE = 4
+PAGES = 256
+TREE = default_tree(3, 2, 8)  # (-1, -1, 0, 0, 1, 2, 2, 3)
+GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    return write_tiny_family(tmp_path_factory.mktemp("eagle"), seed=0, train_steps=60)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 32, (n,), generator=g).tolist() for n in (1, 3, 9, 17)]
+
+
+@pytest.fixture(scope="module")
+def reference(family, prompts):
+    worker = ModelWorker(family[0], {"kind": "none", "draft_len": 0}, page_size=PAGE, num_pages=PAGES)
+    reqs = run_requests(worker, prompts, SamplingParams(max_tokens=24, ignore_eos=True), num_pages=PAGES)
+    return [r.output_token_ids for r in reqs]
+
+
+def eagle_worker(family, tree=TREE, num_pages=PAGES) -> ModelWorker:
+    depth = int(ProposerSpec("eagle", 8, tuple(tree)).tree_depths().max())
+    return ModelWorker(family[0], {"kind": "eagle", "draft_len": depth, "tree_parents": list(tree)},
+                       proposer_dir=family[1], page_size=PAGE, num_pages=num_pages)
+
+
+def prefill(worker: ModelWorker, prompt: list[int]) -> tuple[Request, BlockManager]:
+    """Run the prefill forward + head fill for one request (slot 0) as the pipeline does."""
+    blocks = BlockManager(PAGES, PAGE, ("target", "mtp"))
+    req = Request("r", list(prompt), SamplingParams(max_tokens=64), 0, slot=0)
+    n = len(prompt)
+    blocks.allocate("r", {"target": n + 1 + len(TREE), "mtp": n + 2 + len(TREE)})
+    plan = build_plan([n], [n], [blocks.page_table("r")], PAGE)
+    worker.execute("forward", {"step": 0, "slots": [0], "start": [0], "num_new": [n], "samples": [True],
+                               "register": [(0, list(prompt), GREEDY)], "plan": plan.to_message()})
+    fplan = build_plan([n], [n], [blocks.page_table("r", "mtp")], PAGE)
+    worker.execute("fill", {"step": 0, "after": "forward", "slots": [0], "start": [0], "plan": fplan.to_message()})
+    req.output_token_ids.append(worker.states[0].tokens[-1])
+    req.num_computed_tokens = n
+    req.state = req.state.RUNNING
+    return req, blocks
+
+
+def verify_msg(req: Request, blocks: BlockManager, tree=TREE, step: int = 1) -> dict:
+    spec = ProposerSpec("eagle", 3, tuple(tree))
+    batch = StepBatch(step, [ScheduledSeq(req, 1, len(tree))], [])
+    return verify_message(batch, blocks, spec)
+
+
+# --- the target's tree mask ---------------------------------------------------------------
+
+
+def test_tree_verify_matches_sequential_branches(family):
+    worker = eagle_worker(family)
+    prompt = [3, 14, 15, 9, 26, 5]
+    req, blocks = prefill(worker, prompt)
+    st = worker.states[0]
+    gen = torch.Generator().manual_seed(2)
+    st.drafts = torch.randint(0, 32, (len(TREE),), generator=gen).tolist()
+    vmsg = verify_msg(req, blocks)
+    plan, step, positions = worker.plan(vmsg["plan"])
+    ids = torch.tensor([st.tokens[-1]] + st.drafts)
+    out = worker.target(ids, step, worker.kv, positions)
+    # each root-to-node branch, run as a plain causal sequence, gives the same logits
+    for node in range(len(TREE)):
+        path, a = [], node
+        while a >= 0:
+            path.insert(0, a)
+            a = TREE[a]
+        seq = torch.tensor([st.tokens + [st.drafts[n] for n in path]])
+        dense, _ = worker.target.forward_full(seq)
+        torch.testing.assert_close(out.logits[1 + node], dense[0, -1], atol=1e-4, rtol=1e-4)
+    root, _ = worker.target.forward_full(torch.tensor([st.tokens]))
+    torch.testing.assert_close(out.logits[0], root[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def test_tree_acceptance_is_the_best_branch(family):
+    """accept_tree picks the longest branch greedy_verify accepts (first on ties)."""
+    worker = eagle_worker(family)
+    req, blocks = prefill(worker, [7, 7, 1, 30, 2])
+    st = worker.states[0]
+    g = [st.tokens[-1]]
+    for _ in range(3):
+        g.append(int(worker.target.forward_full(torch.tensor([st.tokens + g[1:]]))[0][0, -1].argmax()))
+    rng = np.random.default_rng(0)
+    leaves = [n for n in range(len(TREE)) if n not in TREE]
+    for trial in range(6):
+        drafts = rng.integers(0, 32, len(TREE)).tolist()
+        if trial:  # plant greedy tokens along a random branch, to a random depth
+            path, a = [], int(rng.choice(leaves))
+            while a >= 0:
+                path.insert(0, a)
+                a = TREE[a]
+            for k, n in enumerate(path[: int(rng.integers(1, len(path) + 1))]):
+                drafts[n] = g[k + 1]
+        st.drafts = list(drafts)
+        vmsg = verify_msg(req, blocks, step=trial + 1)
+        plan, step, positions = worker.plan(vmsg["plan"])
+        out = worker.target(torch.tensor([st.tokens[-1]] + drafts), step, worker.kv, positions,
+                            return_hidden=True)
+        emitted, accepted = worker.proposer.accept_tree([st], out.logits[None], plan, out.hidden)
+        best = []
+        for leaf in leaves:
+            path, a = [], leaf
+            while a >= 0:
+                path.insert(0, a)
+                a = TREE[a]
+            res = greedy_verify(torch.tensor([[drafts[n] for n in path]]), torch.tensor([len(path)]),
+                                out.logits[[0] + [1 + n for n in path]][None])
+            best.append(res.to_lists()[0])
+        want = max(best, key=len)
+        assert emitted[0] == want and accepted[0] == len(want) - 1
+
+
+# --- the head's tree expansion --------------------------------------------------------------
+
+
+def test_draft_tree_matches_dense_branches(family):
+    worker = eagle_worker(family)
+    req, blocks = prefill(worker, [5, 1, 22, 8, 8, 13, 2])
+    st = worker.states[0]
+    L = len(st.tokens)
+    worker.execute("draft", {"step": 1, "slots": [0], "num_tokens": [L], "num_draft": [3], "page_size": PAGE,
+                             "page_tables": [blocks.page_table("r", "mtp")], "proposer_computed": [L - 1]})
+    head, target = worker.proposer.head, worker.target
+    seq = torch.tensor([st.tokens])
+    _, hidden = target.forward_full(seq)
+    base = head.forward_full(seq[:, 1:], hidden[:, :-1])
+
+    def run(path_tokens):
+        """Dense head logits after feeding its own hidden along a path of draft tokens."""
+        hid, toks = hidden[0, : L - 1].clone(), st.tokens[1:]
+        own, logits = base.hidden[0, -1], base.logits[0, -1]
+        for t in path_tokens:
+            hid = torch.cat([hid, own[None]])
+            toks = toks + [t]
+            out = head.forward_full(torch.tensor([toks]), hid[None])
+            own, logits = out.hidden[0, -1], out.logits[0, -1]
+        return logits
+
+    children = {}
+    for n, p in enumerate(TREE):
+        children.setdefault(p, []).append(n)
+    for parent, kids in children.items():
+        path, a = [], parent
+        while a >= 0:
+            path.insert(0, st.drafts[a])
+            a = TREE[a]
+        want = run(path).topk(len(kids)).indices.tolist()
+        assert [st.drafts[k] for k in kids] == want, f"children of node {parent}"
+
+
+# --- compaction and the fill along the accepted path ----------------------------------------
+
+
+def test_accepted_path_kv_is_compacted_and_filled(family):
+    worker = eagle_worker(family)
+    prompt = [9, 2, 6, 5, 3, 5]
+    req, blocks = prefill(worker, prompt)
+    st = worker.states[0]
+    L = len(st.tokens)
+    g = []
+    for _ in range(3):
+        g.append(int(worker.target.forward_full(torch.tensor([st.tokens + g]))[0][0, -1].argmax()))
+    drafts = [(g[0] + 1) % 32] * len(TREE)
+    drafts[1], drafts[4] = g[0], g[1]  # branch 1 -> 4: slots of nodes 1, 4 move to L, L+1
+    st.drafts = drafts
+    res = worker.execute("verify", verify_msg(req, blocks))
+    assert res["tokens"] == [g] and res["accepted"].tolist() == [2]
+    # target KV of positions 0..L+1 equals a plain prefill of the accepted sequence
+    full = st.tokens[: L + 2]
+    fresh = worker.target.make_kv_cache(8, PAGE)
+    plan = build_plan([len(full)], [len(full)], [list(range(8))], PAGE)
+    worker.target(torch.tensor(full), worker.backend.prepare(plan), fresh, torch.as_tensor(plan.positions))
+    table = blocks.page_table("r")
+    slots = [table[p // PAGE] * PAGE + p % PAGE for p in range(L + 2)]
+    for layer in range(worker.target.config.num_hidden_layers):
+        got_k, got_v = worker.kv.read_slots(layer, slots)
+        want_k, want_v = fresh.read_slots(layer, plan.slot_mapping)
+        torch.testing.assert_close(got_k, want_k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got_v, want_v, atol=1e-4, rtol=1e-4)
+    # the host-planned fill over [L-1, L+2) leaves the dense head's logits carried
+    fplan = build_plan([3], [L + 2], [blocks.page_table("r", "mtp")], PAGE)
+    worker.execute("fill", {"step": 1, "after": "verify", "slots": [0], "start": [L - 1],
+                            "plan": fplan.to_message(), "accepted": np.array([2])})
+    seq = torch.tensor([st.tokens])
+    _, hidden = worker.target.forward_full(seq)
+    dense = worker.proposer.head.forward_full(seq[:, 1:], hidden[:, :-1])
+    torch.testing.assert_close(st.carried, dense.logits[0, -1], atol=1e-4, rtol=1e-4)
+
+
+# --- end to end -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tree,schedule", [
+    (TREE, "sync"), (TREE, "overlap"), (default_tree(1, 3), "sync"),
+    (default_tree(5, 2, 16), "sync"), ((-1, 0, 1), "sync"),
+])
+def test_eagle_greedy_is_lossless(family, prompts, reference, tree, schedule):
+    worker = eagle_worker(family, tree)
+    reqs = run_requests(worker, prompts, SamplingParams(max_tokens=24, ignore_eos=True),
+                        schedule=schedule, num_pages=PAGES)
+    assert [r.error for r in reqs] == [None] * len(reqs)
+    assert [r.output_token_ids for r in reqs] == reference
+    assert summarize(reqs).mean_acceptance_length > 1.05
+
+
+def test_eagle_with_preemption_is_lossless(family, prompts, reference):
+    worker = eagle_worker(family, num_pages=48)
+    reqs = run_requests(worker, prompts, SamplingParams(max_tokens=24, ignore_eos=True), num_pages=48)
+    assert [r.output_token_ids for r in reqs] == reference
+    assert any(r.num_preemptions for r in reqs)
+
+
+def test_eagle_with_temperature_raises(family, prompts):
+    worker = eagle_worker(family)
+    reqs = run_requests(worker, prompts[:2], SamplingParams(max_tokens=8, temperature=0.7, ignore_eos=True),
+                        num_pages=PAGES)
+    assert all(r.finish_reason == "error" and "greedily only" in r.error for r in reqs)
+    req, blocks = prefill(worker, [1, 2, 3])
+    worker.states[0].temperature = 0.5
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        worker.execute("draft", {"step": 1, "slots": [0], "num_tokens": [4], "num_draft": [3], "page_size": PAGE,
+                                 "page_tables": [blocks.page_table("r", "mtp")], "proposer_computed": [3]})
