@@ -28,6 +28,14 @@ def _params(req: Request) -> dict:
     return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "seed": p.seed}
 
 
+def _shape_only(qo_lens, kv_lens) -> dict:
+    """What a device that needs no attention metadata (the simulator's) gets instead of a plan."""
+    qo = np.asarray(qo_lens, dtype=np.int64)
+    indptr = np.zeros(len(qo) + 1, dtype=np.int64)
+    np.cumsum(qo, out=indptr[1:])
+    return {"qo_indptr": indptr, "kv_lens": np.asarray(kv_lens, dtype=np.int64)}
+
+
 def registrations(batch: StepBatch) -> list[tuple[int, list[int], dict]]:
     """(slot, token ids, sampling params) for rows the device has no state for yet."""
     return [
@@ -37,7 +45,7 @@ def registrations(batch: StepBatch) -> list[tuple[int, list[int], dict]]:
     ]
 
 
-def forward_message(batch: StepBatch, blocks: BlockManager) -> dict:
+def forward_message(batch: StepBatch, blocks: BlockManager, with_plan: bool = True) -> dict:
     reqs = [s.request for s in batch.seqs]
     start = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
     num_new = np.array([s.num_new_tokens for s in batch.seqs], dtype=np.int64)
@@ -46,7 +54,7 @@ def forward_message(batch: StepBatch, blocks: BlockManager) -> dict:
         start + num_new,
         [blocks.page_table(r.request_id) for r in reqs],
         blocks.page_size,
-    )
+    ).to_message() if with_plan else _shape_only(num_new, start + num_new)
     return {
         "step": batch.step,
         "slots": np.array([r.slot for r in reqs], dtype=np.int64),
@@ -54,17 +62,19 @@ def forward_message(batch: StepBatch, blocks: BlockManager) -> dict:
         "num_new": num_new,
         "samples": np.array([s.samples for s in batch.seqs], dtype=bool),
         "register": registrations(batch),
-        "plan": plan.to_message(),
+        "plan": plan,
     }
 
 
-def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec) -> dict:
+def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec, with_plan: bool = True) -> dict:
     """Target over [last token, candidates]: W = 1 + num_candidates tokens per row."""
     reqs = [s.request for s in batch.seqs]
     width = 1 + spec.num_candidates
     start = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
     positions = masks = None
-    if spec.kind == "eagle":
+    if not with_plan:
+        plan_msg = _shape_only(np.full(len(reqs), width), start + width)
+    elif spec.kind == "eagle":
         depths = np.concatenate([[0], spec.tree_depths()])
         positions = [s + depths for s in start]
         tree = spec.tree_mask()
@@ -73,20 +83,21 @@ def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec) -
             m = np.ones((width, int(s0) + width), dtype=bool)
             m[:, s0:] = tree
             masks.append(m)
-    plan = build_plan(
-        np.full(len(reqs), width),
-        start + width,
-        [blocks.page_table(r.request_id) for r in reqs],
-        blocks.page_size,
-        positions=positions,
-        custom_masks=masks,
-    )
+    if with_plan:
+        plan_msg = build_plan(
+            np.full(len(reqs), width),
+            start + width,
+            [blocks.page_table(r.request_id) for r in reqs],
+            blocks.page_size,
+            positions=positions,
+            custom_masks=masks,
+        ).to_message()
     return {
         "step": batch.step,
         "slots": np.array([r.slot for r in reqs], dtype=np.int64),
         "start": start,
         "num_draft": np.array([s.num_draft for s in batch.seqs], dtype=np.int64),
-        "plan": plan.to_message(),
+        "plan": plan_msg,
     }
 
 
@@ -116,6 +127,7 @@ def fill_message(
     spec: ProposerSpec,
     *,
     after: str,
+    with_plan: bool = True,
 ) -> dict:
     """Proposer KV fill over positions [starts[i], ends[i]) of each row.
 
@@ -130,11 +142,11 @@ def fill_message(
         ends,
         [blocks.page_table(r.request_id, spec.kv_model) for r in reqs],
         blocks.page_size,
-    )
+    ).to_message() if with_plan else _shape_only(ends - starts, ends)
     return {
         "step": step,
         "after": after,
         "slots": np.array([r.slot for r in reqs], dtype=np.int64),
         "start": starts,
-        "plan": plan.to_message(),
+        "plan": plan,
     }

@@ -97,12 +97,15 @@ class Pipeline:
         self.sink = sink
         self.tracer = tracer if tracer is not None else NULL_TRACER
         self.eos = set(eos_token_ids)
+        # a device that only models time (the simulator's) needs no attention metadata
+        self.with_plan = getattr(device, "needs_plans", True)
         self.main = device.stream("main")
         self.aux = device.stream("draft")
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._release: list[int] = []
         self._unrecorded: list[_Launch] = []
+        self._steps_done: list[tuple] = []
         self._pending_fill: _Launch | None = None
         self._inflight: tuple[StepBatch, _Launch] | None = None
         self._wake = anyio.Event()
@@ -112,6 +115,7 @@ class Pipeline:
         # Simulator hook: virtual nanoseconds a host stage costs, given its attributes. The
         # engine leaves it None: real host work takes real time.
         self.host_cost: Any = None
+        self._debt_ns = 0
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -145,7 +149,7 @@ class Pipeline:
         req.state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
         req.finish_reason = reason
         req.error = error
-        req.finish_ns = self.clock.now_ns()
+        req.finish_ns = self._now()
         self.builder.remove(req)
         self._release.append(req.slot)
         self._free_slots.append(req.slot)
@@ -170,35 +174,48 @@ class Pipeline:
     def _attrs(self, batch: StepBatch) -> dict:
         return batch_attrs(batch, 1 + self.spec.num_candidates)
 
+    def _now(self) -> int:
+        """Host time, including modelled host work not yet slept off (simulator)."""
+        return self.clock.now_ns() + self._debt_ns
+
+    async def _pay(self) -> None:
+        """Sleep off modelled host work before the host touches the device or waits. Host
+        stages between two such points then cost one timer, not one each (simulator speed)."""
+        if self._debt_ns:
+            debt, self._debt_ns = self._debt_ns, 0
+            await self.clock.sleep_ns(debt)
+
     async def _host(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
         """End of a host stage: charge its modelled cost (simulator), then record its span."""
         if self.host_cost is not None:
-            await self.clock.sleep_ns(int(self.host_cost(name, attrs)))
-        self.tracer.span("host", name, step, start_ns, self.clock.now_ns(), **attrs)
+            self._debt_ns += int(self.host_cost(name, attrs))
+        self.tracer.span("host", name, step, start_ns, self._now(), **attrs)
 
     def _span(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
-        self.tracer.span("host", name, step, start_ns, self.clock.now_ns(), **attrs)
+        self.tracer.span("host", name, step, start_ns, self._now(), **attrs)
 
     async def _launch(self, stream: Any, op: str, msg: dict, step: int, **attrs: Any) -> _Launch:
         if self._release:
             msg["release"] = self._release
             self._release = []
-        t0 = self.clock.now_ns()
+        t0 = self._now()
         if self.host_cost is not None:
-            await self.clock.sleep_ns(int(self.host_cost("launch", attrs)))
+            self._debt_ns += int(self.host_cost("launch", attrs))
+            await self._pay()
         msg["attrs"] = attrs  # the step's shape travels with the work (virtual device costs)
         ev = stream.launch(op, msg)
         launch = _Launch(ev, step, op, attrs)
         if self.tracer.enabled:
             launch_id = f"{step}:{op}"
-            self.tracer.span("host", "launch", step, t0, self.clock.now_ns(), op=op,
+            self.tracer.span("host", "launch", step, t0, self._now(), op=op,
                              launch_id=launch_id, **attrs)
             launch.attrs["launch_id"] = launch_id
             self._unrecorded.append(launch)
         return launch
 
     async def _sync(self, launch: _Launch) -> Any:
-        t0 = self.clock.now_ns()
+        await self._pay()
+        t0 = self._now()
         try:
             return await launch.event.wait()
         finally:
@@ -242,6 +259,7 @@ class Pipeline:
                     break
                 if not self.builder.has_work:
                     self._wake = anyio.Event()
+                    await self._pay()
                     await self._wake.wait()
                     continue
             await self.step()
@@ -262,12 +280,13 @@ class Pipeline:
                 await self._sync(fill)
             except DeviceError:
                 pass  # the next launch for these rows reports it
+        self._flush_step_records()
         self._record_device_spans()
 
     async def step(self) -> None:
         if self._inflight is not None and self.blocks.num_free_pages < len(self.builder.running) + 1:
             await self._drain()  # preemption may be needed: never preempt a request in flight
-        t_step = self.clock.now_ns()
+        t_step = self._now()
         t0 = t_step
         batch = self.builder.schedule()
         await self._host("schedule", batch.step, t0, **self._attrs(batch))
@@ -276,7 +295,7 @@ class Pipeline:
             if not batch.seqs and self.builder.has_work and self._inflight is None:
                 await anyio.sleep(0)
             return
-        t0 = self.clock.now_ns()
+        t0 = self._now()
         self.builder.allocate(batch)
         await self._host("kv_alloc", batch.step, t0, pages_used=self.blocks.num_used_pages, **self._attrs(batch))
         if batch.is_spec:
@@ -284,13 +303,15 @@ class Pipeline:
         else:
             await self._forward_step(batch, t_step)
         self.num_steps += 1
+        self._flush_step_records()
+        await self._pay()
         self._record_device_spans()
 
     # -- plain / prefill steps ----------------------------------------------------------------
     async def _forward_step(self, batch: StepBatch, t_step: int) -> None:
         spec = self.spec
-        t0 = self.clock.now_ns()
-        msg = messages.forward_message(batch, self.blocks)
+        t0 = self._now()
+        msg = messages.forward_message(batch, self.blocks, self.with_plan)
         fill_msg = None
         if spec.kv_model is not None:
             fill_msg = self._prefill_fill_message(batch)
@@ -340,7 +361,8 @@ class Pipeline:
                 ends.append(b)
         if not reqs:
             return None
-        return messages.fill_message(batch.step, reqs, np.array(starts), np.array(ends), self.blocks, spec, after="forward")
+        return messages.fill_message(batch.step, reqs, np.array(starts), np.array(ends), self.blocks, spec, after="forward",
+                                      with_plan=self.with_plan)
 
     async def _await_fill(self, launch: _Launch, batch: StepBatch) -> None:
         try:
@@ -354,7 +376,7 @@ class Pipeline:
         except DeviceError as e:
             self._fail_batch(batch, e)
             return
-        t0 = self.clock.now_ns()
+        t0 = self._now()
         tokens = result["tokens"]
         out_counts = []
         for i, s in enumerate(batch.seqs):
@@ -370,15 +392,15 @@ class Pipeline:
     # -- speculative steps --------------------------------------------------------------------
     async def _spec_step(self, batch: StepBatch, t_step: int) -> None:
         spec, sched = self.spec, self.config.schedule
-        t0 = self.clock.now_ns()
-        vmsg = messages.verify_message(batch, self.blocks, spec)
+        t0 = self._now()
+        vmsg = messages.verify_message(batch, self.blocks, spec, self.with_plan)
         dmsg = messages.draft_message(batch, self.blocks, spec)
         fmsg = None
         if spec.fill_same_batch:
             reqs = [s.request for s in batch.seqs]
             start = vmsg["start"]
             fmsg = messages.fill_message(batch.step, reqs, start, start + 1 + spec.num_candidates,
-                                         self.blocks, spec, after="verify")
+                                         self.blocks, spec, after="verify", with_plan=self.with_plan)
         await self._host("plan", batch.step, t0, **self._attrs(batch))
         d_launch = await self._launch(self.aux, "draft", dmsg, batch.step, **self._attrs(batch),
                                       num_draft=int(dmsg["num_draft"].max()))
@@ -410,7 +432,7 @@ class Pipeline:
             r = s.request
             r.num_computed_tokens += 1 + int(accepted[i])
         if spec.kv_model is not None and f_launch is None:
-            t0 = self.clock.now_ns()
+            t0 = self._now()
             reqs = [s.request for s in batch.seqs]
             if spec.fill_same_batch:
                 fm = fmsg
@@ -425,13 +447,13 @@ class Pipeline:
                     starts.append(min(valid, L + a))
                     ends.append(L + a + (1 if spec.kind == "draft" else 0))
                 fm = messages.fill_message(batch.step, reqs, np.array(starts), np.array(ends),
-                                           self.blocks, spec, after="verify")
+                                           self.blocks, spec, after="verify", with_plan=self.with_plan)
                 fm["accepted"] = accepted
             await self._host("plan", batch.step, t0, kind="fill", **_fill_attrs(fm))
             self.aux.wait_event(v_launch.event)
             f_launch = await self._launch(self.aux, "fill", fm, batch.step, after="verify",
                                           **_fill_attrs(fm))
-        t0 = self.clock.now_ns()
+        t0 = self._now()
         out_counts = []
         for i, s in enumerate(batch.seqs):
             r = s.request
@@ -468,7 +490,7 @@ class Pipeline:
                     reason = "stop"
                     break
         if req.first_token_ns is None and tokens:
-            req.first_token_ns = self.clock.now_ns()
+            req.first_token_ns = self._now()
         keep, sink_reason = self.sink.on_tokens(req, tokens)
         tokens = tokens[:keep]
         req.output_token_ids.extend(tokens)
@@ -483,15 +505,22 @@ class Pipeline:
         for s in batch.seqs:
             s.request.num_pending_tokens = 0
             self._finish(s.request, "error", error=str(err))
-        self.tracer.span("host", "error", batch.step, self.clock.now_ns(), self.clock.now_ns(), error=str(err))
+        self.tracer.span("host", "error", batch.step, self._now(), self._now(), error=str(err))
 
     def _step_record(self, batch: StepBatch, t_step: int, out_counts: list[int], drafted: list[int], accepted: list[int]) -> None:
-        if not self.tracer.enabled:
-            return
-        self.tracer.step(
-            step=batch.step, kind=batch.kind, start_ns=t_step, end_ns=self.clock.now_ns(),
-            request_ids=[s.request.request_id for s in batch.seqs],
-            num_new_tokens=[s.num_new_tokens + s.num_draft for s in batch.seqs],
-            kv_lens=[s.request.num_computed_tokens for s in batch.seqs],
-            num_drafted=drafted, num_accepted=accepted, num_output=out_counts,
-        )
+        """Queue the step's record; it is written when the step's host work ends (after any
+        fill the schedule waits for), so step intervals cover the whole step."""
+        if self.tracer.enabled:
+            self._steps_done.append((batch, t_step, out_counts, drafted, accepted))
+
+    def _flush_step_records(self) -> None:
+        end = self._now()
+        for batch, t_step, out_counts, drafted, accepted in self._steps_done:
+            self.tracer.step(
+                step=batch.step, kind=batch.kind, start_ns=t_step, end_ns=max(end, t_step),
+                request_ids=[s.request.request_id for s in batch.seqs],
+                num_new_tokens=[s.num_new_tokens + s.num_draft for s in batch.seqs],
+                kv_lens=[s.request.num_computed_tokens for s in batch.seqs],
+                num_drafted=drafted, num_accepted=accepted, num_output=out_counts,
+            )
+        self._steps_done.clear()

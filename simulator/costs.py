@@ -184,19 +184,23 @@ def fit_profile(traces: list, *, tile: int = 1) -> CostProfile:
         for s in spans:
             if s.track == "host" and s.step is not None:
                 host_by_step[s.step] = host_by_step.get(s.step, 0.0) + (s.end_ns - s.start_ns)
-        for st in tr.steps:
-            pass
+        # host time between consecutive steps that no span covers (event-loop bookkeeping)
         steps = sorted(tr.steps, key=lambda s: s.start_ns)
+        host_spans = sorted(((s.start_ns, s.end_ns) for s in spans if s.track == "host"))
+        starts = np.array([a for a, _ in host_spans], dtype=np.int64)
         for a, b in zip(steps, steps[1:]):
-            gap = (b.start_ns - a.end_ns)
-            if gap >= 0:
-                overheads.append(gap)
+            gap = b.start_ns - a.end_ns
+            if gap < 0:
+                continue
+            i0, i1 = np.searchsorted(starts, [a.end_ns, b.start_ns])
+            covered = sum(min(e, b.start_ns) - s0 for s0, e in host_spans[i0:i1])
+            overheads.append(max(0, gap - covered))
     for name, rows in dev_rows.items():
         feats = FEATURES if name == "draft" else FEATURES[:4]
         prof.device[name] = fit_stage([r for r, _ in rows], [d for _, d in rows], feats)
     for name, rows in host_rows.items():
         prof.host[name] = fit_stage([r for r, _ in rows], [d for _, d in rows], FEATURES[:4])
-    prof.launch_latency_ns = float(np.median(launch_lat)) if launch_lat else 0.0
+    prof.launch_latency_ns = max(0.0, float(np.median(launch_lat))) if launch_lat else 0.0
     prof.wakeup_ns = float(np.median(wakeups)) if wakeups else 0.0
     prof.step_overhead_ns = float(np.median(overheads)) if overheads else 0.0
     return prof

@@ -97,6 +97,7 @@ class VirtualStream:
 
 class VirtualDevice:
     kind = "virtual"
+    needs_plans = False  # launches are timed from their shape; no attention metadata needed
 
     def __init__(self, profile: CostProfile, responder: Responder, name: str = "virtual"):
         self.profile = profile

@@ -186,7 +186,7 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, items: 
             for i, it in enumerate(items):
                 clients.start_soon(client, i, it)
         pipe.stop()
-    return rec.to_trace()
+    return rec.to_trace(validate=False)
 
 
 def replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig | None = None) -> tuple[dict, Trace]:
@@ -194,5 +194,5 @@ def replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig | None = None) 
     cfg = cfg or ReplayConfig()
     items = workload_from_trace(trace)
     acceptance = AcceptanceModel.parse(cfg.acceptance, trace, seed=cfg.seed)
-    sim = run_virtual(_replay, trace, profile, cfg, items, acceptance)
+    sim = run_virtual(lambda: _replay(trace, profile, cfg, items, acceptance))
     return compute_metrics(sim), sim

@@ -67,6 +67,6 @@ class VirtualClock:
             await asyncio.sleep(0)
 
 
-def run_virtual(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
-    """Run `fn(*args)` under anyio on a fresh virtual-time loop; returns its result."""
-    return anyio.run(fn, *args, backend="asyncio", backend_options={"loop_factory": VirtualTimeLoop})
+def run_virtual(fn: Callable[[], Awaitable[Any]]) -> Any:
+    """Run `fn()` under anyio on a fresh virtual-time loop; returns its result."""
+    return anyio.run(fn, backend="asyncio", backend_options={"loop_factory": VirtualTimeLoop})

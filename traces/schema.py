@@ -200,7 +200,7 @@ RECORD_ADAPTER: TypeAdapter = TypeAdapter(AnyRecord)
 RECORD_TYPES = ("header", "request", "span", "step", "finish")
 
 
-@dataclass
+@dataclass(repr=False)
 class Trace:
     """A whole run in memory: the header and the records of each type, in file order."""
 
@@ -212,6 +212,10 @@ class Trace:
     path: str | None = None
     num_skipped: int = 0  # records of unknown types from a newer minor version
     truncated: bool = False  # a truncated final line was dropped
+
+    def __repr__(self) -> str:  # short: a trace can hold millions of records
+        return (f"<Trace {self.path or 'in memory'}: {len(self.requests)} requests, {len(self.spans)} spans, "
+                f"{len(self.steps)} steps, {len(self.finishes)} finishes>")
 
     def add(self, record: RequestRecord | SpanRecord | StepRecord | FinishRecord) -> None:
         getattr(self, _LIST_OF[record.type]).append(record)

@@ -88,6 +88,8 @@ def function_prompts(
 ) -> list[str]:
     """Code prefixes that open at a `def` line and run whole lines to a seeded length.
 
+    A prefix never leaves the block the `def` sits in (it stops at a less-indented line).
+
     Each candidate gets a target length in [min_tokens, max_tokens]; lines are added until the
     prefix reaches it (the last line is dropped if that overshoots max_tokens). `num_prompts`
     candidates are sampled with `seed` and returned in corpus order.
@@ -105,8 +107,11 @@ def function_prompts(
             if not line.lstrip().startswith("def "):
                 continue
             want = rng.randint(min_tokens, max_tokens)
+            indent = len(line) - len(line.lstrip())
             prompt, j = "", i
             while j < len(lines):
+                if j > i and lines[j].strip() and len(lines[j]) - len(lines[j].lstrip()) < indent:
+                    break
                 longer = textwrap.dedent(prompt + lines[j]) if prompt else lines[j].lstrip()
                 n = count_tokens(longer)
                 if n > max_tokens:
@@ -114,7 +119,7 @@ def function_prompts(
                 prompt, j = (prompt + lines[j]), j + 1
                 if n >= want:
                     break
-            prompt = textwrap.dedent(prompt)
+            prompt = textwrap.dedent(prompt).rstrip() + "\n"
             if prompt and min_tokens <= count_tokens(prompt) <= max_tokens:
                 candidates.append(prompt)
     if len(candidates) < num_prompts:
