@@ -31,7 +31,8 @@ def make_pair(tmp_path, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     kwargs = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=12,
-                  max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
+                  max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  initializer_range=0.2)  # large enough that attention is far from uniform
     kwargs.update(overrides)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs)).eval()
     with torch.no_grad():  # norms away from 1 so a missing norm weight shows up
