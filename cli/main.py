@@ -132,6 +132,25 @@ def train_models(
     train_main(out_dir=str(out), target_minutes=target_minutes, draft_minutes=draft_minutes, seed=seed)
 
 
+@app.command("train-mtp")
+def train_mtp_cmd(
+    target: Path = typer.Option(..., help="target checkpoint dir (HF layout)"),
+    out: Path = typer.Option(..., help="output dir for the head"),
+    steps: Optional[int] = typer.Option(None, help="fixed optimizer steps (default: a time budget)"),
+    minutes: float = typer.Option(6.0, help="time budget when --steps is not given"),
+    no_norms: bool = typer.Option(False, "--no-norms", help="EAGLE-style head without the restored RMSNorms"),
+    ablation: bool = typer.Option(False, help="also train the other variant and record both in the card"),
+    threads: int = typer.Option(1, help="torch threads (1 is fastest on a shared 2-core machine)"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Train an MTP head on a target's hidden states (computed with specsched's own forward)."""
+    from runtime.training.mtp import train_mtp
+
+    report = train_mtp(target, out, steps, minutes=minutes, norms=not no_norms, ablation=ablation,
+                       seed=seed, num_threads=threads)
+    _print_json(report)
+
+
 def _read_trace(path: Path):
     from traces.reader import TraceFormatError, read_trace
 

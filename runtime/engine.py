@@ -239,6 +239,11 @@ class AsyncEngine:
                 f"prompt of {len(ids)} tokens is longer than the model allows ({self.max_model_len - 1})"
             )
         c = self.config
+        if c.proposer == "eagle" and params.temperature > 0:
+            raise InvalidRequestError(
+                "the eagle (tree) proposer verifies greedily only: use temperature 0, or a linear "
+                "proposer (draft, mtp, ngram) for sampling"
+            )
         need = len(ids) + params.max_tokens + c.proposer_spec().num_candidates + 1
         if need > self.max_model_len:
             raise InvalidRequestError(
