@@ -76,8 +76,9 @@ def _window(trace) -> tuple[int, int] | None:
 
 def _summary(console: Console, rows: list[dict], ab_res: dict, out_dir: Path, skipped: list[str]) -> None:
     t = Table(title="specsched demo: bundled model, default workload (measured on this machine)")
-    for col in ("run", "tok/s", "TTFT p50 ms", "TPOT p50 ms", "mean AL", "bubble", "speedup", "sim err (makespan)"):
-        t.add_column(col, justify="right")
+    t.add_column("run", no_wrap=True)
+    for col in ("tok/s", "TTFT", "TPOT", "AL", "bubble", "speedup", "sim err"):
+        t.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         m = r["metrics"]
         al = m.get("mean_accept_len")
@@ -85,6 +86,8 @@ def _summary(console: Console, rows: list[dict], ab_res: dict, out_dir: Path, sk
                   f"{m['tpot_ms']['p50']:.2f}", f"{al:.2f}" if al else "-",
                   f"{m['bubble_fraction']:.2f}", f"{r['speedup']:.2f}x", f"{r['sim_makespan_err_pct']:.1f}%")
     console.print(t)
+    console.print("TTFT/TPOT: p50 ms; AL: mean acceptance length; bubble: device idle while requests "
+                  "pend; speedup: tokens/s over plain; sim err: simulator makespan error replaying the run")
     d = ab_res["diff_b_minus_a"]["output_tokens_per_s"]
     console.print(f"A/B in the simulator on the draft-sync trace, A = sync, B = overlap: tokens/s B - A = "
                   f"{d['diff_mean']:+.1f} (95% CI {d['ci95'][0]:+.1f} .. {d['ci95'][1]:+.1f}): {d['verdict']}")

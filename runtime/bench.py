@@ -39,10 +39,13 @@ async def run_workload(
     warmup: int = 0,
     trace_path: str | None = None,
     agreement: bool = True,
+    record: bool = True,
     on_done: Callable[[], None] | None = None,
 ) -> tuple[dict, object, list]:
     """Returns (metrics, trace, outputs). Closed loop with `concurrency` in flight, or
-    open loop at `rate_qps` (Poisson-free: evenly spaced) / the items' own arrival_s."""
+    open loop at `rate_qps` (Poisson-free: evenly spaced) / the items' own arrival_s.
+    record=False runs without any tracer (to measure tracing overhead); metrics then hold only
+    wall-clock duration, output tokens and steps."""
     engine = AsyncEngine(config)
     outputs: list = [None] * len(items)
     async with engine:
@@ -51,9 +54,11 @@ async def run_workload(
                 await engine.generate_all(it.prompt, it.params)
         header = make_header(config, engine, workload={"concurrency": concurrency, "rate_qps": rate_qps})
         mem = MemoryRecorder(header)
-        tracer = MultiTracer(mem)
-        engine._pipeline.tracer = tracer
-        engine.tracer = tracer
+        if record:
+            tracer = MultiTracer(mem)
+            engine._pipeline.tracer = tracer
+            engine.tracer = tracer
+        steps0 = engine._pipeline.num_steps
         start = time.monotonic()
         sem = anyio.Semaphore(concurrency or len(items))
 
@@ -69,8 +74,14 @@ async def run_workload(
         async with anyio.create_task_group() as tg:
             for i, it in enumerate(items):
                 tg.start_soon(one, i, it)
-        if agreement and config.proposer != "none":
+        duration = time.monotonic() - start
+        steps = engine._pipeline.num_steps - steps0
+        if agreement and record and config.proposer != "none":
             await _record_agreement(engine, items, outputs, mem)
+    if not record:
+        toks = sum(len(o.token_ids) for o in outputs)
+        return {"duration_s": duration, "output_tokens": toks, "steps": steps,
+                "output_tokens_per_s": toks / duration}, None, outputs
     trace = mem.to_trace()
     if trace_path:
         # written after the run: finish records then carry the proposer's agreement, which

@@ -1,0 +1,30 @@
+"""Helpers shared by the benchmark scripts: run one engine configuration on the bundled
+workload and return its metrics and trace."""
+from __future__ import annotations
+
+import statistics
+
+import anyio
+
+
+def bundled_items(num_requests: int, max_tokens: int):
+    from runtime import bundled
+    from runtime.workload import load_workload
+
+    return load_workload(bundled.workload_path(), limit=num_requests, max_tokens=max_tokens)
+
+
+def run(items, *, concurrency: int = 1, warmup: int = 1, trace: bool = True, **engine_kw):
+    """(metrics, trace) of one engine run; engine_kw go to EngineConfig."""
+    from runtime.bench import run_workload
+    from runtime.engine_config import EngineConfig
+
+    cfg = EngineConfig.make(**engine_kw)
+    metrics, tr, _ = anyio.run(lambda: run_workload(cfg, items, concurrency=concurrency, warmup=warmup,
+                                                    agreement=trace, record=trace))
+    return metrics, tr
+
+
+def median_span_ms(trace, name: str, track_prefix: str = "device:") -> float | None:
+    vals = [(s.end_ns - s.start_ns) / 1e6 for s in trace.spans if s.name == name and s.track.startswith(track_prefix)]
+    return statistics.median(vals) if vals else None
