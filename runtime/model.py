@@ -33,7 +33,16 @@ class ModelOutput:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, weight.shape, weight, eps)
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim.
+
+    Computed as LayerNorm of [x, -x]: that vector has mean 0 and variance mean(x^2), so its
+    first half normalises to exactly RMSNorm(x). LayerNorm is one fused CPU kernel, while
+    `F.rms_norm` runs as ~8 small ops; in the decode forward this measured ~9% faster overall.
+    Returns a view (row stride 2H) of the first half.
+    """
+    h = x.shape[-1]
+    both = torch.cat((x, x.neg()), -1)
+    return F.layer_norm(both, (2 * h,), torch.cat((weight, weight)), None, eps)[..., :h]
 
 
 class RMSNorm(nn.Module):

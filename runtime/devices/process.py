@@ -26,6 +26,7 @@ class WorkerProcess:
 
     def __init__(self, name: str):
         launch_r, launch_w = os.pipe()
+        _enlarge_pipe(launch_w)
         reply_r, reply_w = os.pipe()
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parents[2])  # holds runtime/ and scheduler/
@@ -95,3 +96,15 @@ def kill_quietly(popen: subprocess.Popen) -> None:
     if popen.poll() is None:
         popen.kill()
         popen.wait()
+
+
+def _enlarge_pipe(fd: int) -> None:
+    """Grow a pipe's buffer to the system maximum (Linux), so launches queue without blocking."""
+    try:
+        import fcntl
+
+        with open("/proc/sys/fs/pipe-max-size") as f:
+            size = int(f.read())
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
+    except (OSError, ValueError, ImportError):
+        pass  # other platforms: the default buffer; a long queue then just waits in write

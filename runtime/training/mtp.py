@@ -224,14 +224,15 @@ def corpus_windows(tokenizer_file: Path, seq_len: int, num_train: int, num_heldo
 def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = None, *,
               minutes: float = 6.0, norms: bool = True, ablation: bool = False, seed: int = 0,
               num_windows: int = 2400, seq_len: int = 128, batch_size: int = 8, lr: float = 2e-3,
-              num_threads: int = 2, validate: bool = True, log=print) -> dict:
+              num_threads: int = 2, validate: bool = True, num_prompts: int = 24, log=print) -> dict:
     """Train an MTP head for the target in `target_dir` (HF layout with tokenizer.json) and
     save it, with a model card, to `out_dir`.
 
     steps: fixed optimizer steps (None: train for `minutes`). norms=False trains the
     EAGLE-style head without enorm/hnorm. ablation=True also trains the other variant on the
     same precomputed data for the same number of steps (not saved) and records both in the card. validate:
-    measure acceptance through the inference implementation. Returns the report (also in
+    measure acceptance through the inference implementation (`num_prompts` held-out function
+    prompts x 64 greedy tokens, 48 held-out windows for agreement). Returns the report (also in
     the card): training stats per variant and their validation numbers.
     """
     import tempfile
@@ -246,13 +247,13 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
     target = load_model(target_dir)
     tok = Tokenizer(target_dir)
     cfg = TrainConfig(seq_len=seq_len, batch_size=batch_size, lr=lr, budget_s=minutes * 60, steps=steps, seed=seed)
-    train_w, heldout_w, corpus = corpus_windows(target_dir / "tokenizer.json", seq_len, num_windows, 24, seed)
+    train_w, heldout_w, corpus = corpus_windows(target_dir / "tokenizer.json", seq_len, num_windows, 48, seed)
     t0 = time.perf_counter()
     hidden = precompute_hidden(target, train_w)
     pre_s = time.perf_counter() - t0
     log(f"[mtp] target hidden states for {train_w.numel():,} tokens in {pre_s:.0f}s")
     prompts = [tok.encode(p) for p in
-               function_prompts(corpus.heldout, lambda x: len(tok.encode(x)), 8, seed + 1)]
+               function_prompts(corpus.heldout, lambda x: len(tok.encode(x)), num_prompts, seed + 1)]
     report: dict = {"target": str(target_dir), "target_fingerprint": target_fingerprint(target), "corpus": {
         "train_files": len(corpus.train), "heldout_files": len(corpus.heldout),
         "train_windows": int(train_w.shape[0]), "window_tokens": int(train_w.shape[1])},

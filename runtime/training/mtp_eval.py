@@ -273,7 +273,7 @@ def validate_head(target_dir: str, head_dir: str, heldout_windows: torch.Tensor,
         same = [r.output_token_ids for r in reqs] == reference
         key = f"mtp D={d}" if name == "mtp" else name
         report[key] = {"mean_acceptance_length": round(s.mean_acceptance_length, 3),
-                       "acceptance_per_position": [round(x, 3) for x in s.acceptance_per_position],
+                       "acceptance_per_position": [round(x, 3) for x in s.acceptance_per_position[:d]],
                        "identical_to_greedy": same,
                        "wall_ratio_vs_plain": round((time.perf_counter() - t0) / plain_s, 2)}
         log(f"[validate] {key}: AL {s.mean_acceptance_length:.3f} per-position "
