@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.attention import get_backend
 from runtime.checkpoint import load_model
 from runtime.proposers.base import make_proposer
 from runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample, sample_logits
@@ -73,7 +72,7 @@ class ModelWorker:
         self.page_size = page_size
         self.target = load_model(model_dir, dtype=self.dtype, device=self.device)
         self.kv = self.target.make_kv_cache(num_pages, page_size)
-        self.backend = get_backend(attention)
+        self.backend = self.target.attention_backend(attention)
         self.spec = ProposerSpec(proposer["kind"], proposer["draft_len"], tuple(proposer.get("tree_parents", ())))
         self.acceptance = acceptance
         self.threshold = threshold
