@@ -46,6 +46,7 @@ class CostProfile:
     launch_latency_ns: float = 0.0
     wakeup_ns: float = 0.0
     step_overhead_ns: float = 0.0  # host time per step not covered by any stage span
+    op_gap_ns: float = 0.0  # device idle between two queued ops (worker reads/replies)
     tile: int = 1
     serialize_streams: bool = True  # one worker process runs every stream in order
     source: list[str] = field(default_factory=list)
@@ -148,7 +149,7 @@ def fit_profile(traces: list, *, tile: int = 1) -> CostProfile:
     prof = CostProfile(tile=tile)
     dev_rows: dict[str, list] = {}
     host_rows: dict[str, list] = {}
-    launch_lat, wakeups, overheads = [], [], []
+    launch_lat, wakeups, overheads, gaps = [], [], [], []
     for tr in traces:
         prof.source.append(tr.path or "<memory>")
         prof.serialize_streams = tr.header.device.kind in ("host", "cpu")
@@ -165,6 +166,13 @@ def fit_profile(traces: list, *, tile: int = 1) -> CostProfile:
             else:
                 dev_rows.setdefault(s.name, []).append((feats, dur))
         dev_spans = sorted((s for s in spans if s.track != "host"), key=lambda s: s.start_ns)
+        # ops whose launch came before the previous op ended ran back to back: their spacing
+        # is the device's own per-op overhead
+        launches = sorted((s for s in spans if s.track != "host" and s.name != "accept"), key=lambda s: s.start_ns)
+        for a, b in zip(launches, launches[1:]):
+            ln = by_launch.get(b.attrs.get("launch_id"))
+            if ln is not None and ln.end_ns <= a.end_ns and b.start_ns >= a.end_ns:
+                gaps.append(b.start_ns - a.end_ns)
         prev_end = None
         for s in dev_spans:
             lid = s.attrs.get("launch_id")
@@ -203,4 +211,5 @@ def fit_profile(traces: list, *, tile: int = 1) -> CostProfile:
     prof.launch_latency_ns = max(0.0, float(np.median(launch_lat))) if launch_lat else 0.0
     prof.wakeup_ns = float(np.median(wakeups)) if wakeups else 0.0
     prof.step_overhead_ns = float(np.median(overheads)) if overheads else 0.0
+    prof.op_gap_ns = float(np.median(gaps)) if gaps else 0.0
     return prof

@@ -68,6 +68,8 @@ class VirtualStream:
         now = int(round(asyncio.get_running_loop().time() * 1e9))
         ready = now + int(dev.profile.launch_latency_ns)
         queue_free = dev.busy_until_ns if dev.profile.serialize_streams else self.busy_until_ns
+        if queue_free > 0:
+            queue_free += int(dev.profile.op_gap_ns)
         start = max(ready, queue_free, self._after_ns)
         attrs = batch.get("attrs", {})
         error = None
