@@ -161,7 +161,8 @@ class ModelWorker:
         num_drafts = []
         for st in rows:
             d = st.drafts[: width - 1]
-            num_drafts.append(len(d))
+            # a tree is scored by depth: position k = a node at depth k accepted
+            num_drafts.append(min(len(d), self.spec.max_accept) if self.spec.kind == "eagle" else len(d))
             ids.append(st.tokens[-1])
             ids.extend(d)
             ids.extend([st.tokens[-1]] * (width - 1 - len(d)))

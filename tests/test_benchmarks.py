@@ -1,0 +1,34 @@
+"""Every benchmark script runs end to end on a tiny setting (numbers are not checked here;
+benchmarks are run by hand and reported in the README)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {
+    "forward_cost.py": ["--repeats", "3", "--context", "32"],
+    "host_overhead.py": ["--requests", "4", "--steps", "5"],
+    "tracing_overhead.py": ["--spans", "200"],
+    "proposers.py": ["--num-requests", "1", "--max-tokens", "4", "--only", "ngram"],
+    "simulator_fidelity.py": ["--num-requests", "2", "--max-tokens", "6", "--concurrency", "2",
+                              "--pairs", "draft:sync:overlap:2"],
+    "hf_compare.py": ["--num-requests", "1", "--max-tokens", "4", "--draft-len", "2"],
+    "schedules.py": ["--num-requests", "1", "--max-tokens", "3"],
+}
+
+
+def test_every_benchmark_has_a_smoke_setting():
+    scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "common.py"}
+    assert scripts == set(TINY)
+
+
+@pytest.mark.parametrize("script", sorted(TINY))
+def test_benchmark_smoke(script):
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *TINY[script]],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    assert res.stdout.strip()
