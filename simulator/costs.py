@@ -127,6 +127,11 @@ def fit_stage(rows: list[dict], durations: list[float], features: tuple[str, ...
     y = np.asarray(durations, dtype=np.float64)
     X = np.asarray([[r.get(f, 0.0) for f in features] for r in rows], dtype=np.float64)
     active = [i for i in range(len(features)) if features[i] == "const" or np.ptp(X[:, i]) > 0]
+    if len(y) < 3 * len(active):
+        # too few samples for a multi-feature fit (e.g. two prefills): a cost proportional to
+        # the tokens when they vary, else a constant
+        tok = features.index("tokens") if "tokens" in features else None
+        active = [tok] if tok is not None and np.ptp(X[:, tok]) > 0 else [0]
     coef = np.zeros(len(features))
     while active:
         sol, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
@@ -137,6 +142,10 @@ def fit_stage(rows: list[dict], durations: list[float], features: tuple[str, ...
         active.remove(min(neg, key=lambda a: sol[active.index(a)]))
     if coef[0] < 0:
         coef[0] = 0.0
+        rest = [a for a in active if a != 0]
+        if rest:
+            sol, *_ = np.linalg.lstsq(X[:, rest], y, rcond=None)
+            coef[rest] = np.maximum(sol, 0.0)
     pred = np.maximum(X @ coef, 0.0)
     rel = (y - pred) / np.maximum(pred, 1.0)
     mape = float(np.mean(np.abs(pred - y) / np.maximum(y, 1.0)) * 100) if len(y) else 0.0
