@@ -20,11 +20,27 @@ from traces.recorder import MemoryRecorder, write_trace
 from traces.schema import Header
 
 
+def model_label(path: str | None) -> str | None:
+    """How a checkpoint is named in a trace: bundled models by their bundle name (no machine
+    path ever lands in a trace), others by the path the user gave."""
+    if path is None:
+        return None
+    from pathlib import Path
+
+    from runtime import bundled
+
+    p = Path(path).resolve()
+    try:
+        return "bundled/" + str(p.relative_to(bundled.BUNDLED_DIR))
+    except ValueError:
+        return str(path)
+
+
 def make_header(config: EngineConfig, engine: AsyncEngine, device_name: str | None = None,
                 workload: dict | None = None) -> Header:
     return Header.create(
-        source="engine", clock="monotonic_ns", model=engine.model_dir,
-        draft_model=engine._proposer_dir(), proposer=config.proposer, schedule=config.schedule,
+        source="engine", clock="monotonic_ns", model=model_label(engine.model_dir),
+        draft_model=model_label(engine._proposer_dir()), proposer=config.proposer, schedule=config.schedule,
         draft_len=config.draft_len, device={"kind": config.device, "name": device_name or config.device},
         engine_config=config.model_dump(mode="json"), extra={"workload": workload or {}},
     )

@@ -3,7 +3,7 @@
 # Run from the repository root inside the venv (or through ./dev): bash traces/samples/capture.sh
 set -euo pipefail
 out=traces/samples
-common=(--num-requests 6 --max-tokens 48 --concurrency 2 --warmup 1)
+common=(--num-requests 6 --max-tokens 48 --concurrency 2 --warmup 0)
 specsched bench --spec draft --draft-len 4 --schedule sync    "${common[@]}" --trace $out/draft_sync.jsonl
 specsched bench --spec draft --draft-len 4 --schedule overlap "${common[@]}" --trace $out/draft_overlap.jsonl
 specsched bench --spec mtp   --draft-len 1 --schedule mtp     "${common[@]}" --trace $out/mtp_mtp.jsonl
