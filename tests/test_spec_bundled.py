@@ -1,0 +1,66 @@
+"""Losslessness on the bundled model and workload: every proposer at D in {1, 3, 5} and every
+natural schedule, one request and 8 concurrent, token-identical to plain greedy decoding;
+and an engine trace read back from disk gives the bench's own numbers."""
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from runtime import bundled
+from runtime.bench import run_workload
+from runtime.engine_config import EngineConfig
+from runtime.workload import load_workload
+
+pytestmark = pytest.mark.skipif(not (bundled.mtp_dir() / "config.json").exists(), reason="bundled head missing")
+
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def items():
+    return load_workload(bundled.workload_path(), limit=6, max_tokens=MAX_TOKENS)
+
+
+def _outputs(items, concurrency, **kw):
+    cfg = EngineConfig.make(**kw)
+    m, _, outs = anyio.run(lambda: run_workload(cfg, items, concurrency=concurrency, warmup=0, agreement=False))
+    return [o.token_ids for o in outs], m
+
+
+@pytest.fixture(scope="module")
+def reference(items):
+    return _outputs(items, 1, proposer="none")[0]
+
+
+@pytest.mark.parametrize("proposer,schedule,d", [
+    ("draft", "sync", 1), ("draft", "overlap", 3), ("draft", "overlap", 5),
+    ("mtp", "mtp", 1), ("mtp", "sync", 3), ("mtp", "mtp", 5),
+    ("eagle", "sync", 1), ("eagle", "overlap", 3), ("eagle", "sync", 5),
+    ("ngram", "sync", 1), ("ngram", "sync", 3), ("ngram", "sync", 5),
+    ("none", "plain_overlap", None),
+])
+def test_every_proposer_is_lossless_on_the_bundled_workload(items, reference, proposer, schedule, d):
+    single, _ = _outputs(items[:2], 1, proposer=proposer, schedule=schedule, draft_len=d)
+    assert single == reference[:2]
+    batched, m = _outputs(items, 6, proposer=proposer, schedule=schedule, draft_len=d)
+    assert batched == reference
+    if proposer != "none":
+        assert m["mean_accept_len"] > 1.0  # speculation really happened and was accepted
+
+
+@pytest.mark.parametrize("proposer,schedule,d", [("mtp", "mtp", 2), ("eagle", "overlap", 3)])
+def test_heads_survive_preemption(items, reference, proposer, schedule, d):
+    out, _ = _outputs(items, 6, proposer=proposer, schedule=schedule, draft_len=d, num_pages=30)
+    assert out == reference
+
+
+def test_engine_trace_roundtrip_gives_the_bench_numbers(items, tmp_path):
+    from traces.metrics import compute_metrics
+    from traces.reader import read_trace
+
+    cfg = EngineConfig.make(proposer="draft", schedule="overlap", draft_len=3)
+    path = tmp_path / "run.jsonl"
+    m, _, _ = anyio.run(lambda: run_workload(cfg, items[:4], concurrency=2, warmup=0, trace_path=str(path)))
+    again = compute_metrics(read_trace(path))
+    assert again == m
+    assert read_trace(path).header.model == "bundled/target"
