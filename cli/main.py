@@ -205,6 +205,8 @@ def bench(
     warmup: int = typer.Option(1),
     trace: Optional[Path] = typer.Option(None, help="write the run's trace (JSONL)"),
     compare_plain: bool = typer.Option(False, "--compare-plain", help="also run plain decoding; add speedup_vs_plain"),
+    otlp: Optional[str] = typer.Option(None, help="export spans live over OTLP/HTTP to this URL "
+                                       "(default: on when OTEL_EXPORTER_OTLP_ENDPOINT is set)"),
     config_file: Optional[Path] = typer.Option(None, "--config"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -227,7 +229,7 @@ def bench(
             task = progress.add_task(name, total=len(items))
             m, _, _ = anyio.run(lambda: run_workload(
                 c, items, concurrency=concurrency, rate_qps=rate, warmup=warmup,
-                trace_path=str(trace) if (trace and c is cfg) else None,
+                trace_path=str(trace) if (trace and c is cfg) else None, otlp=otlp if c is cfg else False,
                 on_done=lambda: progress.advance(task)))
             results.append((name, m))
     final = results[-1][1]

@@ -6,6 +6,7 @@ they share `traces.metrics.compute_metrics`; the bench simply records a trace in
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
@@ -56,12 +57,15 @@ async def run_workload(
     trace_path: str | None = None,
     agreement: bool = True,
     record: bool = True,
+    otlp: str | bool | None = None,
     on_done: Callable[[], None] | None = None,
 ) -> tuple[dict, object, list]:
     """Returns (metrics, trace, outputs). Closed loop with `concurrency` in flight, or
     open loop at `rate_qps` (Poisson-free: evenly spaced) / the items' own arrival_s.
     record=False runs without any tracer (to measure tracing overhead); metrics then hold only
-    wall-clock duration, output tokens and steps."""
+    wall-clock duration, output tokens and steps. `otlp` exports spans live over OTLP/HTTP:
+    a URL, or True to use the standard OTEL_EXPORTER_OTLP_* variables; None enables it when
+    OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set."""
     engine = AsyncEngine(config)
     outputs: list = [None] * len(items)
     async with engine:
@@ -70,8 +74,15 @@ async def run_workload(
                 await engine.generate_all(it.prompt, it.params)
         header = make_header(config, engine, workload={"concurrency": concurrency, "rate_qps": rate_qps})
         mem = MemoryRecorder(header)
+        live = None
+        if otlp is None:
+            otlp = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+        if otlp and record:
+            from traces.otel import OtelLiveTracer
+
+            live = OtelLiveTracer(header, endpoint=otlp if isinstance(otlp, str) else None)
         if record:
-            tracer = MultiTracer(mem)
+            tracer = MultiTracer(mem, *([live] if live else []))
             engine._pipeline.tracer = tracer
             engine.tracer = tracer
         steps0 = engine._pipeline.num_steps
@@ -94,6 +105,8 @@ async def run_workload(
         steps = engine._pipeline.num_steps - steps0
         if agreement and record and config.proposer != "none":
             await _record_agreement(engine, items, outputs, mem)
+        if live is not None:
+            live.close()  # bounded: a dead collector cannot hold the run
     if not record:
         toks = sum(len(o.token_ids) for o in outputs)
         return {"duration_s": duration, "output_tokens": toks, "steps": steps,
