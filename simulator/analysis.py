@@ -136,7 +136,7 @@ def tune(trace, *, profile: CostProfile | None = None, draft_lens: list[int] | N
             al = accept_len(trace, d) or m["mean_accept_len"]
             verify_name = "verify" if "verify" in profile.device else "decode"
             base = {"requests": c, "kv_tokens": c * kv_mean}
-            t1 = profile.device_ns("decode", base | {"tokens": c}) if "decode" in profile.device else None
+            t1 = profile.device_ns("decode", base | {"tokens": c})  # falls back to the verify model
             tv = profile.device_ns(verify_name, base | {"tokens": c * (1 + d)})
             td = 0.0
             if "draft" in profile.device:
