@@ -22,9 +22,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--sections", default="123", help="which parts to run, e.g. 13")
     args = ap.parse_args()
     items = bundled_items(args.num_requests, args.max_tokens)
 
+    if "1" in args.sections:
+        schedules_vs_sync(items)
+    if "2" in args.sections:
+        speedup_over_plain(items)
+    if "3" in args.sections:
+        tracing_overhead(items)
+
+
+def schedules_vs_sync(items) -> None:
     print("1. schedules at 8 concurrent requests")
     print(f"{'proposer':<8} {'schedule':<14} {'tok/s':>7} {'bubble':>7} {'vs sync':>8}")
     for proposer, d, schedules in (("none", None, ("sync", "plain_overlap")), ("draft", 3, ("sync", "overlap")),
@@ -36,6 +46,9 @@ def main() -> None:
             print(f"{proposer:<8} {sched:<14} {m['output_tokens_per_s']:>7.1f} {m['bubble_fraction']:>7.3f} "
                   f"{m['output_tokens_per_s'] / base:>7.2f}x")
 
+
+
+def speedup_over_plain(items) -> None:
     print("\n2. speedup over plain decoding")
     for conc in (1, 8):
         plain, _ = run(items, concurrency=conc, proposer="none", schedule="sync")
@@ -45,6 +58,9 @@ def main() -> None:
             row.append(f"{proposer}/{sched} {m['output_tokens_per_s'] / plain['output_tokens_per_s']:.2f}x")
         print("  " + ", ".join(row))
 
+
+
+def tracing_overhead(items) -> None:
     print("\n3. tracing overhead (draft/overlap, 8 concurrent; wall ms per step, 3 alternating pairs)")
     on, off = [], []
     for _ in range(3):

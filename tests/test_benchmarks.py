@@ -17,7 +17,7 @@ TINY = {
     "simulator_fidelity.py": ["--num-requests", "2", "--max-tokens", "6", "--concurrency", "2",
                               "--pairs", "draft:sync:overlap:2"],
     "hf_compare.py": ["--num-requests", "1", "--max-tokens", "4", "--draft-len", "2"],
-    "schedules.py": ["--num-requests", "1", "--max-tokens", "3"],
+    "schedules.py": ["--num-requests", "1", "--max-tokens", "3", "--sections", "1"],
 }
 
 
