@@ -55,11 +55,24 @@ def main() -> None:
         otel = OtelLiveTracer(header(), InMemorySpanExporter(), max_queue_size=1 << 20)
         rows.append(("OtelLiveTracer (in-memory exporter)", per_span_ns(otel, n // 10)))
         otel.close()
+        # a dead collector (nothing listens on the port): span calls must cost the same
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dead = OtelLiveTracer(header(), endpoint=f"http://127.0.0.1:{port}/v1/traces", export_timeout_s=0.2,
+                              shutdown_timeout_s=1.0)
+        rows.append(("OtelLiveTracer (dead collector)", per_span_ns(dead, n // 10)))
+        started = time.perf_counter_ns()
+        dead.close()
+        dead_close_ms = (time.perf_counter_ns() - started) / 1e6
         base = rows[0][1]
         print(f"{n} spans, one step record per 10 spans")
         print(f"{'tracer':40s} {'ns/span':>10s} {'x null':>10s}")
         for name, ns in rows:
             print(f"{name:40s} {ns:10.0f} {ns / base:10.1f}")
+        print(f"dead-collector tracer close: {dead_close_ms:.0f} ms (bounded by shutdown_timeout_s)")
         size_mb = os.path.getsize(path) / 1e6
         started = time.perf_counter()
         trace = read_trace(path)

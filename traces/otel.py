@@ -257,8 +257,8 @@ class OtelLiveTracer(OtelTracer):
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             env_timeout = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT" in os.environ
                            or "OTEL_EXPORTER_OTLP_TIMEOUT" in os.environ)
-            exporter = OTLPSpanExporter(endpoint=endpoint,
-                                        timeout=None if env_timeout else export_timeout_s)
+            exporter = _CircuitBreaker(OTLPSpanExporter(endpoint=endpoint,
+                                                        timeout=None if env_timeout else export_timeout_s))
         self._exporter = exporter
         self._processor = BatchSpanProcessor(
             exporter, max_queue_size=max_queue_size, schedule_delay_millis=schedule_delay_ms,
@@ -277,6 +277,34 @@ class OtelLiveTracer(OtelTracer):
         if stopper.is_alive():
             self._exporter.shutdown()
             stopper.join(1.0)
+
+
+class _CircuitBreaker(SpanExporter):
+    """Wraps a network exporter: after a failed export, batches are dropped without being
+    serialized or sent for `cooldown_s`. A dead collector then costs the engine's process no
+    serialization work or retries (which, in a Python process, compete for the GIL)."""
+
+    def __init__(self, inner: SpanExporter, cooldown_s: float = 10.0):
+        self.inner, self.cooldown_s = inner, cooldown_s
+        self._open_until = 0.0
+        self.num_dropped = 0
+
+    def export(self, spans):
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        if time.monotonic() < self._open_until:
+            self.num_dropped += len(spans)
+            return SpanExportResult.FAILURE
+        result = self.inner.export(spans)
+        if result != SpanExportResult.SUCCESS:
+            self._open_until = time.monotonic() + self.cooldown_s
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
 
 
 class _ChunkedExportProcessor(SpanProcessor):
