@@ -255,3 +255,19 @@ def test_eagle_with_temperature_raises(family, prompts):
     with pytest.raises(InvalidRequestError, match="temperature"):
         worker.execute("draft", {"step": 1, "slots": [0], "num_tokens": [4], "num_draft": [3], "page_size": PAGE,
                                  "page_tables": [blocks.page_table("r", "mtp")], "proposer_computed": [3]})
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind,schedule", [("mtp", "mtp"), ("eagle", "overlap")])
+def test_heads_on_cuda_are_lossless(family, prompts, kind, schedule):
+    kw = {"page_size": PAGE, "num_pages": PAGES, "device": "cuda"}
+    plain = ModelWorker(family[0], {"kind": "none", "draft_len": 0}, **kw)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = [r.output_token_ids for r in run_requests(plain, prompts, params, num_pages=PAGES)]
+    prop = {"kind": kind, "draft_len": 3}
+    if kind == "eagle":
+        prop["tree_parents"] = list(TREE)
+    worker = ModelWorker(family[0], prop, proposer_dir=family[1], **kw)
+    reqs = run_requests(worker, prompts, params, schedule=schedule, num_pages=PAGES)
+    assert [r.output_token_ids for r in reqs] == want

@@ -189,7 +189,8 @@ class EagleProposer(HeadProposer):
             masks = [np.concatenate([np.ones((len(run), L[i] - 1), dtype=bool), block], axis=1) for i in range(b)]
             positions = [np.full(len(run), L[i] - 2 + depth) for i in range(b)]
             ids = tokens[:, run].reshape(-1).tolist()
-            hid = torch.stack([carried_hidden if depth == 1 else node_hidden[self.spec.tree_parents[n]] for n in run], 1)
+            parents = [self.spec.tree_parents[n] for n in run]
+            hid = torch.stack([carried_hidden if p < 0 else node_hidden[p] for p in parents], 1)
             out = self._step(list(range(b)), tables, [L[i] - 1 + used for i in range(b)], ids,
                              hid.reshape(b * len(run), -1), positions, masks)
             logits = out.logits.view(b, len(run), -1)

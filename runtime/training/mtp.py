@@ -284,7 +284,8 @@ def write_card(path: Path, report: dict, shipped: str) -> None:
     main = variants[shipped]
     t, v = main["train"], main.get("validation") or {}
     steps_flag = f"--steps {t['steps']}"
-    flags = f"{steps_flag} --seed {cfg['seed']}" + (" --no-norms" if shipped == "no_norms" else "")
+    flags = f"{steps_flag} --seed {cfg['seed']} --threads {report['num_threads']}"
+    flags += " --no-norms" if shipped == "no_norms" else ""
     if len(variants) > 1:
         flags += " --ablation"
     eagle_key = next((k for k in v if k.startswith("eagle")), None)
@@ -330,12 +331,13 @@ def write_card(path: Path, report: dict, shipped: str) -> None:
         if eagle_key:
             lines.append(f"Eagle tree: `{eagle_key}` (default_tree), verified greedily in one target forward.")
     if len(variants) > 1:
-        lines += ["", "Both variants trained on the same precomputed data with the same budget and seed."]
+        lines += ["", "Both variants trained on the same precomputed data for the same number of steps, same seed."]
     lines += [
         "", "## Reproduce", "",
         "    specsched train-mtp --target runtime/bundled/target --out runtime/bundled/mtp", "",
         "trains for a wall-clock budget (6 min by default; a busy machine takes fewer steps). This",
-        "run's step schedule exactly (same seed, data order; fixed thread count):", "",
+        "run exactly (step schedule, same seed, data order and thread count; `--ablation` also",
+        "retrains the variant without the norms for the table above):", "",
         f"    specsched train-mtp --target runtime/bundled/target --out runtime/bundled/mtp {flags}", "",
     ]
     path.write_text("\n".join(lines))
