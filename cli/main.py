@@ -372,6 +372,8 @@ def validate(
     t.add_column("error", justify="right")
     t.add_row("per-step time, median |err|", f"{res['step_time_err_pct']['p50']:.2f}%")
     t.add_row("per-step time, p90 |err|", f"{res['step_time_err_pct']['p90']:.2f}%")
+    for k, label in (("p50", "median"), ("p90", "p90")):
+        t.add_row(f"step time {label} (distribution)", f"{res['step_time_dist_err_pct'][k]:.2f}%")
     t.add_row("makespan", f"{res['makespan_err_pct']:.2f}%")
     t.add_row("output tokens/s", f"{res['output_tokens_per_s_err_pct']:.2f}%")
     for k in ("p50", "p99"):

@@ -1,6 +1,10 @@
 """validate, A/B and tune: the questions the simulator answers from one trace.
 
-validate  replay under the captured configuration; error against what was measured.
+validate  replay under the captured configuration; error against what was measured. Step
+          times are compared two ways: step by step (step k of the replay against step k of
+          the run: bounded below by the run-to-run noise of the machine, which a simulator
+          with deterministic costs cannot predict) and as distributions (the median and p90
+          step time of the replay against those of the run).
 ab        two configurations on the same workload and acceptance draws (paired), replicated
           with the cost models' residual noise; bootstrap confidence intervals on the
           differences; "no difference" when an interval spans zero.
@@ -32,10 +36,14 @@ def validate(trace, profile: CostProfile | None = None) -> dict:
     ss = sorted(sim.steps, key=lambda s: s.step)
     n = min(len(rs), len(ss))
     errs = np.array([_pct(b.end_ns - b.start_ns, a.end_ns - a.start_ns) or 0.0 for a, b in zip(rs[:n], ss[:n])])
+    rt = np.array([s.end_ns - s.start_ns for s in rs], dtype=float)
+    st = np.array([s.end_ns - s.start_ns for s in ss], dtype=float)
     out = {
         "steps_real": len(rs), "steps_sim": len(ss),
         "step_time_err_pct": {"p50": float(np.median(errs)) if n else None,
                               "p90": float(np.percentile(errs, 90)) if n else None},
+        "step_time_dist_err_pct": {q: _pct(float(np.percentile(st, p)), float(np.percentile(rt, p))) if n else None
+                                   for q, p in (("p50", 50), ("p90", 90))},
         "makespan_err_pct": _pct(sim_m["duration_s"], real["duration_s"]),
         "output_tokens_per_s_err_pct": _pct(sim_m["output_tokens_per_s"], real["output_tokens_per_s"]),
         "ttft_err_pct": {k: _pct(sim_m["ttft_ms"][k], real["ttft_ms"][k]) for k in ("p50", "p99")},

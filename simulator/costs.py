@@ -217,8 +217,8 @@ def fit_profile(traces: list, *, tile: int = 1) -> CostProfile:
         prof.device[name] = fit_stage([r for r, _ in rows], [d for _, d in rows], feats)
     for name, rows in host_rows.items():
         prof.host[name] = fit_stage([r for r, _ in rows], [d for _, d in rows], FEATURES[:4])
-    prof.launch_latency_ns = max(0.0, float(np.median(launch_lat))) if launch_lat else 0.0
-    prof.wakeup_ns = float(np.median(wakeups)) if wakeups else 0.0
-    prof.step_overhead_ns = float(np.median(overheads)) if overheads else 0.0
-    prof.op_gap_ns = float(np.median(gaps)) if gaps else 0.0
+    prof.launch_latency_ns = max(0.0, float(np.mean(launch_lat))) if launch_lat else 0.0
+    prof.wakeup_ns = float(np.mean(wakeups)) if wakeups else 0.0
+    prof.step_overhead_ns = float(np.mean(overheads)) if overheads else 0.0
+    prof.op_gap_ns = float(np.mean(gaps)) if gaps else 0.0
     return prof

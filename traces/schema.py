@@ -14,6 +14,7 @@ system monotonic clock shared by host and device lanes; `virtual_ns`: the simula
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import platform
 import time
@@ -253,6 +254,12 @@ _LIST_OF = {"request": "requests", "span": "spans", "step": "steps", "finish": "
 
 def library_versions() -> dict[str, str]:
     """Versions of Python and the installed packages that shape a run's timing."""
+    return dict(_library_versions())
+
+
+@functools.cache
+def _library_versions() -> dict[str, str]:
+    # reading package metadata costs ~4 ms a package: once per process, not per trace
     versions = {"python": platform.python_version()}
     for name in _VERSIONED_PACKAGES:
         try:
