@@ -36,7 +36,13 @@ class StageModel:
     cv: float = 0.0  # relative std of the residuals (noise for replicated replays)
 
     def predict(self, feats: dict[str, float]) -> float:
-        return max(0.0, sum(c * feats.get(k, 0.0) for k, c in self.coef.items()))
+        terms = self.__dict__.get("_terms")
+        if terms is None:  # the non-zero coefficients, once (predict runs per simulated stage)
+            terms = self.__dict__["_terms"] = tuple((k, c) for k, c in self.coef.items() if c)
+        total = 0.0
+        for k, c in terms:
+            total += c * feats.get(k, 0.0)
+        return total if total > 0.0 else 0.0
 
 
 @dataclass

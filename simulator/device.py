@@ -34,7 +34,7 @@ class VirtualEvent:
         self._error = error
 
     def _now(self) -> int:
-        return int(round(asyncio.get_running_loop().time() * 1e9))
+        return int(asyncio.get_running_loop().time() * 1e9 + 0.5)
 
     def query(self) -> bool:
         return self._now() >= self.end_ns
@@ -65,7 +65,7 @@ class VirtualStream:
 
     def launch(self, op: str, batch: dict) -> VirtualEvent:
         dev = self.device
-        now = int(round(asyncio.get_running_loop().time() * 1e9))
+        now = int(asyncio.get_running_loop().time() * 1e9 + 0.5)
         ready = now + int(dev.profile.launch_latency_ns)
         queue_free = dev.busy_until_ns if dev.profile.serialize_streams else self.busy_until_ns
         if queue_free > 0:

