@@ -60,7 +60,6 @@ def specsched_runs(prompts_ids, max_tokens, k):
     for name, kw in variants.items():
         for conc in (1, 8):
             cfg = EngineConfig.make(**kw)
-            t0 = time.perf_counter()
             metrics, _, outs = anyio.run(lambda: run_workload(cfg, items, concurrency=conc, warmup=1, agreement=False))
             results[(name, conc)] = (metrics["duration_s"], [o.token_ids for o in outs], metrics)
     return results

@@ -7,7 +7,6 @@ JSON land in the output folder.
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import anyio

@@ -155,9 +155,8 @@ class BatchBuilder:
         preempted: list[Request] = []
         # Speculate only on a decode-only batch: every running request decodes and no waiting
         # one can be admitted (none waits, or every seat is taken).
-        decode_only = all(not r.in_prefill for r in self.running) and (
-            not self.waiting or len(self.running) >= cfg.max_num_seqs
-        )
+        decode_only = (not self.waiting or len(self.running) >= cfg.max_num_seqs) and not any(
+            r.in_prefill for r in self.running)
         draft = cfg.draft_len if decode_only else 0
         planned = 0  # pages already promised to earlier seqs this step
 
@@ -165,9 +164,6 @@ class BatchBuilder:
             # a verification computes (and writes KV for) all 1 + D positions of every row
             d = draft if n == 1 else 0
             return self.blocks.pages_needed(req.request_id, self.slots_needed(req, n, d))
-
-        def fits(req: Request, n: int) -> bool:
-            return need(req, n) + planned <= self.blocks.num_free_pages
 
         gone: set[int] = set()  # ids of requests preempted in this loop
         for req in list(self.running):
@@ -205,17 +201,18 @@ class BatchBuilder:
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not fits(req, n):
+            pages = need(req, n)
+            if pages + planned > self.blocks.num_free_pages:
                 if not self.running:
                     raise RuntimeError(
                         f"request {req.request_id} does not fit in the KV pool even alone "
-                        f"({need(req, n)} pages needed, {self.blocks.num_free_pages} free)"
+                        f"({pages} pages needed, {self.blocks.num_free_pages} free)"
                     )
                 break
             self.waiting.popleft()
             req.state = RequestState.RUNNING
             self.running.append(req)
-            planned += need(req, n)
+            planned += pages
             seqs.append(ScheduledSeq(req, n, 0))
             budget -= n
 

@@ -53,10 +53,17 @@ class BlockManager:
         return len(self.page_table(request_id, model)) * self.page_size
 
     def pages_needed(self, request_id: str, slots: Mapping[str, int]) -> int:
+        # the scheduler asks this for every running request every step: kept lean
         need = 0
+        ps = self.page_size
+        tables = self._tables
         for model, n in slots.items():
-            have = len(self._model_tables(model).get(request_id, ()))
-            need += max(0, self.pages_for(n) - have)
+            t = tables.get(model)
+            if t is None:
+                self._model_tables(model)  # raises the error naming the pool's models
+            short = (n + ps - 1) // ps - len(t.get(request_id, ()))
+            if short > 0:
+                need += short
         return need
 
     # -- check / act -----------------------------------------------------------------------
@@ -69,10 +76,15 @@ class BlockManager:
         need = self.pages_needed(request_id, slots)
         if need > len(self._free):
             raise OutOfPagesError(f"request {request_id}: needs {need} pages, {len(self._free)} free")
+        if not need:
+            return
+        free = self._free
         for model, n in slots.items():
             table = self._tables[model].setdefault(request_id, [])
-            for _ in range(self.pages_for(n) - len(table)):
-                table.append(self._free.pop())
+            short = self.pages_for(n) - len(table)
+            if short > 0:
+                table.extend(free[-short:][::-1])  # the same pages, in the order pop() gives
+                del free[-short:]
 
     # Appending is allocation of a longer length; the names mirror the usual pair.
     can_append = can_allocate

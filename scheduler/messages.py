@@ -113,7 +113,8 @@ def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec) ->
         "page_size": blocks.page_size,
     }
     if spec.kv_model is not None:
-        msg["page_tables"] = [list(blocks.page_table(r.request_id, spec.kv_model)) for r in reqs]
+        # the tables themselves, not copies: a device consumes the message at launch
+        msg["page_tables"] = [blocks.page_table(r.request_id, spec.kv_model) for r in reqs]
         msg["proposer_computed"] = np.array([r.num_proposer_computed for r in reqs], dtype=np.int64)
     return msg
 
@@ -150,3 +151,48 @@ def fill_message(
         "start": starts,
         "plan": plan,
     }
+
+
+def prefill_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
+                         with_plan: bool = True) -> dict | None:
+    """The proposer's fill after a forward step (None if no row needs one). Call before the
+    step's bookkeeping advances `num_computed_tokens`. A head (or EAGLE) fills exactly the
+    target's new positions; a draft model catches up from what it has seen to the new last
+    token (including a sampled one: its KV runs one token ahead of the target's)."""
+    reqs, starts, ends = [], [], []
+    for s in batch.seqs:
+        r = s.request
+        if spec.fill_same_batch or spec.kind == "eagle":
+            a, b = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+        else:
+            a, b = r.num_proposer_computed, r.num_computed_tokens + s.num_new_tokens + (1 if s.samples else 0)
+        if b > a:
+            reqs.append(r)
+            starts.append(a)
+            ends.append(b)
+    if not reqs:
+        return None
+    return fill_message(batch.step, reqs, np.array(starts), np.array(ends), blocks, spec,
+                        after="forward", with_plan=with_plan)
+
+
+def accept_fill_message(batch: StepBatch, starts_before: list[int], accepted: np.ndarray,
+                        blocks: BlockManager, spec: ProposerSpec, with_plan: bool = True) -> dict:
+    """The proposer's fill after a verification whose accepted lengths the host now knows.
+    `starts_before[i]` is row i's token count before the step. Positions the proposer
+    already wrote while drafting stay valid up to the first rejection; the fill covers the
+    rest of the accepted tokens (and, for a draft model, the bonus token)."""
+    reqs = [s.request for s in batch.seqs]
+    starts, ends = [], []
+    for i, r in enumerate(reqs):
+        L = starts_before[i]
+        a = int(accepted[i])
+        valid = r.num_proposer_computed + min(a, max(int(batch.seqs[i].num_draft) - 1, 0))
+        if spec.kind == "eagle":
+            valid = L - 1
+        starts.append(min(valid, L + a))
+        ends.append(L + a + (1 if spec.kind == "draft" else 0))
+    msg = fill_message(batch.step, reqs, np.array(starts), np.array(ends), blocks, spec,
+                       after="verify", with_plan=with_plan)
+    msg["accepted"] = accepted
+    return msg

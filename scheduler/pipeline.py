@@ -29,9 +29,10 @@ import numpy as np
 
 from scheduler import messages
 from scheduler.batch_builder import BatchBuilder, StepBatch
-from scheduler.protocols import Clock, Device, DeviceError, Event
+from scheduler.protocols import Clock, Device, DeviceError
 from scheduler.proposer import ProposerSpec, validate_combination
 from scheduler.request import Request, RequestState
+from scheduler.step_trace import Launch, StepTrace, batch_attrs, fill_attrs
 from traces.hook import NULL_TRACER
 
 
@@ -54,29 +55,6 @@ class PipelineConfig:
         validate_combination(self.proposer.kind, self.schedule, self.proposer.draft_len)
 
 
-@dataclass
-class _Launch:
-    event: Event
-    step: int
-    op: str
-    attrs: dict
-
-
-def batch_attrs(batch: StepBatch, width: int = 0) -> dict:
-    """Shape of a step for traces and cost models: requests, tokens, KV tokens. A speculative
-    step computes a fixed `width` (1 + candidates) tokens per row, whatever was drafted."""
-    return {
-        "requests": len(batch.seqs),
-        "tokens": len(batch.seqs) * width if (width and batch.is_spec) else batch.num_tokens,
-        "kv_tokens": sum(s.request.num_computed_tokens + s.num_new_tokens + s.num_draft for s in batch.seqs),
-    }
-
-
-def _fill_attrs(msg: dict) -> dict:
-    qo = msg["plan"]["qo_indptr"]
-    return {"requests": len(qo) - 1, "tokens": int(qo[-1]), "kv_tokens": int(msg["plan"]["kv_lens"].sum())}
-
-
 class Pipeline:
     def __init__(
         self,
@@ -95,7 +73,7 @@ class Pipeline:
         self.blocks = builder.blocks
         self.clock = clock
         self.sink = sink
-        self.tracer = tracer if tracer is not None else NULL_TRACER
+        self.trace = StepTrace(tracer if tracer is not None else NULL_TRACER, self._now)
         self.eos = set(eos_token_ids)
         # a device that only models time (the simulator's) needs no attention metadata
         self.with_plan = getattr(device, "needs_plans", True)
@@ -104,10 +82,8 @@ class Pipeline:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._release: list[int] = []
-        self._unrecorded: list[_Launch] = []
-        self._steps_done: list[tuple] = []
-        self._pending_fill: _Launch | None = None
-        self._inflight: tuple[StepBatch, _Launch] | None = None
+        self._pending_fill: Launch | None = None
+        self._inflight: tuple[StepBatch, Launch] | None = None
         self._wake = anyio.Event()
         self._stopping = False
         self.requests: dict[str, Request] = {}
@@ -116,6 +92,14 @@ class Pipeline:
         # engine leaves it None: real host work takes real time.
         self.host_cost: Any = None
         self._debt_ns = 0
+
+    @property
+    def tracer(self) -> Any:
+        return self.trace.tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Any) -> None:  # a benchmark may attach one after a warm-up
+        self.trace.tracer = tracer
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -194,7 +178,7 @@ class Pipeline:
     def _span(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
         self.tracer.span("host", name, step, start_ns, self._now(), **attrs)
 
-    async def _launch(self, stream: Any, op: str, msg: dict, step: int, **attrs: Any) -> _Launch:
+    async def _launch(self, stream: Any, op: str, msg: dict, step: int, **attrs: Any) -> Launch:
         if self._release:
             msg["release"] = self._release
             self._release = []
@@ -203,49 +187,18 @@ class Pipeline:
             self._debt_ns += int(self.host_cost("launch", attrs))
             await self._pay()
         msg["attrs"] = attrs  # the step's shape travels with the work (virtual device costs)
-        ev = stream.launch(op, msg)
-        launch = _Launch(ev, step, op, attrs)
+        launch = Launch(stream.launch(op, msg), step, op, attrs)
         if self.tracer.enabled:
-            launch_id = f"{step}:{op}"
-            self.tracer.span("host", "launch", step, t0, self._now(), op=op,
-                             launch_id=launch_id, **attrs)
-            launch.attrs["launch_id"] = launch_id
-            self._unrecorded.append(launch)
+            self.trace.launched(launch, t0)
         return launch
 
-    async def _sync(self, launch: _Launch) -> Any:
+    async def _sync(self, launch: Launch) -> Any:
         await self._pay()
         t0 = self._now()
         try:
             return await launch.event.wait()
         finally:
             self._span("sync", launch.step, t0, op=launch.op)
-
-    def _record_device_spans(self, force: bool = False) -> None:
-        """Device intervals become `device:<stream>` spans once their events are done."""
-        keep = []
-        for launch in self._unrecorded:
-            ev = launch.event
-            if not ev.query():
-                if not force:
-                    keep.append(launch)
-                continue
-            if ev.start_ns is None:
-                continue
-            track = f"device:{ev.stream}"
-            attrs = {k: v for k, v in launch.attrs.items() if k != "t_step"}
-            try:
-                result = ev.synchronize(0)
-            except Exception:  # noqa: BLE001 - failed work still occupied the device
-                result = None
-            sub = result.get("_substages") if isinstance(result, dict) else None
-            if sub:
-                for sname, s0, s1 in sub:
-                    self.tracer.span(track, sname, launch.step, s0, s1, **attrs)
-            else:
-                name = {"fill": "draft_fill", "forward": attrs.get("kind", "forward")}.get(launch.op, launch.op)
-                self.tracer.span(track, name, launch.step, ev.start_ns, ev.end_ns, **attrs)
-        self._unrecorded = keep
 
     # -- main loop --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -263,7 +216,7 @@ class Pipeline:
                     await self._wake.wait()
                     continue
             await self.step()
-        self._record_device_spans(force=True)
+        self.trace.record_device_spans(force=True)
 
     def stop(self) -> None:
         self._stopping = True
@@ -280,8 +233,8 @@ class Pipeline:
                 await self._sync(fill)
             except DeviceError:
                 pass  # the next launch for these rows reports it
-        self._flush_step_records()
-        self._record_device_spans()
+        self.trace.flush_steps()
+        self.trace.record_device_spans()
 
     async def step(self) -> None:
         if self._inflight is not None and self.blocks.num_free_pages < len(self.builder.running) + 1:
@@ -303,9 +256,9 @@ class Pipeline:
         else:
             await self._forward_step(batch, t_step)
         self.num_steps += 1
-        self._flush_step_records()
+        self.trace.flush_steps()
         await self._pay()
-        self._record_device_spans()
+        self.trace.record_device_spans()
 
     # -- plain / prefill steps ----------------------------------------------------------------
     async def _forward_step(self, batch: StepBatch, t_step: int) -> None:
@@ -314,7 +267,7 @@ class Pipeline:
         msg = messages.forward_message(batch, self.blocks, self.with_plan)
         fill_msg = None
         if spec.kv_model is not None:
-            fill_msg = self._prefill_fill_message(batch)
+            fill_msg = messages.prefill_fill_message(batch, self.blocks, spec, self.with_plan)
         await self._host("plan", batch.step, t0, **self._attrs(batch))
         launch = await self._launch(self.main, "forward", msg, batch.step, kind=batch.kind,
                                     **self._attrs(batch))
@@ -333,7 +286,7 @@ class Pipeline:
         if fill_msg is not None:
             self.aux.wait_event(launch.event)
             s_fill = await self._launch(self.aux, "fill", fill_msg, batch.step, after="forward",
-                                        **_fill_attrs(fill_msg))
+                                        **fill_attrs(fill_msg))
         if self.config.schedule == "plain_overlap":
             prev, self._inflight = self._inflight, (batch, launch)
             if prev is not None:
@@ -346,31 +299,13 @@ class Pipeline:
             else:
                 self._pending_fill = s_fill
 
-    def _prefill_fill_message(self, batch: StepBatch) -> dict | None:
-        spec = self.spec
-        reqs, starts, ends = [], [], []
-        for s in batch.seqs:
-            r = s.request
-            if spec.fill_same_batch or spec.kind == "eagle":
-                a, b = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-            else:
-                a, b = r.num_proposer_computed, r.num_computed_tokens + s.num_new_tokens + (1 if s.samples else 0)
-            if b > a:
-                reqs.append(r)
-                starts.append(a)
-                ends.append(b)
-        if not reqs:
-            return None
-        return messages.fill_message(batch.step, reqs, np.array(starts), np.array(ends), self.blocks, spec, after="forward",
-                                      with_plan=self.with_plan)
-
-    async def _await_fill(self, launch: _Launch, batch: StepBatch) -> None:
+    async def _await_fill(self, launch: Launch, batch: StepBatch) -> None:
         try:
             await self._sync(launch)
         except DeviceError as e:
             self._fail_batch(batch, e)
 
-    async def _complete_forward(self, batch: StepBatch, launch: _Launch) -> None:
+    async def _complete_forward(self, batch: StepBatch, launch: Launch) -> None:
         try:
             result = await self._sync(launch)
         except DeviceError as e:
@@ -387,7 +322,7 @@ class Pipeline:
             else:
                 out_counts.append(0)
         await self._host("output", batch.step, t0, **self._attrs(batch), emitted=sum(out_counts))
-        self._step_record(batch, launch.attrs.get("t_step", t0), out_counts, [0] * len(batch), [0] * len(batch))
+        self.trace.step_done(batch, launch.attrs.get("t_step", t0), out_counts, [0] * len(batch), [0] * len(batch))
 
     # -- speculative steps --------------------------------------------------------------------
     async def _spec_step(self, batch: StepBatch, t_step: int) -> None:
@@ -417,7 +352,7 @@ class Pipeline:
         if fmsg is not None and sched == "mtp":
             self.aux.wait_event(v_launch.event)
             f_launch = await self._launch(self.aux, "fill", fmsg, batch.step, after="verify",
-                                          **_fill_attrs(fmsg))
+                                          **fill_attrs(fmsg))
         try:
             result = await self._sync(v_launch)
         except DeviceError as e:
@@ -433,26 +368,12 @@ class Pipeline:
             r.num_computed_tokens += 1 + int(accepted[i])
         if spec.kv_model is not None and f_launch is None:
             t0 = self._now()
-            reqs = [s.request for s in batch.seqs]
-            if spec.fill_same_batch:
-                fm = fmsg
-            else:
-                starts, ends = [], []
-                for i, r in enumerate(reqs):
-                    L = starts_before[i]
-                    a = int(accepted[i])
-                    valid = r.num_proposer_computed + min(a, max(int(batch.seqs[i].num_draft) - 1, 0))
-                    if spec.kind == "eagle":
-                        valid = L - 1
-                    starts.append(min(valid, L + a))
-                    ends.append(L + a + (1 if spec.kind == "draft" else 0))
-                fm = messages.fill_message(batch.step, reqs, np.array(starts), np.array(ends),
-                                           self.blocks, spec, after="verify", with_plan=self.with_plan)
-                fm["accepted"] = accepted
-            await self._host("plan", batch.step, t0, kind="fill", **_fill_attrs(fm))
+            fm = fmsg if spec.fill_same_batch else messages.accept_fill_message(
+                batch, starts_before, accepted, self.blocks, spec, self.with_plan)
+            await self._host("plan", batch.step, t0, kind="fill", **fill_attrs(fm))
             self.aux.wait_event(v_launch.event)
             f_launch = await self._launch(self.aux, "fill", fm, batch.step, after="verify",
-                                          **_fill_attrs(fm))
+                                          **fill_attrs(fm))
         t0 = self._now()
         out_counts = []
         for i, s in enumerate(batch.seqs):
@@ -465,7 +386,7 @@ class Pipeline:
             if not r.is_finished:
                 self.blocks.trim(r.request_id, "target", r.num_tokens)
         await self._host("output", batch.step, t0, **self._attrs(batch), emitted=sum(out_counts))
-        self._step_record(batch, t_step, out_counts, [int(x) for x in num_drafts], [int(x) for x in accepted])
+        self.trace.step_done(batch, t_step, out_counts, [int(x) for x in num_drafts], [int(x) for x in accepted])
         if f_launch is not None:
             if sched == "sync":
                 await self._await_fill(f_launch, batch)
@@ -506,21 +427,3 @@ class Pipeline:
             s.request.num_pending_tokens = 0
             self._finish(s.request, "error", error=str(err))
         self.tracer.span("host", "error", batch.step, self._now(), self._now(), error=str(err))
-
-    def _step_record(self, batch: StepBatch, t_step: int, out_counts: list[int], drafted: list[int], accepted: list[int]) -> None:
-        """Queue the step's record; it is written when the step's host work ends (after any
-        fill the schedule waits for), so step intervals cover the whole step."""
-        if self.tracer.enabled:
-            self._steps_done.append((batch, t_step, out_counts, drafted, accepted))
-
-    def _flush_step_records(self) -> None:
-        end = self._now()
-        for batch, t_step, out_counts, drafted, accepted in self._steps_done:
-            self.tracer.step(
-                step=batch.step, kind=batch.kind, start_ns=t_step, end_ns=max(end, t_step),
-                request_ids=[s.request.request_id for s in batch.seqs],
-                num_new_tokens=[s.num_new_tokens + s.num_draft for s in batch.seqs],
-                kv_lens=[s.request.num_computed_tokens for s in batch.seqs],
-                num_drafted=drafted, num_accepted=accepted, num_output=out_counts,
-            )
-        self._steps_done.clear()

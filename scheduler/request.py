@@ -50,9 +50,12 @@ class Request:
     accepted_per_pos: list[int] = field(default_factory=list)  # [D] drafts accepted at >= k+1
     drafted_per_pos: list[int] = field(default_factory=list)  # [D] drafts with >= k+1 tokens
 
+    def __post_init__(self) -> None:
+        self._num_prompt = len(self.prompt_token_ids)  # the prompt never changes
+
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self._num_prompt
 
     @property
     def num_output_tokens(self) -> int:
@@ -61,7 +64,7 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Tokens of the sequence, including ones sampled on the device but not yet seen."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+        return self._num_prompt + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -75,10 +78,8 @@ class Request:
     def in_prefill(self) -> bool:
         """True while the prompt, or some token before the last, still lacks KV (prompt or
         recompute). A token sampled on the device but not yet seen counts as emitted."""
-        return (
-            self.num_computed_tokens < self.num_prompt_tokens
-            or self.num_computed_tokens < self.num_tokens - 1
-        )
+        c = self.num_computed_tokens
+        return c < self._num_prompt or c < self._num_prompt + len(self.output_token_ids) + self.num_pending_tokens - 1
 
     @property
     def remaining_tokens(self) -> int:

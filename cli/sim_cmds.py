@@ -1,0 +1,179 @@
+"""Simulator commands: replay, validate, ab, tune, fit-profile."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from cli.common import _fail, _metrics_table, _print_json, _read_trace, app, console
+
+
+def _replay_config(schedule, spec, draft_len, acceptance, rate_scale, concurrency, seed=0):
+    from simulator.replay import ReplayConfig
+
+    return ReplayConfig(schedule=schedule, proposer=spec, draft_len=draft_len, acceptance=acceptance,
+                        rate_scale=rate_scale, concurrency=concurrency, seed=seed)
+
+
+def _profile(trace_obj, profile_path: Optional[Path]):
+    from simulator.costs import CostProfile, fit_profile
+
+    if profile_path is not None and profile_path.exists():
+        try:
+            return CostProfile.load(profile_path)
+        except ValueError as e:
+            _fail(str(e))
+    return fit_profile([trace_obj])
+
+
+@app.command("replay")
+def replay_cmd(
+    trace: Path,
+    schedule: Optional[str] = typer.Option(None),
+    spec: Optional[str] = typer.Option(None),
+    draft_len: Optional[int] = typer.Option(None, "--draft-len"),
+    rate_scale: float = typer.Option(1.0, "--rate-scale"),
+    concurrency: Optional[int] = typer.Option(None),
+    acceptance: str = typer.Option("trace", help="trace | rates | bernoulli:ALPHA"),
+    profile: Optional[Path] = typer.Option(None, help="cost profile JSON (default: fit from the trace)"),
+    trace_out: Optional[Path] = typer.Option(None, "--trace", help="write the simulated trace"),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Replay a trace in virtual time under another schedule / proposer / draft length."""
+    from simulator.replay import replay
+    from traces.recorder import write_trace
+
+    tr = _read_trace(trace)
+    try:
+        m, sim = replay(tr, _profile(tr, profile), _replay_config(schedule, spec, draft_len, acceptance, rate_scale, concurrency))
+    except (ValueError, KeyError) as e:
+        _fail(str(e))
+    if trace_out:
+        write_trace(sim, trace_out)
+    if json_out:
+        _print_json(m)
+    else:
+        _metrics_table(f"replay of {trace.name}", [("simulated", m)])
+
+
+@app.command()
+def validate(
+    trace: Path,
+    profile: Optional[Path] = typer.Option(None),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Replay a trace under its own configuration; error against the measured run."""
+    from simulator.analysis import validate as run_validate
+
+    tr = _read_trace(trace)
+    res = run_validate(tr, _profile(tr, profile))
+    if json_out:
+        _print_json(res)
+        return
+    from rich.table import Table
+
+    t = Table(title=f"simulator fidelity on {trace.name}")
+    t.add_column("metric")
+    t.add_column("error", justify="right")
+    t.add_row("per-step time, median |err|", f"{res['step_time_err_pct']['p50']:.2f}%")
+    t.add_row("per-step time, p90 |err|", f"{res['step_time_err_pct']['p90']:.2f}%")
+    for k, label in (("p50", "median"), ("p90", "p90")):
+        t.add_row(f"step time {label} (distribution)", f"{res['step_time_dist_err_pct'][k]:.2f}%")
+    t.add_row("makespan", f"{res['makespan_err_pct']:.2f}%")
+    t.add_row("output tokens/s", f"{res['output_tokens_per_s_err_pct']:.2f}%")
+    for k in ("p50", "p99"):
+        t.add_row(f"TTFT {k}", f"{res['ttft_err_pct'][k]:.2f}%")
+        v = res["tpot_err_pct"][k]
+        t.add_row(f"TPOT {k}", f"{v:.2f}%" if v is not None else "-")
+    v = res["bubble_fraction_err_pp"]
+    t.add_row("bubble fraction", f"{v:.2f} pp" if v is not None else "-")
+    Console().print(t)
+
+
+@app.command()
+def ab(
+    trace: Path,
+    a: str = typer.Option(..., "--a", help="variant A, e.g. 'schedule=sync' or 'draft_len=3,schedule=overlap'"),
+    b: str = typer.Option(..., "--b", help="variant B"),
+    replicates: int = typer.Option(10),
+    profile: Optional[Path] = typer.Option(None),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """A/B two configurations on the same workload and acceptance draws, with bootstrap CIs."""
+    from simulator.analysis import ab as run_ab
+    from simulator.replay import ReplayConfig
+
+    def parse(text: str) -> ReplayConfig:
+        kw = {}
+        for part in filter(None, text.split(",")):
+            k, _, v = part.partition("=")
+            k = {"spec": "proposer", "draft-len": "draft_len"}.get(k.strip(), k.strip())
+            if k not in ("schedule", "proposer", "draft_len", "acceptance", "rate_scale", "concurrency"):
+                _fail(f"unknown A/B field {k!r}")
+            kw[k] = int(v) if k in ("draft_len", "concurrency") else float(v) if k == "rate_scale" else v
+        return ReplayConfig(**kw)
+
+    tr = _read_trace(trace)
+    try:
+        res = run_ab(tr, parse(a), parse(b), profile=_profile(tr, profile), replicates=replicates)
+    except (ValueError, KeyError) as e:
+        _fail(str(e))
+    if json_out:
+        _print_json(res)
+        return
+    from rich.table import Table
+
+    t = Table(title=f"A: {a}   B: {b}   ({replicates} replicates)")
+    for col in ("metric", "A", "B", "B - A (95% CI)", "verdict"):
+        t.add_column(col)
+    for key, label in (("output_tokens_per_s", "tokens/s"), ("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms")):
+        d = res["diff_b_minus_a"][key]
+        va = res["a"][key] if key == "output_tokens_per_s" else res["a"][key]["p50"]
+        vb = res["b"][key] if key == "output_tokens_per_s" else res["b"][key]["p50"]
+        t.add_row(label, f"{va:.2f}", f"{vb:.2f}", f"{d['diff_mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]", d["verdict"])
+    Console().print(t)
+
+
+@app.command()
+def tune(
+    trace: Path,
+    profile: Optional[Path] = typer.Option(None),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Sweep the draft length per batch-size regime; simulated speedup next to the formula."""
+    from simulator.analysis import tune as run_tune
+
+    tr = _read_trace(trace)
+    try:
+        res = run_tune(tr, profile=_profile(tr, profile))
+    except (ValueError, KeyError) as e:
+        _fail(str(e))
+    if json_out:
+        _print_json(res)
+        return
+    from rich.table import Table
+
+    t = Table(title=f"draft length sweep on {trace.name}")
+    for col in ("concurrency", "D", "mean AL", "sim speedup", "formula speedup"):
+        t.add_column(col, justify="right")
+    for r in res["rows"]:
+        if "error" in r:
+            continue
+        t.add_row(str(r["concurrency"]), str(r["draft_len"]), f"{r['mean_accept_len']:.2f}",
+                  f"{r['sim_speedup']:.2f}x", f"{r['formula_speedup']:.2f}x" if r["formula_speedup"] else "-")
+    Console().print(t)
+    console.print(f"best D per concurrency: {res['best']}")
+
+
+@app.command("fit-profile")
+def fit_profile_cmd(traces: list[Path], out: Path = typer.Option(..., "-o", "--out")) -> None:
+    """Fit a cost profile (JSON) from engine traces of one machine; prints MAPE per stage."""
+    from simulator.costs import fit_profile
+
+    prof = fit_profile([_read_trace(t) for t in traces])
+    prof.save(out)
+    for k, v in sorted(prof.mape().items()):
+        console.print(f"{k:24s} MAPE {v:6.2f}%")
+    console.print(f"wrote {out}")

@@ -1,0 +1,69 @@
+"""Trace commands: stats, export (Chrome/Perfetto, OpenTelemetry), timeline pictures."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cli.common import _fail, _metrics_table, _print_json, _read_trace, app, console
+
+
+@app.command()
+def stats(trace: Path, json_out: bool = typer.Option(False, "--json")) -> None:
+    """Metrics of a trace (the same keys as `bench --json`)."""
+    from traces.metrics import compute_metrics
+
+    m = compute_metrics(_read_trace(trace))
+    if json_out:
+        _print_json(m)
+    else:
+        _metrics_table(str(trace), [(trace.name, m)])
+
+
+@app.command()
+def export(
+    trace: Path,
+    chrome: Optional[Path] = typer.Option(None, help="Chrome/Perfetto trace JSON"),
+    otel_json: Optional[Path] = typer.Option(None, "--otel-json", help="OTLP/JSON file"),
+    otlp: Optional[str] = typer.Option(None, help="OTLP/HTTP endpoint, e.g. http://localhost:4318/v1/traces"),
+) -> None:
+    """Export a trace to Perfetto / chrome://tracing or OpenTelemetry."""
+    tr = _read_trace(trace)
+    if not (chrome or otel_json or otlp):
+        _fail("choose at least one of --chrome, --otel-json, --otlp")
+    if chrome:
+        from traces.chrome import write_chrome_trace
+
+        write_chrome_trace(tr, chrome)
+        console.print(f"wrote {chrome} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    if otel_json:
+        from traces.otel import export_otel_json
+
+        export_otel_json(tr, otel_json)
+        console.print(f"wrote {otel_json}")
+    if otlp:
+        from traces.otel import export_otlp
+
+        n = export_otlp(tr, otlp)
+        console.print(f"sent {n} spans to {otlp}")
+
+
+@app.command()
+def timeline(
+    trace: Path,
+    out: Path = typer.Option(Path("timeline.png"), "-o", "--out"),
+    steps: Optional[str] = typer.Option(None, help="window of steps A:B"),
+) -> None:
+    """A picture of host and device lanes over a window of steps."""
+    from traces.timeline import plot_timeline
+
+    window = None
+    if steps:
+        try:
+            a, b = steps.split(":")
+            window = (int(a), int(b))
+        except ValueError:
+            _fail("--steps takes A:B (two step numbers)")
+    plot_timeline(_read_trace(trace), out, steps=window)
+    console.print(f"wrote {out}")

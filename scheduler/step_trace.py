@@ -1,0 +1,106 @@
+"""The pipeline's trace bookkeeping: launches, device intervals and step records.
+
+Why a module of its own: the step logic (scheduler/pipeline.py) should read as the
+schedule it implements; what it tells the tracer -- a `launch` span per launch, a
+`device:<stream>` span per op once its event is done, one step record when the step's host
+work ends -- lives here. Shapes (`batch_attrs`) travel with every span and launch: the
+simulator's cost models are fitted on them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from scheduler.batch_builder import StepBatch
+from scheduler.protocols import Event
+
+
+@dataclass
+class Launch:
+    event: Event
+    step: int
+    op: str
+    attrs: dict
+
+
+def batch_attrs(batch: StepBatch, width: int = 0) -> dict:
+    """Shape of a step for traces and cost models: requests, tokens, KV tokens. A speculative
+    step computes a fixed `width` (1 + candidates) tokens per row, whatever was drafted."""
+    return {
+        "requests": len(batch.seqs),
+        "tokens": len(batch.seqs) * width if (width and batch.is_spec) else batch.num_tokens,
+        "kv_tokens": sum(s.request.num_computed_tokens + s.num_new_tokens + s.num_draft for s in batch.seqs),
+    }
+
+
+def fill_attrs(msg: dict) -> dict:
+    """Shape of a proposer fill launch, from its message."""
+    qo = msg["plan"]["qo_indptr"]
+    return {"requests": len(qo) - 1, "tokens": int(qo[-1]), "kv_tokens": int(msg["plan"]["kv_lens"].sum())}
+
+
+class StepTrace:
+    """Launch/device/step records of one pipeline; `now()` is the pipeline's host time."""
+
+    def __init__(self, tracer: Any, now: Callable[[], int]):
+        self.tracer = tracer
+        self.now = now
+        self._unrecorded: list[Launch] = []
+        self._steps_done: list[tuple] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.tracer.enabled
+
+    def launched(self, launch: Launch, t0: int) -> None:
+        """The host-side `launch` span; the device span follows once the event is done."""
+        launch_id = f"{launch.step}:{launch.op}"
+        self.tracer.span("host", "launch", launch.step, t0, self.now(), op=launch.op,
+                         launch_id=launch_id, **launch.attrs)
+        launch.attrs["launch_id"] = launch_id
+        self._unrecorded.append(launch)
+
+    def record_device_spans(self, force: bool = False) -> None:
+        """Device intervals become `device:<stream>` spans once their events are done."""
+        keep = []
+        for launch in self._unrecorded:
+            ev = launch.event
+            if not ev.query():
+                if not force:
+                    keep.append(launch)
+                continue
+            if ev.start_ns is None:
+                continue
+            track = f"device:{ev.stream}"
+            attrs = {k: v for k, v in launch.attrs.items() if k != "t_step"}
+            try:
+                result = ev.synchronize(0)
+            except Exception:  # noqa: BLE001 - failed work still occupied the device
+                result = None
+            sub = result.get("_substages") if isinstance(result, dict) else None
+            if sub:
+                for sname, s0, s1 in sub:
+                    self.tracer.span(track, sname, launch.step, s0, s1, **attrs)
+            else:
+                name = {"fill": "draft_fill", "forward": attrs.get("kind", "forward")}.get(launch.op, launch.op)
+                self.tracer.span(track, name, launch.step, ev.start_ns, ev.end_ns, **attrs)
+        self._unrecorded = keep
+
+    def step_done(self, batch: StepBatch, t_step: int, out_counts: list[int], drafted: list[int],
+                  accepted: list[int]) -> None:
+        """Queue the step's record; it is written when the step's host work ends (after any
+        fill the schedule waits for), so step intervals cover the whole step."""
+        if self.tracer.enabled:
+            self._steps_done.append((batch, t_step, out_counts, drafted, accepted))
+
+    def flush_steps(self) -> None:
+        end = self.now()
+        for batch, t_step, out_counts, drafted, accepted in self._steps_done:
+            self.tracer.step(
+                step=batch.step, kind=batch.kind, start_ns=t_step, end_ns=max(end, t_step),
+                request_ids=[s.request.request_id for s in batch.seqs],
+                num_new_tokens=[s.num_new_tokens + s.num_draft for s in batch.seqs],
+                kv_lens=[s.request.num_computed_tokens for s in batch.seqs],
+                num_drafted=drafted, num_accepted=accepted, num_output=out_counts,
+            )
+        self._steps_done.clear()

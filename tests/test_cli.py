@@ -1,0 +1,104 @@
+"""The `specsched` trace and simulator commands, end to end on a bundled sample trace."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from traces.reader import read_trace
+
+SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "samples" / "draft_sync.jsonl"
+runner = CliRunner()
+
+
+def run(*args: str) -> tuple[int, str]:
+    res = runner.invoke(app, [str(a) for a in args])
+    return res.exit_code, res.output
+
+
+def run_json(*args: str) -> dict:
+    code, out = run(*args, "--json")
+    assert code == 0, out
+    return json.loads(out)
+
+
+def test_every_documented_command_is_registered():
+    code, out = run("--help")
+    assert code == 0
+    for cmd in ("generate", "demo", "bench", "stats", "export", "timeline", "replay", "validate",
+                "ab", "tune", "fit-profile", "train-models", "train-mtp"):
+        assert cmd in out, cmd
+
+
+def test_stats_and_replay_print_the_same_metric_keys():
+    stats = run_json("stats", SAMPLE)
+    sim = run_json("replay", SAMPLE, "--schedule", "overlap")
+    assert set(stats) == set(sim)
+    assert stats["output_tokens"] == sim["output_tokens"]  # same workload, replayed exactly
+
+
+def test_replay_writes_a_trace_that_stats_reads(tmp_path):
+    out = tmp_path / "sim.jsonl"
+    code, text = run("replay", SAMPLE, "--draft-len", "2", "--trace", out)
+    assert code == 0, text
+    tr = read_trace(out)
+    assert tr.header.draft_len == 2 and tr.header.source == "simulator"
+    assert run_json("stats", out)["requests"] == run_json("stats", SAMPLE)["requests"]
+
+
+def test_validate_reports_step_makespan_and_distribution_errors():
+    res = run_json("validate", SAMPLE)
+    for key in ("step_time_err_pct", "step_time_dist_err_pct"):
+        assert set(res[key]) == {"p50", "p90"}
+    assert res["makespan_err_pct"] < 10.0  # a replay of its own trace under its own costs
+    code, table = run("validate", SAMPLE)
+    assert code == 0 and "makespan" in table and "distribution" in table
+
+
+def test_ab_gives_intervals_and_verdicts():
+    res = run_json("ab", SAMPLE, "--a", "schedule=sync", "--b", "schedule=overlap", "--replicates", "2")
+    for metric in ("output_tokens_per_s", "ttft_ms", "tpot_ms"):
+        d = res["diff_b_minus_a"][metric]
+        lo, hi = d["ci95"]
+        assert lo <= d["diff_mean"] <= hi
+        assert d["verdict"] in ("A better", "B better", "no difference")
+
+
+def test_tune_and_fit_profile(tmp_path):
+    res = run_json("tune", SAMPLE)
+    assert res["rows"] and res["best"]
+    prof = tmp_path / "profile.json"
+    code, out = run("fit-profile", SAMPLE, "-o", prof)
+    assert code == 0, out
+    data = json.loads(prof.read_text())
+    assert "verify" in data["device"]
+    # a saved profile replays like the fitted one
+    assert run_json("replay", SAMPLE, "--profile", prof)["duration_s"] == pytest.approx(
+        run_json("replay", SAMPLE)["duration_s"], rel=1e-6)
+
+
+def test_export_and_timeline(tmp_path):
+    chrome, otel, png = tmp_path / "t.json", tmp_path / "o.json", tmp_path / "t.png"
+    code, out = run("export", SAMPLE, "--chrome", chrome, "--otel-json", otel)
+    assert code == 0, out
+    assert json.loads(chrome.read_text())["traceEvents"]
+    assert json.loads(otel.read_text())["resourceSpans"]
+    code, out = run("timeline", SAMPLE, "-o", png, "--steps", "2:6")
+    assert code == 0, out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_input_is_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    lines = SAMPLE.read_text().splitlines()
+    lines[3] = lines[3].replace('"start_ns"', '"start_nz"', 1)
+    bad.write_text("\n".join(lines) + "\n")
+    code, out = run("stats", bad)
+    assert code != 0 and "bad.jsonl" in out and ":4" in out
+    code, out = run("export", SAMPLE)
+    assert code == 2 and "choose at least one" in out
+    code, out = run("timeline", SAMPLE, "--steps", "x")
+    assert code == 2 and "A:B" in out
