@@ -95,8 +95,11 @@ class IncrementalDecoder:
     """Turns a growing list of ids into text deltas, holding back incomplete characters.
 
     `push(all_ids)` takes every id generated so far (prompt ids excluded or given at
-    construction as context) and returns the text that became final since the last call;
-    `flush()` returns whatever is held back (at end of stream).
+    construction as context; the list only grows) and returns the text that became final
+    since the last call; `held` is the text decoded past it but held back (it ends with an
+    incomplete character), for callers that must look at it early (stop strings);
+    `flush()` returns whatever is held back (at end of stream). Each push decodes a window
+    of a few ids, never the whole output.
     """
 
     _CONTEXT = 5  # ids re-decoded before the unread ones, so merges at the seam are right
@@ -108,20 +111,24 @@ class IncrementalDecoder:
         self._prefix_offset = start  # index into prompt+output of the context window
         self._read_offset = len(self._prompt)  # everything before this has been emitted
         self._ids: list[int] = list(self._prompt)
+        self.held = ""
 
     def push(self, all_ids: Sequence[int]) -> str:
-        self._ids = self._prompt + list(all_ids)
+        self._ids.extend(all_ids[len(self._ids) - len(self._prompt) :])  # only the new ids
         prefix_text = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
         full_text = self.tokenizer.decode(self._ids[self._prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT):
+            self.held = full_text[len(prefix_text) :]
             return ""  # nothing new, or a character still incomplete
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self.held = ""
         return full_text[len(prefix_text) :]
 
     def flush(self) -> str:
         prefix_text = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
         full_text = self.tokenizer.decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
+        self.held = ""
         return full_text[len(prefix_text) :]
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.training.mtp_eval import run_requests, summarize, write_tiny_family
+from runtime.training.mtp_eval import run_requests, summarize
 from runtime.verify import greedy_verify
 from runtime.worker import ModelWorker
 from scheduler.block_manager import BlockManager
@@ -25,36 +25,14 @@ TREE = default_tree(3, 2, 8)  # (-1, -1, 0, 0, 1, 2, 2, 3)
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# fixtures head_family, head_prompts, head_reference and one_thread: conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def family(tmp_path_factory):
-    return write_tiny_family(tmp_path_factory.mktemp("eagle"), seed=0, train_steps=60)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 32, (n,), generator=g).tolist() for n in (1, 3, 9, 17)]
-
-
-@pytest.fixture(scope="module")
-def reference(family, prompts):
-    worker = ModelWorker(family[0], {"kind": "none", "draft_len": 0}, page_size=PAGE, num_pages=PAGES)
-    reqs = run_requests(worker, prompts, SamplingParams(max_tokens=24, ignore_eos=True), num_pages=PAGES)
-    return [r.output_token_ids for r in reqs]
-
-
-def eagle_worker(family, tree=TREE, num_pages=PAGES) -> ModelWorker:
+def eagle_worker(head_family, tree=TREE, num_pages=PAGES) -> ModelWorker:
     depth = int(ProposerSpec("eagle", 8, tuple(tree)).tree_depths().max())
-    return ModelWorker(family[0], {"kind": "eagle", "draft_len": depth, "tree_parents": list(tree)},
-                       proposer_dir=family[1], page_size=PAGE, num_pages=num_pages)
+    return ModelWorker(head_family.target, {"kind": "eagle", "draft_len": depth, "tree_parents": list(tree)},
+                       proposer_dir=head_family.head, page_size=PAGE, num_pages=num_pages)
 
 
 def prefill(worker: ModelWorker, prompt: list[int]) -> tuple[Request, BlockManager]:
@@ -83,8 +61,8 @@ def verify_msg(req: Request, blocks: BlockManager, tree=TREE, step: int = 1) -> 
 # --- the target's tree mask ---------------------------------------------------------------
 
 
-def test_tree_verify_matches_sequential_branches(family):
-    worker = eagle_worker(family)
+def test_tree_verify_matches_sequential_branches(head_family):
+    worker = eagle_worker(head_family)
     prompt = [3, 14, 15, 9, 26, 5]
     req, blocks = prefill(worker, prompt)
     st = worker.states[0]
@@ -107,9 +85,9 @@ def test_tree_verify_matches_sequential_branches(family):
     torch.testing.assert_close(out.logits[0], root[0, -1], atol=1e-4, rtol=1e-4)
 
 
-def test_tree_acceptance_is_the_best_branch(family):
+def test_tree_acceptance_is_the_best_branch(head_family):
     """accept_tree picks the longest branch greedy_verify accepts (first on ties)."""
-    worker = eagle_worker(family)
+    worker = eagle_worker(head_family)
     req, blocks = prefill(worker, [7, 7, 1, 30, 2])
     st = worker.states[0]
     g = [st.tokens[-1]]
@@ -148,8 +126,8 @@ def test_tree_acceptance_is_the_best_branch(family):
 # --- the head's tree expansion --------------------------------------------------------------
 
 
-def test_draft_tree_matches_dense_branches(family):
-    worker = eagle_worker(family)
+def test_draft_tree_matches_dense_branches(head_family):
+    worker = eagle_worker(head_family)
     req, blocks = prefill(worker, [5, 1, 22, 8, 8, 13, 2])
     st = worker.states[0]
     L = len(st.tokens)
@@ -186,8 +164,8 @@ def test_draft_tree_matches_dense_branches(family):
 # --- compaction and the fill along the accepted path ----------------------------------------
 
 
-def test_accepted_path_kv_is_compacted_and_filled(family):
-    worker = eagle_worker(family)
+def test_accepted_path_kv_is_compacted_and_filled(head_family):
+    worker = eagle_worker(head_family)
     prompt = [9, 2, 6, 5, 3, 5]
     req, blocks = prefill(worker, prompt)
     st = worker.states[0]
@@ -229,25 +207,25 @@ def test_accepted_path_kv_is_compacted_and_filled(family):
     (TREE, "sync"), (TREE, "overlap"), (default_tree(1, 3), "sync"),
     (default_tree(5, 2, 16), "sync"), ((-1, 0, 1), "sync"),
 ])
-def test_eagle_greedy_is_lossless(family, prompts, reference, tree, schedule):
-    worker = eagle_worker(family, tree)
-    reqs = run_requests(worker, prompts, SamplingParams(max_tokens=24, ignore_eos=True),
+def test_eagle_greedy_is_lossless(head_family, head_prompts, head_reference, tree, schedule):
+    worker = eagle_worker(head_family, tree)
+    reqs = run_requests(worker, head_prompts, SamplingParams(max_tokens=24, ignore_eos=True),
                         schedule=schedule, num_pages=PAGES)
     assert [r.error for r in reqs] == [None] * len(reqs)
-    assert [r.output_token_ids for r in reqs] == reference
+    assert [r.output_token_ids for r in reqs] == head_reference
     assert summarize(reqs).mean_acceptance_length > 1.05
 
 
-def test_eagle_with_preemption_is_lossless(family, prompts, reference):
-    worker = eagle_worker(family, num_pages=48)
-    reqs = run_requests(worker, prompts, SamplingParams(max_tokens=24, ignore_eos=True), num_pages=48)
-    assert [r.output_token_ids for r in reqs] == reference
+def test_eagle_with_preemption_is_lossless(head_family, head_prompts, head_reference):
+    worker = eagle_worker(head_family, num_pages=48)
+    reqs = run_requests(worker, head_prompts, SamplingParams(max_tokens=24, ignore_eos=True), num_pages=48)
+    assert [r.output_token_ids for r in reqs] == head_reference
     assert any(r.num_preemptions for r in reqs)
 
 
-def test_eagle_with_temperature_raises(family, prompts):
-    worker = eagle_worker(family)
-    reqs = run_requests(worker, prompts[:2], SamplingParams(max_tokens=8, temperature=0.7, ignore_eos=True),
+def test_eagle_with_temperature_raises(head_family, head_prompts):
+    worker = eagle_worker(head_family)
+    reqs = run_requests(worker, head_prompts[:2], SamplingParams(max_tokens=8, temperature=0.7, ignore_eos=True),
                         num_pages=PAGES)
     assert all(r.finish_reason == "error" and "greedily only" in r.error for r in reqs)
     req, blocks = prefill(worker, [1, 2, 3])
@@ -260,14 +238,14 @@ def test_eagle_with_temperature_raises(family, prompts):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind,schedule", [("mtp", "mtp"), ("eagle", "overlap")])
-def test_heads_on_cuda_are_lossless(family, prompts, kind, schedule):
+def test_heads_on_cuda_are_lossless(head_family, head_prompts, kind, schedule):
     kw = {"page_size": PAGE, "num_pages": PAGES, "device": "cuda"}
-    plain = ModelWorker(family[0], {"kind": "none", "draft_len": 0}, **kw)
+    plain = ModelWorker(head_family.target, {"kind": "none", "draft_len": 0}, **kw)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    want = [r.output_token_ids for r in run_requests(plain, prompts, params, num_pages=PAGES)]
+    want = [r.output_token_ids for r in run_requests(plain, head_prompts, params, num_pages=PAGES)]
     prop = {"kind": kind, "draft_len": 3}
     if kind == "eagle":
         prop["tree_parents"] = list(TREE)
-    worker = ModelWorker(family[0], prop, proposer_dir=family[1], **kw)
-    reqs = run_requests(worker, prompts, params, schedule=schedule, num_pages=PAGES)
+    worker = ModelWorker(head_family.target, prop, proposer_dir=head_family.head, **kw)
+    reqs = run_requests(worker, head_prompts, params, schedule=schedule, num_pages=PAGES)
     assert [r.output_token_ids for r in reqs] == want

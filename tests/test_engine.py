@@ -1,12 +1,18 @@
 """The embedded engine end to end: losslessness for every proposer and schedule, batching,
-preemption, cancellation, abort, device failure and bad input."""
+preemption, cancellation, abort, device failure and bad input; and its detokenizer (streamed
+text, stop strings) on the bundled tokenizer, without a model."""
 from __future__ import annotations
+
+import random
+from types import SimpleNamespace
 
 import anyio
 import pytest
 
-from runtime.engine import AsyncEngine
+from runtime import bundled
+from runtime.engine import AsyncEngine, _Detokenizer, _Sink
 from runtime.engine_config import EngineConfig
+from runtime.tokenizer import Tokenizer
 from scheduler.errors import ConfigurationError, InvalidRequestError
 from scheduler.sampling_params import SamplingParams
 
@@ -189,11 +195,11 @@ def test_bad_configs(tiny_family, kw, msg):
 def test_draft_with_other_tokenizer_rejected(tiny_family, tmp_path):
     import shutil
 
-    from tests.tiny_models import make_tokenizer
+    from runtime.training.mtp_eval import write_tiny_tokenizer
 
     other = tmp_path / "draft"
     shutil.copytree(tiny_family["draft"], other)
-    make_tokenizer(other, vocab_size=300)
+    write_tiny_tokenizer(other, vocab_size=300)
     with pytest.raises(ConfigurationError, match="different tokenizers"):
         AsyncEngine(_cfg(tiny_family, proposer="draft", draft=str(other)))
 
@@ -209,3 +215,133 @@ def test_config_file_roundtrip(tiny_family, tmp_path):
     bad.write_text('{"proposer": "ngram", "nope": 1}')
     with pytest.raises(ConfigurationError, match="nope"):
         EngineConfig.from_file(bad)
+
+
+# -- detokenizer ---------------------------------------------------------------------------------
+# The bundled byte-level tokenizer splits most non-ASCII characters into one token per byte.
+UNICODE = "naïve café — 日本語のテキスト 🙂 “quoted” ✓ end\n"
+
+
+@pytest.fixture(scope="module")
+def btok():
+    return Tokenizer(bundled.target_dir())
+
+
+def _stream(detok, ids, stops, sizes=(1, 3, 2, 5)):
+    """Feed `ids` in chunks of cycling sizes, as speculative steps deliver them, until a stop:
+    (text pieces, tokens kept, finish reason)."""
+    pieces, kept, i, k = [], 0, 0, 0
+    while i < len(ids):
+        chunk = ids[i:i + sizes[k % len(sizes)]]
+        k += 1
+        keep, reason, text = detok.add(chunk, stops)
+        pieces.append(text)
+        kept += keep
+        i += len(chunk)
+        if reason is not None:
+            assert keep <= len(chunk)
+            return pieces, kept, reason
+        assert keep == len(chunk)
+    return pieces, kept, None
+
+
+def _reference_stop(tok, ids, stops):
+    """The definition: the first output prefix whose full decode holds a stop string ends the
+    request; its text is cut at the earliest stop string. (tokens kept, text)."""
+    for n in range(1, len(ids) + 1):
+        text = tok.decode(ids[:n])
+        hits = [k for k in (text.find(s) for s in stops) if k >= 0]
+        if hits:
+            return n, text[:min(hits)]
+    raise AssertionError(f"no stop string of {stops} in the output")
+
+
+@pytest.mark.parametrize("stops", [[], ["日本X", "end!", "🙂🙂", "naïve café — 日本語のテキスト 🙂 “quoted” ✓ end\nX"]])
+def test_detok_streamed_text_equals_full_decode(btok, stops):
+    ids = btok.encode(UNICODE * 20)
+    assert len(ids) > 1000 and sum("\ufffd" in btok.decode([i]) for i in ids) > 500
+    for sizes in ((1,), (1, 3, 2, 5)):
+        detok = _Detokenizer(btok, [])
+        pieces, kept, reason = _stream(detok, ids, stops, sizes)
+        assert reason is None and kept == len(ids)
+        assert all("\ufffd" not in p for p in pieces)  # no half characters, ever
+        assert sum(bool(p) for p in pieces) >= 19  # streamed, not all at the end
+        assert "".join(pieces) + detok.flush() == btok.decode(ids) == UNICODE * 20
+
+
+def test_detok_random_ids_equal_full_decode(btok):
+    """Invalid byte sequences too: the stream is exactly the full decode."""
+    rng = random.Random(0)
+    ids = [rng.randrange(2, btok.vocab_size) for _ in range(600)]  # 0, 1: bos, eos
+    detok = _Detokenizer(btok, [])
+    pieces, kept, reason = _stream(detok, ids, ["\x00\x00"])
+    assert reason is None and kept == len(ids)
+    assert "".join(pieces) + detok.flush() == btok.decode(ids)
+
+
+@pytest.mark.parametrize("text,stop,why", [
+    ("def encode(self, obj):\n    return json.dumps(obj)\n", "bj):", "spans ' obj' and '):'"),
+    ("def encode(self, obj):\n    return json.dumps(obj)\n", "n.du", "spans three tokens"),
+    (UNICODE * 2, "日本", "ends inside a character split over byte tokens"),
+    (UNICODE * 2, "é ", "completed by a token that also starts '—'"),
+    (UNICODE * 2, "quoted” ✓ end\nna", "the second repetition"),
+])
+def test_detok_stop_string_across_tokens(btok, text, stop, why):
+    ids = btok.encode(text)
+    n, want = _reference_stop(btok, ids, [stop, "never seen"])
+    assert want == text[:text.index(stop)]
+    assert stop not in btok.decode(ids[n - 1:n]), why  # the last kept token alone lacks it
+    stops = [stop, "never seen"]
+    # one token at a time: nothing of the stop string is streamed while it is unresolved
+    detok, streamed = _Detokenizer(btok, []), ""
+    for i, t in enumerate(ids):
+        keep, reason, piece = detok.add([t], stops)
+        streamed += piece
+        assert want.startswith(streamed), why
+        if reason:
+            break
+    assert (i + keep, reason, streamed) == (n, "stop", want), why
+    assert detok.flush() == ""
+    # in chunks, as speculative steps deliver tokens: the stop string may end mid-chunk
+    for sizes in ((2,), (1, 3, 2, 5), (len(ids),)):
+        detok = _Detokenizer(btok, [])
+        pieces, kept, reason = _stream(detok, ids, stops, sizes)
+        assert (kept, reason, "".join(pieces)) == (n, "stop", want), why
+        assert detok.flush() == ""
+
+
+def test_detok_earliest_stop_string_wins(btok):
+    ids = btok.encode("    return json")
+    assert btok.decode(ids[1:2]) == " return"  # completes both stop strings
+    keep, reason, text = _Detokenizer(btok, []).add(ids, ["rn", "et"])
+    assert (keep, reason, text) == (2, "stop", "    r")
+
+
+def test_detok_decodes_a_bounded_window_per_token(monkeypatch):
+    """Per-token work does not grow with the output: each decode sees a few ids."""
+    tok = Tokenizer(bundled.target_dir())
+    ids = tok.encode(UNICODE * 30)
+    seen = []
+    real = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, **kw: seen.append(len(ids)) or real(ids, **kw))
+    detok = _Detokenizer(tok, [])
+    pieces, _, _ = _stream(detok, ids, ["日本X"])
+    assert "".join(pieces) + detok.flush() == UNICODE * 30
+    assert len(seen) <= 2 * len(ids) + 2
+    assert max(seen) <= 16 < len(ids)
+
+
+def test_sink_streams_held_back_text_when_eos_ends_the_request(btok):
+    """Text held back as a possible stop string start is streamed if EOS ends the request."""
+    outs = []
+    eng = SimpleNamespace(_streams={"r": SimpleNamespace(push=outs.append)},
+                          _detok={"r": _Detokenizer(btok, [])})
+    req = SimpleNamespace(request_id="r", params=SamplingParams(stop=["foobar"]), num_output_tokens=0,
+                          finish_reason=None, error=None, spec_stats=dict)
+    ids = btok.encode("x = foo") + [btok.eos_token_id]
+    sink = _Sink(eng)
+    assert sink.on_tokens(req, ids) == (len(ids), None)
+    assert "".join(o.text for o in outs) == "x = "
+    req.finish_reason = "stop"  # the pipeline's EOS
+    sink.on_finish(req)
+    assert outs[-1].finished and "".join(o.text for o in outs) == "x = foo"

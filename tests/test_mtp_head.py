@@ -15,7 +15,7 @@ from runtime.config import ModelConfig
 from runtime.model import LlamaModel
 from runtime.mtp_head import MTPHead, load_head, save_head, target_fingerprint
 from runtime.training.mtp import head_rollout
-from runtime.training.mtp_eval import run_requests, save_llama, summarize, write_tiny_family
+from runtime.training.mtp_eval import run_requests, save_llama, summarize
 from runtime.worker import ModelWorker
 from scheduler.plan import build_plan
 from scheduler.sampling_params import SamplingParams
@@ -24,32 +24,8 @@ PAGE = 4
 PAGES = 256
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny models are dispatch-bound: one thread avoids contention on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def family(tmp_path_factory):
-    """(target_dir, head_dir): a random tiny target and a briefly trained head."""
-    return write_tiny_family(tmp_path_factory.mktemp("mtp"), seed=0, train_steps=60)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 32, (n,), generator=g).tolist() for n in (1, 3, 9, 17)]
-
-
-@pytest.fixture(scope="module")
-def reference(family, prompts):
-    worker = ModelWorker(family[0], {"kind": "none", "draft_len": 0}, page_size=PAGE, num_pages=PAGES)
-    reqs = run_requests(worker, prompts, SamplingParams(max_tokens=24, ignore_eos=True), num_pages=PAGES)
-    return [r.output_token_ids for r in reqs]
+# fixtures head_family, head_prompts, head_reference and one_thread: conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(**kw) -> ModelConfig:
@@ -113,12 +89,12 @@ def test_training_rollout_matches_paged_draft_step():
         torch.testing.assert_close(step.logits[0], out2.logits[0, i], atol=1e-4, rtol=1e-4)
 
 
-def test_worker_fill_carries_dense_logits(family, prompts):
-    worker = ModelWorker(family[0], {"kind": "mtp", "draft_len": 2}, proposer_dir=family[1],
+def test_worker_fill_carries_dense_logits(head_family, head_prompts):
+    worker = ModelWorker(head_family.target, {"kind": "mtp", "draft_len": 2}, proposer_dir=head_family.head,
                          page_size=PAGE, num_pages=PAGES)
-    reqs = run_requests(worker, prompts, SamplingParams(max_tokens=5, ignore_eos=True), num_pages=PAGES)
+    reqs = run_requests(worker, head_prompts, SamplingParams(max_tokens=5, ignore_eos=True), num_pages=PAGES)
     # after the run every state is released; redo one request's prefill through the ops
-    p = prompts[2]
+    p = head_prompts[2]
     msg_plan = build_plan([len(p)], [len(p)], [list(range(8))], PAGE)
     worker.execute("forward", {"step": 0, "slots": [0], "start": [0], "num_new": [len(p)],
                                "samples": [True], "plan": msg_plan.to_message(),
@@ -137,44 +113,44 @@ def test_worker_fill_carries_dense_logits(family, prompts):
 
 
 @pytest.mark.parametrize("draft_len,schedule", [(1, "mtp"), (3, "mtp"), (3, "sync"), (5, "mtp")])
-def test_mtp_greedy_is_lossless(family, prompts, reference, draft_len, schedule):
-    worker = ModelWorker(family[0], {"kind": "mtp", "draft_len": draft_len}, proposer_dir=family[1],
+def test_mtp_greedy_is_lossless(head_family, head_prompts, head_reference, draft_len, schedule):
+    worker = ModelWorker(head_family.target, {"kind": "mtp", "draft_len": draft_len}, proposer_dir=head_family.head,
                          page_size=PAGE, num_pages=PAGES)
-    reqs = run_requests(worker, prompts, SamplingParams(max_tokens=24, ignore_eos=True),
+    reqs = run_requests(worker, head_prompts, SamplingParams(max_tokens=24, ignore_eos=True),
                         schedule=schedule, num_pages=PAGES)
     assert [r.error for r in reqs] == [None] * len(reqs)
-    assert [r.output_token_ids for r in reqs] == reference
+    assert [r.output_token_ids for r in reqs] == head_reference
     s = summarize(reqs)
     assert s.mean_acceptance_length > 1.05  # the trained head's drafts do get accepted
     if draft_len > 1:
         assert any(r.accepted_per_pos[1] for r in reqs)  # multi-token acceptances happened
 
 
-def test_mtp_with_preemption_is_lossless(family, prompts, reference):
+def test_mtp_with_preemption_is_lossless(head_family, head_prompts, head_reference):
     """A small KV pool forces preemption and recompute; the head refills from scratch."""
-    worker = ModelWorker(family[0], {"kind": "mtp", "draft_len": 3}, proposer_dir=family[1],
+    worker = ModelWorker(head_family.target, {"kind": "mtp", "draft_len": 3}, proposer_dir=head_family.head,
                          page_size=PAGE, num_pages=40)
-    reqs = run_requests(worker, prompts, SamplingParams(max_tokens=24, ignore_eos=True), num_pages=40)
-    assert [r.output_token_ids for r in reqs] == reference
+    reqs = run_requests(worker, head_prompts, SamplingParams(max_tokens=24, ignore_eos=True), num_pages=40)
+    assert [r.output_token_ids for r in reqs] == head_reference
     assert any(r.num_preemptions for r in reqs)
 
 
-def test_mtp_sampled_runs_with_draft_distributions(family, prompts):
-    worker = ModelWorker(family[0], {"kind": "mtp", "draft_len": 3}, proposer_dir=family[1],
+def test_mtp_sampled_runs_with_draft_distributions(head_family, head_prompts):
+    worker = ModelWorker(head_family.target, {"kind": "mtp", "draft_len": 3}, proposer_dir=head_family.head,
                          page_size=PAGE, num_pages=PAGES)
     params = SamplingParams(max_tokens=16, temperature=0.8, seed=7, ignore_eos=True)
-    a = run_requests(worker, prompts, params, num_pages=PAGES)
+    a = run_requests(worker, head_prompts, params, num_pages=PAGES)
     assert [r.error for r in a] == [None] * len(a)
     assert all(r.num_output_tokens == 16 for r in a)
     assert sum(r.num_drafts for r in a) > 0
-    b = run_requests(worker, prompts, params, num_pages=PAGES)  # seeded: reproducible
+    b = run_requests(worker, head_prompts, params, num_pages=PAGES)  # seeded: reproducible
     assert [r.output_token_ids for r in a] == [r.output_token_ids for r in b]
 
 
-def test_agreement_matches_dense_guesses(family, prompts, reference):
-    worker = ModelWorker(family[0], {"kind": "mtp", "draft_len": 1}, proposer_dir=family[1],
+def test_agreement_matches_dense_guesses(head_family, head_prompts, head_reference):
+    worker = ModelWorker(head_family.target, {"kind": "mtp", "draft_len": 1}, proposer_dir=head_family.head,
                          page_size=PAGE, num_pages=PAGES)
-    prompt, out = prompts[3], reference[3]
+    prompt, out = head_prompts[3], head_reference[3]
     agree = worker.execute("agreement", {"prompt": prompt, "output": out})["agreement"]
     assert len(agree) == len(out) and set(agree) <= {0, 1}
     seq = torch.tensor([prompt + out])
@@ -258,9 +234,9 @@ def test_fingerprint_check_can_be_skipped_and_names_both(saved):
     assert load_head(path, other, check_target=False) is not None
 
 
-def test_worker_without_head_dir_fails_clearly(family):
+def test_worker_without_head_dir_fails_clearly(head_family):
     with pytest.raises(ValueError, match="needs an MTP head directory"):
-        ModelWorker(family[0], {"kind": "mtp", "draft_len": 1}, page_size=PAGE, num_pages=16)
+        ModelWorker(head_family.target, {"kind": "mtp", "draft_len": 1}, page_size=PAGE, num_pages=16)
 
 
 def test_save_llama_roundtrip(tmp_path):
