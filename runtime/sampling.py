@@ -11,12 +11,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 
-from scheduler.sampling_params import SamplingParams
-
 _TINY = torch.finfo(torch.float32).tiny
+
+
+class RowParams(Protocol):
+    """One row's sampling parameters, as `SamplingTensors.from_params` reads them
+    (`scheduler.sampling_params.SamplingParams` and `runtime.worker.SeqState` both fit)."""
+
+    @property
+    def temperature(self) -> float: ...
+
+    @property
+    def top_k(self) -> int: ...
+
+    @property
+    def top_p(self) -> float: ...
 
 
 @dataclass
@@ -62,23 +76,30 @@ class SamplingTensors:
     @classmethod
     def from_params(
         cls,
-        params: Sequence[SamplingParams],
+        params: Sequence[RowParams],
         generators: Sequence[torch.Generator | None] | None = None,
         device: torch.device | str = "cpu",
     ) -> "SamplingTensors":
-        """Pack requests' parameters; `generators` defaults to `make_generators` of their seeds."""
+        """Pack per-row parameters (`SamplingParams`, or anything with their temperature, top_k
+        and top_p, such as the worker's per-request state) into tensors on `device`.
+        `generators` defaults to `make_generators` of the rows' `seed`s. The host-side flags are
+        computed here from the float32 values the tensors hold, so building never syncs."""
         if generators is None:
             generators = make_generators([p.seed for p in params], device)
+        temperature = [p.temperature for p in params]
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        all_greedy = all(t == 0 for t in temperature)
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
             generators=list(generators),
-            all_greedy=all(p.temperature == 0 for p in params),
-            any_greedy=any(p.temperature == 0 for p in params),
-            any_top_k=any(p.top_k > 0 for p in params),
-            any_top_p=any(p.top_p < 1.0 for p in params),
-            max_top_k=max((p.top_k for p in params), default=0) if all(p.top_k > 0 for p in params) else 0,
+            all_greedy=all_greedy,
+            any_greedy=all_greedy or bool((np.asarray(temperature, dtype=np.float32) == 0).any()),
+            any_top_k=any(k > 0 for k in top_k),
+            any_top_p=bool((np.asarray(top_p, dtype=np.float32) < 1.0).any()),
+            max_top_k=max(top_k, default=0) if all(k > 0 for k in top_k) else 0,
         )
 
     @classmethod

@@ -23,7 +23,7 @@ import torch
 
 from runtime.checkpoint import load_model
 from runtime.proposers.base import make_proposer
-from runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample, sample_logits
+from runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
 from runtime.verify import greedy_verify, rejection_verify, threshold_verify
 from scheduler.plan import AttentionPlan
 from scheduler.proposer import ProposerSpec
@@ -101,14 +101,9 @@ class ModelWorker:
             )
 
     def sampling_tensors(self, rows: list[SeqState], repeat: int = 1) -> SamplingTensors:
-        t = [s.temperature for s in rows for _ in range(repeat)]
-        return SamplingTensors(
-            temperature=torch.tensor(t, dtype=torch.float32, device=self.device),
-            top_k=torch.tensor([s.top_k for s in rows for _ in range(repeat)], dtype=torch.int64, device=self.device),
-            top_p=torch.tensor([s.top_p for s in rows for _ in range(repeat)], dtype=torch.float32, device=self.device),
-            generators=[s.generator for s in rows for _ in range(repeat)],
-            all_greedy=all(x == 0.0 for x in t),
-        )
+        """The rows' sampling parameters on this device, each row repeated `repeat` times."""
+        rows = [s for s in rows for _ in range(repeat)]
+        return SamplingTensors.from_params(rows, [s.generator for s in rows], self.device)
 
     def plan(self, msg: dict) -> tuple[AttentionPlan, Any, torch.Tensor]:
         plan = AttentionPlan.from_message(msg)

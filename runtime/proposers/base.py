@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from runtime.sampling import logits_to_probs, sample
+
 if TYPE_CHECKING:
     from runtime.worker import ModelWorker, SeqState
     from scheduler.proposer import ProposerSpec
@@ -62,6 +64,49 @@ class NgramDrafter(NoProposer):
             agree.append(int(bool(guess) and guess[0] == t))
             seq.append(t)
         return agree
+
+
+def sample_next(worker: "ModelWorker", rows: list["SeqState"], logits: torch.Tensor
+                ) -> tuple[list[int], torch.Tensor | None]:
+    """Draft tokens from logits [B, V]; probs [B, V] when any row samples."""
+    st = worker.sampling_tensors(rows)
+    if st.all_greedy:
+        return logits.argmax(-1).tolist(), None
+    probs = logits_to_probs(logits, st)
+    return sample(probs, st.generators).tolist(), probs
+
+
+class DraftCollector:
+    """One draft launch's tokens, sampled step by step into `SeqState.drafts`, and the
+    distributions q they were drawn from, stacked into `SeqState.draft_q` by `finish`."""
+
+    def __init__(self, worker: "ModelWorker", rows: list["SeqState"], num_draft: list[int]):
+        self.worker = worker
+        self.rows = rows
+        self.num_draft = num_draft
+        self.qs: list[list[torch.Tensor]] = [[] for _ in rows]
+
+    def first(self, logits: torch.Tensor) -> None:
+        """The first draft token of every row (rows drafting none get no draft) from [B, V]."""
+        toks, probs = sample_next(self.worker, self.rows, logits)
+        for i, st in enumerate(self.rows):
+            st.drafts = [toks[i]] if self.num_draft[i] > 0 else []
+            if probs is not None:
+                self.qs[i].append(probs[i])
+
+    def extend(self, active: list[int], logits: torch.Tensor) -> None:
+        """One more draft token for rows `active` (indices into rows) from logits [len(active), V]."""
+        toks, probs = sample_next(self.worker, [self.rows[i] for i in active], logits)
+        for j, i in enumerate(active):
+            self.rows[i].drafts.append(toks[j])
+            if probs is not None:
+                self.qs[i].append(probs[j])
+
+    def finish(self) -> np.ndarray:
+        """Store sampled rows' draft_q [n, V] (None for greedy rows); returns the draft counts."""
+        for i, st in enumerate(self.rows):
+            st.draft_q = torch.stack(self.qs[i]) if (self.qs[i] and not st.greedy) else None
+        return np.asarray([len(st.drafts) for st in self.rows], dtype=np.int64)
 
 
 def one_hot_or(rows: list["SeqState"], num: int, vocab: int, device: torch.device) -> torch.Tensor | None:

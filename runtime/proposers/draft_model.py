@@ -12,8 +12,7 @@ import numpy as np
 import torch
 
 from runtime.checkpoint import load_model
-from runtime.proposers.base import NoProposer, one_hot_or
-from runtime.sampling import logits_to_probs, sample
+from runtime.proposers.base import DraftCollector, NoProposer, one_hot_or
 from scheduler.plan import build_plan
 
 
@@ -28,15 +27,6 @@ class DraftModelProposer(NoProposer):
             )
         self.kv = self.model.make_kv_cache(num_pages, worker.page_size)
 
-    def _next(self, rows, logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
-        """Draft tokens from logits [B, V]; probs [B, V] when any row samples."""
-        w = self.worker
-        st = w.sampling_tensors(rows)
-        if st.all_greedy:
-            return logits.argmax(-1).tolist(), None
-        probs = logits_to_probs(logits, st)
-        return sample(probs, st.generators).tolist(), probs
-
     def draft(self, msg: dict) -> np.ndarray:
         w = self.worker
         slots = [int(s) for s in msg["slots"]]
@@ -44,13 +34,8 @@ class DraftModelProposer(NoProposer):
         num_draft = [int(d) for d in msg["num_draft"]]
         tables = msg["page_tables"]
         L = [len(st.tokens) for st in rows]
-        carried = torch.stack([st.carried for st in rows])
-        toks, probs = self._next(rows, carried)
-        qs: list[list[torch.Tensor]] = [[] for _ in rows]
-        for i, st in enumerate(rows):
-            st.drafts = [toks[i]] if num_draft[i] > 0 else []
-            if probs is not None:
-                qs[i].append(probs[i])
+        drafts = DraftCollector(w, rows, num_draft)
+        drafts.first(torch.stack([st.carried for st in rows]))
         for k in range(1, max(num_draft, default=0)):
             active = [i for i in range(len(rows)) if num_draft[i] > k]
             plan = build_plan([1] * len(active), [L[i] + k for i in active],
@@ -58,16 +43,8 @@ class DraftModelProposer(NoProposer):
             step = w.backend.prepare(plan, w.device)
             ids = torch.tensor([rows[i].drafts[-1] for i in active], dtype=torch.int64, device=w.device)
             pos = torch.as_tensor(plan.positions, device=w.device)
-            out = self.model(ids, step, self.kv, pos)
-            arows = [rows[i] for i in active]
-            toks, probs = self._next(arows, out.logits)
-            for j, i in enumerate(active):
-                rows[i].drafts.append(toks[j])
-                if probs is not None:
-                    qs[i].append(probs[j])
-        for i, st in enumerate(rows):
-            st.draft_q = torch.stack(qs[i]) if (qs[i] and not st.greedy) else None
-        return np.asarray([len(st.drafts) for st in rows], dtype=np.int64)
+            drafts.extend(active, self.model(ids, step, self.kv, pos).logits)
+        return drafts.finish()
 
     def fill(self, msg: dict) -> None:
         w = self.worker

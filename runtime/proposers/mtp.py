@@ -23,8 +23,7 @@ import numpy as np
 import torch
 
 from runtime.mtp_head import load_head
-from runtime.proposers.base import NoProposer, one_hot_or
-from runtime.sampling import logits_to_probs, sample
+from runtime.proposers.base import DraftCollector, NoProposer, one_hot_or
 from runtime.verify import TreeSpec, check_tree_greedy, greedy_tree_verify
 from scheduler.plan import build_plan
 
@@ -83,13 +82,6 @@ class HeadProposer(NoProposer):
             st.extra["hidden"] = carried_hidden[i]
 
     # -- linear drafting ----------------------------------------------------------------------
-    def _next(self, rows, logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
-        st = self.worker.sampling_tensors(rows)
-        if st.all_greedy:
-            return logits.argmax(-1).tolist(), None
-        probs = logits_to_probs(logits, st)
-        return sample(probs, st.generators).tolist(), probs
-
     def _step(self, active: list[int], tables, kv_lens: list[int], ids: list[int],
               hidden: torch.Tensor, positions=None, masks=None):
         """One head forward over the given rows of a draft launch (plans from the page tables)."""
@@ -107,27 +99,17 @@ class HeadProposer(NoProposer):
         num_draft = [int(d) for d in msg["num_draft"]]
         tables = msg["page_tables"]
         L = [len(st.tokens) for st in rows]
-        toks, probs = self._next(rows, torch.stack([st.carried for st in rows]))
-        qs: list[list[torch.Tensor]] = [[] for _ in rows]
+        drafts = DraftCollector(w, rows, num_draft)
+        drafts.first(torch.stack([st.carried for st in rows]))
         hidden = torch.stack([st.extra["hidden"] for st in rows])  # [B, H]
-        for i, st in enumerate(rows):
-            st.drafts = [toks[i]] if num_draft[i] > 0 else []
-            if probs is not None:
-                qs[i].append(probs[i])
         for k in range(2, max(num_draft, default=0) + 1):
             active = [i for i in range(len(rows)) if num_draft[i] >= k]
             out = self._step(active, tables, [L[i] + k - 2 for i in active],
                              [rows[i].drafts[-1] for i in active], hidden[active])
             hidden = hidden.clone()
             hidden[active] = out.hidden
-            toks, probs = self._next([rows[i] for i in active], out.logits)
-            for j, i in enumerate(active):
-                rows[i].drafts.append(toks[j])
-                if probs is not None:
-                    qs[i].append(probs[j])
-        for i, st in enumerate(rows):
-            st.draft_q = torch.stack(qs[i]) if (qs[i] and not st.greedy) else None
-        return np.asarray([len(st.drafts) for st in rows], dtype=np.int64)
+            drafts.extend(active, out.logits)
+        return drafts.finish()
 
     def draft_probs(self, rows, num: int) -> torch.Tensor | None:
         return one_hot_or(rows, num, self.worker.target.config.vocab_size, self.worker.device)
