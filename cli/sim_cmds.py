@@ -62,13 +62,16 @@ def replay_cmd(
 def validate(
     trace: Path,
     profile: Optional[Path] = typer.Option(None),
+    replicates: int = typer.Option(5, help="noisy replays pooled for the step-time distribution"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Replay a trace under its own configuration; error against the measured run."""
     from simulator.analysis import validate as run_validate
 
     tr = _read_trace(trace)
-    res = run_validate(tr, _profile(tr, profile))
+    if replicates < 1:
+        _fail("--replicates must be >= 1")
+    res = run_validate(tr, _profile(tr, profile), replicates=replicates)
     if json_out:
         _print_json(res)
         return

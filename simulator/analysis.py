@@ -4,7 +4,8 @@ validate  replay under the captured configuration; error against what was measur
           times are compared two ways: step by step (step k of the replay against step k of
           the run: bounded below by the run-to-run noise of the machine, which a simulator
           with deterministic costs cannot predict) and as distributions (the median and p90
-          step time of the replay against those of the run).
+          step time of the run against those of `replicates` replays whose costs carry the
+          fitted residual noise, pooled: a deterministic replay has no tail to compare).
 ab        two configurations on the same workload and acceptance draws (paired), replicated
           with the cost models' residual noise; bootstrap confidence intervals on the
           differences; "no difference" when an interval spans zero.
@@ -28,7 +29,7 @@ def _pct(sim: float | None, real: float | None) -> float | None:
     return abs(sim - real) / abs(real) * 100.0
 
 
-def validate(trace, profile: CostProfile | None = None) -> dict:
+def validate(trace, profile: CostProfile | None = None, *, replicates: int = 5) -> dict:
     profile = profile or fit_profile([trace])
     real = compute_metrics(trace)
     sim_m, sim = replay(trace, profile, ReplayConfig())
@@ -37,7 +38,8 @@ def validate(trace, profile: CostProfile | None = None) -> dict:
     n = min(len(rs), len(ss))
     errs = np.array([_pct(b.end_ns - b.start_ns, a.end_ns - a.start_ns) or 0.0 for a, b in zip(rs[:n], ss[:n])])
     rt = np.array([s.end_ns - s.start_ns for s in rs], dtype=float)
-    st = np.array([s.end_ns - s.start_ns for s in ss], dtype=float)
+    noisy = [replay(trace, profile.with_noise(r), ReplayConfig(seed=r))[1] for r in range(replicates)]
+    st = np.array([s.end_ns - s.start_ns for sim_r in (noisy or [sim]) for s in sim_r.steps], dtype=float)
     out = {
         "steps_real": len(rs), "steps_sim": len(ss),
         "step_time_err_pct": {"p50": float(np.median(errs)) if n else None,
