@@ -12,10 +12,14 @@ shared machine hits both schedules alike, and reports:
 - cross-schedule prediction: costs fitted on the traces of one schedule, the other schedule
   replayed and compared with its measured median makespan, and whether the simulator ranks
   the two schedules in the measured order;
-- speed: the measured run's duration over the replay's wall time (the replay alone; fitting
-  a profile is done once per machine and reused).
+- speed: the measured run's duration over the replay's CPU time (the replay alone, best of
+  3; fitting a profile is done once per machine and reused; CPU time, because wall time on a
+  shared machine includes other tenants' work), per schedule and, with `--speed-concurrency`,
+  for larger batches (the replay's cost per step hardly grows with the batch, a CPU
+  forward's does).
 
-    python benchmarks/simulator_fidelity.py [--num-requests 8] [--max-tokens 48] [--concurrency 4] [--rounds 3]
+    python benchmarks/simulator_fidelity.py [--num-requests 8] [--max-tokens 48] [--concurrency 4]
+        [--rounds 3] [--speed-concurrency 16 32]
 """
 from __future__ import annotations
 
@@ -49,9 +53,9 @@ def step_match_err(a, b) -> float:
 def replay_speed(trace, profile, duration_s: float, repeats: int = 3) -> float:
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         replay(trace, profile)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, time.process_time() - t0)
     return duration_s / best
 
 
@@ -63,6 +67,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="engine runs per schedule (>= 2 for the noise floor)")
     ap.add_argument("--pairs", nargs="*", default=["draft:sync:overlap:3", "mtp:sync:mtp:1"],
                     help="proposer:scheduleA:scheduleB:D")
+    ap.add_argument("--speed-concurrency", type=int, nargs="*", default=[16, 32],
+                    help="also time replays of draft/overlap runs at these concurrencies (2x requests)")
     args = ap.parse_args()
     items = bundled_items(args.num_requests, args.max_tokens)
     print(f"{args.num_requests} requests x {args.max_tokens} tokens, concurrency {args.concurrency}, "
@@ -116,6 +122,12 @@ def main() -> None:
         faster_sim = sa if sim[sa][0] < sim[sa][1] else sb
         print(f"  measured faster: {faster_real} ({max(measured.values()) / min(measured.values()):.3f}x); "
               f"simulator ranks them {'the same' if faster_real == faster_sim else 'DIFFERENTLY'}")
+    for conc in args.speed_concurrency:
+        m, tr = run(bundled_items(2 * conc, args.max_tokens), concurrency=conc, proposer="draft",
+                    schedule="overlap", draft_len=3)
+        speed = replay_speed(tr, fit_profile([tr]), m["duration_s"])
+        print(f"replay speed, draft/overlap at concurrency {conc}: {m['duration_s'] / len(tr.steps) * 1e3:.1f} ms "
+              f"per real step, {speed:.0f}x real time")
 
 
 if __name__ == "__main__":

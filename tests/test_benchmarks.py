@@ -15,7 +15,8 @@ TINY = {
     "tracing_overhead.py": ["--spans", "200"],
     "proposers.py": ["--num-requests", "1", "--max-tokens", "4", "--only", "ngram"],
     "simulator_fidelity.py": ["--num-requests", "2", "--max-tokens", "6", "--concurrency", "2",
-                              "--rounds", "2", "--pairs", "draft:sync:overlap:2"],
+                              "--rounds", "2", "--pairs", "draft:sync:overlap:2",
+                              "--speed-concurrency", "2"],
     "hf_compare.py": ["--num-requests", "1", "--max-tokens", "4", "--draft-len", "2"],
     "schedules.py": ["--num-requests", "1", "--max-tokens", "3", "--sections", "1"],
 }
