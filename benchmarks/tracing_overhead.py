@@ -16,7 +16,7 @@ import time
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from traces import MemoryRecorder, NullTracer, TraceRecorder, compute_metrics, read_trace
-from traces.otel import OtelLiveTracer
+from traces.otel_export import OtelLiveTracer
 from traces.schema import Header
 
 

@@ -38,12 +38,12 @@ def export(
         write_chrome_trace(tr, chrome)
         console.print(f"wrote {chrome} (open it in https://ui.perfetto.dev or chrome://tracing)")
     if otel_json:
-        from traces.otel import export_otel_json
+        from traces.otel_export import export_otel_json
 
         export_otel_json(tr, otel_json)
         console.print(f"wrote {otel_json}")
     if otlp:
-        from traces.otel import export_otlp
+        from traces.otel_export import export_otlp
 
         n = export_otlp(tr, otlp)
         console.print(f"sent {n} spans to {otlp}")

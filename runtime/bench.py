@@ -78,7 +78,7 @@ async def run_workload(
         if otlp is None:
             otlp = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
         if otlp and record:
-            from traces.otel import OtelLiveTracer
+            from traces.otel_export import OtelLiveTracer
 
             live = OtelLiveTracer(header, endpoint=otlp if isinstance(otlp, str) else None)
         if record:

@@ -1,4 +1,4 @@
-"""OpenTelemetry export (traces/otel.py): offline, live, OTLP/HTTP on the wire, OTLP/JSON."""
+"""OpenTelemetry export (traces/otel.py, traces/otel_export.py): offline, live, OTLP/HTTP on the wire, OTLP/JSON."""
 from __future__ import annotations
 
 import http.server
@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from traces import MemoryRecorder, Trace, Tracer
-from traces.otel import OtelLiveTracer, export_otel_json, export_otlp, export_trace_otel
+from traces.otel_export import OtelLiveTracer, export_otel_json, export_otlp, export_trace_otel
 from traces.schema import Header
 from traces.synthetic import synthetic_trace
 

@@ -1,6 +1,6 @@
 """Trace capture and the tools that read traces (the leaf package: imports nothing of ours).
 
-Light imports only here; the OpenTelemetry exporter (`traces.otel`) and the timeline plot
+Light imports only here; the OpenTelemetry modules (`traces.otel`, `traces.otel_export`) and the timeline plot
 (`traces.timeline`) pull in heavy libraries and are imported from their modules.
 """
 from traces.chrome import to_chrome_trace, write_chrome_trace
