@@ -1,7 +1,8 @@
 """Trace capture and the tools that read traces (the leaf package: imports nothing of ours).
 
-Light imports only here; the OpenTelemetry modules (`traces.otel`, `traces.otel_export`) and the timeline plot
-(`traces.timeline`) pull in heavy libraries and are imported from their modules.
+Light imports only here; the OpenTelemetry modules (`traces.otel`, `traces.otel_export`)
+and the timeline plot (`traces.timeline`) pull in heavy libraries and are imported from
+their modules.
 """
 from traces.chrome import to_chrome_trace, write_chrome_trace
 from traces.hook import NULL_TRACER, MultiTracer, NullTracer, Tracer, replay
