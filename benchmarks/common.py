@@ -7,6 +7,12 @@ import statistics
 import anyio
 
 
+def workload_args(ap, num_requests: int, max_tokens: int) -> None:
+    """The workload options every engine benchmark takes (bundled prompts)."""
+    ap.add_argument("--num-requests", type=int, default=num_requests, help="prompts from the bundled workload")
+    ap.add_argument("--max-tokens", type=int, default=max_tokens, help="output tokens per request")
+
+
 def bundled_items(num_requests: int, max_tokens: int):
     from runtime import bundled
     from runtime.workload import load_workload

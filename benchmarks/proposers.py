@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import bundled_items, median_span_ms, run  # noqa: E402
+from common import bundled_items, median_span_ms, run, workload_args  # noqa: E402
 
 PROPOSERS = [("draft", "overlap", 3), ("draft", "overlap", 4), ("mtp", "mtp", 1), ("mtp", "sync", 2),
              ("eagle", "sync", 3), ("ngram", "sync", 4)]
@@ -22,8 +22,7 @@ PROPOSERS = [("draft", "overlap", 3), ("draft", "overlap", 4), ("mtp", "mtp", 1)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--num-requests", type=int, default=6)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    workload_args(ap, 6, 64)
     ap.add_argument("--only", nargs="*", help="proposer names to run")
     args = ap.parse_args()
     items = bundled_items(args.num_requests, args.max_tokens)

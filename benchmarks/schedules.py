@@ -15,13 +15,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import bundled_items, run  # noqa: E402
+from common import bundled_items, run, workload_args  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--num-requests", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    workload_args(ap, 8, 48)
     ap.add_argument("--sections", default="123", help="which parts to run, e.g. 13")
     args = ap.parse_args()
     items = bundled_items(args.num_requests, args.max_tokens)

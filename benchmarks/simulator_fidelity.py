@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import bundled_items, run  # noqa: E402
+from common import bundled_items, run, workload_args  # noqa: E402
 
 from simulator.analysis import validate  # noqa: E402
 from simulator.costs import fit_profile  # noqa: E402
@@ -61,8 +61,7 @@ def replay_speed(trace, profile, duration_s: float, repeats: int = 3) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--num-requests", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    workload_args(ap, 8, 48)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3, help="engine runs per schedule (>= 2 for the noise floor)")
     ap.add_argument("--pairs", nargs="*", default=["draft:sync:overlap:3", "mtp:sync:mtp:1"],
