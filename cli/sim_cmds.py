@@ -141,16 +141,19 @@ def ab(
 
 @app.command()
 def tune(
-    trace: Path,
-    profile: Optional[Path] = typer.Option(None),
+    traces: list[Path] = typer.Argument(..., help="one speculative trace per proposer to compare"),
+    profile: Optional[Path] = typer.Option(None, help="cost profile JSON (one trace only)"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Sweep the draft length per batch-size regime; simulated speedup next to the formula."""
+    """Sweep draft length (and proposer, one trace each) per batch-size regime; simulated
+    speedup over plain decoding next to the formula."""
     from simulator.analysis import tune as run_tune
 
-    tr = _read_trace(trace)
+    trs = [_read_trace(t) for t in traces]
+    if profile is not None and len(trs) > 1:
+        _fail("--profile applies to a single trace; with several, each is fitted on itself")
     try:
-        res = run_tune(tr, profile=_profile(tr, profile))
+        res = run_tune(trs, profile=_profile(trs[0], profile) if len(trs) == 1 else None)
     except (ValueError, KeyError) as e:
         _fail(str(e))
     if json_out:
@@ -158,16 +161,20 @@ def tune(
         return
     from rich.table import Table
 
-    t = Table(title=f"draft length sweep on {trace.name}")
-    for col in ("concurrency", "D", "mean AL", "sim speedup", "formula speedup"):
+    t = Table(title="draft length sweep on " + ", ".join(p.name for p in traces))
+    for col in ("concurrency", "proposer", "D", "mean AL", "sim speedup", "formula speedup"):
         t.add_column(col, justify="right")
-    for r in res["rows"]:
+    for r in sorted(res["rows"], key=lambda r: (r["concurrency"], r["proposer"], r["draft_len"])):
         if "error" in r:
             continue
-        t.add_row(str(r["concurrency"]), str(r["draft_len"]), f"{r['mean_accept_len']:.2f}",
+        t.add_row(str(r["concurrency"]) + ("*" if r["extrapolated"] else ""), r["proposer"], str(r["draft_len"]),
+                  f"{r['mean_accept_len']:.2f}",
                   f"{r['sim_speedup']:.2f}x", f"{r['formula_speedup']:.2f}x" if r["formula_speedup"] else "-")
     Console().print(t)
-    console.print(f"best D per concurrency: {res['best']}")
+    if any(r.get("extrapolated") for r in res["rows"]):
+        console.print("* larger batches than any captured step: the cost models extrapolate")
+    for conc, b in res["best"].items():
+        console.print(f"concurrency {conc}: best {b['proposer']} D={b['draft_len']} ({b['sim_speedup']:.2f}x over plain)")
 
 
 @app.command("fit-profile")

@@ -124,24 +124,58 @@ def accept_len(trace, d: int) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
-def tune(trace, *, profile: CostProfile | None = None, draft_lens: list[int] | None = None,
+def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draft_lens: list[int] | None = None,
          concurrencies: list[int] | None = None) -> dict:
-    profile = profile or fit_profile([trace])
+    """Sweep the draft length of each trace's proposer per concurrency (one trace per
+    proposer: the sweep covers every proposer a trace exists for). Each trace replays with
+    its own costs -- fitted on itself unless `profile` gives one per trace (a "draft" op
+    costs what *its* proposer costs) -- and speedups are over plain decoding replayed from
+    that trace."""
+    traces = list(traces) if isinstance(traces, (list, tuple)) else [traces]
+    if not traces:
+        raise ValueError("tune needs at least one trace")
+    profiles = profile if isinstance(profile, (list, tuple)) else [profile] * len(traces)
+    if len(profiles) != len(traces) or (profile is not None and not isinstance(profile, (list, tuple))
+                                        and len(traces) > 1):
+        raise ValueError("give one cost profile per trace (or none: each trace is fitted on itself)")
+    seen = {}
+    for tr in traces:
+        p = tr.header.proposer
+        if p == "none":
+            raise ValueError(f"{tr.path or 'trace'}: tune needs speculative traces (their acceptance "
+                             "data picks the draft length); this one decodes plainly")
+        if p in seen:
+            raise ValueError(f"two traces for proposer {p!r} ({seen[p] or '<memory>'}, {tr.path or '<memory>'}): give one trace per proposer")
+        seen[p] = tr.path
+    concurrencies = concurrencies or [1, 4, 16]
+    rows = []
+    for tr, prof in zip(traces, profiles):
+        rows += _tune_one(tr, prof or fit_profile([tr]), draft_lens, concurrencies)
+    best: dict[str, dict] = {}
+    for r in rows:
+        key = str(r["concurrency"])
+        if "sim_speedup" in r and r["sim_speedup"] > best.get(key, {}).get("sim_speedup", 0):
+            best[key] = {"proposer": r["proposer"], "draft_len": r["draft_len"], "sim_speedup": r["sim_speedup"]}
+    return {"rows": rows, "best": best}
+
+
+def _tune_one(trace, profile: CostProfile, draft_lens: list[int] | None, concurrencies: list[int]) -> list[dict]:
     h = trace.header
-    if h.proposer == "none":
-        raise ValueError("tune needs a speculative trace (its acceptance data picks the draft length)")
     dmax = max(1, min(8, h.max_agreement_len or 8))
     draft_lens = draft_lens or list(range(1, dmax + 1))
-    concurrencies = concurrencies or [1, 4, 16]
     kv_mean = float(np.mean([r.prompt_len for r in trace.requests])) if trace.requests else 64.0
+    captured = max((len(st.request_ids) for st in trace.steps), default=0)  # largest batch seen
     rows = []
     for c in concurrencies:
         plain, _ = replay(trace, profile, ReplayConfig(proposer="none", schedule="sync", draft_len=0, concurrency=c))
         for d in draft_lens:
+            # beyond the largest captured batch the cost models extrapolate: flagged
+            row = {"proposer": h.proposer, "schedule": h.schedule, "concurrency": c, "draft_len": d,
+                   "extrapolated": c > captured}
             try:
                 m, _ = replay(trace, profile, ReplayConfig(draft_len=d, concurrency=c))
-            except KeyError as e:
-                rows.append({"concurrency": c, "draft_len": d, "error": str(e)})
+            except (KeyError, ValueError) as e:
+                rows.append(row | {"error": str(e)})
                 continue
             al = accept_len(trace, d) or m["mean_accept_len"]
             verify_name = "verify" if "verify" in profile.device else "decode"
@@ -154,14 +188,9 @@ def tune(trace, *, profile: CostProfile | None = None, draft_lens: list[int] | N
             if "draft_fill" in profile.device:
                 td += profile.device_ns("draft_fill", base | {"tokens": c * 2})
             formula = (t1 * al / (tv + td)) if (t1 and al) else None
-            rows.append({
-                "concurrency": c, "draft_len": d,
+            rows.append(row | {
                 "sim_tokens_per_s": m["output_tokens_per_s"],
                 "sim_speedup": m["output_tokens_per_s"] / plain["output_tokens_per_s"],
                 "mean_accept_len": al, "formula_speedup": formula,
             })
-    best = {}
-    for r in rows:
-        if "sim_speedup" in r and r["sim_speedup"] > best.get(r["concurrency"], {}).get("sim_speedup", 0):
-            best[r["concurrency"]] = r
-    return {"rows": rows, "best": {str(k): v["draft_len"] for k, v in best.items()}}
+    return rows

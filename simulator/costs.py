@@ -84,8 +84,17 @@ class CostProfile:
     FALLBACK = {"decode": ("verify", "mixed", "prefill"), "verify": ("mixed", "decode", "prefill"),
                 "mixed": ("prefill", "verify", "decode"), "prefill": ("mixed", "verify", "decode")}
 
+    # A one-token-per-row forward fitted on a handful of samples (plain decode steps in a
+    # speculative trace: the first step after prefill) is a constant that ignores the batch;
+    # the other one-token-per-row op, fitted on every step, scales with it.
+    FEW_SAMPLES = 8
+    SIBLING = {"decode": "verify", "verify": "decode"}
+
     def device_ns(self, name: str, attrs: dict) -> float:
         m = self.device.get(name)
+        sib = self.device.get(self.SIBLING.get(name, ""))
+        if sib is not None and (m is None or m.num_samples < self.FEW_SAMPLES <= sib.num_samples):
+            m = sib
         for alt in self.FALLBACK.get(name, ()):
             if m is not None:
                 break

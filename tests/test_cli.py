@@ -70,6 +70,12 @@ def test_ab_gives_intervals_and_verdicts():
 def test_tune_and_fit_profile(tmp_path):
     res = run_json("tune", SAMPLE)
     assert res["rows"] and res["best"]
+    both = run_json("tune", SAMPLE, SAMPLE.with_name("mtp_mtp.jsonl"))
+    assert {r["proposer"] for r in both["rows"]} == {"draft", "mtp"}
+    assert set(both["best"]) == {"1", "4", "16"}
+    assert all(b["proposer"] in ("draft", "mtp") for b in both["best"].values())
+    code, out = run("tune", SAMPLE, SAMPLE, "--json")
+    assert code == 2 and "one trace per proposer" in out
     prof = tmp_path / "profile.json"
     code, out = run("fit-profile", SAMPLE, "-o", prof)
     assert code == 0, out

@@ -168,6 +168,24 @@ def test_ab_and_tune_on_a_synthetic_workload():
     assert {r["draft_len"] for r in res["rows"]} == {1, 2}
 
 
+def test_tune_compares_proposers_one_trace_each():
+    # the same workload, drafted by a cheap proposer (c = 0.05) and an expensive one (c = 0.6)
+    cheap = workload_trace(2, 16, 120, proposer="mtp", schedule="sync", draft_len=3)
+    dear = workload_trace(2, 16, 120, proposer="draft", schedule="sync", draft_len=3)
+    res = tune([cheap, dear], profile=[analytic_profile(5_000_000, 0.05), analytic_profile(5_000_000, 0.6)],
+               draft_lens=[1, 3], concurrencies=[1])
+    assert {(r["proposer"], r["draft_len"]) for r in res["rows"]} == {("mtp", 1), ("mtp", 3), ("draft", 1), ("draft", 3)}
+    by = {(r["proposer"], r["draft_len"]): r["sim_speedup"] for r in res["rows"]}
+    assert by[("mtp", 3)] > by[("draft", 3)]  # same acceptance, cheaper drafts
+    assert res["best"]["1"]["proposer"] == "mtp"
+    with pytest.raises(ValueError, match="one trace per proposer"):
+        tune([cheap, cheap], profile=[analytic_profile(5e6, 0.1)] * 2)
+    with pytest.raises(ValueError, match="one cost profile per trace"):
+        tune([cheap, dear], profile=analytic_profile(5e6, 0.1))
+    with pytest.raises(ValueError, match="decodes plainly"):
+        tune(workload_trace(1, 4, 8, proposer="none", draft_len=0))
+
+
 # -- against measured engine runs (tiny random model family) ----------------------------------
 
 def _capture(fam, proposer, schedule, d, n=6, max_tokens=24, concurrency=1):
