@@ -27,15 +27,21 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file and the problem."""
 
 
-def load_config(path: str | Path) -> ModelConfig:
-    path = _model_dir(path)
-    cfg_path = path / CONFIG_FILE
+def read_config_json(folder: Path, what: str = "") -> tuple[Path, object]:
+    """(path, parsed JSON) of `folder/config.json`; CheckpointError naming the file if it is
+    missing or unreadable. `what` names the folder in the message (e.g. "MTP head directory")."""
+    cfg_path = folder / CONFIG_FILE
     if not cfg_path.is_file():
-        raise CheckpointError(f"missing {CONFIG_FILE} in {path}")
+        raise CheckpointError(f"missing {CONFIG_FILE} in {what + ' ' if what else ''}{folder}")
     try:
-        raw = json.loads(cfg_path.read_text())
+        return cfg_path, json.loads(cfg_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"cannot read {cfg_path}: {exc}") from None
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    path = _model_dir(path)
+    cfg_path, raw = read_config_json(path)
     try:
         return ModelConfig.from_hf(raw)
     except ConfigError as exc:

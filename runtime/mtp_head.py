@@ -28,7 +28,7 @@ from torch import nn
 
 from runtime.attention import StepAttention
 from runtime.attention.torch_backend import CausalAttention
-from runtime.checkpoint import CheckpointError
+from runtime.checkpoint import CheckpointError, read_config_json
 from runtime.config import ModelConfig
 from runtime.kv_cache import PagedKVCache
 from runtime.model import DecoderLayer, LlamaModel, RMSNorm, RotaryEmbedding
@@ -216,13 +216,7 @@ def load_head_config(path: str | Path) -> tuple[ModelConfig, bool, dict]:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"MTP head directory not found: {path}")
-    cfg_path = path / CONFIG_FILE
-    if not cfg_path.is_file():
-        raise CheckpointError(f"missing {CONFIG_FILE} in MTP head directory {path}")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {cfg_path}: {exc}") from None
+    cfg_path, raw = read_config_json(path, "MTP head directory")
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg_path}: config must be a JSON object")
     archs = raw.get("architectures")

@@ -32,6 +32,7 @@ from typing import Any
 
 import anyio.to_thread
 
+from runtime.devices.events import raise_device_error
 from runtime.devices.spec import DeviceStartError, WorkerSpec
 from scheduler.protocols import Batch, DeviceCrashed, DeviceError, Event
 
@@ -144,11 +145,7 @@ class CudaEvent:
     def _outcome(self) -> Any:
         if self._error is None:
             return self._result
-        kind, message, remote_tb = self._error
-        exc = kind(self.op, message, remote_traceback=remote_tb)
-        if remote_tb:
-            exc.add_note(f"device traceback:\n{remote_tb.rstrip()}")
-        raise exc
+        raise_device_error(self.op, self._error)
 
 
 class CudaStream:

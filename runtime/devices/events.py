@@ -104,8 +104,13 @@ class CompletionEvent:
     def _outcome(self) -> Any:
         if self._error is None:
             return self._result
-        kind, message, remote_tb = self._error
-        exc = kind(self.op, message, remote_traceback=remote_tb)
-        if remote_tb:
-            exc.add_note(f"device traceback:\n{remote_tb.rstrip()}")
-        raise exc
+        raise_device_error(self.op, self._error)
+
+
+def raise_device_error(op: str, error: tuple[type[DeviceError], str, str | None]) -> None:
+    """Raise a failed op's error, with the device-side traceback as a note."""
+    kind, message, remote_tb = error
+    exc = kind(op, message, remote_traceback=remote_tb)
+    if remote_tb:
+        exc.add_note(f"device traceback:\n{remote_tb.rstrip()}")
+    raise exc
