@@ -11,7 +11,9 @@ negative and refitting):
 `padded(tokens)` rounds the token count up to `tile` (1 on CPUs; e.g. 64 on GPUs, whose
 matrix instructions pad the token dimension, so cost rises in steps). Two latencies that no
 span shows directly are measured too: `launch_latency_ns` (host launch end -> device start
-when the device was idle) and `wakeup_ns` (device end -> host sync end). Fit quality is
+when the device was idle) and `wakeup_ns` (device end -> host sync end); the worker's idle
+time between two queued ops is kept per op (replying to one op and unpacking the next costs
+what the messages cost; a verify launch's substages count as one op). Fit quality is
 reported as MAPE per stage. A profile is saved as JSON and reusable across traces captured
 on the same hardware.
 """
@@ -50,9 +52,10 @@ class CostProfile:
     device: dict[str, StageModel] = field(default_factory=dict)  # op span name -> model
     host: dict[str, StageModel] = field(default_factory=dict)  # host stage -> model
     launch_latency_ns: float = 0.0
-    wakeup_ns: float = 0.0
+    wakeup_ns: float = 0.0  # device end -> host sync end
     step_overhead_ns: float = 0.0  # host time per step not covered by any stage span
     op_gap_ns: float = 0.0  # device idle between two queued ops (worker reads/replies)
+    op_gaps: dict[str, float] = field(default_factory=dict)  # the same, by the op that follows
     tile: int = 1
     serialize_streams: bool = True  # one worker process runs every stream in order
     source: list[str] = field(default_factory=list)
@@ -104,6 +107,11 @@ class CostProfile:
         if m is None:
             raise KeyError(f"cost profile has no model for device op {name!r} (fitted: {sorted(self.device)})")
         return self._noisy(m, m.predict(self.features(attrs)))
+
+    def gap_ns(self, name: str) -> float:
+        """Device idle before op `name` when it was queued behind another (the worker replies
+        to the previous op, then reads and unpacks this one: a cost that depends on the op)."""
+        return self.op_gaps.get(name, self.op_gap_ns)
 
     def host_ns(self, name: str, attrs: dict) -> float:
         m = self.host.get(name)
@@ -174,6 +182,7 @@ def fit_profile(traces: list, *, tile: int = 1) -> CostProfile:
     dev_rows: dict[str, list] = {}
     host_rows: dict[str, list] = {}
     launch_lat, wakeups, overheads, gaps = [], [], [], []
+    gaps_by_op: dict[str, list[int]] = {}
     for tr in traces:
         prof.source.append(tr.path or "<memory>")
         prof.serialize_streams = tr.header.device.kind in ("host", "cpu")
@@ -190,13 +199,23 @@ def fit_profile(traces: list, *, tile: int = 1) -> CostProfile:
             else:
                 dev_rows.setdefault(s.name, []).append((feats, dur))
         dev_spans = sorted((s for s in spans if s.track != "host"), key=lambda s: s.start_ns)
+        # one device interval per launch: a verify launch's substages (verify, accept) occupy
+        # the device as one op
+        ops: dict = {}
+        for s in dev_spans:
+            key = s.attrs.get("launch_id") or id(s)
+            if key in ops:
+                ops[key][1] = max(ops[key][1], s.end_ns)
+            else:
+                ops[key] = [s.start_ns, s.end_ns, s.name, key]
         # ops whose launch came before the previous op ended ran back to back: their spacing
-        # is the device's own per-op overhead
-        launches = sorted((s for s in spans if s.track != "host" and s.name != "accept"), key=lambda s: s.start_ns)
-        for a, b in zip(launches, launches[1:]):
-            ln = by_launch.get(b.attrs.get("launch_id"))
-            if ln is not None and ln.end_ns <= a.end_ns and b.start_ns >= a.end_ns:
-                gaps.append(b.start_ns - a.end_ns)
+        # is the device's own per-op overhead, by the op that follows
+        seq = sorted(ops.values())
+        for a, b in zip(seq, seq[1:]):
+            ln = by_launch.get(b[3])
+            if ln is not None and ln.end_ns <= a[1] and b[0] >= a[1]:
+                gaps.append(b[0] - a[1])
+                gaps_by_op.setdefault(b[2], []).append(b[0] - a[1])
         prev_end = None
         for s in dev_spans:
             lid = s.attrs.get("launch_id")
@@ -236,4 +255,5 @@ def fit_profile(traces: list, *, tile: int = 1) -> CostProfile:
     prof.wakeup_ns = float(np.mean(wakeups)) if wakeups else 0.0
     prof.step_overhead_ns = float(np.mean(overheads)) if overheads else 0.0
     prof.op_gap_ns = float(np.mean(gaps)) if gaps else 0.0
+    prof.op_gaps = {k: float(np.mean(v)) for k, v in gaps_by_op.items() if len(v) >= 3}
     return prof

@@ -24,13 +24,13 @@ class Responder(Protocol):
 
 class VirtualEvent:
     def __init__(self, op: str, stream: str, start_ns: int, end_ns: int, result: Any,
-                 wakeup_ns: int, error: str | None = None):
+                 device: "VirtualDevice", error: str | None = None):
         self.op = op
         self.stream = stream
         self.start_ns = start_ns
         self.end_ns = end_ns
         self._result = result
-        self._wakeup_ns = wakeup_ns
+        self._device = device
         self._error = error
 
     def _now(self) -> int:
@@ -45,7 +45,7 @@ class VirtualEvent:
         return self._outcome()
 
     async def wait(self) -> Any:
-        delay = self.end_ns + self._wakeup_ns - self._now()
+        delay = self.end_ns + int(self._device.profile.wakeup_ns) - self._now()
         if delay > 0:
             await asyncio.sleep(delay / 1e9)
         return self._outcome()
@@ -67,18 +67,18 @@ class VirtualStream:
         dev = self.device
         now = int(asyncio.get_running_loop().time() * 1e9 + 0.5)
         ready = now + int(dev.profile.launch_latency_ns)
+        attrs = batch.get("attrs", {})
+        name = {"fill": "draft_fill", "forward": attrs.get("kind", "forward")}.get(op, op)
         queue_free = dev.busy_until_ns if dev.profile.serialize_streams else self.busy_until_ns
         if queue_free > 0:
-            queue_free += int(dev.profile.op_gap_ns)
+            queue_free += int(dev.profile.gap_ns(name))
         start = max(ready, queue_free, self._after_ns)
-        attrs = batch.get("attrs", {})
         error = None
         try:
             result, subs = dev.responder.respond(op, batch, start)
         except Exception as e:  # noqa: BLE001 - surfaces at the waiter, like real devices
             result, subs, error = None, [], str(e)
         if not subs:
-            name = {"fill": "draft_fill", "forward": attrs.get("kind", "forward")}.get(op, op)
             subs = [(name, int(dev.profile.device_ns(name, attrs)))]
         t = start
         stamps = []
@@ -91,7 +91,7 @@ class VirtualStream:
         dev.busy_until_ns = max(dev.busy_until_ns, t)
         self._after_ns = 0
         dev.num_launches += 1
-        return VirtualEvent(op, self.name, start, t, result, int(dev.profile.wakeup_ns), error)
+        return VirtualEvent(op, self.name, start, t, result, dev, error)
 
     def wait_event(self, event: VirtualEvent) -> None:
         self._after_ns = max(self._after_ns, event.end_ns)

@@ -18,6 +18,7 @@ from simulator.device import VirtualDevice
 from simulator.replay import ReplayConfig, replay
 from simulator.synthetic import analytic_profile, workload_trace
 from simulator.vtime import SimulationDeadlock, VirtualClock, run_virtual
+from traces.schema import SpanRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,6 +117,33 @@ def test_cost_fit_recovers_a_linear_model_and_roundtrips(tmp_path):
     (tmp_path / "bad.json").write_text("{nope")
     with pytest.raises(ValueError, match="not a cost profile"):
         CostProfile.load(tmp_path / "bad.json")
+
+
+def test_op_gaps_are_fitted_per_op_from_whole_launches():
+    """A verify launch (substages verify + accept) with a fill queued behind it: the worker's
+    idle time before the fill counts from the end of accept, and each op keeps its own gap."""
+    tr = workload_trace(1, 8, 8)
+    t = 0
+    for step in range(12):
+        lid_v, lid_f = f"{step}:verify", f"{step}:fill"
+        attrs = {"requests": 1, "tokens": 4, "kv_tokens": 100}
+        tr.add(SpanRecord(track="host", name="launch", step=step, start_ns=t, end_ns=t + 10,
+                          attrs=attrs | {"op": "verify", "launch_id": lid_v}))
+        tr.add(SpanRecord(track="host", name="launch", step=step, start_ns=t + 20, end_ns=t + 30,
+                          attrs=attrs | {"op": "fill", "launch_id": lid_f}))
+        v0 = t + 100
+        tr.add(SpanRecord(track="device:main", name="verify", step=step, start_ns=v0, end_ns=v0 + 5000,
+                          attrs=attrs | {"launch_id": lid_v}))
+        tr.add(SpanRecord(track="device:main", name="accept", step=step, start_ns=v0 + 5000, end_ns=v0 + 5400,
+                          attrs=attrs | {"launch_id": lid_v}))
+        f0 = v0 + 5400 + 300  # 300 ns after accept: the fill's gap
+        tr.add(SpanRecord(track="device:draft", name="draft_fill", step=step, start_ns=f0, end_ns=f0 + 2000,
+                          attrs=attrs | {"launch_id": lid_f}))
+        t = f0 + 2000 + 50_000  # the next verify is launched after the device went idle
+    prof = fit_profile([tr])
+    assert prof.gap_ns("draft_fill") == pytest.approx(300)
+    assert prof.op_gap_ns == pytest.approx(300)
+    assert prof.gap_ns("verify") == prof.op_gap_ns  # never seen queued: the overall gap
 
 
 def _leviathan(alpha, g, c):
