@@ -1,7 +1,11 @@
 """Acceptance in the simulator: replayed from the trace, never derived from a formula.
 
 Modes:
-  trace      greedy requests with per-position agreement data (`finish.agreement`): the
+  trace      at the captured proposer and draft length, every request (greedy or sampled,
+             any proposer, trees included) replays the accepted length its step records
+             show at that output position: exact, since drafts at a position depend only
+             on the sequence so far, never on the schedule. At another draft length,
+             greedy requests with per-position agreement data (`finish.agreement`): the
              accepted length of a step that starts at output position p with D drafts is
              the run of 1s in agreement[p : p + D] -- exact for a draft model at any D up to
              the captured maximum (teacher-forced agreement), exact for D = 1 with heads
@@ -18,7 +22,8 @@ import numpy as np
 class AcceptanceModel:
     def __init__(self, mode: str, *, agreement: dict[int, list[int]] | None = None,
                  rates: list[float] | None = None, alpha: float | None = None,
-                 exact_max_d: int | None = None, seed: int = 0):
+                 exact_max_d: int | None = None, seed: int = 0,
+                 recorded: dict[int, dict[int, tuple[int, int]]] | None = None):
         if mode not in ("trace", "rates", "bernoulli"):
             raise ValueError(f"unknown acceptance mode {mode!r}")
         if mode == "bernoulli" and not (alpha is not None and 0.0 <= alpha <= 1.0):
@@ -28,11 +33,13 @@ class AcceptanceModel:
         self.rates = list(rates or [])
         self.alpha = alpha
         self.exact_max_d = exact_max_d
+        self.recorded = recorded or {}  # request index -> {output position: (accepted, drafted)}
         self.rng = np.random.default_rng(seed)
 
     @classmethod
-    def parse(cls, spec: str, trace, seed: int = 0) -> "AcceptanceModel":
-        """'trace' | 'rates' | 'bernoulli:ALPHA' against a trace's data."""
+    def parse(cls, spec: str, trace, seed: int = 0, captured_config: bool = False) -> "AcceptanceModel":
+        """'trace' | 'rates' | 'bernoulli:ALPHA' against a trace's data. `captured_config`:
+        the replay drafts with the trace's own proposer and draft length."""
         if spec.startswith("bernoulli:"):
             try:
                 alpha = float(spec.split(":", 1)[1])
@@ -50,7 +57,15 @@ class AcceptanceModel:
                     agreement[idx[f.request_id]] = list(f.agreement)
                     if f.agreement_kind == "first_token":
                         exact = 1
-        return cls(spec, agreement=agreement, rates=step_rates(trace), exact_max_d=exact, seed=seed)
+        recorded = recorded_acceptance(trace) if (spec == "trace" and captured_config) else None
+        return cls(spec, agreement=agreement, rates=step_rates(trace), exact_max_d=exact, seed=seed,
+                   recorded=recorded)
+
+    def drafted(self, request_index: int, out_pos: int, num_drafts: int) -> int:
+        """Tokens the proposer really drafted there (an n-gram miss drafts none), where the
+        trace recorded it at the captured configuration; else the `num_drafts` asked for."""
+        rec = self.recorded.get(request_index, {}).get(out_pos) if self.mode == "trace" else None
+        return num_drafts if rec is None else min(rec[1], num_drafts)
 
     def accept(self, request_index: int, out_pos: int, num_drafts: int) -> int:
         if num_drafts <= 0:
@@ -58,6 +73,10 @@ class AcceptanceModel:
         if self.mode == "bernoulli":
             fails = self.rng.random(num_drafts) >= self.alpha
             return int(np.argmax(fails)) if fails.any() else num_drafts
+        if self.mode == "trace":
+            rec = self.recorded.get(request_index, {}).get(out_pos)
+            if rec is not None:
+                return min(rec[0], num_drafts)
         agree = self.agreement.get(request_index) if self.mode == "trace" else None
         if agree is not None and (self.exact_max_d is None or num_drafts <= self.exact_max_d):
             a = 0
@@ -86,3 +105,19 @@ def step_rates(trace) -> list[float]:
                 if k < a:
                     passed[k] = passed.get(k, 0) + 1
     return [passed.get(k, 0) / reached[k] for k in sorted(reached)]
+
+
+def recorded_acceptance(trace) -> dict[int, dict[int, tuple[int, int]]]:
+    """(accepted, drafted) per request index and output position at the step's start, from
+    the step records. Request indices follow arrival order, as the replayed workload does."""
+    idx = {r.request_id: i for i, r in enumerate(sorted(trace.requests, key=lambda r: r.arrival_ns))}
+    pos: dict[str, int] = {}
+    out: dict[int, dict[int, int]] = {}
+    for st in sorted(trace.steps, key=lambda s: s.step):
+        for rid, drafted, accepted, emitted in zip(st.request_ids, st.num_drafted or [], st.num_accepted or [],
+                                                   st.num_output or []):
+            p = pos.get(rid, 0)
+            if st.kind == "spec" and rid in idx:  # a row that drafted nothing (n-gram miss) too
+                out.setdefault(idx[rid], {})[p] = (int(accepted), int(drafted))
+            pos[rid] = p + int(emitted)
+    return out

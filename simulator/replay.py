@@ -91,18 +91,19 @@ class TraceResponder:
         if op == "draft":
             return {"num_drafts": np.asarray(batch["num_draft"])}, []
         if op == "verify":
-            accepted, emitted = [], []
+            accepted, emitted, drafted = [], [], []
             for slot, nd in zip(batch["slots"], batch["num_draft"]):
                 st = self.slots[int(slot)]
                 pos = st[1] - self.prompt_lens[st[0]]
                 a = self.acceptance.accept(st[0], pos, int(nd))
                 accepted.append(a)
+                drafted.append(self.acceptance.drafted(st[0], pos, int(nd)))
                 emitted.append([_DUMMY_TOKEN] * (a + 1))
                 st[1] += a + 1
             subs = [("verify", int(self.profile.device_ns("verify", attrs))),
                     ("accept", int(self.profile.device_ns("accept", attrs)) if "accept" in self.profile.device else 0)]
             return {"accepted": np.asarray(accepted), "tokens": emitted,
-                    "num_drafts": np.asarray(batch["num_draft"])}, subs
+                    "num_drafts": np.asarray(drafted)}, subs
         if op == "fill":
             return {}, []
         raise ValueError(f"virtual device: unknown op {op!r}")
@@ -193,6 +194,8 @@ def replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig | None = None) 
     """Replay `trace` under `cfg`; returns (metrics with the bench keys, simulated trace)."""
     cfg = cfg or ReplayConfig()
     items = workload_from_trace(trace)
-    acceptance = AcceptanceModel.parse(cfg.acceptance, trace, seed=cfg.seed)
+    proposer, _, draft_len, _ = resolve(trace, cfg)
+    same = proposer == trace.header.proposer and draft_len == trace.header.draft_len
+    acceptance = AcceptanceModel.parse(cfg.acceptance, trace, seed=cfg.seed, captured_config=same)
     sim = run_virtual(lambda: _replay(trace, profile, cfg, items, acceptance))
     return compute_metrics(sim), sim

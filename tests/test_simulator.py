@@ -146,6 +146,25 @@ def test_op_gaps_are_fitted_per_op_from_whole_launches():
     assert prof.gap_ns("verify") == prof.op_gap_ns  # never seen queued: the overall gap
 
 
+def test_captured_configuration_replays_the_recorded_acceptance():
+    """At its own proposer and draft length a replay takes each step's accepted lengths from
+    the step records (no agreement data needed: trees, n-gram and sampled requests too)."""
+    from traces.reader import read_trace
+
+    tr = read_trace(Path(__file__).resolve().parents[1] / "traces" / "samples" / "draft_sync.jsonl")
+    for f in tr.finishes:  # only the step records remain
+        object.__setattr__(f, "agreement", None)
+        object.__setattr__(f, "agreement_kind", None)
+    _, sim = replay(tr, fit_profile([tr]))
+
+    def seq(t):
+        return [(s.request_ids, s.num_drafted, s.num_accepted) for s in sorted(t.steps, key=lambda s: s.step)]
+
+    assert seq(sim) == seq(tr)
+    other = AcceptanceModel.parse("trace", tr, captured_config=False)
+    assert not other.recorded  # another draft length cannot use them
+
+
 def _leviathan(alpha, g, c):
     return (1 - alpha ** (g + 1)) / ((1 - alpha) * (g * c + 1))
 
