@@ -11,7 +11,9 @@ shared machine hits both schedules alike, and reports:
   the same configuration -- what no simulator with deterministic costs can beat;
 - cross-schedule prediction: costs fitted on the traces of one schedule, the other schedule
   replayed and compared with its measured median makespan, and whether the simulator ranks
-  the two schedules in the measured order;
+  the two schedules in the measured order; next to it the device idle time per speculative
+  step, predicted and measured -- what the schedule itself changes, free of how fast the
+  device happened to run in each round;
 - speed: the measured run's duration over the replay's CPU time (the replay alone, best of
   3; fitting a profile is done once per machine and reused; CPU time, because wall time on a
   shared machine includes other tenants' work), per schedule and, with `--speed-concurrency`,
@@ -48,6 +50,17 @@ def step_match_err(a, b) -> float:
     e = [abs((y.end_ns - y.start_ns) - (x.end_ns - x.start_ns)) / (x.end_ns - x.start_ns) * 100
          for x, y in zip(ra[:n], rb[:n])]
     return float(np.median(e)) if e else float("nan")
+
+
+def idle_per_step_ms(trace) -> float:
+    """Mean device idle per speculative step (step time minus device busy time): what a
+    schedule changes, apart from how fast the device itself ran that run."""
+    busy: dict[int, int] = {}
+    for s in trace.spans:
+        if s.track != "host":
+            busy[s.step] = busy.get(s.step, 0) + s.end_ns - s.start_ns
+    steps = [s for s in trace.steps if s.kind == "spec"]
+    return float(np.mean([(s.end_ns - s.start_ns) - busy.get(s.step, 0) for s in steps])) / 1e6 if steps else float("nan")
 
 
 def replay_speed(trace, profile, duration_s: float, repeats: int = 3) -> float:
@@ -111,12 +124,14 @@ def main() -> None:
         sim = {}
         for src, dst in ((sa, sb), (sb, sa)):
             trace = runs[src][0][1]
-            pred, _ = replay(trace, profiles[src], ReplayConfig(schedule=dst))
+            pred, pred_tr = replay(trace, profiles[src], ReplayConfig(schedule=dst))
             own, _ = replay(trace, profiles[src], ReplayConfig(schedule=src))
             sim[src] = (own["duration_s"], pred["duration_s"])
             err = abs(pred["duration_s"] - measured[dst]) / measured[dst] * 100
+            idle_real = statistics.median(idle_per_step_ms(tr) for _, tr in runs[dst])
             print(f"  predict {proposer}/{dst} from the {src} traces: makespan {pred['duration_s']:.3f} s vs "
-                  f"measured median {measured[dst]:.3f} s ({err:.2f}% error)")
+                  f"measured median {measured[dst]:.3f} s ({err:.2f}% error); device idle per step "
+                  f"{idle_per_step_ms(pred_tr):.2f} ms vs {idle_real:.2f} ms")
         faster_real = sa if measured[sa] < measured[sb] else sb
         faster_sim = sa if sim[sa][0] < sim[sa][1] else sb
         print(f"  measured faster: {faster_real} ({max(measured.values()) / min(measured.values()):.3f}x); "
