@@ -15,8 +15,9 @@ runner = CliRunner()
 
 
 def run(*args: str) -> tuple[int, str]:
-    res = runner.invoke(app, [str(a) for a in args])
-    return res.exit_code, res.output
+    """(exit code, output with line wrapping undone: rich wraps messages at the terminal width)."""
+    res = runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "400"})
+    return res.exit_code, " ".join(res.output.split()) if res.exit_code else res.output
 
 
 def run_json(*args: str) -> dict:
