@@ -20,7 +20,7 @@ def _replay_config(schedule, spec, draft_len, acceptance, rate_scale, concurrenc
 def _profile(trace_obj, profile_path: Optional[Path]):
     from simulator.costs import CostProfile, fit_profile
 
-    if profile_path is not None and profile_path.exists():
+    if profile_path is not None:  # a path that is not there is an error, never a silent refit
         try:
             return CostProfile.load(profile_path)
         except ValueError as e:
@@ -178,12 +178,19 @@ def tune(
 
 
 @app.command("fit-profile")
-def fit_profile_cmd(traces: list[Path], out: Path = typer.Option(..., "-o", "--out")) -> None:
+def fit_profile_cmd(
+    traces: list[Path],
+    out: Path = typer.Option(..., "-o", "--out"),
+    tile: str = typer.Option("auto", help="token tile device kernels pad to (e.g. 64 on GPUs), or auto"),
+) -> None:
     """Fit a cost profile (JSON) from engine traces of one machine; prints MAPE per stage."""
     from simulator.costs import fit_profile
 
-    prof = fit_profile([_read_trace(t) for t in traces])
+    if tile != "auto" and not (tile.isdigit() and int(tile) >= 1):
+        _fail(f"--tile takes a positive integer or 'auto', got {tile!r}")
+    prof = fit_profile([_read_trace(t) for t in traces], tile=tile if tile == "auto" else int(tile))
     prof.save(out)
+    console.print(f"token tile: {prof.tile}")
     for k, v in sorted(prof.mape().items()):
         console.print(f"{k:24s} MAPE {v:6.2f}%")
     console.print(f"wrote {out}")

@@ -73,9 +73,9 @@ class CostProfile:
         return value * float(np.clip(1.0 + m.cv * self._rng.standard_normal(), 0.2, 3.0))
 
     # -- prediction -----------------------------------------------------------------------------
-    def features(self, attrs: dict) -> dict[str, float]:
+    def features(self, attrs: dict, padded: bool = True) -> dict[str, float]:
         tok = float(attrs.get("tokens", 0))
-        if self.tile > 1:
+        if padded and self.tile > 1:
             tok = float(np.ceil(tok / self.tile) * self.tile)
         req = float(attrs.get("requests", 0))
         return {"const": 1.0, "tokens": tok, "requests": req,
@@ -115,7 +115,7 @@ class CostProfile:
 
     def host_ns(self, name: str, attrs: dict) -> float:
         m = self.host.get(name)
-        return 0.0 if m is None else self._noisy(m, m.predict(self.features(attrs)))
+        return 0.0 if m is None else self._noisy(m, m.predict(self.features(attrs, padded=False)))
 
     def mape(self) -> dict[str, float]:
         out = {f"device:{k}": v.mape for k, v in self.device.items()}
@@ -176,9 +176,37 @@ def fit_stage(rows: list[dict], durations: list[float], features: tuple[str, ...
                       float(np.median(y)) if len(y) else 0.0, float(np.std(rel)) if len(y) > 1 else 0.0)
 
 
-def fit_profile(traces: list, *, tile: int = 1) -> CostProfile:
-    """Fit every device op and host stage seen in `traces` (engine traces)."""
-    prof = CostProfile(tile=tile)
+TILES = (1, 8, 16, 32, 64, 128)
+
+
+def choose_tile(dev_rows: dict[str, list[tuple[dict, float]]], min_gain: float = 0.1) -> int:
+    """The token tile that explains the device ops best: each candidate refits every op seen
+    often (>= 20 spans) at varied token counts (>= 3) and sums the relative residuals; a tile
+    above 1 must cut that sum by `min_gain` (a CPU's linear costs should not pick up a tile
+    from noise, nor from a handful of prefills that any model fits)."""
+    err = {}
+    for t in TILES:
+        probe = CostProfile(tile=t)
+        total = 0.0
+        for name, rows in dev_rows.items():
+            if len(rows) < 20 or len({a.get("tokens", 0) for a, _ in rows}) < 3:
+                continue
+            feats = [probe.features(a) for a, _ in rows]
+            ys = np.array([d for _, d in rows], dtype=np.float64)
+            m = fit_stage(feats, list(ys), FEATURES if name == "draft" else FEATURES[:4])
+            pred = np.array([m.predict(f) for f in feats])
+            total += float((np.abs(ys - pred) / np.maximum(ys, 1.0)).sum())
+        err[t] = total
+    best = min(err, key=lambda t: (err[t], t))
+    return best if best == 1 or err[best] <= (1 - min_gain) * err[1] else 1
+
+
+def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
+    """Fit every device op and host stage seen in `traces` (engine traces). `tile`: the
+    token tile device kernels pad to, or "auto" to pick it from the traces (`choose_tile`)."""
+    if tile != "auto" and (not isinstance(tile, int) or tile < 1):
+        raise ValueError(f"tile must be a positive integer or 'auto', got {tile!r}")
+    prof = CostProfile(tile=1)
     dev_rows: dict[str, list] = {}
     host_rows: dict[str, list] = {}
     launch_lat, wakeups, overheads, gaps = [], [], [], []
@@ -189,15 +217,14 @@ def fit_profile(traces: list, *, tile: int = 1) -> CostProfile:
         spans = tr.spans
         by_launch = {}
         for s in spans:
-            feats = prof.features(s.attrs)
             dur = float(s.end_ns - s.start_ns)
             if s.track == "host":
                 if s.name in HOST_STAGES:
-                    host_rows.setdefault(s.name, []).append((feats, dur))
+                    host_rows.setdefault(s.name, []).append((prof.features(s.attrs, padded=False), dur))
                 if s.name == "launch" and "launch_id" in s.attrs:
                     by_launch[s.attrs["launch_id"]] = s
             else:
-                dev_rows.setdefault(s.name, []).append((feats, dur))
+                dev_rows.setdefault(s.name, []).append((s.attrs, dur))
         dev_spans = sorted((s for s in spans if s.track != "host"), key=lambda s: s.start_ns)
         # one device interval per launch: a verify launch's substages (verify, accept) occupy
         # the device as one op
@@ -246,9 +273,10 @@ def fit_profile(traces: list, *, tile: int = 1) -> CostProfile:
             i0, i1 = np.searchsorted(starts, [a.end_ns, b.start_ns])
             covered = sum(min(e, b.start_ns) - s0 for s0, e in host_spans[i0:i1])
             overheads.append(max(0, gap - covered))
+    prof.tile = choose_tile(dev_rows) if tile == "auto" else tile
     for name, rows in dev_rows.items():
         feats = FEATURES if name == "draft" else FEATURES[:4]
-        prof.device[name] = fit_stage([r for r, _ in rows], [d for _, d in rows], feats)
+        prof.device[name] = fit_stage([prof.features(a) for a, _ in rows], [d for _, d in rows], feats)
     for name, rows in host_rows.items():
         prof.host[name] = fit_stage([r for r, _ in rows], [d for _, d in rows], FEATURES[:4])
     prof.launch_latency_ns = max(0.0, float(np.mean(launch_lat))) if launch_lat else 0.0

@@ -82,6 +82,10 @@ def test_tune_and_fit_profile(tmp_path):
     assert code == 0, out
     data = json.loads(prof.read_text())
     assert "verify" in data["device"]
+    code, out = run("replay", SAMPLE, "--profile", tmp_path / "missing.json")
+    assert code == 2 and "missing.json" in out  # never a silent refit
+    code, out = run("fit-profile", SAMPLE, "-o", prof, "--tile", "0")
+    assert code == 2 and "--tile" in out
     # a saved profile replays like the fitted one
     assert run_json("replay", SAMPLE, "--profile", prof)["duration_s"] == pytest.approx(
         run_json("replay", SAMPLE)["duration_s"], rel=1e-6)

@@ -146,6 +146,26 @@ def test_op_gaps_are_fitted_per_op_from_whole_launches():
     assert prof.gap_ns("verify") == prof.op_gap_ns  # never seen queued: the overall gap
 
 
+@pytest.mark.parametrize("true_tile", [1, 64])
+def test_token_tile_is_found_from_the_traces(true_tile):
+    """GPU kernels pad the token dimension, so cost rises in steps of a tile; a CPU's does
+    not. fit_profile(tile="auto") finds which, from the spans alone."""
+    rng = np.random.default_rng(1)
+    tr = workload_trace(1, 8, 8)
+    for i in range(120):
+        tokens = int(rng.integers(1, 300))
+        padded = -(-tokens // true_tile) * true_tile
+        dur = int((2e6 + 2e4 * padded) * (1 + 0.02 * rng.standard_normal()))
+        tr.add(SpanRecord(track="device:main", name="mixed", step=i, start_ns=i * 10**8,
+                          end_ns=i * 10**8 + dur, attrs={"requests": 4, "tokens": tokens, "kv_tokens": 500}))
+    prof = fit_profile([tr])
+    assert prof.tile == true_tile
+    assert prof.device["mixed"].mape < 5.0
+    assert fit_profile([tr], tile=1).tile == 1
+    with pytest.raises(ValueError, match="tile"):
+        fit_profile([tr], tile=0)
+
+
 def test_captured_configuration_replays_the_recorded_acceptance():
     """At its own proposer and draft length a replay takes each step's accepted lengths from
     the step records (no agreement data needed: trees, n-gram and sampled requests too)."""
