@@ -11,7 +11,8 @@ Modes:
              the captured maximum (teacher-forced agreement), exact for D = 1 with heads
              (first-token agreement). Requests without agreement data (sampled, or heads at
              D > 1) fall back to the trace's per-position acceptance rates.
-  rates      per-position conditional acceptance rates measured from the trace's steps.
+  rates      per-position conditional acceptance rates measured from the trace's steps, and
+             the share of rows the proposer drafted nothing for (n-gram misses).
   bernoulli  synthetic: every draft position accepted independently with probability alpha.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ class AcceptanceModel:
     def __init__(self, mode: str, *, agreement: dict[int, list[int]] | None = None,
                  rates: list[float] | None = None, alpha: float | None = None,
                  exact_max_d: int | None = None, seed: int = 0,
-                 recorded: dict[int, dict[int, tuple[int, int]]] | None = None):
+                 recorded: dict[int, dict[int, tuple[int, int]]] | None = None,
+                 draft_rate: float = 1.0):
         if mode not in ("trace", "rates", "bernoulli"):
             raise ValueError(f"unknown acceptance mode {mode!r}")
         if mode == "bernoulli" and not (alpha is not None and 0.0 <= alpha <= 1.0):
@@ -34,6 +36,7 @@ class AcceptanceModel:
         self.alpha = alpha
         self.exact_max_d = exact_max_d
         self.recorded = recorded or {}  # request index -> {output position: (accepted, drafted)}
+        self.draft_rate = draft_rate  # share of speculative rows that drafted anything
         self.rng = np.random.default_rng(seed)
 
     @classmethod
@@ -59,37 +62,39 @@ class AcceptanceModel:
                         exact = 1
         recorded = recorded_acceptance(trace) if (spec == "trace" and captured_config) else None
         return cls(spec, agreement=agreement, rates=step_rates(trace), exact_max_d=exact, seed=seed,
-                   recorded=recorded)
+                   recorded=recorded, draft_rate=draft_rate(trace))
 
-    def drafted(self, request_index: int, out_pos: int, num_drafts: int) -> int:
-        """Tokens the proposer really drafted there (an n-gram miss drafts none), where the
-        trace recorded it at the captured configuration; else the `num_drafts` asked for."""
-        rec = self.recorded.get(request_index, {}).get(out_pos) if self.mode == "trace" else None
-        return num_drafts if rec is None else min(rec[1], num_drafts)
-
-    def accept(self, request_index: int, out_pos: int, num_drafts: int) -> int:
+    def outcome(self, request_index: int, out_pos: int, num_drafts: int) -> tuple[int, int]:
+        """(accepted, drafted) for a row that may draft `num_drafts` tokens at this output
+        position. Drafted is less where the proposer drafts nothing (an n-gram miss): as
+        recorded at the captured configuration, else at the trace's rate of such rows."""
         if num_drafts <= 0:
-            return 0
+            return 0, 0
         if self.mode == "bernoulli":
             fails = self.rng.random(num_drafts) >= self.alpha
-            return int(np.argmax(fails)) if fails.any() else num_drafts
+            return (int(np.argmax(fails)) if fails.any() else num_drafts), num_drafts
         if self.mode == "trace":
             rec = self.recorded.get(request_index, {}).get(out_pos)
             if rec is not None:
-                return min(rec[0], num_drafts)
+                return min(rec[0], num_drafts), min(rec[1], num_drafts)
         agree = self.agreement.get(request_index) if self.mode == "trace" else None
         if agree is not None and (self.exact_max_d is None or num_drafts <= self.exact_max_d):
             a = 0
             while a < num_drafts and out_pos + a < len(agree) and agree[out_pos + a]:
                 a += 1
-            return a
+            return a, num_drafts
+        if self.draft_rate < 1.0 and self.rng.random() >= self.draft_rate:
+            return 0, 0  # this row drafts nothing, as that share of the trace's rows did
         a = 0
         while a < num_drafts:
             p = self.rates[a] if a < len(self.rates) else (self.rates[-1] if self.rates else 0.0)
             if self.rng.random() >= p:
                 break
             a += 1
-        return a
+        return a, num_drafts
+
+    def accept(self, request_index: int, out_pos: int, num_drafts: int) -> int:
+        return self.outcome(request_index, out_pos, num_drafts)[0]
 
 
 def step_rates(trace) -> list[float]:
@@ -105,6 +110,16 @@ def step_rates(trace) -> list[float]:
                 if k < a:
                     passed[k] = passed.get(k, 0) + 1
     return [passed.get(k, 0) / reached[k] for k in sorted(reached)]
+
+
+def draft_rate(trace) -> float:
+    """Share of the rows of speculative steps that drafted at least one token (n-gram lookups
+    miss; model proposers always draft)."""
+    # rows the scheduler asked to draft (num_new_tokens = 1 + planned drafts; rows capped
+    # by max_tokens plan none) and whether the proposer drafted anything for them
+    rows = [d > 0 for st in trace.steps if st.kind == "spec"
+            for n, d in zip(st.num_new_tokens, st.num_drafted or []) if n > 1]
+    return sum(rows) / len(rows) if rows else 1.0
 
 
 def recorded_acceptance(trace) -> dict[int, dict[int, tuple[int, int]]]:

@@ -95,9 +95,9 @@ class TraceResponder:
             for slot, nd in zip(batch["slots"], batch["num_draft"]):
                 st = self.slots[int(slot)]
                 pos = st[1] - self.prompt_lens[st[0]]
-                a = self.acceptance.accept(st[0], pos, int(nd))
+                a, d = self.acceptance.outcome(st[0], pos, int(nd))
                 accepted.append(a)
-                drafted.append(self.acceptance.drafted(st[0], pos, int(nd)))
+                drafted.append(d)
                 emitted.append([_DUMMY_TOKEN] * (a + 1))
                 st[1] += a + 1
             subs = [("verify", int(self.profile.device_ns("verify", attrs))),

@@ -166,6 +166,24 @@ def test_token_tile_is_found_from_the_traces(true_tile):
         fit_profile([tr], tile=0)
 
 
+def test_rates_mode_keeps_rows_that_draft_nothing():
+    """An n-gram lookup often finds nothing: per-position rates alone (conditional on a draft)
+    would over-accept, so the share of rows that drafted nothing is replayed too."""
+    from traces.schema import StepRecord
+
+    tr = workload_trace(2, 8, 400, proposer="ngram", draft_len=2)
+    for i in range(200):
+        miss = i % 2 == 0  # row 0 misses every other step; row 1 always drafts, accepts 1
+        tr.add(StepRecord(step=i, kind="spec", start_ns=i, end_ns=i + 1, request_ids=["r0", "r1"],
+                          num_new_tokens=[3, 3], kv_lens=[10, 10], num_drafted=[0 if miss else 2, 2],
+                          num_accepted=[0, 1], num_output=[1, 2]))
+    m = AcceptanceModel.parse("rates", tr, seed=3)
+    assert m.draft_rate == pytest.approx(0.75)
+    outs = [m.outcome(0, p, 2) for p in range(4000)]
+    assert np.mean([d == 0 for _, d in outs]) == pytest.approx(0.25, abs=0.03)
+    assert all(a == 0 for a, d in outs if d == 0)
+
+
 def test_captured_configuration_replays_the_recorded_acceptance():
     """At its own proposer and draft length a replay takes each step's accepted lengths from
     the step records (no agreement data needed: trees, n-gram and sampled requests too)."""
