@@ -186,7 +186,10 @@ def _tune_one(trace, profile: CostProfile, draft_lens: list[int] | None, concurr
             if "draft" in profile.device:
                 td += profile.device_ns("draft", base | {"tokens": c * d, "num_draft": d})
             if "draft_fill" in profile.device:
-                td += profile.device_ns("draft_fill", base | {"tokens": c * 2})
+                # an MTP head's fill covers the whole verify batch; a draft model's (and a
+                # tree head's), the accepted path plus the bonus token: AL per row on average
+                fill_tokens = c * (1 + d) if h.proposer == "mtp" else c * al
+                td += profile.device_ns("draft_fill", base | {"tokens": fill_tokens})
             formula = (t1 * al / (tv + td)) if (t1 and al) else None
             rows.append(row | {
                 "sim_tokens_per_s": m["output_tokens_per_s"],
