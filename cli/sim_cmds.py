@@ -92,6 +92,11 @@ def validate(
         t.add_row(f"TPOT {k}", f"{v:.2f}%" if v is not None else "-")
     v = res["bubble_fraction_err_pp"]
     t.add_row("bubble fraction", f"{v:.2f} pp" if v is not None else "-")
+    t.add_section()
+    t.add_row("steps (measured / simulated)", f"{res['steps_real']} / {res['steps_sim']}")
+    al_r, al_s = res["real"]["mean_accept_len"], res["sim"]["mean_accept_len"]
+    if al_r is not None and al_s is not None:
+        t.add_row("mean accept length (measured / simulated)", f"{al_r:.3f} / {al_s:.3f}")
     Console().print(t)
 
 
