@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
     "forward_cost.py": ["--repeats", "3", "--context", "32"],
+    "device_idle.py": ["--n", "32", "--repeat", "1", "--rounds", "2"],
     "host_overhead.py": ["--requests", "4", "--steps", "5"],
     "tracing_overhead.py": ["--spans", "200"],
     "proposers.py": ["--num-requests", "1", "--max-tokens", "4", "--only", "ngram"],
