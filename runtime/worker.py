@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from runtime.checkpoint import load_model
-from runtime.proposers.base import make_proposer
+from runtime.proposers.factory import make_proposer
 from runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
 from runtime.verify import greedy_verify, rejection_verify, threshold_verify
 from scheduler.plan import AttentionPlan

@@ -195,7 +195,7 @@ def test_bad_configs(tiny_family, kw, msg):
 def test_draft_with_other_tokenizer_rejected(tiny_family, tmp_path):
     import shutil
 
-    from runtime.training.mtp_eval import write_tiny_tokenizer
+    from runtime.training.tiny import write_tiny_tokenizer
 
     other = tmp_path / "draft"
     shutil.copytree(tiny_family["draft"], other)

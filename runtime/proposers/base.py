@@ -1,4 +1,5 @@
-"""The device-side proposer interface and the factory the worker uses.
+"""The device-side proposer interface and what every proposer shares (the factory that
+picks one is runtime/proposers/factory.py, so this module imports no proposer).
 
 A proposer lives inside the worker next to the target. It answers four calls:
   draft(msg)            make up to D tokens per row into SeqState.drafts (one launch)
@@ -8,7 +9,7 @@ A proposer lives inside the worker next to the target. It answers four calls:
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,7 +18,6 @@ from runtime.sampling import logits_to_probs, sample
 
 if TYPE_CHECKING:
     from runtime.worker import ModelWorker, SeqState
-    from scheduler.proposer import ProposerSpec
 
 
 class NoProposer:
@@ -122,20 +122,3 @@ def one_hot_or(rows: list["SeqState"], num: int, vocab: int, device: torch.devic
             for j, t in enumerate(st.drafts[:num]):
                 out[i, j, t] = 1.0
     return out
-
-
-def make_proposer(worker: "ModelWorker", spec: "ProposerSpec", proposer_dir: str | None,
-                  num_pages: int, ngram: tuple[int, int]) -> Any:
-    if spec.kind == "none":
-        return NoProposer(worker)
-    if spec.kind == "ngram":
-        return NgramDrafter(worker, ngram[0], ngram[1], spec.draft_len)
-    if spec.kind == "draft":
-        from runtime.proposers.draft_model import DraftModelProposer
-
-        return DraftModelProposer(worker, proposer_dir, num_pages)
-    if spec.kind in ("mtp", "eagle"):
-        from runtime.proposers.mtp import make_head_proposer
-
-        return make_head_proposer(worker, spec, proposer_dir, num_pages)
-    raise ValueError(f"unknown proposer {spec.kind!r}")
