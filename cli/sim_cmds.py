@@ -157,8 +157,13 @@ def tune(
     trs = [_read_trace(t) for t in traces]
     if profile is not None and len(trs) > 1:
         _fail("--profile applies to a single trace; with several, each is fitted on itself")
+    from rich.progress import Progress
+
     try:
-        res = run_tune(trs, profile=_profile(trs[0], profile) if len(trs) == 1 else None)
+        with Progress(console=console, transient=True, disable=json_out) as progress:
+            task = progress.add_task("replaying", total=None)
+            res = run_tune(trs, profile=_profile(trs[0], profile) if len(trs) == 1 else None,
+                           on_replay=lambda done, total: progress.update(task, completed=done, total=total))
     except (ValueError, KeyError) as e:
         _fail(str(e))
     if json_out:

@@ -125,12 +125,12 @@ def accept_len(trace, d: int) -> float | None:
 
 
 def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draft_lens: list[int] | None = None,
-         concurrencies: list[int] | None = None) -> dict:
+         concurrencies: list[int] | None = None, on_replay=None) -> dict:
     """Sweep the draft length of each trace's proposer per concurrency (one trace per
     proposer: the sweep covers every proposer a trace exists for). Each trace replays with
     its own costs -- fitted on itself unless `profile` gives one per trace (a "draft" op
     costs what *its* proposer costs) -- and speedups are over plain decoding replayed from
-    that trace."""
+    that trace. `on_replay(done, total)` is called after every replay (progress bars)."""
     traces = list(traces) if isinstance(traces, (list, tuple)) else [traces]
     if not traces:
         raise ValueError("tune needs at least one trace")
@@ -148,9 +148,18 @@ def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draf
             raise ValueError(f"two traces for proposer {p!r} ({seen[p] or '<memory>'}, {tr.path or '<memory>'}): give one trace per proposer")
         seen[p] = tr.path
     concurrencies = concurrencies or [1, 4, 16]
+    lens = {id(tr): draft_lens or list(range(1, max(1, min(8, tr.header.max_agreement_len or 8)) + 1)) for tr in traces}
+    total = sum(len(concurrencies) * (1 + len(lens[id(tr)])) for tr in traces)
+    done = [0]
+
+    def tick() -> None:
+        done[0] += 1
+        if on_replay is not None:
+            on_replay(done[0], total)
+
     rows = []
     for tr, prof in zip(traces, profiles):
-        rows += _tune_one(tr, prof or fit_profile([tr]), draft_lens, concurrencies)
+        rows += _tune_one(tr, prof or fit_profile([tr]), lens[id(tr)], concurrencies, tick)
     best: dict[str, dict] = {}
     for r in rows:
         key = str(r["concurrency"])
@@ -159,15 +168,14 @@ def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draf
     return {"rows": rows, "best": best}
 
 
-def _tune_one(trace, profile: CostProfile, draft_lens: list[int] | None, concurrencies: list[int]) -> list[dict]:
+def _tune_one(trace, profile: CostProfile, draft_lens: list[int], concurrencies: list[int], tick) -> list[dict]:
     h = trace.header
-    dmax = max(1, min(8, h.max_agreement_len or 8))
-    draft_lens = draft_lens or list(range(1, dmax + 1))
     kv_mean = float(np.mean([r.prompt_len for r in trace.requests])) if trace.requests else 64.0
     captured = max((len(st.request_ids) for st in trace.steps), default=0)  # largest batch seen
     rows = []
     for c in concurrencies:
         plain, _ = replay(trace, profile, ReplayConfig(proposer="none", schedule="sync", draft_len=0, concurrency=c))
+        tick()
         for d in draft_lens:
             # beyond the largest captured batch the cost models extrapolate: flagged
             row = {"proposer": h.proposer, "schedule": h.schedule, "concurrency": c, "draft_len": d,
@@ -176,7 +184,9 @@ def _tune_one(trace, profile: CostProfile, draft_lens: list[int] | None, concurr
                 m, _ = replay(trace, profile, ReplayConfig(draft_len=d, concurrency=c))
             except (KeyError, ValueError) as e:
                 rows.append(row | {"error": str(e)})
+                tick()
                 continue
+            tick()
             al = accept_len(trace, d) or m["mean_accept_len"]
             verify_name = "verify" if "verify" in profile.device else "decode"
             base = {"requests": c, "kv_tokens": c * kv_mean}

@@ -257,8 +257,10 @@ def test_tune_compares_proposers_one_trace_each():
     # the same workload, drafted by a cheap proposer (c = 0.05) and an expensive one (c = 0.6)
     cheap = workload_trace(2, 16, 120, proposer="mtp", schedule="sync", draft_len=3)
     dear = workload_trace(2, 16, 120, proposer="draft", schedule="sync", draft_len=3)
+    ticks = []
     res = tune([cheap, dear], profile=[analytic_profile(5_000_000, 0.05), analytic_profile(5_000_000, 0.6)],
-               draft_lens=[1, 3], concurrencies=[1])
+               draft_lens=[1, 3], concurrencies=[1], on_replay=lambda done, total: ticks.append((done, total)))
+    assert ticks == [(i, 6) for i in range(1, 7)]  # per trace: plain + 2 draft lengths
     assert {(r["proposer"], r["draft_len"]) for r in res["rows"]} == {("mtp", 1), ("mtp", 3), ("draft", 1), ("draft", 3)}
     by = {(r["proposer"], r["draft_len"]): r["sim_speedup"] for r in res["rows"]}
     assert by[("mtp", 3)] > by[("draft", 3)]  # same acceptance, cheaper drafts
