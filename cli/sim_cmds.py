@@ -123,9 +123,14 @@ def ab(
             kw[k] = int(v) if k in ("draft_len", "concurrency") else float(v) if k == "rate_scale" else v
         return ReplayConfig(**kw)
 
+    from rich.progress import Progress
+
     tr = _read_trace(trace)
     try:
-        res = run_ab(tr, parse(a), parse(b), profile=_profile(tr, profile), replicates=replicates)
+        with Progress(console=console, transient=True, disable=json_out) as progress:
+            task = progress.add_task("replicates", total=replicates)
+            res = run_ab(tr, parse(a), parse(b), profile=_profile(tr, profile), replicates=replicates,
+                         on_replicate=lambda done, total: progress.update(task, completed=done))
     except (ValueError, KeyError) as e:
         _fail(str(e))
     if json_out:

@@ -80,7 +80,10 @@ def _per_request(trace) -> tuple[dict, dict]:
 
 
 def ab(trace, a: ReplayConfig, b: ReplayConfig, *, profile: CostProfile | None = None,
-       replicates: int = 10, seed: int = 0) -> dict:
+       replicates: int = 10, seed: int = 0, on_replicate=None) -> dict:
+    """`on_replicate(done, total)` is called after each replicate pair (progress bars)."""
+    if replicates < 1:
+        raise ValueError(f"replicates must be >= 1, got {replicates}")
     profile = profile or fit_profile([trace])
     rng = np.random.default_rng(seed)
     thr, ttft_d, tpot_d = [], [], []
@@ -95,6 +98,8 @@ def ab(trace, a: ReplayConfig, b: ReplayConfig, *, profile: CostProfile | None =
         fb, gb = _per_request(tb)
         ttft_d += [fb[k] - fa[k] for k in fa if k in fb]
         tpot_d += [gb[k] - ga[k] for k in ga if k in gb]
+        if on_replicate is not None:
+            on_replicate(r + 1, replicates)
     res = {}
     for name, diffs in (("output_tokens_per_s", thr), ("ttft_ms", ttft_d), ("tpot_ms", tpot_d)):
         mean, lo, hi = _bootstrap_ci(np.asarray(diffs, dtype=float), rng)

@@ -68,6 +68,13 @@ def test_ab_gives_intervals_and_verdicts():
         assert d["verdict"] in ("A better", "B better", "no difference")
 
 
+def test_ab_rejects_bad_variants():
+    code, out = run("ab", SAMPLE, "--a", "schedule=sync", "--b", "colour=blue")
+    assert code == 2 and "colour" in out
+    code, out = run("ab", SAMPLE, "--a", "schedule=sync", "--b", "schedule=overlap", "--replicates", "0")
+    assert code == 2 and "replicates" in out
+
+
 def test_tune_and_fit_profile(tmp_path):
     res = run_json("tune", SAMPLE)
     assert res["rows"] and res["best"]
