@@ -7,10 +7,13 @@ import statistics
 import anyio
 
 
-def workload_args(ap, num_requests: int, max_tokens: int) -> None:
-    """The workload options every engine benchmark takes (bundled prompts)."""
+def parse_workload(ap, num_requests: int, max_tokens: int):
+    """Add the workload options every engine benchmark takes (bundled prompts), parse the
+    command line, and load the items: returns (args, items)."""
     ap.add_argument("--num-requests", type=int, default=num_requests, help="prompts from the bundled workload")
     ap.add_argument("--max-tokens", type=int, default=max_tokens, help="output tokens per request")
+    args = ap.parse_args()
+    return args, bundled_items(args.num_requests, args.max_tokens)
 
 
 def bundled_items(num_requests: int, max_tokens: int):

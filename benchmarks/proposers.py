@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import bundled_items, median_span_ms, run, workload_args  # noqa: E402
+from common import median_span_ms, parse_workload, run  # noqa: E402
 
 PROPOSERS = [("draft", "overlap", 3), ("draft", "overlap", 4), ("mtp", "mtp", 1), ("mtp", "sync", 2),
              ("eagle", "sync", 3), ("ngram", "sync", 4)]
@@ -22,10 +22,8 @@ PROPOSERS = [("draft", "overlap", 3), ("draft", "overlap", 4), ("mtp", "mtp", 1)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    workload_args(ap, 6, 64)
     ap.add_argument("--only", nargs="*", help="proposer names to run")
-    args = ap.parse_args()
-    items = bundled_items(args.num_requests, args.max_tokens)
+    args, items = parse_workload(ap, 6, 64)
     plain, ptrace = run(items, proposer="none", schedule="sync")
     t_decode = median_span_ms(ptrace, "decode")
     print(f"plain: {plain['output_tokens_per_s']:.1f} tok/s, target decode {t_decode:.2f} ms")

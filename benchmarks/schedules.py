@@ -15,15 +15,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import bundled_items, run, workload_args  # noqa: E402
+from common import parse_workload, run  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    workload_args(ap, 8, 48)
     ap.add_argument("--sections", default="123", help="which parts to run, e.g. 13")
-    args = ap.parse_args()
-    items = bundled_items(args.num_requests, args.max_tokens)
+    args, items = parse_workload(ap, 8, 48)
 
     if "1" in args.sections:
         schedules_vs_sync(items)

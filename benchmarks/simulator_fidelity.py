@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import bundled_items, run, workload_args  # noqa: E402
+from common import bundled_items, parse_workload, run  # noqa: E402
 
 from simulator.analysis import validate  # noqa: E402
 from simulator.costs import fit_profile  # noqa: E402
@@ -74,15 +74,13 @@ def replay_speed(trace, profile, duration_s: float, repeats: int = 3) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    workload_args(ap, 8, 48)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3, help="engine runs per schedule (>= 2 for the noise floor)")
     ap.add_argument("--pairs", nargs="*", default=["draft:sync:overlap:3", "mtp:sync:mtp:1"],
                     help="proposer:scheduleA:scheduleB:D")
     ap.add_argument("--speed-concurrency", type=int, nargs="*", default=[16, 32],
                     help="also time replays of draft/overlap runs at these concurrencies (2x requests)")
-    args = ap.parse_args()
-    items = bundled_items(args.num_requests, args.max_tokens)
+    args, items = parse_workload(ap, 8, 48)
     print(f"{args.num_requests} requests x {args.max_tokens} tokens, concurrency {args.concurrency}, "
           f"{args.rounds} rounds per schedule (medians over rounds)")
     head = (f"{'trace':<14} {'step err p50':>12} {'p90':>6} {'dist p50':>8} {'dist p90':>8} {'makespan':>8} "

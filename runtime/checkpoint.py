@@ -1,4 +1,4 @@
-"""Load a Llama checkpoint in Hugging Face layout (config.json + safetensors).
+"""Load (and write) a Llama checkpoint in Hugging Face layout (config.json + safetensors).
 
 Why: models must load offline, fast and safely: safetensors only (never pickle), every tensor
 checked against the config before any is used, and each failure names the file and tensor
@@ -128,3 +128,20 @@ def _check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], path: 
     for name in tensors:
         if name not in expected and not name.endswith(IGNORED_SUFFIXES):
             raise CheckpointError(f"unexpected tensor {name!r} in {path} (not part of a Llama model)")
+
+
+def save_llama(model, out_dir) -> None:
+    """Write a LlamaModel as a Hugging Face checkpoint (config.json + model.safetensors),
+    the layout `load_model` reads."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    c = model.config
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+           **c.model_dump(exclude={"rope_scaling", "torch_dtype"}), "torch_dtype": "float32"}
+    if c.rope_scaling is not None:
+        cfg["rope_scaling"] = c.rope_scaling.model_dump()
+    (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
+    tensors = {k: v.float().contiguous() for k, v in model.hf_state_dict().items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -242,7 +242,8 @@ class Pipeline:
         t_step = self._now()
         t0 = t_step
         batch = self.builder.schedule()
-        await self._host("schedule", batch.step, t0, **self._attrs(batch))
+        shape = self._attrs(batch)  # the step's shape until its bookkeeping (output recomputes)
+        await self._host("schedule", batch.step, t0, **shape)
         if not batch.seqs:
             await self._drain()
             if not batch.seqs and self.builder.has_work and self._inflight is None:
@@ -250,27 +251,26 @@ class Pipeline:
             return
         t0 = self._now()
         self.builder.allocate(batch)
-        await self._host("kv_alloc", batch.step, t0, pages_used=self.blocks.num_used_pages, **self._attrs(batch))
+        await self._host("kv_alloc", batch.step, t0, pages_used=self.blocks.num_used_pages, **shape)
         if batch.is_spec:
-            await self._spec_step(batch, t_step)
+            await self._spec_step(batch, t_step, shape)
         else:
-            await self._forward_step(batch, t_step)
+            await self._forward_step(batch, t_step, shape)
         self.num_steps += 1
         self.trace.flush_steps()
         await self._pay()
         self.trace.record_device_spans()
 
     # -- plain / prefill steps ----------------------------------------------------------------
-    async def _forward_step(self, batch: StepBatch, t_step: int) -> None:
+    async def _forward_step(self, batch: StepBatch, t_step: int, shape: dict) -> None:
         spec = self.spec
         t0 = self._now()
         msg = messages.forward_message(batch, self.blocks, self.with_plan)
         fill_msg = None
         if spec.kv_model is not None:
             fill_msg = messages.prefill_fill_message(batch, self.blocks, spec, self.with_plan)
-        await self._host("plan", batch.step, t0, **self._attrs(batch))
-        launch = await self._launch(self.main, "forward", msg, batch.step, kind=batch.kind,
-                                    **self._attrs(batch))
+        await self._host("plan", batch.step, t0, **shape)
+        launch = await self._launch(self.main, "forward", msg, batch.step, kind=batch.kind, **shape)
         launch.attrs["t_step"] = t_step
         for s in batch.seqs:
             r = s.request
@@ -325,7 +325,7 @@ class Pipeline:
         self.trace.step_done(batch, launch.attrs.get("t_step", t0), out_counts, [0] * len(batch), [0] * len(batch))
 
     # -- speculative steps --------------------------------------------------------------------
-    async def _spec_step(self, batch: StepBatch, t_step: int) -> None:
+    async def _spec_step(self, batch: StepBatch, t_step: int, shape: dict) -> None:
         spec, sched = self.spec, self.config.schedule
         t0 = self._now()
         vmsg = messages.verify_message(batch, self.blocks, spec, self.with_plan)
@@ -336,8 +336,8 @@ class Pipeline:
             start = vmsg["start"]
             fmsg = messages.fill_message(batch.step, reqs, start, start + 1 + spec.num_candidates,
                                          self.blocks, spec, after="verify", with_plan=self.with_plan)
-        await self._host("plan", batch.step, t0, **self._attrs(batch))
-        d_launch = await self._launch(self.aux, "draft", dmsg, batch.step, **self._attrs(batch),
+        await self._host("plan", batch.step, t0, **shape)
+        d_launch = await self._launch(self.aux, "draft", dmsg, batch.step, **shape,
                                       num_draft=int(dmsg["num_draft"].max()))
         self._pending_fill = None  # the draft queues behind any pending fill on its stream
         if sched == "sync":
@@ -347,7 +347,7 @@ class Pipeline:
                 self._fail_batch(batch, e)
                 return
         self.main.wait_event(d_launch.event)
-        v_launch = await self._launch(self.main, "verify", vmsg, batch.step, **self._attrs(batch))
+        v_launch = await self._launch(self.main, "verify", vmsg, batch.step, **shape)
         f_launch = None
         if fmsg is not None and sched == "mtp":
             self.aux.wait_event(v_launch.event)

@@ -33,6 +33,14 @@ def batch_attrs(batch: StepBatch, width: int = 0) -> dict:
     }
 
 
+def device_span_name(op: str, attrs: dict) -> str:
+    """The name a launched op's device span carries (and its cost model is fitted under): a
+    forward is named for its kind (prefill / decode / mixed), a fill `draft_fill`."""
+    if op == "forward":
+        return attrs.get("kind", "forward")
+    return "draft_fill" if op == "fill" else op
+
+
 def fill_attrs(msg: dict) -> dict:
     """Shape of a proposer fill launch, from its message."""
     qo = msg["plan"]["qo_indptr"]
@@ -82,8 +90,8 @@ class StepTrace:
                 for sname, s0, s1 in sub:
                     self.tracer.span(track, sname, launch.step, s0, s1, **attrs)
             else:
-                name = {"fill": "draft_fill", "forward": attrs.get("kind", "forward")}.get(launch.op, launch.op)
-                self.tracer.span(track, name, launch.step, ev.start_ns, ev.end_ns, **attrs)
+                self.tracer.span(track, device_span_name(launch.op, attrs), launch.step, ev.start_ns,
+                                 ev.end_ns, **attrs)
         self._unrecorded = keep
 
     def step_done(self, batch: StepBatch, t_step: int, out_counts: list[int], drafted: list[int],

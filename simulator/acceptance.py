@@ -127,7 +127,7 @@ def recorded_acceptance(trace) -> dict[int, dict[int, tuple[int, int]]]:
     the step records. Request indices follow arrival order, as the replayed workload does."""
     idx = {r.request_id: i for i, r in enumerate(sorted(trace.requests, key=lambda r: r.arrival_ns))}
     pos: dict[str, int] = {}
-    out: dict[int, dict[int, int]] = {}
+    out: dict[int, dict[int, tuple[int, int]]] = {}
     for st in sorted(trace.steps, key=lambda s: s.step):
         for rid, drafted, accepted, emitted in zip(st.request_ids, st.num_drafted or [], st.num_accepted or [],
                                                    st.num_output or []):

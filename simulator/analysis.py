@@ -14,6 +14,7 @@ tune      sweep the draft length per batch-size regime; simulated speedup over p
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import numpy as np
@@ -139,9 +140,11 @@ def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draf
     traces = list(traces) if isinstance(traces, (list, tuple)) else [traces]
     if not traces:
         raise ValueError("tune needs at least one trace")
-    profiles = profile if isinstance(profile, (list, tuple)) else [profile] * len(traces)
-    if len(profiles) != len(traces) or (profile is not None and not isinstance(profile, (list, tuple))
-                                        and len(traces) > 1):
+    if isinstance(profile, (list, tuple)):
+        profiles = list(profile)
+    else:
+        profiles = [profile] * (len(traces) if profile is None else 1)
+    if len(profiles) != len(traces):
         raise ValueError("give one cost profile per trace (or none: each trace is fitted on itself)")
     seen = {}
     for tr in traces:
@@ -153,18 +156,18 @@ def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draf
             raise ValueError(f"two traces for proposer {p!r} ({seen[p] or '<memory>'}, {tr.path or '<memory>'}): give one trace per proposer")
         seen[p] = tr.path
     concurrencies = concurrencies or [1, 4, 16]
-    lens = {id(tr): draft_lens or list(range(1, max(1, min(8, tr.header.max_agreement_len or 8)) + 1)) for tr in traces}
-    total = sum(len(concurrencies) * (1 + len(lens[id(tr)])) for tr in traces)
-    done = [0]
+    lens = [draft_lens or list(range(1, max(1, min(8, tr.header.max_agreement_len or 8)) + 1)) for tr in traces]
+    total = sum(len(concurrencies) * (1 + len(ds)) for ds in lens)
+    done = itertools.count(1)
 
     def tick() -> None:
-        done[0] += 1
+        n = next(done)
         if on_replay is not None:
-            on_replay(done[0], total)
+            on_replay(n, total)
 
     rows = []
-    for tr, prof in zip(traces, profiles):
-        rows += _tune_one(tr, prof or fit_profile([tr]), lens[id(tr)], concurrencies, tick)
+    for tr, prof, ds in zip(traces, profiles, lens):
+        rows += _tune_one(tr, prof or fit_profile([tr]), ds, concurrencies, tick)
     best: dict[str, dict] = {}
     for r in rows:
         key = str(r["concurrency"])

@@ -86,22 +86,27 @@ class CostProfile:
     # speculative trace): a target forward over N tokens costs the same whichever op it is.
     FALLBACK = {"decode": ("verify", "mixed", "prefill"), "verify": ("mixed", "decode", "prefill"),
                 "mixed": ("prefill", "verify", "decode"), "prefill": ("mixed", "verify", "decode")}
-
-    # A one-token-per-row forward fitted on a handful of samples (plain decode steps in a
-    # speculative trace: the first step after prefill) is a constant that ignores the batch;
-    # the other one-token-per-row op, fitted on every step, scales with it.
-    FEW_SAMPLES = 8
+    # The two one-token-per-row forwards are interchangeable, so one fitted on a handful of
+    # samples (the single plain decode step of a speculative trace: a constant that ignores
+    # the batch) gives way to the other when that one is well sampled. Prefill and mixed
+    # forwards are not: a few prefill samples still price prefills better than a decode model.
     SIBLING = {"decode": "verify", "verify": "decode"}
+    FEW_SAMPLES = 8
 
-    def device_ns(self, name: str, attrs: dict) -> float:
+    def model_for(self, name: str) -> StageModel | None:
+        """The model that prices op `name` (None if neither it nor a stand-in was fitted)."""
         m = self.device.get(name)
         sib = self.device.get(self.SIBLING.get(name, ""))
         if sib is not None and (m is None or m.num_samples < self.FEW_SAMPLES <= sib.num_samples):
-            m = sib
+            return sib
         for alt in self.FALLBACK.get(name, ()):
             if m is not None:
                 break
             m = self.device.get(alt)
+        return m
+
+    def device_ns(self, name: str, attrs: dict) -> float:
+        m = self.model_for(name)
         if m is None and name == "accept":
             return 0.0
         if m is None:

@@ -13,7 +13,9 @@ import asyncio
 from typing import Any, Protocol
 
 from scheduler.protocols import DeviceError
+from scheduler.step_trace import device_span_name
 from simulator.costs import CostProfile
+from simulator.vtime import virtual_now_ns
 
 
 class Responder(Protocol):
@@ -33,11 +35,8 @@ class VirtualEvent:
         self._device = device
         self._error = error
 
-    def _now(self) -> int:
-        return int(asyncio.get_running_loop().time() * 1e9 + 0.5)
-
     def query(self) -> bool:
-        return self._now() >= self.end_ns
+        return virtual_now_ns() >= self.end_ns
 
     def synchronize(self, timeout_s: float | None = None) -> Any:
         if not self.query():
@@ -45,7 +44,7 @@ class VirtualEvent:
         return self._outcome()
 
     async def wait(self) -> Any:
-        delay = self.end_ns + int(self._device.profile.wakeup_ns) - self._now()
+        delay = self.end_ns + int(self._device.profile.wakeup_ns) - virtual_now_ns()
         if delay > 0:
             await asyncio.sleep(delay / 1e9)
         return self._outcome()
@@ -65,10 +64,9 @@ class VirtualStream:
 
     def launch(self, op: str, batch: dict) -> VirtualEvent:
         dev = self.device
-        now = int(asyncio.get_running_loop().time() * 1e9 + 0.5)
-        ready = now + int(dev.profile.launch_latency_ns)
+        ready = virtual_now_ns() + int(dev.profile.launch_latency_ns)
         attrs = batch.get("attrs", {})
-        name = {"fill": "draft_fill", "forward": attrs.get("kind", "forward")}.get(op, op)
+        name = device_span_name(op, attrs)
         queue_free = dev.busy_until_ns if dev.profile.serialize_streams else self.busy_until_ns
         if queue_free > 0:
             queue_free += int(dev.profile.gap_ns(name))

@@ -1,6 +1,6 @@
 """Virtual time: an asyncio event loop whose clock jumps to the next timer.
 
-Why our own loop (about 40 lines) rather than trio's MockClock or `looptime`: the pipeline
+Why our own loop (about 60 lines) rather than trio's MockClock or `looptime`: the pipeline
 runs on anyio's asyncio backend in the engine, so the simulator keeps the very same backend
 and scheduling order (asyncio's ready queue is FIFO: a run is deterministic, no trio
 scheduling randomness), and needs no extra dependency. When no callback is ready the loop
@@ -21,38 +21,14 @@ class SimulationDeadlock(RuntimeError):
     pass
 
 
-class _VirtualSelector(selectors.DefaultSelector):
-    def __init__(self) -> None:
-        super().__init__()
-        self.loop: "VirtualTimeLoop | None" = None
-
-    def select(self, timeout: float | None = None):
-        ready = super().select(0)  # poll only: never block in real time
-        if ready or self.loop is None:
-            return ready
-        if timeout is None:
-            if not self.loop._ready:
-                raise SimulationDeadlock("simulation waits with nothing scheduled (deadlock)")
-            return ready
-        if timeout > 0:
-            self.loop._advance(timeout)
-        return ready
-
-
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self) -> None:
-        selector = _VirtualSelector()
-        super().__init__(selector)
-        selector.loop = self
+        super().__init__(selectors.DefaultSelector())
         self._now_s = 0.0
         self._clock_resolution = 1e-9
 
     def time(self) -> float:
         return self._now_s
-
-    def _advance(self, dt_s: float) -> None:
-        when = self._scheduled[0]._when if self._scheduled else self._now_s + dt_s
-        self._now_s = max(self._now_s, when)
 
     def _run_once(self) -> None:
         """One loop iteration, leaner than asyncio's: no I/O poll unless a file descriptor
@@ -88,11 +64,16 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
                 h._run()
 
 
+def virtual_now_ns() -> int:
+    """The running virtual loop's time in integer nanoseconds."""
+    return int(asyncio.get_running_loop().time() * 1e9 + 0.5)
+
+
 class VirtualClock:
     """The Clock protocol on the running virtual loop (nanoseconds)."""
 
     def now_ns(self) -> int:
-        return int(asyncio.get_running_loop().time() * 1e9 + 0.5)
+        return virtual_now_ns()
 
     async def sleep_ns(self, duration_ns: int) -> None:
         if duration_ns > 0:

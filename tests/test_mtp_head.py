@@ -10,13 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.checkpoint import CheckpointError, load_model
+from runtime.checkpoint import CheckpointError, load_model, save_llama
 from runtime.config import ModelConfig
 from runtime.model import LlamaModel
 from runtime.mtp_head import MTPHead, load_head, save_head, target_fingerprint
 from runtime.training.mtp import head_rollout
 from runtime.training.mtp_eval import run_requests, summarize
-from runtime.training.tiny import save_llama
 from runtime.worker import ModelWorker
 from scheduler.plan import build_plan
 from scheduler.sampling_params import SamplingParams

@@ -65,7 +65,7 @@ class OtelTracer:
                  max_remembered: int = 65536, shutdown_on_exit: bool = True):
         self.header = header
         if clock_offset_ns is None:
-            clock_offset_ns = _clock_offset_ns(header, None)
+            clock_offset_ns = epoch_offset_ns(header, None)
         self.clock_offset_ns = clock_offset_ns
         resource = Resource.create({
             "service.name": os.environ.get("OTEL_SERVICE_NAME", "specsched"),
@@ -233,7 +233,7 @@ class OtelTracer:
             self._emit_stage(entry, span.get_span_context())
 
 
-def _clock_offset_ns(header: Header, trace: Trace | None) -> int:
+def epoch_offset_ns(header: Header, trace: Trace | None) -> int:
     """epoch_ns - trace_clock_ns: from the header's anchor, else assume the header was
     created at the first record (offline) or now (live, monotonic clock)."""
     created_ns = round(header.created_unix_s * 1e9)

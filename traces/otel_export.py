@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from traces.hook import replay
-from traces.otel import OtelTracer, _clock_offset_ns
+from traces.otel import OtelTracer, epoch_offset_ns
 from traces.schema import Header, Trace
 
 
@@ -76,8 +76,6 @@ class _CircuitBreaker(SpanExporter):
         self.num_dropped = 0
 
     def export(self, spans):
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
         if time.monotonic() < self._open_until:
             self.num_dropped += len(spans)
             return SpanExportResult.FAILURE
@@ -131,7 +129,7 @@ def export_trace_otel(trace: Trace, span_exporter: SpanExporter, *,
     """
     processor = _ChunkedExportProcessor(span_exporter, chunk_size)
     tracer = OtelTracer(trace.header, processor, shutdown_on_exit=False,
-                        clock_offset_ns=_clock_offset_ns(trace.header, trace),
+                        clock_offset_ns=epoch_offset_ns(trace.header, trace),
                         max_remembered=1 << 62)
     replay(trace, tracer, close=True)
     if processor.num_failed:

@@ -12,26 +12,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from runtime.checkpoint import save_llama
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
-
-
-def save_llama(model, out_dir) -> None:
-    """Write a LlamaModel as a Hugging Face checkpoint (config.json + model.safetensors)."""
-    import json
-
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    c = model.config
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-           **c.model_dump(exclude={"rope_scaling", "torch_dtype"}), "torch_dtype": "float32"}
-    if c.rope_scaling is not None:
-        cfg["rope_scaling"] = c.rope_scaling.model_dump()
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    tensors = {k: v.float().contiguous() for k, v in model.hf_state_dict().items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 TINY_TOKENIZER_SOURCES = ("json/decoder.py", "json/encoder.py", "textwrap.py")  # stdlib files
