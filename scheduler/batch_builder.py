@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from scheduler.block_manager import BlockManager
 from scheduler.errors import InvalidRequestError
@@ -61,11 +62,13 @@ class StepBatch:
     seqs: list[ScheduledSeq]
     preempted: list[Request] = field(default_factory=list)
 
-    @property
+    # A batch's rows and draft counts are fixed once `schedule` returns it, so its kind is
+    # computed once (the pipeline asks several times per step).
+    @cached_property
     def is_spec(self) -> bool:
         return any(s.num_draft > 0 for s in self.seqs)
 
-    @property
+    @cached_property
     def kind(self) -> str:
         """One of spec / decode / prefill / mixed, as scheduled (stable after bookkeeping)."""
         prefill = [s for s in self.seqs if s.prefill]

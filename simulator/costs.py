@@ -20,6 +20,7 @@ on the same hardware.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,21 @@ class StageModel:
         total = 0.0
         for k, c in terms:
             total += c * feats.get(k, 0.0)
+        return total if total > 0.0 else 0.0
+
+    def price(self, attrs: dict, tile: int = 1) -> float:
+        """`predict(profile.features(attrs))` without building the features dict: the
+        simulator prices every launch and host stage this way."""
+        c = self.__dict__.get("_c")
+        if c is None:
+            c = self.__dict__["_c"] = tuple(self.coef.get(f, 0.0) for f in FEATURES)
+        tok = attrs.get("tokens", 0)
+        if tile > 1:
+            tok = math.ceil(tok / tile) * tile
+        req = attrs.get("requests", 0)
+        total = c[0] + c[1] * tok + c[2] * req + c[3] * attrs.get("kv_tokens", 0)
+        if c[4]:
+            total += c[4] * req * attrs.get("num_draft", 0)
         return total if total > 0.0 else 0.0
 
 
@@ -111,7 +127,7 @@ class CostProfile:
             return 0.0
         if m is None:
             raise KeyError(f"cost profile has no model for device op {name!r} (fitted: {sorted(self.device)})")
-        return self._noisy(m, m.predict(self.features(attrs)))
+        return self._noisy(m, m.price(attrs, self.tile))
 
     def gap_ns(self, name: str) -> float:
         """Device idle before op `name` when it was queued behind another (the worker replies
@@ -120,7 +136,7 @@ class CostProfile:
 
     def host_ns(self, name: str, attrs: dict) -> float:
         m = self.host.get(name)
-        return 0.0 if m is None else self._noisy(m, m.predict(self.features(attrs, padded=False)))
+        return 0.0 if m is None else self._noisy(m, m.price(attrs))
 
     def mape(self) -> dict[str, float]:
         out = {f"device:{k}": v.mape for k, v in self.device.items()}

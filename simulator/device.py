@@ -9,13 +9,12 @@ process) every stream shares one queue, otherwise streams run concurrently and o
 """
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Protocol
 
 from scheduler.protocols import DeviceError
 from scheduler.step_trace import device_span_name
 from simulator.costs import CostProfile
-from simulator.vtime import virtual_now_ns
+from simulator.vtime import VirtualClock
 
 
 class Responder(Protocol):
@@ -36,7 +35,7 @@ class VirtualEvent:
         self._error = error
 
     def query(self) -> bool:
-        return virtual_now_ns() >= self.end_ns
+        return self._device.clock.now_ns() >= self.end_ns
 
     def synchronize(self, timeout_s: float | None = None) -> Any:
         if not self.query():
@@ -44,9 +43,10 @@ class VirtualEvent:
         return self._outcome()
 
     async def wait(self) -> Any:
-        delay = self.end_ns + int(self._device.profile.wakeup_ns) - virtual_now_ns()
+        clock = self._device.clock
+        delay = self.end_ns + self._device.wakeup_ns - clock.now_ns()
         if delay > 0:
-            await asyncio.sleep(delay / 1e9)
+            await clock.sleep_ns(delay)
         return self._outcome()
 
     def _outcome(self) -> Any:
@@ -64,7 +64,7 @@ class VirtualStream:
 
     def launch(self, op: str, batch: dict) -> VirtualEvent:
         dev = self.device
-        ready = virtual_now_ns() + int(dev.profile.launch_latency_ns)
+        ready = dev.clock.now_ns() + dev.launch_latency_ns
         attrs = batch.get("attrs", {})
         name = device_span_name(op, attrs)
         queue_free = dev.busy_until_ns if dev.profile.serialize_streams else self.busy_until_ns
@@ -99,9 +99,13 @@ class VirtualDevice:
     kind = "virtual"
     needs_plans = False  # launches are timed from their shape; no attention metadata needed
 
-    def __init__(self, profile: CostProfile, responder: Responder, name: str = "virtual"):
+    def __init__(self, profile: CostProfile, responder: Responder, name: str = "virtual",
+                 clock: VirtualClock | None = None):
         self.profile = profile
         self.responder = responder
+        self.clock = clock if clock is not None else VirtualClock()
+        self.wakeup_ns = int(profile.wakeup_ns)
+        self.launch_latency_ns = int(profile.launch_latency_ns)
         self.name = name
         self.busy_until_ns = 0
         self.num_launches = 0

@@ -147,8 +147,8 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, items: 
                                            int(engine.get("max_num_batched_tokens", 2048)),
                                            spec.num_candidates, spec.kv_model), blocks)
     responder = TraceResponder(profile, acceptance, [it.prompt_len for it in items])
-    device = VirtualDevice(profile, responder)
     clock = VirtualClock()
+    device = VirtualDevice(profile, responder, clock=clock)
     header = Header.create(source="simulator", clock="virtual_ns", model=trace.header.model,
                            draft_model=trace.header.draft_model, proposer=proposer, schedule=schedule,
                            draft_len=spec.draft_len, device={"kind": "virtual", "name": "replay"},

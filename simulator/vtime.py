@@ -24,11 +24,15 @@ class SimulationDeadlock(RuntimeError):
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self) -> None:
         super().__init__(selectors.DefaultSelector())
-        self._now_s = 0.0
+        self.now_ns = 0  # the virtual clock, integer nanoseconds (asyncio's timers are floats)
         self._clock_resolution = 1e-9
 
     def time(self) -> float:
-        return self._now_s
+        return self.now_ns / 1e9
+
+    def call_after_ns(self, delay_ns: int, callback: Callable[..., Any], *args: Any) -> asyncio.TimerHandle:
+        """`call_later` in integer nanoseconds: the timer fires exactly `delay_ns` later."""
+        return self.call_at((self.now_ns + delay_ns) / 1e9, callback, *args)
 
     def _run_once(self) -> None:
         """One loop iteration, leaner than asyncio's: no I/O poll unless a file descriptor
@@ -52,8 +56,10 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         if not ready and not self._stopping:
             if not scheduled:
                 raise SimulationDeadlock("simulation waits with nothing scheduled (deadlock)")
-            self._now_s = max(self._now_s, scheduled[0]._when)
-        end = self._now_s + self._clock_resolution
+            when_ns = int(scheduled[0]._when * 1e9 + 0.5)
+            if when_ns > self.now_ns:
+                self.now_ns = when_ns
+        end = self.now_ns / 1e9 + self._clock_resolution
         while scheduled and scheduled[0]._when < end:
             h = heapq.heappop(scheduled)
             h._scheduled = False
@@ -64,22 +70,34 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
                 h._run()
 
 
-def virtual_now_ns() -> int:
-    """The running virtual loop's time in integer nanoseconds."""
-    return int(asyncio.get_running_loop().time() * 1e9 + 0.5)
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class VirtualClock:
-    """The Clock protocol on the running virtual loop (nanoseconds)."""
+    """The Clock protocol on a virtual loop (integer nanoseconds). Create it inside the
+    running loop, or pass the loop. `sleep_ns` is `asyncio.sleep` without the float
+    round trip (the simulator's most frequent call)."""
+
+    def __init__(self, loop: VirtualTimeLoop | None = None):
+        self.loop = loop if loop is not None else asyncio.get_running_loop()
+        if not isinstance(self.loop, VirtualTimeLoop):
+            raise TypeError("VirtualClock needs a VirtualTimeLoop (run it under run_virtual)")
 
     def now_ns(self) -> int:
-        return virtual_now_ns()
+        return self.loop.now_ns
 
     async def sleep_ns(self, duration_ns: int) -> None:
-        if duration_ns > 0:
-            await asyncio.sleep(duration_ns / 1e9)
-        else:
+        if duration_ns <= 0:
             await asyncio.sleep(0)
+            return
+        fut = self.loop.create_future()
+        handle = self.loop.call_after_ns(int(duration_ns), _wake, fut)
+        try:
+            await fut
+        finally:
+            handle.cancel()
 
 
 def run_virtual(fn: Callable[[], Awaitable[Any]]) -> Any:

@@ -229,10 +229,15 @@ class MemoryRecorder(_RecordBuilder):
         if not validate:
             from traces.schema import FinishRecord, RequestRecord, SpanRecord, StepRecord
 
-            models = {"request": RequestRecord, "span": SpanRecord, "step": StepRecord, "finish": FinishRecord}
+            models = {"request": RequestRecord, "step": StepRecord, "finish": FinishRecord}
+            spans = trace.spans
             for entry in self.records[1:]:
-                d = _as_dict(entry)
-                trace.add(_construct(models[d["type"]], d))
+                if entry.__class__ is tuple:  # a span: most records, built inline
+                    spans.append(_construct(SpanRecord, {
+                        "type": "span", "track": entry[0], "name": entry[1], "step": entry[2],
+                        "start_ns": entry[3], "end_ns": entry[4], "attrs": entry[5]}))
+                else:
+                    trace.add(_construct(models[entry["type"]], entry))
             return trace
         for entry in self.records[1:]:
             trace.add(RECORD_ADAPTER.validate_json(_dumps(entry)))
