@@ -88,10 +88,10 @@ class Pipeline:
         self._stopping = False
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
-        # Simulator hook: virtual nanoseconds a host stage costs, given its attributes. The
-        # engine leaves it None: real host work takes real time.
+        # Simulator hook: virtual nanoseconds a host stage costs, given its attributes; the
+        # pipeline passes them on the clock's `advance_ns` (busy time). The engine leaves it
+        # None: real host work takes real time.
         self.host_cost: Any = None
-        self._debt_ns = 0
 
     @property
     def tracer(self) -> Any:
@@ -159,33 +159,29 @@ class Pipeline:
         return batch_attrs(batch, 1 + self.spec.num_candidates)
 
     def _now(self) -> int:
-        """Host time, including modelled host work not yet slept off (simulator)."""
-        return self.clock.now_ns() + self._debt_ns
+        return self.clock.now_ns()
 
-    async def _pay(self) -> None:
-        """Sleep off modelled host work before the host touches the device or waits. Host
-        stages between two such points then cost one timer, not one each (simulator speed)."""
-        if self._debt_ns:
-            debt, self._debt_ns = self._debt_ns, 0
-            await self.clock.sleep_ns(debt)
-
-    async def _host(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
-        """End of a host stage: charge its modelled cost (simulator), then record its span."""
+    def _charge(self, name: str, attrs: dict) -> None:
+        """Simulator: a host stage's modelled cost passes as busy time -- the virtual clock
+        advances and no other task runs meanwhile, as during a CPU stage on the real event
+        loop (a request submitted then is seen at the pipeline's next real wait)."""
         if self.host_cost is not None:
-            self._debt_ns += int(self.host_cost(name, attrs))
+            self.clock.advance_ns(int(self.host_cost(name, attrs)))
+
+    def _host(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
+        """End of a host stage: charge its modelled cost (simulator), then record its span."""
+        self._charge(name, attrs)
         self.tracer.span("host", name, step, start_ns, self._now(), **attrs)
 
     def _span(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
         self.tracer.span("host", name, step, start_ns, self._now(), **attrs)
 
-    async def _launch(self, stream: Any, op: str, msg: dict, step: int, **attrs: Any) -> Launch:
+    def _launch(self, stream: Any, op: str, msg: dict, step: int, **attrs: Any) -> Launch:
         if self._release:
             msg["release"] = self._release
             self._release = []
         t0 = self._now()
-        if self.host_cost is not None:
-            self._debt_ns += int(self.host_cost("launch", attrs))
-            await self._pay()
+        self._charge("launch", attrs)
         msg["attrs"] = attrs  # the step's shape travels with the work (virtual device costs)
         launch = Launch(stream.launch(op, msg), step, op, attrs)
         if self.tracer.enabled:
@@ -193,7 +189,6 @@ class Pipeline:
         return launch
 
     async def _sync(self, launch: Launch) -> Any:
-        await self._pay()
         t0 = self._now()
         try:
             return await launch.event.wait()
@@ -212,7 +207,6 @@ class Pipeline:
                     break
                 if not self.builder.has_work:
                     self._wake = anyio.Event()
-                    await self._pay()
                     await self._wake.wait()
                     continue
             await self.step()
@@ -243,7 +237,7 @@ class Pipeline:
         t0 = t_step
         batch = self.builder.schedule()
         shape = self._attrs(batch)  # the step's shape until its bookkeeping (output recomputes)
-        await self._host("schedule", batch.step, t0, **shape)
+        self._host("schedule", batch.step, t0, **shape)
         if not batch.seqs:
             await self._drain()
             if not batch.seqs and self.builder.has_work and self._inflight is None:
@@ -251,14 +245,15 @@ class Pipeline:
             return
         t0 = self._now()
         self.builder.allocate(batch)
-        await self._host("kv_alloc", batch.step, t0, pages_used=self.blocks.num_used_pages, **shape)
+        self._host("kv_alloc", batch.step, t0, pages_used=self.blocks.num_used_pages, **shape)
         if batch.is_spec:
             await self._spec_step(batch, t_step, shape)
         else:
             await self._forward_step(batch, t_step, shape)
         self.num_steps += 1
         self.trace.flush_steps()
-        await self._pay()
+        # no pause between steps: the real pipeline goes from one step's output straight into
+        # the next step's schedule (a request submitted meanwhile waits for the step after)
         self.trace.record_device_spans()
 
     # -- plain / prefill steps ----------------------------------------------------------------
@@ -269,8 +264,8 @@ class Pipeline:
         fill_msg = None
         if spec.kv_model is not None:
             fill_msg = messages.prefill_fill_message(batch, self.blocks, spec, self.with_plan)
-        await self._host("plan", batch.step, t0, **shape)
-        launch = await self._launch(self.main, "forward", msg, batch.step, kind=batch.kind, **shape)
+        self._host("plan", batch.step, t0, **shape)
+        launch = self._launch(self.main, "forward", msg, batch.step, kind=batch.kind, **shape)
         launch.attrs["t_step"] = t_step
         for s in batch.seqs:
             r = s.request
@@ -285,7 +280,7 @@ class Pipeline:
         s_fill = None
         if fill_msg is not None:
             self.aux.wait_event(launch.event)
-            s_fill = await self._launch(self.aux, "fill", fill_msg, batch.step, after="forward",
+            s_fill = self._launch(self.aux, "fill", fill_msg, batch.step, after="forward",
                                         **fill_attrs(fill_msg))
         if self.config.schedule == "plain_overlap":
             prev, self._inflight = self._inflight, (batch, launch)
@@ -321,7 +316,7 @@ class Pipeline:
                 out_counts.append(self._emit(r, [int(tokens[i])]))
             else:
                 out_counts.append(0)
-        await self._host("output", batch.step, t0, **self._attrs(batch), emitted=sum(out_counts))
+        self._host("output", batch.step, t0, **self._attrs(batch), emitted=sum(out_counts))
         self.trace.step_done(batch, launch.attrs.get("t_step", t0), out_counts, [0] * len(batch), [0] * len(batch))
 
     # -- speculative steps --------------------------------------------------------------------
@@ -336,9 +331,10 @@ class Pipeline:
             start = vmsg["start"]
             fmsg = messages.fill_message(batch.step, reqs, start, start + 1 + spec.num_candidates,
                                          self.blocks, spec, after="verify", with_plan=self.with_plan)
-        await self._host("plan", batch.step, t0, **shape)
-        d_launch = await self._launch(self.aux, "draft", dmsg, batch.step, **shape,
-                                      num_draft=int(dmsg["num_draft"].max()))
+        self._host("plan", batch.step, t0, **shape)
+        nd = dmsg["num_draft"]  # rows stop drafting at their own count: the cost follows the sum
+        d_launch = self._launch(self.aux, "draft", dmsg, batch.step, **shape,
+                                      num_draft=int(nd.max()), draft_tokens=int(nd.sum()))
         self._pending_fill = None  # the draft queues behind any pending fill on its stream
         if sched == "sync":
             try:
@@ -347,11 +343,11 @@ class Pipeline:
                 self._fail_batch(batch, e)
                 return
         self.main.wait_event(d_launch.event)
-        v_launch = await self._launch(self.main, "verify", vmsg, batch.step, **shape)
+        v_launch = self._launch(self.main, "verify", vmsg, batch.step, **shape)
         f_launch = None
         if fmsg is not None and sched == "mtp":
             self.aux.wait_event(v_launch.event)
-            f_launch = await self._launch(self.aux, "fill", fmsg, batch.step, after="verify",
+            f_launch = self._launch(self.aux, "fill", fmsg, batch.step, after="verify",
                                           **fill_attrs(fmsg))
         try:
             result = await self._sync(v_launch)
@@ -370,9 +366,9 @@ class Pipeline:
             t0 = self._now()
             fm = fmsg if spec.fill_same_batch else messages.accept_fill_message(
                 batch, starts_before, accepted, self.blocks, spec, self.with_plan)
-            await self._host("plan", batch.step, t0, kind="fill", **fill_attrs(fm))
+            self._host("plan", batch.step, t0, kind="fill", **fill_attrs(fm))
             self.aux.wait_event(v_launch.event)
-            f_launch = await self._launch(self.aux, "fill", fm, batch.step, after="verify",
+            f_launch = self._launch(self.aux, "fill", fm, batch.step, after="verify",
                                           **fill_attrs(fm))
         t0 = self._now()
         out_counts = []
@@ -385,7 +381,7 @@ class Pipeline:
             out_counts.append(self._emit(r, [int(t) for t in emitted[i]]))
             if not r.is_finished:
                 self.blocks.trim(r.request_id, "target", r.num_tokens)
-        await self._host("output", batch.step, t0, **self._attrs(batch), emitted=sum(out_counts))
+        self._host("output", batch.step, t0, **self._attrs(batch), emitted=sum(out_counts))
         self.trace.step_done(batch, t_step, out_counts, [int(x) for x in num_drafts], [int(x) for x in accepted])
         if f_launch is not None:
             if sched == "sync":

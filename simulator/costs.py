@@ -6,7 +6,10 @@ traces, with non-negative coefficients (dropping a feature whose coefficient wou
 negative and refitting):
 
     duration_ns = c0 + c_tok * padded(tokens) + c_req * requests + c_kv * kv_tokens
-                  (+ c_draft * requests * num_draft for the draft op)
+                  (+ c_draft * draft_tokens for the draft op)
+
+`draft_tokens` is the launch's total drafted tokens (rows stop drafting at their own count,
+e.g. near max_tokens); traces without it fall back to requests * num_draft.
 
 `padded(tokens)` rounds the token count up to `tile` (1 on CPUs; e.g. 64 on GPUs, whose
 matrix instructions pad the token dimension, so cost rises in steps). Two latencies that no
@@ -59,7 +62,7 @@ class StageModel:
         req = attrs.get("requests", 0)
         total = c[0] + c[1] * tok + c[2] * req + c[3] * attrs.get("kv_tokens", 0)
         if c[4]:
-            total += c[4] * req * attrs.get("num_draft", 0)
+            total += c[4] * attrs.get("draft_tokens", req * attrs.get("num_draft", 0))
         return total if total > 0.0 else 0.0
 
 
@@ -96,7 +99,7 @@ class CostProfile:
         req = float(attrs.get("requests", 0))
         return {"const": 1.0, "tokens": tok, "requests": req,
                 "kv_tokens": float(attrs.get("kv_tokens", 0)),
-                "draft_tokens": req * float(attrs.get("num_draft", 0))}
+                "draft_tokens": float(attrs.get("draft_tokens", req * attrs.get("num_draft", 0)))}
 
     # A replay may run an op the captured trace never had (plain decoding replayed from a
     # speculative trace): a target forward over N tokens costs the same whichever op it is.

@@ -88,6 +88,12 @@ class VirtualClock:
     def now_ns(self) -> int:
         return self.loop.now_ns
 
+    def advance_ns(self, duration_ns: int) -> None:
+        """Busy time: the clock moves on and no other task runs meanwhile, as while a CPU
+        stage holds a real event loop; timers that fall due fire late, at the next wait."""
+        if duration_ns > 0:
+            self.loop.now_ns += int(duration_ns)
+
     async def sleep_ns(self, duration_ns: int) -> None:
         if duration_ns <= 0:
             await asyncio.sleep(0)

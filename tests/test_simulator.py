@@ -13,7 +13,7 @@ import pytest
 
 from simulator.acceptance import AcceptanceModel
 from simulator.analysis import ab, tune, validate
-from simulator.costs import CostProfile, fit_profile, fit_stage
+from simulator.costs import CostProfile, StageModel, fit_profile, fit_stage
 from simulator.device import VirtualDevice
 from simulator.replay import ReplayConfig, replay
 from simulator.synthetic import analytic_profile, workload_trace
@@ -117,6 +117,23 @@ def test_cost_fit_recovers_a_linear_model_and_roundtrips(tmp_path):
     (tmp_path / "bad.json").write_text("{nope")
     with pytest.raises(ValueError, match="not a cost profile"):
         CostProfile.load(tmp_path / "bad.json")
+
+
+def test_draft_cost_follows_the_tokens_really_drafted():
+    """Rows stop drafting at their own count (near max_tokens), so a draft launch is priced
+    by its total drafted tokens, not requests x the longest row."""
+    tr = workload_trace(2, 16, 30, draft_len=4, concurrency=2, interarrival_ns=3_000_000)
+    _, sim = replay(tr, analytic_profile(5_000_000, 0.1), ReplayConfig(acceptance="bernoulli:0.6"))
+    drafted = {s.step: sum(s.num_drafted) for s in sim.steps if s.kind == "spec"}
+    spans = [s for s in sim.spans if s.name == "draft"]
+    assert spans and all(s.attrs["draft_tokens"] == drafted[s.step] for s in spans)
+    assert any(s.attrs["draft_tokens"] < s.attrs["requests"] * s.attrs["num_draft"] for s in spans)
+    prof = CostProfile()
+    prof.device["draft"] = StageModel({"const": 1e6, "draft_tokens": 1e6}, 0.0, 0, 0.0)
+    assert prof.device_ns("draft", {"requests": 2, "num_draft": 4, "draft_tokens": 5}) == 6e6
+    assert prof.device_ns("draft", {"requests": 2, "num_draft": 4}) == 9e6  # older traces
+    for attrs in ({"requests": 2, "num_draft": 4, "draft_tokens": 5}, {"requests": 2, "num_draft": 4}):
+        assert prof.device["draft"].predict(prof.features(attrs)) == prof.device_ns("draft", attrs)
 
 
 def test_op_gaps_are_fitted_per_op_from_whole_launches():
