@@ -136,6 +136,25 @@ def test_draft_cost_follows_the_tokens_really_drafted():
         assert prof.device["draft"].predict(prof.features(attrs)) == prof.device_ns("draft", attrs)
 
 
+def test_host_stages_are_busy_time_so_a_request_submitted_meanwhile_waits_a_step():
+    """In the engine the pipeline goes from a step's output straight into the next step's
+    schedule, so a client that resubmits when its request finishes is served a step later;
+    modelled host work must not let it in earlier (it passes as busy time)."""
+    tr = workload_trace(3, 16, 24, draft_len=2, concurrency=2, schedule="overlap", interarrival_ns=0)
+    prof = analytic_profile(5_000_000, 0.1)
+    for stage in ("schedule", "plan", "output"):
+        prof.host[stage] = StageModel({"const": 300_000.0}, 0.0, 0, 300_000.0)
+    _, sim = replay(tr, prof, ReplayConfig(acceptance="bernoulli:0.5", concurrency=2))
+    steps = sorted(sim.steps, key=lambda s: s.start_ns)
+    first = {r.request_id: r for r in sim.requests}
+    done = min(sim.finishes, key=lambda f: f.finish_ns)  # the first request to finish ...
+    fin_step = next(i for i, s in enumerate(steps) if done.request_id in s.request_ids and s.end_ns >= done.finish_ns)
+    after = steps[fin_step + 1]
+    assert "r2" not in after.request_ids  # ... frees a seat the next step cannot use yet
+    assert first["r2"].arrival_ns > after.start_ns  # r2 arrives while that step runs
+    assert any("r2" in s.request_ids for s in steps[fin_step + 2:])
+
+
 def test_op_gaps_are_fitted_per_op_from_whole_launches():
     """A verify launch (substages verify + accept) with a fill queued behind it: the worker's
     idle time before the fill counts from the end of accept, and each op keeps its own gap."""
