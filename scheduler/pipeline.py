@@ -181,7 +181,7 @@ class Pipeline:
             msg["release"] = self._release
             self._release = []
         t0 = self._now()
-        self._charge("launch", attrs)
+        self._charge("launch:" + op, attrs)
         msg["attrs"] = attrs  # the step's shape travels with the work (virtual device costs)
         launch = Launch(stream.launch(op, msg), step, op, attrs)
         if self.tracer.enabled:
@@ -233,6 +233,7 @@ class Pipeline:
     async def step(self) -> None:
         if self._inflight is not None and self.blocks.num_free_pages < len(self.builder.running) + 1:
             await self._drain()  # preemption may be needed: never preempt a request in flight
+        self._charge("step_gap", {})  # host work between steps that no stage span covers
         t_step = self._now()
         t0 = t_step
         batch = self.builder.schedule()

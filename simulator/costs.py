@@ -138,7 +138,11 @@ class CostProfile:
         return self.op_gaps.get(name, self.op_gap_ns)
 
     def host_ns(self, name: str, attrs: dict) -> float:
+        """A host stage's cost; `name` may be qualified (`launch:fill`, `plan:fill`, see
+        `host_key`), falling back to the stage's model over all its spans."""
         m = self.host.get(name)
+        if m is None and ":" in name:
+            m = self.host.get(name.partition(":")[0])
         return 0.0 if m is None else self._noisy(m, m.price(attrs))
 
     def mape(self) -> dict[str, float]:
@@ -200,6 +204,16 @@ def fit_stage(rows: list[dict], durations: list[float], features: tuple[str, ...
                       float(np.median(y)) if len(y) else 0.0, float(np.std(rel)) if len(y) > 1 else 0.0)
 
 
+def host_key(name: str, attrs: dict) -> str:
+    """The host model a stage's span is fitted under: a launch by its op (packing a fill's
+    message costs more than a draft's), the fill's plan apart from the step's plan."""
+    if name == "launch" and "op" in attrs:
+        return f"launch:{attrs['op']}"
+    if name == "plan" and attrs.get("kind") == "fill":
+        return "plan:fill"
+    return name
+
+
 TILES = (1, 8, 16, 32, 64, 128)
 
 
@@ -232,7 +246,8 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
         raise ValueError(f"tile must be a positive integer or 'auto', got {tile!r}")
     prof = CostProfile(tile=1)
     dev_rows: dict[str, list] = {}
-    host_rows: dict[str, list] = {}
+    host_rows: dict[str, list] = {}  # by host_key
+    all_rows: dict[str, list] = {}  # by stage: the fallback for keys with too few spans
     launch_lat, wakeups, overheads, gaps = [], [], [], []
     gaps_by_op: dict[str, list[int]] = {}
     for tr in traces:
@@ -244,7 +259,9 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
             dur = float(s.end_ns - s.start_ns)
             if s.track == "host":
                 if s.name in HOST_STAGES:
-                    host_rows.setdefault(s.name, []).append((prof.features(s.attrs, padded=False), dur))
+                    row = (prof.features(s.attrs, padded=False), dur)
+                    host_rows.setdefault(host_key(s.name, s.attrs), []).append(row)
+                    all_rows.setdefault(s.name, []).append(row)
                 if s.name == "launch" and "launch_id" in s.attrs:
                     by_launch[s.attrs["launch_id"]] = s
             else:
@@ -301,7 +318,12 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
     for name, rows in dev_rows.items():
         feats = FEATURES if name == "draft" else FEATURES[:4]
         prof.device[name] = fit_stage([prof.features(a) for a, _ in rows], [d for _, d in rows], feats)
+    for name, rows in all_rows.items():
+        if name not in host_rows:
+            host_rows[name] = rows  # e.g. `launch`: every span has an op; this prices new ops
     for name, rows in host_rows.items():
+        if ":" in name and len(rows) < 3:
+            continue  # too few for a model of its own: the stage's model prices it
         prof.host[name] = fit_stage([r for r, _ in rows], [d for _, d in rows], FEATURES[:4])
     prof.launch_latency_ns = max(0.0, float(np.mean(launch_lat))) if launch_lat else 0.0
     prof.wakeup_ns = float(np.mean(wakeups)) if wakeups else 0.0

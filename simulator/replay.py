@@ -19,7 +19,7 @@ from scheduler.proposer import ProposerSpec, default_tree, validate_combination
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from simulator.acceptance import AcceptanceModel
-from simulator.costs import CostProfile
+from simulator.costs import CostProfile, host_key
 from simulator.device import VirtualDevice
 from simulator.vtime import VirtualClock, run_virtual
 from traces.metrics import compute_metrics
@@ -160,10 +160,9 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, items: 
     pipe = Pipeline(PipelineConfig(schedule, spec), builder, device, clock, sink, rec)
 
     def host_cost(name: str, attrs: dict) -> float:
-        ns = profile.host_ns(name, attrs)
-        if name == "schedule":
-            ns += profile.step_overhead_ns
-        return ns
+        if name == "step_gap":
+            return profile.step_overhead_ns
+        return profile.host_ns(host_key(name, attrs), attrs)
 
     pipe.host_cost = host_cost
     workload = trace.header.extra.get("workload", {})

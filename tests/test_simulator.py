@@ -155,6 +155,25 @@ def test_host_stages_are_busy_time_so_a_request_submitted_meanwhile_waits_a_step
     assert any("r2" in s.request_ids for s in steps[fin_step + 2:])
 
 
+def test_host_stages_are_priced_per_op_and_step_overhead_lies_between_steps():
+    from traces.reader import read_trace
+
+    tr = read_trace(ROOT / "traces" / "samples" / "draft_sync.jsonl")
+    prof = fit_profile([tr])
+    assert {"launch:draft", "launch:verify", "launch:fill", "plan:fill"} <= set(prof.host)
+    _, sim = replay(tr, prof)
+
+    def total(t, name, **match):
+        return sum(s.end_ns - s.start_ns for s in t.spans if s.track == "host" and s.name == name
+                   and all(s.attrs.get(k) == v for k, v in match.items()))
+
+    for op in ("draft", "verify", "fill"):  # a fill's message costs more to pack than a draft's
+        assert total(sim, "launch", op=op) == pytest.approx(total(tr, "launch", op=op), rel=0.05)
+    assert total(sim, "plan", kind="fill") == pytest.approx(total(tr, "plan", kind="fill"), rel=0.05)
+    # time between steps that no span covers is charged between steps, not inside a stage
+    assert total(sim, "schedule") == pytest.approx(total(tr, "schedule"), rel=0.05)
+
+
 def test_op_gaps_are_fitted_per_op_from_whole_launches():
     """A verify launch (substages verify + accept) with a fill queued behind it: the worker's
     idle time before the fill counts from the end of accept, and each op keeps its own gap."""
