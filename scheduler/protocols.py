@@ -30,7 +30,12 @@ class DeviceCrashed(DeviceError):
 
 @runtime_checkable
 class Clock(Protocol):
-    """Monotonic time in nanoseconds, plus sleeping on the same time base."""
+    """Monotonic time in nanoseconds, plus sleeping on the same time base.
+
+    A simulator's clock also has `advance_ns(duration)`: busy time, the clock moving on while
+    no other task runs (what a CPU stage does to a real event loop). The pipeline uses it only
+    to charge modelled host costs (`Pipeline.host_cost`), which the engine never sets.
+    """
 
     def now_ns(self) -> int: ...
 
