@@ -22,6 +22,7 @@ on the same hardware.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -73,6 +74,7 @@ class CostProfile:
     launch_latency_ns: float = 0.0
     wakeup_ns: float = 0.0  # device end -> host sync end
     step_overhead_ns: float = 0.0  # host time per step not covered by any stage span
+    client_latency_ns: float = 0.0  # closed loop: a finished request's client -> next submission
     op_gap_ns: float = 0.0  # device idle between two queued ops (worker reads/replies)
     op_gaps: dict[str, float] = field(default_factory=dict)  # the same, by the op that follows
     tile: int = 1
@@ -239,6 +241,27 @@ def choose_tile(dev_rows: dict[str, list[tuple[dict, float]]], min_gain: float =
     return best if best == 1 or err[best] <= (1 - min_gain) * err[1] else 1
 
 
+def _client_latencies(tr) -> list[int]:
+    """Closed-loop traces: how long a client takes from the pipeline's first wait after a
+    request finished (when the finished request's client first gets to run) to the next
+    request's arrival -- reading the output, submitting, tokenizing. Host time the replay's
+    clients spend as busy time."""
+    conc = (tr.header.extra.get("workload") or {}).get("concurrency")
+    if not conc:
+        return []
+    finishes = sorted(f.finish_ns for f in tr.finishes)
+    waits = sorted(s.start_ns for s in tr.spans if s.track == "host" and s.name == "sync")
+    out = []
+    for a in sorted(r.arrival_ns for r in tr.requests)[conc:]:
+        i = bisect.bisect_right(finishes, a)
+        if i == 0:
+            continue
+        j = bisect.bisect_left(waits, finishes[i - 1])
+        if j < len(waits) and waits[j] <= a:
+            out.append(a - waits[j])
+    return out
+
+
 def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
     """Fit every device op and host stage seen in `traces` (engine traces). `tile`: the
     token tile device kernels pad to, or "auto" to pick it from the traces (`choose_tile`)."""
@@ -248,7 +271,7 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
     dev_rows: dict[str, list] = {}
     host_rows: dict[str, list] = {}  # by host_key
     all_rows: dict[str, list] = {}  # by stage: the fallback for keys with too few spans
-    launch_lat, wakeups, overheads, gaps = [], [], [], []
+    launch_lat, wakeups, overheads, gaps, client_lat = [], [], [], [], []
     gaps_by_op: dict[str, list[int]] = {}
     for tr in traces:
         prof.source.append(tr.path or "<memory>")
@@ -299,6 +322,7 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
                 cands = [e for e in ends.get(s.step, []) if s.start_ns <= e <= s.end_ns]
                 if cands:
                     wakeups.append(s.end_ns - max(cands))
+        client_lat += _client_latencies(tr)
         host_by_step: dict[int, float] = {}
         for s in spans:
             if s.track == "host" and s.step is not None:
@@ -328,6 +352,7 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
     prof.launch_latency_ns = max(0.0, float(np.mean(launch_lat))) if launch_lat else 0.0
     prof.wakeup_ns = float(np.mean(wakeups)) if wakeups else 0.0
     prof.step_overhead_ns = float(np.mean(overheads)) if overheads else 0.0
+    prof.client_latency_ns = float(np.median(client_lat)) if client_lat else 0.0
     prof.op_gap_ns = float(np.mean(gaps)) if gaps else 0.0
     prof.op_gaps = {k: float(np.mean(v)) for k, v in gaps_by_op.items() if len(v) >= 3}
     return prof

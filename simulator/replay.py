@@ -174,6 +174,8 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, items: 
         if concurrency is None:
             await clock.sleep_ns(int(start + it.arrival_ns / cfg.rate_scale - clock.now_ns()))
         async with sem:
+            if concurrency is not None and i >= concurrency:
+                clock.advance_ns(int(profile.client_latency_ns))  # a seat freed: resubmitting
             rid = f"r{i}"
             ev = anyio.Event()
             sink.done[rid] = ev

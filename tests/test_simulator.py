@@ -173,6 +173,16 @@ def test_host_stages_are_priced_per_op_and_step_overhead_lies_between_steps():
     # time between steps that no span covers is charged between steps, not inside a stage
     assert total(sim, "schedule") == pytest.approx(total(tr, "schedule"), rel=0.05)
 
+    # closed loop: a client resubmits some time after its request finished (it reads the
+    # output, submits, the engine tokenizes): fitted, and the replay's clients take it
+    def resubmit_gaps(t):
+        finishes = sorted(f.finish_ns for f in t.finishes)
+        arrivals = sorted(r.arrival_ns for r in t.requests)[t.header.extra["workload"]["concurrency"]:]
+        return [a - max(f for f in finishes if f <= a) for a in arrivals]
+
+    assert 100_000 < prof.client_latency_ns < 5_000_000
+    assert np.median(resubmit_gaps(sim)) == pytest.approx(np.median(resubmit_gaps(tr)), rel=0.25)
+
 
 def test_op_gaps_are_fitted_per_op_from_whole_launches():
     """A verify launch (substages verify + accept) with a fill queued behind it: the worker's
