@@ -282,7 +282,7 @@ class Pipeline:
         if fill_msg is not None:
             self.aux.wait_event(launch.event)
             s_fill = self._launch(self.aux, "fill", fill_msg, batch.step, after="forward",
-                                        **fill_attrs(fill_msg))
+                                  **fill_attrs(fill_msg))
         if self.config.schedule == "plain_overlap":
             prev, self._inflight = self._inflight, (batch, launch)
             if prev is not None:
@@ -335,7 +335,7 @@ class Pipeline:
         self._host("plan", batch.step, t0, **shape)
         nd = dmsg["num_draft"]  # rows stop drafting at their own count: the cost follows the sum
         d_launch = self._launch(self.aux, "draft", dmsg, batch.step, **shape,
-                                      num_draft=int(nd.max()), draft_tokens=int(nd.sum()))
+                                num_draft=int(nd.max()), draft_tokens=int(nd.sum()))
         self._pending_fill = None  # the draft queues behind any pending fill on its stream
         if sched == "sync":
             try:
@@ -349,7 +349,7 @@ class Pipeline:
         if fmsg is not None and sched == "mtp":
             self.aux.wait_event(v_launch.event)
             f_launch = self._launch(self.aux, "fill", fmsg, batch.step, after="verify",
-                                          **fill_attrs(fmsg))
+                                    **fill_attrs(fmsg))
         try:
             result = await self._sync(v_launch)
         except DeviceError as e:
@@ -370,7 +370,7 @@ class Pipeline:
             self._host("plan", batch.step, t0, kind="fill", **fill_attrs(fm))
             self.aux.wait_event(v_launch.event)
             f_launch = self._launch(self.aux, "fill", fm, batch.step, after="verify",
-                                          **fill_attrs(fm))
+                                    **fill_attrs(fm))
         t0 = self._now()
         out_counts = []
         for i, s in enumerate(batch.seqs):
