@@ -205,7 +205,18 @@ def fit_profile_cmd(
         _fail(f"--tile takes a positive integer or 'auto', got {tile!r}")
     prof = fit_profile([_read_trace(t) for t in traces], tile=tile if tile == "auto" else int(tile))
     prof.save(out)
-    console.print(f"token tile: {prof.tile}")
-    for k, v in sorted(prof.mape().items()):
-        console.print(f"{k:24s} MAPE {v:6.2f}%")
+    from rich.table import Table
+
+    table = Table(title=f"cost profile from {len(traces)} trace(s); token tile {prof.tile}")
+    for col in ("stage", "spans", "median ms", "MAPE"):
+        table.add_column(col, justify="left" if col == "stage" else "right")
+    for kind, models in (("device", prof.device), ("host", prof.host)):
+        for name, m in sorted(models.items()):
+            table.add_row(f"{kind}:{name}", str(m.num_samples), f"{m.median_ns / 1e6:.3f}", f"{m.mape:.2f}%")
+    console.print(table)
+    console.print(f"launch latency {prof.launch_latency_ns / 1e3:.0f} us, wake-up {prof.wakeup_ns / 1e3:.0f} us, "
+                  f"between steps {prof.step_overhead_ns / 1e3:.0f} us, client resubmission "
+                  f"{prof.client_latency_ns / 1e3:.0f} us; device idle between queued ops: "
+                  + (", ".join(f"{k} {v / 1e3:.0f} us" for k, v in sorted(prof.op_gaps.items()))
+                     or f"{prof.op_gap_ns / 1e3:.0f} us"))
     console.print(f"wrote {out}")

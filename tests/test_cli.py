@@ -88,7 +88,8 @@ def test_tune_and_fit_profile(tmp_path):
     code, out = run("fit-profile", SAMPLE, "-o", prof)
     assert code == 0, out
     data = json.loads(prof.read_text())
-    assert "verify" in data["device"]
+    assert "verify" in data["device"] and "launch:fill" in data["host"]
+    assert "device:verify" in out and "client resubmission" in out
     code, out = run("replay", SAMPLE, "--profile", tmp_path / "missing.json")
     assert code == 2 and "missing.json" in out  # never a silent refit
     code, out = run("fit-profile", SAMPLE, "-o", prof, "--tile", "0")
