@@ -241,6 +241,71 @@ def choose_tile(dev_rows: dict[str, list[tuple[dict, float]]], min_gain: float =
     return best if best == 1 or err[best] <= (1 - min_gain) * err[1] else 1
 
 
+def _device_ops(dev_spans: list) -> list[list]:
+    """One [start, end, name, launch id] interval per launch, in start order: a verify
+    launch's substages (verify, accept) occupy the device as one op."""
+    ops: dict = {}
+    for s in dev_spans:
+        key = s.attrs.get("launch_id") or id(s)
+        if key in ops:
+            ops[key][1] = max(ops[key][1], s.end_ns)
+        else:
+            ops[key] = [s.start_ns, s.end_ns, s.name, key]
+    return sorted(ops.values())
+
+
+def _op_gaps(ops: list[list], launches: dict) -> list[tuple[str, int]]:
+    """(op, idle before it) for ops launched before the previous op ended: they ran back to
+    back, so their spacing is the device's own per-op overhead."""
+    out = []
+    for a, b in zip(ops, ops[1:]):
+        ln = launches.get(b[3])
+        if ln is not None and ln.end_ns <= a[1] and b[0] >= a[1]:
+            out.append((b[2], b[0] - a[1]))
+    return out
+
+
+def _launch_latencies(dev_spans: list, launches: dict) -> list[int]:
+    """Launch span end -> device start, for ops launched onto an idle device."""
+    out, prev_end = [], None
+    for s in dev_spans:
+        ln = launches.get(s.attrs.get("launch_id"))
+        if ln is not None and (prev_end is None or prev_end <= ln.end_ns) and s.name != "accept":
+            out.append(s.start_ns - ln.end_ns)
+        prev_end = s.end_ns if prev_end is None else max(prev_end, s.end_ns)
+    return out
+
+
+def _wakeups(spans: list, dev_spans: list) -> list[int]:
+    """Device end -> host sync end, for syncs during which a device op of their step ended."""
+    ends: dict = {}
+    for s in dev_spans:
+        ends.setdefault(s.step, []).append(s.end_ns)
+    out = []
+    for s in spans:
+        if s.track == "host" and s.name == "sync":
+            cands = [e for e in ends.get(s.step, []) if s.start_ns <= e <= s.end_ns]
+            if cands:
+                out.append(s.end_ns - max(cands))
+    return out
+
+
+def _between_steps(tr) -> list[int]:
+    """Host time between consecutive steps that no span covers (event-loop bookkeeping)."""
+    steps = sorted(tr.steps, key=lambda s: s.start_ns)
+    host_spans = sorted((s.start_ns, s.end_ns) for s in tr.spans if s.track == "host")
+    starts = np.array([a for a, _ in host_spans], dtype=np.int64)
+    out = []
+    for a, b in zip(steps, steps[1:]):
+        gap = b.start_ns - a.end_ns
+        if gap < 0:
+            continue
+        i0, i1 = np.searchsorted(starts, [a.end_ns, b.start_ns])
+        covered = sum(min(e, b.start_ns) - s0 for s0, e in host_spans[i0:i1])
+        out.append(max(0, gap - covered))
+    return out
+
+
 def _client_latencies(tr) -> list[int]:
     """Closed-loop traces: how long a client takes from the pipeline's first wait after a
     request finished (when the finished request's client first gets to run) to the next
@@ -271,14 +336,13 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
     dev_rows: dict[str, list] = {}
     host_rows: dict[str, list] = {}  # by host_key
     all_rows: dict[str, list] = {}  # by stage: the fallback for keys with too few spans
-    launch_lat, wakeups, overheads, gaps, client_lat = [], [], [], [], []
-    gaps_by_op: dict[str, list[int]] = {}
+    launch_lat, wakeups, overheads, client_lat = [], [], [], []
+    gaps: list[tuple[str, int]] = []
     for tr in traces:
         prof.source.append(tr.path or "<memory>")
         prof.serialize_streams = tr.header.device.kind in ("host", "cpu")
-        spans = tr.spans
-        by_launch = {}
-        for s in spans:
+        launches = {}
+        for s in tr.spans:
             dur = float(s.end_ns - s.start_ns)
             if s.track == "host":
                 if s.name in HOST_STAGES:
@@ -286,58 +350,15 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
                     host_rows.setdefault(host_key(s.name, s.attrs), []).append(row)
                     all_rows.setdefault(s.name, []).append(row)
                 if s.name == "launch" and "launch_id" in s.attrs:
-                    by_launch[s.attrs["launch_id"]] = s
+                    launches[s.attrs["launch_id"]] = s
             else:
                 dev_rows.setdefault(s.name, []).append((s.attrs, dur))
-        dev_spans = sorted((s for s in spans if s.track != "host"), key=lambda s: s.start_ns)
-        # one device interval per launch: a verify launch's substages (verify, accept) occupy
-        # the device as one op
-        ops: dict = {}
-        for s in dev_spans:
-            key = s.attrs.get("launch_id") or id(s)
-            if key in ops:
-                ops[key][1] = max(ops[key][1], s.end_ns)
-            else:
-                ops[key] = [s.start_ns, s.end_ns, s.name, key]
-        # ops whose launch came before the previous op ended ran back to back: their spacing
-        # is the device's own per-op overhead, by the op that follows
-        seq = sorted(ops.values())
-        for a, b in zip(seq, seq[1:]):
-            ln = by_launch.get(b[3])
-            if ln is not None and ln.end_ns <= a[1] and b[0] >= a[1]:
-                gaps.append(b[0] - a[1])
-                gaps_by_op.setdefault(b[2], []).append(b[0] - a[1])
-        prev_end = None
-        for s in dev_spans:
-            lid = s.attrs.get("launch_id")
-            ln = by_launch.get(lid)
-            if ln is not None and (prev_end is None or prev_end <= ln.end_ns) and s.name not in ("accept",):
-                launch_lat.append(s.start_ns - ln.end_ns)
-            prev_end = s.end_ns if prev_end is None else max(prev_end, s.end_ns)
-        ends = {}
-        for s in dev_spans:
-            ends.setdefault(s.step, []).append(s.end_ns)
-        for s in spans:
-            if s.track == "host" and s.name == "sync":
-                cands = [e for e in ends.get(s.step, []) if s.start_ns <= e <= s.end_ns]
-                if cands:
-                    wakeups.append(s.end_ns - max(cands))
+        dev_spans = sorted((s for s in tr.spans if s.track != "host"), key=lambda s: s.start_ns)
+        gaps += _op_gaps(_device_ops(dev_spans), launches)
+        launch_lat += _launch_latencies(dev_spans, launches)
+        wakeups += _wakeups(tr.spans, dev_spans)
+        overheads += _between_steps(tr)
         client_lat += _client_latencies(tr)
-        host_by_step: dict[int, float] = {}
-        for s in spans:
-            if s.track == "host" and s.step is not None:
-                host_by_step[s.step] = host_by_step.get(s.step, 0.0) + (s.end_ns - s.start_ns)
-        # host time between consecutive steps that no span covers (event-loop bookkeeping)
-        steps = sorted(tr.steps, key=lambda s: s.start_ns)
-        host_spans = sorted(((s.start_ns, s.end_ns) for s in spans if s.track == "host"))
-        starts = np.array([a for a, _ in host_spans], dtype=np.int64)
-        for a, b in zip(steps, steps[1:]):
-            gap = b.start_ns - a.end_ns
-            if gap < 0:
-                continue
-            i0, i1 = np.searchsorted(starts, [a.end_ns, b.start_ns])
-            covered = sum(min(e, b.start_ns) - s0 for s0, e in host_spans[i0:i1])
-            overheads.append(max(0, gap - covered))
     prof.tile = choose_tile(dev_rows) if tile == "auto" else tile
     for name, rows in dev_rows.items():
         feats = FEATURES if name == "draft" else FEATURES[:4]
@@ -353,6 +374,9 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
     prof.wakeup_ns = float(np.mean(wakeups)) if wakeups else 0.0
     prof.step_overhead_ns = float(np.mean(overheads)) if overheads else 0.0
     prof.client_latency_ns = float(np.median(client_lat)) if client_lat else 0.0
-    prof.op_gap_ns = float(np.mean(gaps)) if gaps else 0.0
-    prof.op_gaps = {k: float(np.mean(v)) for k, v in gaps_by_op.items() if len(v) >= 3}
+    prof.op_gap_ns = float(np.mean([g for _, g in gaps])) if gaps else 0.0
+    by_op: dict[str, list[int]] = {}
+    for name, g in gaps:
+        by_op.setdefault(name, []).append(g)
+    prof.op_gaps = {k: float(np.mean(v)) for k, v in by_op.items() if len(v) >= 3}
     return prof
