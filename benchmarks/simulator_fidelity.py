@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bundled_items, parse_workload, run  # noqa: E402
 
 from simulator.analysis import validate  # noqa: E402
-from simulator.costs import fit_profile  # noqa: E402
+from simulator.fit import fit_profile  # noqa: E402
 from simulator.replay import ReplayConfig, replay  # noqa: E402
 
 

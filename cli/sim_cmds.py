@@ -18,7 +18,8 @@ def _replay_config(schedule, spec, draft_len, acceptance, rate_scale, concurrenc
 
 
 def _profile(trace_obj, profile_path: Optional[Path]):
-    from simulator.costs import CostProfile, fit_profile
+    from simulator.costs import CostProfile
+    from simulator.fit import fit_profile
 
     if profile_path is not None:  # a path that is not there is an error, never a silent refit
         try:
@@ -199,7 +200,7 @@ def fit_profile_cmd(
     tile: str = typer.Option("auto", help="token tile device kernels pad to (e.g. 64 on GPUs), or auto"),
 ) -> None:
     """Fit a cost profile (JSON) from engine traces of one machine; prints MAPE per stage."""
-    from simulator.costs import fit_profile
+    from simulator.fit import fit_profile
 
     if tile != "auto" and not (tile.isdigit() and int(tile) >= 1):
         _fail(f"--tile takes a positive integer or 'auto', got {tile!r}")

@@ -19,7 +19,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from simulator.costs import CostProfile, fit_profile
+from simulator.costs import CostProfile
+from simulator.fit import fit_profile
 from simulator.replay import ReplayConfig, replay
 from traces.metrics import compute_metrics
 

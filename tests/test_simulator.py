@@ -13,7 +13,8 @@ import pytest
 
 from simulator.acceptance import AcceptanceModel
 from simulator.analysis import ab, tune, validate
-from simulator.costs import CostProfile, StageModel, fit_profile, fit_stage
+from simulator.costs import CostProfile, StageModel
+from simulator.fit import fit_profile, fit_stage
 from simulator.device import VirtualDevice
 from simulator.replay import ReplayConfig, replay
 from simulator.synthetic import analytic_profile, workload_trace
