@@ -193,6 +193,10 @@ def tune(
         console.print(f"concurrency {conc}: best {b['proposer']} D={b['draft_len']} ({b['sim_speedup']:.2f}x over plain)")
 
 
+def _us_by_op(values_ns: dict) -> str:
+    return ", ".join(f"{k} {v / 1e3:.0f}" for k, v in sorted(values_ns.items()))
+
+
 @app.command("fit-profile")
 def fit_profile_cmd(
     traces: list[Path],
@@ -215,7 +219,8 @@ def fit_profile_cmd(
         for name, m in sorted(models.items()):
             table.add_row(f"{kind}:{name}", str(m.num_samples), f"{m.median_ns / 1e6:.3f}", f"{m.mape:.2f}%")
     console.print(table)
-    console.print(f"launch latency {prof.launch_latency_ns / 1e3:.0f} us, wake-up {prof.wakeup_ns / 1e3:.0f} us, "
+    console.print(f"launch latency {prof.launch_latency_ns / 1e3:.0f} us ({_us_by_op(prof.launch_latencies)}), "
+                  f"wake-up {prof.wakeup_ns / 1e3:.0f} us ({_us_by_op(prof.wakeups)}), "
                   f"between steps {prof.step_overhead_ns / 1e3:.0f} us, client resubmission "
                   f"{prof.client_latency_ns / 1e3:.0f} us; device idle between queued ops: "
                   + (", ".join(f"{k} {v / 1e3:.0f} us" for k, v in sorted(prof.op_gaps.items()))

@@ -66,8 +66,12 @@ class StageModel:
 class CostProfile:
     device: dict[str, StageModel] = field(default_factory=dict)  # op span name -> model
     host: dict[str, StageModel] = field(default_factory=dict)  # host stage -> model
-    launch_latency_ns: float = 0.0
-    wakeup_ns: float = 0.0  # device end -> host sync end
+    launch_latency_ns: float = 0.0  # host launch end -> device start, device idle (all ops)
+    wakeup_ns: float = 0.0  # device end -> host sync end (all ops)
+    # the same by launch op (forward, draft, verify, fill) where a trace shows >= 3: a
+    # verify's bigger message and result cost more both ways than a draft's or a fill's
+    launch_latencies: dict[str, float] = field(default_factory=dict)
+    wakeups: dict[str, float] = field(default_factory=dict)
     step_overhead_ns: float = 0.0  # host time per step not covered by any stage span
     client_latency_ns: float = 0.0  # closed loop: a finished request's client -> next submission
     op_gap_ns: float = 0.0  # device idle between two queued ops (worker reads/replies)
@@ -128,6 +132,12 @@ class CostProfile:
         if m is None:
             raise KeyError(f"cost profile has no model for device op {name!r} (fitted: {sorted(self.device)})")
         return self._noisy(m, m.price(attrs, self.tile))
+
+    def launch_latency_for(self, op: str) -> float:
+        return self.launch_latencies.get(op, self.launch_latency_ns)
+
+    def wakeup_for(self, op: str) -> float:
+        return self.wakeups.get(op, self.wakeup_ns)
 
     def gap_ns(self, name: str) -> float:
         """Device idle before op `name` when it was queued behind another (the worker replies

@@ -44,7 +44,7 @@ class VirtualEvent:
 
     async def wait(self) -> Any:
         clock = self._device.clock
-        delay = self.end_ns + self._device.wakeup_ns - clock.now_ns()
+        delay = self.end_ns + self._device.wakeup_ns(self.op) - clock.now_ns()
         if delay > 0:
             await clock.sleep_ns(delay)
         return self._outcome()
@@ -64,7 +64,7 @@ class VirtualStream:
 
     def launch(self, op: str, batch: dict) -> VirtualEvent:
         dev = self.device
-        ready = dev.clock.now_ns() + dev.launch_latency_ns
+        ready = dev.clock.now_ns() + dev.launch_latency_ns(op)
         attrs = batch.get("attrs", {})
         name = device_span_name(op, attrs)
         queue_free = dev.busy_until_ns if dev.profile.serialize_streams else self.busy_until_ns
@@ -104,12 +104,25 @@ class VirtualDevice:
         self.profile = profile
         self.responder = responder
         self.clock = clock if clock is not None else VirtualClock()
-        self.wakeup_ns = int(profile.wakeup_ns)
-        self.launch_latency_ns = int(profile.launch_latency_ns)
+        self._wakeup: dict[str, int] = {}
+        self._launch_latency: dict[str, int] = {}
         self.name = name
         self.busy_until_ns = 0
         self.num_launches = 0
         self._streams: dict[str, VirtualStream] = {}
+
+    def wakeup_ns(self, op: str) -> int:
+        """Device end -> the waiting host running again, for a launch of `op`."""
+        ns = self._wakeup.get(op)
+        if ns is None:
+            ns = self._wakeup[op] = int(self.profile.wakeup_for(op))
+        return ns
+
+    def launch_latency_ns(self, op: str) -> int:
+        ns = self._launch_latency.get(op)
+        if ns is None:
+            ns = self._launch_latency[op] = int(self.profile.launch_latency_for(op))
+        return ns
 
     def stream(self, name: str) -> VirtualStream:
         if name not in self._streams:

@@ -99,19 +99,20 @@ def _op_gaps(ops: list[list], launches: dict) -> list[tuple[str, int]]:
     return out
 
 
-def _launch_latencies(dev_spans: list, launches: dict) -> list[int]:
-    """Launch span end -> device start, for ops launched onto an idle device."""
+def _launch_latencies(dev_spans: list, launches: dict) -> list[tuple[str, int]]:
+    """(launch op, launch span end -> device start), for ops launched onto an idle device."""
     out, prev_end = [], None
     for s in dev_spans:
         ln = launches.get(s.attrs.get("launch_id"))
         if ln is not None and (prev_end is None or prev_end <= ln.end_ns) and s.name != "accept":
-            out.append(s.start_ns - ln.end_ns)
+            out.append((ln.attrs.get("op", ""), s.start_ns - ln.end_ns))
         prev_end = s.end_ns if prev_end is None else max(prev_end, s.end_ns)
     return out
 
 
-def _wakeups(spans: list, dev_spans: list) -> list[int]:
-    """Device end -> host sync end, for syncs during which a device op of their step ended."""
+def _wakeups(spans: list, dev_spans: list) -> list[tuple[str, int]]:
+    """(op, device end -> host sync end), for syncs during which a device op of their step
+    ended."""
     ends: dict = {}
     for s in dev_spans:
         ends.setdefault(s.step, []).append(s.end_ns)
@@ -120,7 +121,7 @@ def _wakeups(spans: list, dev_spans: list) -> list[int]:
         if s.track == "host" and s.name == "sync":
             cands = [e for e in ends.get(s.step, []) if s.start_ns <= e <= s.end_ns]
             if cands:
-                out.append(s.end_ns - max(cands))
+                out.append((s.attrs.get("op", ""), s.end_ns - max(cands)))
     return out
 
 
@@ -204,13 +205,21 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
         if ":" in name and len(rows) < 3:
             continue  # too few for a model of its own: the stage's model prices it
         prof.host[name] = fit_stage([r for r, _ in rows], [d for _, d in rows], FEATURES[:4])
-    prof.launch_latency_ns = max(0.0, float(np.mean(launch_lat))) if launch_lat else 0.0
-    prof.wakeup_ns = float(np.mean(wakeups)) if wakeups else 0.0
+    prof.launch_latency_ns = max(0.0, float(np.mean([v for _, v in launch_lat]))) if launch_lat else 0.0
+    prof.wakeup_ns = float(np.mean([v for _, v in wakeups])) if wakeups else 0.0
+    prof.launch_latencies = {k: max(0.0, m) for k, m in _means_by_key(launch_lat).items()}
+    prof.wakeups = _means_by_key(wakeups)
     prof.step_overhead_ns = float(np.mean(overheads)) if overheads else 0.0
     prof.client_latency_ns = float(np.median(client_lat)) if client_lat else 0.0
     prof.op_gap_ns = float(np.mean([g for _, g in gaps])) if gaps else 0.0
-    by_op: dict[str, list[int]] = {}
-    for name, g in gaps:
-        by_op.setdefault(name, []).append(g)
-    prof.op_gaps = {k: float(np.mean(v)) for k, v in by_op.items() if len(v) >= 3}
+    prof.op_gaps = _means_by_key(gaps)
     return prof
+
+
+def _means_by_key(pairs: list[tuple[str, float]], min_samples: int = 3) -> dict[str, float]:
+    """Mean value per key, for keys with at least `min_samples` values."""
+    by_key: dict[str, list[float]] = {}
+    for k, v in pairs:
+        if k:
+            by_key.setdefault(k, []).append(v)
+    return {k: float(np.mean(v)) for k, v in by_key.items() if len(v) >= min_samples}

@@ -173,6 +173,10 @@ def test_host_stages_are_priced_per_op_and_step_overhead_lies_between_steps():
     assert total(sim, "plan", kind="fill") == pytest.approx(total(tr, "plan", kind="fill"), rel=0.05)
     # time between steps that no span covers is charged between steps, not inside a stage
     assert total(sim, "schedule") == pytest.approx(total(tr, "schedule"), rel=0.05)
+    # the wake-up after a sync depends on the op (a verify's result is bigger than a fill's)
+    assert prof.wakeups["verify"] > prof.wakeups["fill"]
+    for op in ("draft", "verify", "fill"):
+        assert total(sim, "sync", op=op) == pytest.approx(total(tr, "sync", op=op), rel=0.03), op
 
     # closed loop: a client resubmits some time after its request finished (it reads the
     # output, submits, the engine tokenizes): fitted, and the replay's clients take it
