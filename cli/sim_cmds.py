@@ -99,6 +99,13 @@ def validate(
     if al_r is not None and al_s is not None:
         t.add_row("mean accept length (measured / simulated)", f"{al_r:.3f} / {al_s:.3f}")
     Console().print(t)
+    st = Table(title="where the time goes: total per stage, measured vs simulated")
+    for col in ("stage", "measured ms", "simulated ms", "error"):
+        st.add_column(col, justify="left" if col == "stage" else "right")
+    for name, row in res["stages"].items():
+        err = row["err_pct"]
+        st.add_row(name, f"{row['measured_ms']:.1f}", f"{row['simulated_ms']:.1f}", f"{err:.1f}%" if err is not None else "-")
+    Console().print(st)
 
 
 @app.command()

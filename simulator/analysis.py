@@ -1,6 +1,7 @@
 """validate, A/B and tune: the questions the simulator answers from one trace.
 
-validate  replay under the captured configuration; error against what was measured. Step
+validate  replay under the captured configuration; error against what was measured, overall
+          and per stage (total time of each device op and host stage). Step
           times are compared two ways: step by step (step k of the replay against step k of
           the run: bounded below by the run-to-run noise of the machine, which a simulator
           with deterministic costs cannot predict) and as distributions (the median and p90
@@ -19,7 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from simulator.costs import CostProfile
+from simulator.costs import CostProfile, host_key
 from simulator.fit import fit_profile
 from simulator.replay import ReplayConfig, replay
 from traces.metrics import compute_metrics
@@ -55,9 +56,32 @@ def validate(trace, profile: CostProfile | None = None, *, replicates: int = 5) 
         "bubble_fraction_err_pp": (abs(sim_m["bubble_fraction"] - real["bubble_fraction"]) * 100
                                    if sim_m["bubble_fraction"] is not None and real["bubble_fraction"] is not None else None),
         "fit_mape_pct": profile.mape(),
+        "stages": _stage_comparison(trace, sim),
         "real": real, "sim": sim_m,
     }
     return out
+
+
+def _stage_totals_ms(trace) -> dict[str, float]:
+    """Total time per stage: device ops by name, host stages by their cost-model key (launch
+    and plan per op, as fitted), syncs by the op they wait for."""
+    out: dict[str, float] = {}
+    for s in trace.spans:
+        if s.track == "host":
+            key = f"sync:{s.attrs.get('op', '')}" if s.name == "sync" else host_key(s.name, s.attrs)
+            key = f"host:{key}"
+        else:
+            key = f"device:{s.name}"
+        out[key] = out.get(key, 0.0) + (s.end_ns - s.start_ns) / 1e6
+    return out
+
+
+def _stage_comparison(trace, sim) -> dict[str, dict]:
+    """Where the time goes, measured against simulated: what `validate` shows per stage."""
+    real, simulated = _stage_totals_ms(trace), _stage_totals_ms(sim)
+    return {k: {"measured_ms": real.get(k, 0.0), "simulated_ms": simulated.get(k, 0.0),
+                "err_pct": _pct(simulated.get(k, 0.0), real.get(k))}
+            for k in sorted(set(real) | set(simulated))}
 
 
 def _bootstrap_ci(diffs: np.ndarray, rng: np.random.Generator, n: int = 4000, level: float = 0.95) -> tuple[float, float, float]:

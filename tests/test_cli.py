@@ -55,8 +55,13 @@ def test_validate_reports_step_makespan_and_distribution_errors():
     for key in ("step_time_err_pct", "step_time_dist_err_pct"):
         assert set(res[key]) == {"p50", "p90"}
     assert res["makespan_err_pct"] < 10.0  # a replay of its own trace under its own costs
+    # per stage: well-sampled ops replay their measured total (least squares keeps sums)
+    stages = res["stages"]
+    assert {"device:verify", "host:launch:fill", "host:sync:verify"} <= set(stages)
+    assert stages["device:verify"]["err_pct"] < 1.0
+    assert stages["host:sync:verify"]["measured_ms"] > 0
     code, table = run("validate", SAMPLE)
-    assert code == 0 and "makespan" in table and "distribution" in table
+    assert code == 0 and "makespan" in table and "distribution" in table and "host:plan:fill" in table
 
 
 def test_ab_gives_intervals_and_verdicts():
