@@ -226,7 +226,7 @@ def fit_profile_cmd(
         for name, m in sorted(models.items()):
             table.add_row(f"{kind}:{name}", str(m.num_samples), f"{m.median_ns / 1e6:.3f}", f"{m.mape:.2f}%")
     console.print(table)
-    console.print(f"launch latency {prof.launch_latency_ns / 1e3:.0f} us ({_us_by_op(prof.launch_latencies)}), "
+    console.print(f"launch start -> device start {prof.launch_lead_ns / 1e3:.0f} us ({_us_by_op(prof.launch_leads)}), "
                   f"wake-up {prof.wakeup_ns / 1e3:.0f} us ({_us_by_op(prof.wakeups)}), "
                   f"between steps {prof.step_overhead_ns / 1e3:.0f} us, client resubmission "
                   f"{prof.client_latency_ns / 1e3:.0f} us; device idle between queued ops: "

@@ -181,9 +181,11 @@ class Pipeline:
             msg["release"] = self._release
             self._release = []
         t0 = self._now()
-        self._charge("launch:" + op, attrs)
         msg["attrs"] = attrs  # the step's shape travels with the work (virtual device costs)
         launch = Launch(stream.launch(op, msg), step, op, attrs)
+        # simulator: the host's launch work is charged after the virtual device took the
+        # launch, whose lead (launch start -> device start) covers the packing already
+        self._charge("launch:" + op, attrs)
         if self.tracer.enabled:
             self.trace.launched(launch, t0)
         return launch

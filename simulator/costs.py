@@ -66,11 +66,14 @@ class StageModel:
 class CostProfile:
     device: dict[str, StageModel] = field(default_factory=dict)  # op span name -> model
     host: dict[str, StageModel] = field(default_factory=dict)  # host stage -> model
-    launch_latency_ns: float = 0.0  # host launch end -> device start, device idle (all ops)
+    # host launch *start* -> device start on an idle device (all ops): measured from the
+    # start because the device can start while the host is still in its launch span (it
+    # was descheduled after writing the message, say), which an end-based latency misses
+    launch_lead_ns: float = 0.0
     wakeup_ns: float = 0.0  # device end -> host sync end (all ops)
     # the same by launch op (forward, draft, verify, fill) where a trace shows >= 3: a
     # verify's bigger message and result cost more both ways than a draft's or a fill's
-    launch_latencies: dict[str, float] = field(default_factory=dict)
+    launch_leads: dict[str, float] = field(default_factory=dict)
     wakeups: dict[str, float] = field(default_factory=dict)
     step_overhead_ns: float = 0.0  # host time per step not covered by any stage span
     client_latency_ns: float = 0.0  # closed loop: a finished request's client -> next submission
@@ -133,8 +136,8 @@ class CostProfile:
             raise KeyError(f"cost profile has no model for device op {name!r} (fitted: {sorted(self.device)})")
         return self._noisy(m, m.price(attrs, self.tile))
 
-    def launch_latency_for(self, op: str) -> float:
-        return self.launch_latencies.get(op, self.launch_latency_ns)
+    def launch_lead_for(self, op: str) -> float:
+        return self.launch_leads.get(op, self.launch_lead_ns)
 
     def wakeup_for(self, op: str) -> float:
         return self.wakeups.get(op, self.wakeup_ns)
@@ -169,6 +172,10 @@ class CostProfile:
     @classmethod
     def from_json(cls, data: dict) -> "CostProfile":
         data = dict(data)
+        if "launch_latency_ns" in data:  # profiles saved before launch leads: end-based
+            launch = data.get("host", {}).get("launch", {})
+            data["launch_lead_ns"] = data.pop("launch_latency_ns") + launch.get("median_ns", 0.0)
+            data.pop("launch_latencies", None)
         data["device"] = {k: StageModel(**v) for k, v in data.get("device", {}).items()}
         data["host"] = {k: StageModel(**v) for k, v in data.get("host", {}).items()}
         return cls(**data)

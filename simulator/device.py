@@ -64,7 +64,7 @@ class VirtualStream:
 
     def launch(self, op: str, batch: dict) -> VirtualEvent:
         dev = self.device
-        ready = dev.clock.now_ns() + dev.launch_latency_ns(op)
+        ready = dev.clock.now_ns() + dev.launch_lead_ns(op)
         attrs = batch.get("attrs", {})
         name = device_span_name(op, attrs)
         queue_free = dev.busy_until_ns if dev.profile.serialize_streams else self.busy_until_ns
@@ -105,7 +105,7 @@ class VirtualDevice:
         self.responder = responder
         self.clock = clock if clock is not None else VirtualClock()
         self._wakeup: dict[str, int] = {}
-        self._launch_latency: dict[str, int] = {}
+        self._launch_lead: dict[str, int] = {}
         self.name = name
         self.busy_until_ns = 0
         self.num_launches = 0
@@ -118,10 +118,11 @@ class VirtualDevice:
             ns = self._wakeup[op] = int(self.profile.wakeup_for(op))
         return ns
 
-    def launch_latency_ns(self, op: str) -> int:
-        ns = self._launch_latency.get(op)
+    def launch_lead_ns(self, op: str) -> int:
+        """Host launch start -> device start, for `op` launched onto an idle device."""
+        ns = self._launch_lead.get(op)
         if ns is None:
-            ns = self._launch_latency[op] = int(self.profile.launch_latency_for(op))
+            ns = self._launch_lead[op] = int(self.profile.launch_lead_for(op))
         return ns
 
     def stream(self, name: str) -> VirtualStream:

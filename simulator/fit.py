@@ -4,7 +4,7 @@ Why: costs come from what the hardware did, not from a spec sheet. Every device 
 stage seen in the traces gets its linear model (`simulator.costs`) by least squares on its
 spans, with non-negative coefficients (a feature whose coefficient would go negative is
 dropped and the rest refitted); host stages are kept per op where they differ (`host_key`).
-Latencies that no span shows directly are measured from span pairs: launch end -> device
+Latencies that no span shows directly are measured from span pairs: launch start -> device
 start on an idle device, device end -> sync end, the device's idle time between ops queued
 back to back (a verify launch's substages count as one op), uncovered host time between
 steps, and in closed-loop traces a client's finish -> resubmission time. The token tile
@@ -99,13 +99,13 @@ def _op_gaps(ops: list[list], launches: dict) -> list[tuple[str, int]]:
     return out
 
 
-def _launch_latencies(dev_spans: list, launches: dict) -> list[tuple[str, int]]:
-    """(launch op, launch span end -> device start), for ops launched onto an idle device."""
+def _launch_leads(dev_spans: list, launches: dict) -> list[tuple[str, int]]:
+    """(launch op, launch span start -> device start), for ops launched onto an idle device."""
     out, prev_end = [], None
     for s in dev_spans:
         ln = launches.get(s.attrs.get("launch_id"))
-        if ln is not None and (prev_end is None or prev_end <= ln.end_ns) and s.name != "accept":
-            out.append((ln.attrs.get("op", ""), s.start_ns - ln.end_ns))
+        if ln is not None and (prev_end is None or prev_end <= ln.start_ns) and s.name != "accept":
+            out.append((ln.attrs.get("op", ""), s.start_ns - ln.start_ns))
         prev_end = s.end_ns if prev_end is None else max(prev_end, s.end_ns)
     return out
 
@@ -171,7 +171,7 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
     dev_rows: dict[str, list] = {}
     host_rows: dict[str, list] = {}  # by host_key
     all_rows: dict[str, list] = {}  # by stage: the fallback for keys with too few spans
-    launch_lat, wakeups, overheads, client_lat = [], [], [], []
+    launch_lead, wakeups, overheads, client_lat = [], [], [], []
     gaps: list[tuple[str, int]] = []
     for tr in traces:
         prof.source.append(tr.path or "<memory>")
@@ -190,7 +190,7 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
                 dev_rows.setdefault(s.name, []).append((s.attrs, dur))
         dev_spans = sorted((s for s in tr.spans if s.track != "host"), key=lambda s: s.start_ns)
         gaps += _op_gaps(_device_ops(dev_spans), launches)
-        launch_lat += _launch_latencies(dev_spans, launches)
+        launch_lead += _launch_leads(dev_spans, launches)
         wakeups += _wakeups(tr.spans, dev_spans)
         overheads += _between_steps(tr)
         client_lat += _client_latencies(tr)
@@ -205,9 +205,9 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
         if ":" in name and len(rows) < 3:
             continue  # too few for a model of its own: the stage's model prices it
         prof.host[name] = fit_stage([r for r, _ in rows], [d for _, d in rows], FEATURES[:4])
-    prof.launch_latency_ns = max(0.0, float(np.mean([v for _, v in launch_lat]))) if launch_lat else 0.0
+    prof.launch_lead_ns = max(0.0, float(np.mean([v for _, v in launch_lead]))) if launch_lead else 0.0
     prof.wakeup_ns = float(np.mean([v for _, v in wakeups])) if wakeups else 0.0
-    prof.launch_latencies = {k: max(0.0, m) for k, m in _means_by_key(launch_lat).items()}
+    prof.launch_leads = {k: max(0.0, m) for k, m in _means_by_key(launch_lead).items()}
     prof.wakeups = _means_by_key(wakeups)
     prof.step_overhead_ns = float(np.mean(overheads)) if overheads else 0.0
     prof.client_latency_ns = float(np.median(client_lat)) if client_lat else 0.0

@@ -115,6 +115,12 @@ def test_cost_fit_recovers_a_linear_model_and_roundtrips(tmp_path):
     again = CostProfile.load(path)
     assert again.device_ns("verify", {"tokens": 10, "requests": 2, "kv_tokens": 100}) == pytest.approx(
         prof.device_ns("verify", {"tokens": 10, "requests": 2, "kv_tokens": 100}))
+    # a profile saved before launch leads (an end-based launch latency) still loads
+    legacy = prof.to_json()
+    del legacy["launch_lead_ns"], legacy["launch_leads"]
+    legacy["launch_latency_ns"] = 100.0
+    legacy["host"] = {"launch": {"coef": {"const": 50.0}, "mape": 0.0, "num_samples": 9, "median_ns": 50.0}}
+    assert CostProfile.from_json(legacy).launch_lead_ns == 150.0
     (tmp_path / "bad.json").write_text("{nope")
     with pytest.raises(ValueError, match="not a cost profile"):
         CostProfile.load(tmp_path / "bad.json")
@@ -173,6 +179,10 @@ def test_host_stages_are_priced_per_op_and_step_overhead_lies_between_steps():
     assert total(sim, "plan", kind="fill") == pytest.approx(total(tr, "plan", kind="fill"), rel=0.05)
     # time between steps that no span covers is charged between steps, not inside a stage
     assert total(sim, "schedule") == pytest.approx(total(tr, "schedule"), rel=0.05)
+    # the virtual device starts an op `lead` after its launch began (sync: an idle device)
+    launch_start = {s.attrs["launch_id"]: s.start_ns for s in sim.spans if s.name == "launch"}
+    leads = {s.start_ns - launch_start[s.attrs["launch_id"]] for s in sim.spans if s.name == "verify"}
+    assert leads == {int(prof.launch_lead_for("verify"))}
     # the wake-up after a sync depends on the op (a verify's result is bigger than a fill's)
     assert prof.wakeups["verify"] > prof.wakeups["fill"]
     for op in ("draft", "verify", "fill"):
@@ -187,6 +197,23 @@ def test_host_stages_are_priced_per_op_and_step_overhead_lies_between_steps():
 
     assert 100_000 < prof.client_latency_ns < 5_000_000
     assert np.median(resubmit_gaps(sim)) == pytest.approx(np.median(resubmit_gaps(tr)), rel=0.25)
+
+
+def test_launch_lead_counts_from_the_launch_start():
+    """The device can start while the host is still inside its launch span (descheduled
+    after writing the message): the lead is fitted from the span's start, so stretched
+    spans do not drag it negative."""
+    tr = workload_trace(1, 8, 8)
+    t = 0
+    for step in range(12):
+        lid = f"{step}:verify"
+        attrs = {"requests": 1, "tokens": 4, "kv_tokens": 100, "op": "verify", "launch_id": lid}
+        end = t + (3000 if step % 3 == 0 else 50)  # every third launch span stretched
+        tr.add(SpanRecord(track="host", name="launch", step=step, start_ns=t, end_ns=end, attrs=attrs))
+        tr.add(SpanRecord(track="device:main", name="verify", step=step, start_ns=t + 200, end_ns=t + 5200,
+                          attrs={"requests": 1, "tokens": 4, "kv_tokens": 100, "launch_id": lid}))
+        t += 50_000
+    assert fit_profile([tr]).launch_lead_for("verify") == pytest.approx(200)
 
 
 def test_op_gaps_are_fitted_per_op_from_whole_launches():
