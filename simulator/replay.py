@@ -41,6 +41,16 @@ class ReplayConfig:
     seed: int = 0
     engine_overrides: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.rate_scale <= 0:
+            raise ValueError(f"rate_scale must be > 0, got {self.rate_scale}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.draft_len is not None and self.draft_len < 0:
+            raise ValueError(f"draft_len must be >= 0, got {self.draft_len}")
+        if self.proposer is not None and self.proposer not in NATURAL_SCHEDULE:
+            raise ValueError(f"unknown proposer {self.proposer!r}; choose one of {tuple(NATURAL_SCHEDULE)}")
+
 
 @dataclass(frozen=True)
 class WorkloadItem:

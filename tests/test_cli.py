@@ -73,6 +73,18 @@ def test_ab_gives_intervals_and_verdicts():
         assert d["verdict"] in ("A better", "B better", "no difference")
 
 
+@pytest.mark.parametrize("args, named", [
+    (("--spec", "nope"), "unknown proposer 'nope'"),
+    (("--rate-scale", "0"), "rate_scale"),
+    (("--concurrency", "0"), "concurrency"),
+    (("--acceptance", "bernoulli:1.5"), "alpha"),
+    (("--schedule", "mtp"), "mtp"),
+])
+def test_replay_rejects_bad_options_by_name(args, named):
+    code, out = run("replay", SAMPLE, *args, "--json")
+    assert code == 2 and named in out
+
+
 def test_ab_rejects_bad_variants():
     code, out = run("ab", SAMPLE, "--a", "schedule=sync", "--b", "colour=blue")
     assert code == 2 and "colour" in out
