@@ -161,12 +161,17 @@ def ab(
 def tune(
     traces: list[Path] = typer.Argument(..., help="one speculative trace per proposer to compare"),
     profile: Optional[Path] = typer.Option(None, help="cost profile JSON (one trace only)"),
+    draft_lens: Optional[str] = typer.Option(
+        None, "--draft-lens", help="draft lengths to sweep, e.g. 1,2,4 (default: 1 .. the captured agreement length, <= 8)"),
+    concurrencies: str = typer.Option("1,4,16", help="batch-size regimes (concurrent requests), e.g. 1,8,32"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Sweep draft length (and proposer, one trace each) per batch-size regime; simulated
     speedup over plain decoding next to the formula."""
     from simulator.analysis import tune as run_tune
 
+    lens = _int_list("--draft-lens", draft_lens) if draft_lens else None
+    concs = _int_list("--concurrencies", concurrencies)
     trs = [_read_trace(t) for t in traces]
     if profile is not None and len(trs) > 1:
         _fail("--profile applies to a single trace; with several, each is fitted on itself")
@@ -176,6 +181,7 @@ def tune(
         with Progress(console=console, transient=True, disable=json_out) as progress:
             task = progress.add_task("replaying", total=None)
             res = run_tune(trs, profile=_profile(trs[0], profile) if len(trs) == 1 else None,
+                           draft_lens=lens, concurrencies=concs,
                            on_replay=lambda done, total: progress.update(task, completed=done, total=total))
     except (ValueError, KeyError) as e:
         _fail(str(e))
@@ -198,6 +204,17 @@ def tune(
         console.print("* larger batches than any captured step: the cost models extrapolate")
     for conc, b in res["best"].items():
         console.print(f"concurrency {conc}: best {b['proposer']} D={b['draft_len']} ({b['sim_speedup']:.2f}x over plain)")
+
+
+def _int_list(option: str, text: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16]: positive integers, or a clear error naming the option."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        _fail(f"{option} takes positive integers separated by commas, got {text!r}")
+    if not values or min(values) < 1:
+        _fail(f"{option} takes positive integers separated by commas, got {text!r}")
+    return values
 
 
 def _us_by_op(values_ns: dict) -> str:

@@ -181,6 +181,8 @@ def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draf
             raise ValueError(f"two traces for proposer {p!r} ({seen[p] or '<memory>'}, {tr.path or '<memory>'}): give one trace per proposer")
         seen[p] = tr.path
     concurrencies = concurrencies or [1, 4, 16]
+    if min(concurrencies) < 1 or (draft_lens is not None and (not draft_lens or min(draft_lens) < 1)):
+        raise ValueError(f"tune needs concurrencies >= 1 and draft lengths >= 1 (got {concurrencies}, {draft_lens})")
     lens = [draft_lens or list(range(1, max(1, min(8, tr.header.max_agreement_len or 8)) + 1)) for tr in traces]
     total = sum(len(concurrencies) * (1 + len(ds)) for ds in lens)
     done = itertools.count(1)
