@@ -6,6 +6,11 @@ and scheduling order (asyncio's ready queue is FIFO: a run is deterministic, no 
 scheduling randomness), and needs no extra dependency. When no callback is ready the loop
 advances its clock to the earliest scheduled timer instead of sleeping; a run that waits with
 nothing scheduled is a deadlock and raises instead of hanging.
+
+Two ways for virtual time to pass: `VirtualClock.sleep_ns` waits (other tasks run, as
+during a real await) and `VirtualClock.advance_ns` is busy time (the clock moves on while
+the calling task keeps the loop, as a CPU stage does on a real event loop; timers that fall
+due meanwhile fire late, at the next wait).
 """
 from __future__ import annotations
 
