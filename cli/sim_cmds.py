@@ -47,6 +47,11 @@ def replay_cmd(
     from traces.recorder import write_trace
 
     tr = _read_trace(trace)
+    if spec not in (None, "none", tr.header.proposer):
+        console.print(f"[yellow]note:[/] this trace was captured with proposer {tr.header.proposer!r}: the "
+                      f"{spec!r} replay prices its proposer ops with that proposer's costs"
+                      + (" and takes its acceptance from that proposer's agreement" if acceptance in ("trace", "rates") else "")
+                      + f"; capture a trace with {spec!r} (or pass --profile) for its own")
     try:
         m, sim = replay(tr, _profile(tr, profile), _replay_config(schedule, spec, draft_len, acceptance, rate_scale, concurrency))
     except (ValueError, KeyError) as e:

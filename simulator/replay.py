@@ -135,7 +135,14 @@ class _Sink:
 def resolve(trace: Trace, cfg: ReplayConfig) -> tuple[str, str, int, dict]:
     h = trace.header
     proposer = cfg.proposer or h.proposer
-    draft_len = cfg.draft_len if cfg.draft_len is not None else (h.draft_len if proposer == h.proposer else 0)
+    if cfg.draft_len is not None:
+        draft_len = cfg.draft_len
+    elif proposer == "none":
+        draft_len = 0
+    elif h.draft_len >= 1:  # another proposer: the captured draft length unless one is given
+        draft_len = h.draft_len
+    else:
+        raise ValueError(f"the trace decodes plainly: give a draft length for proposer {proposer!r}")
     schedule = cfg.schedule or h.schedule
     if cfg.proposer and cfg.proposer != h.proposer and not cfg.schedule:
         schedule = NATURAL_SCHEDULE[proposer]

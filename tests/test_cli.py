@@ -85,6 +85,19 @@ def test_replay_rejects_bad_options_by_name(args, named):
     assert code == 2 and named in out
 
 
+def test_replay_with_another_proposer_says_whose_costs_it_uses(tmp_path):
+    res = runner.invoke(app, ["replay", str(SAMPLE), "--spec", "eagle", "--json"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["mean_accept_len"] > 1  # the captured draft length is kept
+    assert "captured with proposer 'draft'" in " ".join(res.stderr.split())
+    plain = tmp_path / "plain.jsonl"  # a plain trace has no draft length to keep
+    lines = SAMPLE.read_text().splitlines()
+    header = json.loads(lines[0]) | {"proposer": "none", "draft_len": 0, "schedule": "sync"}
+    plain.write_text("\n".join([json.dumps(header)] + [ln for ln in lines[1:] if '"type":"request"' in ln.replace(" ", "")]) + "\n")
+    code, out = run("replay", plain, "--spec", "draft", "--json")
+    assert code == 2 and "give a draft length" in out
+
+
 def test_ab_rejects_bad_variants():
     code, out = run("ab", SAMPLE, "--a", "schedule=sync", "--b", "colour=blue")
     assert code == 2 and "colour" in out
