@@ -10,11 +10,22 @@ from rich.console import Console
 from cli.common import _fail, _metrics_table, _print_json, _read_trace, app, console
 
 
-def _replay_config(schedule, spec, draft_len, acceptance, rate_scale, concurrency, seed=0):
+def _replay_config(schedule, spec, draft_len, acceptance, rate_scale, concurrency, seed=0, engine=None):
     from simulator.replay import ReplayConfig
 
     return ReplayConfig(schedule=schedule, proposer=spec, draft_len=draft_len, acceptance=acceptance,
-                        rate_scale=rate_scale, concurrency=concurrency, seed=seed)
+                        rate_scale=rate_scale, concurrency=concurrency, seed=seed, engine_overrides=engine or {})
+
+
+def _engine_settings(items: list[str]) -> dict:
+    """['num_pages=64', ...] -> {'num_pages': 64}; ReplayConfig checks names and values."""
+    out = {}
+    for item in items:
+        k, eq, v = item.partition("=")
+        if not eq or not v.strip().lstrip("-").isdigit():
+            _fail(f"--set takes KEY=INTEGER (e.g. num_pages=64), got {item!r}")
+        out[k.strip()] = int(v)
+    return out
 
 
 def _profile(trace_obj, profile_path: Optional[Path]):
@@ -40,6 +51,8 @@ def replay_cmd(
     acceptance: str = typer.Option("trace", help="trace | rates | bernoulli:ALPHA"),
     profile: Optional[Path] = typer.Option(None, help="cost profile JSON (default: fit from the trace)"),
     trace_out: Optional[Path] = typer.Option(None, "--trace", help="write the simulated trace"),
+    settings: list[str] = typer.Option([], "--set", help="engine what-if, KEY=VALUE: max_num_seqs, "
+                                       "max_num_batched_tokens, num_pages, page_size (repeatable)"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Replay a trace in virtual time under another schedule / proposer / draft length."""
@@ -53,7 +66,8 @@ def replay_cmd(
                       + (" and takes its acceptance from that proposer's agreement" if acceptance in ("trace", "rates") else "")
                       + f"; capture a trace with {spec!r} (or pass --profile) for its own")
     try:
-        m, sim = replay(tr, _profile(tr, profile), _replay_config(schedule, spec, draft_len, acceptance, rate_scale, concurrency))
+        m, sim = replay(tr, _profile(tr, profile), _replay_config(schedule, spec, draft_len, acceptance, rate_scale,
+                                                                  concurrency, engine=_engine_settings(settings)))
     except (ValueError, KeyError) as e:
         _fail(str(e))
     if trace_out:
@@ -127,14 +141,19 @@ def ab(
     from simulator.replay import ReplayConfig
 
     def parse(text: str) -> ReplayConfig:
-        kw = {}
+        from simulator.replay import ENGINE_KNOBS
+
+        kw, engine = {}, []
         for part in filter(None, text.split(",")):
             k, _, v = part.partition("=")
             k = {"spec": "proposer", "draft-len": "draft_len"}.get(k.strip(), k.strip())
+            if k in ENGINE_KNOBS:
+                engine.append(f"{k}={v}")
+                continue
             if k not in ("schedule", "proposer", "draft_len", "acceptance", "rate_scale", "concurrency"):
                 _fail(f"unknown A/B field {k!r}")
             kw[k] = int(v) if k in ("draft_len", "concurrency") else float(v) if k == "rate_scale" else v
-        return ReplayConfig(**kw)
+        return ReplayConfig(**kw, engine_overrides=_engine_settings(engine))
 
     from rich.progress import Progress
 

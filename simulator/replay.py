@@ -14,6 +14,7 @@ import anyio
 import numpy as np
 
 from scheduler.batch_builder import BatchBuilder, SchedulerConfig
+from scheduler.errors import InvalidRequestError
 from scheduler.block_manager import BlockManager
 from scheduler.pipeline import Pipeline, PipelineConfig
 from scheduler.proposer import ProposerSpec, default_tree, validate_combination
@@ -28,6 +29,8 @@ from traces.recorder import MemoryRecorder
 from traces.schema import Header, Trace
 
 _DUMMY_TOKEN = 7
+# engine settings a replay may change (what-ifs on the scheduler: seats, token budget, KV pool)
+ENGINE_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "num_pages", "page_size", "tree_top_k", "tree_max_nodes")
 NATURAL_SCHEDULE = {"none": "sync", "draft": "overlap", "mtp": "mtp", "eagle": "sync", "ngram": "sync"}
 
 
@@ -51,6 +54,11 @@ class ReplayConfig:
             raise ValueError(f"draft_len must be >= 0, got {self.draft_len}")
         if self.proposer is not None and self.proposer not in NATURAL_SCHEDULE:
             raise ValueError(f"unknown proposer {self.proposer!r}; choose one of {tuple(NATURAL_SCHEDULE)}")
+        for k, v in self.engine_overrides.items():
+            if k not in ENGINE_KNOBS:
+                raise ValueError(f"unknown engine setting {k!r}; a replay can change {ENGINE_KNOBS}")
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"engine setting {k} must be a positive integer, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -223,6 +231,13 @@ def replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig | None = None) 
     gc.disable()
     try:
         sim = run_virtual(lambda: _replay(trace, profile, cfg, items, acceptance))
+    except BaseExceptionGroup as eg:  # a request the configuration cannot serve (pool too small)
+        bad = eg.subgroup(InvalidRequestError)
+        if bad is None:
+            raise
+        while isinstance(bad, BaseExceptionGroup):
+            bad = bad.exceptions[0]
+        raise ValueError(f"this configuration cannot serve the workload: {bad}") from None
     finally:
         if paused:
             gc.enable()

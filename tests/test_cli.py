@@ -98,6 +98,20 @@ def test_replay_with_another_proposer_says_whose_costs_it_uses(tmp_path):
     assert code == 2 and "give a draft length" in out
 
 
+def test_engine_what_ifs_replay_and_a_pool_too_small_is_named():
+    big = run_json("replay", SAMPLE, "--concurrency", "4")
+    small = run_json("replay", SAMPLE, "--concurrency", "4", "--set", "num_pages=40")
+    assert small["steps"] > big["steps"]  # preemptions recompute: more steps, lower throughput
+    assert small["output_tokens_per_s"] < big["output_tokens_per_s"]
+    assert small["output_tokens"] == big["output_tokens"]  # nobody is dropped
+    code, out = run("replay", SAMPLE, "--set", "num_pages=16", "--json")
+    assert code == 2 and "cannot serve the workload" in out and "the pool has 16" in out
+    code, out = run("replay", SAMPLE, "--set", "colour=3", "--json")
+    assert code == 2 and "unknown engine setting 'colour'" in out
+    res = run_json("ab", SAMPLE, "--a", "concurrency=4", "--b", "concurrency=4,num_pages=40", "--replicates", "2")
+    assert res["diff_b_minus_a"]["output_tokens_per_s"]["verdict"] == "A better"
+
+
 def test_ab_rejects_bad_variants():
     code, out = run("ab", SAMPLE, "--a", "schedule=sync", "--b", "colour=blue")
     assert code == 2 and "colour" in out
