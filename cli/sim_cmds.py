@@ -250,6 +250,7 @@ def fit_profile_cmd(
     traces: list[Path],
     out: Path = typer.Option(..., "-o", "--out"),
     tile: str = typer.Option("auto", help="token tile device kernels pad to (e.g. 64 on GPUs), or auto"),
+    json_out: bool = typer.Option(False, "--json", help="print the fitted profile as JSON"),
 ) -> None:
     """Fit a cost profile (JSON) from engine traces of one machine; prints MAPE per stage."""
     from simulator.fit import fit_profile
@@ -258,6 +259,9 @@ def fit_profile_cmd(
         _fail(f"--tile takes a positive integer or 'auto', got {tile!r}")
     prof = fit_profile([_read_trace(t) for t in traces], tile=tile if tile == "auto" else int(tile))
     prof.save(out)
+    if json_out:
+        _print_json(prof.to_json() | {"mape_pct": prof.mape()})
+        return
     from rich.table import Table
 
     table = Table(title=f"cost profile from {len(traces)} trace(s); token tile {prof.tile}")

@@ -138,6 +138,8 @@ def test_tune_and_fit_profile(tmp_path):
     data = json.loads(prof.read_text())
     assert "verify" in data["device"] and "launch:fill" in data["host"]
     assert "device:verify" in out and "client resubmission" in out
+    fitted = run_json("fit-profile", SAMPLE, "-o", prof)
+    assert fitted["wakeups"]["verify"] > 0 and fitted["mape_pct"]["device:verify"] < 50
     code, out = run("replay", SAMPLE, "--profile", tmp_path / "missing.json")
     assert code == 2 and "missing.json" in out  # never a silent refit
     code, out = run("fit-profile", SAMPLE, "-o", prof, "--tile", "0")
