@@ -335,9 +335,11 @@ class Pipeline:
             fmsg = messages.fill_message(batch.step, reqs, start, start + 1 + spec.num_candidates,
                                          self.blocks, spec, after="verify", with_plan=self.with_plan)
         self._host("plan", batch.step, t0, **shape)
-        nd = dmsg["num_draft"]  # rows stop drafting at their own count: the cost follows the sum
-        d_launch = self._launch(self.aux, "draft", dmsg, batch.step, **shape,
-                                num_draft=int(nd.max()), draft_tokens=int(nd.sum()))
+        # rows stop drafting at their own count; the first token of each comes from logits
+        # the fill computed, every further one is a proposer forward (what the cost follows)
+        nd = dmsg["num_draft"]
+        d_launch = self._launch(self.aux, "draft", dmsg, batch.step, **shape, num_draft=int(nd.max()),
+                                draft_tokens=int(nd.sum()), draft_forwards=int(np.maximum(nd - 1, 0).sum()))
         self._pending_fill = None  # the draft queues behind any pending fill on its stream
         if sched == "sync":
             try:

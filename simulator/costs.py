@@ -5,10 +5,18 @@ small non-negative linear model of the step's shape (fitted from traces by
 `simulator.fit`):
 
     duration_ns = c0 + c_tok * padded(tokens) + c_req * requests + c_kv * kv_tokens
-                  (+ c_draft * draft_tokens for the draft op)
 
-`draft_tokens` is the launch's total drafted tokens (rows stop drafting at their own count,
-e.g. near max_tokens); traces without it fall back to requests * num_draft.
+and for the draft op, which samples each row's first draft token from logits the fill
+already computed and then runs one proposer forward per further token,
+
+    duration_ns = c0 + c_step * draft_steps + c_fwd * draft_forwards + c_kv * kv_tokens
+
+with `draft_steps` = the longest row's draft count - 1 (forward passes) and
+`draft_forwards` = the sum over rows of (draft count - 1) (row-forwards: rows stop drafting
+at their own count, e.g. near max_tokens). Counting forwards rather than drafted tokens is
+what lets a trace captured at one draft length price another (measured on the bundled draft
+model, fitted at D=4: D=1 1.1 ms vs 0.6 measured, D=2 5.3 vs 5.2; per drafted token it was
+4.0 and 7.1). Profiles saved with the older `draft_tokens` feature still price with it.
 `padded(tokens)` rounds the token count up to `tile` (1 on CPUs; e.g. 64 on GPUs, whose
 matrix instructions pad the token dimension, so cost rises in steps). Latencies no span
 shows directly complete the profile: launch latency, wake-up after a sync, the device's idle
@@ -25,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-FEATURES = ("const", "tokens", "requests", "kv_tokens", "draft_tokens")
+FEATURES = ("const", "tokens", "requests", "kv_tokens", "draft_steps", "draft_forwards", "draft_tokens")
+DRAFT_FEATURES = ("const", "draft_steps", "draft_forwards", "kv_tokens")  # fitted for the draft op
 HOST_STAGES = ("schedule", "kv_alloc", "plan", "launch", "output")
 
 
@@ -57,9 +66,21 @@ class StageModel:
             tok = math.ceil(tok / tile) * tile
         req = attrs.get("requests", 0)
         total = c[0] + c[1] * tok + c[2] * req + c[3] * attrs.get("kv_tokens", 0)
-        if c[4]:
-            total += c[4] * attrs.get("draft_tokens", req * attrs.get("num_draft", 0))
+        if c[4] or c[5] or c[6]:
+            steps, forwards, drafted = draft_counts(attrs)
+            total += c[4] * steps + c[5] * forwards + c[6] * drafted
         return total if total > 0.0 else 0.0
+
+
+def draft_counts(attrs: dict) -> tuple[int, int, int]:
+    """(draft_steps, draft_forwards, draft_tokens) of a draft launch from its attributes;
+    traces from before these were recorded fall back to num_draft (the longest row's count),
+    requests and draft_tokens."""
+    req = attrs.get("requests", 0)
+    nd = attrs.get("num_draft", 0)
+    drafted = attrs.get("draft_tokens", req * nd)
+    forwards = attrs.get("draft_forwards", max(drafted - req, 0))
+    return max(nd - 1, 0), forwards, drafted
 
 
 @dataclass
@@ -100,10 +121,10 @@ class CostProfile:
         tok = float(attrs.get("tokens", 0))
         if padded and self.tile > 1:
             tok = float(np.ceil(tok / self.tile) * self.tile)
-        req = float(attrs.get("requests", 0))
-        return {"const": 1.0, "tokens": tok, "requests": req,
-                "kv_tokens": float(attrs.get("kv_tokens", 0)),
-                "draft_tokens": float(attrs.get("draft_tokens", req * attrs.get("num_draft", 0)))}
+        steps, forwards, drafted = draft_counts(attrs)
+        return {"const": 1.0, "tokens": tok, "requests": float(attrs.get("requests", 0)),
+                "kv_tokens": float(attrs.get("kv_tokens", 0)), "draft_steps": float(steps),
+                "draft_forwards": float(forwards), "draft_tokens": float(drafted)}
 
     # A replay may run an op the captured trace never had (plain decoding replayed from a
     # speculative trace): a target forward over N tokens costs the same whichever op it is.

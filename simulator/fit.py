@@ -17,7 +17,7 @@ import bisect
 
 import numpy as np
 
-from simulator.costs import FEATURES, HOST_STAGES, CostProfile, StageModel, host_key
+from simulator.costs import DRAFT_FEATURES, FEATURES, HOST_STAGES, CostProfile, StageModel, host_key
 
 
 def fit_stage(rows: list[dict], durations: list[float], features: tuple[str, ...]) -> StageModel:
@@ -67,7 +67,7 @@ def choose_tile(dev_rows: dict[str, list[tuple[dict, float]]], min_gain: float =
                 continue
             feats = [probe.features(a) for a, _ in rows]
             ys = np.array([d for _, d in rows], dtype=np.float64)
-            m = fit_stage(feats, list(ys), FEATURES if name == "draft" else FEATURES[:4])
+            m = fit_stage(feats, list(ys), DRAFT_FEATURES if name == "draft" else FEATURES[:4])
             pred = np.array([m.predict(f) for f in feats])
             total += float((np.abs(ys - pred) / np.maximum(ys, 1.0)).sum())
         err[t] = total
@@ -196,7 +196,7 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
         client_lat += _client_latencies(tr)
     prof.tile = choose_tile(dev_rows) if tile == "auto" else tile
     for name, rows in dev_rows.items():
-        feats = FEATURES if name == "draft" else FEATURES[:4]
+        feats = DRAFT_FEATURES if name == "draft" else FEATURES[:4]
         prof.device[name] = fit_stage([prof.features(a) for a, _ in rows], [d for _, d in rows], feats)
     for name, rows in all_rows.items():
         if name not in host_rows:

@@ -42,6 +42,6 @@ def analytic_profile(target_forward_ns: float, draft_ratio: float) -> CostProfil
     for op in ("prefill", "decode", "mixed", "verify"):
         prof.device[op] = _const(t)
     prof.device["accept"] = _const(0)
-    prof.device["draft"] = StageModel({"const": -c * t, "draft_tokens": c * t}, 0.0, 0, c * t)
+    prof.device["draft"] = StageModel({"draft_forwards": c * t}, 0.0, 0, c * t)
     prof.device["draft_fill"] = _const(c * t)
     return prof

@@ -19,6 +19,8 @@ TINY = {
                               "--rounds", "2", "--pairs", "draft:sync:overlap:2",
                               "--speed-concurrency", "2"],
     "hf_compare.py": ["--num-requests", "1", "--max-tokens", "4", "--draft-len", "2"],
+    "tune_accuracy.py": ["--num-requests", "2", "--max-tokens", "6", "--concurrency", "2", "--rounds", "1",
+                         "--capture-len", "2", "--draft-lens", "1", "2"],
     "schedules.py": ["--num-requests", "1", "--max-tokens", "3", "--sections", "1"],
 }
 

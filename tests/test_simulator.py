@@ -126,21 +126,30 @@ def test_cost_fit_recovers_a_linear_model_and_roundtrips(tmp_path):
         CostProfile.load(tmp_path / "bad.json")
 
 
-def test_draft_cost_follows_the_tokens_really_drafted():
-    """Rows stop drafting at their own count (near max_tokens), so a draft launch is priced
-    by its total drafted tokens, not requests x the longest row."""
+def test_draft_cost_follows_the_proposer_forwards_really_run():
+    """A draft launch samples each row's first token from carried logits and runs one proposer
+    forward per further token, and rows stop drafting at their own count (near max_tokens):
+    it is priced by its forward passes and row-forwards, which is what lets a trace captured
+    at one draft length price another."""
     tr = workload_trace(2, 16, 30, draft_len=4, concurrency=2, interarrival_ns=3_000_000)
     _, sim = replay(tr, analytic_profile(5_000_000, 0.1), ReplayConfig(acceptance="bernoulli:0.6"))
-    drafted = {s.step: sum(s.num_drafted) for s in sim.steps if s.kind == "spec"}
+    drafted = {s.step: s.num_drafted for s in sim.steps if s.kind == "spec"}
     spans = [s for s in sim.spans if s.name == "draft"]
-    assert spans and all(s.attrs["draft_tokens"] == drafted[s.step] for s in spans)
+    assert spans and all(s.attrs["draft_tokens"] == sum(drafted[s.step]) for s in spans)
+    assert all(s.attrs["draft_forwards"] == sum(max(n - 1, 0) for n in drafted[s.step]) for s in spans)
     assert any(s.attrs["draft_tokens"] < s.attrs["requests"] * s.attrs["num_draft"] for s in spans)
     prof = CostProfile()
-    prof.device["draft"] = StageModel({"const": 1e6, "draft_tokens": 1e6}, 0.0, 0, 0.0)
-    assert prof.device_ns("draft", {"requests": 2, "num_draft": 4, "draft_tokens": 5}) == 6e6
-    assert prof.device_ns("draft", {"requests": 2, "num_draft": 4}) == 9e6  # older traces
-    for attrs in ({"requests": 2, "num_draft": 4, "draft_tokens": 5}, {"requests": 2, "num_draft": 4}):
-        assert prof.device["draft"].predict(prof.features(attrs)) == prof.device_ns("draft", attrs)
+    prof.device["draft"] = StageModel({"const": 1e6, "draft_steps": 2e6, "draft_forwards": 1e6}, 0.0, 0, 0.0)
+    # two rows drafting 4 and 2: 3 forward passes, 3 + 1 row-forwards
+    attrs = {"requests": 2, "num_draft": 4, "draft_tokens": 6, "draft_forwards": 4}
+    assert prof.device_ns("draft", attrs) == 1e6 + 3 * 2e6 + 4 * 1e6
+    assert prof.device_ns("draft", {"requests": 2, "num_draft": 1, "draft_tokens": 2, "draft_forwards": 0}) == 1e6
+    assert prof.device_ns("draft", {"requests": 2, "num_draft": 4}) == 1e6 + 3 * 2e6 + 6 * 1e6  # older traces
+    for a in (attrs, {"requests": 2, "num_draft": 4}):
+        assert prof.device["draft"].predict(prof.features(a)) == prof.device_ns("draft", a)
+    legacy = CostProfile()  # a profile saved with the per-drafted-token feature
+    legacy.device["draft"] = StageModel({"const": 1e6, "draft_tokens": 1e6}, 0.0, 0, 0.0)
+    assert legacy.device_ns("draft", attrs) == 7e6
 
 
 def test_host_stages_are_busy_time_so_a_request_submitted_meanwhile_waits_a_step():
