@@ -17,15 +17,12 @@ def _replay_config(schedule, spec, draft_len, acceptance, rate_scale, concurrenc
                         rate_scale=rate_scale, concurrency=concurrency, seed=seed, engine_overrides=engine or {})
 
 
-def _engine_settings(items: list[str]) -> dict:
-    """['num_pages=64', ...] -> {'num_pages': 64}; ReplayConfig checks names and values."""
-    out = {}
-    for item in items:
-        k, eq, v = item.partition("=")
-        if not eq or not v.strip().lstrip("-").isdigit():
-            _fail(f"--set takes KEY=INTEGER (e.g. num_pages=64), got {item!r}")
-        out[k.strip()] = int(v)
-    return out
+def _engine_setting(item: str) -> tuple[str, int]:
+    """'num_pages=64' -> ('num_pages', 64); ReplayConfig checks names and values."""
+    k, eq, v = item.partition("=")
+    if not eq or not v.strip().lstrip("-").isdigit():
+        _fail(f"--set takes KEY=INTEGER (e.g. num_pages=64), got {item!r}")
+    return k.strip(), int(v)
 
 
 def _profile(trace_obj, profile_path: Optional[Path]):
@@ -67,7 +64,7 @@ def replay_cmd(
                       + f"; capture a trace with {spec!r} (or pass --profile) for its own")
     try:
         m, sim = replay(tr, _profile(tr, profile), _replay_config(schedule, spec, draft_len, acceptance, rate_scale,
-                                                                  concurrency, engine=_engine_settings(settings)))
+                                                                  concurrency, engine=dict(map(_engine_setting, settings))))
     except (ValueError, KeyError) as e:
         _fail(str(e))
     if trace_out:
@@ -143,17 +140,17 @@ def ab(
     def parse(text: str) -> ReplayConfig:
         from simulator.replay import ENGINE_KNOBS
 
-        kw, engine = {}, []
+        kw, engine = {}, {}
         for part in filter(None, text.split(",")):
             k, _, v = part.partition("=")
             k = {"spec": "proposer", "draft-len": "draft_len"}.get(k.strip(), k.strip())
             if k in ENGINE_KNOBS:
-                engine.append(f"{k}={v}")
+                engine.update([_engine_setting(part)])
                 continue
             if k not in ("schedule", "proposer", "draft_len", "acceptance", "rate_scale", "concurrency"):
                 _fail(f"unknown A/B field {k!r}")
             kw[k] = int(v) if k in ("draft_len", "concurrency") else float(v) if k == "rate_scale" else v
-        return ReplayConfig(**kw, engine_overrides=_engine_settings(engine))
+        return ReplayConfig(**kw, engine_overrides=engine)
 
     from rich.progress import Progress
 

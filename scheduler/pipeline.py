@@ -22,28 +22,18 @@ Schedules:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 import numpy as np
 
 from scheduler import messages
 from scheduler.batch_builder import BatchBuilder, StepBatch
-from scheduler.protocols import Clock, Device, DeviceError
+from scheduler.protocols import Clock, Device, DeviceError, OutputSink
 from scheduler.proposer import ProposerSpec, validate_combination
 from scheduler.request import Request, RequestState
 from scheduler.step_trace import Launch, StepTrace, batch_attrs, fill_attrs
 from traces.hook import NULL_TRACER
-
-
-class OutputSink(Protocol):
-    """Host-side output handling (detokenizing, streaming, stop strings)."""
-
-    def on_tokens(self, req: Request, token_ids: list[int]) -> tuple[int, str | None]:
-        """New tokens for `req`. Return (how many of them to keep, finish reason or None)."""
-        ...
-
-    def on_finish(self, req: Request) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -171,7 +161,7 @@ class Pipeline:
     def _host(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
         """End of a host stage: charge its modelled cost (simulator), then record its span."""
         self._charge(name, attrs)
-        self.tracer.span("host", name, step, start_ns, self._now(), **attrs)
+        self._span(name, step, start_ns, **attrs)
 
     def _span(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
         self.tracer.span("host", name, step, start_ns, self._now(), **attrs)

@@ -9,7 +9,10 @@ broadcast to every rank unchanged).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from scheduler.request import Request
 
 # A packed batch: names to numpy arrays / Python scalars / short lists. Must be picklable.
 Batch = Mapping[str, Any]
@@ -102,3 +105,13 @@ class Worker(Protocol):
     """
 
     def execute(self, op: str, batch: Batch) -> Any: ...
+
+
+class OutputSink(Protocol):
+    """Host-side output handling (detokenizing, streaming, stop strings)."""
+
+    def on_tokens(self, req: "Request", token_ids: list[int]) -> tuple[int, str | None]:
+        """New tokens for `req`. Return (how many of them to keep, finish reason or None)."""
+        ...
+
+    def on_finish(self, req: "Request") -> None: ...

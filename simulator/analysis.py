@@ -229,8 +229,7 @@ def _tune_one(trace, profile: CostProfile, draft_lens: list[int], concurrencies:
             tv = profile.device_ns(verify_name, base | {"tokens": c * (1 + d)})
             td = 0.0
             if "draft" in profile.device:
-                td += profile.device_ns("draft", base | {"tokens": c * d, "num_draft": d, "draft_tokens": c * d,
-                                                             "draft_forwards": c * (d - 1)})
+                td += profile.device_ns("draft", base | {"tokens": c * d, "num_draft": d})  # every row drafts d
             if "draft_fill" in profile.device:
                 # an MTP head's fill covers the whole verify batch; a draft model's (and a
                 # tree head's), the accepted path plus the bonus token: AL per row on average

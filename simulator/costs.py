@@ -35,7 +35,13 @@ import numpy as np
 
 FEATURES = ("const", "tokens", "requests", "kv_tokens", "draft_steps", "draft_forwards", "draft_tokens")
 DRAFT_FEATURES = ("const", "draft_steps", "draft_forwards", "kv_tokens")  # fitted for the draft op
+SHAPE_FEATURES = FEATURES[:4]  # every other device op and host stage
 HOST_STAGES = ("schedule", "kv_alloc", "plan", "launch", "output")
+
+
+def device_features(op: str) -> tuple[str, ...]:
+    """The features a device op's model is fitted on."""
+    return DRAFT_FEATURES if op == "draft" else SHAPE_FEATURES
 
 
 @dataclass

@@ -44,7 +44,7 @@ class VirtualEvent:
 
     async def wait(self) -> Any:
         clock = self._device.clock
-        delay = self.end_ns + self._device.wakeup_ns(self.op) - clock.now_ns()
+        delay = self.end_ns + int(self._device.profile.wakeup_for(self.op)) - clock.now_ns()
         if delay > 0:
             await clock.sleep_ns(delay)
         return self._outcome()
@@ -64,7 +64,7 @@ class VirtualStream:
 
     def launch(self, op: str, batch: dict) -> VirtualEvent:
         dev = self.device
-        ready = dev.clock.now_ns() + dev.launch_lead_ns(op)
+        ready = dev.clock.now_ns() + int(dev.profile.launch_lead_for(op))
         attrs = batch.get("attrs", {})
         name = device_span_name(op, attrs)
         queue_free = dev.busy_until_ns if dev.profile.serialize_streams else self.busy_until_ns
@@ -104,26 +104,10 @@ class VirtualDevice:
         self.profile = profile
         self.responder = responder
         self.clock = clock if clock is not None else VirtualClock()
-        self._wakeup: dict[str, int] = {}
-        self._launch_lead: dict[str, int] = {}
         self.name = name
         self.busy_until_ns = 0
         self.num_launches = 0
         self._streams: dict[str, VirtualStream] = {}
-
-    def wakeup_ns(self, op: str) -> int:
-        """Device end -> the waiting host running again, for a launch of `op`."""
-        ns = self._wakeup.get(op)
-        if ns is None:
-            ns = self._wakeup[op] = int(self.profile.wakeup_for(op))
-        return ns
-
-    def launch_lead_ns(self, op: str) -> int:
-        """Host launch start -> device start, for `op` launched onto an idle device."""
-        ns = self._launch_lead.get(op)
-        if ns is None:
-            ns = self._launch_lead[op] = int(self.profile.launch_lead_for(op))
-        return ns
 
     def stream(self, name: str) -> VirtualStream:
         if name not in self._streams:

@@ -17,7 +17,7 @@ import bisect
 
 import numpy as np
 
-from simulator.costs import DRAFT_FEATURES, FEATURES, HOST_STAGES, CostProfile, StageModel, host_key
+from simulator.costs import HOST_STAGES, SHAPE_FEATURES, CostProfile, StageModel, device_features, host_key
 
 
 def fit_stage(rows: list[dict], durations: list[float], features: tuple[str, ...]) -> StageModel:
@@ -67,7 +67,7 @@ def choose_tile(dev_rows: dict[str, list[tuple[dict, float]]], min_gain: float =
                 continue
             feats = [probe.features(a) for a, _ in rows]
             ys = np.array([d for _, d in rows], dtype=np.float64)
-            m = fit_stage(feats, list(ys), DRAFT_FEATURES if name == "draft" else FEATURES[:4])
+            m = fit_stage(feats, list(ys), device_features(name))
             pred = np.array([m.predict(f) for f in feats])
             total += float((np.abs(ys - pred) / np.maximum(ys, 1.0)).sum())
         err[t] = total
@@ -196,15 +196,15 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
         client_lat += _client_latencies(tr)
     prof.tile = choose_tile(dev_rows) if tile == "auto" else tile
     for name, rows in dev_rows.items():
-        feats = DRAFT_FEATURES if name == "draft" else FEATURES[:4]
-        prof.device[name] = fit_stage([prof.features(a) for a, _ in rows], [d for _, d in rows], feats)
+        prof.device[name] = fit_stage([prof.features(a) for a, _ in rows], [d for _, d in rows],
+                                      device_features(name))
     for name, rows in all_rows.items():
         if name not in host_rows:
             host_rows[name] = rows  # e.g. `launch`: every span has an op; this prices new ops
     for name, rows in host_rows.items():
         if ":" in name and len(rows) < 3:
             continue  # too few for a model of its own: the stage's model prices it
-        prof.host[name] = fit_stage([r for r, _ in rows], [d for _, d in rows], FEATURES[:4])
+        prof.host[name] = fit_stage([r for r, _ in rows], [d for _, d in rows], SHAPE_FEATURES)
     prof.launch_lead_ns = max(0.0, float(np.mean([v for _, v in launch_lead]))) if launch_lead else 0.0
     prof.wakeup_ns = float(np.mean([v for _, v in wakeups])) if wakeups else 0.0
     prof.launch_leads = {k: max(0.0, m) for k, m in _means_by_key(launch_lead).items()}

@@ -14,8 +14,8 @@ import anyio
 import numpy as np
 
 from scheduler.batch_builder import BatchBuilder, SchedulerConfig
-from scheduler.errors import InvalidRequestError
 from scheduler.block_manager import BlockManager
+from scheduler.errors import InvalidRequestError
 from scheduler.pipeline import Pipeline, PipelineConfig
 from scheduler.proposer import ProposerSpec, default_tree, validate_combination
 from scheduler.request import Request
@@ -161,9 +161,9 @@ def resolve(trace: Trace, cfg: ReplayConfig) -> tuple[str, str, int, dict]:
     return proposer, schedule, draft_len, engine
 
 
-async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, items: list[WorkloadItem],
-                  acceptance: AcceptanceModel) -> Trace:
-    proposer, schedule, draft_len, engine = resolve(trace, cfg)
+async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolved: tuple[str, str, int, dict],
+                  items: list[WorkloadItem], acceptance: AcceptanceModel) -> Trace:
+    proposer, schedule, draft_len, engine = resolved
     tree = default_tree(draft_len, engine.get("tree_top_k", 2), engine.get("tree_max_nodes", 8)) if proposer == "eagle" else ()
     spec = ProposerSpec(proposer, draft_len if proposer != "none" else 0, tree)
     page_size = int(engine.get("page_size", 16))
@@ -221,7 +221,8 @@ def replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig | None = None) 
     """Replay `trace` under `cfg`; returns (metrics with the bench keys, simulated trace)."""
     cfg = cfg or ReplayConfig()
     items = workload_from_trace(trace)
-    proposer, _, draft_len, _ = resolve(trace, cfg)
+    resolved = resolve(trace, cfg)
+    proposer, _, draft_len, _ = resolved
     same = proposer == trace.header.proposer and draft_len == trace.header.draft_len
     acceptance = AcceptanceModel.parse(cfg.acceptance, trace, seed=cfg.seed, captured_config=same)
     # The cyclic garbage collector is paused for the run: a replay allocates many short-lived
@@ -230,7 +231,7 @@ def replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig | None = None) 
     paused = gc.isenabled()
     gc.disable()
     try:
-        sim = run_virtual(lambda: _replay(trace, profile, cfg, items, acceptance))
+        sim = run_virtual(lambda: _replay(trace, profile, cfg, resolved, items, acceptance))
     except BaseExceptionGroup as eg:  # a request the configuration cannot serve (pool too small)
         bad = eg.subgroup(InvalidRequestError)
         if bad is None:
