@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from functools import cached_property
 
 from scheduler.block_manager import BlockManager
 from scheduler.errors import InvalidRequestError
@@ -62,21 +61,21 @@ class StepBatch:
     seqs: list[ScheduledSeq]
     preempted: list[Request] = field(default_factory=list)
 
-    # A batch's rows and draft counts are fixed once `schedule` returns it, so its kind is
-    # computed once (the pipeline asks several times per step).
-    @cached_property
-    def is_spec(self) -> bool:
-        return any(s.num_draft > 0 for s in self.seqs)
+    # A batch's rows and draft counts are fixed once `schedule` returns it, so whether it
+    # speculates and its kind are computed once, there (the pipeline asks several times per
+    # step; a plain attribute, as functools.cached_property takes a lock on Python 3.11).
+    is_spec: bool = field(init=False)
+    kind: str = field(init=False)  # spec / decode / prefill / mixed, as scheduled
 
-    @cached_property
-    def kind(self) -> str:
-        """One of spec / decode / prefill / mixed, as scheduled (stable after bookkeeping)."""
-        prefill = [s for s in self.seqs if s.prefill]
+    def __post_init__(self) -> None:
+        self.is_spec = any(s.num_draft > 0 for s in self.seqs)
+        num_prefill = sum(1 for s in self.seqs if s.prefill)
         if self.is_spec:
-            return "spec"
-        if not prefill:
-            return "decode"
-        return "prefill" if len(prefill) == len(self.seqs) else "mixed"
+            self.kind = "spec"
+        elif not num_prefill:
+            self.kind = "decode"
+        else:
+            self.kind = "prefill" if num_prefill == len(self.seqs) else "mixed"
 
     @property
     def num_tokens(self) -> int:
@@ -120,12 +119,11 @@ class BatchBuilder:
 
     def remove(self, request: Request) -> None:
         """Take a finished/aborted request out of the queues and free its pages."""
+        # membership first: a failed deque.remove formats the request's repr into its error
         if request in self.running:
             self.running.remove(request)
-        try:
+        if request in self.waiting:
             self.waiting.remove(request)
-        except ValueError:
-            pass
         self.blocks.free(request.request_id)
 
     @property

@@ -14,6 +14,8 @@ Ops and their messages (all arrays are per scheduled sequence, B rows):
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 import numpy as np
 
 from scheduler.batch_builder import StepBatch
@@ -28,12 +30,16 @@ def _params(req: Request) -> dict:
     return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "seed": p.seed}
 
 
-def _shape_only(qo_lens, kv_lens) -> dict:
-    """What a device that needs no attention metadata (the simulator's) gets instead of a plan."""
-    qo = np.asarray(qo_lens, dtype=np.int64)
-    indptr = np.zeros(len(qo) + 1, dtype=np.int64)
-    np.cumsum(qo, out=indptr[1:])
-    return {"qo_indptr": indptr, "kv_lens": np.asarray(kv_lens, dtype=np.int64)}
+def _shape_only(qo_lens: list[int], kv_lens: list[int]) -> dict:
+    """What a device that needs no attention metadata (the simulator's) gets instead of a
+    plan: the plan's two shape fields as Python lists (a handful of rows: numpy's per-call
+    cost would exceed the work; nothing reads them as arrays)."""
+    return {"qo_indptr": [0, *accumulate(qo_lens)], "kv_lens": list(kv_lens)}
+
+
+def shape(qo_lens: list[int], kv_lens: list[int]) -> dict:
+    """A launch's shape for traces and cost models: rows, tokens computed, KV tokens."""
+    return {"requests": len(qo_lens), "tokens": sum(qo_lens), "kv_tokens": sum(kv_lens)}
 
 
 def registrations(batch: StepBatch) -> list[tuple[int, list[int], dict]]:
@@ -47,14 +53,16 @@ def registrations(batch: StepBatch) -> list[tuple[int, list[int], dict]]:
 
 def forward_message(batch: StepBatch, blocks: BlockManager, with_plan: bool = True) -> dict:
     reqs = [s.request for s in batch.seqs]
-    start = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
-    num_new = np.array([s.num_new_tokens for s in batch.seqs], dtype=np.int64)
+    start_l = [r.num_computed_tokens for r in reqs]
+    new_l = [s.num_new_tokens for s in batch.seqs]
+    start = np.array(start_l, dtype=np.int64)
+    num_new = np.array(new_l, dtype=np.int64)
     plan = build_plan(
         num_new,
         start + num_new,
         [blocks.page_table(r.request_id) for r in reqs],
         blocks.page_size,
-    ).to_message() if with_plan else _shape_only(num_new, start + num_new)
+    ).to_message() if with_plan else _shape_only(new_l, [a + n for a, n in zip(start_l, new_l)])
     return {
         "step": batch.step,
         "slots": np.array([r.slot for r in reqs], dtype=np.int64),
@@ -70,10 +78,11 @@ def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec, w
     """Target over [last token, candidates]: W = 1 + num_candidates tokens per row."""
     reqs = [s.request for s in batch.seqs]
     width = 1 + spec.num_candidates
-    start = np.array([r.num_computed_tokens for r in reqs], dtype=np.int64)
+    start_l = [r.num_computed_tokens for r in reqs]
+    start = np.array(start_l, dtype=np.int64)
     positions = masks = None
     if not with_plan:
-        plan_msg = _shape_only(np.full(len(reqs), width), start + width)
+        plan_msg = _shape_only([width] * len(reqs), [a + width for a in start_l])
     elif spec.kind == "eagle":
         depths = np.concatenate([[0], spec.tree_depths()])
         positions = [s + depths for s in start]
@@ -122,8 +131,8 @@ def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec) ->
 def fill_message(
     step: int,
     reqs: list[Request],
-    starts: np.ndarray,
-    ends: np.ndarray,
+    starts: list[int],
+    ends: list[int],
     blocks: BlockManager,
     spec: ProposerSpec,
     *,
@@ -136,20 +145,20 @@ def fill_message(
     so its rows and positions equal the target batch's; a draft model only needs tokens.
     """
     assert spec.kv_model is not None
-    starts = np.asarray(starts, dtype=np.int64)
-    ends = np.asarray(ends, dtype=np.int64)
+    lens = [b - a for a, b in zip(starts, ends)]
     plan = build_plan(
-        ends - starts,
-        ends,
+        np.array(lens, dtype=np.int64),
+        np.array(ends, dtype=np.int64),
         [blocks.page_table(r.request_id, spec.kv_model) for r in reqs],
         blocks.page_size,
-    ).to_message() if with_plan else _shape_only(ends - starts, ends)
+    ).to_message() if with_plan else _shape_only(lens, ends)
     return {
         "step": step,
         "after": after,
         "slots": np.array([r.slot for r in reqs], dtype=np.int64),
-        "start": starts,
+        "start": np.array(starts, dtype=np.int64),
         "plan": plan,
+        "shape": shape(lens, ends),  # the fill launch's attributes (traces, cost models)
     }
 
 
@@ -172,11 +181,10 @@ def prefill_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerS
             ends.append(b)
     if not reqs:
         return None
-    return fill_message(batch.step, reqs, np.array(starts), np.array(ends), blocks, spec,
-                        after="forward", with_plan=with_plan)
+    return fill_message(batch.step, reqs, starts, ends, blocks, spec, after="forward", with_plan=with_plan)
 
 
-def accept_fill_message(batch: StepBatch, starts_before: list[int], accepted: np.ndarray,
+def accept_fill_message(batch: StepBatch, starts_before: list[int], accepted: list[int],
                         blocks: BlockManager, spec: ProposerSpec, with_plan: bool = True) -> dict:
     """The proposer's fill after a verification whose accepted lengths the host now knows.
     `starts_before[i]` is row i's token count before the step. Positions the proposer
@@ -184,15 +192,11 @@ def accept_fill_message(batch: StepBatch, starts_before: list[int], accepted: np
     rest of the accepted tokens (and, for a draft model, the bonus token)."""
     reqs = [s.request for s in batch.seqs]
     starts, ends = [], []
-    for i, r in enumerate(reqs):
-        L = starts_before[i]
-        a = int(accepted[i])
-        valid = r.num_proposer_computed + min(a, max(int(batch.seqs[i].num_draft) - 1, 0))
-        if spec.kind == "eagle":
-            valid = L - 1
+    bonus = 1 if spec.kind == "draft" else 0
+    for r, s, L, a in zip(reqs, batch.seqs, starts_before, accepted):
+        valid = L - 1 if spec.kind == "eagle" else r.num_proposer_computed + min(a, max(s.num_draft - 1, 0))
         starts.append(min(valid, L + a))
-        ends.append(L + a + (1 if spec.kind == "draft" else 0))
-    msg = fill_message(batch.step, reqs, np.array(starts), np.array(ends), blocks, spec,
-                       after="verify", with_plan=with_plan)
-    msg["accepted"] = accepted
+        ends.append(L + a + bonus)
+    msg = fill_message(batch.step, reqs, starts, ends, blocks, spec, after="verify", with_plan=with_plan)
+    msg["accepted"] = np.array(accepted, dtype=np.int64)
     return msg

@@ -25,15 +25,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import numpy as np
 
 from scheduler import messages
 from scheduler.batch_builder import BatchBuilder, StepBatch
 from scheduler.protocols import Clock, Device, DeviceError, OutputSink
 from scheduler.proposer import ProposerSpec, validate_combination
 from scheduler.request import Request, RequestState
-from scheduler.step_trace import Launch, StepTrace, batch_attrs, fill_attrs
+from scheduler.step_trace import Launch, StepTrace, batch_attrs
 from traces.hook import NULL_TRACER
+
+
+def _ints(values: Any) -> list[int]:
+    """Per-row counts from a device result (a numpy array from a worker, a list from the
+    simulator) as Python ints: the bookkeeping indexes them once per row."""
+    return values.tolist() if hasattr(values, "tolist") else [int(v) for v in values]
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,8 @@ class Pipeline:
         self.blocks = builder.blocks
         self.clock = clock
         self.sink = sink
+        # the clock's reading, bound once (the pipeline reads it ~40 times a step)
+        self._now = clock.now_ns
         self.trace = StepTrace(tracer if tracer is not None else NULL_TRACER, self._now)
         self.eos = set(eos_token_ids)
         # a device that only models time (the simulator's) needs no attention metadata
@@ -148,9 +155,6 @@ class Pipeline:
     def _attrs(self, batch: StepBatch) -> dict:
         return batch_attrs(batch, 1 + self.spec.num_candidates)
 
-    def _now(self) -> int:
-        return self.clock.now_ns()
-
     def _charge(self, name: str, attrs: dict) -> None:
         """Simulator: a host stage's modelled cost passes as busy time -- the virtual clock
         advances and no other task runs meanwhile, as during a CPU stage on the real event
@@ -161,10 +165,10 @@ class Pipeline:
     def _host(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
         """End of a host stage: charge its modelled cost (simulator), then record its span."""
         self._charge(name, attrs)
-        self._span(name, step, start_ns, **attrs)
+        self.trace.tracer.span("host", name, step, start_ns, self._now(), **attrs)
 
     def _span(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
-        self.tracer.span("host", name, step, start_ns, self._now(), **attrs)
+        self.trace.tracer.span("host", name, step, start_ns, self._now(), **attrs)
 
     def _launch(self, stream: Any, op: str, msg: dict, step: int, **attrs: Any) -> Launch:
         if self._release:
@@ -176,7 +180,7 @@ class Pipeline:
         # simulator: the host's launch work is charged after the virtual device took the
         # launch, whose lead (launch start -> device start) covers the packing already
         self._charge("launch:" + op, attrs)
-        if self.tracer.enabled:
+        if self.trace.tracer.enabled:
             self.trace.launched(launch, t0)
         return launch
 
@@ -259,7 +263,7 @@ class Pipeline:
             fill_msg = messages.prefill_fill_message(batch, self.blocks, spec, self.with_plan)
         self._host("plan", batch.step, t0, **shape)
         launch = self._launch(self.main, "forward", msg, batch.step, kind=batch.kind, **shape)
-        launch.attrs["t_step"] = t_step
+        launch.t_step = t_step
         for s in batch.seqs:
             r = s.request
             samples = s.samples
@@ -274,7 +278,7 @@ class Pipeline:
         if fill_msg is not None:
             self.aux.wait_event(launch.event)
             s_fill = self._launch(self.aux, "fill", fill_msg, batch.step, after="forward",
-                                  **fill_attrs(fill_msg))
+                                  **fill_msg["shape"])
         if self.config.schedule == "plain_overlap":
             prev, self._inflight = self._inflight, (batch, launch)
             if prev is not None:
@@ -310,7 +314,7 @@ class Pipeline:
             else:
                 out_counts.append(0)
         self._host("output", batch.step, t0, **self._attrs(batch), emitted=sum(out_counts))
-        self.trace.step_done(batch, launch.attrs.get("t_step", t0), out_counts, [0] * len(batch), [0] * len(batch))
+        self.trace.step_done(batch, launch.t_step if launch.t_step is not None else t0, out_counts, [0] * len(batch), [0] * len(batch))
 
     # -- speculative steps --------------------------------------------------------------------
     async def _spec_step(self, batch: StepBatch, t_step: int, shape: dict) -> None:
@@ -321,15 +325,16 @@ class Pipeline:
         fmsg = None
         if spec.fill_same_batch:
             reqs = [s.request for s in batch.seqs]
-            start = vmsg["start"]
-            fmsg = messages.fill_message(batch.step, reqs, start, start + 1 + spec.num_candidates,
+            width = 1 + spec.num_candidates
+            start = [r.num_computed_tokens for r in reqs]
+            fmsg = messages.fill_message(batch.step, reqs, start, [a + width for a in start],
                                          self.blocks, spec, after="verify", with_plan=self.with_plan)
         self._host("plan", batch.step, t0, **shape)
         # rows stop drafting at their own count; the first token of each comes from logits
         # the fill computed, every further one is a proposer forward (what the cost follows)
-        nd = dmsg["num_draft"]
-        d_launch = self._launch(self.aux, "draft", dmsg, batch.step, **shape, num_draft=int(nd.max()),
-                                draft_tokens=int(nd.sum()), draft_forwards=int(np.maximum(nd - 1, 0).sum()))
+        nd = [s.num_draft for s in batch.seqs]
+        d_launch = self._launch(self.aux, "draft", dmsg, batch.step, **shape, num_draft=max(nd),
+                                draft_tokens=sum(nd), draft_forwards=sum(d - 1 for d in nd if d > 1))
         self._pending_fill = None  # the draft queues behind any pending fill on its stream
         if sched == "sync":
             try:
@@ -343,41 +348,39 @@ class Pipeline:
         if fmsg is not None and sched == "mtp":
             self.aux.wait_event(v_launch.event)
             f_launch = self._launch(self.aux, "fill", fmsg, batch.step, after="verify",
-                                    **fill_attrs(fmsg))
+                                    **fmsg["shape"])
         try:
             result = await self._sync(v_launch)
         except DeviceError as e:
             self._fail_batch(batch, e)
             return
-        accepted = np.asarray(result["accepted"])
+        accepted = _ints(result["accepted"])
         emitted = result["tokens"]
-        num_drafts = np.asarray(result.get("num_drafts", [s.num_draft for s in batch.seqs]))
+        num_drafts = _ints(result["num_drafts"]) if "num_drafts" in result else nd
         starts_before = [s.request.num_tokens for s in batch.seqs]
         # host bookkeeping of the accepted lengths, then the proposer's fill
-        for i, s in enumerate(batch.seqs):
-            r = s.request
-            r.num_computed_tokens += 1 + int(accepted[i])
+        for s, a in zip(batch.seqs, accepted):
+            s.request.num_computed_tokens += 1 + a
         if spec.kv_model is not None and f_launch is None:
             t0 = self._now()
             fm = fmsg if spec.fill_same_batch else messages.accept_fill_message(
                 batch, starts_before, accepted, self.blocks, spec, self.with_plan)
-            self._host("plan", batch.step, t0, kind="fill", **fill_attrs(fm))
+            self._host("plan", batch.step, t0, kind="fill", **fm["shape"])
             self.aux.wait_event(v_launch.event)
             f_launch = self._launch(self.aux, "fill", fm, batch.step, after="verify",
-                                    **fill_attrs(fm))
+                                    **fm["shape"])
         t0 = self._now()
         out_counts = []
         for i, s in enumerate(batch.seqs):
             r = s.request
-            r.record_spec(int(num_drafts[i]), int(accepted[i]))
-            L = starts_before[i]
+            r.record_spec(num_drafts[i], accepted[i])
             # draft model: every emitted token after its fill; heads: up to the new last token
-            r.num_proposer_computed = L + int(accepted[i]) + (1 if spec.kind == "draft" else 0)
+            r.num_proposer_computed = starts_before[i] + accepted[i] + (1 if spec.kind == "draft" else 0)
             out_counts.append(self._emit(r, [int(t) for t in emitted[i]]))
             if not r.is_finished:
                 self.blocks.trim(r.request_id, "target", r.num_tokens)
         self._host("output", batch.step, t0, **self._attrs(batch), emitted=sum(out_counts))
-        self.trace.step_done(batch, t_step, out_counts, [int(x) for x in num_drafts], [int(x) for x in accepted])
+        self.trace.step_done(batch, t_step, out_counts, num_drafts, accepted)
         if f_launch is not None:
             if sched == "sync":
                 await self._await_fill(f_launch, batch)

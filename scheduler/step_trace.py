@@ -20,7 +20,8 @@ class Launch:
     event: Event
     step: int
     op: str
-    attrs: dict
+    attrs: dict  # the launch's shape: its spans' attributes
+    t_step: int | None = None  # plain_overlap: the step's start, for its step record
 
 
 def batch_attrs(batch: StepBatch, width: int = 0) -> dict:
@@ -39,12 +40,6 @@ def device_span_name(op: str, attrs: dict) -> str:
     if op == "forward":
         return attrs.get("kind", "forward")
     return "draft_fill" if op == "fill" else op
-
-
-def fill_attrs(msg: dict) -> dict:
-    """Shape of a proposer fill launch, from its message."""
-    qo = msg["plan"]["qo_indptr"]
-    return {"requests": len(qo) - 1, "tokens": int(qo[-1]), "kv_tokens": int(msg["plan"]["kv_lens"].sum())}
 
 
 class StepTrace:
@@ -80,7 +75,7 @@ class StepTrace:
             if ev.start_ns is None:
                 continue
             track = f"device:{ev.stream}"
-            attrs = {k: v for k, v in launch.attrs.items() if k != "t_step"}
+            attrs = launch.attrs
             try:
                 result = ev.synchronize(0)
             except Exception:  # noqa: BLE001 - failed work still occupied the device

@@ -174,12 +174,18 @@ class CostProfile:
         to the previous op, then reads and unpacks this one: a cost that depends on the op)."""
         return self.op_gaps.get(name, self.op_gap_ns)
 
-    def host_ns(self, name: str, attrs: dict) -> float:
-        """A host stage's cost; `name` may be qualified (`launch:fill`, `plan:fill`, see
-        `host_key`), falling back to the stage's model over all its spans."""
+    def host_model(self, name: str) -> StageModel | None:
+        """The model of host stage `name`; a qualified name (`launch:fill`, `plan:fill`, see
+        `host_key`) falls back to the stage's model over all its spans."""
         m = self.host.get(name)
         if m is None and ":" in name:
             m = self.host.get(name.partition(":")[0])
+        return m
+
+    def host_ns(self, name: str, attrs: dict, model: StageModel | None = None) -> float:
+        """A host stage's cost (0 for a stage the profile has no model for); `model`: the
+        stage's `host_model`, where the caller keeps it."""
+        m = model or self.host_model(name)
         return 0.0 if m is None else self._noisy(m, m.price(attrs))
 
     def mape(self) -> dict[str, float]:

@@ -11,7 +11,6 @@ import gc
 from dataclasses import dataclass, field
 
 import anyio
-import numpy as np
 
 from scheduler.batch_builder import BatchBuilder, SchedulerConfig
 from scheduler.block_manager import BlockManager
@@ -21,7 +20,7 @@ from scheduler.proposer import ProposerSpec, default_tree, validate_combination
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from simulator.acceptance import AcceptanceModel
-from simulator.costs import CostProfile, host_key
+from simulator.costs import CostProfile, StageModel, host_key
 from simulator.device import VirtualDevice
 from simulator.vtime import VirtualClock, run_virtual
 from traces.metrics import compute_metrics
@@ -101,28 +100,27 @@ class TraceResponder:
             self.slots[int(slot)] = [int(token_ids[0]), len(token_ids)]
         attrs = batch.get("attrs", {})
         if op == "forward":
-            out = np.full(len(batch["slots"]), -1, dtype=np.int64)
-            for i, (slot, samp) in enumerate(zip(batch["slots"], batch["samples"])):
+            out = []
+            for slot, samp in zip(batch["slots"].tolist(), batch["samples"].tolist()):
                 if samp:
-                    self.slots[int(slot)][1] += 1
-                    out[i] = _DUMMY_TOKEN
+                    self.slots[slot][1] += 1
+                out.append(_DUMMY_TOKEN if samp else -1)
             return {"tokens": out}, []
         if op == "draft":
-            return {"num_drafts": np.asarray(batch["num_draft"])}, []
+            return {"num_drafts": batch["num_draft"].tolist()}, []
         if op == "verify":
             accepted, emitted, drafted = [], [], []
-            for slot, nd in zip(batch["slots"], batch["num_draft"]):
-                st = self.slots[int(slot)]
+            for slot, nd in zip(batch["slots"].tolist(), batch["num_draft"].tolist()):
+                st = self.slots[slot]
                 pos = st[1] - self.prompt_lens[st[0]]
-                a, d = self.acceptance.outcome(st[0], pos, int(nd))
+                a, d = self.acceptance.outcome(st[0], pos, nd)
                 accepted.append(a)
                 drafted.append(d)
                 emitted.append([_DUMMY_TOKEN] * (a + 1))
                 st[1] += a + 1
             subs = [("verify", int(self.profile.device_ns("verify", attrs))),
                     ("accept", int(self.profile.device_ns("accept", attrs)) if "accept" in self.profile.device else 0)]
-            return {"accepted": np.asarray(accepted), "tokens": emitted,
-                    "num_drafts": np.asarray(drafted)}, subs
+            return {"accepted": accepted, "tokens": emitted, "num_drafts": drafted}, subs
         if op == "fill":
             return {}, []
         raise ValueError(f"virtual device: unknown op {op!r}")
@@ -185,10 +183,16 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
     sink = _Sink()
     pipe = Pipeline(PipelineConfig(schedule, spec), builder, device, clock, sink, rec)
 
+    models: dict[str, StageModel | None] = {}  # stage -> its model, looked up once
+
     def host_cost(name: str, attrs: dict) -> float:
         if name == "step_gap":
             return profile.step_overhead_ns
-        return profile.host_ns(host_key(name, attrs), attrs)
+        key = host_key(name, attrs)
+        m = models.get(key)
+        if m is None:
+            m = models[key] = profile.host_model(key)
+        return profile.host_ns(key, attrs, m)
 
     pipe.host_cost = host_cost
     workload = trace.header.extra.get("workload", {})
