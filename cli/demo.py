@@ -33,6 +33,7 @@ def run_demo(out_dir: Path, num_requests: int, max_tokens: int, concurrency: int
     from runtime.workload import load_workload
     from simulator.analysis import ab, validate
     from simulator.replay import ReplayConfig
+    from simulator.sweep import available_cpus
     from traces.chrome import write_chrome_trace
     from traces.timeline import plot_timeline
 
@@ -41,6 +42,7 @@ def run_demo(out_dir: Path, num_requests: int, max_tokens: int, concurrency: int
     runs = [r for r in RUNS if r[1] not in ("mtp", "eagle") or (bundled.mtp_dir() / "config.json").exists()]
     skipped = [r[0] for r in RUNS if r not in runs]
     rows, traces = [], {}
+    jobs = available_cpus()  # the simulator's replicates fan out over the CPUs
     columns = (TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         for name, proposer, schedule, d in runs:
@@ -52,7 +54,7 @@ def run_demo(out_dir: Path, num_requests: int, max_tokens: int, concurrency: int
                 on_done=lambda: progress.advance(task)))
             trace.path = str(path)
             traces[name] = trace
-            v = validate(trace)
+            v = validate(trace, jobs=jobs)
             plot_timeline(trace, out_dir / f"timeline_{name}.png", steps=_window(trace))
             rows.append({"run": name, "metrics": metrics, "sim_makespan_err_pct": v["makespan_err_pct"],
                          "sim_step_err_pct": v["step_time_err_pct"]["p50"]})
@@ -60,7 +62,8 @@ def run_demo(out_dir: Path, num_requests: int, max_tokens: int, concurrency: int
     for r in rows:
         r["speedup"] = r["metrics"]["output_tokens_per_s"] / base
     write_chrome_trace(traces["draft-overlap"], out_dir / "draft-overlap.chrome.json")
-    ab_res = ab(traces["draft-sync"], ReplayConfig(schedule="sync"), ReplayConfig(schedule="overlap"), replicates=6)
+    ab_res = ab(traces["draft-sync"], ReplayConfig(schedule="sync"), ReplayConfig(schedule="overlap"), replicates=6,
+                jobs=jobs)
     _summary(console, rows, ab_res, out_dir, skipped)
     return rows
 

@@ -25,6 +25,17 @@ def _engine_setting(item: str) -> tuple[str, int]:
     return k.strip(), int(v)
 
 
+_JOBS_HELP = "processes the replays fan out over (0: one per available CPU; results do not depend on it)"
+
+
+def _jobs(n: int) -> int:
+    from simulator.sweep import available_cpus
+
+    if n < 0:
+        _fail(f"--jobs must be >= 0 (0: one per available CPU), got {n}")
+    return n or available_cpus()
+
+
 def _profile(trace_obj, profile_path: Optional[Path]):
     from simulator.costs import CostProfile
     from simulator.fit import fit_profile
@@ -80,6 +91,7 @@ def validate(
     trace: Path,
     profile: Optional[Path] = typer.Option(None),
     replicates: int = typer.Option(5, help="noisy replays pooled for the step-time distribution"),
+    jobs: int = typer.Option(0, "--jobs", help=_JOBS_HELP),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Replay a trace under its own configuration; error against the measured run."""
@@ -88,7 +100,7 @@ def validate(
     tr = _read_trace(trace)
     if replicates < 1:
         _fail("--replicates must be >= 1")
-    res = run_validate(tr, _profile(tr, profile), replicates=replicates)
+    res = run_validate(tr, _profile(tr, profile), replicates=replicates, jobs=_jobs(jobs))
     if json_out:
         _print_json(res)
         return
@@ -131,6 +143,7 @@ def ab(
     b: str = typer.Option(..., "--b", help="variant B"),
     replicates: int = typer.Option(10),
     profile: Optional[Path] = typer.Option(None),
+    jobs: int = typer.Option(0, "--jobs", help=_JOBS_HELP),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """A/B two configurations on the same workload and acceptance draws, with bootstrap CIs."""
@@ -158,7 +171,7 @@ def ab(
     try:
         with Progress(console=console, transient=True, disable=json_out) as progress:
             task = progress.add_task("replicates", total=replicates)
-            res = run_ab(tr, parse(a), parse(b), profile=_profile(tr, profile), replicates=replicates,
+            res = run_ab(tr, parse(a), parse(b), profile=_profile(tr, profile), replicates=replicates, jobs=_jobs(jobs),
                          on_replicate=lambda done, total: progress.update(task, completed=done))
     except (ValueError, KeyError) as e:
         _fail(str(e))
@@ -185,6 +198,7 @@ def tune(
     draft_lens: Optional[str] = typer.Option(
         None, "--draft-lens", help="draft lengths to sweep, e.g. 1,2,4 (default: 1 .. the captured agreement length, <= 8)"),
     concurrencies: str = typer.Option("1,4,16", help="batch-size regimes (concurrent requests), e.g. 1,8,32"),
+    jobs: int = typer.Option(0, "--jobs", help=_JOBS_HELP),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Sweep draft length (and proposer, one trace each) per batch-size regime; simulated
@@ -202,7 +216,7 @@ def tune(
         with Progress(console=console, transient=True, disable=json_out) as progress:
             task = progress.add_task("replaying", total=None)
             res = run_tune(trs, profile=_profile(trs[0], profile) if len(trs) == 1 else None,
-                           draft_lens=lens, concurrencies=concs,
+                           draft_lens=lens, concurrencies=concs, jobs=_jobs(jobs),
                            on_replay=lambda done, total: progress.update(task, completed=done, total=total))
     except (ValueError, KeyError) as e:
         _fail(str(e))

@@ -15,7 +15,6 @@ tune      sweep the draft length per batch-size regime; simulated speedup over p
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
 
 import numpy as np
@@ -23,6 +22,7 @@ import numpy as np
 from simulator.costs import CostProfile, host_key
 from simulator.fit import fit_profile
 from simulator.replay import ReplayConfig, replay
+from simulator.sweep import fan_out
 from traces.metrics import compute_metrics
 
 
@@ -32,7 +32,15 @@ def _pct(sim: float | None, real: float | None) -> float | None:
     return abs(sim - real) / abs(real) * 100.0
 
 
-def validate(trace, profile: CostProfile | None = None, *, replicates: int = 5) -> dict:
+def _noisy_step_times(shared: tuple, r: int) -> list[int]:
+    """Step durations of replicate r (costs with the fitted residual noise, seed r)."""
+    trace, profile = shared
+    sim = replay(trace, profile.with_noise(r), ReplayConfig(seed=r))[1]
+    return [s.end_ns - s.start_ns for s in sim.steps]
+
+
+def validate(trace, profile: CostProfile | None = None, *, replicates: int = 5, jobs: int = 1) -> dict:
+    """`jobs`: processes the noisy replicates fan out over (results do not depend on it)."""
     profile = profile or fit_profile([trace])
     real = compute_metrics(trace)
     sim_m, sim = replay(trace, profile, ReplayConfig())
@@ -41,8 +49,9 @@ def validate(trace, profile: CostProfile | None = None, *, replicates: int = 5) 
     n = min(len(rs), len(ss))
     errs = np.array([_pct(b.end_ns - b.start_ns, a.end_ns - a.start_ns) or 0.0 for a, b in zip(rs[:n], ss[:n])])
     rt = np.array([s.end_ns - s.start_ns for s in rs], dtype=float)
-    noisy = [replay(trace, profile.with_noise(r), ReplayConfig(seed=r))[1] for r in range(replicates)]
-    st = np.array([s.end_ns - s.start_ns for sim_r in (noisy or [sim]) for s in sim_r.steps], dtype=float)
+    noisy = fan_out(_noisy_step_times, (trace, profile), range(replicates), jobs=jobs)
+    st = np.array([d for times in noisy for d in times] if noisy else [s.end_ns - s.start_ns for s in sim.steps],
+                  dtype=float)
     out = {
         "steps_real": len(rs), "steps_sim": len(ss),
         "step_time_err_pct": {"p50": float(np.median(errs)) if n else None,
@@ -105,27 +114,31 @@ def _per_request(trace) -> tuple[dict, dict]:
     return ttft, tpot
 
 
+def _ab_pair(shared: tuple, r_seed: int) -> tuple:
+    """One replicate: A and B with the same cost noise and acceptance draws (seed r_seed);
+    their metrics and per-request latencies."""
+    trace, profile, a, b = shared
+    ma, ta = replay(trace, profile.with_noise(r_seed), replace(a, seed=r_seed))
+    mb, tb = replay(trace, profile.with_noise(r_seed), replace(b, seed=r_seed))
+    return ma, mb, _per_request(ta), _per_request(tb)
+
+
 def ab(trace, a: ReplayConfig, b: ReplayConfig, *, profile: CostProfile | None = None,
-       replicates: int = 10, seed: int = 0, on_replicate=None) -> dict:
-    """`on_replicate(done, total)` is called after each replicate pair (progress bars)."""
+       replicates: int = 10, seed: int = 0, on_replicate=None, jobs: int = 1) -> dict:
+    """`on_replicate(done, total)` is called after each replicate pair (progress bars);
+    `jobs`: processes the replicates fan out over (results do not depend on it)."""
     if replicates < 1:
         raise ValueError(f"replicates must be >= 1, got {replicates}")
     profile = profile or fit_profile([trace])
     rng = np.random.default_rng(seed)
     thr, ttft_d, tpot_d = [], [], []
     ma = mb = None
-    for r in range(replicates):
-        pa = profile.with_noise(seed * 1000 + r)
-        pb = profile.with_noise(seed * 1000 + r)
-        ma, ta = replay(trace, pa, replace(a, seed=seed * 1000 + r))
-        mb, tb = replay(trace, pb, replace(b, seed=seed * 1000 + r))
+    pairs = fan_out(_ab_pair, (trace, profile, a, b), [seed * 1000 + r for r in range(replicates)],
+                    jobs=jobs, on_done=on_replicate)
+    for ma, mb, (fa, ga), (fb, gb) in pairs:
         thr.append(mb["output_tokens_per_s"] - ma["output_tokens_per_s"])
-        fa, ga = _per_request(ta)
-        fb, gb = _per_request(tb)
         ttft_d += [fb[k] - fa[k] for k in fa if k in fb]
         tpot_d += [gb[k] - ga[k] for k in ga if k in gb]
-        if on_replicate is not None:
-            on_replicate(r + 1, replicates)
     res = {}
     for name, diffs in (("output_tokens_per_s", thr), ("ttft_ms", ttft_d), ("tpot_ms", tpot_d)):
         mean, lo, hi = _bootstrap_ci(np.asarray(diffs, dtype=float), rng)
@@ -156,12 +169,13 @@ def accept_len(trace, d: int) -> float | None:
 
 
 def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draft_lens: list[int] | None = None,
-         concurrencies: list[int] | None = None, on_replay=None) -> dict:
+         concurrencies: list[int] | None = None, on_replay=None, jobs: int = 1) -> dict:
     """Sweep the draft length of each trace's proposer per concurrency (one trace per
     proposer: the sweep covers every proposer a trace exists for). Each trace replays with
     its own costs -- fitted on itself unless `profile` gives one per trace (a "draft" op
     costs what *its* proposer costs) -- and speedups are over plain decoding replayed from
-    that trace. `on_replay(done, total)` is called after every replay (progress bars)."""
+    that trace. `on_replay(done, total)` is called after every replay (progress bars);
+    `jobs`: processes the replays fan out over (results do not depend on it)."""
     traces = list(traces) if isinstance(traces, (list, tuple)) else [traces]
     if not traces:
         raise ValueError("tune needs at least one trace")
@@ -184,17 +198,13 @@ def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draf
     if min(concurrencies) < 1 or (draft_lens is not None and (not draft_lens or min(draft_lens) < 1)):
         raise ValueError(f"tune needs concurrencies >= 1 and draft lengths >= 1 (got {concurrencies}, {draft_lens})")
     lens = [draft_lens or list(range(1, max(1, min(8, tr.header.max_agreement_len or 8)) + 1)) for tr in traces]
-    total = sum(len(concurrencies) * (1 + len(ds)) for ds in lens)
-    done = itertools.count(1)
-
-    def tick() -> None:
-        n = next(done)
-        if on_replay is not None:
-            on_replay(n, total)
-
+    profiles = [prof or fit_profile([tr]) for tr, prof in zip(traces, profiles)]
+    # every replay of the sweep: per trace and concurrency, plain decoding, then each D
+    tasks = [(i, c, d) for i, ds in enumerate(lens) for c in concurrencies for d in [0, *ds]]
+    results = dict(zip(tasks, fan_out(_tune_replay, (traces, profiles), tasks, jobs=jobs, on_done=on_replay)))
     rows = []
-    for tr, prof, ds in zip(traces, profiles, lens):
-        rows += _tune_one(tr, prof or fit_profile([tr]), ds, concurrencies, tick)
+    for i, (tr, prof, ds) in enumerate(zip(traces, profiles, lens)):
+        rows += _tune_rows(tr, prof, ds, concurrencies, lambda c, d: results[(i, c, d)])
     best: dict[str, dict] = {}
     for r in rows:
         key = str(r["concurrency"])
@@ -203,25 +213,37 @@ def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draf
     return {"rows": rows, "best": best}
 
 
-def _tune_one(trace, profile: CostProfile, draft_lens: list[int], concurrencies: list[int], tick) -> list[dict]:
+def _tune_replay(shared: tuple, task: tuple[int, int, int]) -> dict:
+    """Metrics of one replay of tune's sweep: trace i at concurrency c, plain decoding for
+    d = 0; a configuration the replay rejects comes back as {"error": message}."""
+    traces, profiles = shared
+    i, c, d = task
+    if d == 0:
+        cfg = ReplayConfig(proposer="none", schedule="sync", draft_len=0, concurrency=c)
+        return replay(traces[i], profiles[i], cfg)[0]  # the baseline: errors propagate
+    try:
+        return replay(traces[i], profiles[i], ReplayConfig(draft_len=d, concurrency=c))[0]
+    except (KeyError, ValueError) as e:
+        return {"error": str(e)}
+
+
+def _tune_rows(trace, profile: CostProfile, draft_lens: list[int], concurrencies: list[int], metrics) -> list[dict]:
+    """Tune's rows for one trace; `metrics(c, d)` is the replay at concurrency c and draft
+    length d (0: plain decoding)."""
     h = trace.header
     kv_mean = float(np.mean([r.prompt_len for r in trace.requests])) if trace.requests else 64.0
     captured = max((len(st.request_ids) for st in trace.steps), default=0)  # largest batch seen
     rows = []
     for c in concurrencies:
-        plain, _ = replay(trace, profile, ReplayConfig(proposer="none", schedule="sync", draft_len=0, concurrency=c))
-        tick()
+        plain = metrics(c, 0)
         for d in draft_lens:
             # beyond the largest captured batch the cost models extrapolate: flagged
             row = {"proposer": h.proposer, "schedule": h.schedule, "concurrency": c, "draft_len": d,
                    "extrapolated": c > captured}
-            try:
-                m, _ = replay(trace, profile, ReplayConfig(draft_len=d, concurrency=c))
-            except (KeyError, ValueError) as e:
-                rows.append(row | {"error": str(e)})
-                tick()
+            m = metrics(c, d)
+            if "error" in m:
+                rows.append(row | m)
                 continue
-            tick()
             al = accept_len(trace, d) or m["mean_accept_len"]
             verify_name = "verify" if "verify" in profile.device else "decode"
             base = {"requests": c, "kv_tokens": c * kv_mean}

@@ -1,0 +1,66 @@
+"""Sweeps fan out over processes: many independent replays of the same trace(s).
+
+Why: `ab` replicates, `tune`'s grid and `validate`'s noisy replicates are independent replays
+-- each seeded on its own, so their results do not depend on where or in which order they
+run. A replay is single-threaded Python, so a sweep gains from more cores only across
+processes (DESIGN: "large simulation sweeps fan out over processes").
+
+How: `concurrent.futures.ProcessPoolExecutor`. The shared input (traces, cost profiles) goes
+to each worker once, as the pool's initializer argument -- inherited for free where workers
+are forked (Linux), pickled once per worker elsewhere -- and each task sends back only what
+its caller reduces (metrics, per-request latencies, step times), never a simulated trace.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, Callable, Sequence
+
+_shared: Any = None  # a worker's copy of the sweep's shared input
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (the affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _init(shared: Any) -> None:
+    global _shared
+    _shared = shared
+
+
+def _call(fn: Callable[[Any, Any], Any], task: Any) -> Any:
+    return fn(_shared, task)
+
+
+def fan_out(fn: Callable[[Any, Any], Any], shared: Any, tasks: Sequence[Any], *, jobs: int = 1,
+            on_done: Callable[[int, int], None] | None = None) -> list:
+    """`[fn(shared, t) for t in tasks]`, over up to `jobs` worker processes (1: in this
+    process). `fn` must be a module-level function (workers import it by name); results
+    come back in task order, and `on_done(done, total)` is called as each one arrives."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    total = len(tasks)
+    workers = min(jobs, total)
+    if workers <= 1:
+        out = []
+        for i, t in enumerate(tasks):
+            out.append(fn(shared, t))
+            if on_done is not None:
+                on_done(i + 1, total)
+        return out
+    # fork where it is the platform's way (workers inherit the shared input without a
+    # copy); elsewhere the platform's default start method
+    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else None)
+    out = []
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=(shared,)) as pool:
+        for i, res in enumerate(pool.map(_call, [fn] * total, tasks)):
+            out.append(res)
+            if on_done is not None:
+                on_done(i + 1, total)
+    return out
