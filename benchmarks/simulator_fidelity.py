@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bundled_items, parse_workload, run  # noqa: E402
 
 from simulator.analysis import validate  # noqa: E402
+from simulator.sweep import available_cpus  # noqa: E402
 from simulator.fit import fit_profile  # noqa: E402
 from simulator.replay import ReplayConfig, replay  # noqa: E402
 
@@ -99,7 +100,7 @@ def main() -> None:
             trs = [tr for _, tr in runs[sched]]
             measured[sched] = statistics.median(m["duration_s"] for m in ms)
             profiles[sched] = fit_profile(trs)
-            vs = [validate(tr) for tr in trs]
+            vs = [validate(tr, jobs=available_cpus()) for tr in trs]
 
             def med(f):
                 vals = [f(v) for v in vs]
