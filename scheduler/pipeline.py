@@ -165,10 +165,10 @@ class Pipeline:
     def _host(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
         """End of a host stage: charge its modelled cost (simulator), then record its span."""
         self._charge(name, attrs)
-        self.trace.tracer.span("host", name, step, start_ns, self._now(), **attrs)
+        self._span(name, step, start_ns, **attrs)
 
     def _span(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
-        self.trace.tracer.span("host", name, step, start_ns, self._now(), **attrs)
+        self.tracer.span("host", name, step, start_ns, self._now(), **attrs)
 
     def _launch(self, stream: Any, op: str, msg: dict, step: int, **attrs: Any) -> Launch:
         if self._release:
@@ -180,7 +180,7 @@ class Pipeline:
         # simulator: the host's launch work is charged after the virtual device took the
         # launch, whose lead (launch start -> device start) covers the packing already
         self._charge("launch:" + op, attrs)
-        if self.trace.tracer.enabled:
+        if self.tracer.enabled:
             self.trace.launched(launch, t0)
         return launch
 
