@@ -117,6 +117,16 @@ def test_ab_rejects_bad_variants():
     assert code == 2 and "colour" in out
     code, out = run("ab", SAMPLE, "--a", "schedule=sync", "--b", "schedule=overlap", "--replicates", "0")
     assert code == 2 and "replicates" in out
+    code, out = run("ab", SAMPLE, "--a", "schedule=sync", "--b", "schedule=overlap", "--jobs", "-1")
+    assert code == 2 and "--jobs must be >= 0" in out
+
+
+def test_ab_fans_out_under_its_progress_bar_with_the_same_answer():
+    # the table view runs a progress bar (a refresh thread) while the workers are forked
+    args = ("ab", SAMPLE, "--a", "schedule=sync", "--b", "schedule=overlap", "--replicates", "3")
+    code, table = run(*args, "--jobs", "2")
+    assert code == 0 and "tokens/s" in table
+    assert run_json(*args, "--jobs", "1") == run_json(*args, "--jobs", "2")
 
 
 def test_tune_and_fit_profile(tmp_path):
