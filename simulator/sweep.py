@@ -29,9 +29,19 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _init(shared: Any) -> None:
+def _init(shared: Any, forked: bool) -> None:
     global _shared
     _shared = shared
+    if forked:
+        # a forked worker inherits the parent's stdio objects, whose locks a thread of the
+        # parent (a progress bar refreshing) may have held at the fork: fresh objects on the
+        # same descriptors, so a warning printed by a worker cannot hang on them
+        for name in ("stdout", "stderr"):
+            try:
+                fresh = open(getattr(sys, name).fileno(), "w", buffering=1, closefd=False)
+            except (AttributeError, OSError, ValueError):  # no descriptor (captured streams)
+                fresh = open(os.devnull, "w")
+            setattr(sys, name, fresh)
 
 
 def _call(fn: Callable[[Any, Any], Any], task: Any) -> Any:
@@ -57,8 +67,9 @@ def fan_out(fn: Callable[[Any, Any], Any], shared: Any, tasks: Sequence[Any], *,
     # fork where it is the platform's way (workers inherit the shared input without a
     # copy); elsewhere the platform's default start method
     ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else None)
+    forked = ctx.get_start_method() == "fork"
     out = []
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=(shared,)) as pool:
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=(shared, forked)) as pool:
         for i, res in enumerate(pool.map(_call, [fn] * total, tasks)):
             out.append(res)
             if on_done is not None:

@@ -66,3 +66,17 @@ def test_validate_results_do_not_depend_on_jobs():
     tr = read_trace(SAMPLES / "draft_sync.jsonl")
     one, two = (json.dumps(validate(tr, replicates=2, jobs=j), sort_keys=True) for j in (1, 2))
     assert one == two
+
+
+def _warns(shared: None, x: int) -> int:
+    import warnings
+
+    warnings.warn(f"worker {x} says hello")
+    print(f"worker {x} prints")
+    return x
+
+
+def test_workers_may_print_and_warn():
+    # forked workers get stdio objects of their own (a parent thread may hold the inherited
+    # ones' locks at the fork); printing and warning there must neither hang nor fail
+    assert fan_out(_warns, None, list(range(3)), jobs=2) == [0, 1, 2]
