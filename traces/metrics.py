@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from traces.schema import HOST_TRACK, Trace, stage_order
+from traces.schema import DEVICE_TRACK_PREFIX, HOST_TRACK, Trace, stage_order
 
 PERCENTILES = (50, 90, 99)
 
@@ -60,7 +60,8 @@ def compute_metrics(trace: Trace) -> dict[str, Any]:
     tpot_ns = [(f.finish_ns - f.first_token_ns) / (f.output_len - 1) for f in finishes
                if f.output_len > 1 and f.first_token_ns is not None]
 
-    device_s, device_e = merge_intervals(*_span_arrays(trace, device=True))
+    device_s, device_e, host_ns = _split_spans(trace)
+    device_s, device_e = merge_intervals(device_s, device_e)
     busy_ns = 0
     if duration_ns > 0:
         busy_ns = int(np.clip(device_e, start_ns, end_ns).sum()
@@ -83,7 +84,7 @@ def compute_metrics(trace: Trace) -> dict[str, Any]:
         "accept_rate_per_pos": accept_rate_per_pos,
         "device_busy_fraction": busy_ns / duration_ns if duration_ns > 0 else None,
         "bubble_fraction": bubble_ns / pending_ns if pending_ns > 0 else None,
-        "host_ms_per_step": _host_ms_per_step(trace),
+        "host_ms_per_step": _host_ms_per_step(host_ns, len(trace.steps)),
     }
 
 
@@ -117,7 +118,8 @@ def subtract_intervals(a_s: np.ndarray, a_e: np.ndarray, b_s: np.ndarray,
 def pending_intervals(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     """Merged intervals during which at least one request has arrived and not finished."""
     finish_ns = {f.request_id: f.finish_ns for f in trace.finishes}
-    open_end_ns = trace.end_ns()
+    # a request never finished counts until the trace's last timestamp (a pass over it all)
+    open_end_ns = trace.end_ns() if any(r.request_id not in finish_ns for r in trace.requests) else 0
     starts = [r.arrival_ns for r in trace.requests]
     ends = [finish_ns.get(r.request_id, open_end_ns) for r in trace.requests]
     return merge_intervals(np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64))
@@ -125,8 +127,7 @@ def pending_intervals(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
 
 def bubble_intervals(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     """Merged intervals with requests pending and no device span running."""
-    return subtract_intervals(*pending_intervals(trace),
-                              *merge_intervals(*_span_arrays(trace, device=True)))
+    return subtract_intervals(*pending_intervals(trace), *merge_intervals(*_split_spans(trace)[:2]))
 
 
 def _member(s: np.ndarray, e: np.ndarray, points: np.ndarray) -> np.ndarray:
@@ -136,10 +137,19 @@ def _member(s: np.ndarray, e: np.ndarray, points: np.ndarray) -> np.ndarray:
     return inside
 
 
-def _span_arrays(trace: Trace, *, device: bool) -> tuple[np.ndarray, np.ndarray]:
-    spans = [s for s in trace.spans if s.on_device == device]
-    return (np.fromiter((s.start_ns for s in spans), dtype=np.int64, count=len(spans)),
-            np.fromiter((s.end_ns for s in spans), dtype=np.int64, count=len(spans)))
+def _split_spans(trace: Trace) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    """One pass over the spans: the device intervals (starts, ends) and the host time per
+    stage name."""
+    dev_s: list[int] = []
+    dev_e: list[int] = []
+    host: dict[str, int] = {}
+    for s in trace.spans:
+        if s.track == HOST_TRACK:
+            host[s.name] = host.get(s.name, 0) + (s.end_ns - s.start_ns)
+        elif s.track.startswith(DEVICE_TRACK_PREFIX):
+            dev_s.append(s.start_ns)
+            dev_e.append(s.end_ns)
+    return np.array(dev_s, dtype=np.int64), np.array(dev_e, dtype=np.int64), host
 
 
 def _percentiles_ms(values_ns: list[float]) -> dict[str, float | None]:
@@ -166,14 +176,9 @@ def _acceptance(trace: Trace) -> tuple[float | None, list[float]]:
     return mean_accept_len, rates
 
 
-def _host_ms_per_step(trace: Trace) -> dict[str, float]:
-    num_steps = len(trace.steps)
+def _host_ms_per_step(total_ns: dict[str, int], num_steps: int) -> dict[str, float]:
     if num_steps == 0:
         return {"total": 0.0}
-    total_ns: dict[str, int] = {}
-    for s in trace.spans:
-        if s.track == HOST_TRACK:
-            total_ns[s.name] = total_ns.get(s.name, 0) + (s.end_ns - s.start_ns)
     per_step = {name: total_ns[name] / num_steps / 1e6 for name in stage_order(set(total_ns))}
     per_step["total"] = sum(per_step.values())
     return per_step

@@ -128,13 +128,18 @@ _FIELDS: dict[type, set] = {}
 _object_setattr = object.__setattr__
 
 
+def _fields_of(cls: type) -> set:
+    fields = _FIELDS.get(cls)
+    if fields is None:
+        fields = _FIELDS[cls] = set(cls.model_fields)
+    return fields
+
+
 def _construct(cls: type, d: dict) -> Any:
     """`cls.model_construct(**d)` for a dict that sets every field: the same object, built in
     a fifth of the time (pydantic's own construct also resolves defaults and extras). Every
     such record shares one fields-set (all fields; setting a field adds nothing to it)."""
-    fields = _FIELDS.get(cls)
-    if fields is None:
-        fields = _FIELDS[cls] = set(cls.model_fields)
+    fields = _fields_of(cls)
     if d.keys() != fields:
         return cls.model_construct(**d)
     obj = cls.__new__(cls)
@@ -233,11 +238,18 @@ class MemoryRecorder(_RecordBuilder):
 
             models = {"request": RequestRecord, "step": StepRecord, "finish": FinishRecord}
             spans = trace.spans
+            # spans are most records: `_construct` inlined, with every span dict complete
+            new, span_fields, setattr_ = SpanRecord.__new__, _fields_of(SpanRecord), _object_setattr
             for entry in self.records[1:]:
-                if entry.__class__ is tuple:  # a span: most records, built inline
-                    spans.append(_construct(SpanRecord, {
+                if entry.__class__ is tuple:
+                    obj = new(SpanRecord)
+                    setattr_(obj, "__dict__", {
                         "type": "span", "track": entry[0], "name": entry[1], "step": entry[2],
-                        "start_ns": entry[3], "end_ns": entry[4], "attrs": entry[5]}))
+                        "start_ns": entry[3], "end_ns": entry[4], "attrs": entry[5]})
+                    setattr_(obj, "__pydantic_fields_set__", span_fields)
+                    setattr_(obj, "__pydantic_extra__", None)
+                    setattr_(obj, "__pydantic_private__", None)
+                    spans.append(obj)
                 else:
                     trace.add(_construct(models[entry["type"]], entry))
             return trace
