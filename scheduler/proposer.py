@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 PROPOSERS = ("none", "draft", "mtp", "eagle", "ngram")
+_KV_MODEL = {"draft": "draft", "mtp": "mtp", "eagle": "mtp"}  # proposer -> its own page table
 SCHEDULES = ("sync", "overlap", "mtp", "plain_overlap")
 
 
@@ -47,7 +48,7 @@ class ProposerSpec:
     @property
     def kv_model(self) -> str | None:
         """Name of the proposer's own page table, or None (n-gram, none)."""
-        return {"draft": "draft", "mtp": "mtp", "eagle": "mtp"}.get(self.kind)
+        return _KV_MODEL.get(self.kind)
 
     @property
     def num_candidates(self) -> int:

@@ -107,8 +107,9 @@ class VirtualClock:
         handle = self.loop.call_after_ns(int(duration_ns), _wake, fut)
         try:
             await fut
-        finally:
+        except BaseException:  # cancelled before the timer fired: drop the timer
             handle.cancel()
+            raise
 
 
 def run_virtual(fn: Callable[[], Awaitable[Any]]) -> Any:
