@@ -184,15 +184,19 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
     pipe = Pipeline(PipelineConfig(schedule, spec), builder, device, clock, sink, rec)
 
     models: dict[str, StageModel | None] = {}  # stage -> its model, looked up once
+    noisy = profile.noise_seed is not None  # a replicate: costs carry the residual noise
 
     def host_cost(name: str, attrs: dict) -> float:
         if name == "step_gap":
             return profile.step_overhead_ns
         key = host_key(name, attrs)
-        m = models.get(key)
-        if m is None:
+        try:
+            m = models[key]
+        except KeyError:
             m = models[key] = profile.host_model(key)
-        return profile.host_ns(key, attrs, m)
+        if m is None:
+            return 0.0
+        return profile.host_ns(key, attrs, m) if noisy else m.price(attrs)
 
     pipe.host_cost = host_cost
     workload = trace.header.extra.get("workload", {})
