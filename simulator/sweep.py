@@ -49,10 +49,12 @@ def _call(fn: Callable[[Any, Any], Any], task: Any) -> Any:
 
 
 def fan_out(fn: Callable[[Any, Any], Any], shared: Any, tasks: Sequence[Any], *, jobs: int = 1,
-            on_done: Callable[[int, int], None] | None = None) -> list:
+            on_done: Callable[[int, int], None] | None = None, start_method: str | None = None) -> list:
     """`[fn(shared, t) for t in tasks]`, over up to `jobs` worker processes (1: in this
     process). `fn` must be a module-level function (workers import it by name); results
-    come back in task order, and `on_done(done, total)` is called as each one arrives."""
+    come back in task order, and `on_done(done, total)` is called as each one arrives.
+    `start_method`: how workers start (default: fork on Linux, else the platform's
+    default; with spawn or forkserver `shared` is pickled once per worker)."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     total = len(tasks)
@@ -66,7 +68,7 @@ def fan_out(fn: Callable[[Any, Any], Any], shared: Any, tasks: Sequence[Any], *,
         return out
     # fork where it is the platform's way (workers inherit the shared input without a
     # copy); elsewhere the platform's default start method
-    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else None)
+    ctx = multiprocessing.get_context(start_method or ("fork" if sys.platform == "linux" else None))
     forked = ctx.get_start_method() == "fork"
     out = []
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=(shared, forked)) as pool:

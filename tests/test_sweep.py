@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from simulator.analysis import ab, tune, validate
-from simulator.replay import ReplayConfig
+from simulator.fit import fit_profile
+from simulator.replay import ReplayConfig, replay
 from simulator.synthetic import analytic_profile, workload_trace
 from simulator.sweep import fan_out
 from traces.reader import read_trace
@@ -36,6 +37,21 @@ def test_fan_out_keeps_task_order_and_reports_progress(jobs):
     out = fan_out(_scaled_square, 3, list(range(7)), jobs=jobs, on_done=lambda d, t: ticks.append((d, t)))
     assert out == [3 * x * x for x in range(7)]
     assert ticks == [(i, 7) for i in range(1, 8)]
+
+
+def _replay_metrics(shared: tuple, seed: int) -> dict:
+    trace, profile = shared
+    return replay(trace, profile.with_noise(seed), ReplayConfig(seed=seed))[0]
+
+
+def test_spawned_workers_get_the_shared_input_pickled():
+    # the start method of platforms without fork (macOS, Windows): a trace and its cost
+    # profile travel pickled, and the replays come out the same
+    assert fan_out(_scaled_square, 5, [1, 2, 3], jobs=2, start_method="spawn") == [5, 20, 45]
+    tr = read_trace(SAMPLES / "draft_sync.jsonl")
+    shared = (tr, fit_profile([tr]))
+    assert fan_out(_replay_metrics, shared, [1, 2], jobs=2, start_method="spawn") == \
+        fan_out(_replay_metrics, shared, [1, 2], jobs=1)
 
 
 def test_fan_out_runs_in_worker_processes_only_when_there_is_more_than_one_task():
