@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -48,6 +49,17 @@ def _call(fn: Callable[[Any, Any], Any], task: Any) -> Any:
     return fn(_shared, task)
 
 
+def _default_start_method() -> str | None:
+    """fork on Linux (workers share the loaded trace for free) -- unless another thread is
+    alive on Python 3.12+, which deprecates forking then: forkserver; elsewhere the
+    platform's default (spawn on macOS and Windows)."""
+    if sys.platform != "linux":
+        return None
+    if sys.version_info >= (3, 12) and threading.active_count() > 1:
+        return "forkserver"
+    return "fork"
+
+
 def fan_out(fn: Callable[[Any, Any], Any], shared: Any, tasks: Sequence[Any], *, jobs: int = 1,
             on_done: Callable[[int, int], None] | None = None, start_method: str | None = None) -> list:
     """`[fn(shared, t) for t in tasks]`, over up to `jobs` worker processes (1: in this
@@ -68,7 +80,7 @@ def fan_out(fn: Callable[[Any, Any], Any], shared: Any, tasks: Sequence[Any], *,
         return out
     # fork where it is the platform's way (workers inherit the shared input without a
     # copy); elsewhere the platform's default start method
-    ctx = multiprocessing.get_context(start_method or ("fork" if sys.platform == "linux" else None))
+    ctx = multiprocessing.get_context(start_method or _default_start_method())
     forked = ctx.get_start_method() == "fork"
     out = []
     with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=(shared, forked)) as pool:
