@@ -78,8 +78,6 @@ def fan_out(fn: Callable[[Any, Any], Any], shared: Any, tasks: Sequence[Any], *,
             if on_done is not None:
                 on_done(i + 1, total)
         return out
-    # fork where it is the platform's way (workers inherit the shared input without a
-    # copy); elsewhere the platform's default start method
     ctx = multiprocessing.get_context(start_method or _default_start_method())
     forked = ctx.get_start_method() == "fork"
     out = []
