@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import parse_workload, run  # noqa: E402
 
 from simulator.analysis import tune  # noqa: E402
+from simulator.sweep import available_cpus  # noqa: E402
 
 
 def main() -> None:
@@ -38,7 +39,7 @@ def main() -> None:
     _, trace = run(items, concurrency=args.concurrency, proposer=args.proposer,
                    schedule=args.schedule, draft_len=args.capture_len)
     sim = {r["draft_len"]: r for r in tune(trace, draft_lens=args.draft_lens,
-                                           concurrencies=[args.concurrency])["rows"]}
+                                           concurrencies=[args.concurrency], jobs=available_cpus())["rows"]}
 
     configs = [("none", "sync", 0)] + [(args.proposer, args.schedule, d) for d in args.draft_lens]
     tps: dict[int, list[float]] = {d: [] for _, _, d in configs}
