@@ -184,6 +184,18 @@ def prefill_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerS
     return fill_message(batch.step, reqs, starts, ends, blocks, spec, after="forward", with_plan=with_plan)
 
 
+def verify_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
+                        with_plan: bool = True) -> dict:
+    """An MTP head's fill over exactly the verify batch's positions (it consumes the target's
+    hidden states of that launch), so it can be packed before acceptance. Call before the
+    step's bookkeeping advances `num_computed_tokens`."""
+    reqs = [s.request for s in batch.seqs]
+    width = 1 + spec.num_candidates
+    starts = [r.num_computed_tokens for r in reqs]
+    return fill_message(batch.step, reqs, starts, [a + width for a in starts], blocks, spec,
+                        after="verify", with_plan=with_plan)
+
+
 def accept_fill_message(batch: StepBatch, starts_before: list[int], accepted: list[int],
                         blocks: BlockManager, spec: ProposerSpec, with_plan: bool = True) -> dict:
     """The proposer's fill after a verification whose accepted lengths the host now knows.

@@ -322,13 +322,7 @@ class Pipeline:
         t0 = self._now()
         vmsg = messages.verify_message(batch, self.blocks, spec, self.with_plan)
         dmsg = messages.draft_message(batch, self.blocks, spec)
-        fmsg = None
-        if spec.fill_same_batch:
-            reqs = [s.request for s in batch.seqs]
-            width = 1 + spec.num_candidates
-            start = [r.num_computed_tokens for r in reqs]
-            fmsg = messages.fill_message(batch.step, reqs, start, [a + width for a in start],
-                                         self.blocks, spec, after="verify", with_plan=self.with_plan)
+        fmsg = messages.verify_fill_message(batch, self.blocks, spec, self.with_plan) if spec.fill_same_batch else None
         self._host("plan", batch.step, t0, **shape)
         # rows stop drafting at their own count; the first token of each comes from logits
         # the fill computed, every further one is a proposer forward (what the cost follows)

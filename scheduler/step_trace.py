@@ -21,7 +21,8 @@ class Launch:
     step: int
     op: str
     attrs: dict  # the launch's shape: its spans' attributes
-    t_step: int | None = None  # plain_overlap: the step's start, for its step record
+    t_step: int | None = None  # a forward step's start, for its step record (written when
+    # the launch completes: a step later under plain_overlap)
 
 
 def batch_attrs(batch: StepBatch, width: int = 0) -> dict:

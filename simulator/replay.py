@@ -184,7 +184,6 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
     pipe = Pipeline(PipelineConfig(schedule, spec), builder, device, clock, sink, rec)
 
     models: dict[str, StageModel | None] = {}  # stage -> its model, looked up once
-    noisy = profile.noise_seed is not None  # a replicate: costs carry the residual noise
 
     def host_cost(name: str, attrs: dict) -> float:
         if name == "step_gap":
@@ -194,9 +193,7 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
             m = models[key]
         except KeyError:
             m = models[key] = profile.host_model(key)
-        if m is None:
-            return 0.0
-        return profile.host_ns(key, attrs, m) if noisy else m.price(attrs)
+        return profile.host_ns(key, attrs, m)
 
     pipe.host_cost = host_cost
     workload = trace.header.extra.get("workload", {})

@@ -142,6 +142,11 @@ def _construct(cls: type, d: dict) -> Any:
     fields = _fields_of(cls)
     if d.keys() != fields:
         return cls.model_construct(**d)
+    return _new_record(cls, d, fields)
+
+
+def _new_record(cls: type, d: dict, fields: set) -> Any:
+    """The record `d` (every field of `cls`, already checked) as a `cls` object."""
     obj = cls.__new__(cls)
     _object_setattr(obj, "__dict__", d)
     _object_setattr(obj, "__pydantic_fields_set__", fields)
@@ -238,18 +243,12 @@ class MemoryRecorder(_RecordBuilder):
 
             models = {"request": RequestRecord, "step": StepRecord, "finish": FinishRecord}
             spans = trace.spans
-            # spans are most records: `_construct` inlined, with every span dict complete
-            new, span_fields, setattr_ = SpanRecord.__new__, _fields_of(SpanRecord), _object_setattr
+            span_fields = _fields_of(SpanRecord)
             for entry in self.records[1:]:
-                if entry.__class__ is tuple:
-                    obj = new(SpanRecord)
-                    setattr_(obj, "__dict__", {
+                if entry.__class__ is tuple:  # a span (most records): its dict is complete
+                    spans.append(_new_record(SpanRecord, {
                         "type": "span", "track": entry[0], "name": entry[1], "step": entry[2],
-                        "start_ns": entry[3], "end_ns": entry[4], "attrs": entry[5]})
-                    setattr_(obj, "__pydantic_fields_set__", span_fields)
-                    setattr_(obj, "__pydantic_extra__", None)
-                    setattr_(obj, "__pydantic_private__", None)
-                    spans.append(obj)
+                        "start_ns": entry[3], "end_ns": entry[4], "attrs": entry[5]}, span_fields))
                 else:
                     trace.add(_construct(models[entry["type"]], entry))
             return trace
