@@ -23,14 +23,17 @@ def bundled_items(num_requests: int, max_tokens: int):
     return load_workload(bundled.workload_path(), limit=num_requests, max_tokens=max_tokens)
 
 
-def run(items, *, concurrency: int = 1, warmup: int = 1, trace: bool = True, **engine_kw):
-    """(metrics, trace) of one engine run; engine_kw go to EngineConfig."""
+def run(items, *, concurrency: int = 1, warmup: int = 1, trace: bool = True, engine_factory=None, **engine_kw):
+    """(metrics, trace) of one engine run; engine_kw go to EngineConfig, `engine_factory`
+    (default AsyncEngine) builds the engine from it."""
     from runtime.bench import run_workload
+    from runtime.engine import AsyncEngine
     from runtime.engine_config import EngineConfig
 
     cfg = EngineConfig.make(**engine_kw)
     metrics, tr, _ = anyio.run(lambda: run_workload(cfg, items, concurrency=concurrency, warmup=warmup,
-                                                    agreement=trace, record=trace))
+                                                    agreement=trace, record=trace,
+                                                    engine_factory=engine_factory or AsyncEngine))
     return metrics, tr
 
 

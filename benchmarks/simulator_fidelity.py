@@ -20,8 +20,14 @@ shared machine hits both schedules alike, and reports:
   for larger batches (the replay's cost per step hardly grows with the batch, a CPU
   forward's does).
 
+With `--paced FACTOR` every run uses a paced device (`runtime.devices.paced`): the real ops
+run, then the worker sleeps until each op took FACTOR times what a profile fitted on one
+unpaced calibration run prices it at. Device speed then no longer drifts between steps or
+runs, so the errors left are the simulator's own (host stages, launches and syncs still run
+for real); the table's floors show how much of the unpaced errors was the machine's.
+
     python benchmarks/simulator_fidelity.py [--num-requests 8] [--max-tokens 48] [--concurrency 4]
-        [--rounds 3] [--speed-concurrency 16 32]
+        [--rounds 3] [--speed-concurrency 16 32] [--paced 2.0]
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import bundled_items, parse_workload, run  # noqa: E402
 
+from runtime.devices.paced import PACE_FEATURES, paced_ns  # noqa: E402
 from simulator.analysis import validate  # noqa: E402
 from simulator.sweep import available_cpus  # noqa: E402
 from simulator.fit import fit_profile  # noqa: E402
@@ -64,6 +71,44 @@ def idle_per_step_ms(trace) -> float:
     return float(np.mean([(s.end_ns - s.start_ns) - busy.get(s.step, 0) for s in steps])) / 1e6 if steps else float("nan")
 
 
+def pace_from_profile(profile, factor: float) -> dict:
+    """A paced device's op durations: `factor` x the fitted device models (a verify launch is
+    paced as a whole: its verify and accept models summed)."""
+    pace = {}
+    for name, m in profile.device.items():
+        if name == "accept":
+            continue
+        coef = dict(m.coef)
+        if name == "verify" and "accept" in profile.device:
+            for f, c in profile.device["accept"].coef.items():
+                coef[f] = coef.get(f, 0.0) + c
+        pace[name] = {f: factor * c for f, c in coef.items() if c and f in PACE_FEATURES}
+    return pace
+
+
+def paced_engine(pace: dict):
+    """An AsyncEngine class whose worker is paced by `pace`."""
+    from runtime.devices import WorkerSpec
+    from runtime.engine import AsyncEngine
+
+    class PacedEngine(AsyncEngine):
+        def worker_spec(self):
+            return WorkerSpec("runtime.devices.paced:PacedWorker", {"inner": super().worker_spec(), "pace": pace})
+
+    return PacedEngine
+
+
+def overrun_pct(trace, pace: dict) -> float:
+    """% of device launches that took over 0.5 ms longer than their pace (ran late)."""
+    ops: dict = {}
+    for s in trace.spans:
+        if s.track != "host" and "launch_id" in s.attrs:
+            o = ops.setdefault(s.attrs["launch_id"], [s.start_ns, s.end_ns, s.name, s.attrs])
+            o[0], o[1] = min(o[0], s.start_ns), max(o[1], s.end_ns)
+    late = sum(1 for a, b, name, attrs in ops.values() if b - a > paced_ns(pace, name, attrs) + 500_000)
+    return 100.0 * late / max(len(ops), 1)
+
+
 def replay_speed(trace, profile, duration_s: float, repeats: int = 3) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -81,19 +126,29 @@ def main() -> None:
                     help="proposer:scheduleA:scheduleB:D")
     ap.add_argument("--speed-concurrency", type=int, nargs="*", default=[16, 32],
                     help="also time replays of draft/overlap runs at these concurrencies (2x requests)")
+    ap.add_argument("--paced", type=float, default=0.0, metavar="FACTOR",
+                    help="run on a paced device: ops take FACTOR x their fitted cost (0: off)")
     args, items = parse_workload(ap, 8, 48)
+    if args.paced and args.paced < 1.0:
+        ap.error("--paced must be >= 1 (a pace below the real cost cannot be kept)")
     print(f"{args.num_requests} requests x {args.max_tokens} tokens, concurrency {args.concurrency}, "
-          f"{args.rounds} rounds per schedule (medians over rounds)")
+          f"{args.rounds} rounds per schedule (medians over rounds)"
+          + (f", paced device at {args.paced}x the fitted costs" if args.paced else ""))
     head = (f"{'trace':<14} {'step err p50':>12} {'p90':>6} {'dist p50':>8} {'dist p90':>8} {'makespan':>8} "
             f"{'tok/s':>6} {'bubble pp':>9} | {'floor step':>10} {'floor mksp':>10} | {'x real time':>11}")
     print(head)
     for pair in args.pairs:
         proposer, sa, sb, d = pair.split(":")
+        factory = pace = None
+        if args.paced:  # calibrate: one unpaced run prices every op the pair launches
+            _, cal = run(items, concurrency=args.concurrency, proposer=proposer, schedule=sa, draft_len=int(d))
+            pace = pace_from_profile(fit_profile([cal]), args.paced)
+            factory = paced_engine(pace)
         runs: dict[str, list] = {sa: [], sb: []}
         for r in range(args.rounds):
             for sched in ((sa, sb) if r % 2 == 0 else (sb, sa)):
                 runs[sched].append(run(items, concurrency=args.concurrency, proposer=proposer,
-                                       schedule=sched, draft_len=int(d)))
+                                       schedule=sched, draft_len=int(d), engine_factory=factory))
         measured, profiles = {}, {}
         for sched in (sa, sb):
             ms = [m for m, _ in runs[sched]]
@@ -120,6 +175,9 @@ def main() -> None:
                   f"{med(lambda v: v['output_tokens_per_s_err_pct']):>5.2f}% "
                   f"{med(lambda v: v['bubble_fraction_err_pp']):>9.2f} | "
                   f"{floor_step:>9.2f}% {floor_mk:>9.2f}% | {speed:>10.0f}x")
+            if pace is not None:
+                print(f"  paced device: {statistics.median(overrun_pct(tr, pace) for tr in trs):.1f}% of "
+                      f"{proposer}/{sched} launches ran over their pace (median over rounds)")
         sim = {}
         for src, dst in ((sa, sb), (sb, sa)):
             trace = runs[src][0][1]

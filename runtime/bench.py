@@ -59,14 +59,17 @@ async def run_workload(
     record: bool = True,
     otlp: str | bool | None = None,
     on_done: Callable[[], None] | None = None,
+    engine_factory: Callable[[EngineConfig], AsyncEngine] = AsyncEngine,
 ) -> tuple[dict, object, list]:
     """Returns (metrics, trace, outputs). Closed loop with `concurrency` in flight, or
     open loop at `rate_qps` (Poisson-free: evenly spaced) / the items' own arrival_s.
     record=False runs without any tracer (to measure tracing overhead); metrics then hold only
     wall-clock duration, output tokens and steps. `otlp` exports spans live over OTLP/HTTP:
     a URL, or True to use the standard OTEL_EXPORTER_OTLP_* variables; None enables it when
-    OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set."""
-    engine = AsyncEngine(config)
+    OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set.
+    `engine_factory` builds the engine from the config (an AsyncEngine subclass, e.g. one
+    whose worker is paced)."""
+    engine = engine_factory(config)
     outputs: list = [None] * len(items)
     async with engine:
         if warmup:
