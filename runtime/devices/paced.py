@@ -70,6 +70,9 @@ class PacedWorker:
         attrs = batch.get("attrs") if isinstance(batch, dict) else None
         if attrs is None:
             return result  # not a pipeline launch (ping, agreement): unpaced
+        subs = result.get("_substages") if isinstance(result, dict) else None
+        if subs:  # the op's span is its substages': the pace counts from the first one
+            t0 = subs[0][1]
         end = t0 + paced_ns(self.pace, device_span_name(op, attrs), attrs)
         now = time.monotonic_ns()
         if now >= end:
@@ -78,7 +81,6 @@ class PacedWorker:
             left = end - now
             time.sleep((left - 200_000) / 1e9 if left > 300_000 else 0)
             now = time.monotonic_ns()
-        subs = result.get("_substages") if isinstance(result, dict) else None
         if subs:  # the first substage stretches; the rest keep their lengths, ending now
             t = now - sum(b - a for _, a, b in subs[1:])
             stamps = [(subs[0][0], subs[0][1], t)]
