@@ -17,7 +17,7 @@ TINY = {
     "proposers.py": ["--num-requests", "1", "--max-tokens", "4", "--only", "ngram"],
     "simulator_fidelity.py": ["--num-requests", "2", "--max-tokens", "6", "--concurrency", "2",
                               "--rounds", "2", "--pairs", "draft:sync:overlap:2",
-                              "--speed-concurrency", "2"],
+                              "--speed-concurrency", "2", "--paced", "2"],  # paced: the wider path
     "hf_compare.py": ["--num-requests", "1", "--max-tokens", "4", "--draft-len", "2"],
     "tune_accuracy.py": ["--num-requests", "2", "--max-tokens", "6", "--concurrency", "2", "--rounds", "1",
                          "--capture-len", "2", "--draft-lens", "1", "2"],
