@@ -48,6 +48,17 @@ def _profile(trace_obj, profile_path: Optional[Path]):
     return fit_profile([trace_obj])
 
 
+def _note_stand_ins(stand_ins: dict[str, int], who: str) -> None:
+    """Warn (stderr) where a replay priced latencies or ops its profile's traces never showed."""
+    if not stand_ins:
+        return
+    items = ", ".join(f"{k} ({n}x)" for k, n in stand_ins.items())
+    console.print(f"[yellow]note:[/] {who} priced these from stand-ins (the profile's traces never "
+                  f"showed them): {items}. The prediction rests on them: fit a profile on traces "
+                  "that show them too (e.g. add one of this schedule: `specsched fit-profile "
+                  "A.jsonl B.jsonl --out p.json`, then `--profile p.json`).")
+
+
 @app.command("replay")
 def replay_cmd(
     trace: Path,
@@ -78,6 +89,7 @@ def replay_cmd(
                                                                   concurrency, engine=dict(map(_engine_setting, settings))))
     except (ValueError, KeyError) as e:
         _fail(str(e))
+    _note_stand_ins(sim.header.extra["stand_ins"], "the replay")
     if trace_out:
         write_trace(sim, trace_out)
     if json_out:
@@ -101,6 +113,7 @@ def validate(
     if replicates < 1:
         _fail("--replicates must be >= 1")
     res = run_validate(tr, _profile(tr, profile), replicates=replicates, jobs=_jobs(jobs))
+    _note_stand_ins(res["stand_ins"], "the replay")
     if json_out:
         _print_json(res)
         return
@@ -175,6 +188,8 @@ def ab(
                          on_replicate=lambda done, total: progress.update(task, completed=done))
     except (ValueError, KeyError) as e:
         _fail(str(e))
+    for v in ("a", "b"):
+        _note_stand_ins(res["stand_ins"][v], f"variant {v.upper()}")
     if json_out:
         _print_json(res)
         return

@@ -65,6 +65,7 @@ def validate(trace, profile: CostProfile | None = None, *, replicates: int = 5, 
         "bubble_fraction_err_pp": (abs(sim_m["bubble_fraction"] - real["bubble_fraction"]) * 100
                                    if sim_m["bubble_fraction"] is not None and real["bubble_fraction"] is not None else None),
         "fit_mape_pct": profile.mape(),
+        "stand_ins": sim.header.extra.get("stand_ins", {}),
         "stages": _stage_comparison(trace, sim),
         "real": real, "sim": sim_m,
     }
@@ -120,7 +121,7 @@ def _ab_pair(shared: tuple, r_seed: int) -> tuple:
     trace, profile, a, b = shared
     ma, ta = replay(trace, profile.with_noise(r_seed), replace(a, seed=r_seed))
     mb, tb = replay(trace, profile.with_noise(r_seed), replace(b, seed=r_seed))
-    return ma, mb, _per_request(ta), _per_request(tb)
+    return ma, mb, _per_request(ta), _per_request(tb), (ta.header.extra["stand_ins"], tb.header.extra["stand_ins"])
 
 
 def ab(trace, a: ReplayConfig, b: ReplayConfig, *, profile: CostProfile | None = None,
@@ -135,7 +136,7 @@ def ab(trace, a: ReplayConfig, b: ReplayConfig, *, profile: CostProfile | None =
     ma = mb = None
     pairs = fan_out(_ab_pair, (trace, profile, a, b), [seed * 1000 + r for r in range(replicates)],
                     jobs=jobs, on_done=on_replicate)
-    for ma, mb, (fa, ga), (fb, gb) in pairs:
+    for ma, mb, (fa, ga), (fb, gb), stand_ins in pairs:
         thr.append(mb["output_tokens_per_s"] - ma["output_tokens_per_s"])
         ttft_d += [fb[k] - fa[k] for k in fa if k in fb]
         tpot_d += [gb[k] - ga[k] for k in ga if k in gb]
@@ -148,7 +149,9 @@ def ab(trace, a: ReplayConfig, b: ReplayConfig, *, profile: CostProfile | None =
             better = (mean > 0) if name == "output_tokens_per_s" else (mean < 0)
             verdict = "B better" if better else "A better"
         res[name] = {"diff_mean": mean, "ci95": [lo, hi], "verdict": verdict}
-    return {"a": ma, "b": mb, "diff_b_minus_a": res, "replicates": replicates}
+    # what each variant priced with stand-ins (the last replicate's; see VirtualDevice.stand_ins)
+    return {"a": ma, "b": mb, "diff_b_minus_a": res, "replicates": replicates,
+            "stand_ins": {"a": stand_ins[0], "b": stand_ins[1]}}
 
 
 def accept_len(trace, d: int) -> float | None:

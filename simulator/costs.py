@@ -37,6 +37,7 @@ FEATURES = ("const", "tokens", "requests", "kv_tokens", "draft_steps", "draft_fo
 DRAFT_FEATURES = ("const", "draft_steps", "draft_forwards", "kv_tokens")  # fitted for the draft op
 SHAPE_FEATURES = FEATURES[:4]  # every other device op and host stage
 HOST_STAGES = ("schedule", "kv_alloc", "plan", "launch", "output")
+_PER_OP_LATENCIES = {"launch lead": "launch_leads", "wake-up": "wakeups", "queue gap": "op_gaps"}
 
 
 def device_features(op: str) -> tuple[str, ...]:
@@ -143,17 +144,22 @@ class CostProfile:
     SIBLING = {"decode": "verify", "verify": "decode"}
     FEW_SAMPLES = 8
 
+    def priced_as(self, name: str) -> str | None:
+        """The fitted op whose model prices op `name`: itself, or a stand-in (None if neither
+        it nor a stand-in was fitted)."""
+        m = self.device.get(name)
+        sib_name = self.SIBLING.get(name, "")
+        sib = self.device.get(sib_name)
+        if sib is not None and (m is None or m.num_samples < self.FEW_SAMPLES <= sib.num_samples):
+            return sib_name
+        if m is not None:
+            return name
+        return next((alt for alt in self.FALLBACK.get(name, ()) if alt in self.device), None)
+
     def model_for(self, name: str) -> StageModel | None:
         """The model that prices op `name` (None if neither it nor a stand-in was fitted)."""
-        m = self.device.get(name)
-        sib = self.device.get(self.SIBLING.get(name, ""))
-        if sib is not None and (m is None or m.num_samples < self.FEW_SAMPLES <= sib.num_samples):
-            return sib
-        for alt in self.FALLBACK.get(name, ()):
-            if m is not None:
-                break
-            m = self.device.get(alt)
-        return m
+        key = self.priced_as(name)
+        return None if key is None else self.device[key]
 
     def device_ns(self, name: str, attrs: dict) -> float:
         m = self.model_for(name)
@@ -168,6 +174,14 @@ class CostProfile:
 
     def wakeup_for(self, op: str) -> float:
         return self.wakeups.get(op, self.wakeup_ns)
+
+    def stand_in(self, latency: str, key: str) -> bool:
+        """Whether `latency` ("launch lead", "wake-up" or "queue gap") of op `key` is a
+        stand-in: a profile fitted from traces has no value of its own for the op (its traces
+        never showed it, or fewer than 3 times: an overlap trace never waits on a draft), so
+        the mean over the ops they did show prices it. A profile made by hand (no `source`)
+        sets the overall latencies on purpose: nothing is a stand-in there."""
+        return bool(self.source) and key not in getattr(self, _PER_OP_LATENCIES[latency])
 
     def gap_ns(self, name: str) -> float:
         """Device idle before op `name` when it was queued behind another (the worker replies

@@ -43,9 +43,12 @@ class VirtualEvent:
         return self._outcome()
 
     async def wait(self) -> Any:
-        clock = self._device.clock
-        delay = self.end_ns + int(self._device.profile.wakeup_for(self.op)) - clock.now_ns()
+        dev = self._device
+        clock = dev.clock
+        delay = self.end_ns + int(dev.profile.wakeup_for(self.op)) - clock.now_ns()
         if delay > 0:
+            if dev.profile.stand_in("wake-up", self.op):
+                dev.note_stand_in("wake-up", self.op)
             await clock.sleep_ns(delay)
         return self._outcome()
 
@@ -64,13 +67,20 @@ class VirtualStream:
 
     def launch(self, op: str, batch: dict) -> VirtualEvent:
         dev = self.device
-        ready = dev.clock.now_ns() + int(dev.profile.launch_lead_for(op))
+        now = dev.clock.now_ns()
+        ready = now + int(dev.profile.launch_lead_for(op))
         attrs = batch.get("attrs", {})
         name = device_span_name(op, attrs)
-        queue_free = dev.busy_until_ns if dev.profile.serialize_streams else self.busy_until_ns
-        if queue_free > 0:
-            queue_free += int(dev.profile.gap_ns(name))
+        # launched while the queue is busy, an op starts the device's per-op gap after the
+        # op ahead of it; launched onto an idle device, its launch lead after the launch (how
+        # the two are fitted: gaps from queued ops, leads from launches onto an idle device)
+        busy = dev.busy_until_ns if dev.profile.serialize_streams else self.busy_until_ns
+        queue_free = busy + int(dev.profile.gap_ns(name)) if busy > now else 0
         start = max(ready, queue_free, self._after_ns)
+        if start == ready and dev.profile.stand_in("launch lead", op):
+            dev.note_stand_in("launch lead", op)
+        elif start == queue_free and dev.profile.stand_in("queue gap", name):
+            dev.note_stand_in("queue gap", name)
         error = None
         try:
             result, subs = dev.responder.respond(op, batch, start)
@@ -78,6 +88,8 @@ class VirtualStream:
             result, subs, error = None, [], str(e)
         if not subs:
             subs = [(name, int(dev.profile.device_ns(name, attrs)))]
+        for sub, _ in subs:
+            dev.check_cost_model(sub)
         t = start
         stamps = []
         for name, dur in subs:
@@ -108,6 +120,27 @@ class VirtualDevice:
         self.busy_until_ns = 0
         self.num_launches = 0
         self._streams: dict[str, VirtualStream] = {}
+        # what the profile priced with a stand-in, "latency: op" -> times (see `stand_ins`)
+        self.stand_in_counts: dict[str, int] = {}
+        self._priced_as: dict[str, str | None] = {}
+
+    def note_stand_in(self, latency: str, key: str) -> None:
+        k = f"{latency}: {key}"
+        self.stand_in_counts[k] = self.stand_in_counts.get(k, 0) + 1
+
+    def check_cost_model(self, name: str) -> None:
+        """Count a device op priced by another op's model (a trace without that op)."""
+        if name not in self._priced_as:
+            self._priced_as[name] = self.profile.priced_as(name)
+        alt = self._priced_as[name]
+        if alt is not None and alt != name:
+            self.note_stand_in("cost model", f"{name} (priced as {alt})")
+
+    def stand_ins(self, min_share: float = 0.05) -> dict[str, int]:
+        """The stand-ins that priced at least `min_share` of the launches (and 3 or more):
+        where a prediction rests on latencies or costs its traces never showed."""
+        floor = max(3, min_share * self.num_launches)
+        return {k: n for k, n in sorted(self.stand_in_counts.items()) if n >= floor}
 
     def stream(self, name: str) -> VirtualStream:
         if name not in self._streams:

@@ -219,6 +219,7 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
             for i, it in enumerate(items):
                 clients.start_soon(client, i, it)
         pipe.stop()
+    rec.header.extra["stand_ins"] = device.stand_ins()
     return rec.to_trace(validate=False)
 
 

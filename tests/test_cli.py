@@ -85,6 +85,18 @@ def test_replay_rejects_bad_options_by_name(args, named):
     assert code == 2 and named in out
 
 
+def test_replay_notes_what_it_priced_from_stand_ins():
+    """The sample is a sync trace: replayed as `overlap`, drafts and verifies queue behind
+    fills, a gap the trace never showed; under its own schedule there is no note."""
+    res = runner.invoke(app, ["replay", str(SAMPLE), "--schedule", "overlap", "--json"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    err = " ".join(res.stderr.split())
+    assert "priced these from stand-ins" in err and "queue gap: draft" in err and "fit-profile" in err
+    json.loads(res.stdout)  # the note goes to stderr: stdout stays JSON
+    res = runner.invoke(app, ["replay", str(SAMPLE), "--json"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0 and "stand-ins" not in res.stderr
+
+
 def test_replay_with_another_proposer_says_whose_costs_it_uses(tmp_path):
     res = runner.invoke(app, ["replay", str(SAMPLE), "--spec", "eagle", "--json"], env={"COLUMNS": "400"})
     assert res.exit_code == 0, res.output

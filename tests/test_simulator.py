@@ -97,6 +97,52 @@ def test_virtual_device_streams(serialize):
         assert spans == [(0, 10**6), (0, 10**6), (10**6, 2 * 10**6)]
 
 
+def test_the_queue_gap_applies_only_to_an_op_launched_while_the_queue_is_busy():
+    """How leads and gaps are fitted is how they apply: a launch onto a busy queue starts the
+    per-op gap after the op ahead of it; one onto an idle device, its lead after the launch
+    (a gap larger than the idle time must not hold it back)."""
+    prof = CostProfile(launch_lead_ns=100_000, op_gap_ns=5_000_000)
+    prof.device["decode"] = fit_stage([{"const": 1.0}], [1_000_000.0], ("const",))
+
+    async def main():
+        dev = VirtualDevice(prof, _EchoResponder())
+        s = dev.stream("main")
+        e1 = s.launch("forward", {"attrs": {"kind": "decode"}})
+        e2 = s.launch("forward", {"attrs": {"kind": "decode"}})  # queued behind e1
+        await e2.wait()
+        dev.clock.advance_ns(2_000_000)  # the device idles 2 ms: less than the gap
+        t = dev.clock.now_ns()
+        e3 = s.launch("forward", {"attrs": {"kind": "decode"}})
+        return e1.start_ns, e2.start_ns, e2.end_ns, t, e3.start_ns
+
+    s1, s2, e2_end, t, s3 = run_virtual(main)
+    assert s1 == 100_000 and s2 == s1 + 1_000_000 + 5_000_000
+    assert s3 == t + 100_000 and t - e2_end == 2_000_000
+
+
+def test_a_replay_names_the_latencies_and_costs_it_priced_from_stand_ins():
+    """An overlap trace never launches a draft onto an idle device nor waits on one: replayed
+    as `sync`, those latencies are stand-ins, and the replay says so; under its own
+    configuration nothing is; plain decoding prices its decode with the verify's model. A
+    profile made by hand has no stand-ins (its overall latencies are meant)."""
+    from traces.reader import read_trace
+
+    tr = read_trace(ROOT / "traces" / "samples" / "draft_overlap.jsonl")
+    prof = fit_profile([tr])
+    own = replay(tr, prof)[1].header.extra["stand_ins"]
+    as_sync = replay(tr, prof, ReplayConfig(schedule="sync"))[1].header.extra["stand_ins"]
+    plain = replay(tr, prof, ReplayConfig(proposer="none", schedule="sync"))[1].header.extra["stand_ins"]
+    assert own == {}
+    assert {"launch lead: draft", "wake-up: draft"} <= set(as_sync)
+    assert all(n >= 3 for n in as_sync.values())
+    assert "cost model: decode (priced as verify)" in plain
+    hand = analytic_profile(5e6, 0.1)
+    assert replay(tr, hand, ReplayConfig(schedule="sync"))[1].header.extra["stand_ins"] == {}
+    assert set(validate(tr, prof, replicates=1)["stand_ins"]) == set(own)
+    res = ab(tr, ReplayConfig(), ReplayConfig(schedule="sync"), profile=prof, replicates=2)
+    assert res["stand_ins"]["a"] == own and set(res["stand_ins"]["b"]) == set(as_sync)
+
+
 def test_cost_fit_recovers_a_linear_model_and_roundtrips(tmp_path):
     rng = np.random.default_rng(0)
     rows, ys = [], []
