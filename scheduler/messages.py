@@ -6,7 +6,9 @@ The device keeps per-request token state (indexed by `slot`); messages say which
 positions to compute, never the tokens the device itself produced, so the host need not
 wait for them (the basis of the no-sync schedules).
 
-Ops and their messages (all arrays are per scheduled sequence, B rows):
+Ops and their messages (per-row fields are lists of Python ints over the B scheduled rows:
+a handful of rows, where numpy's per-call cost would exceed the work, and lists pickle
+smaller to a worker; the attention plan's arrays are numpy):
   forward  target forward of prefill chunks / decodes; samples where `samples`
   draft    proposer makes up to `num_draft` tokens per row (one launch for all D steps)
   verify   target forward over the last token + candidates, acceptance, bonus token
@@ -55,20 +57,19 @@ def forward_message(batch: StepBatch, blocks: BlockManager, with_plan: bool = Tr
     reqs = [s.request for s in batch.seqs]
     start_l = [r.num_computed_tokens for r in reqs]
     new_l = [s.num_new_tokens for s in batch.seqs]
-    start = np.array(start_l, dtype=np.int64)
-    num_new = np.array(new_l, dtype=np.int64)
+    ends = [a + n for a, n in zip(start_l, new_l)]
     plan = build_plan(
-        num_new,
-        start + num_new,
+        np.array(new_l, dtype=np.int64),
+        np.array(ends, dtype=np.int64),
         [blocks.page_table(r.request_id) for r in reqs],
         blocks.page_size,
-    ).to_message() if with_plan else _shape_only(new_l, [a + n for a, n in zip(start_l, new_l)])
+    ).to_message() if with_plan else _shape_only(new_l, ends)
     return {
         "step": batch.step,
-        "slots": np.array([r.slot for r in reqs], dtype=np.int64),
-        "start": start,
-        "num_new": num_new,
-        "samples": np.array([s.samples for s in batch.seqs], dtype=bool),
+        "slots": [r.slot for r in reqs],
+        "start": start_l,
+        "num_new": new_l,
+        "samples": [s.samples for s in batch.seqs],
         "register": registrations(batch),
         "plan": plan,
     }
@@ -79,11 +80,11 @@ def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec, w
     reqs = [s.request for s in batch.seqs]
     width = 1 + spec.num_candidates
     start_l = [r.num_computed_tokens for r in reqs]
-    start = np.array(start_l, dtype=np.int64)
     positions = masks = None
     if not with_plan:
         plan_msg = _shape_only([width] * len(reqs), [a + width for a in start_l])
     elif spec.kind == "eagle":
+        start = np.array(start_l, dtype=np.int64)
         depths = np.concatenate([[0], spec.tree_depths()])
         positions = [s + depths for s in start]
         tree = spec.tree_mask()
@@ -95,7 +96,7 @@ def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec, w
     if with_plan:
         plan_msg = build_plan(
             np.full(len(reqs), width),
-            start + width,
+            np.array(start_l, dtype=np.int64) + width,
             [blocks.page_table(r.request_id) for r in reqs],
             blocks.page_size,
             positions=positions,
@@ -103,9 +104,9 @@ def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec, w
         ).to_message()
     return {
         "step": batch.step,
-        "slots": np.array([r.slot for r in reqs], dtype=np.int64),
-        "start": start,
-        "num_draft": np.array([s.num_draft for s in batch.seqs], dtype=np.int64),
+        "slots": [r.slot for r in reqs],
+        "start": start_l,
+        "num_draft": [s.num_draft for s in batch.seqs],
         "plan": plan_msg,
     }
 
@@ -116,15 +117,13 @@ def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec) ->
     reqs = [s.request for s in batch.seqs]
     msg = {
         "step": batch.step,
-        "slots": np.array([r.slot for r in reqs], dtype=np.int64),
-        "num_tokens": np.array([r.num_tokens for r in reqs], dtype=np.int64),
-        "num_draft": np.array([s.num_draft for s in batch.seqs], dtype=np.int64),
+        "slots": [r.slot for r in reqs],
+        "num_draft": [s.num_draft for s in batch.seqs],
         "page_size": blocks.page_size,
     }
     if spec.kv_model is not None:
         # the tables themselves, not copies: a device consumes the message at launch
         msg["page_tables"] = [blocks.page_table(r.request_id, spec.kv_model) for r in reqs]
-        msg["proposer_computed"] = np.array([r.num_proposer_computed for r in reqs], dtype=np.int64)
     return msg
 
 
@@ -155,8 +154,8 @@ def fill_message(
     return {
         "step": step,
         "after": after,
-        "slots": np.array([r.slot for r in reqs], dtype=np.int64),
-        "start": np.array(starts, dtype=np.int64),
+        "slots": [r.slot for r in reqs],
+        "start": starts,
         "plan": plan,
         "shape": shape(lens, ends),  # the fill launch's attributes (traces, cost models)
     }
@@ -209,6 +208,4 @@ def accept_fill_message(batch: StepBatch, starts_before: list[int], accepted: li
         valid = L - 1 if spec.kind == "eagle" else r.num_proposer_computed + min(a, max(s.num_draft - 1, 0))
         starts.append(min(valid, L + a))
         ends.append(L + a + bonus)
-    msg = fill_message(batch.step, reqs, starts, ends, blocks, spec, after="verify", with_plan=with_plan)
-    msg["accepted"] = np.array(accepted, dtype=np.int64)
-    return msg
+    return fill_message(batch.step, reqs, starts, ends, blocks, spec, after="verify", with_plan=with_plan)

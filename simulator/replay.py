@@ -101,16 +101,16 @@ class TraceResponder:
         attrs = batch.get("attrs", {})
         if op == "forward":
             out = []
-            for slot, samp in zip(batch["slots"].tolist(), batch["samples"].tolist()):
+            for slot, samp in zip(batch["slots"], batch["samples"]):
                 if samp:
                     self.slots[slot][1] += 1
                 out.append(_DUMMY_TOKEN if samp else -1)
             return {"tokens": out}, []
         if op == "draft":
-            return {"num_drafts": batch["num_draft"].tolist()}, []
+            return {"num_drafts": batch["num_draft"]}, []
         if op == "verify":
             accepted, emitted, drafted = [], [], []
-            for slot, nd in zip(batch["slots"].tolist(), batch["num_draft"].tolist()):
+            for slot, nd in zip(batch["slots"], batch["num_draft"]):
                 st = self.slots[slot]
                 pos = st[1] - self.prompt_lens[st[0]]
                 a, d = self.acceptance.outcome(st[0], pos, nd)
