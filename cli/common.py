@@ -2,6 +2,7 @@
 trace loading and the metrics table."""
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -17,6 +18,68 @@ console = Console(stderr=True)
 def _fail(msg: str) -> None:
     console.print(f"[red]error:[/red] {msg}")
     raise typer.Exit(2)
+
+
+def _user_error_types() -> tuple[type, ...]:
+    """Errors a user's input causes (a bad request, config, checkpoint, trace, a path that is
+    not there): reported as one line, never a traceback. Classes of modules not imported
+    yet cannot have been raised, so they are not imported for the check."""
+    from scheduler.errors import ConfigurationError, InvalidRequestError
+    from scheduler.protocols import DeviceError
+
+    types: list[type] = [InvalidRequestError, ConfigurationError, DeviceError, OSError]
+    for module, name in (("runtime.checkpoint", "CheckpointError"), ("traces.reader", "TraceFormatError")):
+        if module in sys.modules:
+            types.append(getattr(sys.modules[module], name))
+    return tuple(types)
+
+
+def _first_leaf(exc: BaseException, types: tuple[type, ...]) -> BaseException | None:
+    """`exc` if it is one of `types`, else the first such error inside an exception group
+    (a task group wraps what a request or the engine raised)."""
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            found = _first_leaf(sub, types)
+            if found is not None:
+                return found
+        return None
+    return exc if isinstance(exc, types) else None
+
+
+def user_errors(fn):
+    """Decorates a command: an error caused by its input ends it with `error: <message>` and
+    exit status 2 -- also when an anyio task group wrapped it -- instead of a traceback."""
+    import click
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - re-raised unless it is a user error
+            leaf = _first_leaf(e, (click.exceptions.Exit, click.ClickException))
+            if leaf is not None and leaf is not e:
+                raise leaf from None  # an Exit (from _fail) raised inside a task group
+            if leaf is not None:
+                raise
+            err = _first_leaf(e, _user_error_types())
+            if err is None:
+                raise
+            _fail(str(err) or type(err).__name__)
+
+    return wrapper
+
+
+def check_output_path(path: Path | None, option: str) -> None:
+    """Fail before any work when an output file cannot be written where it is asked for (a
+    run that fails only at its end loses the run)."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        _fail(f"{option} {path}: is a directory, not a file")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        _fail(f"{option} {path}: folder {parent} does not exist")
 
 
 def engine_config(**kw):
@@ -38,12 +101,22 @@ def _print_json(obj) -> None:
 
 
 def _read_trace(path: Path):
+    """A trace file, or a one-line error naming the file, line and field. A run that was
+    killed mid-write leaves a cut-off last line: the records before it are read, with a note."""
+    import warnings
+
     from traces.reader import TraceFormatError, read_trace
 
     try:
-        return read_trace(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the note below says it once, in plain words
+            trace = read_trace(path, allow_truncated_tail=True)
     except (TraceFormatError, OSError) as e:
         _fail(str(e))
+    if trace.truncated:
+        console.print(f"[yellow]note:[/] {path}: the last line is cut off (the run was interrupted?); "
+                      "read the records before it")
+    return trace
 
 
 def _metrics_table(title: str, rows: list[tuple[str, dict]]) -> None:
@@ -54,9 +127,14 @@ def _metrics_table(title: str, rows: list[tuple[str, dict]]) -> None:
         t.add_column(col, justify="right")
     for name, m in rows:
         al = m.get("mean_accept_len")
-        t.add_row(name, f"{m['output_tokens_per_s']:.1f}", f"{m['ttft_ms']['p50']:.1f}",
-                  f"{(m['tpot_ms']['p50'] or 0):.2f}", f"{al:.2f}" if al else "-",
+        t.add_row(name, _num(m["output_tokens_per_s"], ".1f"), _num(m["ttft_ms"]["p50"], ".1f"),
+                  _num(m["tpot_ms"]["p50"], ".2f"), f"{al:.2f}" if al else "-",
                   f"{m['bubble_fraction']:.3f}" if m.get("bubble_fraction") is not None else "-",
                   f"{m['host_ms_per_step'].get('total', 0):.2f}",
                   f"{m['speedup_vs_plain']:.2f}x" if m.get("speedup_vs_plain") else "-")
     Console().print(t)
+
+
+def _num(value, fmt: str) -> str:
+    """A number for a table cell; "-" for a metric a run does not have (no finished request)."""
+    return "-" if value is None else format(value, fmt)

@@ -12,10 +12,11 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from cli.common import _fail, _metrics_table, _print_json, app, console, engine_config
+from cli.common import _fail, _metrics_table, _print_json, app, check_output_path, console, engine_config, user_errors
 
 
 @app.command()
+@user_errors
 def generate(
     prompt: str = typer.Argument(..., help="prompt text"),
     model: Optional[str] = typer.Option(None, help="target checkpoint dir (HF layout); default: bundled"),
@@ -25,7 +26,8 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p"),
     seed: Optional[int] = typer.Option(None),
     stop: list[str] = typer.Option([], help="stop string (repeatable)"),
-    spec: str = typer.Option("none", help="proposer: none|draft|mtp|eagle|ngram"),
+    spec: Optional[str] = typer.Option(None, help="proposer: none|draft|mtp|eagle|ngram (default: the "
+                                       "--config file's, else none)"),
     draft_len: Optional[int] = typer.Option(None, "--draft-len"),
     draft: Optional[str] = typer.Option(None, help="draft checkpoint dir"),
     mtp_head: Optional[str] = typer.Option(None, "--mtp-head", help="MTP/EAGLE head dir"),
@@ -142,6 +144,7 @@ def _workload(workload: str, num_requests: Optional[int], max_tokens: Optional[i
 
 
 @app.command()
+@user_errors
 def bench(
     model: Optional[str] = typer.Option(None),
     draft: Optional[str] = typer.Option(None),
@@ -152,7 +155,8 @@ def bench(
     temperature: Optional[float] = typer.Option(None, help="override every request's temperature"),
     concurrency: Optional[int] = typer.Option(None, help="closed loop: requests in flight"),
     rate: Optional[float] = typer.Option(None, help="open loop: requests per second"),
-    spec: str = typer.Option("none", help="proposer: none|draft|mtp|eagle|ngram"),
+    spec: Optional[str] = typer.Option(None, help="proposer: none|draft|mtp|eagle|ngram (default: the "
+                                       "--config file's, else none)"),
     draft_len: Optional[int] = typer.Option(None, "--draft-len"),
     schedule: Optional[str] = typer.Option(None),
     warmup: int = typer.Option(1),
@@ -169,6 +173,15 @@ def bench(
 
     from runtime.bench import run_workload
 
+    for option, value, low in (("--num-requests", num_requests, 1), ("--max-tokens", max_tokens, 1),
+                               ("--concurrency", concurrency, 1), ("--warmup", warmup, 0)):
+        if value is not None and value < low:
+            _fail(f"{option} must be >= {low}, got {value}")
+    if rate is not None and not rate > 0:
+        _fail(f"--rate must be > 0 requests per second, got {rate}")
+    if rate is not None and concurrency is not None:
+        _fail("--concurrency (closed loop) and --rate (open loop) exclude each other: choose one")
+    check_output_path(trace, "--trace")
     cfg = engine_config(model=model, draft=draft, mtp_head=mtp_head, proposer=spec, draft_len=draft_len,
                         schedule=schedule, config_file=config_file)
     items = _workload(workload, num_requests, max_tokens, temperature)

@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from cli.common import _fail, _metrics_table, _print_json, _read_trace, app, console
+from cli.common import _fail, _metrics_table, _print_json, _read_trace, app, check_output_path, console, user_errors
 
 
 def _replay_config(schedule, spec, draft_len, acceptance, rate_scale, concurrency, seed=0, engine=None):
@@ -60,6 +60,7 @@ def _note_stand_ins(stand_ins: dict[str, int], who: str) -> None:
 
 
 @app.command("replay")
+@user_errors
 def replay_cmd(
     trace: Path,
     schedule: Optional[str] = typer.Option(None),
@@ -78,6 +79,7 @@ def replay_cmd(
     from simulator.replay import replay
     from traces.recorder import write_trace
 
+    check_output_path(trace_out, "--trace")
     tr = _read_trace(trace)
     if spec not in (None, "none", tr.header.proposer):
         console.print(f"[yellow]note:[/] this trace was captured with proposer {tr.header.proposer!r}: the "
@@ -99,6 +101,7 @@ def replay_cmd(
 
 
 @app.command()
+@user_errors
 def validate(
     trace: Path,
     profile: Optional[Path] = typer.Option(None),
@@ -112,7 +115,10 @@ def validate(
     tr = _read_trace(trace)
     if replicates < 1:
         _fail("--replicates must be >= 1")
-    res = run_validate(tr, _profile(tr, profile), replicates=replicates, jobs=_jobs(jobs))
+    try:
+        res = run_validate(tr, _profile(tr, profile), replicates=replicates, jobs=_jobs(jobs))
+    except (ValueError, KeyError) as e:
+        _fail(str(e))
     _note_stand_ins(res["stand_ins"], "the replay")
     if json_out:
         _print_json(res)
@@ -122,16 +128,18 @@ def validate(
     t = Table(title=f"simulator fidelity on {trace.name}")
     t.add_column("metric")
     t.add_column("error", justify="right")
-    t.add_row("per-step time, median |err|", f"{res['step_time_err_pct']['p50']:.2f}%")
-    t.add_row("per-step time, p90 |err|", f"{res['step_time_err_pct']['p90']:.2f}%")
+    def pct(v):  # "-": a metric the run lacks (a killed run has no finished request)
+        return f"{v:.2f}%" if v is not None else "-"
+
+    t.add_row("per-step time, median |err|", pct(res["step_time_err_pct"]["p50"]))
+    t.add_row("per-step time, p90 |err|", pct(res["step_time_err_pct"]["p90"]))
     for k, label in (("p50", "median"), ("p90", "p90")):
-        t.add_row(f"step time {label} (distribution)", f"{res['step_time_dist_err_pct'][k]:.2f}%")
-    t.add_row("makespan", f"{res['makespan_err_pct']:.2f}%")
-    t.add_row("output tokens/s", f"{res['output_tokens_per_s_err_pct']:.2f}%")
+        t.add_row(f"step time {label} (distribution)", pct(res["step_time_dist_err_pct"][k]))
+    t.add_row("makespan", pct(res["makespan_err_pct"]))
+    t.add_row("output tokens/s", pct(res["output_tokens_per_s_err_pct"]))
     for k in ("p50", "p99"):
-        t.add_row(f"TTFT {k}", f"{res['ttft_err_pct'][k]:.2f}%")
-        v = res["tpot_err_pct"][k]
-        t.add_row(f"TPOT {k}", f"{v:.2f}%" if v is not None else "-")
+        t.add_row(f"TTFT {k}", pct(res["ttft_err_pct"][k]))
+        t.add_row(f"TPOT {k}", pct(res["tpot_err_pct"][k]))
     v = res["bubble_fraction_err_pp"]
     t.add_row("bubble fraction", f"{v:.2f} pp" if v is not None else "-")
     t.add_section()
@@ -150,6 +158,7 @@ def validate(
 
 
 @app.command()
+@user_errors
 def ab(
     trace: Path,
     a: str = typer.Option(..., "--a", help="variant A, e.g. 'schedule=sync' or 'draft_len=3,schedule=overlap'"),
@@ -163,20 +172,28 @@ def ab(
     from simulator.analysis import ab as run_ab
     from simulator.replay import ReplayConfig
 
-    def parse(text: str) -> ReplayConfig:
+    def parse(text: str, option: str) -> ReplayConfig:
         from simulator.replay import ENGINE_KNOBS
 
         kw, engine = {}, {}
-        for part in filter(None, text.split(",")):
-            k, _, v = part.partition("=")
-            k = {"spec": "proposer", "draft-len": "draft_len"}.get(k.strip(), k.strip())
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            k, eq, v = part.partition("=")
+            k, v = {"spec": "proposer", "draft-len": "draft_len"}.get(k.strip(), k.strip()), v.strip()
+            if not eq or not v:
+                _fail(f"{option} {text!r}: {part!r} is not FIELD=VALUE")
             if k in ENGINE_KNOBS:
                 engine.update([_engine_setting(part)])
                 continue
             if k not in ("schedule", "proposer", "draft_len", "acceptance", "rate_scale", "concurrency"):
-                _fail(f"unknown A/B field {k!r}")
-            kw[k] = int(v) if k in ("draft_len", "concurrency") else float(v) if k == "rate_scale" else v
-        return ReplayConfig(**kw, engine_overrides=engine)
+                _fail(f"{option}: unknown A/B field {k!r}")
+            try:
+                kw[k] = int(v) if k in ("draft_len", "concurrency") else float(v) if k == "rate_scale" else v
+            except ValueError:
+                _fail(f"{option}: {k} takes {'an integer' if k != 'rate_scale' else 'a number'}, got {v!r}")
+        try:
+            return ReplayConfig(**kw, engine_overrides=engine)
+        except ValueError as e:
+            _fail(f"{option} {text!r}: {e}")
 
     from rich.progress import Progress
 
@@ -184,7 +201,7 @@ def ab(
     try:
         with Progress(console=console, transient=True, disable=json_out) as progress:
             task = progress.add_task("replicates", total=replicates)
-            res = run_ab(tr, parse(a), parse(b), profile=_profile(tr, profile), replicates=replicates, jobs=_jobs(jobs),
+            res = run_ab(tr, parse(a, "--a"), parse(b, "--b"), profile=_profile(tr, profile), replicates=replicates, jobs=_jobs(jobs),
                          on_replicate=lambda done, total: progress.update(task, completed=done))
     except (ValueError, KeyError) as e:
         _fail(str(e))
@@ -207,6 +224,7 @@ def ab(
 
 
 @app.command()
+@user_errors
 def tune(
     traces: list[Path] = typer.Argument(..., help="one speculative trace per proposer to compare"),
     profile: Optional[Path] = typer.Option(None, help="cost profile JSON (one trace only)"),
@@ -272,6 +290,7 @@ def _us_by_op(values_ns: dict) -> str:
 
 
 @app.command("fit-profile")
+@user_errors
 def fit_profile_cmd(
     traces: list[Path],
     out: Path = typer.Option(..., "-o", "--out"),
@@ -283,6 +302,7 @@ def fit_profile_cmd(
 
     if tile != "auto" and not (tile.isdigit() and int(tile) >= 1):
         _fail(f"--tile takes a positive integer or 'auto', got {tile!r}")
+    check_output_path(out, "--out")
     prof = fit_profile([_read_trace(t) for t in traces], tile=tile if tile == "auto" else int(tile))
     prof.save(out)
     if json_out:

@@ -6,10 +6,11 @@ from typing import Optional
 
 import typer
 
-from cli.common import _fail, _metrics_table, _print_json, _read_trace, app, console
+from cli.common import _fail, _metrics_table, _print_json, _read_trace, app, check_output_path, console, user_errors
 
 
 @app.command()
+@user_errors
 def stats(trace: Path, json_out: bool = typer.Option(False, "--json")) -> None:
     """Metrics of a trace (the same keys as `bench --json`)."""
     from traces.metrics import compute_metrics
@@ -22,6 +23,7 @@ def stats(trace: Path, json_out: bool = typer.Option(False, "--json")) -> None:
 
 
 @app.command()
+@user_errors
 def export(
     trace: Path,
     chrome: Optional[Path] = typer.Option(None, help="Chrome/Perfetto trace JSON"),
@@ -29,9 +31,11 @@ def export(
     otlp: Optional[str] = typer.Option(None, help="OTLP/HTTP endpoint, e.g. http://localhost:4318/v1/traces"),
 ) -> None:
     """Export a trace to Perfetto / chrome://tracing or OpenTelemetry."""
-    tr = _read_trace(trace)
     if not (chrome or otel_json or otlp):
         _fail("choose at least one of --chrome, --otel-json, --otlp")
+    check_output_path(chrome, "--chrome")
+    check_output_path(otel_json, "--otel-json")
+    tr = _read_trace(trace)
     if chrome:
         from traces.chrome import write_chrome_trace
 
@@ -45,11 +49,15 @@ def export(
     if otlp:
         from traces.otel_export import export_otlp
 
-        n = export_otlp(tr, otlp)
+        try:
+            n = export_otlp(tr, otlp)
+        except RuntimeError as e:  # the collector refused or was not there
+            _fail(f"--otlp {otlp}: {e}")
         console.print(f"sent {n} spans to {otlp}")
 
 
 @app.command()
+@user_errors
 def timeline(
     trace: Path,
     out: Path = typer.Option(Path("timeline.png"), "-o", "--out"),
@@ -65,5 +73,16 @@ def timeline(
             window = (int(a), int(b))
         except ValueError:
             _fail("--steps takes A:B (two step numbers)")
-    plot_timeline(_read_trace(trace), out, steps=window)
+    check_output_path(out, "--out")
+    import matplotlib.figure
+
+    fmt = out.suffix.lstrip(".").lower()
+    supported = matplotlib.figure.Figure().canvas.get_supported_filetypes()
+    if fmt not in supported:
+        _fail(f"--out {out}: unknown picture format {fmt!r}; use one of {', '.join(sorted(supported))}")
+    tr = _read_trace(trace)
+    try:
+        plot_timeline(tr, out, steps=window)
+    except ValueError as e:  # e.g. a window of steps the trace does not have
+        _fail(f"--steps {steps}: {e}" if steps else str(e))
     console.print(f"wrote {out}")

@@ -11,10 +11,12 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import anyio
+import numpy as np
 
 from runtime.engine_config import EngineConfig
 from runtime.tokenizer import Tokenizer
@@ -145,6 +147,25 @@ def _stop_start(text: str, stops: list[str]) -> int:
     return len(text)
 
 
+def _token_ids(prompt: object) -> list[int]:
+    """A prompt given as token ids, as a list of ints; InvalidRequestError naming the first
+    element that is not an integer id. No coercion: int() would run 5.9 as 5, and True as 1.
+    Python and numpy integers are ids; bools, floats, strings and None are not."""
+    if (isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (Sequence, np.ndarray))
+            or getattr(prompt, "ndim", 1) != 1):
+        raise InvalidRequestError(
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+        )
+    ids = []
+    for i, t in enumerate(prompt):
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise InvalidRequestError(
+                f"prompt token id at index {i} is not an integer: {t!r} ({type(t).__name__})"
+            )
+        ids.append(int(t))
+    return ids
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, *, tracer=None):
         self.config = config or EngineConfig()
@@ -164,6 +185,7 @@ class AsyncEngine:
         self.tokenizer = Tokenizer(self.model_dir)
         self._check_tokenizers()
         self.max_model_len = self._max_model_len()
+        self._check_smallest_request_fits()
 
     # -- setup --------------------------------------------------------------------------------
     def _proposer_dir(self) -> str | None:
@@ -192,6 +214,27 @@ class AsyncEngine:
 
         return load_config(self.model_dir).max_position_embeddings
 
+    def _check_smallest_request_fits(self) -> None:
+        """Reject a config under which no request at all could be served (e.g. a draft length
+        near the model's context), instead of rejecting every request with a request error.
+        The smallest request has one prompt and one output token; `validate` sizes it."""
+        c = self.config
+        n = c.proposer_spec().num_candidates
+        what = f"the eagle tree's {n} nodes" if c.proposer == "eagle" else f"draft_len {c.draft_len}"
+        need = 1 + 1 + n + 1
+        if need > self.max_model_len:
+            raise ConfigurationError(
+                f"{what} is too long for the model: even a 1-token prompt with max_tokens 1 needs "
+                f"{need} positions, and {self.model_dir} has max_position_embeddings "
+                f"{self.max_model_len}"
+            )
+        pages = (need + c.page_size) // c.page_size * 2
+        if pages > c.num_pages:
+            raise ConfigurationError(
+                f"num_pages ({c.num_pages}) cannot hold even the smallest request, which needs "
+                f"{pages} pages of {c.page_size} tokens with {what}"
+            )
+
     def worker_spec(self):
         from runtime.devices import WorkerSpec
 
@@ -215,17 +258,28 @@ class AsyncEngine:
         from runtime.devices import make_device
 
         c = self.config
-        self.device = await anyio.to_thread.run_sync(
-            lambda: make_device(c.device, self.worker_spec(), num_threads=c.worker_threads)
-        )
-        spec = c.proposer_spec()
-        blocks = BlockManager(c.num_pages, c.page_size,
-                              ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
-        builder = BatchBuilder(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens,
-                                               spec.num_candidates, spec.kv_model), blocks)
-        self._pipeline = Pipeline(PipelineConfig(c.schedule, spec), builder, self.device,
-                                  MonotonicClock(), _Sink(self), self.tracer,
-                                  eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+        # shielded: the start's thread is never abandoned anyway; the shield only makes a
+        # cancelled start still keep the device, so that it is closed (below, or by __aexit__)
+        with anyio.CancelScope(shield=True):
+            self.device = await anyio.to_thread.run_sync(
+                lambda: make_device(c.device, self.worker_spec(), num_threads=c.worker_threads)
+            )
+        try:
+            spec = c.proposer_spec()
+            blocks = BlockManager(c.num_pages, c.page_size,
+                                  ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
+            builder = BatchBuilder(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens,
+                                                   spec.num_candidates, spec.kv_model), blocks)
+            self._pipeline = Pipeline(PipelineConfig(c.schedule, spec), builder, self.device,
+                                      MonotonicClock(), _Sink(self), self.tracer,
+                                      eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+        except BaseException:
+            # `async with` never calls __aexit__ when __aenter__ raises: without this the
+            # worker process (holding the model's weights) would outlive the failed start
+            self._pipeline = None
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.device.close)
+            raise
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._pipeline.run)
@@ -244,12 +298,15 @@ class AsyncEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids if the request can be served, else InvalidRequestError saying
+        why. Needs no running device: workloads are checked with it before a run starts
+        (`runtime.workload.check_workload`)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("empty prompt")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = [int(t) for t in prompt]
+            ids = _token_ids(prompt)
             bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]
             if bad:
                 raise InvalidRequestError(f"token ids outside the vocabulary: {bad[:5]}")

@@ -62,7 +62,17 @@ class EngineConfig(BaseModel):
         if self.attention == "flashinfer" and self.device != "cuda":
             raise ValueError("attention 'flashinfer' needs device 'cuda'")
         validate_combination(self.proposer, self.schedule, self.draft_len)
-        self.proposer_spec()  # validates the draft length
+        spec = self.proposer_spec()  # validates the draft length
+        # a step must hold at least one verification row (the last token + the candidates),
+        # or no speculative request could ever be scheduled
+        width = 1 + spec.num_candidates
+        if self.max_num_batched_tokens < width:
+            what = (f"1 + the eagle tree's {spec.num_candidates} nodes" if self.proposer == "eagle"
+                    else f"1 + draft_len ({self.draft_len})")
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) cannot hold one "
+                f"verification of {what} = {width} tokens; raise it to at least {width}"
+            )
         return self
 
     def proposer_spec(self) -> ProposerSpec:

@@ -2,12 +2,16 @@
 
     {"prompt": "def f(x):", "max_tokens": 64, "arrival_s": 0.5, "temperature": 0.0}
 
-Bad lines are rejected with file:line and the field, before anything runs.
+Bad lines are rejected with file:line and the field, before anything runs: `load_workload`
+checks each line's shape and sampling parameters; whether a prompt suits the model (its
+vocabulary, its context, the engine's proposer) is known only with an engine, so
+`check_workload(items, AsyncEngine(config).validate)` checks every item before a run starts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import orjson
 
@@ -22,6 +26,7 @@ class WorkItem:
     prompt: str | list[int]
     params: SamplingParams
     arrival_s: float | None = None  # offset from the run's start; None = closed loop
+    source: str | None = field(default=None, compare=False)  # "file:line" it was loaded from
 
 
 def load_workload(path: str | Path, *, limit: int | None = None, max_tokens: int | None = None,
@@ -42,8 +47,13 @@ def load_workload(path: str | Path, *, limit: int | None = None, max_tokens: int
         if not isinstance(obj, dict) or "prompt" not in obj:
             raise InvalidRequestError(f"{path}:{no}: expected an object with a 'prompt'")
         prompt = obj["prompt"]
-        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
+        if not (isinstance(prompt, str) or isinstance(prompt, list)):
             raise InvalidRequestError(f"{path}:{no}: prompt must be a string or a list of token ids")
+        for i, t in enumerate(prompt if isinstance(prompt, list) else ()):
+            if isinstance(t, bool) or not isinstance(t, int):  # JSON true is not token id 1
+                raise InvalidRequestError(
+                    f"{path}:{no}: prompt token id at index {i} is not an integer: {t!r}"
+                )
         unknown = set(obj) - {"prompt", "arrival_s", *_SAMPLING_KEYS}
         if unknown:
             raise InvalidRequestError(f"{path}:{no}: unknown field(s) {sorted(unknown)}")
@@ -59,9 +69,24 @@ def load_workload(path: str | Path, *, limit: int | None = None, max_tokens: int
         arrival = obj.get("arrival_s")
         if arrival is not None and not (isinstance(arrival, (int, float)) and arrival >= 0):
             raise InvalidRequestError(f"{path}:{no}: arrival_s must be a number >= 0")
-        items.append(WorkItem(prompt, params, arrival))
+        items.append(WorkItem(prompt, params, arrival, source=f"{path}:{no}"))
         if limit is not None and len(items) >= limit:
             break
     if not items:
         raise InvalidRequestError(f"{path}: workload has no requests")
     return items
+
+
+def check_workload(items: list[WorkItem], validate: Callable[[str | list[int], SamplingParams], object]) -> None:
+    """Check every item against the engine before a run starts; InvalidRequestError with the
+    item's file:line (or its index) and the reason for the first one it cannot serve.
+
+    Why: a prompt the model cannot take (empty, ids outside the vocabulary, longer than the
+    context) fails only when its request is submitted, which aborts a run midway. `validate`
+    is `AsyncEngine.validate` of an engine built from the run's config (no device needed)."""
+    for i, it in enumerate(items):
+        try:
+            validate(it.prompt, it.params)
+        except InvalidRequestError as e:
+            where = it.source or f"workload item {i}"
+            raise InvalidRequestError(f"{where}: {e}") from None

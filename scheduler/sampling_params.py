@@ -7,6 +7,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from scheduler.errors import InvalidRequestError
 
+# torch.Generator.manual_seed takes any value that fits 64 bits (negative ones wrap around) and
+# overflows -- failing the whole device op, so every request batched with this one -- beyond.
+# Non-negative and below 2**63: one seed per stream, and it fits the int64 of trace consumers.
+MAX_SEED = 2**63 - 1
+
 
 class SamplingParams(BaseModel):
     """What the caller asks for; mirrors vLLM's SamplingParams where names overlap."""
@@ -56,6 +61,21 @@ class SamplingParams(BaseModel):
             raise ValueError(f"top_k must be >= 0, got {v}")
         return v
 
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not (0 <= v <= MAX_SEED):
+            raise ValueError(f"seed must be in [0, 2**63 - 1], got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str]) -> list[str]:
+        # "" occurs in every text: it would end every request at its first token, with no text
+        if any(s == "" for s in v):
+            raise ValueError(f"stop strings must be non-empty, got {v!r}")
+        return v
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -68,4 +88,5 @@ class SamplingParams(BaseModel):
         except ValidationError as e:
             err = e.errors()[0]
             field = ".".join(str(x) for x in err["loc"])
-            raise InvalidRequestError(f"invalid sampling parameter {field}: {err['msg']}") from None
+            msg = err["msg"].removeprefix("Value error, ")
+            raise InvalidRequestError(f"invalid sampling parameter {field}: {msg}") from None

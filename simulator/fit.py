@@ -181,12 +181,13 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
             dur = float(s.end_ns - s.start_ns)
             if s.track == "host":
                 if s.name in HOST_STAGES:
-                    row = (prof.features(s.attrs, padded=False), dur)
+                    row = (_features(prof, tr, s), dur)
                     host_rows.setdefault(host_key(s.name, s.attrs), []).append(row)
                     all_rows.setdefault(s.name, []).append(row)
                 if s.name == "launch" and "launch_id" in s.attrs:
                     launches[s.attrs["launch_id"]] = s
             else:
+                _features(prof, tr, s)  # checked here: a shape attribute that is not a number
                 dev_rows.setdefault(s.name, []).append((s.attrs, dur))
         dev_spans = sorted((s for s in tr.spans if s.track != "host"), key=lambda s: s.start_ns)
         gaps += _op_gaps(_device_ops(dev_spans), launches)
@@ -214,6 +215,19 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
     prof.op_gap_ns = float(np.mean([g for _, g in gaps])) if gaps else 0.0
     prof.op_gaps = _means_by_key(gaps)
     return prof
+
+
+def _features(prof: CostProfile, tr, span) -> dict[str, float]:
+    """A span's cost features, or a ValueError naming the trace, the span and the attribute
+    that is not a number."""
+    try:
+        return prof.features(span.attrs, padded=False)
+    except (TypeError, ValueError):
+        bad = {k: v for k, v in span.attrs.items() if k in ("tokens", "requests", "kv_tokens", "num_draft",
+                                                             "draft_tokens", "draft_forwards")
+               and (isinstance(v, bool) or not isinstance(v, (int, float)))}
+        raise ValueError(f"{tr.path or 'trace'}: {span.track} span {span.name!r} of step {span.step}: "
+                         f"shape attribute(s) {bad} not a number") from None
 
 
 def _means_by_key(pairs: list[tuple[str, float]], min_samples: int = 3) -> dict[str, float]:

@@ -8,6 +8,7 @@ and the result is a trace in the same format, so `stats`, `timeline` and `export
 from __future__ import annotations
 
 import gc
+import math
 from dataclasses import dataclass, field
 
 import anyio
@@ -45,8 +46,8 @@ class ReplayConfig:
     engine_overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.rate_scale <= 0:
-            raise ValueError(f"rate_scale must be > 0, got {self.rate_scale}")
+        if not (self.rate_scale > 0 and math.isfinite(self.rate_scale)):
+            raise ValueError(f"rate_scale must be a finite number > 0, got {self.rate_scale}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.draft_len is not None and self.draft_len < 0:
@@ -223,12 +224,28 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
     return rec.to_trace(validate=False)
 
 
+def check_profile(profile: CostProfile, proposer: str, draft_len: int) -> None:
+    """Fail before the run when `profile` cannot price an op this configuration launches (a
+    profile fitted on a plain trace has no draft op): a clear error, not one mid-replay."""
+    spec = ProposerSpec(proposer, draft_len if proposer != "none" else 0,
+                        default_tree(draft_len, 2, 8) if proposer == "eagle" else ())
+    needed = ["prefill"] + (["draft", "verify"] if proposer != "none" else ["decode"])
+    if spec.kv_model is not None:
+        needed.append("draft_fill")
+    missing = [op for op in needed if profile.priced_as(op) is None]
+    if missing:
+        raise ValueError(f"the cost profile has no model for device op(s) {', '.join(missing)} (fitted: "
+                         f"{', '.join(sorted(profile.device)) or 'none'}): replaying proposer {proposer!r} needs "
+                         f"a profile fitted on a trace that ran it (capture one, or pass a profile fitted on one)")
+
+
 def replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig | None = None) -> tuple[dict, Trace]:
     """Replay `trace` under `cfg`; returns (metrics with the bench keys, simulated trace)."""
     cfg = cfg or ReplayConfig()
     items = workload_from_trace(trace)
     resolved = resolve(trace, cfg)
     proposer, _, draft_len, _ = resolved
+    check_profile(profile, proposer, draft_len)
     same = proposer == trace.header.proposer and draft_len == trace.header.draft_len
     acceptance = AcceptanceModel.parse(cfg.acceptance, trace, seed=cfg.seed, captured_config=same)
     # The cyclic garbage collector is paused for the run: a replay allocates many short-lived

@@ -64,8 +64,10 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             when_ns = int(scheduled[0]._when * 1e9 + 0.5)
             if when_ns > self.now_ns:
                 self.now_ns = when_ns
+        # `<=`: at huge times (~1e9 s) a float second no longer resolves a nanosecond, and a
+        # timer due exactly now would never count as due (the clock could not move on)
         end = self.now_ns / 1e9 + self._clock_resolution
-        while scheduled and scheduled[0]._when < end:
+        while scheduled and scheduled[0]._when <= end:
             h = heapq.heappop(scheduled)
             h._scheduled = False
             ready.append(h)

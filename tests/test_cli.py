@@ -21,9 +21,10 @@ def run(*args: str) -> tuple[int, str]:
 
 
 def run_json(*args: str) -> dict:
-    code, out = run(*args, "--json")
-    assert code == 0, out
-    return json.loads(out)
+    """The command's JSON (stdout; notes go to stderr)."""
+    res = runner.invoke(app, [str(a) for a in args] + ["--json"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
 
 
 def test_every_documented_command_is_registered():
@@ -193,3 +194,79 @@ def test_bad_input_is_named(tmp_path):
     assert code == 2 and "choose at least one" in out
     code, out = run("timeline", SAMPLE, "--steps", "x")
     assert code == 2 and "A:B" in out
+
+
+def test_files_the_commands_cannot_write_fail_before_any_work(tmp_path):
+    missing = tmp_path / "no_such_folder"
+    for args, named in ((("timeline", SAMPLE, "-o", missing / "t.png"), "does not exist"),
+                        (("timeline", SAMPLE, "-o", tmp_path / "t.txt"), "unknown picture format 'txt'"),
+                        (("timeline", SAMPLE, "--steps", "5:2"), "first step is after last"),
+                        (("timeline", SAMPLE, "--steps", "500:600"), "no steps in 500..600"),
+                        (("export", SAMPLE, "--chrome", missing / "c.json"), "does not exist"),
+                        (("replay", SAMPLE, "--trace", tmp_path), "is a directory"),
+                        (("fit-profile", SAMPLE, "-o", missing / "p.json"), "does not exist"),
+                        (("bench", "--trace", missing / "t.jsonl"), "does not exist")):
+        code, out = run(*args)
+        assert code == 2 and named in out and "Traceback" not in out, (args, out)
+
+
+@pytest.mark.parametrize("args, named", [
+    (("--num-requests", "0"), "--num-requests must be >= 1"),
+    (("--max-tokens", "0"), "--max-tokens must be >= 1"),
+    (("--concurrency", "0"), "--concurrency must be >= 1"),
+    (("--rate", "0"), "--rate must be > 0"),
+    (("--warmup", "-1"), "--warmup must be >= 0"),
+    (("--rate", "2", "--concurrency", "2"), "choose one"),
+])
+def test_bench_checks_its_numbers_before_the_run(args, named):
+    code, out = run("bench", *args)
+    assert code == 2 and named in out
+
+
+def test_ab_names_a_variant_that_does_not_parse():
+    code, out = run("ab", SAMPLE, "--a", "schedule", "--b", "schedule=overlap")
+    assert code == 2 and "--a 'schedule': 'schedule' is not FIELD=VALUE" in out
+    code, out = run("ab", SAMPLE, "--a", "schedule=sync", "--b", "draft_len=abc")
+    assert code == 2 and "--b: draft_len takes an integer, got 'abc'" in out
+    code, out = run("replay", SAMPLE, "--rate-scale", "nan")
+    assert code == 2 and "rate_scale must be a finite number" in out
+
+
+def test_killed_and_cut_off_traces_are_read_up_to_where_they_stop(tmp_path):
+    """A run killed mid-write: its last line cut off (read up to it, with a note), no finish
+    records (metrics it lacks print as "-", not a crash)."""
+    lines = SAMPLE.read_text().splitlines()
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    res = runner.invoke(app, ["stats", str(cut), "--json"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0 and "last line is cut off" in " ".join(res.stderr.split())
+    killed = tmp_path / "killed.jsonl"
+    killed.write_text("\n".join(ln for ln in lines if '"type":"finish"' not in ln.replace(" ", "")) + "\n")
+    for cmd in ("stats", "validate"):
+        code, out = run(cmd, killed)
+        assert code == 0 and "Traceback" not in out, out
+
+
+def test_a_profile_that_cannot_price_the_replay_and_a_bad_shape_are_named(tmp_path):
+    lines = SAMPLE.read_text().splitlines()
+    plain_spans = tmp_path / "no_draft_ops.jsonl"  # a profile fitted without any draft op
+    plain_spans.write_text("\n".join(ln for ln in lines if '"device:' not in ln or '"verify"' in ln or
+                                     '"prefill"' in ln or '"mixed"' in ln) + "\n")
+    code, out = run("replay", plain_spans)
+    assert code == 2 and "no model for device op(s) draft (fitted: draft_fill, mixed, prefill, verify)" in out
+    bad = tmp_path / "bad_shape.jsonl"
+    i = next(i for i, ln in enumerate(lines) if '"name":"schedule"' in ln.replace(" ", ""))
+    rec = json.loads(lines[i])
+    rec["attrs"]["tokens"] = "abc"
+    bad.write_text("\n".join(lines[:i] + [json.dumps(rec)] + lines[i + 1:]) + "\n")
+    code, out = run("validate", bad)
+    assert code == 2 and "span 'schedule'" in out and "'tokens': 'abc'" in out and "not a number" in out
+
+
+def test_a_config_files_proposer_holds_unless_spec_is_given(tmp_path):
+    cfg = tmp_path / "ngram.json"
+    cfg.write_text(json.dumps({"proposer": "ngram", "draft_len": 2, "schedule": "sync"}))
+    out = run_json("generate", "def f():", "--max-tokens", "2", "--config", cfg)
+    assert (out["proposer"], out["draft_len"]) == ("ngram", 2)
+    code, out = run("generate", "", "--max-tokens", "2")
+    assert code == 2 and "empty prompt" in out and "Traceback" not in out

@@ -186,10 +186,72 @@ def test_bad_requests_rejected_before_queueing(tiny_family, prompt, params, msg)
     ({"proposer": "none", "schedule": "mtp"}, "mtp"),
     ({"proposer": "draft", "draft_len": 0}, "draft_len"),
     ({"page_size": 0}, "page_size"),
+    ({"proposer": "draft", "draft_len": 4, "max_num_batched_tokens": 3}, r"max_num_batched_tokens \(3\).*5 tokens"),
 ])
 def test_bad_configs(tiny_family, kw, msg):
     with pytest.raises(ConfigurationError, match=msg):
         _cfg(tiny_family, **kw)
+
+
+def test_failed_start_closes_the_device(tiny_family, monkeypatch):
+    """`async with` skips __aexit__ when __aenter__ raises: the engine itself must stop the
+    worker process it started, or the process (and the model's weights) would leak."""
+    import runtime.engine as engine_mod
+    from runtime.devices import make_device
+
+    made = []
+
+    def tracking_make_device(*args, **kwargs):
+        made.append(make_device(*args, **kwargs))
+        return made[-1]
+
+    def broken_pipeline(*args, **kwargs):
+        assert made and made[0].is_alive()  # fails after the worker process is up
+        raise RuntimeError("injected start failure")
+
+    monkeypatch.setattr("runtime.devices.make_device", tracking_make_device)
+    monkeypatch.setattr(engine_mod, "Pipeline", broken_pipeline)
+
+    async def main():
+        eng = AsyncEngine(_cfg(tiny_family, proposer="draft", draft_len=2))
+        with pytest.raises(RuntimeError, match="injected start failure"):
+            async with eng:
+                pass
+        return eng
+
+    eng = anyio.run(main)
+    assert len(made) == 1 and eng.device is made[0]
+    assert not eng.device.is_alive()
+    assert eng.device._process.popen.poll() is not None, "worker process still running"
+    with pytest.raises(Exception, match="not running"):
+        anyio.run(eng.generate_all, "hi")
+
+
+def test_bad_token_ids_rejected_while_other_requests_run(tiny_family, reference):
+    """A prompt of non-integer ids fails its own call only, before anything is queued; numpy
+    integer ids are served like Python ints."""
+    import numpy as np
+
+    async def main():
+        async with AsyncEngine(_cfg(tiny_family)) as eng:
+            good = {}
+
+            async def healthy():
+                good["out"] = await eng.generate_all(PROMPTS[0], SamplingParams(max_tokens=24, ignore_eos=True))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(healthy)
+                for bad, msg in (([5.9, 6.2], "5.9"), ([True], "True"), (["abc"], "'abc'"), ([None], "None")):
+                    with pytest.raises(InvalidRequestError, match=f"index 0 is not an integer: {msg}"):
+                        await eng.generate_all(bad, SamplingParams(max_tokens=4))
+                with pytest.raises(InvalidRequestError, match="seed"):
+                    await eng.generate_all([5, 6], SamplingParams.make(seed=2**64))
+            assert good["out"].token_ids == reference[0]
+            ids = eng.tokenizer.encode(PROMPTS[0])
+            a = await eng.generate_all(np.array(ids), SamplingParams(max_tokens=24, ignore_eos=True))
+            assert a.token_ids == reference[0]
+            assert not eng._pipeline.requests
+    anyio.run(main)
 
 
 def test_draft_with_other_tokenizer_rejected(tiny_family, tmp_path):

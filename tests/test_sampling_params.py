@@ -30,6 +30,8 @@ def test_defaults_are_greedy_and_valid() -> None:
         {"top_k": 50},
         {"seed": 0},
         {"seed": 12345},
+        {"seed": 2**63 - 1},
+        {"seed": None},
         {"stop": ["\n\n", "END"]},
         {"ignore_eos": True},
     ],
@@ -58,7 +60,12 @@ def test_boundary_values_are_accepted(kwargs: dict) -> None:
         ("top_k", 2.5),
         ("top_k", True),
         ("seed", 1.5),
+        ("seed", -1),
+        ("seed", 2**63),
+        ("seed", 2**64),
         ("stop", "END"),
+        ("stop", [""]),
+        ("stop", ["END", ""]),
         ("bogus_field", 1),
         ("best_of", 2),
     ],
@@ -89,3 +96,27 @@ def test_params_are_frozen() -> None:
     with pytest.raises(pydantic.ValidationError):
         p.max_tokens = 6  # type: ignore[misc]
     assert p.max_tokens == 5
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**70, -1, -(2**63) - 1])
+def test_seed_outside_range_names_seed_and_range(seed: int) -> None:
+    """A seed torch cannot take would fail the whole device op, and so every request batched
+    with it: it is rejected here, before anything is queued."""
+    with pytest.raises(InvalidRequestError, match=r"seed must be in \[0, 2\*\*63 - 1\], got "):
+        SamplingParams.make(seed=seed)
+
+
+def test_largest_seed_seeds_a_torch_generator() -> None:
+    from runtime.sampling import make_generator
+    from scheduler.sampling_params import MAX_SEED
+
+    p = SamplingParams.make(seed=MAX_SEED, temperature=1.0)
+    gen = make_generator(p.seed)
+    assert gen.initial_seed() == MAX_SEED
+    assert make_generator(0).initial_seed() == 0
+
+
+def test_empty_stop_string_rejected_with_reason() -> None:
+    with pytest.raises(InvalidRequestError, match="stop strings must be non-empty"):
+        SamplingParams.make(stop=["\n", ""])
+    assert SamplingParams.make(stop=[" "]).stop == [" "]  # whitespace is a real stop string
