@@ -33,6 +33,8 @@ Schedule = Literal["sync", "overlap", "mtp", "plain_overlap"]
 StepKind = Literal["prefill", "decode", "mixed", "spec"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 AgreementKind = Literal["teacher_forced", "first_token"]
+# a clock reading: an int64 nanosecond count, as the clocks and every consumer (numpy) hold it
+Ns = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 HOST_TRACK = "host"
 DEVICE_TRACK_PREFIX = "device:"
@@ -100,7 +102,7 @@ class Header(_Record):
 class RequestRecord(_Record):
     type: Literal["request"] = "request"
     request_id: str
-    arrival_ns: int
+    arrival_ns: Ns
     prompt_len: int = Field(ge=0)  # tokens
     max_tokens: int = Field(ge=0)
     temperature: float = Field(ge=0.0)  # 0: greedy
@@ -114,8 +116,8 @@ class SpanRecord(_Record):
     track: str = Field(pattern=TRACK_PATTERN)  # "host" | "device:<stream>"
     name: str = Field(min_length=1)  # stage: schedule, kv_alloc, plan, draft, verify, ...
     step: int | None = None
-    start_ns: int
-    end_ns: int
+    start_ns: Ns
+    end_ns: Ns
     attrs: dict[str, Any] = Field(default_factory=dict)  # tokens, requests, launch_id, ...
 
     @field_validator("end_ns")
@@ -138,8 +140,8 @@ class StepRecord(_Record):
     type: Literal["step"] = "step"
     step: int
     kind: StepKind
-    start_ns: int
-    end_ns: int
+    start_ns: Ns
+    end_ns: Ns
     request_ids: list[str]  # [B]
     num_new_tokens: list[int]  # [B] tokens fed to the target this step
     kv_lens: list[int]  # [B] KV length after the step
@@ -170,11 +172,11 @@ class StepRecord(_Record):
 class FinishRecord(_Record):
     type: Literal["finish"] = "finish"
     request_id: str
-    finish_ns: int
+    finish_ns: Ns
     finish_reason: FinishReason
     output_len: int = Field(ge=0)  # tokens
-    first_token_ns: int | None = None  # None: finished before any token
-    ttft_ns: int | None = None  # first_token_ns - arrival_ns
+    first_token_ns: Ns | None = None  # None: finished before any token
+    ttft_ns: Ns | None = None  # first_token_ns - arrival_ns
     # [<= max_agreement_len] 0/1 per output position: proposer's greedy token == target's.
     agreement: list[Literal[0, 1]] | None = None
     agreement_kind: AgreementKind | None = Field(default=None, validate_default=True)
