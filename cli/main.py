@@ -185,6 +185,10 @@ def bench(
     cfg = engine_config(model=model, draft=draft, mtp_head=mtp_head, proposer=spec, draft_len=draft_len,
                         schedule=schedule, config_file=config_file)
     items = _workload(workload, num_requests, max_tokens, temperature)
+    from runtime.engine import AsyncEngine
+    from runtime.workload import check_workload
+
+    check_workload(items, AsyncEngine(cfg).validate)  # every prompt fits the model, before any run
     if concurrency is None and rate is None:
         concurrency = 1
     results = []

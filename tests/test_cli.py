@@ -270,3 +270,10 @@ def test_a_config_files_proposer_holds_unless_spec_is_given(tmp_path):
     assert (out["proposer"], out["draft_len"]) == ("ngram", 2)
     code, out = run("generate", "", "--max-tokens", "2")
     assert code == 2 and "empty prompt" in out and "Traceback" not in out
+
+
+def test_bench_checks_every_workload_prompt_before_the_run(tmp_path):
+    wl = tmp_path / "w.jsonl"
+    wl.write_text('{"prompt": "def f():", "max_tokens": 3}\n{"prompt": [99999, 5], "max_tokens": 3}\n')
+    code, out = run("bench", "--workload", wl)
+    assert code == 2 and "w.jsonl:2: token ids outside the vocabulary" in out
