@@ -228,7 +228,8 @@ class AsyncEngine:
                 f"{need} positions, and {self.model_dir} has max_position_embeddings "
                 f"{self.max_model_len}"
             )
-        pages = (need + c.page_size) // c.page_size * 2
+        spec = c.proposer_spec()
+        pages = -(-need // c.page_size) * (2 if spec.kv_model else 1)  # target (+ proposer) KV
         if pages > c.num_pages:
             raise ConfigurationError(
                 f"num_pages ({c.num_pages}) cannot hold even the smallest request, which needs "

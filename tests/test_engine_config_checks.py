@@ -60,7 +60,7 @@ def test_draft_len_beyond_the_models_context_rejected(tiny_family):
 
 def test_page_pool_too_small_for_any_request_rejected(tiny_family):
     with pytest.raises(ConfigurationError, match=r"num_pages \(1\) cannot hold even the smallest request"):
-        AsyncEngine(_cfg(tiny_family, num_pages=1))
+        AsyncEngine(_cfg(tiny_family, num_pages=1, page_size=2))  # 3 positions need 2 pages
 
 
 # -- prompts as token ids -----------------------------------------------------------------------
