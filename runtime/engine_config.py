@@ -93,7 +93,7 @@ class EngineConfig(BaseModel):
         path = Path(path)
         try:
             text = path.read_text()
-        except OSError as e:
+        except (OSError, UnicodeDecodeError) as e:
             raise ConfigurationError(f"{path}: cannot read config: {e}") from None
         try:
             data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else orjson.loads(text)

@@ -19,6 +19,7 @@ from scheduler.errors import InvalidRequestError
 from scheduler.sampling_params import SamplingParams
 
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+MAX_ARRIVAL_S = 86_400  # a benchmark's arrivals lie within a day (1e308 s would sleep forever)
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,10 @@ def load_workload(path: str | Path, *, limit: int | None = None, max_tokens: int
         except InvalidRequestError as e:
             raise InvalidRequestError(f"{path}:{no}: {e}") from None
         arrival = obj.get("arrival_s")
-        if arrival is not None and not (isinstance(arrival, (int, float)) and arrival >= 0):
-            raise InvalidRequestError(f"{path}:{no}: arrival_s must be a number >= 0")
+        if arrival is not None and not (isinstance(arrival, (int, float)) and not isinstance(arrival, bool)
+                                        and 0 <= arrival <= MAX_ARRIVAL_S):
+            raise InvalidRequestError(f"{path}:{no}: arrival_s must be a number of seconds in "
+                                      f"[0, {MAX_ARRIVAL_S}] (a day), got {arrival!r}")
         items.append(WorkItem(prompt, params, arrival, source=f"{path}:{no}"))
         if limit is not None and len(items) >= limit:
             break

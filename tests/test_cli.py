@@ -277,3 +277,14 @@ def test_bench_checks_every_workload_prompt_before_the_run(tmp_path):
     wl.write_text('{"prompt": "def f():", "max_tokens": 3}\n{"prompt": [99999, 5], "max_tokens": 3}\n')
     code, out = run("bench", "--workload", wl)
     assert code == 2 and "w.jsonl:2: token ids outside the vocabulary" in out
+
+
+def test_a_workload_arrival_past_a_day_and_a_config_that_is_not_text_are_named(tmp_path):
+    wl = tmp_path / "w.jsonl"
+    wl.write_text('{"prompt": "x", "max_tokens": 2, "arrival_s": 1e308}\n')
+    code, out = run("bench", "--workload", wl)
+    assert code == 2 and "w.jsonl:1: arrival_s must be a number of seconds" in out
+    cfg = tmp_path / "c.yaml"
+    cfg.write_bytes(b"\xff\xfe")
+    code, out = run("bench", "--config", cfg)
+    assert code == 2 and "c.yaml: cannot read config" in out
