@@ -57,10 +57,10 @@ def user_errors(fn):
             return fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - re-raised unless it is a user error
             leaf = _first_leaf(e, (click.exceptions.Exit, click.ClickException))
-            if leaf is not None and leaf is not e:
-                raise leaf from None  # an Exit (from _fail) raised inside a task group
-            if leaf is not None:
+            if leaf is e:
                 raise
+            if leaf is not None:
+                raise leaf from None  # an Exit (from _fail) raised inside a task group
             err = _first_leaf(e, _user_error_types())
             if err is None:
                 raise

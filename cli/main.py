@@ -78,10 +78,7 @@ def generate(
                               f"{s['drafted_tokens']} drafted, per position "
                               f"{[round(x, 2) for x in s['accept_rate_per_pos']]}[/dim]")
 
-    try:
-        anyio.run(main)
-    except InvalidRequestError as e:
-        _fail(str(e))
+    anyio.run(main)  # a request the engine rejects: `user_errors` reports it
 
 
 @app.command()

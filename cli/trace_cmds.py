@@ -74,10 +74,10 @@ def timeline(
         except ValueError:
             _fail("--steps takes A:B (two step numbers)")
     check_output_path(out, "--out")
-    import matplotlib.figure
+    from matplotlib.backend_bases import FigureCanvasBase
 
     fmt = out.suffix.lstrip(".").lower()
-    supported = matplotlib.figure.Figure().canvas.get_supported_filetypes()
+    supported = FigureCanvasBase.get_supported_filetypes()
     if fmt not in supported:
         _fail(f"--out {out}: unknown picture format {fmt!r}; use one of {', '.join(sorted(supported))}")
     tr = _read_trace(trace)

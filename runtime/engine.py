@@ -219,7 +219,8 @@ class AsyncEngine:
         near the model's context), instead of rejecting every request with a request error.
         The smallest request has one prompt and one output token; `validate` sizes it."""
         c = self.config
-        n = c.proposer_spec().num_candidates
+        spec = c.proposer_spec()
+        n = spec.num_candidates
         what = f"the eagle tree's {n} nodes" if c.proposer == "eagle" else f"draft_len {c.draft_len}"
         need = 1 + 1 + n + 1
         if need > self.max_model_len:
@@ -228,7 +229,6 @@ class AsyncEngine:
                 f"{need} positions, and {self.model_dir} has max_position_embeddings "
                 f"{self.max_model_len}"
             )
-        spec = c.proposer_spec()
         pages = -(-need // c.page_size) * (2 if spec.kv_model else 1)  # target (+ proposer) KV
         if pages > c.num_pages:
             raise ConfigurationError(

@@ -80,23 +80,23 @@ def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec, w
     reqs = [s.request for s in batch.seqs]
     width = 1 + spec.num_candidates
     start_l = [r.num_computed_tokens for r in reqs]
-    positions = masks = None
     if not with_plan:
         plan_msg = _shape_only([width] * len(reqs), [a + width for a in start_l])
-    elif spec.kind == "eagle":
+    else:
         start = np.array(start_l, dtype=np.int64)
-        depths = np.concatenate([[0], spec.tree_depths()])
-        positions = [s + depths for s in start]
-        tree = spec.tree_mask()
-        masks = []
-        for s0 in start:
-            m = np.ones((width, int(s0) + width), dtype=bool)
-            m[:, s0:] = tree
-            masks.append(m)
-    if with_plan:
+        positions = masks = None
+        if spec.kind == "eagle":
+            depths = np.concatenate([[0], spec.tree_depths()])
+            positions = [s + depths for s in start]
+            tree = spec.tree_mask()
+            masks = []
+            for s0 in start:
+                m = np.ones((width, int(s0) + width), dtype=bool)
+                m[:, s0:] = tree
+                masks.append(m)
         plan_msg = build_plan(
             np.full(len(reqs), width),
-            np.array(start_l, dtype=np.int64) + width,
+            start + width,
             [blocks.page_table(r.request_id) for r in reqs],
             blocks.page_size,
             positions=positions,

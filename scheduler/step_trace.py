@@ -4,7 +4,8 @@ Why a module of its own: the step logic (scheduler/pipeline.py) should read as t
 schedule it implements; what it tells the tracer -- a `launch` span per launch, a
 `device:<stream>` span per op once its event is done, one step record when the step's host
 work ends -- lives here. Shapes (`batch_attrs`) travel with every span and launch: the
-simulator's cost models are fitted on them.
+simulator's cost models are fitted on their features (`launch_features`), and a paced
+device (runtime/devices/paced.py) times launches by the same features.
 """
 from __future__ import annotations
 
@@ -33,6 +34,29 @@ def batch_attrs(batch: StepBatch, width: int = 0) -> dict:
         "tokens": len(batch.seqs) * width if (width and batch.is_spec) else batch.num_tokens,
         "kv_tokens": sum(s.request.num_computed_tokens + s.num_new_tokens + s.num_draft for s in batch.seqs),
     }
+
+
+LAUNCH_FEATURES = ("const", "tokens", "requests", "kv_tokens", "draft_steps", "draft_forwards", "draft_tokens")
+SHAPE_KEYS = ("tokens", "requests", "kv_tokens", "num_draft", "draft_tokens", "draft_forwards")  # what they read
+
+
+def draft_counts(attrs: dict) -> tuple[int, int, int]:
+    """(draft_steps, draft_forwards, draft_tokens) of a draft launch from its attributes;
+    traces from before these were recorded fall back to num_draft (the longest row's count),
+    requests and draft_tokens."""
+    req = attrs.get("requests", 0)
+    nd = attrs.get("num_draft", 0)
+    drafted = attrs.get("draft_tokens", req * nd)
+    forwards = attrs.get("draft_forwards", max(drafted - req, 0))
+    return max(nd - 1, 0), forwards, drafted
+
+
+def launch_features(attrs: dict) -> dict[str, float]:
+    """A launch's (or host stage's) shape as cost features, `LAUNCH_FEATURES`, unpadded."""
+    steps, forwards, drafted = draft_counts(attrs)
+    return {"const": 1.0, "tokens": float(attrs.get("tokens", 0)), "requests": float(attrs.get("requests", 0)),
+            "kv_tokens": float(attrs.get("kv_tokens", 0)), "draft_steps": float(steps),
+            "draft_forwards": float(forwards), "draft_tokens": float(drafted)}
 
 
 def device_span_name(op: str, attrs: dict) -> str:

@@ -33,7 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-FEATURES = ("const", "tokens", "requests", "kv_tokens", "draft_steps", "draft_forwards", "draft_tokens")
+from scheduler.step_trace import LAUNCH_FEATURES, draft_counts, launch_features
+
+FEATURES = LAUNCH_FEATURES
 DRAFT_FEATURES = ("const", "draft_steps", "draft_forwards", "kv_tokens")  # fitted for the draft op
 SHAPE_FEATURES = FEATURES[:4]  # every other device op and host stage
 HOST_STAGES = ("schedule", "kv_alloc", "plan", "launch", "output")
@@ -79,17 +81,6 @@ class StageModel:
         return total if total > 0.0 else 0.0
 
 
-def draft_counts(attrs: dict) -> tuple[int, int, int]:
-    """(draft_steps, draft_forwards, draft_tokens) of a draft launch from its attributes;
-    traces from before these were recorded fall back to num_draft (the longest row's count),
-    requests and draft_tokens."""
-    req = attrs.get("requests", 0)
-    nd = attrs.get("num_draft", 0)
-    drafted = attrs.get("draft_tokens", req * nd)
-    forwards = attrs.get("draft_forwards", max(drafted - req, 0))
-    return max(nd - 1, 0), forwards, drafted
-
-
 @dataclass
 class CostProfile:
     device: dict[str, StageModel] = field(default_factory=dict)  # op span name -> model
@@ -125,13 +116,10 @@ class CostProfile:
 
     # -- prediction -----------------------------------------------------------------------------
     def features(self, attrs: dict, padded: bool = True) -> dict[str, float]:
-        tok = float(attrs.get("tokens", 0))
+        feats = launch_features(attrs)
         if padded and self.tile > 1:
-            tok = float(np.ceil(tok / self.tile) * self.tile)
-        steps, forwards, drafted = draft_counts(attrs)
-        return {"const": 1.0, "tokens": tok, "requests": float(attrs.get("requests", 0)),
-                "kv_tokens": float(attrs.get("kv_tokens", 0)), "draft_steps": float(steps),
-                "draft_forwards": float(forwards), "draft_tokens": float(drafted)}
+            feats["tokens"] = float(np.ceil(feats["tokens"] / self.tile) * self.tile)
+        return feats
 
     # A replay may run an op the captured trace never had (plain decoding replayed from a
     # speculative trace): a target forward over N tokens costs the same whichever op it is.

@@ -17,6 +17,7 @@ import bisect
 
 import numpy as np
 
+from scheduler.step_trace import SHAPE_KEYS
 from simulator.costs import HOST_STAGES, SHAPE_FEATURES, CostProfile, StageModel, device_features, host_key
 
 
@@ -223,9 +224,8 @@ def _features(prof: CostProfile, tr, span) -> dict[str, float]:
     try:
         return prof.features(span.attrs, padded=False)
     except (TypeError, ValueError):
-        bad = {k: v for k, v in span.attrs.items() if k in ("tokens", "requests", "kv_tokens", "num_draft",
-                                                             "draft_tokens", "draft_forwards")
-               and (isinstance(v, bool) or not isinstance(v, (int, float)))}
+        bad = {k: v for k, v in span.attrs.items()
+               if k in SHAPE_KEYS and (isinstance(v, bool) or not isinstance(v, (int, float)))}
         raise ValueError(f"{tr.path or 'trace'}: {span.track} span {span.name!r} of step {span.step}: "
                          f"shape attribute(s) {bad} not a number") from None
 

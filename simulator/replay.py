@@ -161,10 +161,8 @@ def resolve(trace: Trace, cfg: ReplayConfig) -> tuple[str, str, int, dict]:
 
 
 async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolved: tuple[str, str, int, dict],
-                  items: list[WorkloadItem], acceptance: AcceptanceModel) -> Trace:
-    proposer, schedule, draft_len, engine = resolved
-    tree = default_tree(draft_len, engine.get("tree_top_k", 2), engine.get("tree_max_nodes", 8)) if proposer == "eagle" else ()
-    spec = ProposerSpec(proposer, draft_len if proposer != "none" else 0, tree)
+                  spec: ProposerSpec, items: list[WorkloadItem], acceptance: AcceptanceModel) -> Trace:
+    proposer, schedule, _, engine = resolved
     page_size = int(engine.get("page_size", 16))
     blocks = BlockManager(int(engine.get("num_pages", 4096)), page_size,
                           ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
@@ -224,18 +222,23 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
     return rec.to_trace(validate=False)
 
 
-def check_profile(profile: CostProfile, proposer: str, draft_len: int) -> None:
+def proposer_spec(resolved: tuple[str, str, int, dict]) -> ProposerSpec:
+    """The replay's proposer, as the engine would build it from the resolved configuration."""
+    proposer, _, draft_len, engine = resolved
+    tree = default_tree(draft_len, engine.get("tree_top_k", 2), engine.get("tree_max_nodes", 8)) if proposer == "eagle" else ()
+    return ProposerSpec(proposer, draft_len if proposer != "none" else 0, tree)
+
+
+def check_profile(profile: CostProfile, spec: ProposerSpec) -> None:
     """Fail before the run when `profile` cannot price an op this configuration launches (a
     profile fitted on a plain trace has no draft op): a clear error, not one mid-replay."""
-    spec = ProposerSpec(proposer, draft_len if proposer != "none" else 0,
-                        default_tree(draft_len, 2, 8) if proposer == "eagle" else ())
-    needed = ["prefill"] + (["draft", "verify"] if proposer != "none" else ["decode"])
+    needed = ["prefill"] + (["draft", "verify"] if spec.kind != "none" else ["decode"])
     if spec.kv_model is not None:
         needed.append("draft_fill")
     missing = [op for op in needed if profile.priced_as(op) is None]
     if missing:
         raise ValueError(f"the cost profile has no model for device op(s) {', '.join(missing)} (fitted: "
-                         f"{', '.join(sorted(profile.device)) or 'none'}): replaying proposer {proposer!r} needs "
+                         f"{', '.join(sorted(profile.device)) or 'none'}): replaying proposer {spec.kind!r} needs "
                          f"a profile fitted on a trace that ran it (capture one, or pass a profile fitted on one)")
 
 
@@ -245,7 +248,8 @@ def replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig | None = None) 
     items = workload_from_trace(trace)
     resolved = resolve(trace, cfg)
     proposer, _, draft_len, _ = resolved
-    check_profile(profile, proposer, draft_len)
+    spec = proposer_spec(resolved)
+    check_profile(profile, spec)
     same = proposer == trace.header.proposer and draft_len == trace.header.draft_len
     acceptance = AcceptanceModel.parse(cfg.acceptance, trace, seed=cfg.seed, captured_config=same)
     # The cyclic garbage collector is paused for the run: a replay allocates many short-lived
@@ -254,7 +258,7 @@ def replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig | None = None) 
     paused = gc.isenabled()
     gc.disable()
     try:
-        sim = run_virtual(lambda: _replay(trace, profile, cfg, resolved, items, acceptance))
+        sim = run_virtual(lambda: _replay(trace, profile, cfg, resolved, spec, items, acceptance))
     except BaseExceptionGroup as eg:  # a request the configuration cannot serve (pool too small)
         bad = eg.subgroup(InvalidRequestError)
         if bad is None:

@@ -5,7 +5,8 @@ import anyio
 import pytest
 
 from runtime.devices import WorkerSpec
-from runtime.devices.paced import PacedWorker, pace_features, paced_ns
+from runtime.devices.paced import PacedWorker, paced_ns
+from scheduler.step_trace import launch_features
 
 MS = 1_000_000
 
@@ -24,7 +25,7 @@ def test_paced_ns_prices_a_launch_shape_with_the_cost_model_features():
             "draft": {"const": MS, "draft_steps": 3 * MS, "draft_forwards": 50_000}}
     assert paced_ns(pace, "verify", {"tokens": 8, "requests": 2, "kv_tokens": 1000}) == 2 * MS + 80_000 + 100_000
     # draft steps: the longest row's count - 1 (the first token comes from the fill's logits)
-    assert pace_features({"num_draft": 4, "draft_forwards": 7})["draft_steps"] == 3
+    assert launch_features({"num_draft": 4, "draft_forwards": 7})["draft_steps"] == 3
     assert paced_ns(pace, "draft", {"num_draft": 4, "draft_forwards": 7}) == MS + 9 * MS + 350_000
     assert paced_ns(pace, "decode", {"tokens": 4}) == 0  # not paced: runs at its own speed
 

@@ -22,17 +22,9 @@ import time
 from typing import Any
 
 from runtime.devices.spec import WorkerSpec
-from scheduler.step_trace import device_span_name
+from scheduler.step_trace import LAUNCH_FEATURES, device_span_name, launch_features
 
-PACE_FEATURES = ("const", "tokens", "requests", "kv_tokens", "draft_steps", "draft_forwards")
-
-
-def pace_features(attrs: dict) -> dict[str, float]:
-    """A launch's shape as the pace's features (those of `simulator.costs`, unpadded)."""
-    nd = attrs.get("num_draft", 0)
-    return {"const": 1.0, "tokens": attrs.get("tokens", 0), "requests": attrs.get("requests", 0),
-            "kv_tokens": attrs.get("kv_tokens", 0), "draft_steps": max(nd - 1, 0),
-            "draft_forwards": attrs.get("draft_forwards", 0)}
+PACE_FEATURES = LAUNCH_FEATURES  # the simulator's cost features (unpadded)
 
 
 def paced_ns(pace: dict[str, dict[str, float]], name: str, attrs: dict) -> int:
@@ -41,7 +33,7 @@ def paced_ns(pace: dict[str, dict[str, float]], name: str, attrs: dict) -> int:
     coef = pace.get(name)
     if not coef:
         return 0
-    feats = pace_features(attrs)
+    feats = launch_features(attrs)
     return max(0, int(sum(c * feats.get(f, 0.0) for f, c in coef.items())))
 
 
