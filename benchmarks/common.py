@@ -17,8 +17,8 @@ def parse_workload(ap, num_requests: int, max_tokens: int):
 
 
 def bundled_items(num_requests: int, max_tokens: int):
-    from runtime import bundled
-    from runtime.workload import load_workload
+    from specsched.runtime import bundled
+    from specsched.runtime.workload import load_workload
 
     return load_workload(bundled.workload_path(), limit=num_requests, max_tokens=max_tokens)
 
@@ -26,9 +26,9 @@ def bundled_items(num_requests: int, max_tokens: int):
 def run(items, *, concurrency: int = 1, warmup: int = 1, trace: bool = True, engine_factory=None, **engine_kw):
     """(metrics, trace) of one engine run; engine_kw go to EngineConfig, `engine_factory`
     (default AsyncEngine) builds the engine from it."""
-    from runtime.bench import run_workload
-    from runtime.engine import AsyncEngine
-    from runtime.engine_config import EngineConfig
+    from specsched.runtime.bench import run_workload
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
 
     cfg = EngineConfig.make(**engine_kw)
     metrics, tr, _ = anyio.run(lambda: run_workload(cfg, items, concurrency=concurrency, warmup=warmup,

@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from runtime.devices.host import HostDevice
-from runtime.devices.spec import WorkerSpec
+from specsched.runtime.devices.host import HostDevice
+from specsched.runtime.devices.spec import WorkerSpec
 
 GAPS_MS = (None, 0.0, 0.5, 1.0, 2.0, 5.0)  # None: queued right behind the previous op
 
@@ -32,7 +32,7 @@ def main() -> None:
     batch = {"n": args.n, "repeat": args.repeat}
     durations: dict[float | None, list[float]] = {g: [] for g in GAPS_MS}
     rng = np.random.default_rng(0)
-    with HostDevice(WorkerSpec("runtime.devices.testing_worker:TestingWorker"), name="idle-bench") as dev:
+    with HostDevice(WorkerSpec("specsched.runtime.devices.testing_worker:TestingWorker"), name="idle-bench") as dev:
         stream = dev.stream("main")
         stream.launch("matmul", batch).synchronize(60)  # warm-up (imports torch there)
         for _ in range(args.rounds):

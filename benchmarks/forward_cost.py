@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from runtime.checkpoint import load_model
-from runtime.config import ModelConfig
-from runtime.model import LlamaModel
-from scheduler.plan import build_plan
+from specsched.runtime.checkpoint import load_model
+from specsched.runtime.config import ModelConfig
+from specsched.runtime.model import LlamaModel
+from specsched.scheduler.plan import build_plan
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_SHAPE = dict(

@@ -20,7 +20,7 @@ import torch
 def hf_runs(prompts_ids, max_tokens, k, threads):
     from transformers import LlamaForCausalLM
 
-    from runtime import bundled
+    from specsched.runtime import bundled
 
     torch.set_num_threads(threads)
     target = LlamaForCausalLM.from_pretrained(str(bundled.target_dir()), torch_dtype=torch.float32).eval()
@@ -48,10 +48,10 @@ def hf_runs(prompts_ids, max_tokens, k, threads):
 
 
 def specsched_runs(prompts_ids, max_tokens, k):
-    from runtime.bench import run_workload
-    from runtime.engine_config import EngineConfig
-    from runtime.workload import WorkItem
-    from scheduler.sampling_params import SamplingParams
+    from specsched.runtime.bench import run_workload
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.runtime.workload import WorkItem
+    from specsched.scheduler.sampling_params import SamplingParams
 
     items = [WorkItem(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts_ids]
     variants = {"plain": dict(proposer="none"), "draft": dict(proposer="draft", draft_len=k, schedule="overlap"),
@@ -73,9 +73,9 @@ def main() -> None:
     ap.add_argument("--hf-threads", type=int, default=1, help="torch threads for HF (specsched's worker uses 1)")
     args = ap.parse_args()
 
-    from runtime import bundled
-    from runtime.tokenizer import Tokenizer
-    from runtime.workload import load_workload
+    from specsched.runtime import bundled
+    from specsched.runtime.tokenizer import Tokenizer
+    from specsched.runtime.workload import load_workload
 
     tok = Tokenizer(bundled.target_dir())
     items = load_workload(bundled.workload_path(), limit=args.num_requests)

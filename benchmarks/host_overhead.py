@@ -13,12 +13,12 @@ import argparse
 import statistics
 import time
 
-from scheduler import messages
-from scheduler.batch_builder import BatchBuilder, SchedulerConfig
-from scheduler.block_manager import BlockManager
-from scheduler.proposer import ProposerSpec
-from scheduler.request import Request
-from scheduler.sampling_params import SamplingParams
+from specsched.scheduler import messages
+from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
+from specsched.scheduler.block_manager import BlockManager
+from specsched.scheduler.proposer import ProposerSpec
+from specsched.scheduler.request import Request
+from specsched.scheduler.sampling_params import SamplingParams
 
 
 def measure(num_requests: int, steps: int, draft_len: int, prompt_len: int = 512) -> dict[str, float]:

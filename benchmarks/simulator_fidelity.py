@@ -20,7 +20,7 @@ shared machine hits both schedules alike, and reports:
   for larger batches (the replay's cost per step hardly grows with the batch, a CPU
   forward's does).
 
-With `--paced FACTOR` every run uses a paced device (`runtime.devices.paced`): the real ops
+With `--paced FACTOR` every run uses a paced device (`specsched.runtime.devices.paced`): the real ops
 run, then the worker sleeps until each op took FACTOR times what a profile fitted on one
 unpaced calibration run prices it at. Device speed then no longer drifts between steps or
 runs, so the errors left are the simulator's own (host stages, launches and syncs still run
@@ -43,11 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import bundled_items, parse_workload, run  # noqa: E402
 
-from runtime.devices.paced import PACE_FEATURES, paced_ns  # noqa: E402
-from simulator.analysis import validate  # noqa: E402
-from simulator.sweep import available_cpus  # noqa: E402
-from simulator.fit import fit_profile  # noqa: E402
-from simulator.replay import ReplayConfig, replay  # noqa: E402
+from specsched.runtime.devices.paced import PACE_FEATURES, paced_ns  # noqa: E402
+from specsched.simulator.analysis import validate  # noqa: E402
+from specsched.simulator.sweep import available_cpus  # noqa: E402
+from specsched.simulator.fit import fit_profile  # noqa: E402
+from specsched.simulator.replay import ReplayConfig, replay  # noqa: E402
 
 
 def step_match_err(a, b) -> float:
@@ -88,12 +88,12 @@ def pace_from_profile(profile, factor: float) -> dict:
 
 def paced_engine(pace: dict):
     """An AsyncEngine class whose worker is paced by `pace`."""
-    from runtime.devices import WorkerSpec
-    from runtime.engine import AsyncEngine
+    from specsched.runtime.devices import WorkerSpec
+    from specsched.runtime.engine import AsyncEngine
 
     class PacedEngine(AsyncEngine):
         def worker_spec(self):
-            return WorkerSpec("runtime.devices.paced:PacedWorker", {"inner": super().worker_spec(), "pace": pace})
+            return WorkerSpec("specsched.runtime.devices.paced:PacedWorker", {"inner": super().worker_spec(), "pace": pace})
 
     return PacedEngine
 

@@ -16,11 +16,11 @@ import statistics
 import time
 from pathlib import Path
 
-from simulator.analysis import ab, tune
-from simulator.fit import fit_profile
-from simulator.replay import ReplayConfig
-from simulator.sweep import available_cpus
-from traces.reader import read_trace
+from specsched.simulator.analysis import ab, tune
+from specsched.simulator.fit import fit_profile
+from specsched.simulator.replay import ReplayConfig
+from specsched.simulator.sweep import available_cpus
+from specsched.traces.reader import read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,9 +15,9 @@ import time
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from traces import MemoryRecorder, NullTracer, TraceRecorder, compute_metrics, read_trace
-from traces.otel_export import OtelLiveTracer
-from traces.schema import Header
+from specsched.traces import MemoryRecorder, NullTracer, TraceRecorder, compute_metrics, read_trace
+from specsched.traces.otel_export import OtelLiveTracer
+from specsched.traces.schema import Header
 
 
 def header() -> Header:

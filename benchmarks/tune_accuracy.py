@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import parse_workload, run  # noqa: E402
 
-from simulator.analysis import tune  # noqa: E402
-from simulator.sweep import available_cpus  # noqa: E402
+from specsched.simulator.analysis import tune  # noqa: E402
+from specsched.simulator.sweep import available_cpus  # noqa: E402
 
 
 def main() -> None:

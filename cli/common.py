@@ -24,11 +24,11 @@ def _user_error_types() -> tuple[type, ...]:
     """Errors a user's input causes (a bad request, config, checkpoint, trace, a path that is
     not there): reported as one line, never a traceback. Classes of modules not imported
     yet cannot have been raised, so they are not imported for the check."""
-    from scheduler.errors import ConfigurationError, InvalidRequestError
-    from scheduler.protocols import DeviceError
+    from specsched.scheduler.errors import ConfigurationError, InvalidRequestError
+    from specsched.scheduler.protocols import DeviceError
 
     types: list[type] = [InvalidRequestError, ConfigurationError, DeviceError, OSError]
-    for module, name in (("runtime.checkpoint", "CheckpointError"), ("traces.reader", "TraceFormatError")):
+    for module, name in (("specsched.runtime.checkpoint", "CheckpointError"), ("specsched.traces.reader", "TraceFormatError")):
         if module in sys.modules:
             types.append(getattr(sys.modules[module], name))
     return tuple(types)
@@ -83,8 +83,8 @@ def check_output_path(path: Path | None, option: str) -> None:
 
 
 def engine_config(**kw):
-    from runtime.engine_config import EngineConfig
-    from scheduler.errors import ConfigurationError
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.scheduler.errors import ConfigurationError
 
     config_file = kw.pop("config_file", None)
     kw = {k: v for k, v in kw.items() if v is not None}
@@ -105,7 +105,7 @@ def _read_trace(path: Path):
     killed mid-write leaves a cut-off last line: the records before it are read, with a note."""
     import warnings
 
-    from traces.reader import TraceFormatError, read_trace
+    from specsched.traces.reader import TraceFormatError, read_trace
 
     try:
         with warnings.catch_warnings():

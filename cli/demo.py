@@ -27,15 +27,15 @@ RUNS = [  # (name, proposer, schedule, draft_len)
 
 
 def run_demo(out_dir: Path, num_requests: int, max_tokens: int, concurrency: int, console: Console) -> list[dict]:
-    from runtime import bundled
-    from runtime.bench import run_workload
-    from runtime.engine_config import EngineConfig
-    from runtime.workload import load_workload
-    from simulator.analysis import ab, validate
-    from simulator.replay import ReplayConfig
-    from simulator.sweep import available_cpus
-    from traces.chrome import write_chrome_trace
-    from traces.timeline import plot_timeline
+    from specsched.runtime import bundled
+    from specsched.runtime.bench import run_workload
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.runtime.workload import load_workload
+    from specsched.simulator.analysis import ab, validate
+    from specsched.simulator.replay import ReplayConfig
+    from specsched.simulator.sweep import available_cpus
+    from specsched.traces.chrome import write_chrome_trace
+    from specsched.traces.timeline import plot_timeline
 
     out_dir.mkdir(parents=True, exist_ok=True)
     items = load_workload(bundled.workload_path(), limit=num_requests, max_tokens=max_tokens)

@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from cli.common import _fail, _metrics_table, _print_json, app, check_output_path, console, engine_config, user_errors
+from specsched.cli.common import _fail, _metrics_table, _print_json, app, check_output_path, console, engine_config, user_errors
 
 
 @app.command()
@@ -38,9 +38,9 @@ def generate(
     """Generate text from the bundled model (or any HF-layout Llama checkpoint)."""
     import anyio
 
-    from runtime.engine import AsyncEngine
-    from scheduler.errors import InvalidRequestError
-    from scheduler.sampling_params import SamplingParams
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.scheduler.errors import InvalidRequestError
+    from specsched.scheduler.sampling_params import SamplingParams
 
     cfg = engine_config(model=model, proposer=spec, draft_len=draft_len, draft=draft, mtp_head=mtp_head,
                         schedule=schedule, config_file=config_file)
@@ -89,7 +89,7 @@ def demo(
     concurrency: int = typer.Option(4),
 ) -> None:
     """The main job: every proposer and schedule on the bundled model, traces, simulator check."""
-    from cli.demo import run_demo
+    from specsched.cli.demo import run_demo
 
     t0 = __import__("time").monotonic()
     run_demo(out, num_requests, max_tokens, concurrency, Console())
@@ -104,7 +104,7 @@ def train_models(
     seed: int = typer.Option(0),
 ) -> None:
     """Retrain the bundled tokenizer, target and draft (needs the dev extra: transformers)."""
-    from runtime.training.bundled import main as train_main
+    from specsched.runtime.training.bundled import main as train_main
 
     train_main(out_dir=str(out), target_minutes=target_minutes, draft_minutes=draft_minutes, seed=seed)
 
@@ -121,7 +121,7 @@ def train_mtp_cmd(
     seed: int = typer.Option(0),
 ) -> None:
     """Train an MTP head on a target's hidden states (computed with specsched's own forward)."""
-    from runtime.training.mtp import train_mtp
+    from specsched.runtime.training.mtp import train_mtp
 
     report = train_mtp(target, out, steps, minutes=minutes, norms=not no_norms, ablation=ablation,
                        seed=seed, num_threads=threads)
@@ -129,9 +129,9 @@ def train_mtp_cmd(
 
 
 def _workload(workload: str, num_requests: Optional[int], max_tokens: Optional[int], temperature: Optional[float]):
-    from runtime.bundled import workload_path
-    from runtime.workload import load_workload
-    from scheduler.errors import InvalidRequestError
+    from specsched.runtime.bundled import workload_path
+    from specsched.runtime.workload import load_workload
+    from specsched.scheduler.errors import InvalidRequestError
 
     path = workload_path() if workload == "default" else Path(workload)
     try:
@@ -168,7 +168,7 @@ def bench(
     import anyio
     from rich.progress import Progress
 
-    from runtime.bench import run_workload
+    from specsched.runtime.bench import run_workload
 
     for option, value, low in (("--num-requests", num_requests, 1), ("--max-tokens", max_tokens, 1),
                                ("--concurrency", concurrency, 1), ("--warmup", warmup, 0)):
@@ -182,8 +182,8 @@ def bench(
     cfg = engine_config(model=model, draft=draft, mtp_head=mtp_head, proposer=spec, draft_len=draft_len,
                         schedule=schedule, config_file=config_file)
     items = _workload(workload, num_requests, max_tokens, temperature)
-    from runtime.engine import AsyncEngine
-    from runtime.workload import check_workload
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.workload import check_workload
 
     check_workload(items, AsyncEngine(cfg).validate)  # every prompt fits the model, before any run
     if concurrency is None and rate is None:
@@ -210,7 +210,7 @@ def bench(
             console.print(f"trace written to {trace}")
 
 
-from cli import trace_cmds, sim_cmds  # noqa: E402  (importing them registers their commands)
+from specsched.cli import trace_cmds, sim_cmds  # noqa: E402  (importing them registers their commands)
 
 _COMMAND_MODULES = (trace_cmds, sim_cmds)
 

@@ -7,11 +7,11 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from cli.common import _fail, _metrics_table, _print_json, _read_trace, app, check_output_path, console, user_errors
+from specsched.cli.common import _fail, _metrics_table, _print_json, _read_trace, app, check_output_path, console, user_errors
 
 
 def _replay_config(schedule, spec, draft_len, acceptance, rate_scale, concurrency, seed=0, engine=None):
-    from simulator.replay import ReplayConfig
+    from specsched.simulator.replay import ReplayConfig
 
     return ReplayConfig(schedule=schedule, proposer=spec, draft_len=draft_len, acceptance=acceptance,
                         rate_scale=rate_scale, concurrency=concurrency, seed=seed, engine_overrides=engine or {})
@@ -29,7 +29,7 @@ _JOBS_HELP = "processes the replays fan out over (0: one per available CPU; resu
 
 
 def _jobs(n: int) -> int:
-    from simulator.sweep import available_cpus
+    from specsched.simulator.sweep import available_cpus
 
     if n < 0:
         _fail(f"--jobs must be >= 0 (0: one per available CPU), got {n}")
@@ -37,8 +37,8 @@ def _jobs(n: int) -> int:
 
 
 def _profile(trace_obj, profile_path: Optional[Path]):
-    from simulator.costs import CostProfile
-    from simulator.fit import fit_profile
+    from specsched.simulator.costs import CostProfile
+    from specsched.simulator.fit import fit_profile
 
     if profile_path is not None:  # a path that is not there is an error, never a silent refit
         try:
@@ -76,8 +76,8 @@ def replay_cmd(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Replay a trace in virtual time under another schedule / proposer / draft length."""
-    from simulator.replay import replay
-    from traces.recorder import write_trace
+    from specsched.simulator.replay import replay
+    from specsched.traces.recorder import write_trace
 
     check_output_path(trace_out, "--trace")
     tr = _read_trace(trace)
@@ -110,7 +110,7 @@ def validate(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Replay a trace under its own configuration; error against the measured run."""
-    from simulator.analysis import validate as run_validate
+    from specsched.simulator.analysis import validate as run_validate
 
     tr = _read_trace(trace)
     if replicates < 1:
@@ -169,11 +169,11 @@ def ab(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """A/B two configurations on the same workload and acceptance draws, with bootstrap CIs."""
-    from simulator.analysis import ab as run_ab
-    from simulator.replay import ReplayConfig
+    from specsched.simulator.analysis import ab as run_ab
+    from specsched.simulator.replay import ReplayConfig
 
     def parse(text: str, option: str) -> ReplayConfig:
-        from simulator.replay import ENGINE_KNOBS
+        from specsched.simulator.replay import ENGINE_KNOBS
 
         kw, engine = {}, {}
         for part in filter(None, (p.strip() for p in text.split(","))):
@@ -236,7 +236,7 @@ def tune(
 ) -> None:
     """Sweep draft length (and proposer, one trace each) per batch-size regime; simulated
     speedup over plain decoding next to the formula."""
-    from simulator.analysis import tune as run_tune
+    from specsched.simulator.analysis import tune as run_tune
 
     lens = _int_list("--draft-lens", draft_lens) if draft_lens else None
     concs = _int_list("--concurrencies", concurrencies)
@@ -298,7 +298,7 @@ def fit_profile_cmd(
     json_out: bool = typer.Option(False, "--json", help="print the fitted profile as JSON"),
 ) -> None:
     """Fit a cost profile (JSON) from engine traces of one machine; prints MAPE per stage."""
-    from simulator.fit import fit_profile
+    from specsched.simulator.fit import fit_profile
 
     if tile != "auto" and not (tile.isdigit() and int(tile) >= 1):
         _fail(f"--tile takes a positive integer or 'auto', got {tile!r}")

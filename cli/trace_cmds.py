@@ -6,14 +6,14 @@ from typing import Optional
 
 import typer
 
-from cli.common import _fail, _metrics_table, _print_json, _read_trace, app, check_output_path, console, user_errors
+from specsched.cli.common import _fail, _metrics_table, _print_json, _read_trace, app, check_output_path, console, user_errors
 
 
 @app.command()
 @user_errors
 def stats(trace: Path, json_out: bool = typer.Option(False, "--json")) -> None:
     """Metrics of a trace (the same keys as `bench --json`)."""
-    from traces.metrics import compute_metrics
+    from specsched.traces.metrics import compute_metrics
 
     m = compute_metrics(_read_trace(trace))
     if json_out:
@@ -37,17 +37,17 @@ def export(
     check_output_path(otel_json, "--otel-json")
     tr = _read_trace(trace)
     if chrome:
-        from traces.chrome import write_chrome_trace
+        from specsched.traces.chrome import write_chrome_trace
 
         write_chrome_trace(tr, chrome)
         console.print(f"wrote {chrome} (open it in https://ui.perfetto.dev or chrome://tracing)")
     if otel_json:
-        from traces.otel_export import export_otel_json
+        from specsched.traces.otel_export import export_otel_json
 
         export_otel_json(tr, otel_json)
         console.print(f"wrote {otel_json}")
     if otlp:
-        from traces.otel_export import export_otlp
+        from specsched.traces.otel_export import export_otlp
 
         try:
             n = export_otlp(tr, otlp)
@@ -64,7 +64,7 @@ def timeline(
     steps: Optional[str] = typer.Option(None, help="window of steps A:B"),
 ) -> None:
     """A picture of host and device lanes over a window of steps."""
-    from traces.timeline import plot_timeline
+    from specsched.traces.timeline import plot_timeline
 
     window = None
     if steps:

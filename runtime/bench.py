@@ -1,7 +1,7 @@
 """Run a workload through an AsyncEngine and measure it from its own trace.
 
 Why: `bench --json`, `stats TRACE --json` and the simulator report the same keys because
-they share `traces.metrics.compute_metrics`; the bench simply records a trace in memory
+they share `specsched.traces.metrics.compute_metrics`; the bench simply records a trace in memory
 (and optionally to a file) and computes its numbers from it.
 """
 from __future__ import annotations
@@ -12,13 +12,13 @@ from typing import Callable
 
 import anyio
 
-from runtime.engine import AsyncEngine
-from runtime.engine_config import EngineConfig
-from runtime.workload import WorkItem
-from traces.hook import MultiTracer
-from traces.metrics import compute_metrics
-from traces.recorder import MemoryRecorder, write_trace
-from traces.schema import Header
+from specsched.runtime.engine import AsyncEngine
+from specsched.runtime.engine_config import EngineConfig
+from specsched.runtime.workload import WorkItem
+from specsched.traces.hook import MultiTracer
+from specsched.traces.metrics import compute_metrics
+from specsched.traces.recorder import MemoryRecorder, write_trace
+from specsched.traces.schema import Header
 
 
 def model_label(path: str | None) -> str | None:
@@ -28,7 +28,7 @@ def model_label(path: str | None) -> str | None:
         return None
     from pathlib import Path
 
-    from runtime import bundled
+    from specsched.runtime import bundled
 
     p = Path(path).resolve()
     try:
@@ -81,7 +81,7 @@ async def run_workload(
         if otlp is None:
             otlp = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
         if otlp and record:
-            from traces.otel_export import OtelLiveTracer
+            from specsched.traces.otel_export import OtelLiveTracer
 
             live = OtelLiveTracer(header, endpoint=otlp if isinstance(otlp, str) else None)
         if record:

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from runtime.config import ConfigError, ModelConfig
-from runtime.model import LlamaModel
+from specsched.runtime.config import ConfigError, ModelConfig
+from specsched.runtime.model import LlamaModel
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -18,15 +18,15 @@ from typing import AsyncIterator
 import anyio
 import numpy as np
 
-from runtime.engine_config import EngineConfig
-from runtime.tokenizer import Tokenizer
-from scheduler.batch_builder import BatchBuilder, SchedulerConfig
-from scheduler.block_manager import BlockManager
-from scheduler.errors import ConfigurationError, EngineClosedError, InvalidRequestError
-from scheduler.pipeline import Pipeline, PipelineConfig
-from scheduler.request import Request
-from scheduler.sampling_params import SamplingParams
-from traces.hook import NULL_TRACER
+from specsched.runtime.engine_config import EngineConfig
+from specsched.runtime.tokenizer import Tokenizer
+from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
+from specsched.scheduler.block_manager import BlockManager
+from specsched.scheduler.errors import ConfigurationError, EngineClosedError, InvalidRequestError
+from specsched.scheduler.pipeline import Pipeline, PipelineConfig
+from specsched.scheduler.request import Request
+from specsched.scheduler.sampling_params import SamplingParams
+from specsched.traces.hook import NULL_TRACER
 
 
 class MonotonicClock:
@@ -179,7 +179,7 @@ class AsyncEngine:
         if self.config.model:
             self.model_dir = self.config.model
         else:
-            from runtime import bundled
+            from specsched.runtime import bundled
 
             self.model_dir = str(bundled.target_dir())
         self.tokenizer = Tokenizer(self.model_dir)
@@ -189,7 +189,7 @@ class AsyncEngine:
 
     # -- setup --------------------------------------------------------------------------------
     def _proposer_dir(self) -> str | None:
-        from runtime import bundled
+        from specsched.runtime import bundled
 
         c = self.config
         if c.proposer == "draft":
@@ -210,7 +210,7 @@ class AsyncEngine:
             )
 
     def _max_model_len(self) -> int:
-        from runtime.checkpoint import load_config
+        from specsched.runtime.checkpoint import load_config
 
         return load_config(self.model_dir).max_position_embeddings
 
@@ -237,10 +237,10 @@ class AsyncEngine:
             )
 
     def worker_spec(self):
-        from runtime.devices import WorkerSpec
+        from specsched.runtime.devices import WorkerSpec
 
         c = self.config
-        return WorkerSpec("runtime.worker:ModelWorker", {
+        return WorkerSpec("specsched.runtime.worker:ModelWorker", {
             "model_dir": self.model_dir,
             "proposer_dir": self._proposer_dir(),
             "proposer": c.proposer_spec().__dict__ | {"tree_parents": list(c.proposer_spec().tree_parents)},
@@ -256,7 +256,7 @@ class AsyncEngine:
         })
 
     async def __aenter__(self) -> "AsyncEngine":
-        from runtime.devices import make_device
+        from specsched.runtime.devices import make_device
 
         c = self.config
         # shielded: the start's thread is never abandoned anyway; the shield only makes a
@@ -301,7 +301,7 @@ class AsyncEngine:
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids if the request can be served, else InvalidRequestError saying
         why. Needs no running device: workloads are checked with it before a run starts
-        (`runtime.workload.check_workload`)."""
+        (`specsched.runtime.workload.check_workload`)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("empty prompt")

@@ -12,8 +12,8 @@ import orjson
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from scheduler.errors import ConfigurationError
-from scheduler.proposer import ProposerSpec, default_tree, validate_combination
+from specsched.scheduler.errors import ConfigurationError
+from specsched.scheduler.proposer import ProposerSpec, default_tree, validate_combination
 
 DEFAULT_DRAFT_LEN = {"none": 0, "draft": 4, "mtp": 1, "eagle": 3, "ngram": 4}
 NATURAL_SCHEDULE = {"none": "sync", "draft": "overlap", "mtp": "mtp", "eagle": "sync", "ngram": "sync"}

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.attention import StepAttention, get_backend
-from runtime.attention.torch_backend import CausalAttention
-from runtime.config import ModelConfig
-from runtime.kv_cache import PagedKVCache
+from specsched.runtime.attention import StepAttention, get_backend
+from specsched.runtime.attention.torch_backend import CausalAttention
+from specsched.runtime.config import ModelConfig
+from specsched.runtime.kv_cache import PagedKVCache
 
 
 @dataclass
@@ -234,7 +234,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head (tied to the embedding if the
     config says so). `LlamaModel(config)` allocates uninitialised weights; use
-    `runtime.checkpoint.load_model` to load a checkpoint or `LlamaModel.random` for a
+    `specsched.runtime.checkpoint.load_model` to load a checkpoint or `LlamaModel.random` for a
     randomly initialised one."""
 
     def __init__(self, config: ModelConfig, device=None, dtype=None) -> None:

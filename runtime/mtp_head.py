@@ -4,7 +4,7 @@ Why: a one-layer head on the target's own hidden states drafts nearly for free, 
 expensive parts -- embedding and lm_head -- are the target's, shared and frozen. At head
 position i the input is concat(enorm(embed(t_{i+1})), hnorm(H_i)), H_i the target's last
 hidden state at i before its final norm; eh_proj maps 2H -> H, one Llama decoder layer
-(`runtime.model.DecoderLayer`) with its own paged KV runs, and a final norm + the target's
+(`specsched.runtime.model.DecoderLayer`) with its own paged KV runs, and a final norm + the target's
 lm_head give logits for t_{i+2}. The layer's output before that norm is the head's "hidden"
 (trained to match H_{i+1}), which multi-token drafting feeds back in place of H.
 `norms=False` drops enorm/hnorm (EAGLE's layout), kept for the ablation in the model card.
@@ -26,12 +26,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from runtime.attention import StepAttention
-from runtime.attention.torch_backend import CausalAttention
-from runtime.checkpoint import CheckpointError, read_config_json
-from runtime.config import ModelConfig
-from runtime.kv_cache import PagedKVCache
-from runtime.model import DecoderLayer, LlamaModel, RMSNorm, RotaryEmbedding
+from specsched.runtime.attention import StepAttention
+from specsched.runtime.attention.torch_backend import CausalAttention
+from specsched.runtime.checkpoint import CheckpointError, read_config_json
+from specsched.runtime.config import ModelConfig
+from specsched.runtime.kv_cache import PagedKVCache
+from specsched.runtime.model import DecoderLayer, LlamaModel, RMSNorm, RotaryEmbedding
 
 ARCHITECTURE = "SpecschedMTPHead"
 CONFIG_FILE = "config.json"

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.sampling import sample, uniform_noise
-from scheduler.errors import InvalidRequestError
+from specsched.runtime.sampling import sample, uniform_noise
+from specsched.scheduler.errors import InvalidRequestError
 
 _TINY = torch.finfo(torch.float32).tiny
 

@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.checkpoint import load_model
-from runtime.proposers.factory import make_proposer
-from runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
-from runtime.verify import greedy_verify, rejection_verify, threshold_verify
-from scheduler.plan import AttentionPlan
-from scheduler.proposer import ProposerSpec
+from specsched.runtime.checkpoint import load_model
+from specsched.runtime.proposers.factory import make_proposer
+from specsched.runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
+from specsched.runtime.verify import greedy_verify, rejection_verify, threshold_verify
+from specsched.scheduler.plan import AttentionPlan
+from specsched.scheduler.proposer import ProposerSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

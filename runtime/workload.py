@@ -15,8 +15,8 @@ from typing import Callable
 
 import orjson
 
-from scheduler.errors import InvalidRequestError
-from scheduler.sampling_params import SamplingParams
+from specsched.scheduler.errors import InvalidRequestError
+from specsched.scheduler.sampling_params import SamplingParams
 
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
 MAX_ARRIVAL_S = 86_400  # a benchmark's arrivals lie within a day (1e308 s would sleep forever)

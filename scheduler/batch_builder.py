@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from scheduler.block_manager import BlockManager
-from scheduler.errors import InvalidRequestError
-from scheduler.request import Request, RequestState
+from specsched.scheduler.block_manager import BlockManager
+from specsched.scheduler.errors import InvalidRequestError
+from specsched.scheduler.request import Request, RequestState
 
 
 @dataclass(frozen=True)

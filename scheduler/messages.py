@@ -20,11 +20,11 @@ from itertools import accumulate
 
 import numpy as np
 
-from scheduler.batch_builder import StepBatch
-from scheduler.block_manager import BlockManager
-from scheduler.plan import build_plan
-from scheduler.proposer import ProposerSpec
-from scheduler.request import Request
+from specsched.scheduler.batch_builder import StepBatch
+from specsched.scheduler.block_manager import BlockManager
+from specsched.scheduler.plan import build_plan
+from specsched.scheduler.proposer import ProposerSpec
+from specsched.scheduler.request import Request
 
 
 def _params(req: Request) -> dict:

@@ -26,13 +26,13 @@ from typing import Any
 
 import anyio
 
-from scheduler import messages
-from scheduler.batch_builder import BatchBuilder, StepBatch
-from scheduler.protocols import Clock, Device, DeviceError, OutputSink
-from scheduler.proposer import ProposerSpec, validate_combination
-from scheduler.request import Request, RequestState
-from scheduler.step_trace import Launch, StepTrace, batch_attrs
-from traces.hook import NULL_TRACER
+from specsched.scheduler import messages
+from specsched.scheduler.batch_builder import BatchBuilder, StepBatch
+from specsched.scheduler.protocols import Clock, Device, DeviceError, OutputSink
+from specsched.scheduler.proposer import ProposerSpec, validate_combination
+from specsched.scheduler.request import Request, RequestState
+from specsched.scheduler.step_trace import Launch, StepTrace, batch_attrs
+from specsched.traces.hook import NULL_TRACER
 
 
 def _ints(values: Any) -> list[int]:

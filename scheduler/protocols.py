@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from scheduler.request import Request
+    from specsched.scheduler.request import Request
 
 # A packed batch: names to numpy arrays / Python scalars / short lists. Must be picklable.
 Batch = Mapping[str, Any]

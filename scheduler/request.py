@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from scheduler.sampling_params import SamplingParams
+from specsched.scheduler.sampling_params import SamplingParams
 
 
 class RequestState(enum.Enum):

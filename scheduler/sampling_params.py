@@ -5,7 +5,7 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from scheduler.errors import InvalidRequestError
+from specsched.scheduler.errors import InvalidRequestError
 
 # torch.Generator.manual_seed takes any value that fits 64 bits (negative ones wrap around) and
 # overflows -- failing the whole device op, so every request batched with this one -- beyond.

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from scheduler.batch_builder import StepBatch
-from scheduler.protocols import Event
+from specsched.scheduler.batch_builder import StepBatch
+from specsched.scheduler.protocols import Event
 
 
 @dataclass

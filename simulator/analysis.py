@@ -19,11 +19,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from simulator.costs import CostProfile, host_key
-from simulator.fit import fit_profile
-from simulator.replay import ReplayConfig, replay
-from simulator.sweep import fan_out
-from traces.metrics import compute_metrics
+from specsched.simulator.costs import CostProfile, host_key
+from specsched.simulator.fit import fit_profile
+from specsched.simulator.replay import ReplayConfig, replay
+from specsched.simulator.sweep import fan_out
+from specsched.traces.metrics import compute_metrics
 
 
 def _pct(sim: float | None, real: float | None) -> float | None:

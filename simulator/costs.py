@@ -2,7 +2,7 @@
 
 Why: the simulator charges virtual time per launch and per host stage. Each stage has a
 small non-negative linear model of the step's shape (fitted from traces by
-`simulator.fit`):
+`specsched.simulator.fit`):
 
     duration_ns = c0 + c_tok * padded(tokens) + c_req * requests + c_kv * kv_tokens
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler.step_trace import LAUNCH_FEATURES, draft_counts, launch_features
+from specsched.scheduler.step_trace import LAUNCH_FEATURES, draft_counts, launch_features
 
 FEATURES = LAUNCH_FEATURES
 DRAFT_FEATURES = ("const", "draft_steps", "draft_forwards", "kv_tokens")  # fitted for the draft op

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from scheduler.protocols import DeviceError
-from scheduler.step_trace import device_span_name
-from simulator.costs import CostProfile
-from simulator.vtime import VirtualClock
+from specsched.scheduler.protocols import DeviceError
+from specsched.scheduler.step_trace import device_span_name
+from specsched.simulator.costs import CostProfile
+from specsched.simulator.vtime import VirtualClock
 
 
 class Responder(Protocol):

@@ -1,7 +1,7 @@
 """Fitting a CostProfile from engine traces.
 
 Why: costs come from what the hardware did, not from a spec sheet. Every device op and host
-stage seen in the traces gets its linear model (`simulator.costs`) by least squares on its
+stage seen in the traces gets its linear model (`specsched.simulator.costs`) by least squares on its
 spans, with non-negative coefficients (a feature whose coefficient would go negative is
 dropped and the rest refitted); host stages are kept per op where they differ (`host_key`).
 Latencies that no span shows directly are measured from span pairs: launch start -> device
@@ -17,8 +17,8 @@ import bisect
 
 import numpy as np
 
-from scheduler.step_trace import SHAPE_KEYS
-from simulator.costs import HOST_STAGES, SHAPE_FEATURES, CostProfile, StageModel, device_features, host_key
+from specsched.scheduler.step_trace import SHAPE_KEYS
+from specsched.simulator.costs import HOST_STAGES, SHAPE_FEATURES, CostProfile, StageModel, device_features, host_key
 
 
 def fit_stage(rows: list[dict], durations: list[float], features: tuple[str, ...]) -> StageModel:

@@ -13,20 +13,20 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from scheduler.batch_builder import BatchBuilder, SchedulerConfig
-from scheduler.block_manager import BlockManager
-from scheduler.errors import InvalidRequestError
-from scheduler.pipeline import Pipeline, PipelineConfig
-from scheduler.proposer import ProposerSpec, default_tree, validate_combination
-from scheduler.request import Request
-from scheduler.sampling_params import SamplingParams
-from simulator.acceptance import AcceptanceModel
-from simulator.costs import CostProfile, StageModel, host_key
-from simulator.device import VirtualDevice
-from simulator.vtime import VirtualClock, run_virtual
-from traces.metrics import compute_metrics
-from traces.recorder import MemoryRecorder
-from traces.schema import Header, Trace
+from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
+from specsched.scheduler.block_manager import BlockManager
+from specsched.scheduler.errors import InvalidRequestError
+from specsched.scheduler.pipeline import Pipeline, PipelineConfig
+from specsched.scheduler.proposer import ProposerSpec, default_tree, validate_combination
+from specsched.scheduler.request import Request
+from specsched.scheduler.sampling_params import SamplingParams
+from specsched.simulator.acceptance import AcceptanceModel
+from specsched.simulator.costs import CostProfile, StageModel, host_key
+from specsched.simulator.device import VirtualDevice
+from specsched.simulator.vtime import VirtualClock, run_virtual
+from specsched.traces.metrics import compute_metrics
+from specsched.traces.recorder import MemoryRecorder
+from specsched.traces.schema import Header, Trace
 
 _DUMMY_TOKEN = 7
 # engine settings a replay may change (what-ifs on the scheduler: seats, token budget, KV pool)

@@ -6,8 +6,8 @@ These build the same objects a captured trace would give, so replay runs unchang
 """
 from __future__ import annotations
 
-from simulator.costs import CostProfile, StageModel
-from traces.schema import FinishRecord, Header, RequestRecord, Trace
+from specsched.simulator.costs import CostProfile, StageModel
+from specsched.traces.schema import FinishRecord, Header, RequestRecord, Trace
 
 
 def workload_trace(num_requests: int, prompt_len: int, output_len: int, *, proposer: str = "draft",

@@ -1,5 +1,5 @@
 """A ModelWorker whose device ops fail for rows whose prompt holds a poison token (tests)."""
-from runtime.worker import ModelWorker
+from specsched.runtime.worker import ModelWorker
 
 POISON = 3
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.attention import AttentionBackend, StepAttention, get_backend
-from runtime.kv_cache import PagedKVCache
-from scheduler.plan import build_plan
+from specsched.runtime.attention import AttentionBackend, StepAttention, get_backend
+from specsched.runtime.kv_cache import PagedKVCache
+from specsched.scheduler.plan import build_plan
 
 HQ, HKV, D, PS = 4, 2, 8, 4
 

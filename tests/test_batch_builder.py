@@ -1,4 +1,4 @@
-"""Tests for scheduler.batch_builder: budgets, FCFS admission, chunked prefill, speculation on
+"""Tests for specsched.scheduler.batch_builder: budgets, FCFS admission, chunked prefill, speculation on
 decode-only batches, preemption and recompute, driven to completion by a small simulation of
 the pipeline's bookkeeping."""
 from __future__ import annotations
@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler import messages
-from scheduler.batch_builder import BatchBuilder, SchedulerConfig, StepBatch
-from scheduler.block_manager import BlockManager
-from scheduler.errors import InvalidRequestError
-from scheduler.proposer import ProposerSpec
-from scheduler.request import Request, RequestState
-from scheduler.sampling_params import SamplingParams
+from specsched.scheduler import messages
+from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig, StepBatch
+from specsched.scheduler.block_manager import BlockManager
+from specsched.scheduler.errors import InvalidRequestError
+from specsched.scheduler.proposer import ProposerSpec
+from specsched.scheduler.request import Request, RequestState
+from specsched.scheduler.sampling_params import SamplingParams
 
 
 def make_req(rid: str, prompt_len: int, max_tokens: int, arrival_ns: int = 0) -> Request:

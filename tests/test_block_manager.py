@@ -1,4 +1,4 @@
-"""Tests for scheduler.block_manager: page accounting, all-or-nothing allocation, trimming,
+"""Tests for specsched.scheduler.block_manager: page accounting, all-or-nothing allocation, trimming,
 and a stateful property test of random allocate/append/trim/free/abort/preempt sequences."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
 
-from scheduler.block_manager import BlockManager, OutOfPagesError
+from specsched.scheduler.block_manager import BlockManager, OutOfPagesError
 
 MODELS = ("target", "draft")
 

@@ -9,9 +9,9 @@ import pytest
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from runtime import bundled
-from runtime.training.corpus import SourceFile, function_prompts, is_excluded, is_heldout
-from runtime.training.tokenizer_train import train_tokenizer
+from specsched.runtime import bundled
+from specsched.runtime.training.corpus import SourceFile, function_prompts, is_excluded, is_heldout
+from specsched.runtime.training.tokenizer_train import train_tokenizer
 
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "README.md")
 

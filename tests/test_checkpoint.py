@@ -11,10 +11,10 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from runtime.checkpoint import CheckpointError, load_model
-from runtime.config import ConfigError, ModelConfig
-from runtime.model import LlamaModel
-from runtime.tokenizer import Tokenizer, TokenizerError
+from specsched.runtime.checkpoint import CheckpointError, load_model
+from specsched.runtime.config import ConfigError, ModelConfig
+from specsched.runtime.model import LlamaModel
+from specsched.runtime.tokenizer import Tokenizer, TokenizerError
 
 BASE = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=64, hidden_size=32,

@@ -6,9 +6,9 @@ import json
 import jsonschema
 import pytest
 
-from traces import MemoryRecorder, to_chrome_trace, write_chrome_trace
-from traces.schema import Header
-from traces.synthetic import synthetic_trace
+from specsched.traces import MemoryRecorder, to_chrome_trace, write_chrome_trace
+from specsched.traces.schema import Header
+from specsched.traces.synthetic import synthetic_trace
 
 _NUM = {"type": "number"}
 _ID = {"type": ["integer", "string"]}

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
-from traces.reader import read_trace
+from specsched.cli.main import app
+from specsched.traces.reader import read_trace
 
 SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "samples" / "draft_sync.jsonl"
 runner = CliRunner()

@@ -15,10 +15,10 @@ import anyio
 import pytest
 import torch
 
-from runtime.devices import (CudaDevice, DeviceStartError, WorkerSpec, cuda, cuda_available,
+from specsched.runtime.devices import (CudaDevice, DeviceStartError, WorkerSpec, cuda, cuda_available,
                              make_device)
-from runtime.devices.testing_worker import spin_cpu_ms
-from scheduler.protocols import DeviceCrashed, DeviceError, Event
+from specsched.runtime.devices.testing_worker import spin_cpu_ms
+from specsched.scheduler.protocols import DeviceCrashed, DeviceError, Event
 
 MS = 1_000_000  # ns
 
@@ -243,12 +243,12 @@ def test_fake_construction_error(monkeypatch):
 @pytest.mark.skipif(cuda_available(), reason="checks the error on a machine without CUDA")
 def test_without_cuda_the_error_is_clear():
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        CudaDevice(WorkerSpec("runtime.devices.testing_worker:TestingWorker"))
+        CudaDevice(WorkerSpec("specsched.runtime.devices.testing_worker:TestingWorker"))
 
 
 # -- real GPU --
 
-GPU_SPEC = WorkerSpec("runtime.devices.testing_worker:TestingWorker")
+GPU_SPEC = WorkerSpec("specsched.runtime.devices.testing_worker:TestingWorker")
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,11 @@ import anyio
 import numpy as np
 import pytest
 
-from runtime.devices import DeviceStartError, HostDevice, WorkerSpec, make_device
-from runtime.devices.testing_worker import spin_cpu_ms
-from scheduler.protocols import Device, DeviceCrashed, DeviceError, Event, Stream
+from specsched.runtime.devices import DeviceStartError, HostDevice, WorkerSpec, make_device
+from specsched.runtime.devices.testing_worker import spin_cpu_ms
+from specsched.scheduler.protocols import Device, DeviceCrashed, DeviceError, Event, Stream
 
-SPEC = WorkerSpec("runtime.devices.testing_worker:TestingWorker")
+SPEC = WorkerSpec("specsched.runtime.devices.testing_worker:TestingWorker")
 TIMEOUT_S = 20.0  # generous: the machine is small and shared
 
 

@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.training.mtp_eval import run_requests, summarize
-from runtime.verify import greedy_verify
-from runtime.worker import ModelWorker
-from scheduler.block_manager import BlockManager
-from scheduler.batch_builder import ScheduledSeq, StepBatch
-from scheduler.errors import InvalidRequestError
-from scheduler.messages import verify_message
-from scheduler.plan import build_plan
-from scheduler.proposer import ProposerSpec, default_tree
-from scheduler.request import Request
-from scheduler.sampling_params import SamplingParams
+from specsched.runtime.training.mtp_eval import run_requests, summarize
+from specsched.runtime.verify import greedy_verify
+from specsched.runtime.worker import ModelWorker
+from specsched.scheduler.block_manager import BlockManager
+from specsched.scheduler.batch_builder import ScheduledSeq, StepBatch
+from specsched.scheduler.errors import InvalidRequestError
+from specsched.scheduler.messages import verify_message
+from specsched.scheduler.plan import build_plan
+from specsched.scheduler.proposer import ProposerSpec, default_tree
+from specsched.scheduler.request import Request
+from specsched.scheduler.sampling_params import SamplingParams
 
 PAGE = 4
 PAGES = 256

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import anyio
 import pytest
 
-from runtime import bundled
-from runtime.engine import AsyncEngine, _Detokenizer, _Sink
-from runtime.engine_config import EngineConfig
-from runtime.tokenizer import Tokenizer
-from scheduler.errors import ConfigurationError, InvalidRequestError
-from scheduler.sampling_params import SamplingParams
+from specsched.runtime import bundled
+from specsched.runtime.engine import AsyncEngine, _Detokenizer, _Sink
+from specsched.runtime.engine_config import EngineConfig
+from specsched.runtime.tokenizer import Tokenizer
+from specsched.scheduler.errors import ConfigurationError, InvalidRequestError
+from specsched.scheduler.sampling_params import SamplingParams
 
 PROMPTS = ["def encode(self, o):", "import json\n", "    return", "class JSONDecoder(object):\n    \"\"\"",
            "if x is None:", "for key, value in", "# Copyright", "def _make_iterencode("]
@@ -144,7 +144,7 @@ def test_abort_by_id(tiny_family):
 
 
 def test_device_failure_fails_only_that_batch(tiny_family, reference, monkeypatch):
-    from runtime.devices import WorkerSpec
+    from specsched.runtime.devices import WorkerSpec
     from tests.faulty_worker import POISON
 
     async def main():
@@ -196,8 +196,8 @@ def test_bad_configs(tiny_family, kw, msg):
 def test_failed_start_closes_the_device(tiny_family, monkeypatch):
     """`async with` skips __aexit__ when __aenter__ raises: the engine itself must stop the
     worker process it started, or the process (and the model's weights) would leak."""
-    import runtime.engine as engine_mod
-    from runtime.devices import make_device
+    import specsched.runtime.engine as engine_mod
+    from specsched.runtime.devices import make_device
 
     made = []
 
@@ -209,7 +209,7 @@ def test_failed_start_closes_the_device(tiny_family, monkeypatch):
         assert made and made[0].is_alive()  # fails after the worker process is up
         raise RuntimeError("injected start failure")
 
-    monkeypatch.setattr("runtime.devices.make_device", tracking_make_device)
+    monkeypatch.setattr("specsched.runtime.devices.make_device", tracking_make_device)
     monkeypatch.setattr(engine_mod, "Pipeline", broken_pipeline)
 
     async def main():
@@ -257,7 +257,7 @@ def test_bad_token_ids_rejected_while_other_requests_run(tiny_family, reference)
 def test_draft_with_other_tokenizer_rejected(tiny_family, tmp_path):
     import shutil
 
-    from runtime.training.tiny import write_tiny_tokenizer
+    from specsched.runtime.training.tiny import write_tiny_tokenizer
 
     other = tmp_path / "draft"
     shutil.copytree(tiny_family["draft"], other)

@@ -6,11 +6,11 @@ import numpy as np
 import orjson
 import pytest
 
-from runtime.engine import AsyncEngine
-from runtime.engine_config import EngineConfig
-from runtime.workload import WorkItem, check_workload, load_workload
-from scheduler.errors import ConfigurationError, InvalidRequestError
-from scheduler.sampling_params import SamplingParams
+from specsched.runtime.engine import AsyncEngine
+from specsched.runtime.engine_config import EngineConfig
+from specsched.runtime.workload import WorkItem, check_workload, load_workload
+from specsched.scheduler.errors import ConfigurationError, InvalidRequestError
+from specsched.scheduler.sampling_params import SamplingParams
 
 
 def _cfg(fam, **kw) -> EngineConfig:

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from traces import MemoryRecorder, SpanRecord, StepRecord, Trace, compute_metrics
-from traces.metrics import merge_intervals, subtract_intervals
-from traces.schema import Header
+from specsched.traces import MemoryRecorder, SpanRecord, StepRecord, Trace, compute_metrics
+from specsched.traces.metrics import merge_intervals, subtract_intervals
+from specsched.traces.schema import Header
 
 MS = 1_000_000  # ns
 

@@ -10,9 +10,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from runtime.attention import get_backend  # noqa: E402
-from runtime.checkpoint import load_model  # noqa: E402
-from scheduler.plan import build_plan  # noqa: E402
+from specsched.runtime.attention import get_backend  # noqa: E402
+from specsched.runtime.checkpoint import load_model  # noqa: E402
+from specsched.scheduler.plan import build_plan  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 97

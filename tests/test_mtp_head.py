@@ -1,4 +1,4 @@
-"""Tests for runtime.mtp_head and the MTP proposer: paged head == dense head, greedy
+"""Tests for specsched.runtime.mtp_head and the MTP proposer: paged head == dense head, greedy
 losslessness through the real pipeline (D = 1, 3, 5; mtp and sync schedules), sampled
 drafting, agreement, checkpoint io and its errors."""
 from __future__ import annotations
@@ -10,15 +10,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.checkpoint import CheckpointError, load_model, save_llama
-from runtime.config import ModelConfig
-from runtime.model import LlamaModel
-from runtime.mtp_head import MTPHead, load_head, save_head, target_fingerprint
-from runtime.training.mtp import head_rollout
-from runtime.training.mtp_eval import run_requests, summarize
-from runtime.worker import ModelWorker
-from scheduler.plan import build_plan
-from scheduler.sampling_params import SamplingParams
+from specsched.runtime.checkpoint import CheckpointError, load_model, save_llama
+from specsched.runtime.config import ModelConfig
+from specsched.runtime.model import LlamaModel
+from specsched.runtime.mtp_head import MTPHead, load_head, save_head, target_fingerprint
+from specsched.runtime.training.mtp import head_rollout
+from specsched.runtime.training.mtp_eval import run_requests, summarize
+from specsched.runtime.worker import ModelWorker
+from specsched.scheduler.plan import build_plan
+from specsched.scheduler.sampling_params import SamplingParams
 
 PAGE = 4
 PAGES = 256

@@ -1,4 +1,4 @@
-"""Tests for runtime.proposers.ngram against a brute-force reference."""
+"""Tests for specsched.runtime.proposers.ngram against a brute-force reference."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.proposers import NgramProposer
+from specsched.runtime.proposers import NgramProposer
 
 
 def reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:

@@ -14,10 +14,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from traces import MemoryRecorder, Trace, Tracer
-from traces.otel_export import OtelLiveTracer, export_otel_json, export_otlp, export_trace_otel
-from traces.schema import Header
-from traces.synthetic import synthetic_trace
+from specsched.traces import MemoryRecorder, Trace, Tracer
+from specsched.traces.otel_export import OtelLiveTracer, export_otel_json, export_otlp, export_trace_otel
+from specsched.traces.schema import Header
+from specsched.traces.synthetic import synthetic_trace
 
 EPOCH_NS = 1_700_000_000 * 10**9
 CLOCK0_NS = 5_000

@@ -4,9 +4,9 @@ import time
 import anyio
 import pytest
 
-from runtime.devices import WorkerSpec
-from runtime.devices.paced import PacedWorker, paced_ns
-from scheduler.step_trace import launch_features
+from specsched.runtime.devices import WorkerSpec
+from specsched.runtime.devices.paced import PacedWorker, paced_ns
+from specsched.scheduler.step_trace import launch_features
 
 MS = 1_000_000
 
@@ -61,16 +61,16 @@ def test_a_paced_engine_run_is_lossless_and_the_simulator_replays_it_closely(tin
     """The paced device changes nothing but time: tokens equal an unpaced run's, every launch
     lasts at least its pace, and `validate` -- with device speed no longer drifting -- matches
     the run far closer than on an unpaced device (the bound leaves room for a busy CI host)."""
-    from runtime.bench import run_workload
-    from runtime.engine import AsyncEngine
-    from runtime.engine_config import EngineConfig
-    from runtime.workload import WorkItem
-    from scheduler.sampling_params import SamplingParams
-    from simulator.analysis import validate
+    from specsched.runtime.bench import run_workload
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.runtime.workload import WorkItem
+    from specsched.scheduler.sampling_params import SamplingParams
+    from specsched.simulator.analysis import validate
 
     class PacedEngine(AsyncEngine):
         def worker_spec(self):
-            return WorkerSpec("runtime.devices.paced:PacedWorker", {"inner": super().worker_spec(), "pace": TINY_PACE})
+            return WorkerSpec("specsched.runtime.devices.paced:PacedWorker", {"inner": super().worker_spec(), "pace": TINY_PACE})
 
     prompts = ["def encode(self, o):", "import json\n", "    return", "class JSONDecoder(object):\n"]
     items = [WorkItem(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in prompts]

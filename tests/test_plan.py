@@ -1,4 +1,4 @@
-"""Tests for scheduler.plan: FlashInfer paged-KV layout arrays, checked by hand and by property."""
+"""Tests for specsched.scheduler.plan: FlashInfer paged-KV layout arrays, checked by hand and by property."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.plan import AttentionPlan, build_plan
+from specsched.scheduler.plan import AttentionPlan, build_plan
 
 
 def _eq(a: np.ndarray, b: list) -> None:
@@ -102,7 +102,7 @@ def test_all_none_masks_mean_causal() -> None:
 
 
 def test_tree_mask_placed_after_the_prefix() -> None:
-    from scheduler.proposer import ProposerSpec
+    from specsched.scheduler.proposer import ProposerSpec
 
     spec = ProposerSpec("eagle", 2, (-1, -1, 0))
     tree = spec.tree_mask()  # [4, 4]

@@ -1,4 +1,4 @@
-"""Tests for scheduler.proposer: spec validation, tree shapes and masks, schedule pairs."""
+"""Tests for specsched.scheduler.proposer: spec validation, tree shapes and masks, schedule pairs."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.proposer import (
+from specsched.scheduler.proposer import (
     PROPOSERS,
     SCHEDULES,
     ProposerSpec,

@@ -1,4 +1,4 @@
-"""Tests for runtime.sampling: greedy, seeds, top-k/top-p masks, sampled frequencies."""
+"""Tests for specsched.runtime.sampling: greedy, seeds, top-k/top-p masks, sampled frequencies."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from runtime.sampling import (
+from specsched.runtime.sampling import (
     SamplingTensors,
     apply_top_k_top_p,
     logits_to_probs,
@@ -14,7 +14,7 @@ from runtime.sampling import (
     sample,
     sample_logits,
 )
-from scheduler.sampling_params import SamplingParams
+from specsched.scheduler.sampling_params import SamplingParams
 
 
 def chi2_sf(stat: float, dof: int) -> float:

@@ -1,4 +1,4 @@
-"""Tests for scheduler.sampling_params: validation at the API boundary names the bad field."""
+"""Tests for specsched.scheduler.sampling_params: validation at the API boundary names the bad field."""
 from __future__ import annotations
 
 import math
@@ -6,8 +6,8 @@ import math
 import pydantic
 import pytest
 
-from scheduler.errors import InvalidRequestError
-from scheduler.sampling_params import SamplingParams
+from specsched.scheduler.errors import InvalidRequestError
+from specsched.scheduler.sampling_params import SamplingParams
 
 
 def test_defaults_are_greedy_and_valid() -> None:
@@ -107,8 +107,8 @@ def test_seed_outside_range_names_seed_and_range(seed: int) -> None:
 
 
 def test_largest_seed_seeds_a_torch_generator() -> None:
-    from runtime.sampling import make_generator
-    from scheduler.sampling_params import MAX_SEED
+    from specsched.runtime.sampling import make_generator
+    from specsched.scheduler.sampling_params import MAX_SEED
 
     p = SamplingParams.make(seed=MAX_SEED, temperature=1.0)
     gen = make_generator(p.seed)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from runtime import bundled
-from runtime.bench import run_workload
-from runtime.engine_config import EngineConfig
-from runtime.workload import load_workload
+from specsched.runtime import bundled
+from specsched.runtime.bench import run_workload
+from specsched.runtime.engine_config import EngineConfig
+from specsched.runtime.workload import load_workload
 
 pytestmark = pytest.mark.skipif(not (bundled.mtp_dir() / "config.json").exists(), reason="bundled head missing")
 
@@ -55,8 +55,8 @@ def test_heads_survive_preemption(items, reference, proposer, schedule, d):
 
 
 def test_engine_trace_roundtrip_gives_the_bench_numbers(items, tmp_path):
-    from traces.metrics import compute_metrics
-    from traces.reader import read_trace
+    from specsched.traces.metrics import compute_metrics
+    from specsched.traces.reader import read_trace
 
     cfg = EngineConfig.make(proposer="draft", schedule="overlap", draft_len=3)
     path = tmp_path / "run.jsonl"

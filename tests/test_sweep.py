@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from simulator.analysis import ab, tune, validate
-from simulator.fit import fit_profile
-from simulator.replay import ReplayConfig, replay
-from simulator.synthetic import analytic_profile, workload_trace
-from simulator.sweep import fan_out
-from traces.reader import read_trace
+from specsched.simulator.analysis import ab, tune, validate
+from specsched.simulator.fit import fit_profile
+from specsched.simulator.replay import ReplayConfig, replay
+from specsched.simulator.synthetic import analytic_profile, workload_trace
+from specsched.simulator.sweep import fan_out
+from specsched.traces.reader import read_trace
 
 SAMPLES = Path(__file__).resolve().parents[1] / "traces" / "samples"
 

@@ -5,10 +5,10 @@ import struct
 
 import pytest
 
-from traces import MemoryRecorder
-from traces.schema import Header
-from traces.synthetic import synthetic_trace
-from traces.timeline import _window, plot_timeline, stage_color
+from specsched.traces import MemoryRecorder
+from specsched.traces.schema import Header
+from specsched.traces.synthetic import synthetic_trace
+from specsched.traces.timeline import _window, plot_timeline, stage_color
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

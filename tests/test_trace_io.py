@@ -9,10 +9,10 @@ import numpy as np
 import orjson
 import pytest
 
-from traces import (MemoryRecorder, MultiTracer, TraceFormatError, TraceRecorder, Tracer,
+from specsched.traces import (MemoryRecorder, MultiTracer, TraceFormatError, TraceRecorder, Tracer,
                     iter_records, read_trace, write_trace)
-from traces.schema import Header
-from traces.synthetic import drive, synthetic_trace
+from specsched.traces.schema import Header
+from specsched.traces.synthetic import drive, synthetic_trace
 
 DRIVE = dict(num_requests=3, max_tokens=8, draft_len=3, schedule="overlap", agree_p=0.6,
              arrival_gap_ns=300_000, draft_stream="draft", seed=1)
@@ -107,7 +107,7 @@ def test_killed_run_leaves_a_readable_file(tmp_path):
     path = tmp_path / "killed.jsonl"
     script = textwrap.dedent(f"""
         import os
-        from traces import TraceRecorder, Header
+        from specsched.traces import TraceRecorder, Header
         h = Header.create(source="engine", clock="monotonic_ns", model="m", proposer="none",
                           schedule="sync", draft_len=0, device={{"kind": "cpu", "name": "c"}})
         r = TraceRecorder({str(path)!r}, h, max_buffered_lines=4, flush_on_step=False)

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from traces import (FORMAT_VERSION, FinishRecord, Header, MemoryRecorder, MultiTracer,
+from specsched.traces import (FORMAT_VERSION, FinishRecord, Header, MemoryRecorder, MultiTracer,
                     NullTracer, RequestRecord, SpanRecord, StepRecord, Trace, Tracer, replay)
-from traces.schema import RECORD_ADAPTER
-from traces.synthetic import synthetic_trace
+from specsched.traces.schema import RECORD_ADAPTER
+from specsched.traces.synthetic import synthetic_trace
 
 
 def make_header(**overrides) -> Header:

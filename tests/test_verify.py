@@ -1,4 +1,4 @@
-"""Tests for runtime.verify: greedy, lossless rejection sampling (chi-square), threshold mode,
+"""Tests for specsched.runtime.verify: greedy, lossless rejection sampling (chi-square), threshold mode,
 token trees, acceptance statistics."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from runtime.verify import (
+from specsched.runtime.verify import (
     SpecStats,
     TreeSpec,
     greedy_tree_verify,
@@ -18,7 +18,7 @@ from runtime.verify import (
     tree_attention_mask,
     tree_positions,
 )
-from scheduler.errors import InvalidRequestError
+from specsched.scheduler.errors import InvalidRequestError
 
 N = 100_000  # rows per statistical test, run as one batch
 

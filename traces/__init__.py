@@ -1,15 +1,15 @@
 """Trace capture and the tools that read traces (the leaf package: imports nothing of ours).
 
-Light imports only here; the OpenTelemetry modules (`traces.otel`, `traces.otel_export`)
-and the timeline plot (`traces.timeline`) pull in heavy libraries and are imported from
+Light imports only here; the OpenTelemetry modules (`specsched.traces.otel`, `specsched.traces.otel_export`)
+and the timeline plot (`specsched.traces.timeline`) pull in heavy libraries and are imported from
 their modules.
 """
-from traces.chrome import to_chrome_trace, write_chrome_trace
-from traces.hook import NULL_TRACER, MultiTracer, NullTracer, Tracer, replay
-from traces.metrics import compute_metrics
-from traces.reader import TraceFormatError, iter_records, read_trace
-from traces.recorder import MemoryRecorder, TraceRecorder, write_trace
-from traces.schema import (FORMAT_VERSION, STAGES, Device, FinishRecord, Header, RequestRecord,
+from specsched.traces.chrome import to_chrome_trace, write_chrome_trace
+from specsched.traces.hook import NULL_TRACER, MultiTracer, NullTracer, Tracer, replay
+from specsched.traces.metrics import compute_metrics
+from specsched.traces.reader import TraceFormatError, iter_records, read_trace
+from specsched.traces.recorder import MemoryRecorder, TraceRecorder, write_trace
+from specsched.traces.schema import (FORMAT_VERSION, STAGES, Device, FinishRecord, Header, RequestRecord,
                            SpanRecord, StepRecord, Trace)
 
 __all__ = [

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from traces.schema import HOST_TRACK, SpanRecord, Trace
+from specsched.traces.schema import HOST_TRACK, SpanRecord, Trace
 
 PID = 1
 STEPS_TID = 1

@@ -7,7 +7,7 @@ attribute load per call site.
 
 Calls happen when the thing is known: `request` at arrival, `span` when a stage or a device
 interval has ended, `step` when a step's outcome (accepted counts) is known, `finish` when a
-request finishes. Field meanings are those of the records in `traces.schema`.
+request finishes. Field meanings are those of the records in `specsched.traces.schema`.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import heapq
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
-    from traces.schema import Trace
+    from specsched.traces.schema import Trace
 
 
 @runtime_checkable

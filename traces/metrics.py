@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from traces.schema import DEVICE_TRACK_PREFIX, HOST_TRACK, Trace, stage_order
+from specsched.traces.schema import DEVICE_TRACK_PREFIX, HOST_TRACK, Trace, stage_order
 
 PERCENTILES = (50, 90, 99)
 

@@ -33,7 +33,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-from traces.schema import DEVICE_TRACK_PREFIX, FORMAT_VERSION, Header, Trace
+from specsched.traces.schema import DEVICE_TRACK_PREFIX, FORMAT_VERSION, Header, Trace
 
 SPEC_STAGES = frozenset({"draft", "verify", "accept", "draft_fill", "mtp"})
 OPERATION = "text_completion"

@@ -18,9 +18,9 @@ import orjson
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from traces.hook import replay
-from traces.otel import OtelTracer, epoch_offset_ns
-from traces.schema import Header, Trace
+from specsched.traces.hook import replay
+from specsched.traces.otel import OtelTracer, epoch_offset_ns
+from specsched.traces.schema import Header, Trace
 
 
 class OtelLiveTracer(OtelTracer):

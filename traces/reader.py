@@ -3,7 +3,7 @@
 Why: traces outlive the code that wrote them and runs get killed mid-write. A reader that
 says `run.jsonl:17: span.end_ns: end_ns (5) is before start_ns (9)` -- or that the file
 comes from a newer, incompatible version, or that its last line was cut off -- saves the
-user from guessing. Every line is validated against `traces.schema` (pydantic parses the
+user from guessing. Every line is validated against `specsched.traces.schema` (pydantic parses the
 JSON bytes directly, ~3 us a line).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import orjson
 from pydantic import ValidationError
 
-from traces.schema import (FORMAT_MAJOR, FORMAT_MINOR, FORMAT_VERSION, RECORD_ADAPTER,
+from specsched.traces.schema import (FORMAT_MAJOR, FORMAT_MINOR, FORMAT_VERSION, RECORD_ADAPTER,
                            RECORD_TYPES, FinishRecord, Header, RequestRecord, SpanRecord,
                            StepRecord, Trace)
 

@@ -18,8 +18,8 @@ from typing import Any, BinaryIO, Mapping, Sequence, get_args
 
 import orjson
 
-from traces.hook import replay
-from traces.schema import (RECORD_ADAPTER, TRACK_PATTERN, FinishReason, Header, StepKind,
+from specsched.traces.hook import replay
+from specsched.traces.schema import (RECORD_ADAPTER, TRACK_PATTERN, FinishReason, Header, StepKind,
                            Trace)
 
 _FINISH_REASONS = frozenset(get_args(FinishReason))
@@ -239,7 +239,7 @@ class MemoryRecorder(_RecordBuilder):
         (the simulator), where validation would cost more than the simulation."""
         trace = Trace(header=self.header)
         if not validate:
-            from traces.schema import FinishRecord, RequestRecord, SpanRecord, StepRecord
+            from specsched.traces.schema import FinishRecord, RequestRecord, SpanRecord, StepRecord
 
             models = {"request": RequestRecord, "step": StepRecord, "finish": FinishRecord}
             spans = trace.spans

@@ -11,9 +11,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from traces.hook import Tracer
-from traces.recorder import MemoryRecorder
-from traces.schema import Header, Trace
+from specsched.traces.hook import Tracer
+from specsched.traces.recorder import MemoryRecorder
+from specsched.traces.schema import Header, Trace
 
 US = 1_000  # ns
 

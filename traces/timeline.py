@@ -15,8 +15,8 @@ import matplotlib
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from traces.metrics import bubble_intervals, compute_metrics
-from traces.schema import HOST_TRACK, Trace, stage_order
+from specsched.traces.metrics import bubble_intervals, compute_metrics
+from specsched.traces.schema import HOST_TRACK, Trace, stage_order
 
 STAGE_COLORS = {
     "schedule": "#4e79a7", "kv_alloc": "#76b7b2", "plan": "#59a14f", "prefill": "#b07aa1",

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from scheduler.plan import AttentionPlan
+from specsched.scheduler.plan import AttentionPlan
 
 BACKENDS = ("torch", "flashinfer")
 
@@ -53,11 +53,11 @@ def get_backend(name: str = "torch", **options) -> AttentionBackend:
     head_dim, dtype, workspace_bytes.
     """
     if name == "torch":
-        from runtime.attention.torch_backend import TorchBackend
+        from specsched.runtime.attention.torch_backend import TorchBackend
 
         return TorchBackend()
     if name == "flashinfer":
-        from runtime.attention.flashinfer_backend import FlashInferBackend
+        from specsched.runtime.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(**options)
     raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(BACKENDS)})")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from scheduler.plan import AttentionPlan
+from specsched.scheduler.plan import AttentionPlan
 
 
 class FlashInferBackend:

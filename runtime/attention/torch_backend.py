@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from scheduler.plan import AttentionPlan
+from specsched.scheduler.plan import AttentionPlan
 
 
 class TorchBackend:

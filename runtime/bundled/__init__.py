@@ -1,7 +1,7 @@
 """Where the bundled tiny model family lives, so the default runs anywhere with no download.
 
 The files (HF layout: config.json, model.safetensors, tokenizer.json, model card README.md)
-are produced by `python -m runtime.training.bundled --out runtime/bundled`; the MTP head in
+are produced by `python -m specsched.runtime.training.bundled --out runtime/bundled`; the MTP head in
 `mtp/` is trained separately on top of the target.
 """
 

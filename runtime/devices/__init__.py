@@ -1,6 +1,6 @@
 """Real devices behind the scheduler's Device/Stream/Event protocols.
 
-Why: the pipeline only sees `scheduler.protocols`; this package supplies the two real
+Why: the pipeline only sees `specsched.scheduler.protocols`; this package supplies the two real
 implementations -- a host device (a worker process, for CPU machines) and a CUDA device
 (torch streams and events, in-process) -- built from the same picklable `WorkerSpec`.
 Importing it never touches CUDA, so it works on CPU-only machines.
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from runtime.devices.cuda import CudaDevice, CudaEvent, CudaStream, cuda_available
-from runtime.devices.events import CompletionEvent
-from runtime.devices.host import HostDevice, HostStream
-from runtime.devices.spec import DeviceStartError, WorkerSpec
+from specsched.runtime.devices.cuda import CudaDevice, CudaEvent, CudaStream, cuda_available
+from specsched.runtime.devices.events import CompletionEvent
+from specsched.runtime.devices.host import HostDevice, HostStream
+from specsched.runtime.devices.spec import DeviceStartError, WorkerSpec
 
 __all__ = [
     "CompletionEvent", "CudaDevice", "CudaEvent", "CudaStream", "DeviceStartError", "HostDevice",

@@ -32,9 +32,9 @@ from typing import Any
 
 import anyio.to_thread
 
-from runtime.devices.events import raise_device_error
-from runtime.devices.spec import DeviceStartError, WorkerSpec
-from scheduler.protocols import Batch, DeviceCrashed, DeviceError, Event
+from specsched.runtime.devices.events import raise_device_error
+from specsched.runtime.devices.spec import DeviceStartError, WorkerSpec
+from specsched.scheduler.protocols import Batch, DeviceCrashed, DeviceError, Event
 
 _Failure = tuple[type[DeviceError], str, "str | None"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio.to_thread
 
-from scheduler.protocols import DeviceError
+from specsched.scheduler.protocols import DeviceError
 
 
 def _resolve(fut: asyncio.Future) -> None:

@@ -25,10 +25,10 @@ import weakref
 from multiprocessing.connection import wait as wait_any
 from typing import Any
 
-from runtime.devices.events import CompletionEvent
-from runtime.devices.process import WorkerProcess, kill_quietly
-from runtime.devices.spec import DeviceStartError, WorkerSpec
-from scheduler.protocols import Batch, DeviceCrashed, DeviceError, Event
+from specsched.runtime.devices.events import CompletionEvent
+from specsched.runtime.devices.process import WorkerProcess, kill_quietly
+from specsched.runtime.devices.spec import DeviceStartError, WorkerSpec
+from specsched.scheduler.protocols import Batch, DeviceCrashed, DeviceError, Event
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 

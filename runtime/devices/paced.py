@@ -13,7 +13,7 @@ A pace must exceed what the op really takes (`benchmarks/simulator_fidelity.py -
 sets it from a fitted profile times a headroom factor); an op that overruns its pace simply
 ends late (the benchmark counts those from the trace).
 
-    spec = WorkerSpec("runtime.devices.paced:PacedWorker",
+    spec = WorkerSpec("specsched.runtime.devices.paced:PacedWorker",
                       {"inner": engine.worker_spec(), "pace": {"verify": {"const": 4e6, "tokens": 2e5}}})
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from runtime.devices.spec import WorkerSpec
-from scheduler.step_trace import LAUNCH_FEATURES, device_span_name, launch_features
+from specsched.runtime.devices.spec import WorkerSpec
+from specsched.scheduler.step_trace import LAUNCH_FEATURES, device_span_name, launch_features
 
 PACE_FEATURES = LAUNCH_FEATURES  # the simulator's cost features (unpadded)
 

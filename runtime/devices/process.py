@@ -18,7 +18,7 @@ import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-_ENTRY = "from runtime.devices.worker_main import entry; entry()"
+_ENTRY = "from specsched.runtime.devices.worker_main import entry; entry()"
 
 
 class WorkerProcess:

@@ -11,7 +11,7 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.protocols import DeviceError, Worker
+from specsched.scheduler.protocols import DeviceError, Worker
 
 
 class DeviceStartError(DeviceError):
@@ -27,7 +27,7 @@ class DeviceStartError(DeviceError):
 class WorkerSpec:
     """A picklable recipe for a Worker: `import module; module.callable(**kwargs)`."""
 
-    factory: str  # "package.module:callable", e.g. "runtime.devices.testing_worker:TestingWorker"
+    factory: str  # "package.module:callable", e.g. "specsched.runtime.devices.testing_worker:TestingWorker"
     kwargs: dict[str, Any] = field(default_factory=dict)  # picklable keyword arguments
 
     def __post_init__(self) -> None:

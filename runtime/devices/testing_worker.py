@@ -2,7 +2,7 @@
 
 Why: device tests and benchmarks need ops with known behaviour -- a known duration, a known
 failure, a crash, an order check -- that start in milliseconds (no torch import unless a
-tensor op is used). Build it with `WorkerSpec("runtime.devices.testing_worker:TestingWorker")`.
+tensor op is used). Build it with `WorkerSpec("specsched.runtime.devices.testing_worker:TestingWorker")`.
 
 Ops (batch keys in braces):
 - "sleep" {ms}: sleep (no CPU use); returns None.
@@ -23,7 +23,7 @@ import os
 import time
 from typing import Any
 
-from scheduler.protocols import Batch
+from specsched.scheduler.protocols import Batch
 
 
 class TestingWorker:

@@ -31,7 +31,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from runtime.devices.spec import WorkerSpec
+from specsched.runtime.devices.spec import WorkerSpec
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 

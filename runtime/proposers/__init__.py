@@ -3,6 +3,6 @@
 Every proposer hands the verifier the same thing: draft tokens [B, D] with per-row counts
 [B] and, for sampled drafts, the distributions they came from.
 """
-from runtime.proposers.ngram import NgramProposer
+from specsched.runtime.proposers.ngram import NgramProposer
 
 __all__ = ["NgramProposer"]

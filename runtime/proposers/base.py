@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from runtime.sampling import logits_to_probs, sample
+from specsched.runtime.sampling import logits_to_probs, sample
 
 if TYPE_CHECKING:
-    from runtime.worker import ModelWorker, SeqState
+    from specsched.runtime.worker import ModelWorker, SeqState
 
 
 class NoProposer:
@@ -44,7 +44,7 @@ class NgramDrafter(NoProposer):
 
     def __init__(self, worker: "ModelWorker", min_n: int, max_n: int, num_tokens: int):
         super().__init__(worker)
-        from runtime.proposers.ngram import NgramProposer
+        from specsched.runtime.proposers.ngram import NgramProposer
 
         self.lookup = NgramProposer(min_n, max_n, num_tokens)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime.checkpoint import load_model
-from runtime.proposers.base import DraftCollector, NoProposer, one_hot_or
-from scheduler.plan import build_plan
+from specsched.runtime.checkpoint import load_model
+from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or
+from specsched.scheduler.plan import build_plan
 
 
 class DraftModelProposer(NoProposer):

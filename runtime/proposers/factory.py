@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from runtime.proposers.base import NgramDrafter, NoProposer
+from specsched.runtime.proposers.base import NgramDrafter, NoProposer
 
 if TYPE_CHECKING:
-    from runtime.worker import ModelWorker
-    from scheduler.proposer import ProposerSpec
+    from specsched.runtime.worker import ModelWorker
+    from specsched.scheduler.proposer import ProposerSpec
 
 
 def make_proposer(worker: "ModelWorker", spec: "ProposerSpec", proposer_dir: str | None,
@@ -17,11 +17,11 @@ def make_proposer(worker: "ModelWorker", spec: "ProposerSpec", proposer_dir: str
     if spec.kind == "ngram":
         return NgramDrafter(worker, ngram[0], ngram[1], spec.draft_len)
     if spec.kind == "draft":
-        from runtime.proposers.draft_model import DraftModelProposer  # loads torch models: lazily
+        from specsched.runtime.proposers.draft_model import DraftModelProposer  # loads torch models: lazily
 
         return DraftModelProposer(worker, proposer_dir, num_pages)
     if spec.kind in ("mtp", "eagle"):
-        from runtime.proposers.mtp import make_head_proposer
+        from specsched.runtime.proposers.mtp import make_head_proposer
 
         return make_head_proposer(worker, spec, proposer_dir, num_pages)
     raise ValueError(f"unknown proposer {spec.kind!r}")

@@ -22,10 +22,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime.mtp_head import load_head
-from runtime.proposers.base import DraftCollector, NoProposer, one_hot_or
-from runtime.verify import TreeSpec, check_tree_greedy, greedy_tree_verify
-from scheduler.plan import build_plan
+from specsched.runtime.mtp_head import load_head
+from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or
+from specsched.runtime.verify import TreeSpec, check_tree_greedy, greedy_tree_verify
+from specsched.scheduler.plan import build_plan
 
 
 class HeadProposer(NoProposer):

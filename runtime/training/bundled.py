@@ -10,7 +10,7 @@ Budgets are wall-clock minutes (the cosine schedule follows elapsed time), so a 
 approximately, not bit-, reproducible: a busy machine takes fewer steps. `--target-steps` and
 `--draft-steps` switch to step budgets (schedule by step), which are deterministic for fixed
 seeds, library versions and thread count.
-Needs the `dev` extra: `python -m runtime.training.bundled --out runtime/bundled`.
+Needs the `dev` extra: `python -m specsched.runtime.training.bundled --out runtime/bundled`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from runtime.training.corpus import Corpus, SourceFile, function_prompts, load_corpus
-from runtime.training.tokenizer_train import special_ids, train_tokenizer
+from specsched.runtime.training.corpus import Corpus, SourceFile, function_prompts, load_corpus
+from specsched.runtime.training.tokenizer_train import special_ids, train_tokenizer
 
 SEQ_LEN = 256
 BATCH_SIZE = 8
@@ -217,7 +217,7 @@ def write_card(path: Path, role: str, corpus: Corpus, stats: RunStats, steps_fla
         lines.append(f"- greedy agreement with the target (teacher-forced, held-out): {stats.agreement:.1%}")
     lines += [
         "", "Reproduce (needs the `dev` extra for transformers):", "",
-        f"    python -m runtime.training.bundled --out runtime/bundled {steps_flags}", "",
+        f"    python -m specsched.runtime.training.bundled --out runtime/bundled {steps_flags}", "",
         "Budgets are wall-clock minutes by default (lr schedule by elapsed time), so a plain rerun is",
         "approximately, not bit-, reproducible. The step flags above fix this run's step counts and",
         "data order with a step-based schedule: deterministic, close to but not identical to this run.",

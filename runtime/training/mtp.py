@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.torch_backend import CausalAttention
-from runtime.checkpoint import load_model
-from runtime.model import LlamaModel
-from runtime.mtp_head import MTPHead
+from specsched.runtime.attention.torch_backend import CausalAttention
+from specsched.runtime.checkpoint import load_model
+from specsched.runtime.model import LlamaModel
+from specsched.runtime.mtp_head import MTPHead
 
 WARMUP_STEPS = 20
 
@@ -207,8 +207,8 @@ def corpus_windows(tokenizer_file: Path, seq_len: int, num_train: int, num_heldo
     the bundled models were trained); returns (train, heldout, corpus)."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    from runtime.training.bundled import token_stream
-    from runtime.training.corpus import load_corpus
+    from specsched.runtime.training.bundled import token_stream
+    from specsched.runtime.training.corpus import load_corpus
 
     tok = HFTokenizer.from_file(str(tokenizer_file))
     corpus = load_corpus()
@@ -237,10 +237,10 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
     """
     import tempfile
 
-    from runtime.mtp_head import save_head, target_fingerprint
-    from runtime.tokenizer import Tokenizer
-    from runtime.training.corpus import function_prompts
-    from runtime.training.mtp_eval import validate_head
+    from specsched.runtime.mtp_head import save_head, target_fingerprint
+    from specsched.runtime.tokenizer import Tokenizer
+    from specsched.runtime.training.corpus import function_prompts
+    from specsched.runtime.training.mtp_eval import validate_head
 
     torch.set_num_threads(num_threads)
     target_dir, out_dir = Path(target_dir), Path(out_dir)

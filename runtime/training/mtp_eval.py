@@ -17,13 +17,13 @@ from typing import Any
 import anyio
 import torch
 
-from scheduler.batch_builder import BatchBuilder, SchedulerConfig
-from scheduler.block_manager import BlockManager
-from scheduler.pipeline import Pipeline, PipelineConfig
-from scheduler.plan import build_plan
-from scheduler.protocols import DeviceError
-from scheduler.request import Request
-from scheduler.sampling_params import SamplingParams
+from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
+from specsched.scheduler.block_manager import BlockManager
+from specsched.scheduler.pipeline import Pipeline, PipelineConfig
+from specsched.scheduler.plan import build_plan
+from specsched.scheduler.protocols import DeviceError
+from specsched.scheduler.request import Request
+from specsched.scheduler.sampling_params import SamplingParams
 
 
 class _DoneEvent:
@@ -186,8 +186,8 @@ def validate_head(target_dir: str, head_dir: str, heldout_windows: torch.Tensor,
     first-token agreement on held-out windows, then greedy Pipeline runs on `prompts` with
     the MTP proposer at each D (and an EAGLE tree (depth, top_k, max_nodes)), each checked
     token for token against plain greedy decoding."""
-    from runtime.worker import ModelWorker
-    from scheduler.proposer import default_tree
+    from specsched.runtime.worker import ModelWorker
+    from specsched.scheduler.proposer import default_tree
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     num_pages = 4 * len(prompts) * ((max(len(p) for p in prompts) + max_tokens + 32) // 16 + 2)

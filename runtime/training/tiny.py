@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from runtime.checkpoint import save_llama
+from specsched.runtime.checkpoint import save_llama
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -34,7 +34,7 @@ def write_tiny_tokenizer(out_dir, vocab_size: int = 320) -> Tokenizer:
     sources, saved as `out_dir`/tokenizer.json."""
     import sysconfig
 
-    from runtime.training.tokenizer_train import train_tokenizer
+    from specsched.runtime.training.tokenizer_train import train_tokenizer
 
     root = Path(sysconfig.get_paths()["stdlib"])
     tok = train_tokenizer([(root / p).read_text() for p in TINY_TOKENIZER_SOURCES], vocab_size)
@@ -56,13 +56,13 @@ def write_tiny_family(out_dir, *, seed: int = 0, vocab_size: int = 32, train_ste
     `config` overrides the target's ModelConfig fields (default: 2 layers of width 32, MLP width
     2x, 4 heads, 2 KV heads, tied embeddings); weights are N(0, `std`). For tests and demos; a
     few seconds on one CPU thread (the models are dispatch-bound, so more threads only contend)."""
-    from runtime.config import ModelConfig
+    from specsched.runtime.config import ModelConfig
 
     out = Path(out_dir)
     special: dict = {"eos_token_id": None}
     tok = None
     if tokenizer_vocab is not None:
-        from runtime.training.tokenizer_train import special_ids
+        from specsched.runtime.training.tokenizer_train import special_ids
 
         tok = write_tiny_tokenizer(out / "target", tokenizer_vocab)
         vocab_size = tok.get_vocab_size()
@@ -83,7 +83,7 @@ def write_tiny_family(out_dir, *, seed: int = 0, vocab_size: int = 32, train_ste
 
 def _tiny_family(out: Path, cfg, seed: int, std: float, train_steps: int | None, norms: bool,
                  draft_layers: int, tok: Tokenizer | None) -> TinyFamily:
-    from runtime.model import LlamaModel
+    from specsched.runtime.model import LlamaModel
 
     target = LlamaModel.random(cfg, seed=seed, std=std)
     save_llama(target, out / "target")
@@ -101,8 +101,8 @@ def _tiny_family(out: Path, cfg, seed: int, std: float, train_steps: int | None,
 
 
 def _train_tiny_head(target, out: Path, seed: int, train_steps: int, norms: bool) -> str:
-    from runtime.mtp_head import save_head
-    from runtime.training.mtp import TrainConfig, precompute_hidden, train_head
+    from specsched.runtime.mtp_head import save_head
+    from specsched.runtime.training.mtp import TrainConfig, precompute_hidden, train_head
 
     gen = torch.Generator().manual_seed(seed)
     seqs = torch.randint(0, target.config.vocab_size, (64, 4), generator=gen)
