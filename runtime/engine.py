@@ -20,7 +20,7 @@ import numpy as np
 
 from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.tokenizer import Tokenizer
-from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
+from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig, max_pages_needed
 from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.errors import ConfigurationError, EngineClosedError, InvalidRequestError
 from specsched.scheduler.pipeline import Pipeline, PipelineConfig
@@ -34,9 +34,6 @@ class MonotonicClock:
 
     def now_ns(self) -> int:
         return time.monotonic_ns()
-
-    async def sleep_ns(self, duration_ns: int) -> None:
-        await anyio.sleep(duration_ns / 1e9)
 
 
 @dataclass
@@ -100,8 +97,8 @@ class _Detokenizer:
     string and starts a multi-byte character still ends the request at that token.
     """
 
-    def __init__(self, tok: Tokenizer, prompt_ids: list[int]):
-        # prompt_ids: unused; the text is that of the output ids alone, as `decode` gives it
+    def __init__(self, tok: Tokenizer):
+        # the text is that of the output ids alone, as `decode` gives it
         self._dec = tok.incremental_decoder()
         self._ids: list[int] = []
         self._pending = ""  # final text not streamed yet: it could be the start of a stop string
@@ -229,12 +226,17 @@ class AsyncEngine:
                 f"{need} positions, and {self.model_dir} has max_position_embeddings "
                 f"{self.max_model_len}"
             )
-        pages = -(-need // c.page_size) * (2 if spec.kv_model else 1)  # target (+ proposer) KV
+        pages = max_pages_needed(self._scheduler_config(), c.page_size, 1, 1)
         if pages > c.num_pages:
             raise ConfigurationError(
                 f"num_pages ({c.num_pages}) cannot hold even the smallest request, which needs "
                 f"{pages} pages of {c.page_size} tokens with {what}"
             )
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        c = self.config
+        spec = c.proposer_spec()
+        return SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, spec.num_candidates, spec.kv_model)
 
     def worker_spec(self):
         from specsched.runtime.devices import WorkerSpec
@@ -269,8 +271,7 @@ class AsyncEngine:
             spec = c.proposer_spec()
             blocks = BlockManager(c.num_pages, c.page_size,
                                   ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
-            builder = BatchBuilder(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens,
-                                                   spec.num_candidates, spec.kv_model), blocks)
+            builder = BatchBuilder(self._scheduler_config(), blocks)
             self._pipeline = Pipeline(PipelineConfig(c.schedule, spec), builder, self.device,
                                       MonotonicClock(), _Sink(self), self.tracer,
                                       eos_token_ids=tuple(self.tokenizer.eos_token_ids))
@@ -329,8 +330,11 @@ class AsyncEngine:
                 f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the model's "
                 f"{self.max_model_len} positions"
             )
-        if (need + c.page_size) // c.page_size * 2 > c.num_pages:
-            raise InvalidRequestError(f"request needs more KV pages than the pool has ({c.num_pages})")
+        pages = max_pages_needed(self._scheduler_config(), c.page_size, len(ids), params.max_tokens)
+        if pages > c.num_pages:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) may need {pages} KV pages "
+                f"of {c.page_size} tokens, the pool has num_pages {c.num_pages}")
         return ids
 
     async def generate(
@@ -345,7 +349,7 @@ class AsyncEngine:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         st = _Stream()
         self._streams[rid] = st
-        self._detok[rid] = _Detokenizer(self.tokenizer, ids)
+        self._detok[rid] = _Detokenizer(self.tokenizer)
         req = Request(rid, ids, params, arrival_ns=time.monotonic_ns())
         self._pipeline.add_request(req)
         try:

@@ -44,7 +44,6 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     worker_threads: int = 1
-    seed: int = 0
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

@@ -37,7 +37,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
     Computed as LayerNorm of [x, -x]: that vector has mean 0 and variance mean(x^2), so its
     first half normalises to exactly RMSNorm(x). LayerNorm is one fused CPU kernel, while
-    `F.rms_norm` runs as ~8 small ops; in the decode forward this measured ~9% faster overall.
+    `F.rms_norm` runs as several small ops, which the decode forward pays for in dispatch.
     Returns a view (row stride 2H) of the first half.
     """
     h = x.shape[-1]
@@ -108,9 +108,9 @@ def column_major_weight(rows: int, cols: int, device=None, dtype=None) -> nn.Par
     """An uninitialised [rows, cols] parameter; float32 ones stored column-major (.t() contiguous).
 
     `F.linear` multiplies by weight.t(); in float32 with this layout MKL streams the weight
-    row by row, which for the few-row inputs of decoding measured up to ~2x faster (AVX2)
-    than the default layout. bfloat16/float16 kernels prefer the default row-major layout
-    (column-major measured ~10x slower), so they keep it. Shapes, names and autograd are
+    row by row, which for the few-row inputs of decoding is faster (AVX2) than the default
+    layout. bfloat16/float16 kernels prefer the default row-major layout (column-major is
+    much slower there), so they keep it. Shapes, names and autograd are
     unchanged either way, and `copy_` into the parameter keeps its layout.
     """
     if (dtype or torch.get_default_dtype()) == torch.float32:

@@ -23,8 +23,7 @@ tensors, column i of `draft_tokens` [B, D] holds x_{i+1} and column i of the tar
 Modes: `greedy_verify` (exact match with the target's argmax), `rejection_verify` (lossless
 sampling, Leviathan et al. 2023 / Chen et al. 2023: the emitted tokens are distributed
 exactly as sampling from the target), `threshold_verify` (LOSSY: keeps drafts the target
-finds likely enough), and `greedy_tree_verify` for token trees (greedy only). `SpecStats`
-counts drafted and accepted tokens for metrics. Everything is batched and loop-free over
+finds likely enough), and `greedy_tree_verify` for token trees (greedy only). Everything is batched and loop-free over
 tokens; nothing here waits on the device except input checks, which run for CPU tensors only.
 """
 from __future__ import annotations
@@ -309,81 +308,3 @@ def greedy_tree_verify(
     out = torch.cat([tokens, tokens.new_full((b, 1), -1)], dim=1)
     out.scatter_(1, num_accepted.unsqueeze(-1), argmax.gather(1, best.unsqueeze(-1)))
     return TreeVerifyResult(num_accepted, best, nodes, out, num_accepted + 1)
-
-
-# --- acceptance statistics ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SpecStatistics:
-    """Frozen summary of drafting and acceptance (vLLM's spec-decode metric names)."""
-
-    num_drafts: int  # verify steps that had >= 1 draft token
-    num_draft_tokens: int  # drafted tokens
-    num_accepted_tokens: int  # accepted drafted tokens
-    acceptance_rate: float  # accepted / drafted (0 when nothing was drafted)
-    mean_acceptance_length: float  # tokens per drafting step: 1 + accepted / drafts
-    num_drafted_per_position: tuple[int, ...]  # [D] steps that drafted position i
-    num_accepted_per_position: tuple[int, ...]  # [D] steps that accepted position i
-    acceptance_rate_per_position: tuple[float, ...]  # [D] accepted / drafted at position i
-
-    def to_dict(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
-
-
-class SpecStats:
-    """Accumulates drafted / accepted counts; keep one per request and merge into a total."""
-
-    def __init__(self) -> None:
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self._drafted_at: list[int] = []
-        self._accepted_at: list[int] = []
-
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        """One verify step of one request."""
-        if not 0 <= num_accepted <= num_drafts:
-            raise ValueError(f"need 0 <= num_accepted <= num_drafts, got {num_accepted} and {num_drafts}")
-        if num_drafts == 0:
-            return
-        self.num_drafts += 1
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += num_accepted
-        self._grow(num_drafts)
-        for i in range(num_drafts):
-            self._drafted_at[i] += 1
-            self._accepted_at[i] += i < num_accepted
-
-    def record_batch(self, num_drafts: torch.Tensor | Sequence[int], num_accepted: torch.Tensor | Sequence[int]) -> None:
-        drafts = num_drafts.tolist() if isinstance(num_drafts, torch.Tensor) else num_drafts
-        accepted = num_accepted.tolist() if isinstance(num_accepted, torch.Tensor) else num_accepted
-        for d, a in zip(drafts, accepted, strict=True):
-            self.record(int(d), int(a))
-
-    def merge(self, other: "SpecStats") -> None:
-        self.num_drafts += other.num_drafts
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        self._grow(len(other._drafted_at))
-        for i, (d, a) in enumerate(zip(other._drafted_at, other._accepted_at)):
-            self._drafted_at[i] += d
-            self._accepted_at[i] += a
-
-    def _grow(self, length: int) -> None:
-        extra = length - len(self._drafted_at)
-        if extra > 0:
-            self._drafted_at += [0] * extra
-            self._accepted_at += [0] * extra
-
-    def statistics(self) -> SpecStatistics:
-        return SpecStatistics(
-            num_drafts=self.num_drafts,
-            num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens,
-            acceptance_rate=self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
-            mean_acceptance_length=1.0 + (self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0),
-            num_drafted_per_position=tuple(self._drafted_at),
-            num_accepted_per_position=tuple(self._accepted_at),
-            acceptance_rate_per_position=tuple(a / d if d else 0.0 for a, d in zip(self._accepted_at, self._drafted_at)),
-        )

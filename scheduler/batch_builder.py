@@ -41,6 +41,19 @@ class SchedulerConfig:
             )
 
 
+def max_pages_needed(config: SchedulerConfig, page_size: int, num_prompt_tokens: int,
+                     max_tokens: int) -> int:
+    """Upper bound on the KV pages one request holds at once, over every KV model: at its
+    last verification the target's KV covers prompt + max_tokens + D slots, a proposer's one
+    slot more (it also sees the sampled token). The engine checks requests and its pool
+    against this number; the batch builder's admission uses it too."""
+    last = num_prompt_tokens + max_tokens + config.draft_len
+    pages = -(-last // page_size)
+    if config.proposer_model is not None:
+        pages += -(-(last + 1) // page_size)
+    return pages
+
+
 @dataclass
 class ScheduledSeq:
     request: Request
@@ -111,11 +124,8 @@ class BatchBuilder:
 
     def max_pages_needed(self, request: Request) -> int:
         """Upper bound on the pages the request can hold at once (its last verification)."""
-        last = request.num_prompt_tokens + request.params.max_tokens + self.config.draft_len
-        slots = {"target": last}
-        if self.config.proposer_model is not None:
-            slots[self.config.proposer_model] = last + 1
-        return sum(self.blocks.pages_for(n) for n in slots.values())
+        return max_pages_needed(self.config, self.blocks.page_size, request.num_prompt_tokens,
+                                request.params.max_tokens)
 
     def remove(self, request: Request) -> None:
         """Take a finished/aborted request out of the queues and free its pages."""

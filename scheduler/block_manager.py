@@ -86,10 +86,6 @@ class BlockManager:
                 table.extend(free[-short:][::-1])  # the same pages, in the order pop() gives
                 del free[-short:]
 
-    # Appending is allocation of a longer length; the names mirror the usual pair.
-    can_append = can_allocate
-    append = allocate
-
     def trim(self, request_id: str, model: str, num_slots: int) -> int:
         """Release pages wholly beyond `num_slots` (rejected draft slots). Returns pages freed."""
         if num_slots < 0:

@@ -139,7 +139,7 @@ class Pipeline:
             request_id=req.request_id, finish_ns=req.finish_ns, finish_reason=reason,
             output_len=req.num_output_tokens, first_token_ns=req.first_token_ns,
             ttft_ns=(req.first_token_ns - req.arrival_ns) if req.first_token_ns else None,
-            agreement=req.agreement, agreement_kind=None, error=error,
+            error=error,
         )
         self.sink.on_finish(req)
 

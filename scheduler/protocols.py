@@ -33,7 +33,7 @@ class DeviceCrashed(DeviceError):
 
 @runtime_checkable
 class Clock(Protocol):
-    """Monotonic time in nanoseconds, plus sleeping on the same time base.
+    """Monotonic time in nanoseconds.
 
     A simulator's clock also has `advance_ns(duration)`: busy time, the clock moving on while
     no other task runs (what a CPU stage does to a real event loop). The pipeline uses it only
@@ -41,8 +41,6 @@ class Clock(Protocol):
     """
 
     def now_ns(self) -> int: ...
-
-    async def sleep_ns(self, duration_ns: int) -> None: ...
 
 
 @runtime_checkable

@@ -37,7 +37,6 @@ class Request:
     num_pending_tokens: int = 0  # sampled on the device, not yet seen by the host
     num_proposer_computed: int = 0  # tokens with KV in the proposer's cache (draft / head)
     abort_requested: bool = False
-    agreement: list[int] | None = None  # per output position, for trace replay
     num_preemptions: int = 0
     first_token_ns: int | None = None
     finish_ns: int | None = None

@@ -254,7 +254,7 @@ def replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig | None = None) 
     acceptance = AcceptanceModel.parse(cfg.acceptance, trace, seed=cfg.seed, captured_config=same)
     # The cyclic garbage collector is paused for the run: a replay allocates many short-lived
     # objects, and with a large trace in memory the collections it triggers scan that trace
-    # again and again (replays measured ~5% faster without). The rest is collected later.
+    # again and again. The rest is collected later.
     paused = gc.isenabled()
     gc.disable()
     try:

@@ -31,7 +31,7 @@ def test_allocate_grows_and_never_shrinks() -> None:
     assert len(bm.page_table("a")) == 2 and len(bm.page_table("a", "draft")) == 2
     assert bm.num_free_pages == 6 and bm.num_used_pages == 4
     before = list(bm.page_table("a"))
-    bm.append("a", {"target": 9})
+    bm.allocate("a", {"target": 9})  # growing an existing table
     assert bm.page_table("a")[:2] == before  # existing pages keep their place
     assert len(bm.page_table("a")) == 3 and bm.num_slots("a") == 12
     bm.allocate("a", {"target": 1, "draft": 0})  # smaller: no-op
@@ -46,8 +46,8 @@ def test_pages_needed_and_can_allocate_count_only_missing_pages() -> None:
     assert bm.pages_needed("a", {"target": 8, "draft": 9}) == 1 + 3
     assert bm.can_allocate("a", {"target": 8, "draft": 9})
     assert not bm.can_allocate("a", {"target": 8, "draft": 9}, reserve_pages=2)
-    assert bm.can_append("a", {"target": 24})
-    assert not bm.can_append("a", {"target": 25})
+    assert bm.can_allocate("a", {"target": 24})
+    assert not bm.can_allocate("a", {"target": 25})
 
 
 def test_allocate_is_all_or_nothing() -> None:

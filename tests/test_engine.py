@@ -323,7 +323,7 @@ def test_detok_streamed_text_equals_full_decode(btok, stops):
     ids = btok.encode(UNICODE * 20)
     assert len(ids) > 1000 and sum("\ufffd" in btok.decode([i]) for i in ids) > 500
     for sizes in ((1,), (1, 3, 2, 5)):
-        detok = _Detokenizer(btok, [])
+        detok = _Detokenizer(btok)
         pieces, kept, reason = _stream(detok, ids, stops, sizes)
         assert reason is None and kept == len(ids)
         assert all("\ufffd" not in p for p in pieces)  # no half characters, ever
@@ -335,7 +335,7 @@ def test_detok_random_ids_equal_full_decode(btok):
     """Invalid byte sequences too: the stream is exactly the full decode."""
     rng = random.Random(0)
     ids = [rng.randrange(2, btok.vocab_size) for _ in range(600)]  # 0, 1: bos, eos
-    detok = _Detokenizer(btok, [])
+    detok = _Detokenizer(btok)
     pieces, kept, reason = _stream(detok, ids, ["\x00\x00"])
     assert reason is None and kept == len(ids)
     assert "".join(pieces) + detok.flush() == btok.decode(ids)
@@ -355,7 +355,7 @@ def test_detok_stop_string_across_tokens(btok, text, stop, why):
     assert stop not in btok.decode(ids[n - 1:n]), why  # the last kept token alone lacks it
     stops = [stop, "never seen"]
     # one token at a time: nothing of the stop string is streamed while it is unresolved
-    detok, streamed = _Detokenizer(btok, []), ""
+    detok, streamed = _Detokenizer(btok), ""
     for i, t in enumerate(ids):
         keep, reason, piece = detok.add([t], stops)
         streamed += piece
@@ -366,7 +366,7 @@ def test_detok_stop_string_across_tokens(btok, text, stop, why):
     assert detok.flush() == ""
     # in chunks, as speculative steps deliver tokens: the stop string may end mid-chunk
     for sizes in ((2,), (1, 3, 2, 5), (len(ids),)):
-        detok = _Detokenizer(btok, [])
+        detok = _Detokenizer(btok)
         pieces, kept, reason = _stream(detok, ids, stops, sizes)
         assert (kept, reason, "".join(pieces)) == (n, "stop", want), why
         assert detok.flush() == ""
@@ -375,7 +375,7 @@ def test_detok_stop_string_across_tokens(btok, text, stop, why):
 def test_detok_earliest_stop_string_wins(btok):
     ids = btok.encode("    return json")
     assert btok.decode(ids[1:2]) == " return"  # completes both stop strings
-    keep, reason, text = _Detokenizer(btok, []).add(ids, ["rn", "et"])
+    keep, reason, text = _Detokenizer(btok).add(ids, ["rn", "et"])
     assert (keep, reason, text) == (2, "stop", "    r")
 
 
@@ -386,7 +386,7 @@ def test_detok_decodes_a_bounded_window_per_token(monkeypatch):
     seen = []
     real = tok.decode
     monkeypatch.setattr(tok, "decode", lambda ids, **kw: seen.append(len(ids)) or real(ids, **kw))
-    detok = _Detokenizer(tok, [])
+    detok = _Detokenizer(tok)
     pieces, _, _ = _stream(detok, ids, ["日本X"])
     assert "".join(pieces) + detok.flush() == UNICODE * 30
     assert len(seen) <= 2 * len(ids) + 2
@@ -397,7 +397,7 @@ def test_sink_streams_held_back_text_when_eos_ends_the_request(btok):
     """Text held back as a possible stop string start is streamed if EOS ends the request."""
     outs = []
     eng = SimpleNamespace(_streams={"r": SimpleNamespace(push=outs.append)},
-                          _detok={"r": _Detokenizer(btok, [])})
+                          _detok={"r": _Detokenizer(btok)})
     req = SimpleNamespace(request_id="r", params=SamplingParams(stop=["foobar"]), num_output_tokens=0,
                           finish_reason=None, error=None, spec_stats=dict)
     ids = btok.encode("x = foo") + [btok.eos_token_id]
@@ -407,3 +407,30 @@ def test_sink_streams_held_back_text_when_eos_ends_the_request(btok):
     req.finish_reason = "stop"  # the pipeline's EOS
     sink.on_finish(req)
     assert outs[-1].finished and "".join(o.text for o in outs) == "x = foo"
+
+
+@pytest.mark.parametrize("proposer", ["none", "draft", "ngram"])
+def test_the_smallest_pool_the_engine_accepts_serves_its_smallest_request(tiny_family, proposer):
+    """Construction and each request count pages with one function: the smallest pool the
+    constructor accepts serves a 1-token prompt with max_tokens 1, and frees it again."""
+    sizes = dict(proposer=proposer, page_size=2, draft_len=None if proposer == "none" else 3)
+    num_pages = next(n for n in range(1, 64) if _accepts(_cfg(tiny_family, num_pages=n, **sizes)))
+    cfg = _cfg(tiny_family, num_pages=num_pages, **sizes)
+
+    async def main():
+        async with AsyncEngine(cfg) as eng:
+            outs = [await eng.generate_all([5], SamplingParams(max_tokens=1, ignore_eos=True))
+                    for _ in range(2)]
+            assert eng._pipeline.blocks.num_free_pages == num_pages
+        return outs
+
+    outs = anyio.run(main)
+    assert [(o.finish_reason, len(o.token_ids)) for o in outs] == [("length", 1)] * 2
+
+
+def _accepts(cfg) -> bool:
+    try:
+        AsyncEngine(cfg)
+    except ConfigurationError:
+        return False
+    return True

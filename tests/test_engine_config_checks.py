@@ -59,8 +59,32 @@ def test_draft_len_beyond_the_models_context_rejected(tiny_family):
 
 
 def test_page_pool_too_small_for_any_request_rejected(tiny_family):
-    with pytest.raises(ConfigurationError, match=r"num_pages \(1\) cannot hold even the smallest request"):
-        AsyncEngine(_cfg(tiny_family, num_pages=1, page_size=2))  # 3 positions need 2 pages
+    # draft D=4, 1-token prompt, max_tokens 1: target KV 1 + 1 + 4 slots (3 pages of 2), the
+    # draft's one more (4 pages)
+    with pytest.raises(ConfigurationError, match=r"num_pages \(6\) cannot hold even the smallest "
+                       r"request, which needs 7 pages of 2 tokens"):
+        AsyncEngine(_cfg(tiny_family, proposer="draft", draft_len=4, num_pages=6, page_size=2))
+    AsyncEngine(_cfg(tiny_family, proposer="draft", draft_len=4, num_pages=7, page_size=2))
+
+
+def test_request_check_and_pool_check_count_pages_alike(engine):
+    """The per-request check and the construction check use one page count: a request that
+    needs exactly the pool passes, one page more is rejected, naming both numbers."""
+    from specsched.scheduler.batch_builder import max_pages_needed
+
+    c = engine.config  # plain decoding, page_size 4, num_pages 512
+    params = SamplingParams(max_tokens=40)
+    need = max_pages_needed(engine._scheduler_config(), c.page_size, 3, 40)
+    assert need == -(-(3 + 40) // 4)
+    small = AsyncEngine(_cfg_like(engine, num_pages=need))
+    assert small.validate([5, 6, 7], params) == [5, 6, 7]
+    tight = AsyncEngine(_cfg_like(engine, num_pages=need - 1))
+    with pytest.raises(InvalidRequestError, match=rf"may need {need} KV pages .*num_pages {need - 1}"):
+        tight.validate([5, 6, 7], params)
+
+
+def _cfg_like(engine, **kw) -> EngineConfig:
+    return EngineConfig.make(**(engine.config.model_dump() | kw))
 
 
 # -- prompts as token ids -----------------------------------------------------------------------

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from specsched.runtime.verify import (
-    SpecStats,
     TreeSpec,
     greedy_tree_verify,
     greedy_verify,
@@ -347,33 +346,6 @@ def test_tree_rejects_sampled_requests() -> None:
         greedy_tree_verify(TOKENS, PARENTS, logits_for([0] * 7), temperature=torch.tensor([0.0, 0.7]))
     with pytest.raises(ValueError, match="tree of 7 nodes"):
         greedy_tree_verify(TOKENS[:5], PARENTS, logits_for([0] * 5))
-
-
-# --- statistics ----------------------------------------------------------------------
-
-
-def test_spec_stats_per_request_and_merged() -> None:
-    a, b = SpecStats(), SpecStats()
-    a.record(3, 3)
-    a.record(3, 1)
-    a.record(0, 0)  # no drafts: a plain decode step, not counted
-    b.record_batch(torch.tensor([2, 4]), torch.tensor([0, 2]))
-    s = a.statistics()
-    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (2, 6, 4)
-    assert s.mean_acceptance_length == pytest.approx(3.0)
-    assert s.num_accepted_per_position == (2, 1, 1)
-    a.merge(b)
-    s = a.statistics()
-    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (4, 12, 6)
-    assert s.num_drafted_per_position == (4, 4, 3, 1)
-    assert s.num_accepted_per_position == (3, 2, 1, 0)
-    assert s.acceptance_rate_per_position == (0.75, 0.5, 1 / 3, 0.0)
-    assert s.acceptance_rate == 0.5 and s.mean_acceptance_length == 2.5
-    assert s.to_dict()["num_accepted_per_position"] == [3, 2, 1, 0]
-    empty = SpecStats().statistics()
-    assert empty.mean_acceptance_length == 1.0 and empty.acceptance_rate == 0.0
-    with pytest.raises(ValueError, match="num_accepted"):
-        a.record(2, 3)
 
 
 @pytest.mark.cuda

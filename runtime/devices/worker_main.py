@@ -14,8 +14,8 @@ Times are `time.monotonic_ns()`: the system monotonic clock, the same base as th
 
 The worker reads the launch pipe itself between ops; there is no receiver thread. A thread
 blocked on the pipe would be woken by every launch while the worker computes, contend for the
-GIL and, on a 2-core machine, get the host process descheduled inside its `write`: measured
-here, launches then took 5-9 ms at p90 instead of ~0.1 ms. Launches still never block on a
+GIL and, on a 2-core machine, get the host process descheduled inside its `write`, so that
+a launch, normally a fraction of a millisecond, would take several milliseconds. Launches still never block on a
 busy worker unless a megabyte of unread work is queued: the pipe is enlarged to the system's
 maximum (F_SETPIPE_SZ, usually 1 MiB), and past that the host's write simply waits.
 """

@@ -37,8 +37,8 @@ WORKLOAD_MAX_TOKENS = 64
 WARMUP_STEPS = 20
 EVAL_EVERY = 50
 NUM_EVAL_WINDOWS = 64  # held-out windows for the final numbers
-# bf16 autocast measured 5-10x SLOWER than fp32 for the backward pass on this CPU (no native bf16
-# matmul), so training runs in fp32; flip this on CPUs with AVX512-BF16/AMX.
+# bf16 autocast is several times slower than fp32 for the backward pass on a CPU without native bf16
+# matmul, so training runs in fp32; flip this on CPUs with AVX512-BF16/AMX.
 USE_BF16_AUTOCAST = False
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import torch
 
+from specsched.runtime.engine import MonotonicClock
 from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
 from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.pipeline import Pipeline, PipelineConfig
@@ -77,14 +78,6 @@ class InlineDevice:
         pass
 
 
-class _Clock:
-    def now_ns(self) -> int:
-        return time.monotonic_ns()
-
-    async def sleep_ns(self, duration_ns: int) -> None:
-        await anyio.sleep(duration_ns / 1e9)
-
-
 class _Sink:
     def __init__(self) -> None:
         self.finished: dict[str, Request] = {}
@@ -113,7 +106,7 @@ def run_requests(worker, prompts: list[list[int]], params: SamplingParams, *,
                                            spec.kv_model), blocks)
     sink = _Sink()
     eos = tuple(worker.target.config.eos_token_ids) if not params.ignore_eos else ()
-    pipe = Pipeline(PipelineConfig(schedule, spec), builder, InlineDevice(worker), _Clock(), sink,
+    pipe = Pipeline(PipelineConfig(schedule, spec), builder, InlineDevice(worker), MonotonicClock(), sink,
                     eos_token_ids=eos)
     sink.expected = len(prompts)
 
