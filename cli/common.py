@@ -20,6 +20,15 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
+def fail_if_requests_failed(errors: list[str], total: int) -> None:
+    """After a command's normal output: requests that ended in `error` (a failed device op, a
+    crashed worker) end it with exit status 1 and one line on stderr saying how many failed
+    and the first error. Exit status 2 stays for input errors."""
+    if errors:
+        console.print(f"[red]error:[/red] {len(errors)} of {total} requests failed; first error: {errors[0]}")
+        raise typer.Exit(1)
+
+
 def _user_error_types() -> tuple[type, ...]:
     """Errors a user's input causes (a bad request, config, checkpoint, trace, a path that is
     not there): reported as one line, never a traceback. Classes of modules not imported

@@ -5,6 +5,7 @@ simulator in cli/sim_cmds.py; importing those modules registers their commands o
 """
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -12,7 +13,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from specsched.cli.common import _fail, _metrics_table, _print_json, app, check_output_path, console, engine_config, user_errors
+from specsched.cli.common import (_fail, _metrics_table, _print_json, app, check_output_path, console, engine_config,
+                                  fail_if_requests_failed, user_errors)
 
 
 @app.command()
@@ -71,14 +73,16 @@ def generate(
                          "proposer": cfg.proposer, "draft_len": cfg.draft_len, "spec": last.spec})
         else:
             sys.stdout.write("\n")
-            if cfg.proposer != "none" and last.spec.get("drafts"):
+            if cfg.proposer != "none" and last.finish_reason != "error" and last.spec.get("drafts"):
                 s = last.spec
                 console.print(f"[dim]{cfg.proposer} D={cfg.draft_len}: mean acceptance length "
                               f"{s['mean_accept_len']:.2f}, accepted {s['accepted_tokens']}/"
                               f"{s['drafted_tokens']} drafted, per position "
                               f"{[round(x, 2) for x in s['accept_rate_per_pos']]}[/dim]")
+        return last
 
-    anyio.run(main)  # a request the engine rejects: `user_errors` reports it
+    last = anyio.run(main)  # a request the engine rejects: `user_errors` reports it
+    fail_if_requests_failed([last.error] if last.finish_reason == "error" else [], 1)
 
 
 @app.command()
@@ -188,17 +192,39 @@ def bench(
     check_workload(items, AsyncEngine(cfg).validate)  # every prompt fits the model, before any run
     if concurrency is None and rate is None:
         concurrency = 1
-    results = []
     runs = [("plain", cfg.model_copy(update={"proposer": "none", "draft_len": 0, "schedule": "sync"}))] if compare_plain else []
     runs.append((f"{cfg.proposer}/{cfg.schedule}/D={cfg.draft_len}", cfg))
+    results, errors, completed, interrupted = [], [], [0], []
+
+    async def run_all(progress) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_stop_on_signal, tg.cancel_scope, interrupted)
+            for name, c in runs:
+                task = progress.add_task(name, total=len(items))
+
+                def done(task=task) -> None:
+                    progress.advance(task)
+                    completed[0] += 1
+
+                m, _, outs = await run_workload(
+                    c, items, concurrency=concurrency, rate_qps=rate, warmup=warmup,
+                    trace_path=str(trace) if (trace and c is cfg) else None,
+                    otlp=otlp if c is cfg else False, on_done=done)
+                results.append((name, m))
+                errors.extend(o.error for o in outs if o is not None and o.finish_reason == "error")
+            tg.cancel_scope.cancel()  # stops the signal watcher
+
     with Progress(console=console, transient=True, disable=json_out) as progress:
-        for name, c in runs:
-            task = progress.add_task(name, total=len(items))
-            m, _, _ = anyio.run(lambda: run_workload(
-                c, items, concurrency=concurrency, rate_qps=rate, warmup=warmup,
-                trace_path=str(trace) if (trace and c is cfg) else None, otlp=otlp if c is cfg else False,
-                on_done=lambda: progress.advance(task)))
-            results.append((name, m))
+        anyio.run(run_all, progress)
+    if interrupted:
+        # the interpreter's last collections would rescan the whole run's heap: about a second
+        # between the summary and the exit, for nothing
+        __import__("gc").freeze()
+        signum = interrupted[0]
+        console.print(f"interrupted by {signal.Signals(signum).name}: {completed[0]} of "
+                      f"{len(items) * len(runs)} requests completed"
+                      + (f"; the trace in {trace} is readable to its last record" if trace else ""))
+        raise typer.Exit(128 + signum)
     final = results[-1][1]
     if compare_plain:
         final["speedup_vs_plain"] = final["output_tokens_per_s"] / results[0][1]["output_tokens_per_s"]
@@ -208,6 +234,21 @@ def bench(
         _metrics_table("bench", results)
         if trace:
             console.print(f"trace written to {trace}")
+    fail_if_requests_failed(errors, len(items) * len(runs))
+
+
+async def _stop_on_signal(scope, received: list[int]) -> None:
+    """SIGINT or SIGTERM cancels the run: the engine aborts what is in flight and closes its
+    worker, the streamed trace keeps every record so far, and the command exits 128 + signal."""
+    import signal
+
+    import anyio
+
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            received.append(signum)
+            scope.cancel()
+            return
 
 
 from specsched.cli import trace_cmds, sim_cmds  # noqa: E402  (importing them registers their commands)

@@ -17,7 +17,7 @@ from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.workload import WorkItem
 from specsched.traces.hook import MultiTracer
 from specsched.traces.metrics import compute_metrics
-from specsched.traces.recorder import MemoryRecorder, write_trace
+from specsched.traces.recorder import MemoryRecorder, TraceRecorder, write_trace
 from specsched.traces.schema import Header
 
 
@@ -71,43 +71,52 @@ async def run_workload(
     whose worker is paced)."""
     engine = engine_factory(config)
     outputs: list = [None] * len(items)
-    async with engine:
-        if warmup:
-            for it in items[:warmup]:
-                await engine.generate_all(it.prompt, it.params)
-        header = make_header(config, engine, workload={"concurrency": concurrency, "rate_qps": rate_qps})
-        mem = MemoryRecorder(header)
-        live = None
-        if otlp is None:
-            otlp = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
-        if otlp and record:
-            from specsched.traces.otel_export import OtelLiveTracer
+    live = streamed = None
+    try:
+        async with engine:
+            if warmup:
+                for it in items[:warmup]:
+                    await engine.generate_all(it.prompt, it.params)
+            header = make_header(config, engine, workload={"concurrency": concurrency, "rate_qps": rate_qps})
+            mem = MemoryRecorder(header)
+            if otlp is None:
+                otlp = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+            if otlp and record:
+                from specsched.traces.otel_export import OtelLiveTracer
 
-            live = OtelLiveTracer(header, endpoint=otlp if isinstance(otlp, str) else None)
-        if record:
-            tracer = MultiTracer(mem, *([live] if live else []))
-            engine._pipeline.tracer = tracer
-            engine.tracer = tracer
-        steps0 = engine._pipeline.num_steps
-        start = time.monotonic()
-        sem = anyio.Semaphore(concurrency or len(items))
+                live = OtelLiveTracer(header, endpoint=otlp if isinstance(otlp, str) else None)
+            if record and trace_path:
+                # streamed as the run goes (whole lines, flushed every step): an interrupted
+                # or crashed run leaves a file readable to its last record
+                streamed = TraceRecorder(trace_path, header)
+            if record:
+                tracer = MultiTracer(mem, *([live] if live else []), *([streamed] if streamed else []))
+                engine._pipeline.tracer = tracer
+                engine.tracer = tracer
+            steps0 = engine._pipeline.num_steps
+            start = time.monotonic()
+            sem = anyio.Semaphore(concurrency or len(items))
 
-        async def one(i: int, it: WorkItem) -> None:
-            if rate_qps or it.arrival_s is not None:
-                at = it.arrival_s if it.arrival_s is not None else i / rate_qps
-                await anyio.sleep(max(0.0, start + at - time.monotonic()))
-            async with sem:
-                outputs[i] = await engine.generate_all(it.prompt, it.params, request_id=f"r{i}")
-            if on_done:
-                on_done()
+            async def one(i: int, it: WorkItem) -> None:
+                if rate_qps or it.arrival_s is not None:
+                    at = it.arrival_s if it.arrival_s is not None else i / rate_qps
+                    await anyio.sleep(max(0.0, start + at - time.monotonic()))
+                async with sem:
+                    outputs[i] = await engine.generate_all(it.prompt, it.params, request_id=f"r{i}")
+                if on_done:
+                    on_done()
 
-        async with anyio.create_task_group() as tg:
-            for i, it in enumerate(items):
-                tg.start_soon(one, i, it)
-        duration = time.monotonic() - start
-        steps = engine._pipeline.num_steps - steps0
-        if agreement and record and config.proposer != "none":
-            await _record_agreement(engine, items, outputs, mem)
+            async with anyio.create_task_group() as tg:
+                for i, it in enumerate(items):
+                    tg.start_soon(one, i, it)
+            duration = time.monotonic() - start
+            steps = engine._pipeline.num_steps - steps0
+            if agreement and record and config.proposer != "none":
+                await _record_agreement(engine, items, outputs, mem)
+    finally:
+        # the engine has aborted what was left, so the file ends with every request's finish
+        if streamed is not None:
+            streamed.close()
         if live is not None:
             live.close()  # bounded: a dead collector cannot hold the run
     if not record:
@@ -115,10 +124,13 @@ async def run_workload(
         return {"duration_s": duration, "output_tokens": toks, "steps": steps,
                 "output_tokens_per_s": toks / duration}, None, outputs
     trace = mem.to_trace()
-    if trace_path:
-        # written after the run: finish records then carry the proposer's agreement, which
-        # is computed once every request is done (so it never disturbs the measured timeline)
-        write_trace(trace, trace_path)
+    if trace_path and any(f.agreement is not None for f in trace.finishes):
+        # finish records carry the proposer's agreement only once every request is done (it
+        # is computed then, so it never disturbs the measured timeline): the complete trace
+        # replaces the streamed one, which holds the same records without it
+        tmp = f"{trace_path}.tmp"
+        write_trace(trace, tmp)
+        os.replace(tmp, trace_path)
     return compute_metrics(trace), trace, outputs
 
 

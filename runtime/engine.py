@@ -13,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator
 
 import anyio
@@ -21,7 +22,7 @@ import numpy as np
 from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.tokenizer import Tokenizer
 from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig, max_pages_needed
-from specsched.scheduler.block_manager import BlockManager
+from specsched.scheduler.block_manager import BlockManager, KVPoolStats
 from specsched.scheduler.errors import ConfigurationError, EngineClosedError, InvalidRequestError
 from specsched.scheduler.pipeline import Pipeline, PipelineConfig
 from specsched.scheduler.request import Request
@@ -172,6 +173,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._pipeline: Pipeline | None = None
         self._tg = None
+        self._entered = False
         self._closed = False
         if self.config.model:
             self.model_dir = self.config.model
@@ -179,6 +181,7 @@ class AsyncEngine:
             from specsched.runtime import bundled
 
             self.model_dir = str(bundled.target_dir())
+        self._check_inputs()
         self.tokenizer = Tokenizer(self.model_dir)
         self._check_tokenizers()
         self.max_model_len = self._max_model_len()
@@ -194,6 +197,23 @@ class AsyncEngine:
         if c.proposer in ("mtp", "eagle"):
             return c.mtp_head or str(bundled.mtp_dir())
         return None
+
+    def _check_inputs(self) -> None:
+        """Checkpoint folders that are not there and a device this machine lacks are the
+        user's input errors, named before anything loads or starts."""
+        c = self.config
+        for option, path in (("model", self.model_dir), ("draft", self._proposer_dir() if c.proposer == "draft" else None),
+                             ("mtp_head", self._proposer_dir() if c.proposer in ("mtp", "eagle") else None)):
+            if path is not None and not Path(path).is_dir():
+                what = "not a folder" if Path(path).exists() else "folder not found"
+                raise ConfigurationError(f"{option} {path}: {what} (expected a checkpoint folder "
+                                         "with config.json and model.safetensors)")
+        if c.device == "cuda":
+            from specsched.runtime.devices import cuda_available
+
+            if not cuda_available():
+                raise ConfigurationError("device 'cuda': this machine has no usable CUDA device "
+                                         "(torch.cuda.is_available() is False); use device 'host'")
 
     def _check_tokenizers(self) -> None:
         if self.config.proposer != "draft":
@@ -260,6 +280,12 @@ class AsyncEngine:
     async def __aenter__(self) -> "AsyncEngine":
         from specsched.runtime.devices import make_device
 
+        if self._entered:
+            # single-use, as anyio task groups are: a second start would orphan the first worker
+            raise EngineClosedError(
+                "this AsyncEngine was already entered" + (" and is closed" if self._closed else " and is running")
+                + ": an engine serves one `async with` block; create a new AsyncEngine for another")
+        self._entered = True
         c = self.config
         # shielded: the start's thread is never abandoned anyway; the shield only makes a
         # cancelled start still keep the device, so that it is closed (below, or by __aexit__)
@@ -287,16 +313,37 @@ class AsyncEngine:
         self._tg.start_soon(self._pipeline.run)
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, exc_type, exc, tb) -> None:
         self._closed = True
         if self._pipeline is not None:
             for rid in list(self._pipeline.requests):
                 self._pipeline.abort(rid)
             self._pipeline.stop()
+        # The user's own exception is not handed to the task group, which would wrap it in an
+        # ExceptionGroup: the pipeline is stopped, the group joined, and the exception goes on
+        # as itself. A cancellation is handed on, so the group sees it as anyio expects.
+        cancelled = exc is not None and isinstance(exc, anyio.get_cancelled_exc_class())
         try:
-            await self._tg.__aexit__(*exc)
+            if cancelled:
+                await self._tg.__aexit__(exc_type, exc, tb)
+            else:
+                await self._tg.__aexit__(None, None, None)
         finally:
-            await anyio.to_thread.run_sync(self.device.close)
+            if self._pipeline is not None:
+                self._pipeline.finish_abandoned()  # a cancelled pipeline left some unfinished
+            with anyio.CancelScope(shield=True):  # a cancelled block still closes the worker
+                await anyio.to_thread.run_sync(self.device.close)
+
+    def num_unfinished_requests(self) -> int:
+        """Requests queued or running (an aborted one counts until its pages are freed)."""
+        return len(self._pipeline.requests) if self._pipeline is not None else 0
+
+    def kv_stats(self) -> KVPoolStats:
+        """The KV page pool now: pages total, free and used, per model and per request
+        (read-only; a finished or aborted request holds none)."""
+        if self._pipeline is None:
+            raise EngineClosedError("engine has not started: kv_stats() needs `async with AsyncEngine(...)`")
+        return self._pipeline.builder.blocks.stats()
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:

@@ -11,10 +11,23 @@ length (rejected drafts); `free` releases everything of a request (finish, abort
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 
 class OutOfPagesError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class KVPoolStats:
+    """A read-only snapshot of the page pool (`AsyncEngine.kv_stats()`)."""
+
+    page_size: int  # KV slots per page
+    num_pages: int  # pages in the pool, shared by every model's cache
+    num_free_pages: int
+    num_used_pages: int
+    used_pages_by_model: dict[str, int]  # model ("target", "draft", "mtp") -> pages in its tables
+    pages_by_request: dict[str, dict[str, int]]  # request id -> model -> pages it holds
 
 
 class BlockManager:
@@ -108,6 +121,19 @@ class BlockManager:
                 self._free.extend(reversed(table))
                 n += len(table)
         return n
+
+    def stats(self) -> KVPoolStats:
+        by_request: dict[str, dict[str, int]] = {}
+        for model, tables in self._tables.items():
+            for rid, table in tables.items():
+                if table:
+                    by_request.setdefault(rid, {})[model] = len(table)
+        return KVPoolStats(
+            page_size=self.page_size, num_pages=self.num_pages, num_free_pages=self.num_free_pages,
+            num_used_pages=self.num_used_pages,
+            used_pages_by_model={m: sum(map(len, t.values())) for m, t in self._tables.items()},
+            pages_by_request=by_request,
+        )
 
     def check_invariants(self) -> None:
         """Every page is either free or in exactly one table (tests, debugging)."""

@@ -212,6 +212,14 @@ class Pipeline:
         self._stopping = True
         self._wake.set()
 
+    def finish_abandoned(self) -> None:
+        """After `run` was cancelled mid-step (not stopped): every request left is finished as
+        aborted, so its pages are freed and its finish recorded. In-flight device work is not
+        waited for; the device is being closed."""
+        self._inflight = None
+        for req in list(self.requests.values()):
+            self._finish(req, "abort")
+
     async def _drain(self) -> None:
         if self._inflight is not None:
             batch, launch = self._inflight

@@ -39,8 +39,8 @@ async def _run_all(cfg, prompts, params, concurrent=True):
         else:
             for i in range(len(prompts)):
                 await one(i)
-        pipe = eng._pipeline
-        assert pipe.blocks.num_free_pages == pipe.blocks.num_pages, "pages leaked"
+        kv = eng.kv_stats()
+        assert kv.num_free_pages == kv.num_pages and not kv.pages_by_request, "pages leaked"
     return outs
 
 
@@ -119,11 +119,11 @@ def test_cancel_consumer_aborts_and_frees_pages(tiny_family):
                     await anyio.sleep(0.01)
                 tg.cancel_scope.cancel()
             for _ in range(200):
-                if not eng._pipeline.requests:
+                if not eng.num_unfinished_requests():
                     break
                 await anyio.sleep(0.01)
-            assert not eng._pipeline.requests
-            assert eng._pipeline.blocks.num_free_pages == eng._pipeline.blocks.num_pages
+            assert not eng.num_unfinished_requests()
+            assert eng.kv_stats().num_free_pages == eng.kv_stats().num_pages
             # the engine still serves
             out = await eng.generate_all(PROMPTS[0], SamplingParams(max_tokens=4))
             assert len(out.token_ids) >= 1
@@ -139,7 +139,7 @@ def test_abort_by_id(tiny_family):
                 if len(outs) == 2:
                     assert eng.abort("x")
             assert outs[-1].finished and outs[-1].finish_reason == "abort"
-            assert eng._pipeline.blocks.num_free_pages == eng._pipeline.blocks.num_pages
+            assert eng.kv_stats().num_free_pages == eng.kv_stats().num_pages
     anyio.run(main)
 
 
@@ -156,7 +156,7 @@ def test_device_failure_fails_only_that_batch(tiny_family, reference, monkeypatc
             assert bad.finish_reason == "error" and "injected device failure" in bad.error
             good = await eng.generate_all(PROMPTS[0], SamplingParams(max_tokens=24, ignore_eos=True))
             assert good.token_ids == reference[0]
-            assert eng._pipeline.blocks.num_free_pages == eng._pipeline.blocks.num_pages
+            assert eng.kv_stats().num_free_pages == eng.kv_stats().num_pages
     anyio.run(main)
 
 
@@ -175,7 +175,7 @@ def test_bad_requests_rejected_before_queueing(tiny_family, prompt, params, msg)
                 p = SamplingParams.make(**params) if params else SamplingParams()
                 async for _ in eng.generate(prompt, p):
                     pass
-            assert not eng._pipeline.requests
+            assert not eng.num_unfinished_requests()
     anyio.run(main)
 
 
@@ -250,7 +250,7 @@ def test_bad_token_ids_rejected_while_other_requests_run(tiny_family, reference)
             ids = eng.tokenizer.encode(PROMPTS[0])
             a = await eng.generate_all(np.array(ids), SamplingParams(max_tokens=24, ignore_eos=True))
             assert a.token_ids == reference[0]
-            assert not eng._pipeline.requests
+            assert not eng.num_unfinished_requests()
     anyio.run(main)
 
 
@@ -421,7 +421,7 @@ def test_the_smallest_pool_the_engine_accepts_serves_its_smallest_request(tiny_f
         async with AsyncEngine(cfg) as eng:
             outs = [await eng.generate_all([5], SamplingParams(max_tokens=1, ignore_eos=True))
                     for _ in range(2)]
-            assert eng._pipeline.blocks.num_free_pages == num_pages
+            assert eng.kv_stats().num_free_pages == num_pages
         return outs
 
     outs = anyio.run(main)

@@ -14,7 +14,7 @@ from specsched.traces.schema import Header
 
 MS = 1_000_000  # ns
 
-KEYS = ["requests", "output_tokens", "duration_s", "output_tokens_per_s", "ttft_ms", "tpot_ms",
+KEYS = ["requests", "requests_failed", "requests_aborted", "output_tokens", "duration_s", "output_tokens_per_s", "ttft_ms", "tpot_ms",
         "steps", "mean_accept_len", "accept_rate_per_pos", "device_busy_fraction",
         "bubble_fraction", "host_ms_per_step"]
 
@@ -114,6 +114,15 @@ def test_unfinished_request_is_pending_until_trace_end():
     assert m["requests"] == 0 and m["duration_s"] == 0.0
     assert m["output_tokens_per_s"] is None and m["device_busy_fraction"] is None
     assert m["bubble_fraction"] == 1.0
+
+
+def test_failed_and_aborted_requests_are_counted_by_finish_reason():
+    r = MemoryRecorder(header())
+    for i, reason in enumerate(["length", "error", "abort", "error", "stop"]):
+        r.request(f"r{i}", ms(i), 3, 8)
+        r.finish(f"r{i}", ms(10 + i), reason, 2, ms(5 + i), error="boom" if reason == "error" else None)
+    m = compute_metrics(r.to_trace())
+    assert (m["requests"], m["requests_failed"], m["requests_aborted"]) == (5, 2, 1)
 
 
 def test_empty_trace_has_all_keys():

@@ -20,6 +20,8 @@ def compute_metrics(trace: Trace) -> dict[str, Any]:
     """The run's metrics as a JSON-ready dict with exactly these keys.
 
     - `requests`: number of finished requests (finish records, any finish reason).
+    - `requests_failed`: finish records with reason `error` (a failed device op, a crashed
+      device); `requests_aborted`: those with reason `abort` (cancelled, aborted, shut down).
     - `output_tokens`: sum of `output_len` over finish records.
     - `duration_s`: first request arrival -> last finish (0.0 without both).
     - `output_tokens_per_s`: output_tokens / duration_s (None when duration_s is 0).
@@ -74,6 +76,8 @@ def compute_metrics(trace: Trace) -> dict[str, Any]:
     mean_accept_len, accept_rate_per_pos = _acceptance(trace)
     return {
         "requests": len(finishes),
+        "requests_failed": sum(1 for f in finishes if f.finish_reason == "error"),
+        "requests_aborted": sum(1 for f in finishes if f.finish_reason == "abort"),
         "output_tokens": output_tokens,
         "duration_s": duration_s,
         "output_tokens_per_s": output_tokens / duration_s if duration_ns > 0 else None,
