@@ -49,7 +49,7 @@ def run_demo(out_dir: Path, num_requests: int, max_tokens: int, concurrency: int
             task = progress.add_task(name, total=len(items))
             cfg = EngineConfig.make(proposer=proposer, schedule=schedule, draft_len=d or None)
             path = out_dir / f"trace_{name}.jsonl"
-            metrics, trace, _ = anyio.run(lambda: run_workload(
+            metrics, trace, outs = anyio.run(lambda: run_workload(
                 cfg, items, concurrency=concurrency, warmup=1, trace_path=str(path),
                 on_done=lambda: progress.advance(task)))
             trace.path = str(path)
@@ -57,7 +57,8 @@ def run_demo(out_dir: Path, num_requests: int, max_tokens: int, concurrency: int
             v = validate(trace, jobs=jobs)
             plot_timeline(trace, out_dir / f"timeline_{name}.png", steps=_window(trace))
             rows.append({"run": name, "metrics": metrics, "sim_makespan_err_pct": v["makespan_err_pct"],
-                         "sim_step_err_pct": v["step_time_err_pct"]["p50"]})
+                         "sim_step_err_pct": v["step_time_err_pct"]["p50"],
+                         "errors": [o.error for o in outs if o is not None and o.finish_reason == "error"]})
     base = rows[0]["metrics"]["output_tokens_per_s"]
     for r in rows:
         r["speedup"] = r["metrics"]["output_tokens_per_s"] / base

@@ -96,8 +96,9 @@ def demo(
     from specsched.cli.demo import run_demo
 
     t0 = __import__("time").monotonic()
-    run_demo(out, num_requests, max_tokens, concurrency, Console())
+    rows = run_demo(out, num_requests, max_tokens, concurrency, Console())
     console.print(f"[dim]demo took {__import__('time').monotonic() - t0:.0f} s[/dim]")
+    fail_if_requests_failed([e for r in rows for e in r["errors"]], sum(r["metrics"]["requests"] for r in rows))
 
 
 @app.command("train-models")
@@ -183,6 +184,13 @@ def bench(
     if rate is not None and concurrency is not None:
         _fail("--concurrency (closed loop) and --rate (open loop) exclude each other: choose one")
     check_output_path(trace, "--trace")
+    if otlp:
+        from specsched.traces.otel_export import check_otlp_url
+
+        try:
+            check_otlp_url(otlp)
+        except ValueError as e:
+            _fail(f"--otlp: {e}")
     cfg = engine_config(model=model, draft=draft, mtp_head=mtp_head, proposer=spec, draft_len=draft_len,
                         schedule=schedule, config_file=config_file)
     items = _workload(workload, num_requests, max_tokens, temperature)

@@ -105,3 +105,37 @@ def test_bench_interrupted_keeps_its_trace(tmp_path, sig, code):
     assert {f.finish_reason for f in tr.finishes} <= {"length", "stop", "abort"}
     assert all(not Path(f"/proc/{w}").exists() or b"zombie" in Path(f"/proc/{w}/status").read_bytes().lower()
                for w in workers), "worker process left running"
+
+
+SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "samples" / "draft_sync.jsonl"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(CLI + list(args), capture_output=True, text=True, env=ENV, timeout=120)
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("args", [["export", str(SAMPLE), "--otlp", "notaurl"],
+                                  ["bench", "--num-requests", "1", "--otlp", "notaurl"]])
+def test_otlp_option_takes_an_http_url(args):
+    res = _cli(*args)
+    assert res.returncode == 2
+    assert " ".join(res.stderr.split()).startswith("error: --otlp: 'notaurl' is not an http(s) URL")
+
+
+def test_export_to_a_dead_collector_fails_fast_with_one_line():
+    started = time.monotonic()
+    res = _cli("export", str(SAMPLE), "--otlp", f"http://127.0.0.1:{_closed_port()}/v1/traces")
+    assert time.monotonic() - started < 30  # the process start dominates; no retries
+    assert res.returncode == 2
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    text = " ".join(res.stderr.split())
+    assert text.startswith("error: --otlp http://127.0.0.1:") and "batch 1 (512 spans) was not delivered" in text
+    assert len(lines) <= 3, res.stderr  # one message (rich may wrap it), no SDK retry lines

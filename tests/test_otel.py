@@ -1,6 +1,7 @@
 """OpenTelemetry export (traces/otel.py, traces/otel_export.py): offline, live, OTLP/HTTP on the wire, OTLP/JSON."""
 from __future__ import annotations
 
+import base64
 import http.server
 import socket
 import statistics
@@ -15,10 +16,15 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from specsched.traces import MemoryRecorder, Trace, Tracer
-from specsched.traces.otel_export import OtelLiveTracer, export_otel_json, export_otlp, export_trace_otel
+from pathlib import Path
+
+from specsched.traces.otel_export import (OtelLiveTracer, OtlpExportError, check_otlp_url, export_otel_json,
+                                          export_otlp, export_trace_otel)
+from specsched.traces.reader import read_trace
 from specsched.traces.schema import Header
 from specsched.traces.synthetic import synthetic_trace
 
+SAMPLES = Path(__file__).resolve().parents[1] / "traces" / "samples"
 EPOCH_NS = 1_700_000_000 * 10**9
 CLOCK0_NS = 5_000
 OFFSET_NS = EPOCH_NS - CLOCK0_NS
@@ -184,21 +190,30 @@ class _Collector(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.parametrize("mode", ["live", "offline"])
-def test_export_over_otlp_http_protobuf(mode):
-    _Collector.received = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+class _JsonCollector(_Collector):
+    def do_POST(self):  # noqa: N802 - http.server API
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.received.append((self.path, self.headers.get("Content-Type"), body))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+
+def _serve(handler):
+    handler.received = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+
+
+def test_live_export_over_otlp_http_protobuf():
+    server, url = _serve(_Collector)
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
-        if mode == "live":
-            tracer = OtelLiveTracer(header(), endpoint=url, schedule_delay_ms=10)
-            feed(tracer)
-            tracer.close()
-        else:
-            assert export_otlp(hand_trace(), url, chunk_size=5) == 12
-            assert len(_Collector.received) == 3
+        tracer = OtelLiveTracer(header(), endpoint=url, schedule_delay_ms=10)
+        feed(tracer)
+        tracer.close()
     finally:
         server.shutdown()
         server.server_close()
@@ -218,6 +233,25 @@ def test_export_over_otlp_http_protobuf(mode):
     assert len(names) == 12 and names.count("text_completion tiny-llama") == 2
     assert attrs["spec.verify"]["specsched.device.stream"].string_value == "main"
     assert attrs["step"]["specsched.step.kind"].string_value in ("prefill", "spec")
+
+
+def test_offline_export_over_otlp_http_json():
+    server, url = _serve(_JsonCollector)
+    try:
+        assert export_otlp(hand_trace(), url, chunk_size=5) == 12
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(_JsonCollector.received) == 3  # 12 spans in batches of 5
+    spans = []
+    for path, content_type, body in _JsonCollector.received:
+        assert path == "/v1/traces" and content_type == "application/json"
+        (rs,) = orjson.loads(body)["resourceSpans"]
+        resource = {a["key"]: a["value"] for a in rs["resource"]["attributes"]}
+        assert resource["service.name"] == {"stringValue": "specsched"}
+        assert resource["specsched.draft_len"] == {"intValue": "3"}
+        spans += rs["scopeSpans"][0]["spans"]
+    assert _normalized(spans) == _normalized(_sdk_json(hand_trace()))
 
 
 def _closed_port() -> int:
@@ -268,6 +302,99 @@ def test_dead_collector_costs_the_caller_nothing(collector):
     assert close_s < 4.0, close_s  # bounded by shutdown_timeout_s, not by retries
 
 
-def test_offline_export_to_dead_collector_raises():
-    with pytest.raises(RuntimeError, match="OTel export failed for 12 of 12 spans"):
-        export_otlp(hand_trace(), f"http://127.0.0.1:{_closed_port()}/v1/traces", timeout_s=0.5)
+def test_offline_export_to_a_refusing_collector_stops_at_the_first_batch():
+    started = time.perf_counter()
+    with pytest.raises(OtlpExportError, match=r"batch 1 \(5 spans\) was not delivered .*refused; "
+                       r"0 spans were delivered before it"):
+        export_otlp(hand_trace(), f"http://127.0.0.1:{_closed_port()}/v1/traces", timeout_s=0.5, chunk_size=5)
+    assert time.perf_counter() - started < 1.0  # no retries
+
+
+def test_offline_export_to_a_silent_collector_stops_after_one_timeout():
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)  # the kernel accepts connections; nobody ever reads or replies
+        started = time.perf_counter()
+        with pytest.raises(OtlpExportError, match=r"batch 1 .* no answer within 0.3 s"):
+            export_otlp(synthetic_trace(num_requests=8, max_tokens=16),
+                        f"http://127.0.0.1:{silent.getsockname()[1]}/v1/traces", timeout_s=0.3, chunk_size=8)
+        assert time.perf_counter() - started < 1.5
+
+
+@pytest.mark.parametrize("url", ["notaurl", "ftp://host/v1/traces", "http:///v1/traces", "http://host:port/"])
+def test_otlp_url_is_checked_before_sending(url):
+    with pytest.raises(ValueError, match="not an http\\(s\\) URL|port"):
+        check_otlp_url(url)
+    with pytest.raises(ValueError):
+        export_otlp(hand_trace(), url)
+
+
+# -- the OTLP/JSON encoder against the SDK ----------------------------------------------------
+
+
+def _sdk_json(trace: Trace) -> list[dict]:
+    """The spans the OpenTelemetry SDK makes of `trace`, as OTLP/JSON (ids in hex)."""
+    from google.protobuf.json_format import MessageToDict
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    exporter = InMemorySpanExporter()
+    export_trace_otel(trace, exporter, chunk_size=10**9)
+    message = MessageToDict(encode_spans(exporter.get_finished_spans()), use_integers_for_enums=True)
+    spans = [span for rs in message["resourceSpans"] for ss in rs["scopeSpans"] for span in ss["spans"]]
+    for span in spans:
+        for node in [span, *span.get("links", [])]:
+            for key in ("traceId", "spanId", "parentSpanId"):
+                if key in node:
+                    node[key] = base64.b64decode(node[key]).hex()
+    return spans
+
+
+def _normalized(spans: list[dict]) -> list[dict]:
+    """Random trace and span ids replaced by their order of first appearance."""
+    names: dict[str, str] = {}
+
+    def rename(value: str) -> str:
+        return names.setdefault(value, f"id{len(names)}")
+
+    out = []
+    for span in spans:
+        span = orjson.loads(orjson.dumps(span))
+        for node in [span, *span.get("links", [])]:
+            for key in ("traceId", "spanId", "parentSpanId"):
+                if key in node:
+                    node[key] = rename(node[key])
+        out.append(span)
+    return out
+
+
+@pytest.mark.parametrize("make", [
+    hand_trace,
+    lambda: synthetic_trace(num_requests=5, max_tokens=7),
+    lambda: read_trace(SAMPLES / "mtp_mtp.jsonl"),
+])
+def test_json_encoder_writes_what_the_sdk_writes(make, tmp_path):
+    trace = make()
+    count = export_otel_json(trace, tmp_path / "a.jsonl", chunk_size=10**9)
+    (line,) = (tmp_path / "a.jsonl").read_bytes().splitlines()
+    (rs,) = orjson.loads(line)["resourceSpans"]
+    ours = rs["scopeSpans"][0]["spans"]
+    assert count == len(ours)
+    assert _normalized(ours) == _normalized(_sdk_json(trace))
+    resource = {a["key"]: a["value"] for a in rs["resource"]["attributes"]}
+    assert set(resource) >= {"service.name", "telemetry.sdk.version", "specsched.schedule"}
+
+
+def test_streamed_file_export_equals_the_in_memory_one(tmp_path):
+    src = SAMPLES / "draft_overlap.jsonl"
+    n_file = export_otel_json(src, tmp_path / "file.jsonl", chunk_size=64)
+    n_mem = export_otel_json(read_trace(src), tmp_path / "mem.jsonl", chunk_size=64)
+
+    def spans(path):
+        return [s for line in path.read_bytes().splitlines()
+                for s in orjson.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]]
+
+    a, b = spans(tmp_path / "file.jsonl"), spans(tmp_path / "mem.jsonl")
+    assert n_file == n_mem == len(a) > 500
+    key = lambda s: (s["name"], s["startTimeUnixNano"], s["endTimeUnixNano"])  # noqa: E731
+    strip = lambda s: {k: v for k, v in s.items() if k not in ("traceId", "spanId", "parentSpanId", "links")}  # noqa: E731
+    assert sorted(map(strip, a), key=key) == sorted(map(strip, b), key=key)

@@ -12,7 +12,7 @@ request finishes. Field meanings are those of the records in `specsched.traces.s
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     from specsched.traces.schema import Trace
@@ -117,7 +117,14 @@ def replay(trace: Trace, tracer: Tracer, *, close: bool = False) -> None:
         ((s.end_ns, 2, i, s) for i, s in enumerate(trace.steps)),
         ((f.finish_ns, 3, i, f) for i, f in enumerate(trace.finishes)),
     )
-    for *_, rec in keyed:
+    feed((rec for *_, rec in keyed), tracer)
+    if close:
+        tracer.close()
+
+
+def feed(records: Iterable[Any], tracer: Tracer) -> None:
+    """Calls the tracer once per record, in the order given (a file's order, for streaming)."""
+    for rec in records:
         kind = rec.type
         if kind == "span":
             tracer.span(rec.track, rec.name, rec.step, rec.start_ns, rec.end_ns, **rec.attrs)
@@ -128,10 +135,10 @@ def replay(trace: Trace, tracer: Tracer, *, close: bool = False) -> None:
         elif kind == "request":
             tracer.request(rec.request_id, rec.arrival_ns, rec.prompt_len, rec.max_tokens,
                            rec.temperature, rec.top_p, rec.top_k, rec.seed)
-        else:
+        elif kind == "finish":
             tracer.finish(rec.request_id, rec.finish_ns, rec.finish_reason, rec.output_len,
                           rec.first_token_ns, rec.ttft_ns, rec.agreement, rec.agreement_kind,
                           rec.error)
-    if close:
-        tracer.close()
+        elif kind != "header":
+            raise ValueError(f"unknown record type {kind!r}")
 

@@ -3,23 +3,27 @@
 Why apart from traces/otel.py (which maps trace records to spans): delivery has its own
 failure modes. The live tracer exports through a BatchSpanProcessor (bounded queue that drops
 when full, export in a background thread, short OTLP timeout) behind a circuit breaker, so a
-slow or dead collector never blocks or slows the engine; file export writes OTLP/JSON in
-chunks so a long trace never sits in memory as spans.
+slow or dead collector never blocks or slows the engine; offline export (to a collector or an
+OTLP/JSON file) builds the JSON straight from the records (traces/otlp_json.py), streamed in
+chunks, and stops at the first batch a collector does not take.
 """
 from __future__ import annotations
 
-import base64
+import itertools
 import os
 import threading
 import time
-from typing import Any, Sequence
+import urllib.error
+import urllib.parse
+import urllib.request
 
 import orjson
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from specsched.traces.hook import replay
+from specsched.traces.hook import feed, replay
 from specsched.traces.otel import OtelTracer, epoch_offset_ns
+from specsched.traces.otlp_json import OtlpJsonTracer
 from specsched.traces.schema import Header, Trace
 
 
@@ -138,58 +142,94 @@ def export_trace_otel(trace: Trace, span_exporter: SpanExporter, *,
     return processor.num_exported
 
 
-def export_otlp(trace: Trace, endpoint: str | None = None, *, timeout_s: float = 10.0,
-                chunk_size: int = 512) -> int:
-    """Sends a recorded trace to an OTLP/HTTP collector; returns the number of spans sent.
+class OtlpExportError(RuntimeError):
+    """An offline export to a collector stopped: the first batch it could not deliver."""
 
-    `endpoint` is the full URL (http://host:4318/v1/traces); None uses the standard
-    OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT variables. Raises RuntimeError if a batch failed.
-    """
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-    exporter = OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s)
+def check_otlp_url(url: str) -> str:
+    """`url` if it is an http(s) URL with a host, else ValueError saying what is wrong."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http(s) URL with a host, e.g. "
+                         "http://localhost:4318/v1/traces")
     try:
-        return export_trace_otel(trace, exporter, chunk_size=chunk_size)
-    finally:
-        exporter.shutdown()
+        parts.port  # noqa: B018 - raises for a port that is not a number
+    except ValueError as e:
+        raise ValueError(f"{url!r}: {e}") from None
+    return url
 
 
-def export_otel_json(trace: Trace, path: str | os.PathLike, *, chunk_size: int = 1024) -> int:
+def export_otlp(trace: Trace | str | os.PathLike, endpoint: str, *, timeout_s: float = 10.0,
+                chunk_size: int = 512) -> int:
+    """Sends a recorded trace (a Trace, or a trace file, streamed) to an OTLP/HTTP collector
+    as OTLP/JSON (`Content-Type: application/json`, which OTLP/HTTP receivers accept next to
+    protobuf); returns the number of spans sent.
+
+    Batches go one at a time with no retries: the first one refused, answered with an error
+    status or not answered within `timeout_s` raises OtlpExportError, naming it and how many
+    spans were delivered before it. A bad URL raises ValueError before anything is sent.
+    """
+    check_otlp_url(endpoint)
+    sent = [0, 0]  # batches, spans
+
+    def post(request: dict) -> None:
+        spans = len(request["resourceSpans"][0]["scopeSpans"][0]["spans"])
+        body = orjson.dumps(request)
+        http = urllib.request.Request(endpoint, data=body, method="POST",
+                                      headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(http, timeout=timeout_s) as reply:
+                reply.read()
+        except urllib.error.HTTPError as e:
+            reason = f"the collector answered {e.code} {e.reason}"
+        except (urllib.error.URLError, OSError) as e:
+            why = e.reason if isinstance(e, urllib.error.URLError) else e
+            reason = f"no answer within {timeout_s:g} s" if isinstance(why, TimeoutError) else str(why)
+        else:
+            sent[0] += 1
+            sent[1] += spans
+            return
+        raise OtlpExportError(f"batch {sent[0] + 1} ({spans} spans) was not delivered to {endpoint}: "
+                              f"{reason}; {sent[1]} spans were delivered before it")
+
+    _export_json(trace, post, chunk_size)
+    return sent[1]
+
+
+def export_otel_json(trace: Trace | str | os.PathLike, path: str | os.PathLike, *,
+                     chunk_size: int = 1024) -> int:
     """Writes the export as OTLP/JSON: one ExportTraceServiceRequest per line (the format
-    of the OpenTelemetry Collector's file exporter / otlpjsonfile receiver). Returns spans."""
-    from google.protobuf.json_format import MessageToDict
-    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-
-    collector = _ListExporter()
-    count = export_trace_otel(trace, collector, chunk_size=chunk_size)
+    of the OpenTelemetry Collector's file exporter / otlpjsonfile receiver). `trace` is a
+    Trace, or a trace file, read as a stream: memory stays bounded whatever its length.
+    Returns the number of spans written."""
     with open(path, "wb") as f:
-        for chunk in collector.chunks:
-            message = MessageToDict(encode_spans(chunk), use_integers_for_enums=True)
-            _ids_to_hex(message)
-            f.write(orjson.dumps(message) + b"\n")
-    return count
+        return _export_json(trace, lambda request: f.write(orjson.dumps(request) + b"\n"), chunk_size)
 
 
-class _ListExporter(SpanExporter):
-    def __init__(self) -> None:
-        self.chunks: list[list[ReadableSpan]] = []
+def _export_json(trace: Trace | str | os.PathLike, sink, chunk_size: int) -> int:
+    if isinstance(trace, Trace):
+        tracer = OtlpJsonTracer(trace.header, sink, chunk_size=chunk_size, max_remembered=1 << 62,
+                                clock_offset_ns=epoch_offset_ns(trace.header, trace))
+        replay(trace, tracer, close=True)
+        return tracer.num_spans
+    from specsched.traces.reader import iter_records
 
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.chunks.append(list(spans))
-        return SpanExportResult.SUCCESS
+    records = iter_records(trace, allow_truncated_tail=True)
+    header = next(records)
+    if header.created_clock_ns is not None:
+        offset = epoch_offset_ns(header, None)
+    else:  # anchored at the first record's time, as for an in-memory trace
+        offset = round(header.created_unix_s * 1e9) - _first_ns(trace)
+    tracer = OtlpJsonTracer(header, sink, chunk_size=chunk_size, clock_offset_ns=offset)
+    feed(records, tracer)
+    tracer.close()
+    return tracer.num_spans
 
-    def shutdown(self) -> None:
-        pass
 
+def _first_ns(path: str | os.PathLike) -> int:
+    """The earliest timestamp in a trace file (`Trace.start_ns` without loading the trace)."""
+    from specsched.traces.reader import iter_records
 
-def _ids_to_hex(node: Any) -> None:
-    """OTLP/JSON writes trace and span ids as hex, not proto3-JSON's base64."""
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key in ("traceId", "spanId", "parentSpanId") and isinstance(value, str):
-                node[key] = base64.b64decode(value).hex()
-            else:
-                _ids_to_hex(value)
-    elif isinstance(node, list):
-        for item in node:
-            _ids_to_hex(item)
+    times = [r.arrival_ns if r.type == "request" else r.start_ns if r.type in ("span", "step")
+             else r.finish_ns for r in itertools.islice(iter_records(path, allow_truncated_tail=True), 1, None)]
+    return min(times, default=0)

@@ -1,0 +1,257 @@
+"""OTLP/JSON spans built straight from trace records: offline export of traces of any length.
+
+Why not the OpenTelemetry SDK here (as the live tracer in traces/otel.py does): building an
+SDK span, encoding it to protobuf and turning that into JSON costs a few hundred microseconds
+a span, so a production-length trace took minutes and gigabytes. A trace that is already
+recorded needs none of the SDK's machinery (sampling, processors, context propagation): this
+module writes the same spans -- names, attributes, parents, links, events, status, as
+`OtelTracer` makes them (tests compare the two) -- as OTLP/JSON dicts, streamed in chunks.
+
+`OtlpJsonTracer` is a `Tracer` hook; every `chunk_size` finished spans it hands one
+ExportTraceServiceRequest (a dict) to `sink`. Memory is bounded by the requests in flight,
+the stage spans waiting for their step record (at most `max_pending_steps` steps) and the
+span contexts remembered for links (at most `max_remembered`).
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from collections import OrderedDict
+from importlib import metadata
+from typing import Any, Callable, Sequence
+
+from specsched.traces.otel import OPERATION, _attr, stage_span_name
+from specsched.traces.schema import DEVICE_TRACK_PREFIX, FORMAT_VERSION, Header
+
+_KIND_INTERNAL = 1  # SpanKind.INTERNAL in OTLP
+_FLAGS = 256  # SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK: the context is known to be local
+_STATUS_ERROR = 2
+
+
+def _value(v: Any) -> dict:
+    """An OTLP/JSON AnyValue (int64 as a string, as proto3 JSON writes it)."""
+    if isinstance(v, bool):
+        return {"boolValue": v}
+    if isinstance(v, int):
+        return {"intValue": str(v)}
+    if isinstance(v, float):
+        return {"doubleValue": v}
+    if isinstance(v, str):
+        return {"stringValue": v}
+    return {"arrayValue": {"values": [_value(x) for x in v]}}
+
+
+def _attributes(attrs: dict[str, Any]) -> list[dict]:
+    return [{"key": k, "value": _value(v)} for k, v in attrs.items() if v is not None]
+
+
+def _sdk_version() -> str:
+    try:
+        return metadata.version("opentelemetry-sdk")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class OtlpJsonTracer:
+    """The tracer hook writing OTLP/JSON export requests, `chunk_size` spans each, to `sink`."""
+
+    enabled = True
+
+    def __init__(self, header: Header, sink: Callable[[dict], None], *, clock_offset_ns: int,
+                 chunk_size: int = 1024, max_pending_steps: int = 256, max_remembered: int = 65536):
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.header, self.sink, self.chunk_size = header, sink, chunk_size
+        self.clock_offset_ns = clock_offset_ns
+        self.num_spans = 0
+        self._resource = {"attributes": _attributes({
+            "telemetry.sdk.language": "python", "telemetry.sdk.name": "opentelemetry",
+            "telemetry.sdk.version": _sdk_version(), "service.instance.id": str(uuid.uuid4()),
+            "service.name": os.environ.get("OTEL_SERVICE_NAME", "specsched"),
+            "specsched.source": header.source, "specsched.schedule": header.schedule,
+            "specsched.proposer": header.proposer, "specsched.draft_len": header.draft_len,
+            "specsched.model": header.model, "specsched.device.kind": header.device.kind,
+            "specsched.device.name": header.device.name})}
+        self._scope = {"name": "specsched.traces", "version": FORMAT_VERSION}
+        self._chunk: list[dict] = []
+        self._max_pending_steps, self._max_remembered = max_pending_steps, max_remembered
+        # request_id -> (trace_id, span_id, start_ns, attributes) of a request not finished yet
+        self._open: dict[str, tuple[str, str, int, dict]] = {}
+        self._stats: dict[str, list[int]] = {}  # request_id -> [steps, drafted, accepted]
+        self._request_ctx: OrderedDict[str, tuple[str, str]] = OrderedDict()  # finished, for links
+        self._step_ctx: OrderedDict[int, tuple[str, str]] = OrderedDict()
+        self._pending: OrderedDict[int, list[tuple]] = OrderedDict()  # step -> stage spans
+        self._last_ns = 0
+        self._closed = False
+
+    # -- the Tracer hook ----------------------------------------------------------------------
+    def request(self, request_id: str, arrival_ns: int, prompt_len: int, max_tokens: int,
+                temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                seed: int | None = None) -> None:
+        attrs = {"gen_ai.operation.name": OPERATION, "gen_ai.request.model": self.header.model,
+                 "gen_ai.usage.input_tokens": prompt_len, "gen_ai.request.max_tokens": max_tokens,
+                 "gen_ai.request.temperature": temperature, "gen_ai.request.top_p": top_p,
+                 "specsched.request_id": request_id}
+        if top_k > 0:
+            attrs["gen_ai.request.top_k"] = top_k
+        if seed is not None:
+            attrs["gen_ai.request.seed"] = seed
+        self._open[request_id] = (_trace_id(), _span_id(), arrival_ns, attrs)
+        self._stats[request_id] = [0, 0, 0]
+        self._last_ns = max(self._last_ns, arrival_ns)
+
+    def span(self, track: str, name: str, step: int | None, start_ns: int, end_ns: int,
+             **attrs: Any) -> None:
+        self._last_ns = max(self._last_ns, end_ns)
+        entry = (track, name, step, start_ns, end_ns, attrs)
+        if step is None or step in self._step_ctx:
+            self._emit_stage(entry, self._step_ctx.get(step))
+            return
+        self._pending.setdefault(step, []).append(entry)
+        if len(self._pending) > self._max_pending_steps:
+            self._emit_orphan_step(*self._pending.popitem(last=False))
+
+    def step(self, step: int, kind: str, start_ns: int, end_ns: int,
+             request_ids: Sequence[str], num_new_tokens: Sequence[int],
+             kv_lens: Sequence[int], num_drafted: Sequence[int] | None = None,
+             num_accepted: Sequence[int] | None = None,
+             num_output: Sequence[int] | None = None) -> None:
+        self._last_ns = max(self._last_ns, end_ns)
+        drafted = list(num_drafted) if num_drafted is not None else [0] * len(request_ids)
+        accepted = list(num_accepted) if num_accepted is not None else [0] * len(request_ids)
+        links = []
+        for rid, d, a in zip(request_ids, drafted, accepted):
+            ctx = self._request_context(rid)
+            if ctx is not None:
+                links.append({"traceId": ctx[0], "spanId": ctx[1], "flags": _FLAGS})
+            stats = self._stats.get(rid)
+            if stats is not None:
+                stats[0] += 1
+                stats[1] += d
+                stats[2] += a
+        attrs = {"specsched.step": step, "specsched.step.kind": kind,
+                 "specsched.batch_size": len(request_ids),
+                 "specsched.num_new_tokens": sum(num_new_tokens),
+                 "specsched.kv_tokens": sum(kv_lens), "specsched.num_drafted": sum(drafted),
+                 "specsched.num_accepted": sum(accepted)}
+        if num_output is not None:
+            attrs["specsched.num_output"] = sum(num_output)
+        ctx = (_trace_id(), _span_id())
+        self._end(ctx, None, "step", start_ns, end_ns, attrs, links=links)
+        self._remember(self._step_ctx, step, ctx)
+        for entry in self._pending.pop(step, ()):
+            self._emit_stage(entry, ctx)
+
+    def finish(self, request_id: str, finish_ns: int, finish_reason: str, output_len: int,
+               first_token_ns: int | None, ttft_ns: int | None = None,
+               agreement: Sequence[int] | None = None, agreement_kind: str | None = None,
+               error: str | None = None) -> None:
+        self._last_ns = max(self._last_ns, finish_ns)
+        opened = self._open.pop(request_id, None)
+        if opened is None:  # its request record was never seen: start at the best guess
+            start_ns = (first_token_ns - ttft_ns if first_token_ns is not None
+                        and ttft_ns is not None else finish_ns)
+            opened = (_trace_id(), _span_id(), start_ns, {
+                "gen_ai.operation.name": OPERATION, "gen_ai.request.model": self.header.model,
+                "specsched.request_id": request_id})
+        trace_id, span_id, start_ns, attrs = opened
+        steps, drafted, accepted = self._stats.pop(request_id, (0, 0, 0))
+        attrs["gen_ai.usage.output_tokens"] = output_len
+        attrs["gen_ai.response.finish_reasons"] = [finish_reason]
+        attrs["specsched.num_steps"] = steps
+        attrs["specsched.num_drafted"] = drafted
+        attrs["specsched.num_accepted"] = accepted
+        if ttft_ns is not None:
+            attrs["gen_ai.server.time_to_first_token"] = ttft_ns / 1e9
+        events = ([{"timeUnixNano": str(first_token_ns + self.clock_offset_ns), "name": "first_token"}]
+                  if first_token_ns is not None else [])
+        if agreement is not None:
+            attrs["specsched.agreement_rate"] = sum(agreement) / max(len(agreement), 1)
+        status = {}
+        if finish_reason == "error":
+            attrs["error.type"] = "error"
+            status = {"message": error or "error", "code": _STATUS_ERROR}
+        self._end((trace_id, span_id), None, f"{OPERATION} {self.header.model}", start_ns, finish_ns,
+                  attrs, events=events, status=status)
+        self._remember(self._request_ctx, request_id, (trace_id, span_id))
+
+    def close(self) -> None:
+        """Emits waiting stage spans, ends unfinished requests, hands on the last chunk."""
+        if self._closed:
+            return
+        self._closed = True
+        while self._pending:
+            self._emit_orphan_step(*self._pending.popitem(last=False))
+        for trace_id, span_id, start_ns, attrs in self._open.values():
+            attrs["specsched.finished"] = False
+            self._end((trace_id, span_id), None, f"{OPERATION} {self.header.model}", start_ns,
+                      self._last_ns, attrs)
+        self._open.clear()
+        self._flush()
+
+    # -- spans -----------------------------------------------------------------------------------
+    def _end(self, ctx: tuple[str, str], parent: tuple[str, str] | None, name: str, start_ns: int,
+             end_ns: int, attrs: dict, *, links: list | None = None, events: list | None = None,
+             status: dict | None = None) -> None:
+        span = {"traceId": ctx[0], "spanId": ctx[1]}
+        if parent is not None:
+            span["parentSpanId"] = parent[1]
+        span.update(name=name, kind=_KIND_INTERNAL,
+                    startTimeUnixNano=str(start_ns + self.clock_offset_ns),
+                    endTimeUnixNano=str(end_ns + self.clock_offset_ns), attributes=_attributes(attrs))
+        if events:
+            span["events"] = events
+        if links:
+            span["links"] = links
+        span["status"] = status or {}
+        span["flags"] = _FLAGS
+        self._chunk.append(span)
+        self.num_spans += 1
+        if len(self._chunk) >= self.chunk_size:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._chunk:
+            chunk, self._chunk = self._chunk, []
+            self.sink({"resourceSpans": [{"resource": self._resource,
+                                          "scopeSpans": [{"scope": self._scope, "spans": chunk}]}]})
+
+    def _request_context(self, request_id: str) -> tuple[str, str] | None:
+        opened = self._open.get(request_id)
+        return opened[:2] if opened is not None else self._request_ctx.get(request_id)
+
+    def _remember(self, cache: OrderedDict, key: Any, value: Any) -> None:
+        cache[key] = value
+        if len(cache) > self._max_remembered:
+            cache.popitem(last=False)
+
+    def _emit_stage(self, entry: tuple, parent: tuple[str, str] | None) -> None:
+        track, name, step, start_ns, end_ns, attrs = entry
+        otel_attrs = {"specsched.stage": name, "specsched.track": track}
+        if step is not None:
+            otel_attrs["specsched.step"] = step
+        if track.startswith(DEVICE_TRACK_PREFIX):
+            otel_attrs["specsched.device.stream"] = track[len(DEVICE_TRACK_PREFIX):]
+        for key, value in attrs.items():
+            value = _attr(value)
+            if value is not None:
+                otel_attrs[f"specsched.{key}"] = value
+        ctx = (parent[0] if parent is not None else _trace_id(), _span_id())
+        self._end(ctx, parent, stage_span_name(name), start_ns, end_ns, otel_attrs)
+
+    def _emit_orphan_step(self, step: int, entries: list[tuple]) -> None:
+        """A step whose record never came: a `step` span spanning its stage spans."""
+        ctx = (_trace_id(), _span_id())
+        self._end(ctx, None, "step", min(e[3] for e in entries), max(e[4] for e in entries),
+                  {"specsched.step": step, "specsched.step.complete": False})
+        self._remember(self._step_ctx, step, ctx)
+        for entry in entries:
+            self._emit_stage(entry, ctx)
+
+
+def _trace_id() -> str:
+    return os.urandom(16).hex()
+
+
+def _span_id() -> str:
+    return os.urandom(8).hex()
