@@ -31,29 +31,43 @@ def export(
     otlp: Optional[str] = typer.Option(None, help="OTLP/HTTP endpoint, e.g. http://localhost:4318/v1/traces"),
 ) -> None:
     """Export a trace to Perfetto / chrome://tracing or OpenTelemetry."""
+    from specsched.traces.otel_export import OtlpExportError, check_otlp_url, export_otel_json, export_otlp
+
     if not (chrome or otel_json or otlp):
         _fail("choose at least one of --chrome, --otel-json, --otlp")
     check_output_path(chrome, "--chrome")
     check_output_path(otel_json, "--otel-json")
-    tr = _read_trace(trace)
+    if otlp:
+        try:
+            check_otlp_url(otlp)
+        except ValueError as e:
+            _fail(f"--otlp: {e}")
+    _check_readable(trace)
     if chrome:
         from specsched.traces.chrome import write_chrome_trace
 
-        write_chrome_trace(tr, chrome)
+        write_chrome_trace(_read_trace(trace), chrome)
         console.print(f"wrote {chrome} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    # OpenTelemetry exports stream the file: memory stays bounded whatever its length
     if otel_json:
-        from specsched.traces.otel_export import export_otel_json
-
-        export_otel_json(tr, otel_json)
-        console.print(f"wrote {otel_json}")
+        n = export_otel_json(trace, otel_json)
+        console.print(f"wrote {n} spans to {otel_json}")
     if otlp:
-        from specsched.traces.otel_export import export_otlp
-
         try:
-            n = export_otlp(tr, otlp)
-        except RuntimeError as e:  # the collector refused or was not there
+            n = export_otlp(trace, otlp)
+        except OtlpExportError as e:  # the collector refused, failed or did not answer
             _fail(f"--otlp {otlp}: {e}")
         console.print(f"sent {n} spans to {otlp}")
+
+
+def _check_readable(trace: Path) -> None:
+    """A trace that is not there, or has no valid header, fails before any output is made."""
+    from specsched.traces.reader import TraceFormatError, iter_records
+
+    try:
+        next(iter_records(trace))
+    except (TraceFormatError, OSError) as e:
+        _fail(str(e))
 
 
 @app.command()
@@ -66,13 +80,7 @@ def timeline(
     """A picture of host and device lanes over a window of steps."""
     from specsched.traces.timeline import plot_timeline
 
-    window = None
-    if steps:
-        try:
-            a, b = steps.split(":")
-            window = (int(a), int(b))
-        except ValueError:
-            _fail("--steps takes A:B (two step numbers)")
+    window = _parse_steps(steps) if steps else None
     check_output_path(out, "--out")
     from matplotlib.backend_bases import FigureCanvasBase
 
@@ -84,5 +92,21 @@ def timeline(
     try:
         plot_timeline(tr, out, steps=window)
     except ValueError as e:  # e.g. a window of steps the trace does not have
-        _fail(f"--steps {steps}: {e}" if steps else str(e))
+        _fail(f"--steps {steps} ({e})" if steps else str(e))
     console.print(f"wrote {out}")
+
+
+def _parse_steps(steps: str) -> tuple[int, int]:
+    """`--steps A:B` as (A, B), checked before any work: step numbers count from 0 and the
+    window runs forward. (The messages never put ':' right after the value: rich would turn
+    e.g. `-3:-1:` into an emoji.)"""
+    try:
+        a, b = steps.split(":")
+        first, last = int(a), int(b)
+    except ValueError:
+        _fail("--steps takes A:B (two step numbers)")
+    if first < 0 or last < 0:
+        _fail(f"--steps {steps} has a negative step number; steps count from 0")
+    if first > last:
+        _fail(f"--steps {steps} is reversed: first step is after last step; use {last}:{first}")
+    return first, last

@@ -28,7 +28,7 @@ from torch import nn
 
 from specsched.runtime.attention import StepAttention
 from specsched.runtime.attention.torch_backend import CausalAttention
-from specsched.runtime.checkpoint import CheckpointError, read_config_json
+from specsched.runtime.checkpoint import CheckpointError, check_finite, read_config_json
 from specsched.runtime.config import ModelConfig
 from specsched.runtime.kv_cache import PagedKVCache
 from specsched.runtime.model import DecoderLayer, LlamaModel, RMSNorm, RotaryEmbedding
@@ -265,6 +265,7 @@ def load_head(path: str | Path, target: LlamaModel, *, check_target: bool = True
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"cannot read {weights}: {exc}") from None
+    check_finite(tensors, weights)
     expected = MTPHead.expected_shapes(config, norms)
     for name, shape in expected.items():
         if name not in tensors:

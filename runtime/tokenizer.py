@@ -143,6 +143,8 @@ def _read_special_ids(directory: Path) -> dict:
             raw = json.loads(file.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             continue
+        if not isinstance(raw, dict):  # not settings: the checkpoint loader names the file
+            continue
         if "bos" not in out and isinstance(raw.get("bos_token_id"), int):
             out["bos"] = raw["bos_token_id"]
         eos = raw.get("eos_token_id")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -216,3 +216,86 @@ def test_tokenizer_errors(tmp_path):
     tok.bos_token_id = None
     with pytest.raises(TokenizerError, match="no BOS token"):
         tok.encode("x", add_bos=True)
+
+
+# --- non-finite weights, config.json that is not an object ----------------------------------
+
+UP = "model.layers.0.mlp.up_proj.weight"
+
+
+def _spoil(file, name, values, dtype=None):
+    """Rewrites one safetensors file with `values` written into the start of tensor `name`."""
+    tensors = load_file(str(file))
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    flat = tensors[name].reshape(-1)
+    flat[: len(values)] = torch.tensor(values, dtype=flat.dtype)
+    save_file(tensors, str(file))
+
+
+@pytest.mark.parametrize("values, dtype", [
+    ([float("nan")] * 3, None),
+    ([1.0, float("inf"), float("-inf")], None),  # +inf and -inf: their sum is NaN
+    ([float("-inf")], torch.bfloat16),
+    ([float("nan"), float("inf")], torch.float16),
+], ids=["nan", "inf-and-minus-inf", "bf16", "fp16"])
+def test_non_finite_weights_name_the_file_and_tensor(tmp_path, values, dtype):
+    write_model(tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    _spoil(weights, UP, values, dtype)
+    bad = sum(1 for v in values if v != 1.0)
+    with pytest.raises(CheckpointError) as e:
+        load_model(tmp_path / "m")
+    assert str(e.value) == f"{weights}: tensor {UP} has {bad} non-finite values (NaN or inf)"
+
+
+def test_non_finite_weights_in_a_shard_and_in_an_mtp_head(tmp_path):
+    from specsched.runtime.mtp_head import MTPHead, load_head, save_head
+
+    tensors = write_model(tmp_path / "single", dict(tie_word_embeddings=False))
+    shard_dir = tmp_path / "sharded"
+    shard_dir.mkdir()
+    (shard_dir / "config.json").write_text((tmp_path / "single" / "config.json").read_text())
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    weight_map = {n: first if n == "lm_head.weight" else second for n in tensors}
+    save_file({"lm_head.weight": tensors["lm_head.weight"]}, str(shard_dir / first))
+    save_file({n: t for n, t in tensors.items() if n != "lm_head.weight"}, str(shard_dir / second))
+    (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert load_model(shard_dir) is not None
+    _spoil(shard_dir / second, UP, [float("inf")])
+    with pytest.raises(CheckpointError, match=f"{second}: tensor {UP} has 1 non-finite values"):
+        load_model(shard_dir)
+    # the MTP head reads its own weights file
+    target = load_model(tmp_path / "single")
+    save_head(MTPHead.for_target(target, seed=2), tmp_path / "head", target)
+    weights = tmp_path / "head" / "model.safetensors"
+    _spoil(weights, "eh_proj.weight", [float("nan")] * 2)
+    with pytest.raises(CheckpointError) as e:
+        load_head(tmp_path / "head", target)
+    assert str(e.value) == f"{weights}: tensor eh_proj.weight has 2 non-finite values (NaN or inf)"
+
+
+def test_finite_weights_whose_sum_overflows_still_load(tmp_path):
+    big = torch.finfo(torch.float16).max
+    write_model(tmp_path / "m")
+    _spoil(tmp_path / "m" / "model.safetensors", UP, [big] * 4, torch.float16)  # sum: inf
+    assert load_model(tmp_path / "m").hf_state_dict()[UP].reshape(-1)[0] == big
+
+
+@pytest.mark.parametrize("content, kind", [("[1, 2]", "list"), ('"llama"', "str"), ("null", "null")])
+def test_config_json_that_is_not_an_object_names_the_file(tmp_path, content, kind):
+    from specsched.runtime.checkpoint import load_config
+    from specsched.runtime.mtp_head import load_head_config
+
+    write_model(tmp_path / "m")
+    cfg = tmp_path / "m" / "config.json"
+    cfg.write_text(content)
+    message = f"{cfg}: expected a JSON object of model settings, got {kind}"
+    for load in (load_config, load_model, load_head_config):
+        with pytest.raises(CheckpointError) as e:
+            load(tmp_path / "m")
+        assert str(e.value) == message, load
+    # the tokenizer also reads config.json (bos/eos ids): it skips such a file, leaving the
+    # error to the checkpoint loader, instead of failing with an AttributeError
+    train_tokenizer(tmp_path / "m")
+    assert Tokenizer(tmp_path / "m").vocab_size == 300

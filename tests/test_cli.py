@@ -203,6 +203,22 @@ def test_bad_input_is_named(tmp_path):
     assert code == 2 and "A:B" in out
 
 
+
+@pytest.mark.parametrize("window, words", [
+    ("-5:3", "--steps -5:3 has a negative step number"),
+    ("-3:-1", "--steps -3:-1 has a negative step number"),
+    ("2:-1", "--steps 2:-1 has a negative step number"),
+    ("5:3", "--steps 5:3 is reversed: first step is after last step; use 3:5"),
+], ids=["negative-first", "both-negative", "negative-last", "reversed"])
+def test_timeline_refuses_a_reversed_or_negative_window(tmp_path, window, words):
+    png = tmp_path / "t.png"
+    code, out = run("timeline", SAMPLE, "-o", png, "--steps", window)
+    assert code == 2 and out.startswith(f"error: {words}") and "Traceback" not in out, out
+    assert not png.exists()
+    # checked before any work: the trace is not even read
+    code, out = run("timeline", tmp_path / "missing.jsonl", "-o", png, "--steps", window)
+    assert code == 2 and out.startswith(f"error: {words}")
+
 def test_files_the_commands_cannot_write_fail_before_any_work(tmp_path):
     missing = tmp_path / "no_such_folder"
     for args, named in ((("timeline", SAMPLE, "-o", missing / "t.png"), "does not exist"),

@@ -217,3 +217,87 @@ def test_error_bad_header_field(tmp_path):
     write_lines(path, header_line(draft_len="three"), SPAN)
     err = read_error(path)
     assert (err.line, err.field) == (1, "header.draft_len")
+
+
+def request_line(rid: str, arrival_ns: int) -> bytes:
+    return orjson.dumps({"type": "request", "request_id": rid, "arrival_ns": arrival_ns,
+                         "prompt_len": 4, "max_tokens": 8, "temperature": 0.0, "top_p": 1.0,
+                         "top_k": 0, "seed": None})
+
+
+def finish_line(rid: str, finish_ns: int) -> bytes:
+    return orjson.dumps({"type": "finish", "request_id": rid, "finish_ns": finish_ns,
+                         "finish_reason": "stop", "output_len": 3, "first_token_ns": None})
+
+
+def test_error_every_record_twice_is_a_duplicated_trace(tmp_path):
+    src = tmp_path / "run.jsonl"
+    write_trace(synthetic_trace(num_requests=3, max_tokens=6, seed=3), src)
+    head, *body = lines_of(src)
+    assert body[0].startswith(b'{"type":"request","request_id":"r0"')
+    # every line written twice in a row: the second request for r0 (line 3) is refused
+    path = tmp_path / "twice.jsonl"
+    path.write_bytes(head + b"".join(line + line for line in body))
+    err = read_error(path)
+    assert (err.line, err.field) == (3, "request.request_id")
+    assert str(err).startswith(f"{path}:3: request.request_id: a second request record for "
+                               "'r0' while its request at line 2 has not finished")
+    with pytest.raises(TraceFormatError, match=r"twice.jsonl:3: "):
+        list(iter_records(path))  # the streaming reader checks too
+    # the whole body appended again: r0 "reused" before its previous request finished
+    path.write_bytes(head + b"".join(body) * 2)
+    err = read_error(path)
+    assert (err.line, err.field) == (2 + len(body), "request.arrival_ns")
+    assert "before the previous request with this id finished" in str(err)
+
+
+def test_error_second_finish_for_one_request(tmp_path):
+    path = tmp_path / "run.jsonl"
+    write_lines(path, header_line(), request_line("a", 10), SPAN, finish_line("a", 50),
+                finish_line("a", 50))
+    err = read_error(path)
+    assert (err.line, err.field) == (5, "finish.request_id")
+    assert str(err) == (f"{path}:5: finish.request_id: a second finish record for 'a' (the "
+                        "first is at line 4) without a new request record in between")
+    # also for a request never seen (a tracer attached mid-run): one finish is fine, two not
+    write_lines(path, header_line(), finish_line("b", 50), SPAN, finish_line("b", 60))
+    assert read_error(path).line == 4
+
+
+def test_error_finish_before_its_request_arrived(tmp_path):
+    path = tmp_path / "run.jsonl"
+    write_lines(path, header_line(), request_line("a", 100), SPAN, finish_line("a", 40))
+    err = read_error(path)
+    assert (err.line, err.field) == (4, "finish.finish_ns")
+    assert str(err) == (f"{path}:4: finish.finish_ns: finish_ns (40) is before the arrival_ns "
+                        "(100) of request 'a' (line 2)")
+
+
+def test_request_lifecycles_that_stay_legal(tmp_path):
+    path = tmp_path / "run.jsonl"
+    # a finish whose request was never seen, ids reused after their finish, a zero-length request
+    write_lines(path, header_line(), finish_line("m", 5), request_line("a", 10),
+                finish_line("a", 50), request_line("a", 60), request_line("m", 70),
+                finish_line("a", 90), finish_line("m", 95), request_line("z", 99),
+                finish_line("z", 99))
+    trace = read_trace(path)
+    assert [r.request_id for r in trace.requests] == ["a", "a", "m", "z"]
+    assert len(trace.finishes) == 5
+    # write_trace orders in time with ties request < finish: an id reused at the nanosecond its
+    # previous request finished comes out request, request, finish, finish -- and reads back
+    write_lines(path, header_line(), request_line("a", 10), finish_line("a", 50),
+                request_line("a", 50), finish_line("a", 90))
+    trace = read_trace(path)
+    write_trace(trace, tmp_path / "tied.jsonl")
+    order = [orjson.loads(line)["type"] for line in lines_of(tmp_path / "tied.jsonl")[1:]]
+    assert order == ["request", "request", "finish", "finish"]
+    again = read_trace(tmp_path / "tied.jsonl")
+    assert again.requests == trace.requests and again.finishes == trace.finishes
+    # ... but when that finish comes after the second arrival, the second request is a duplicate
+    write_lines(path, header_line(), request_line("a", 10), request_line("a", 50),
+                finish_line("a", 80), finish_line("a", 90))
+    err = read_error(path)
+    assert (err.line, err.field) == (3, "request.request_id")
+    assert "(its finish, at line 4, is at 80, after this arrival_ns 50)" in str(err)
+    write_lines(path, header_line(), request_line("a", 10), request_line("a", 50), SPAN)
+    assert "no finish record for it in the file" in str(read_error(path))

@@ -4,7 +4,9 @@ Why: traces outlive the code that wrote them and runs get killed mid-write. A re
 says `run.jsonl:17: span.end_ns: end_ns (5) is before start_ns (9)` -- or that the file
 comes from a newer, incompatible version, or that its last line was cut off -- saves the
 user from guessing. Every line is validated against `specsched.traces.schema` (pydantic parses the
-JSON bytes directly, ~3 us a line).
+JSON bytes directly, ~3 us a line), and request/finish records are paired as they stream by
+(`_Lifecycles`): a trace written twice over, or a finish before its request arrived, would
+otherwise double every metric or skew TPOT without a word.
 """
 from __future__ import annotations
 
@@ -73,6 +75,7 @@ def _iter_records(name: str, allow_truncated_tail: bool, state: _ReadState) -> I
         yield header
         newer_minor = int(header.format_version.split(".")[1]) > FORMAT_MINOR
         max_agreement_len = header.max_agreement_len
+        lifecycles = _Lifecycles(name)
         line_no = 1
         for raw in f:
             line_no += 1
@@ -91,7 +94,7 @@ def _iter_records(name: str, allow_truncated_tail: bool, state: _ReadState) -> I
                     warnings.warn(f"{name}:{line_no}: dropped a truncated final line",
                                   stacklevel=3)
                     state.truncated = True
-                    return
+                    return  # the cut line may have been a pending finish: no end-of-file check
                 if err["type"] == "union_tag_invalid" and newer_minor:
                     state.num_skipped += 1
                     continue
@@ -99,12 +102,96 @@ def _iter_records(name: str, allow_truncated_tail: bool, state: _ReadState) -> I
             if record.type == "header":
                 raise TraceFormatError(name, line_no, "type",
                                        "a second header; the header must be the first line only")
-            if (record.type == "finish" and record.agreement is not None
-                    and len(record.agreement) > max_agreement_len):
-                raise TraceFormatError(
-                    name, line_no, "finish.agreement", f"{len(record.agreement)} entries exceed "
-                    f"the header's max_agreement_len ({max_agreement_len})")
+            if record.type == "finish":
+                if record.agreement is not None and len(record.agreement) > max_agreement_len:
+                    raise TraceFormatError(
+                        name, line_no, "finish.agreement", f"{len(record.agreement)} entries "
+                        f"exceed the header's max_agreement_len ({max_agreement_len})")
+                lifecycles.finish(record, line_no)
+            elif record.type == "request":
+                lifecycles.request(record, line_no)
             yield record
+        lifecycles.end()
+
+
+class _Lifecycles:
+    """Pairs each request id's `request` and `finish` records in one streaming pass.
+
+    Rejects a second request for an id still open, a second finish without a new request, a
+    finish before its request's arrival, and a request reusing an id before the previous
+    request with that id finished. Legal: a finish or step whose request was never seen (a
+    tracer attached mid-run) and an id reused after its finish. Memory: a few ints per
+    distinct request id.
+
+    One subtlety: `write_trace` orders records in time with ties request < finish, so an id
+    reused at the very nanosecond its previous request finished reads request, request,
+    finish. A second request for an open id that arrives no earlier than the open one is
+    therefore held until that id's next finish settles it: a finish at or before the new
+    arrival was the previous request's, a later one proves the duplicate (named at the held
+    request's line). One request is held per id: a third, possible only after zero-length
+    requests reusing one id within one nanosecond, is refused.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.open: dict[str, tuple[int, int]] = {}  # id -> (arrival_ns, line), no finish yet
+        self.finished: dict[str, tuple[int, int]] = {}  # id -> (finish_ns, line), no request since
+        self.held: dict[str, tuple[int, int]] = {}  # id -> (arrival_ns, line), see above
+
+    def request(self, record: RequestRecord, line: int) -> None:
+        rid, arrival_ns = record.request_id, record.arrival_ns
+        done = self.finished.pop(rid, None)
+        if done is not None and arrival_ns < done[0]:
+            raise self._error(line, "request.arrival_ns", f"request {rid!r} arrives at "
+                              f"{arrival_ns}, before the previous request with this id finished "
+                              f"(finish_ns {done[0]}, line {done[1]}); a duplicated trace?")
+        opened = self.open.get(rid)
+        if opened is None:
+            self.open[rid] = (arrival_ns, line)
+        elif rid in self.held or arrival_ns < opened[0]:
+            raise self._duplicate_request(rid, line, opened[1])
+        else:
+            self.held[rid] = (arrival_ns, line)
+
+    def finish(self, record: FinishRecord, line: int) -> None:
+        rid, finish_ns = record.request_id, record.finish_ns
+        if rid in self.finished:
+            raise self._error(line, "finish.request_id", f"a second finish record for {rid!r} "
+                              f"(the first is at line {self.finished[rid][1]}) without a new "
+                              "request record in between")
+        opened = self.open.pop(rid, None)
+        if opened is None:  # its request was never seen: a tracer attached mid-run
+            self.finished[rid] = (finish_ns, line)
+            return
+        if finish_ns < opened[0]:
+            raise self._error(line, "finish.finish_ns", f"finish_ns ({finish_ns}) is before "
+                              f"the arrival_ns ({opened[0]}) of request {rid!r} (line "
+                              f"{opened[1]})")
+        held = self.held.pop(rid, None)
+        if held is None:
+            self.finished[rid] = (finish_ns, line)
+        elif finish_ns <= held[0]:  # the previous request's finish, tied with the new arrival
+            self.open[rid] = held
+        else:
+            raise self._duplicate_request(rid, held[1], opened[1], f" (its finish, at line "
+                                          f"{line}, is at {finish_ns}, after this arrival_ns "
+                                          f"{held[0]})")
+
+    def end(self) -> None:
+        """At the end of the file: a held request whose previous request never finished."""
+        if self.held:
+            rid, (_, line) = min(self.held.items(), key=lambda item: item[1][1])
+            raise self._duplicate_request(rid, line, self.open[rid][1],
+                                          " (no finish record for it in the file)")
+
+    def _duplicate_request(self, rid: str, line: int, first_line: int,
+                           detail: str = " (no finish record in between)") -> TraceFormatError:
+        return self._error(line, "request.request_id", f"a second request record for {rid!r} "
+                           f"while its request at line {first_line} has not finished{detail}; "
+                           "a duplicated trace?")
+
+    def _error(self, line: int, field: str, message: str) -> TraceFormatError:
+        return TraceFormatError(self.name, line, field, message)
 
 
 def _parse_header(name: str, raw: bytes) -> Header:
