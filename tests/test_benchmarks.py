@@ -22,6 +22,7 @@ TINY = {
     "tune_accuracy.py": ["--num-requests", "2", "--max-tokens", "6", "--concurrency", "2", "--rounds", "1",
                          "--capture-len", "2", "--draft-lens", "1", "2"],
     "schedules.py": ["--num-requests", "1", "--max-tokens", "3", "--sections", "1"],
+    "trace_tools.py": ["--sizes", "0.3", "--window", "5:8"],
     "sweep_fanout.py": ["--replicates", "2", "--rounds", "1", "--draft-lens", "1", "--concurrencies", "1"],
 }
 

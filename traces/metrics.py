@@ -7,6 +7,8 @@ arithmetic is vectorized, so 100k spans take well under a second.
 from __future__ import annotations
 
 import itertools
+import os
+from array import array
 from typing import Any
 
 import numpy as np
@@ -47,49 +49,139 @@ def compute_metrics(trace: Trace) -> dict[str, Any]:
       step records, in ms}, stages in pipeline order, plus "total": the sum over stages
       (only "total" = 0.0 without step records).
     """
-    arrival_ns = {r.request_id: r.arrival_ns for r in trace.requests}
-    finishes = trace.finishes
-    output_tokens = sum(f.output_len for f in finishes)
-    start_ns = min(arrival_ns.values()) if arrival_ns else None
-    end_ns = max((f.finish_ns for f in finishes), default=None)
-    duration_ns = end_ns - start_ns if start_ns is not None and end_ns is not None else 0
-    duration_ns = max(duration_ns, 0)
-    duration_s = duration_ns / 1e9
+    return _accumulated(trace).metrics()
 
-    ttft_ns = [f.ttft_ns if f.ttft_ns is not None else f.first_token_ns - arrival_ns[f.request_id]
-               for f in finishes if f.ttft_ns is not None
-               or (f.first_token_ns is not None and f.request_id in arrival_ns)]
-    tpot_ns = [(f.finish_ns - f.first_token_ns) / (f.output_len - 1) for f in finishes
-               if f.output_len > 1 and f.first_token_ns is not None]
 
-    device_s, device_e, host_ns = _split_spans(trace)
-    device_s, device_e = merge_intervals(device_s, device_e)
-    busy_ns = 0
-    if duration_ns > 0:
-        busy_ns = int(np.clip(device_e, start_ns, end_ns).sum()
-                      - np.clip(device_s, start_ns, end_ns).sum())
-    pending_s, pending_e = pending_intervals(trace)
-    pending_ns = int((pending_e - pending_s).sum())
-    bubble_s, bubble_e = subtract_intervals(pending_s, pending_e, device_s, device_e)
-    bubble_ns = int((bubble_e - bubble_s).sum())
+def compute_metrics_file(path: str | os.PathLike) -> dict[str, Any]:
+    """`compute_metrics` of a trace file, read as a stream: memory grows with the device
+    spans and requests (a few numbers each), not with the file. A cut-off last line (a
+    killed run) is dropped, as `read_trace(allow_truncated_tail=True)` does."""
+    from specsched.traces.reader import iter_records
 
-    mean_accept_len, accept_rate_per_pos = _acceptance(trace)
-    return {
-        "requests": len(finishes),
-        "requests_failed": sum(1 for f in finishes if f.finish_reason == "error"),
-        "requests_aborted": sum(1 for f in finishes if f.finish_reason == "abort"),
-        "output_tokens": output_tokens,
-        "duration_s": duration_s,
-        "output_tokens_per_s": output_tokens / duration_s if duration_ns > 0 else None,
-        "ttft_ms": _percentiles_ms(ttft_ns),
-        "tpot_ms": _percentiles_ms(tpot_ns),
-        "steps": len(trace.steps),
-        "mean_accept_len": mean_accept_len,
-        "accept_rate_per_pos": accept_rate_per_pos,
-        "device_busy_fraction": busy_ns / duration_ns if duration_ns > 0 else None,
-        "bubble_fraction": bubble_ns / pending_ns if pending_ns > 0 else None,
-        "host_ms_per_step": _host_ms_per_step(host_ns, len(trace.steps)),
-    }
+    acc = MetricsAccumulator()
+    for rec in itertools.islice(iter_records(path, allow_truncated_tail=True), 1, None):
+        acc.add(rec)
+    return acc.metrics()
+
+
+class MetricsAccumulator:
+    """What `compute_metrics` needs of a trace, gathered one record at a time, in any order:
+    per request its arrival and finish, the device intervals, host time per stage, and the
+    drafted/accepted counts of drafting rows."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, int]] = []  # (request_id, arrival_ns), in record order
+        self.finishes: list[tuple] = []  # (request_id, finish_ns, output_len, first_token_ns, ttft_ns, reason)
+        self.device_starts, self.device_ends = array("q"), array("q")
+        self.host_ns: dict[str, int] = {}
+        self.num_steps = 0
+        self.drafted, self.accepted = array("q"), array("q")  # rows that drafted (num_drafted > 0)
+        self.start_ns: int | None = None  # `Trace.start_ns` / `end_ns` of what was added
+        self.end_ns: int | None = None
+
+    def _seen(self, start_ns: int | None, end_ns: int) -> None:
+        if start_ns is not None and (self.start_ns is None or start_ns < self.start_ns):
+            self.start_ns = start_ns
+        if self.end_ns is None or end_ns > self.end_ns:
+            self.end_ns = end_ns
+
+    def add(self, rec: Any) -> None:
+        kind = rec.type
+        if kind == "span":
+            if rec.track == HOST_TRACK:
+                self.host_ns[rec.name] = self.host_ns.get(rec.name, 0) + (rec.end_ns - rec.start_ns)
+            elif rec.track.startswith(DEVICE_TRACK_PREFIX):
+                self.device_starts.append(rec.start_ns)
+                self.device_ends.append(rec.end_ns)
+            self._seen(rec.start_ns, rec.end_ns)
+        elif kind == "step":
+            self.num_steps += 1
+            for d, a in zip(rec.num_drafted, rec.num_accepted):
+                if d > 0:
+                    self.drafted.append(d)
+                    self.accepted.append(a)
+            self._seen(rec.start_ns, rec.end_ns)
+        elif kind == "request":
+            self.requests.append((rec.request_id, rec.arrival_ns))
+            self._seen(rec.arrival_ns, rec.arrival_ns)
+        elif kind == "finish":
+            self.finishes.append((rec.request_id, rec.finish_ns, rec.output_len, rec.first_token_ns,
+                                  rec.ttft_ns, rec.finish_reason))
+            self._seen(None, rec.finish_ns)
+
+    def device_intervals(self) -> tuple[np.ndarray, np.ndarray]:
+        """Merged device-busy intervals."""
+        return merge_intervals(np.frombuffer(self.device_starts, dtype=np.int64),
+                               np.frombuffer(self.device_ends, dtype=np.int64))
+
+    def pending_intervals(self) -> tuple[np.ndarray, np.ndarray]:
+        """Merged intervals during which at least one request has arrived and not finished;
+        a request never finished counts until the last timestamp."""
+        finish_ns = {f[0]: f[1] for f in self.finishes}
+        open_end_ns = self.end_ns or 0
+        starts = [a for _, a in self.requests]
+        ends = [finish_ns.get(rid, open_end_ns) for rid, _ in self.requests]
+        return merge_intervals(np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64))
+
+    def bubble_intervals(self) -> tuple[np.ndarray, np.ndarray]:
+        """Merged intervals with requests pending and no device span running."""
+        return subtract_intervals(*self.pending_intervals(), *self.device_intervals())
+
+    def metrics(self) -> dict[str, Any]:
+        arrival_ns = dict(self.requests)
+        finishes = self.finishes
+        output_tokens = sum(f[2] for f in finishes)
+        start_ns = min(arrival_ns.values()) if arrival_ns else None
+        end_ns = max((f[1] for f in finishes), default=None)
+        duration_ns = end_ns - start_ns if start_ns is not None and end_ns is not None else 0
+        duration_ns = max(duration_ns, 0)
+        duration_s = duration_ns / 1e9
+
+        ttft_ns = [ttft if ttft is not None else first - arrival_ns[rid]
+                   for rid, _, _, first, ttft, _ in finishes
+                   if ttft is not None or (first is not None and rid in arrival_ns)]
+        tpot_ns = [(fin - first) / (n - 1) for _, fin, n, first, _, _ in finishes
+                   if n > 1 and first is not None]
+
+        device_s, device_e = self.device_intervals()
+        busy_ns = 0
+        if duration_ns > 0:
+            busy_ns = int(np.clip(device_e, start_ns, end_ns).sum()
+                          - np.clip(device_s, start_ns, end_ns).sum())
+        pending_s, pending_e = self.pending_intervals()
+        pending_ns = int((pending_e - pending_s).sum())
+        bubble_s, bubble_e = subtract_intervals(pending_s, pending_e, device_s, device_e)
+        bubble_ns = int((bubble_e - bubble_s).sum())
+
+        mean_accept_len, accept_rate_per_pos = self._acceptance()
+        return {
+            "requests": len(finishes),
+            "requests_failed": sum(1 for f in finishes if f[5] == "error"),
+            "requests_aborted": sum(1 for f in finishes if f[5] == "abort"),
+            "output_tokens": output_tokens,
+            "duration_s": duration_s,
+            "output_tokens_per_s": output_tokens / duration_s if duration_ns > 0 else None,
+            "ttft_ms": _percentiles_ms(ttft_ns),
+            "tpot_ms": _percentiles_ms(tpot_ns),
+            "steps": self.num_steps,
+            "mean_accept_len": mean_accept_len,
+            "accept_rate_per_pos": accept_rate_per_pos,
+            "device_busy_fraction": busy_ns / duration_ns if duration_ns > 0 else None,
+            "bubble_fraction": bubble_ns / pending_ns if pending_ns > 0 else None,
+            "host_ms_per_step": _host_ms_per_step(self.host_ns, self.num_steps),
+        }
+
+    def _acceptance(self) -> tuple[float | None, list[float]]:
+        drafted = np.frombuffer(self.drafted, dtype=np.int64)
+        accepted = np.frombuffer(self.accepted, dtype=np.int64)
+        if drafted.size == 0:
+            return None, []
+        mean_accept_len = 1.0 + int(accepted.sum()) / int(drafted.size)
+        rates = []
+        for k in range(1, int(drafted.max()) + 1):
+            reached = drafted >= k
+            rates.append(int((accepted[reached] >= k).sum()) / int(reached.sum()))
+        return mean_accept_len, rates
 
 
 def merge_intervals(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -121,17 +213,20 @@ def subtract_intervals(a_s: np.ndarray, a_e: np.ndarray, b_s: np.ndarray,
 
 def pending_intervals(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     """Merged intervals during which at least one request has arrived and not finished."""
-    finish_ns = {f.request_id: f.finish_ns for f in trace.finishes}
-    # a request never finished counts until the trace's last timestamp (a pass over it all)
-    open_end_ns = trace.end_ns() if any(r.request_id not in finish_ns for r in trace.requests) else 0
-    starts = [r.arrival_ns for r in trace.requests]
-    ends = [finish_ns.get(r.request_id, open_end_ns) for r in trace.requests]
-    return merge_intervals(np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64))
+    return _accumulated(trace).pending_intervals()
 
 
 def bubble_intervals(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     """Merged intervals with requests pending and no device span running."""
-    return subtract_intervals(*pending_intervals(trace), *merge_intervals(*_split_spans(trace)[:2]))
+    return _accumulated(trace).bubble_intervals()
+
+
+def _accumulated(trace: Trace) -> MetricsAccumulator:
+    acc = MetricsAccumulator()
+    for records in (trace.requests, trace.spans, trace.steps, trace.finishes):
+        for rec in records:
+            acc.add(rec)
+    return acc
 
 
 def _member(s: np.ndarray, e: np.ndarray, points: np.ndarray) -> np.ndarray:
@@ -141,43 +236,11 @@ def _member(s: np.ndarray, e: np.ndarray, points: np.ndarray) -> np.ndarray:
     return inside
 
 
-def _split_spans(trace: Trace) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
-    """One pass over the spans: the device intervals (starts, ends) and the host time per
-    stage name."""
-    dev_s: list[int] = []
-    dev_e: list[int] = []
-    host: dict[str, int] = {}
-    for s in trace.spans:
-        if s.track == HOST_TRACK:
-            host[s.name] = host.get(s.name, 0) + (s.end_ns - s.start_ns)
-        elif s.track.startswith(DEVICE_TRACK_PREFIX):
-            dev_s.append(s.start_ns)
-            dev_e.append(s.end_ns)
-    return np.array(dev_s, dtype=np.int64), np.array(dev_e, dtype=np.int64), host
-
-
 def _percentiles_ms(values_ns: list[float]) -> dict[str, float | None]:
     if not values_ns:
         return {f"p{p}": None for p in PERCENTILES}
     qs = np.percentile(np.asarray(values_ns, dtype=np.float64), PERCENTILES)
     return {f"p{p}": float(q) / 1e6 for p, q in zip(PERCENTILES, qs)}
-
-
-def _acceptance(trace: Trace) -> tuple[float | None, list[float]]:
-    drafted = np.fromiter(itertools.chain.from_iterable(s.num_drafted for s in trace.steps),
-                          dtype=np.int64)
-    accepted = np.fromiter(itertools.chain.from_iterable(s.num_accepted for s in trace.steps),
-                           dtype=np.int64)
-    is_draft = drafted > 0
-    if not is_draft.any():
-        return None, []
-    drafted, accepted = drafted[is_draft], accepted[is_draft]
-    mean_accept_len = 1.0 + int(accepted.sum()) / int(drafted.size)
-    rates = []
-    for k in range(1, int(drafted.max()) + 1):
-        reached = drafted >= k
-        rates.append(int((accepted[reached] >= k).sum()) / int(reached.sum()))
-    return mean_accept_len, rates
 
 
 def _host_ms_per_step(total_ns: dict[str, int], num_steps: int) -> dict[str, float]:
