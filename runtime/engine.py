@@ -21,12 +21,13 @@ import numpy as np
 
 from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.tokenizer import Tokenizer
-from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig, max_pages_needed
-from specsched.scheduler.block_manager import BlockManager, KVPoolStats
+from specsched.scheduler.batch_builder import SchedulerConfig, max_pages_needed
+from specsched.scheduler.block_manager import KVPoolStats
 from specsched.scheduler.errors import ConfigurationError, EngineClosedError, InvalidRequestError
-from specsched.scheduler.pipeline import Pipeline, PipelineConfig
+from specsched.scheduler.pipeline import Pipeline
 from specsched.scheduler.request import Request
 from specsched.scheduler.sampling_params import SamplingParams
+from specsched.scheduler.wiring import build_pipeline, scheduler_config
 from specsched.traces.hook import NULL_TRACER
 
 
@@ -255,8 +256,8 @@ class AsyncEngine:
 
     def _scheduler_config(self) -> SchedulerConfig:
         c = self.config
-        spec = c.proposer_spec()
-        return SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens, spec.num_candidates, spec.kv_model)
+        return scheduler_config(c.proposer_spec(), max_num_seqs=c.max_num_seqs,
+                                max_num_batched_tokens=c.max_num_batched_tokens)
 
     def worker_spec(self):
         from specsched.runtime.devices import WorkerSpec
@@ -294,13 +295,11 @@ class AsyncEngine:
                 lambda: make_device(c.device, self.worker_spec(), num_threads=c.worker_threads)
             )
         try:
-            spec = c.proposer_spec()
-            blocks = BlockManager(c.num_pages, c.page_size,
-                                  ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
-            builder = BatchBuilder(self._scheduler_config(), blocks)
-            self._pipeline = Pipeline(PipelineConfig(c.schedule, spec), builder, self.device,
-                                      MonotonicClock(), _Sink(self), self.tracer,
-                                      eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+            self._pipeline = build_pipeline(
+                c.proposer_spec(), c.schedule, num_pages=c.num_pages, page_size=c.page_size,
+                max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+                device=self.device, clock=MonotonicClock(), sink=_Sink(self), tracer=self.tracer,
+                eos_token_ids=self.tokenizer.eos_token_ids)
         except BaseException:
             # `async with` never calls __aexit__ when __aenter__ raises: without this the
             # worker process (holding the model's weights) would outlive the failed start

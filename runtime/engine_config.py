@@ -13,10 +13,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from specsched.scheduler.errors import ConfigurationError
-from specsched.scheduler.proposer import ProposerSpec, default_tree, validate_combination
-
-DEFAULT_DRAFT_LEN = {"none": 0, "draft": 4, "mtp": 1, "eagle": 3, "ngram": 4}
-NATURAL_SCHEDULE = {"none": "sync", "draft": "overlap", "mtp": "mtp", "eagle": "sync", "ngram": "sync"}
+from specsched.scheduler.proposer import ProposerSpec, validate_combination
+from specsched.scheduler.wiring import (DEFAULT_DRAFT_LEN, NATURAL_SCHEDULE, TREE_MAX_NODES, TREE_TOP_K,
+                                        proposer_spec)
 
 
 class EngineConfig(BaseModel):
@@ -32,8 +31,8 @@ class EngineConfig(BaseModel):
     )
     ngram_min: int = 1
     ngram_max: int = 3
-    tree_top_k: int = 2
-    tree_max_nodes: int = 8
+    tree_top_k: int = TREE_TOP_K
+    tree_max_nodes: int = TREE_MAX_NODES
     acceptance: Literal["lossless", "threshold"] = "lossless"
     threshold: float = Field(0.3, description="lossy threshold mode: min target prob per token")
     device: Literal["host", "cuda"] = "host"
@@ -75,10 +74,8 @@ class EngineConfig(BaseModel):
         return self
 
     def proposer_spec(self) -> ProposerSpec:
-        tree = ()
-        if self.proposer == "eagle":
-            tree = default_tree(self.draft_len, self.tree_top_k, self.tree_max_nodes)
-        return ProposerSpec(self.proposer, self.draft_len, tree)
+        return proposer_spec(self.proposer, self.draft_len, tree_top_k=self.tree_top_k,
+                             tree_max_nodes=self.tree_max_nodes)
 
     @classmethod
     def make(cls, **kwargs) -> "EngineConfig":

@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
-from specsched.scheduler.block_manager import BlockManager
+from specsched.scheduler import wiring
 from specsched.scheduler.errors import InvalidRequestError
-from specsched.scheduler.pipeline import Pipeline, PipelineConfig
-from specsched.scheduler.proposer import ProposerSpec, default_tree, validate_combination
+from specsched.scheduler.proposer import ProposerSpec, validate_combination
+from specsched.scheduler.wiring import NATURAL_SCHEDULE, build_pipeline
 from specsched.scheduler.request import Request
 from specsched.scheduler.sampling_params import SamplingParams
 from specsched.simulator.acceptance import AcceptanceModel
@@ -31,7 +30,6 @@ from specsched.traces.schema import Header, Trace
 _DUMMY_TOKEN = 7
 # engine settings a replay may change (what-ifs on the scheduler: seats, token budget, KV pool)
 ENGINE_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "num_pages", "page_size", "tree_top_k", "tree_max_nodes")
-NATURAL_SCHEDULE = {"none": "sync", "draft": "overlap", "mtp": "mtp", "eagle": "sync", "ngram": "sync"}
 
 
 @dataclass
@@ -164,11 +162,6 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
                   spec: ProposerSpec, items: list[WorkloadItem], acceptance: AcceptanceModel) -> Trace:
     proposer, schedule, _, engine = resolved
     page_size = int(engine.get("page_size", 16))
-    blocks = BlockManager(int(engine.get("num_pages", 4096)), page_size,
-                          ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
-    builder = BatchBuilder(SchedulerConfig(int(engine.get("max_num_seqs", 64)),
-                                           int(engine.get("max_num_batched_tokens", 2048)),
-                                           spec.num_candidates, spec.kv_model), blocks)
     responder = TraceResponder(profile, acceptance, [it.prompt_len for it in items])
     clock = VirtualClock()
     device = VirtualDevice(profile, responder, clock=clock)
@@ -180,7 +173,10 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
                                   "workload": trace.header.extra.get("workload", {})})
     rec = MemoryRecorder(header)
     sink = _Sink()
-    pipe = Pipeline(PipelineConfig(schedule, spec), builder, device, clock, sink, rec)
+    pipe = build_pipeline(spec, schedule, num_pages=int(engine.get("num_pages", 4096)), page_size=page_size,
+                          max_num_seqs=int(engine.get("max_num_seqs", 64)),
+                          max_num_batched_tokens=int(engine.get("max_num_batched_tokens", 2048)),
+                          device=device, clock=clock, sink=sink, tracer=rec)
 
     models: dict[str, StageModel | None] = {}  # stage -> its model, looked up once
 
@@ -225,8 +221,8 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
 def proposer_spec(resolved: tuple[str, str, int, dict]) -> ProposerSpec:
     """The replay's proposer, as the engine would build it from the resolved configuration."""
     proposer, _, draft_len, engine = resolved
-    tree = default_tree(draft_len, engine.get("tree_top_k", 2), engine.get("tree_max_nodes", 8)) if proposer == "eagle" else ()
-    return ProposerSpec(proposer, draft_len if proposer != "none" else 0, tree)
+    return wiring.proposer_spec(proposer, draft_len, tree_top_k=engine.get("tree_top_k", wiring.TREE_TOP_K),
+                                tree_max_nodes=engine.get("tree_max_nodes", wiring.TREE_MAX_NODES))
 
 
 def check_profile(profile: CostProfile, spec: ProposerSpec) -> None:

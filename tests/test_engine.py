@@ -210,7 +210,7 @@ def test_failed_start_closes_the_device(tiny_family, monkeypatch):
         raise RuntimeError("injected start failure")
 
     monkeypatch.setattr("specsched.runtime.devices.make_device", tracking_make_device)
-    monkeypatch.setattr(engine_mod, "Pipeline", broken_pipeline)
+    monkeypatch.setattr(engine_mod, "build_pipeline", broken_pipeline)
 
     async def main():
         eng = AsyncEngine(_cfg(tiny_family, proposer="draft", draft_len=2))

@@ -18,13 +18,11 @@ import anyio
 import torch
 
 from specsched.runtime.engine import MonotonicClock
-from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
-from specsched.scheduler.block_manager import BlockManager
-from specsched.scheduler.pipeline import Pipeline, PipelineConfig
 from specsched.scheduler.plan import build_plan
 from specsched.scheduler.protocols import DeviceError
 from specsched.scheduler.request import Request
 from specsched.scheduler.sampling_params import SamplingParams
+from specsched.scheduler.wiring import NATURAL_SCHEDULE, build_pipeline
 
 
 class _DoneEvent:
@@ -100,14 +98,12 @@ def run_requests(worker, prompts: list[list[int]], params: SamplingParams, *,
     `worker` (a ModelWorker whose proposer defines the spec); returns the finished requests
     in prompt order. `num_pages` must not exceed the worker's KV pages."""
     spec = worker.spec
-    schedule = schedule or {"mtp": "mtp", "draft": "overlap"}.get(spec.kind, "sync")
-    blocks = BlockManager(num_pages, worker.page_size, ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
-    builder = BatchBuilder(SchedulerConfig(max_num_seqs, max_num_batched_tokens, spec.num_candidates,
-                                           spec.kv_model), blocks)
     sink = _Sink()
     eos = tuple(worker.target.config.eos_token_ids) if not params.ignore_eos else ()
-    pipe = Pipeline(PipelineConfig(schedule, spec), builder, InlineDevice(worker), MonotonicClock(), sink,
-                    eos_token_ids=eos)
+    pipe = build_pipeline(spec, schedule or NATURAL_SCHEDULE[spec.kind], num_pages=num_pages,
+                          page_size=worker.page_size, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, device=InlineDevice(worker),
+                          clock=MonotonicClock(), sink=sink, eos_token_ids=eos)
     sink.expected = len(prompts)
 
     async def main() -> None:
@@ -180,7 +176,7 @@ def validate_head(target_dir: str, head_dir: str, heldout_windows: torch.Tensor,
     the MTP proposer at each D (and an EAGLE tree (depth, top_k, max_nodes)), each checked
     token for token against plain greedy decoding."""
     from specsched.runtime.worker import ModelWorker
-    from specsched.scheduler.proposer import default_tree
+    from specsched.scheduler.wiring import proposer_spec
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     num_pages = 4 * len(prompts) * ((max(len(p) for p in prompts) + max_tokens + 32) // 16 + 2)
@@ -193,7 +189,7 @@ def validate_head(target_dir: str, head_dir: str, heldout_windows: torch.Tensor,
     runs = [("mtp", d, {"kind": "mtp", "draft_len": d}) for d in draft_lens]
     if eagle is not None:
         depth, top_k, max_nodes = eagle
-        parents = list(default_tree(depth, top_k, max_nodes))
+        parents = list(proposer_spec("eagle", depth, tree_top_k=top_k, tree_max_nodes=max_nodes).tree_parents)
         runs.append((f"eagle(depth={depth},top_k={top_k},nodes={len(parents)})", depth,
                      {"kind": "eagle", "draft_len": depth, "tree_parents": parents}))
     for name, d, prop in runs:

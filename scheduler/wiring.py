@@ -1,0 +1,50 @@
+"""Building a Pipeline from a configuration: the one place its parts are put together.
+
+Why: the engine (real clock, worker-process or CUDA device), the simulator's replay (virtual
+clock and device) and the MTP head's evaluation (an in-process device) run the same
+pipeline; if each assembled the block manager, batch builder and proposer spec itself, a
+change to one (a page table per KV model, a default) would silently miss the others. The
+defaults a configuration leaves open -- each proposer's natural schedule and draft length,
+the EAGLE tree's shape -- live here too.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
+from specsched.scheduler.block_manager import BlockManager
+from specsched.scheduler.pipeline import Pipeline, PipelineConfig
+from specsched.scheduler.proposer import ProposerSpec, default_tree
+from specsched.traces.hook import NULL_TRACER
+
+# the schedule each proposer runs under unless one is chosen
+NATURAL_SCHEDULE = {"none": "sync", "draft": "overlap", "mtp": "mtp", "eagle": "sync", "ngram": "sync"}
+# D when none is given (for eagle: the tree's depth)
+DEFAULT_DRAFT_LEN = {"none": 0, "draft": 4, "mtp": 1, "eagle": 3, "ngram": 4}
+TREE_TOP_K = 2  # EAGLE tree: children of the best node per level (k branches at depth 1)
+TREE_MAX_NODES = 8  # EAGLE tree: node budget
+
+
+def proposer_spec(proposer: str, draft_len: int, *, tree_top_k: int = TREE_TOP_K,
+                  tree_max_nodes: int = TREE_MAX_NODES) -> ProposerSpec:
+    """The proposer as the pipeline sees it: kind, D and (eagle) the tree's parents."""
+    tree = default_tree(draft_len, tree_top_k, tree_max_nodes) if proposer == "eagle" else ()
+    return ProposerSpec(proposer, draft_len if proposer != "none" else 0, tree)
+
+
+def scheduler_config(spec: ProposerSpec, *, max_num_seqs: int, max_num_batched_tokens: int) -> SchedulerConfig:
+    return SchedulerConfig(max_num_seqs, max_num_batched_tokens, spec.num_candidates, spec.kv_model)
+
+
+def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_size: int,
+                   max_num_seqs: int, max_num_batched_tokens: int, device: Any, clock: Any,
+                   sink: Any, tracer: Any = NULL_TRACER,
+                   eos_token_ids: Sequence[int] = ()) -> Pipeline:
+    """A Pipeline over one KV page pool (a page table for the target and, when the proposer
+    has a KV cache, one for it), serving on `device` with time from `clock`."""
+    blocks = BlockManager(num_pages, page_size, ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
+    builder = BatchBuilder(scheduler_config(spec, max_num_seqs=max_num_seqs,
+                                            max_num_batched_tokens=max_num_batched_tokens), blocks)
+    return Pipeline(PipelineConfig(schedule, spec), builder, device, clock, sink, tracer,
+                    eos_token_ids=tuple(eos_token_ids))
