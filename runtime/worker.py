@@ -157,7 +157,7 @@ class ModelWorker:
         for st in rows:
             d = st.drafts[: width - 1]
             # a tree is scored by depth: position k = a node at depth k accepted
-            num_drafts.append(min(len(d), self.spec.max_accept) if self.spec.kind == "eagle" else len(d))
+            num_drafts.append(min(len(d), self.spec.max_accept) if self.spec.is_tree else len(d))
             ids.append(st.tokens[-1])
             ids.extend(d)
             ids.extend([st.tokens[-1]] * (width - 1 - len(d)))
@@ -166,7 +166,7 @@ class ModelWorker:
         b = len(rows)
         logits = out.logits.view(b, width, -1)
         t1 = time.monotonic_ns()
-        if self.spec.kind == "eagle":
+        if self.spec.is_tree:
             emitted, accepted = self.proposer.accept_tree(rows, logits, plan, out.hidden)
         else:
             draft_t = torch.tensor([ids[i * width + 1 : (i + 1) * width] for i in range(b)],

@@ -85,7 +85,7 @@ def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec, w
     else:
         start = np.array(start_l, dtype=np.int64)
         positions = masks = None
-        if spec.kind == "eagle":
+        if spec.is_tree:
             depths = np.concatenate([[0], spec.tree_depths()])
             positions = [s + depths for s in start]
             tree = spec.tree_mask()
@@ -170,10 +170,11 @@ def prefill_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerS
     reqs, starts, ends = [], [], []
     for s in batch.seqs:
         r = s.request
-        if spec.fill_same_batch or spec.kind == "eagle":
+        if spec.kv_ahead == 0:  # a head: exactly the target's new positions
             a, b = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-        else:
-            a, b = r.num_proposer_computed, r.num_computed_tokens + s.num_new_tokens + (1 if s.samples else 0)
+        else:  # a model of its own: from what it has read up to the sampled token
+            a = r.num_proposer_computed
+            b = r.num_computed_tokens + s.num_new_tokens + (spec.kv_ahead if s.samples else 0)
         if b > a:
             reqs.append(r)
             starts.append(a)
@@ -203,9 +204,10 @@ def accept_fill_message(batch: StepBatch, starts_before: list[int], accepted: li
     rest of the accepted tokens (and, for a draft model, the bonus token)."""
     reqs = [s.request for s in batch.seqs]
     starts, ends = [], []
-    bonus = 1 if spec.kind == "draft" else 0
+    bonus = spec.kv_ahead  # a proposer whose KV runs ahead also reads the bonus token
     for r, s, L, a in zip(reqs, batch.seqs, starts_before, accepted):
-        valid = L - 1 if spec.kind == "eagle" else r.num_proposer_computed + min(a, max(s.num_draft - 1, 0))
+        # a tree's accepted path is compacted in place: rewritten from the last emitted token
+        valid = L - 1 if spec.is_tree else r.num_proposer_computed + min(a, max(s.num_draft - 1, 0))
         starts.append(min(valid, L + a))
         ends.append(L + a + bonus)
     return fill_message(batch.step, reqs, starts, ends, blocks, spec, after="verify", with_plan=with_plan)

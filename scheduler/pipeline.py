@@ -278,10 +278,8 @@ class Pipeline:
             r.num_computed_tokens += s.num_new_tokens
             if samples:
                 r.num_pending_tokens += 1
-            if spec.kind == "draft":
-                r.num_proposer_computed = r.num_computed_tokens + (1 if samples else 0)
-            elif spec.kv_model is not None:
-                r.num_proposer_computed = r.num_computed_tokens
+            if spec.kv_model is not None:
+                r.num_proposer_computed = r.num_computed_tokens + (spec.kv_ahead if samples else 0)
         s_fill = None
         if fill_msg is not None:
             self.aux.wait_event(launch.event)
@@ -377,7 +375,7 @@ class Pipeline:
             r = s.request
             r.record_spec(num_drafts[i], accepted[i])
             # draft model: every emitted token after its fill; heads: up to the new last token
-            r.num_proposer_computed = starts_before[i] + accepted[i] + (1 if spec.kind == "draft" else 0)
+            r.num_proposer_computed = starts_before[i] + accepted[i] + spec.kv_ahead
             out_counts.append(self._emit(r, [int(t) for t in emitted[i]]))
             if not r.is_finished:
                 self.blocks.trim(r.request_id, "target", r.num_tokens)

@@ -11,9 +11,29 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PROPOSERS = ("none", "draft", "mtp", "eagle", "ngram")
-_KV_MODEL = {"draft": "draft", "mtp": "mtp", "eagle": "mtp"}  # proposer -> its own page table
 SCHEDULES = ("sync", "overlap", "mtp", "plain_overlap")
+
+
+@dataclass(frozen=True)
+class ProposerRules:
+    """What the pipeline must know of a kind of proposer: one row of `RULES` per kind. A new
+    proposer adds its row here and its implementation in the runtime; the pipeline and the
+    message packing read these fields and never the proposer's name."""
+
+    kv_model: str | None  # its own page table in the shared pool; None without a KV cache
+    kv_ahead: int  # tokens its KV runs ahead of the target's (a draft model also reads the sampled token)
+    fill_same_batch: bool  # its fill reuses the verify batch (a head on the target's hidden states)
+    tree: bool  # drafts a token tree, verified with a custom mask, its accepted path compacted
+
+
+RULES = {
+    "none": ProposerRules(kv_model=None, kv_ahead=0, fill_same_batch=False, tree=False),
+    "draft": ProposerRules(kv_model="draft", kv_ahead=1, fill_same_batch=False, tree=False),
+    "mtp": ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=True, tree=False),
+    "eagle": ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=False, tree=True),
+    "ngram": ProposerRules(kv_model=None, kv_ahead=0, fill_same_batch=False, tree=False),
+}
+PROPOSERS = tuple(RULES)
 
 
 @dataclass(frozen=True)
@@ -29,10 +49,11 @@ class ProposerSpec:
             raise ValueError("proposer 'none' takes no draft length")
         if self.kind != "none" and self.draft_len < 1:
             raise ValueError(f"proposer {self.kind!r} needs draft_len >= 1")
-        if self.kind == "eagle" and not self.tree_parents:
-            raise ValueError("the eagle proposer needs a tree shape")
-        if self.kind != "eagle" and self.tree_parents:
-            raise ValueError(f"proposer {self.kind!r} drafts linearly; only 'eagle' takes a tree")
+        if self.is_tree and not self.tree_parents:
+            raise ValueError(f"the {self.kind} proposer needs a tree shape")
+        if not self.is_tree and self.tree_parents:
+            trees = ", ".join(repr(k) for k, r in RULES.items() if r.tree)
+            raise ValueError(f"proposer {self.kind!r} drafts linearly; only {trees} takes a tree")
         for i, p in enumerate(self.tree_parents):
             if not (-1 <= p < i):
                 raise ValueError(f"tree node {i}: parent {p} must be -1 or an earlier node")
@@ -46,29 +67,45 @@ class ProposerSpec:
         return self.kind != "none"
 
     @property
+    def rules(self) -> ProposerRules:
+        return RULES[self.kind]
+
+    @property
     def kv_model(self) -> str | None:
         """Name of the proposer's own page table, or None (n-gram, none)."""
-        return _KV_MODEL.get(self.kind)
+        return self.rules.kv_model
+
+    @property
+    def kv_ahead(self) -> int:
+        """Tokens the proposer's KV runs ahead of the target's: 1 for a draft model, which also
+        reads the token the target sampled; 0 for a head, which reads the target's hidden
+        states of exactly the target's positions."""
+        return self.rules.kv_ahead
+
+    @property
+    def is_tree(self) -> bool:
+        """Drafts a token tree (EAGLE): verified with a custom mask at tree positions."""
+        return self.rules.tree
 
     @property
     def num_candidates(self) -> int:
         """Tokens a verification adds after the last emitted token (D, or the tree's size)."""
-        return len(self.tree_parents) if self.kind == "eagle" else self.draft_len
+        return len(self.tree_parents) if self.is_tree else self.draft_len
 
     @property
     def max_accept(self) -> int:
         """Most drafted tokens one verification can accept (a tree: its depth, which a
         node budget may keep below draft_len)."""
-        if self.kind == "eagle":
+        if self.is_tree:
             return int(self.tree_depths().max())
         return self.draft_len
 
     @property
     def fill_same_batch(self) -> bool:
-        """The fill run reuses the verify batch (MTP / EAGLE heads), so it can be launched
-        before the host knows the accepted lengths. A draft model's fill cannot, nor can a
-        tree head's (its fill runs over the accepted path, known only after acceptance)."""
-        return self.kind == "mtp"
+        """The fill run reuses the verify batch (an MTP head), so it can be launched before
+        the host knows the accepted lengths. A draft model's fill cannot, nor can a tree
+        head's (its fill runs over the accepted path, known only after acceptance)."""
+        return self.rules.fill_same_batch
 
     def tree_depths(self) -> np.ndarray:
         d = np.zeros(len(self.tree_parents), dtype=np.int64)
