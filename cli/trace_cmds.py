@@ -1,6 +1,8 @@
 """Trace commands: stats, export (Chrome/Perfetto, OpenTelemetry), timeline pictures."""
 from __future__ import annotations
 
+import contextlib
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -13,9 +15,11 @@ from specsched.cli.common import _fail, _metrics_table, _print_json, _read_trace
 @user_errors
 def stats(trace: Path, json_out: bool = typer.Option(False, "--json")) -> None:
     """Metrics of a trace (the same keys as `bench --json`)."""
-    from specsched.traces.metrics import compute_metrics
+    from specsched.traces.metrics import compute_metrics_file
 
-    m = compute_metrics(_read_trace(trace))
+    _check_readable(trace)
+    with _truncation_note(trace):
+        m = compute_metrics_file(trace)  # streamed: memory bounded whatever the file's length
     if json_out:
         _print_json(m)
     else:
@@ -46,7 +50,8 @@ def export(
     if chrome:
         from specsched.traces.chrome import write_chrome_trace
 
-        write_chrome_trace(_read_trace(trace), chrome)
+        with _truncation_note(trace):
+            write_chrome_trace(trace, chrome)  # streamed: memory bounded whatever the file's length
         console.print(f"wrote {chrome} (open it in https://ui.perfetto.dev or chrome://tracing)")
     # OpenTelemetry exports stream the file: memory stays bounded whatever its length
     if otel_json:
@@ -58,6 +63,17 @@ def export(
         except OtlpExportError as e:  # the collector refused, failed or did not answer
             _fail(f"--otlp {otlp}: {e}")
         console.print(f"sent {n} spans to {otlp}")
+
+
+@contextlib.contextmanager
+def _truncation_note(trace: Path):
+    """A streamed read of a file whose last line is cut off (a killed run) says so once."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    if any("truncated final line" in str(w.message) for w in caught):
+        console.print(f"[yellow]note:[/] {trace}: the last line is cut off (the run was interrupted?); "
+                      "read the records before it")
 
 
 def _check_readable(trace: Path) -> None:
@@ -88,9 +104,13 @@ def timeline(
     supported = FigureCanvasBase.get_supported_filetypes()
     if fmt not in supported:
         _fail(f"--out {out}: unknown picture format {fmt!r}; use one of {', '.join(sorted(supported))}")
-    tr = _read_trace(trace)
+    from specsched.traces.reader import TraceFormatError
+
     try:
-        plot_timeline(tr, out, steps=window)
+        with _truncation_note(trace):
+            plot_timeline(trace, out, steps=window)  # streamed: memory bounded by the window
+    except TraceFormatError:
+        raise  # a bad trace line: user_errors names the file and line
     except ValueError as e:  # e.g. a window of steps the trace does not have
         _fail(f"--steps {steps} ({e})" if steps else str(e))
     console.print(f"wrote {out}")

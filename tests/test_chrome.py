@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
+import orjson
 import pytest
 
-from specsched.traces import MemoryRecorder, to_chrome_trace, write_chrome_trace
+from specsched.traces import MemoryRecorder, read_trace, to_chrome_trace, write_chrome_trace
+from specsched.traces.reader import TraceFormatError
 from specsched.traces.schema import Header
 from specsched.traces.synthetic import synthetic_trace
 
+SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "samples" / "draft_overlap.jsonl"
 _NUM = {"type": "number"}
 _ID = {"type": ["integer", "string"]}
 _COMMON = {"name": {"type": "string"}, "pid": {"type": "integer"}, "tid": {"type": "integer"},
@@ -125,3 +129,36 @@ def test_trace_without_device_spans():
     doc = to_chrome_trace(r.to_trace())
     jsonschema.validate(doc, TRACE_EVENT_SCHEMA)
     assert [e["ts"] for e in doc["traceEvents"] if e["ph"] == "X"] == [0.0]
+
+
+def event_multiset(doc: dict) -> list[bytes]:
+    return sorted(orjson.dumps(e, option=orjson.OPT_SORT_KEYS) for e in doc["traceEvents"])
+
+
+def test_streamed_file_export_has_the_in_memory_events(tmp_path):
+    write_chrome_trace(SAMPLE, tmp_path / "streamed.json")
+    with open(tmp_path / "streamed.json") as f:
+        streamed = json.load(f)
+    expected = to_chrome_trace(read_trace(SAMPLE))
+    assert any(e["ph"] == "s" for e in expected["traceEvents"])  # flows are compared too
+    assert event_multiset(streamed) == event_multiset(expected)
+    assert list(streamed) == ["traceEvents", "displayTimeUnit", "otherData"]
+    assert {k: v for k, v in streamed.items() if k != "traceEvents"} == \
+        {k: v for k, v in expected.items() if k != "traceEvents"}
+    jsonschema.validate(streamed, TRACE_EVENT_SCHEMA)
+
+
+def test_streamed_export_of_a_cut_off_file_warns_and_a_bad_line_leaves_no_file(tmp_path):
+    lines = SAMPLE.read_text().splitlines()
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    with pytest.warns(UserWarning, match="dropped a truncated final line"):
+        write_chrome_trace(cut, tmp_path / "cut.json")
+    with pytest.warns(UserWarning):
+        expected = to_chrome_trace(read_trace(cut, allow_truncated_tail=True))
+    assert event_multiset(json.loads((tmp_path / "cut.json").read_text())) == event_multiset(expected)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines[:-5] + ["{not json"] + lines[-4:]) + "\n")
+    with pytest.raises(TraceFormatError, match=r"bad\.jsonl:"):
+        write_chrome_trace(bad, tmp_path / "out.json")
+    assert list(tmp_path.glob("out.json*")) == []

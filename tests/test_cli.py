@@ -298,3 +298,21 @@ def test_a_workload_arrival_past_a_day_and_a_config_that_is_not_text_are_named(t
     cfg.write_bytes(b"\xff\xfe")
     code, out = run("bench", "--config", cfg)
     assert code == 2 and "c.yaml: cannot read config" in out
+
+
+def test_streamed_export_and_timeline_note_a_cut_off_file_and_name_a_bad_line(tmp_path):
+    lines = SAMPLE.read_text().splitlines()
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    for args in (("export", cut, "--chrome", tmp_path / "c.json"),
+                 ("timeline", cut, "-o", tmp_path / "t.png", "--steps", "2:6")):
+        res = runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "400"})
+        assert res.exit_code == 0, res.output
+        assert " ".join(res.stderr.split()).count("last line is cut off") == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines[:-5] + ["{not json"] + lines[-4:]) + "\n")
+    for args in (("export", bad, "--chrome", tmp_path / "b.json"),
+                 ("timeline", bad, "-o", tmp_path / "b.png", "--steps", "2:6")):
+        code, out = run(*args)
+        assert code == 2 and out.startswith(f"error: {bad}:{len(lines) - 4}") and "--steps" not in out, out
+    assert not (tmp_path / "b.json").exists() and not (tmp_path / "b.png").exists()

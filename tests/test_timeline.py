@@ -1,15 +1,19 @@
 """Timeline picture (traces/timeline.py)."""
 from __future__ import annotations
 
+import dataclasses
 import struct
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-from specsched.traces import MemoryRecorder
+from specsched.traces import MemoryRecorder, read_trace
 from specsched.traces.schema import Header
 from specsched.traces.synthetic import synthetic_trace
-from specsched.traces.timeline import _window, plot_timeline, stage_color
+from specsched.traces.timeline import _window, file_inputs, plot_timeline, stage_color, trace_inputs
 
+SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "samples" / "draft_overlap.jsonl"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -58,3 +62,29 @@ def test_host_only_trace_and_unknown_stage(tmp_path):
     plot_timeline(r.to_trace(), tmp_path / "host.png")
     assert png_size(tmp_path / "host.png")[0] > 1000
     assert stage_color("tokenize") == stage_color("tokenize") != stage_color("schedule")
+
+
+def assert_same_inputs(streamed, in_memory) -> None:
+    a, b = dataclasses.asdict(streamed), dataclasses.asdict(in_memory)
+    for (a_s, a_e), (b_s, b_e) in [(a.pop("idle"), b.pop("idle"))]:
+        assert np.array_equal(a_s, b_s) and np.array_equal(a_e, b_e)
+    assert a == b
+
+
+@pytest.mark.parametrize("window", [(20, 26), None], ids=["window", "whole-run"])
+def test_streamed_file_draws_the_in_memory_inputs(tmp_path, window):
+    streamed, in_memory = file_inputs(SAMPLE, window), trace_inputs(read_trace(SAMPLE), window)
+    assert streamed.spans and streamed.steps and len(streamed.idle[0])
+    if window:
+        assert len(streamed.spans) < len(read_trace(SAMPLE).spans)  # only the window is kept
+    assert_same_inputs(streamed, in_memory)
+    plot_timeline(SAMPLE, tmp_path / "streamed.png", steps=window)
+    assert png_size(tmp_path / "streamed.png")[0] > 1000
+
+
+def test_streamed_bad_window_says_what_the_trace_has(tmp_path):
+    with pytest.raises(ValueError, match=r"no steps in 5000\.\.6000; the trace has steps \d+\.\.\d+$"):
+        plot_timeline(SAMPLE, tmp_path / "x.png", steps=(5000, 6000))
+    with pytest.raises(ValueError, match="first step is after last step"):
+        plot_timeline(tmp_path / "not_read.jsonl", tmp_path / "x.png", steps=(6, 4))
+    assert not (tmp_path / "x.png").exists()
