@@ -29,20 +29,33 @@ _STATUS_ERROR = 2
 
 
 def _value(v: Any) -> dict:
-    """An OTLP/JSON AnyValue (int64 as a string, as proto3 JSON writes it)."""
-    if isinstance(v, bool):
-        return {"boolValue": v}
-    if isinstance(v, int):
+    """An OTLP/JSON AnyValue (int64 as a string, as proto3 JSON writes it). Dispatched on the
+    exact type first: it runs for every attribute of every span."""
+    t = type(v)
+    if t is int:
         return {"intValue": str(v)}
-    if isinstance(v, float):
-        return {"doubleValue": v}
-    if isinstance(v, str):
+    if t is str:
         return {"stringValue": v}
+    if t is float:
+        return {"doubleValue": v}
+    if t is bool:
+        return {"boolValue": v}
+    if isinstance(v, bool):
+        return {"boolValue": bool(v)}
+    if isinstance(v, int):
+        return {"intValue": str(int(v))}
+    if isinstance(v, float):
+        return {"doubleValue": float(v)}
+    if isinstance(v, str):
+        return {"stringValue": str(v)}
     return {"arrayValue": {"values": [_value(x) for x in v]}}
 
 
 def _attributes(attrs: dict[str, Any]) -> list[dict]:
     return [{"key": k, "value": _value(v)} for k, v in attrs.items() if v is not None]
+
+
+_STAGE_KEYS: dict[str, str] = {}  # span attribute -> its OTel key (`specsched.<attribute>`)
 
 
 def _sdk_version() -> str:
@@ -191,14 +204,19 @@ class OtlpJsonTracer:
 
     # -- spans -----------------------------------------------------------------------------------
     def _end(self, ctx: tuple[str, str], parent: tuple[str, str] | None, name: str, start_ns: int,
-             end_ns: int, attrs: dict, *, links: list | None = None, events: list | None = None,
+             end_ns: int, attrs: dict | list, *, links: list | None = None, events: list | None = None,
              status: dict | None = None) -> None:
-        span = {"traceId": ctx[0], "spanId": ctx[1]}
-        if parent is not None:
-            span["parentSpanId"] = parent[1]
-        span.update(name=name, kind=_KIND_INTERNAL,
-                    startTimeUnixNano=str(start_ns + self.clock_offset_ns),
-                    endTimeUnixNano=str(end_ns + self.clock_offset_ns), attributes=_attributes(attrs))
+        """`attrs`: a dict of attribute values, or the OTLP attribute list itself."""
+        offset = self.clock_offset_ns
+        attributes = attrs if attrs.__class__ is list else _attributes(attrs)
+        if parent is None:
+            span = {"traceId": ctx[0], "spanId": ctx[1], "name": name, "kind": _KIND_INTERNAL,
+                    "startTimeUnixNano": str(start_ns + offset), "endTimeUnixNano": str(end_ns + offset),
+                    "attributes": attributes}
+        else:
+            span = {"traceId": ctx[0], "spanId": ctx[1], "parentSpanId": parent[1], "name": name,
+                    "kind": _KIND_INTERNAL, "startTimeUnixNano": str(start_ns + offset),
+                    "endTimeUnixNano": str(end_ns + offset), "attributes": attributes}
         if events:
             span["events"] = events
         if links:
@@ -226,18 +244,25 @@ class OtlpJsonTracer:
             cache.popitem(last=False)
 
     def _emit_stage(self, entry: tuple, parent: tuple[str, str] | None) -> None:
+        # the attribute list is built directly (the most frequent span): OtelTracer._emit_stage's
+        # attributes, in its order
         track, name, step, start_ns, end_ns, attrs = entry
-        otel_attrs = {"specsched.stage": name, "specsched.track": track}
+        out = [{"key": "specsched.stage", "value": {"stringValue": name}},
+               {"key": "specsched.track", "value": {"stringValue": track}}]
         if step is not None:
-            otel_attrs["specsched.step"] = step
+            out.append({"key": "specsched.step", "value": {"intValue": str(step)}})
         if track.startswith(DEVICE_TRACK_PREFIX):
-            otel_attrs["specsched.device.stream"] = track[len(DEVICE_TRACK_PREFIX):]
+            out.append({"key": "specsched.device.stream",
+                        "value": {"stringValue": track[len(DEVICE_TRACK_PREFIX):]}})
         for key, value in attrs.items():
             value = _attr(value)
             if value is not None:
-                otel_attrs[f"specsched.{key}"] = value
+                otel_key = _STAGE_KEYS.get(key)
+                if otel_key is None:
+                    otel_key = _STAGE_KEYS[key] = f"specsched.{key}"
+                out.append({"key": otel_key, "value": _value(value)})
         ctx = (parent[0] if parent is not None else _trace_id(), _span_id())
-        self._end(ctx, parent, stage_span_name(name), start_ns, end_ns, otel_attrs)
+        self._end(ctx, parent, stage_span_name(name), start_ns, end_ns, out)
 
     def _emit_orphan_step(self, step: int, entries: list[tuple]) -> None:
         """A step whose record never came: a `step` span spanning its stage spans."""
