@@ -1,17 +1,24 @@
-"""Scheduler host cost per step (schedule + kv_alloc + plan) at 64 and 256 running requests.
+"""Scheduler host cost per step (schedule + kv_alloc + plan) at 64, 256 and 1024 running requests.
 
 Runs the real scheduler code (BatchBuilder, BlockManager, message packing with the
 FlashInfer-layout plan) on N decoding requests, for plain decode steps and speculative
 (verify, D=4) steps, and prints the median milliseconds per stage. No model is involved:
 this is the CPU work that must hide behind the device.
 
-    python benchmarks/host_overhead.py [--requests 64 256] [--steps 200]
+    python benchmarks/host_overhead.py [--requests 64 256 1024] [--steps 200]
+    python benchmarks/host_overhead.py --baseline ../before   # side by side with another checkout
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from specsched.scheduler import messages
 from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
@@ -60,16 +67,52 @@ def measure(num_requests: int, steps: int, draft_len: int, prompt_len: int = 512
     return out
 
 
+def _specsched_path(checkout: Path, workdir: Path) -> str:
+    """A folder in which `specsched` is `checkout`'s code, to put first on PYTHONPATH."""
+    pkg = workdir / "specsched"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for name in ("scheduler", "runtime", "traces", "simulator", "cli"):
+        if not (pkg / name).exists():
+            (pkg / name).symlink_to(checkout.resolve() / name)
+    return str(workdir)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--requests", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--baseline", type=Path, help="another checkout (e.g. a git worktree of an earlier "
+                    "commit) measured side by side, in alternating processes")
+    ap.add_argument("--rounds", type=int, default=3, help="with --baseline: alternating rounds (medians)")
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's raw figures
     args = ap.parse_args()
-    print(f"{'running':>8} {'step':>10} {'schedule':>9} {'kv_alloc':>9} {'plan':>9} {'total ms':>9}")
-    for n in args.requests:
-        for d, kind in ((0, "decode"), (4, "verify D=4")):
+    cases = [(n, d, kind) for n in args.requests for d, kind in ((0, "decode"), (4, "verify D=4"))]
+    if args.json:
+        print(json.dumps([measure(n, args.steps, d) for n, d, _ in cases]))
+        return
+    if args.baseline is None:
+        print(f"{'running':>8} {'step':>10} {'schedule':>9} {'kv_alloc':>9} {'plan':>9} {'total ms':>9}")
+        for n, d, kind in cases:
             m = measure(n, args.steps, d)
             print(f"{n:>8} {kind:>10} {m['schedule']:>9.3f} {m['kv_alloc']:>9.3f} {m['plan']:>9.3f} {m['total']:>9.3f}")
+        return
+    runs: dict[str, list[list[dict]]] = {"this": [], "baseline": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        envs = {"this": dict(os.environ),
+                "baseline": {**os.environ, "PYTHONPATH": _specsched_path(args.baseline, Path(tmp))}}
+        cmd = [sys.executable, __file__, "--json", "--steps", str(args.steps), "--requests",
+               *map(str, args.requests)]
+        for r in range(args.rounds):
+            for name in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
+                out = subprocess.run(cmd, env=envs[name], capture_output=True, text=True, check=True).stdout
+                runs[name].append(json.loads(out))
+    print(f"median of {args.rounds} alternating rounds, ms per step (schedule + kv_alloc + plan)")
+    print(f"{'running':>8} {'step':>10} {'stage':>9} {'baseline':>9} {'this':>9} {'ratio':>7}")
+    for i, (n, _, kind) in enumerate(cases):
+        for stage in ("schedule", "kv_alloc", "plan", "total"):
+            a = statistics.median(run[i][stage] for run in runs["baseline"])
+            b = statistics.median(run[i][stage] for run in runs["this"])
+            print(f"{n:>8} {kind:>10} {stage:>9} {a:>9.3f} {b:>9.3f} {b / a:>6.2f}x")
 
 
 if __name__ == "__main__":

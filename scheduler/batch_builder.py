@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.errors import InvalidRequestError
 from specsched.scheduler.request import Request, RequestState
@@ -160,6 +162,47 @@ class BatchBuilder:
 
     # -- the schedule stage ---------------------------------------------------------------
     def schedule(self) -> StepBatch:
+        batch = self._schedule_decode_only()
+        return batch if batch is not None else self._schedule_general()
+
+    def _schedule_decode_only(self) -> StepBatch | None:
+        """The steady state in whole-array operations: every running request decodes (one
+        token, plus drafts), none waits for a seat, and the pool holds the batch without
+        preempting anyone. The batch `_schedule_general` would make (tested equal); None
+        when any of that does not hold, and the general path decides."""
+        cfg, running = self.config, self.running
+        if not running or (self.waiting and len(running) < cfg.max_num_seqs):
+            return None
+        n = len(running)
+        computed = np.fromiter((r.num_computed_tokens for r in running), dtype=np.int64, count=n)
+        prompt = np.fromiter((r.num_prompt_tokens for r in running), dtype=np.int64, count=n)
+        emitted = np.fromiter((len(r.output_token_ids) + r.num_pending_tokens for r in running),
+                              dtype=np.int64, count=n)
+        todo = prompt + emitted - computed
+        if (todo > 1).any() or (computed < prompt).any():
+            return None  # a prefill or recompute in the batch: no speculation, the general path
+        draft = cfg.draft_len
+        active = np.flatnonzero(todo == 1)
+        # rows in order while the token budget holds their verification (1 + D each)
+        take = active[: min(active.size, cfg.max_num_batched_tokens // (1 + draft))]
+        if take.size == 0:
+            return None
+        reqs = [running[i] for i in take.tolist()]
+        target = computed[take] + 1 + draft
+        slots = {"target": target}
+        if cfg.proposer_model is not None:
+            slots[cfg.proposer_model] = target + 1  # see `slots_needed`
+        need = self.blocks.pages_needed_many(self.blocks.rows([r.request_id for r in reqs]), slots)
+        if int(need.sum()) > self.blocks.num_free_pages:
+            return None  # someone is preempted: the general path chooses whom
+        max_tokens = np.fromiter((r.params.max_tokens for r in reqs), dtype=np.int64, count=len(reqs))
+        remaining = max_tokens - emitted[take]  # `Request.remaining_tokens`
+        num_draft = np.minimum(draft, np.maximum(0, remaining - 1)).tolist()
+        batch = StepBatch(self._step, [ScheduledSeq(r, 1, d) for r, d in zip(reqs, num_draft)], [])
+        self._step += 1
+        return batch
+
+    def _schedule_general(self) -> StepBatch:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
@@ -238,7 +281,14 @@ class BatchBuilder:
     def allocate(self, batch: StepBatch) -> None:
         """Grow page tables for the batch; a speculative batch reserves all 1 + D verify
         slots of every row (rejected ones are trimmed after acceptance)."""
-        spec = batch.is_spec
-        for s in batch.seqs:
-            d = self.config.draft_len if spec and s.num_new_tokens == 1 else s.num_draft
-            self.blocks.allocate(s.request.request_id, self.slots_needed(s.request, s.num_new_tokens, d))
+        if not batch.seqs:
+            return
+        spec, draft_len = batch.is_spec, self.config.draft_len
+        target = np.fromiter(
+            (s.request.num_computed_tokens + s.num_new_tokens
+             + (draft_len if spec and s.num_new_tokens == 1 else s.num_draft) for s in batch.seqs),
+            dtype=np.int64, count=len(batch.seqs))
+        slots = {"target": target}
+        if self.config.proposer_model is not None:
+            slots[self.config.proposer_model] = target + 1  # see `slots_needed`
+        self.blocks.allocate_many(self.blocks.rows([s.request.request_id for s in batch.seqs]), slots)

@@ -7,11 +7,18 @@ id means the same page index in whichever model's cache its table belongs to.
 Check/act pairs: `can_allocate` / `allocate` grow tables to cover a number of KV slots
 (prefill, decode, or the D+1 slots a verification needs); `trim` releases slots beyond a
 length (rejected drafts); `free` releases everything of a request (finish, abort, preempt).
+
+State is arrays, so that a step over hundreds of rows is a few whole-array operations
+(`pages_needed_many`, `allocate_many`, `tables`): per model a page table `[rows, max_pages]`
+(int32) with a page count per row, a row per request holding pages, and the free pages as an
+array stack (LIFO: recently freed pages are reused first, which keeps a cache warm).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 
 class OutOfPagesError(RuntimeError):
@@ -37,109 +44,218 @@ class BlockManager:
         self.num_pages = num_pages
         self.page_size = page_size
         self.models = models
-        # LIFO free list: recently freed pages are reused first (cache friendly).
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._tables: dict[str, dict[str, list[int]]] = {m: {} for m in models}
+        # free pages, the next to hand out at the top (the end): the stack starts with page 0 on top
+        self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
+        self._top = num_pages
+        self._row_of: dict[str, int] = {}  # request id -> its row in every model's table
+        self._free_rows: list[int] = []
+        self._num_rows = 0  # rows ever handed out (the tables' used height)
+        rows, cols = 8, min(num_pages, 16)
+        self._tables = {m: np.zeros((rows, cols), dtype=np.int32) for m in models}  # [rows, max_pages]
+        self._counts = {m: np.zeros(rows, dtype=np.int64) for m in models}  # [rows] pages per row
 
     # -- queries -------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        return self._top
 
     @property
     def num_used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self._top
 
     def pages_for(self, num_slots: int) -> int:
         return (num_slots + self.page_size - 1) // self.page_size
 
-    def _model_tables(self, model: str) -> dict[str, list[int]]:
+    def _model_counts(self, model: str) -> np.ndarray:
         try:
-            return self._tables[model]
+            return self._counts[model]
         except KeyError:
             raise ValueError(f"unknown model {model!r}; this pool has tables for {self.models}") from None
 
     def page_table(self, request_id: str, model: str = "target") -> list[int]:
-        return self._model_tables(model).get(request_id, [])
+        counts = self._model_counts(model)
+        row = self._row_of.get(request_id)
+        if row is None:
+            return []
+        return self._tables[model][row, : counts[row]].tolist()
 
     def num_slots(self, request_id: str, model: str = "target") -> int:
-        return len(self.page_table(request_id, model)) * self.page_size
+        counts = self._model_counts(model)
+        row = self._row_of.get(request_id)
+        return 0 if row is None else int(counts[row]) * self.page_size
 
     def pages_needed(self, request_id: str, slots: Mapping[str, int]) -> int:
-        # the scheduler asks this for every running request every step: kept lean
-        need = 0
+        row = self._row_of.get(request_id)
         ps = self.page_size
-        tables = self._tables
+        need = 0
         for model, n in slots.items():
-            t = tables.get(model)
-            if t is None:
-                self._model_tables(model)  # raises the error naming the pool's models
-            short = (n + ps - 1) // ps - len(t.get(request_id, ()))
+            counts = self._model_counts(model)
+            short = (n + ps - 1) // ps - (int(counts[row]) if row is not None else 0)
             if short > 0:
                 need += short
         return need
 
+    def rows(self, request_ids: Sequence[str]) -> np.ndarray:
+        """[B] each request's row in the tables (a row is given to a request that has none)."""
+        row_of = self._row_of
+        return np.fromiter((row_of[r] if r in row_of else self._new_row(r) for r in request_ids),
+                           dtype=np.int64, count=len(request_ids))
+
+    def tables(self, model: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """([B, max_pages] page tables, [B] page counts) of `rows`: copies, padded past each
+        row's count with pages that are not the row's."""
+        counts = self._model_counts(model)
+        return self._tables[model][rows], counts[rows]
+
+    def pages_needed_many(self, rows: np.ndarray, slots: Mapping[str, np.ndarray]) -> np.ndarray:
+        """[B] pages each row is short of to cover slots[model][b] KV slots."""
+        return self._shortfall(rows, slots).sum(axis=1)
+
     # -- check / act -----------------------------------------------------------------------
     def can_allocate(self, request_id: str, slots: Mapping[str, int], *, reserve_pages: int = 0) -> bool:
         """Could every model's table of `request_id` cover slots[model] KV slots?"""
-        return self.pages_needed(request_id, slots) + reserve_pages <= len(self._free)
+        return self.pages_needed(request_id, slots) + reserve_pages <= self._top
 
     def allocate(self, request_id: str, slots: Mapping[str, int]) -> None:
         """Grow tables so each covers slots[model] slots (never shrinks). All or nothing."""
         need = self.pages_needed(request_id, slots)
-        if need > len(self._free):
-            raise OutOfPagesError(f"request {request_id}: needs {need} pages, {len(self._free)} free")
+        if need > self._top:
+            raise OutOfPagesError(f"request {request_id}: needs {need} pages, {self._top} free")
         if not need:
             return
-        free = self._free
+        row = self._row_of.get(request_id)
+        if row is None:
+            row = self._new_row(request_id)
+        ps = self.page_size
         for model, n in slots.items():
-            table = self._tables[model].setdefault(request_id, [])
-            short = self.pages_for(n) - len(table)
+            counts = self._counts[model]
+            have = int(counts[row])
+            short = (n + ps - 1) // ps - have
             if short > 0:
-                table.extend(free[-short:][::-1])  # the same pages, in the order pop() gives
-                del free[-short:]
+                table = self._table_with_room(model, have + short)
+                # the pages in the order popping them one at a time gives
+                table[row, have : have + short] = self._stack[self._top - short : self._top][::-1]
+                self._top -= short
+                counts[row] = have + short
+
+    def allocate_many(self, rows: np.ndarray, slots: Mapping[str, np.ndarray]) -> None:
+        """`allocate` for every row of a batch at once (rows distinct), all or nothing: the
+        same pages as allocating row by row, model by model, in order."""
+        short = self._shortfall(rows, slots)  # [B, M]
+        total = int(short.sum())
+        if total > self._top:
+            raise OutOfPagesError(f"a batch of {len(rows)} rows needs {total} pages, {self._top} free")
+        if not total:
+            return
+        taken = self._stack[self._top - total : self._top][::-1]
+        first = (np.cumsum(short.ravel()) - short.ravel()).reshape(short.shape)  # offset into `taken`
+        for j, model in enumerate(slots):
+            s = short[:, j]
+            k = int(s.sum())
+            if not k:
+                continue
+            counts = self._counts[model]
+            have = counts[rows]
+            picked = np.flatnonzero(s)
+            reps = s[picked]
+            within = np.arange(k) - np.repeat(np.cumsum(reps) - reps, reps)
+            table = self._table_with_room(model, int((have[picked] + reps).max()))
+            table[np.repeat(rows[picked], reps), np.repeat(have[picked], reps) + within] = \
+                taken[np.repeat(first[picked, j], reps) + within]
+            counts[rows] = have + s
+        self._top -= total
 
     def trim(self, request_id: str, model: str, num_slots: int) -> int:
         """Release pages wholly beyond `num_slots` (rejected draft slots). Returns pages freed."""
         if num_slots < 0:
             raise ValueError(f"request {request_id}: cannot trim to {num_slots} slots")
-        table = self._model_tables(model).get(request_id)
-        if not table:
+        counts = self._model_counts(model)
+        row = self._row_of.get(request_id)
+        if row is None:
             return 0
-        keep = self.pages_for(num_slots)
-        freed = table[keep:]
-        del table[keep:]
-        self._free.extend(reversed(freed))
-        return len(freed)
+        have, keep = int(counts[row]), self.pages_for(num_slots)
+        if keep >= have:
+            return 0
+        self._push(self._tables[model][row, keep:have])
+        counts[row] = keep
+        return have - keep
 
     def free(self, request_id: str) -> int:
         """Release every page of the request in every model. Idempotent."""
+        row = self._row_of.pop(request_id, None)
+        if row is None:
+            return 0
         n = 0
-        for tables in self._tables.values():
-            table = tables.pop(request_id, None)
-            if table:
-                self._free.extend(reversed(table))
-                n += len(table)
+        for model in self.models:
+            have = int(self._counts[model][row])
+            if have:
+                self._push(self._tables[model][row, :have])
+                self._counts[model][row] = 0
+                n += have
+        self._free_rows.append(row)
         return n
 
     def stats(self) -> KVPoolStats:
         by_request: dict[str, dict[str, int]] = {}
-        for model, tables in self._tables.items():
-            for rid, table in tables.items():
-                if table:
-                    by_request.setdefault(rid, {})[model] = len(table)
+        for rid, row in self._row_of.items():
+            held = {m: int(self._counts[m][row]) for m in self.models if self._counts[m][row]}
+            if held:
+                by_request[rid] = held
         return KVPoolStats(
             page_size=self.page_size, num_pages=self.num_pages, num_free_pages=self.num_free_pages,
             num_used_pages=self.num_used_pages,
-            used_pages_by_model={m: sum(map(len, t.values())) for m, t in self._tables.items()},
+            used_pages_by_model={m: int(self._counts[m][: self._num_rows].sum()) for m in self.models},
             pages_by_request=by_request,
         )
 
     def check_invariants(self) -> None:
         """Every page is either free or in exactly one table (tests, debugging)."""
-        seen = list(self._free)
-        for tables in self._tables.values():
-            for t in tables.values():
-                seen.extend(t)
-        if len(seen) != self.num_pages or set(seen) != set(range(self.num_pages)):
-            raise AssertionError(f"page leak or double free: {len(seen)} refs, {len(set(seen))} unique")
+        seen = [self._stack[: self._top]]
+        for model in self.models:
+            counts = self._counts[model]
+            for row in self._row_of.values():
+                seen.append(self._tables[model][row, : counts[row]])
+            held = set(self._row_of.values())
+            if any(counts[r] for r in range(self._num_rows) if r not in held):
+                raise AssertionError(f"page leak: a released row still counts pages in {model}")
+        pages = np.concatenate(seen) if seen else np.zeros(0, dtype=np.int32)
+        if pages.size != self.num_pages or not np.array_equal(np.sort(pages), np.arange(self.num_pages)):
+            raise AssertionError(f"page leak or double free: {pages.size} refs, {np.unique(pages).size} unique")
+
+    # -- internals -----------------------------------------------------------------------------
+    def _shortfall(self, rows: np.ndarray, slots: Mapping[str, np.ndarray]) -> np.ndarray:
+        ps = self.page_size
+        cols = []
+        for model, n in slots.items():
+            counts = self._model_counts(model)
+            cols.append(np.maximum((np.asarray(n, dtype=np.int64) + ps - 1) // ps - counts[rows], 0))
+        return np.stack(cols, axis=1) if cols else np.zeros((len(rows), 0), dtype=np.int64)
+
+    def _new_row(self, request_id: str) -> int:
+        if self._free_rows:
+            row = self._free_rows.pop()
+        else:
+            row = self._num_rows
+            self._num_rows += 1
+            height = self._counts[self.models[0]].shape[0]
+            if row >= height:
+                for m in self.models:
+                    self._tables[m] = np.concatenate([self._tables[m], np.zeros_like(self._tables[m])])
+                    self._counts[m] = np.concatenate([self._counts[m], np.zeros_like(self._counts[m])])
+        self._row_of[request_id] = row
+        return row
+
+    def _table_with_room(self, model: str, num_pages: int) -> np.ndarray:
+        table = self._tables[model]
+        if num_pages > table.shape[1]:
+            wider = np.zeros((table.shape[0], min(self.num_pages, max(num_pages, 2 * table.shape[1]))),
+                             dtype=np.int32)
+            wider[:, : table.shape[1]] = table
+            table = self._tables[model] = wider
+        return table
+
+    def _push(self, pages: np.ndarray) -> None:
+        """Return pages to the pool so that popping gives them back in their order."""
+        k = pages.shape[0]
+        self._stack[self._top : self._top + k] = pages[::-1]
+        self._top += k

@@ -27,6 +27,12 @@ from specsched.scheduler.proposer import ProposerSpec
 from specsched.scheduler.request import Request
 
 
+def _tables(blocks: BlockManager, reqs: list[Request], model: str = "target") -> dict:
+    """The rows' page tables as the plan takes them: one [B, max_pages] array and the counts."""
+    tables, counts = blocks.tables(model, blocks.rows([r.request_id for r in reqs]))
+    return {"page_tables": tables, "table_lens": counts}
+
+
 def _params(req: Request) -> dict:
     p = req.params
     return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "seed": p.seed}
@@ -61,8 +67,8 @@ def forward_message(batch: StepBatch, blocks: BlockManager, with_plan: bool = Tr
     plan = build_plan(
         np.array(new_l, dtype=np.int64),
         np.array(ends, dtype=np.int64),
-        [blocks.page_table(r.request_id) for r in reqs],
-        blocks.page_size,
+        page_size=blocks.page_size,
+        **_tables(blocks, reqs),
     ).to_message() if with_plan else _shape_only(new_l, ends)
     return {
         "step": batch.step,
@@ -97,8 +103,8 @@ def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec, w
         plan_msg = build_plan(
             np.full(len(reqs), width),
             start + width,
-            [blocks.page_table(r.request_id) for r in reqs],
-            blocks.page_size,
+            page_size=blocks.page_size,
+            **_tables(blocks, reqs),
             positions=positions,
             custom_masks=masks,
         ).to_message()
@@ -122,8 +128,8 @@ def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec) ->
         "page_size": blocks.page_size,
     }
     if spec.kv_model is not None:
-        # the tables themselves, not copies: a device consumes the message at launch
-        msg["page_tables"] = [blocks.page_table(r.request_id, spec.kv_model) for r in reqs]
+        tables, counts = blocks.tables(spec.kv_model, blocks.rows([r.request_id for r in reqs]))
+        msg["page_tables"] = [row[:n] for row, n in zip(tables.tolist(), counts.tolist())]
     return msg
 
 
@@ -148,8 +154,8 @@ def fill_message(
     plan = build_plan(
         np.array(lens, dtype=np.int64),
         np.array(ends, dtype=np.int64),
-        [blocks.page_table(r.request_id, spec.kv_model) for r in reqs],
-        blocks.page_size,
+        page_size=blocks.page_size,
+        **_tables(blocks, reqs, spec.kv_model),
     ).to_message() if with_plan else _shape_only(lens, ends)
     return {
         "step": step,

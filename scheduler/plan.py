@@ -77,9 +77,10 @@ class AttentionPlan:
 def build_plan(
     qo_lens: Sequence[int],
     kv_lens: Sequence[int],
-    page_tables: Sequence[Sequence[int]],
+    page_tables: Sequence[Sequence[int]] | np.ndarray,
     page_size: int,
     *,
+    table_lens: np.ndarray | None = None,
     positions: Sequence[np.ndarray | None] | None = None,
     custom_masks: Sequence[np.ndarray | None] | None = None,
 ) -> AttentionPlan:
@@ -87,9 +88,11 @@ def build_plan(
 
     qo_lens[i]: new tokens of sequence i; kv_lens[i]: its KV length including them;
     page_tables[i]: its page ids (at least ceil(kv_len / page_size) of them; extra pages,
-    e.g. reserved for drafts, are ignored). New tokens occupy KV slots
-    [kv_len - qo_len, kv_len). positions[i] overrides their RoPE positions (trees);
-    custom_masks[i] is a bool [qo_len, kv_len] mask (None: causal).
+    e.g. reserved for drafts, are ignored) -- a list per sequence, or one [B, max_pages]
+    array with each row's page count in `table_lens` (the block manager's layout: the plan is
+    then whole-array operations). New tokens occupy KV slots [kv_len - qo_len, kv_len).
+    positions[i] overrides their RoPE positions (trees); custom_masks[i] is a bool
+    [qo_len, kv_len] mask (None: causal).
     """
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -111,14 +114,25 @@ def build_plan(
             f"sequence {i}: qo_len {qo[i]}, kv_len {kv[i]}; need qo_len >= 1 and kv_len >= qo_len"
         )
     num_pages = (kv + page_size - 1) // page_size
-    flat: list[int] = []  # one Python list, one array: cheaper than an array per row
-    for i, (table, n) in enumerate(zip(page_tables, num_pages.tolist())):
-        if len(table) < n:
-            raise ValueError(
-                f"sequence {i}: {kv[i]} KV tokens need {n} pages, page table has {len(table)}"
-            )
-        flat.extend(table[:n])
-    indices = np.array(flat, dtype=np.int64)
+    if isinstance(page_tables, np.ndarray):
+        lens = np.asarray(table_lens, dtype=np.int64)
+        short = np.flatnonzero(lens < num_pages)
+        if short.size:
+            i = int(short[0])
+            raise ValueError(f"sequence {i}: {kv[i]} KV tokens need {num_pages[i]} pages, page table "
+                             f"has {lens[i]}")
+        width = page_tables.shape[1] if page_tables.ndim == 2 else 0
+        keep = np.arange(width)[None, :] < num_pages[:, None]
+        indices = page_tables[keep].astype(np.int64)  # row-major: sequence by sequence
+    else:
+        flat: list[int] = []  # one Python list, one array: cheaper than an array per row
+        for i, (table, n) in enumerate(zip(page_tables, num_pages.tolist())):
+            if len(table) < n:
+                raise ValueError(
+                    f"sequence {i}: {kv[i]} KV tokens need {n} pages, page table has {len(table)}"
+                )
+            flat.extend(table[:n])
+        indices = np.array(flat, dtype=np.int64)
     kv_indptr = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(num_pages, out=kv_indptr[1:])
     qo_indptr = np.zeros(num_seqs + 1, dtype=np.int64)

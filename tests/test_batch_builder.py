@@ -3,6 +3,7 @@ decode-only batches, preemption and recompute, driven to completion by a small s
 the pipeline's bookkeeping."""
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -45,13 +46,20 @@ class Sim:
         self.rng = accept_rng or random.Random(0)
         self.finished: list[Request] = []
         self.batches: list[StepBatch] = []
+        self.num_fast = 0  # steps the whole-array decode path scheduled
 
     def add(self, req: Request) -> None:
         self.b.add(req)
 
     def step(self) -> StepBatch:
         b, cfg = self.b, self.b.config
+        general = copy.deepcopy(b)._schedule_general()  # what the one-row-at-a-time path decides
+        fast = copy.deepcopy(b)._schedule_decode_only()
         batch = b.schedule()
+        assert _summary(batch) == _summary(general)
+        if fast is not None:
+            self.num_fast += 1
+            assert _summary(fast) == _summary(general)
         self.batches.append(batch)
         check_batch(b, batch)
         b.allocate(batch)
@@ -92,6 +100,11 @@ class Sim:
                 return
             self.step()
         raise AssertionError("the scheduler made no progress (livelock)")
+
+
+def _summary(batch: StepBatch) -> tuple:
+    return (batch.step, batch.kind, [(s.request.request_id, s.num_new_tokens, s.num_draft, s.samples, s.prefill)
+                                     for s in batch.seqs], [r.request_id for r in batch.preempted])
 
 
 def check_batch(b: BatchBuilder, batch: StepBatch) -> None:
@@ -467,3 +480,16 @@ def test_random_workloads_finish_with_every_token(w: dict) -> None:
     arrival_order = [reqs[i].request_id for _, i in sorted((d, i) for i, (_, _, d) in enumerate(w["requests"]))]
     # FCFS: among requests never preempted, first scheduling follows arrival order
     assert first_seen == [rid for rid in arrival_order if rid in first_seen]
+
+
+def test_decode_steady_state_is_scheduled_by_the_whole_array_path() -> None:
+    """Once every request decodes and nothing waits, the batch comes from whole-array
+    operations (and equals the general path's, which every Sim step checks)."""
+    b = make_builder(256, 4, max_num_seqs=8, max_num_batched_tokens=40, draft_len=3, proposer_model="draft")
+    sim = Sim(b)
+    for i in range(8):
+        sim.add(make_req(f"r{i}", 5 + i, 30))
+    sim.run()
+    assert all(r.num_output_tokens == 30 for r in sim.finished) and len(sim.finished) == 8
+    spec_steps = sum(bt.is_spec for bt in sim.batches)
+    assert spec_steps > 5 and sim.num_fast >= spec_steps

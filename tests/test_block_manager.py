@@ -2,8 +2,9 @@
 and a stateful property test of random allocate/append/trim/free/abort/preempt sequences."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
 
@@ -128,15 +129,16 @@ def test_unknown_model_is_a_clear_error() -> None:
 def test_check_invariants_detects_leaks_and_double_frees() -> None:
     bm = BlockManager(4, 2)
     bm.allocate("a", {"target": 4})
-    bm._free.append(bm.page_table("a")[0])  # double reference
+    bm._stack[bm._top] = bm.page_table("a")[0]  # double reference: a held page also free
+    bm._top += 1
     with pytest.raises(AssertionError, match="page leak or double free"):
         bm.check_invariants()
     bm = BlockManager(4, 2)
-    bm._free.pop()  # leaked page
+    bm._top -= 1  # leaked page
     with pytest.raises(AssertionError, match="page leak or double free"):
         bm.check_invariants()
     bm = BlockManager(3, 2)
-    bm._free[0] = 7  # a page id outside the pool
+    bm._stack[0] = 7  # a page id outside the pool
     with pytest.raises(AssertionError, match="page leak or double free"):
         bm.check_invariants()
 
@@ -259,3 +261,43 @@ TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, database=None
 )
+
+
+# -- whole-batch operations against the one-row ones -------------------------------------------
+
+batches = st.lists(st.tuples(st.integers(0, 11), st.integers(0, 30), st.integers(0, 30)),
+                   min_size=1, max_size=8, unique_by=lambda t: t[0])
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(history=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 20)), max_size=10), batch=batches,
+       num_pages=st.integers(4, 40))
+def test_allocate_many_gives_the_pages_of_row_by_row_allocation(history, batch, num_pages) -> None:
+    one, many = BlockManager(num_pages, 4, MODELS), BlockManager(num_pages, 4, MODELS)
+    for bm in (one, many):  # the same earlier allocations and frees in both
+        for r, n in history:
+            if n == 0:
+                bm.free(f"r{r}")
+            elif bm.can_allocate(f"r{r}", {"target": n, "draft": n + 1}):
+                bm.allocate(f"r{r}", {"target": n, "draft": n + 1})
+    rids = [f"r{r}" for r, _, _ in batch]
+    slots = {"target": np.array([t for _, t, _ in batch]), "draft": np.array([d for _, _, d in batch])}
+    rows = many.rows(rids)
+    need = many.pages_needed_many(rows, slots)
+    assert need.tolist() == [one.pages_needed(r, {"target": t, "draft": d}) for r, (_, t, d) in zip(rids, batch)]
+    before = {(r, m): many.page_table(r, m) for r in rids for m in MODELS}
+    if int(need.sum()) > many.num_free_pages:
+        with pytest.raises(OutOfPagesError):
+            many.allocate_many(rows, slots)
+        assert {(r, m): many.page_table(r, m) for r in rids for m in MODELS} == before
+        return
+    many.allocate_many(rows, slots)
+    for r, (_, t, d) in zip(rids, batch):
+        one.allocate(r, {"target": t, "draft": d})
+    for r in rids:
+        for m in MODELS:
+            assert many.page_table(r, m) == one.page_table(r, m)
+    tables, counts = many.tables("target", rows)
+    assert [tables[i, : counts[i]].tolist() for i in range(len(rids))] == [one.page_table(r) for r in rids]
+    assert many.num_free_pages == one.num_free_pages
+    many.check_invariants()

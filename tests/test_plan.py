@@ -196,3 +196,29 @@ def test_slot_mapping_property(batch: tuple[int, list[int], list[int], list[list
             page, offset = divmod(int(slot), page_size)
             assert page == table[logical // page_size]
             assert offset == logical % page_size
+
+
+@given(batches(), st.integers(0, 3))
+@settings(max_examples=150, deadline=None, database=None)
+def test_padded_table_array_gives_the_plan_of_per_sequence_lists(batch, pad: int) -> None:
+    """The block manager's layout -- one [B, max_pages] array, padded, with the page counts --
+    plans exactly what the per-sequence lists plan."""
+    page_size, qo_lens, kv_lens, tables = batch
+    width = max(len(t) for t in tables) + pad
+    array = np.full((len(tables), width), 999, dtype=np.int32)  # padding: pages that are not the row's
+    for i, t in enumerate(tables):
+        array[i, : len(t)] = t
+    lens = np.array([len(t) for t in tables])
+    a = build_plan(qo_lens, kv_lens, tables, page_size).to_message()
+    b = build_plan(qo_lens, kv_lens, array, page_size, table_lens=lens).to_message()
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], np.ndarray):
+            assert a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+def test_padded_table_array_too_short_is_named() -> None:
+    with pytest.raises(ValueError, match="sequence 1: 9 KV tokens need 3 pages, page table has 2"):
+        build_plan([1, 1], [4, 9], np.array([[0, 1, 7], [2, 3, 7]]), 4, table_lens=np.array([1, 2]))
