@@ -172,9 +172,7 @@ def export_otlp(trace: Trace | str | os.PathLike, endpoint: str, *, timeout_s: f
     check_otlp_url(endpoint)
     sent = [0, 0]  # batches, spans
 
-    def post(request: dict) -> None:
-        spans = len(request["resourceSpans"][0]["scopeSpans"][0]["spans"])
-        body = orjson.dumps(request)
+    def post(body: bytes, spans: int) -> None:
         http = urllib.request.Request(endpoint, data=body, method="POST",
                                       headers={"Content-Type": "application/json"})
         try:
@@ -203,7 +201,11 @@ def export_otel_json(trace: Trace | str | os.PathLike, path: str | os.PathLike, 
     Trace, or a trace file, read as a stream: memory stays bounded whatever its length.
     Returns the number of spans written."""
     with open(path, "wb") as f:
-        return _export_json(trace, lambda request: f.write(orjson.dumps(request) + b"\n"), chunk_size)
+        def write(body: bytes, _spans: int) -> None:
+            f.write(body)
+            f.write(b"\n")
+
+        return _export_json(trace, write, chunk_size)
 
 
 def _export_json(trace: Trace | str | os.PathLike, sink, chunk_size: int) -> int:

@@ -8,17 +8,22 @@ module writes the same spans -- names, attributes, parents, links, events, statu
 `OtelTracer` makes them (tests compare the two) -- as OTLP/JSON dicts, streamed in chunks.
 
 `OtlpJsonTracer` is a `Tracer` hook; every `chunk_size` finished spans it hands one
-ExportTraceServiceRequest (a dict) to `sink`. Memory is bounded by the requests in flight,
+ExportTraceServiceRequest, as JSON bytes, and its number of spans to `sink`. Stage spans
+(most of a trace) are written as JSON text directly; the others go through a dict and orjson. Memory is bounded by the requests in flight,
 the stage spans waiting for their step record (at most `max_pending_steps` steps) and the
 span contexts remembered for links (at most `max_remembered`).
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 import uuid
 from collections import OrderedDict
 from importlib import metadata
 from typing import Any, Callable, Sequence
+
+import orjson
 
 from specsched.traces.otel import OPERATION, _attr, stage_span_name
 from specsched.traces.schema import DEVICE_TRACK_PREFIX, FORMAT_VERSION, Header
@@ -55,7 +60,20 @@ def _attributes(attrs: dict[str, Any]) -> list[dict]:
     return [{"key": k, "value": _value(v)} for k, v in attrs.items() if v is not None]
 
 
-_STAGE_KEYS: dict[str, str] = {}  # span attribute -> its OTel key (`specsched.<attribute>`)
+_jstr = json.encoder.encode_basestring  # a JSON string literal (C-accelerated)
+_STAGE_KEYS: dict[str, str] = {}  # span attribute -> `{"key":"specsched.<attribute>","value":`
+
+
+def _value_json(v: Any) -> str:
+    """`_value(v)` as JSON text."""
+    t = type(v)
+    if t is int:
+        return '{"intValue":"%d"}' % v
+    if t is str:
+        return '{"stringValue":%s}' % _jstr(v)
+    if t is float and math.isfinite(v):
+        return '{"doubleValue":%r}' % v
+    return orjson.dumps(_value(v)).decode()
 
 
 def _sdk_version() -> str:
@@ -70,7 +88,7 @@ class OtlpJsonTracer:
 
     enabled = True
 
-    def __init__(self, header: Header, sink: Callable[[dict], None], *, clock_offset_ns: int,
+    def __init__(self, header: Header, sink: Callable[[bytes, int], None], *, clock_offset_ns: int,
                  chunk_size: int = 1024, max_pending_steps: int = 256, max_remembered: int = 65536):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -85,8 +103,10 @@ class OtlpJsonTracer:
             "specsched.proposer": header.proposer, "specsched.draft_len": header.draft_len,
             "specsched.model": header.model, "specsched.device.kind": header.device.kind,
             "specsched.device.name": header.device.name})}
-        self._scope = {"name": "specsched.traces", "version": FORMAT_VERSION}
-        self._chunk: list[dict] = []
+        scope = {"name": "specsched.traces", "version": FORMAT_VERSION}
+        self._prefix = ('{"resourceSpans":[{"resource":%s,"scopeSpans":[{"scope":%s,"spans":['
+                        % (orjson.dumps(self._resource).decode(), orjson.dumps(scope).decode()))
+        self._chunk: list[str] = []  # finished spans as JSON text
         self._max_pending_steps, self._max_remembered = max_pending_steps, max_remembered
         # request_id -> (trace_id, span_id, start_ns, attributes) of a request not finished yet
         self._open: dict[str, tuple[str, str, int, dict]] = {}
@@ -204,11 +224,10 @@ class OtlpJsonTracer:
 
     # -- spans -----------------------------------------------------------------------------------
     def _end(self, ctx: tuple[str, str], parent: tuple[str, str] | None, name: str, start_ns: int,
-             end_ns: int, attrs: dict | list, *, links: list | None = None, events: list | None = None,
+             end_ns: int, attrs: dict, *, links: list | None = None, events: list | None = None,
              status: dict | None = None) -> None:
-        """`attrs`: a dict of attribute values, or the OTLP attribute list itself."""
         offset = self.clock_offset_ns
-        attributes = attrs if attrs.__class__ is list else _attributes(attrs)
+        attributes = _attributes(attrs)
         if parent is None:
             span = {"traceId": ctx[0], "spanId": ctx[1], "name": name, "kind": _KIND_INTERNAL,
                     "startTimeUnixNano": str(start_ns + offset), "endTimeUnixNano": str(end_ns + offset),
@@ -223,7 +242,10 @@ class OtlpJsonTracer:
             span["links"] = links
         span["status"] = status or {}
         span["flags"] = _FLAGS
-        self._chunk.append(span)
+        self._append(orjson.dumps(span).decode())
+
+    def _append(self, span_json: str) -> None:
+        self._chunk.append(span_json)
         self.num_spans += 1
         if len(self._chunk) >= self.chunk_size:
             self._flush()
@@ -231,8 +253,7 @@ class OtlpJsonTracer:
     def _flush(self) -> None:
         if self._chunk:
             chunk, self._chunk = self._chunk, []
-            self.sink({"resourceSpans": [{"resource": self._resource,
-                                          "scopeSpans": [{"scope": self._scope, "spans": chunk}]}]})
+            self.sink((self._prefix + ",".join(chunk) + "]}]}]}").encode(), len(chunk))
 
     def _request_context(self, request_id: str) -> tuple[str, str] | None:
         opened = self._open.get(request_id)
@@ -247,22 +268,26 @@ class OtlpJsonTracer:
         # the attribute list is built directly (the most frequent span): OtelTracer._emit_stage's
         # attributes, in its order
         track, name, step, start_ns, end_ns, attrs = entry
-        out = [{"key": "specsched.stage", "value": {"stringValue": name}},
-               {"key": "specsched.track", "value": {"stringValue": track}}]
+        out = ['{"key":"specsched.stage","value":{"stringValue":%s}}' % _jstr(name),
+               '{"key":"specsched.track","value":{"stringValue":%s}}' % _jstr(track)]
         if step is not None:
-            out.append({"key": "specsched.step", "value": {"intValue": str(step)}})
+            out.append('{"key":"specsched.step","value":{"intValue":"%d"}}' % step)
         if track.startswith(DEVICE_TRACK_PREFIX):
-            out.append({"key": "specsched.device.stream",
-                        "value": {"stringValue": track[len(DEVICE_TRACK_PREFIX):]}})
+            out.append('{"key":"specsched.device.stream","value":{"stringValue":%s}}'
+                       % _jstr(track[len(DEVICE_TRACK_PREFIX):]))
         for key, value in attrs.items():
             value = _attr(value)
             if value is not None:
-                otel_key = _STAGE_KEYS.get(key)
-                if otel_key is None:
-                    otel_key = _STAGE_KEYS[key] = f"specsched.{key}"
-                out.append({"key": otel_key, "value": _value(value)})
-        ctx = (parent[0] if parent is not None else _trace_id(), _span_id())
-        self._end(ctx, parent, stage_span_name(name), start_ns, end_ns, out)
+                head = _STAGE_KEYS.get(key)
+                if head is None:
+                    head = _STAGE_KEYS[key] = '{"key":%s,"value":' % _jstr(f"specsched.{key}")
+                out.append(head + _value_json(value) + "}")
+        offset = self.clock_offset_ns
+        parent_json = ',"parentSpanId":"%s"' % parent[1] if parent is not None else ""
+        self._append('{"traceId":"%s","spanId":"%s"%s,"name":%s,"kind":1,"startTimeUnixNano":"%d",'
+                     '"endTimeUnixNano":"%d","attributes":[%s],"status":{},"flags":256}'
+                     % (parent[0] if parent is not None else _trace_id(), _span_id(), parent_json,
+                        _jstr(stage_span_name(name)), start_ns + offset, end_ns + offset, ",".join(out)))
 
     def _emit_orphan_step(self, step: int, entries: list[tuple]) -> None:
         """A step whose record never came: a `step` span spanning its stage spans."""
