@@ -185,7 +185,7 @@ def bench(
         _fail("--concurrency (closed loop) and --rate (open loop) exclude each other: choose one")
     check_output_path(trace, "--trace")
     if otlp:
-        from specsched.traces.otel_export import check_otlp_url
+        from specsched.traces.otlp_json import check_otlp_url
 
         try:
             check_otlp_url(otlp)

@@ -35,7 +35,7 @@ def export(
     otlp: Optional[str] = typer.Option(None, help="OTLP/HTTP endpoint, e.g. http://localhost:4318/v1/traces"),
 ) -> None:
     """Export a trace to Perfetto / chrome://tracing or OpenTelemetry."""
-    from specsched.traces.otel_export import OtlpExportError, check_otlp_url, export_otel_json, export_otlp
+    from specsched.traces.otlp_json import OtlpExportError, check_otlp_url, export_otel_json, export_otlp
 
     if not (chrome or otel_json or otlp):
         _fail("choose at least one of --chrome, --otel-json, --otlp")

@@ -23,7 +23,6 @@ is traces/otel_export.py.
 from __future__ import annotations
 
 import os
-import time
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -33,27 +32,9 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
-from specsched.traces.schema import DEVICE_TRACK_PREFIX, FORMAT_VERSION, Header, Trace
-
-SPEC_STAGES = frozenset({"draft", "verify", "accept", "draft_fill", "mtp"})
-OPERATION = "text_completion"
-
-
-def stage_span_name(stage: str) -> str:
-    return f"spec.{stage}" if stage in SPEC_STAGES else stage
-
-
-def _attr(value: Any) -> Any:
-    """An OTel attribute value (primitives or homogeneous lists; others as JSON), or None."""
-    if value is None or isinstance(value, (str, bool, int, float)):
-        return value
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    if isinstance(value, (list, tuple)) and value and all(
-            type(v) is type(value[0]) and isinstance(v, (str, bool, int, float)) for v in value):
-        return list(value)
-    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY, default=str).decode()
-
+from specsched.traces.otel_names import (OPERATION, SPEC_STAGES, _attr, epoch_offset_ns,  # noqa: F401
+                                         stage_span_name)
+from specsched.traces.schema import DEVICE_TRACK_PREFIX, FORMAT_VERSION, Header
 
 class OtelTracer:
     """The tracer hook turning records into OpenTelemetry SDK spans on a span processor."""
@@ -231,16 +212,3 @@ class OtelTracer:
         self._remember(self._step_ctx, step, span.get_span_context())
         for entry in entries:
             self._emit_stage(entry, span.get_span_context())
-
-
-def epoch_offset_ns(header: Header, trace: Trace | None) -> int:
-    """epoch_ns - trace_clock_ns: from the header's anchor, else assume the header was
-    created at the first record (offline) or now (live, monotonic clock)."""
-    created_ns = round(header.created_unix_s * 1e9)
-    if header.created_clock_ns is not None:
-        return created_ns - header.created_clock_ns
-    if trace is not None:
-        return created_ns - trace.start_ns()
-    if header.clock == "monotonic_ns":
-        return time.time_ns() - time.monotonic_ns()
-    return created_ns

@@ -9,21 +9,17 @@ chunks, and stops at the first batch a collector does not take.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 
-import orjson
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from specsched.traces.hook import feed, replay
+from specsched.traces.hook import replay
 from specsched.traces.otel import OtelTracer, epoch_offset_ns
-from specsched.traces.otlp_json import OtlpJsonTracer
+from specsched.traces.otlp_json import (OtlpExportError, check_otlp_url, export_otel_json,  # noqa: F401
+                                        export_otlp)
 from specsched.traces.schema import Header, Trace
 
 
@@ -140,98 +136,3 @@ def export_trace_otel(trace: Trace, span_exporter: SpanExporter, *,
         raise RuntimeError(f"OTel export failed for {processor.num_failed} of "
                            f"{processor.num_failed + processor.num_exported} spans")
     return processor.num_exported
-
-
-class OtlpExportError(RuntimeError):
-    """An offline export to a collector stopped: the first batch it could not deliver."""
-
-
-def check_otlp_url(url: str) -> str:
-    """`url` if it is an http(s) URL with a host, else ValueError saying what is wrong."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{url!r} is not an http(s) URL with a host, e.g. "
-                         "http://localhost:4318/v1/traces")
-    try:
-        parts.port  # noqa: B018 - raises for a port that is not a number
-    except ValueError as e:
-        raise ValueError(f"{url!r}: {e}") from None
-    return url
-
-
-def export_otlp(trace: Trace | str | os.PathLike, endpoint: str, *, timeout_s: float = 10.0,
-                chunk_size: int = 512) -> int:
-    """Sends a recorded trace (a Trace, or a trace file, streamed) to an OTLP/HTTP collector
-    as OTLP/JSON (`Content-Type: application/json`, which OTLP/HTTP receivers accept next to
-    protobuf); returns the number of spans sent.
-
-    Batches go one at a time with no retries: the first one refused, answered with an error
-    status or not answered within `timeout_s` raises OtlpExportError, naming it and how many
-    spans were delivered before it. A bad URL raises ValueError before anything is sent.
-    """
-    check_otlp_url(endpoint)
-    sent = [0, 0]  # batches, spans
-
-    def post(body: bytes, spans: int) -> None:
-        http = urllib.request.Request(endpoint, data=body, method="POST",
-                                      headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(http, timeout=timeout_s) as reply:
-                reply.read()
-        except urllib.error.HTTPError as e:
-            reason = f"the collector answered {e.code} {e.reason}"
-        except (urllib.error.URLError, OSError) as e:
-            why = e.reason if isinstance(e, urllib.error.URLError) else e
-            reason = f"no answer within {timeout_s:g} s" if isinstance(why, TimeoutError) else str(why)
-        else:
-            sent[0] += 1
-            sent[1] += spans
-            return
-        raise OtlpExportError(f"batch {sent[0] + 1} ({spans} spans) was not delivered to {endpoint}: "
-                              f"{reason}; {sent[1]} spans were delivered before it")
-
-    _export_json(trace, post, chunk_size)
-    return sent[1]
-
-
-def export_otel_json(trace: Trace | str | os.PathLike, path: str | os.PathLike, *,
-                     chunk_size: int = 1024) -> int:
-    """Writes the export as OTLP/JSON: one ExportTraceServiceRequest per line (the format
-    of the OpenTelemetry Collector's file exporter / otlpjsonfile receiver). `trace` is a
-    Trace, or a trace file, read as a stream: memory stays bounded whatever its length.
-    Returns the number of spans written."""
-    with open(path, "wb") as f:
-        def write(body: bytes, _spans: int) -> None:
-            f.write(body)
-            f.write(b"\n")
-
-        return _export_json(trace, write, chunk_size)
-
-
-def _export_json(trace: Trace | str | os.PathLike, sink, chunk_size: int) -> int:
-    if isinstance(trace, Trace):
-        tracer = OtlpJsonTracer(trace.header, sink, chunk_size=chunk_size, max_remembered=1 << 62,
-                                clock_offset_ns=epoch_offset_ns(trace.header, trace))
-        replay(trace, tracer, close=True)
-        return tracer.num_spans
-    from specsched.traces.reader import iter_records
-
-    records = iter_records(trace, allow_truncated_tail=True)
-    header = next(records)
-    if header.created_clock_ns is not None:
-        offset = epoch_offset_ns(header, None)
-    else:  # anchored at the first record's time, as for an in-memory trace
-        offset = round(header.created_unix_s * 1e9) - _first_ns(trace)
-    tracer = OtlpJsonTracer(header, sink, chunk_size=chunk_size, clock_offset_ns=offset)
-    feed(records, tracer)
-    tracer.close()
-    return tracer.num_spans
-
-
-def _first_ns(path: str | os.PathLike) -> int:
-    """The earliest timestamp in a trace file (`Trace.start_ns` without loading the trace)."""
-    from specsched.traces.reader import iter_records
-
-    times = [r.arrival_ns if r.type == "request" else r.start_ns if r.type in ("span", "step")
-             else r.finish_ns for r in itertools.islice(iter_records(path, allow_truncated_tail=True), 1, None)]
-    return min(times, default=0)
