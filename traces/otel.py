@@ -33,7 +33,8 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from specsched.traces.otel_names import (OPERATION, SPEC_STAGES, _attr, epoch_offset_ns,  # noqa: F401
-                                         stage_span_name)
+                                         finish_attributes, request_attributes, stage_span_name,
+                                         step_attributes)
 from specsched.traces.schema import DEVICE_TRACK_PREFIX, FORMAT_VERSION, Header
 
 class OtelTracer:
@@ -72,14 +73,8 @@ class OtelTracer:
     def request(self, request_id: str, arrival_ns: int, prompt_len: int, max_tokens: int,
                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                 seed: int | None = None) -> None:
-        attrs = {"gen_ai.operation.name": OPERATION, "gen_ai.request.model": self.header.model,
-                 "gen_ai.usage.input_tokens": prompt_len, "gen_ai.request.max_tokens": max_tokens,
-                 "gen_ai.request.temperature": temperature, "gen_ai.request.top_p": top_p,
-                 "specsched.request_id": request_id}
-        if top_k > 0:
-            attrs["gen_ai.request.top_k"] = top_k
-        if seed is not None:
-            attrs["gen_ai.request.seed"] = seed
+        attrs = request_attributes(self.header.model, request_id, prompt_len, max_tokens, temperature,
+                                   top_p, top_k, seed)
         self._open[request_id] = self._tracer.start_span(
             f"{OPERATION} {self.header.model}", kind=SpanKind.INTERNAL, attributes=attrs,
             start_time=self._ns(arrival_ns))
@@ -115,13 +110,8 @@ class OtelTracer:
                 stats[0] += 1
                 stats[1] += d
                 stats[2] += a
-        attrs = {"specsched.step": step, "specsched.step.kind": kind,
-                 "specsched.batch_size": len(request_ids),
-                 "specsched.num_new_tokens": sum(num_new_tokens),
-                 "specsched.kv_tokens": sum(kv_lens), "specsched.num_drafted": sum(drafted),
-                 "specsched.num_accepted": sum(accepted)}
-        if num_output is not None:
-            attrs["specsched.num_output"] = sum(num_output)
+        attrs = step_attributes(step, kind, len(request_ids), num_new_tokens, kv_lens, drafted, accepted,
+                                num_output)
         span = self._tracer.start_span("step", attributes=attrs, links=links,
                                        start_time=self._ns(start_ns))
         span.end(end_time=self._ns(end_ns))
@@ -143,20 +133,11 @@ class OtelTracer:
                                                "gen_ai.operation.name": OPERATION,
                                                "gen_ai.request.model": self.header.model,
                                                "specsched.request_id": request_id})
-        steps, drafted, accepted = self._stats.pop(request_id, (0, 0, 0))
-        span.set_attribute("gen_ai.usage.output_tokens", output_len)
-        span.set_attribute("gen_ai.response.finish_reasons", [finish_reason])
-        span.set_attribute("specsched.num_steps", steps)
-        span.set_attribute("specsched.num_drafted", drafted)
-        span.set_attribute("specsched.num_accepted", accepted)
-        if ttft_ns is not None:
-            span.set_attribute("gen_ai.server.time_to_first_token", ttft_ns / 1e9)
+        span.set_attributes(finish_attributes(output_len, finish_reason,
+                                              self._stats.pop(request_id, (0, 0, 0)), ttft_ns, agreement))
         if first_token_ns is not None:
             span.add_event("first_token", timestamp=self._ns(first_token_ns))
-        if agreement is not None:
-            span.set_attribute("specsched.agreement_rate", sum(agreement) / max(len(agreement), 1))
         if finish_reason == "error":
-            span.set_attribute("error.type", "error")
             span.set_status(Status(StatusCode.ERROR, error or "error"))
         span.end(end_time=self._ns(finish_ns))
         self._remember(self._request_ctx, request_id, span.get_span_context())

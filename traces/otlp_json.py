@@ -31,7 +31,8 @@ from typing import Any, Callable, Sequence
 import orjson
 
 from specsched.traces.hook import feed, replay
-from specsched.traces.otel_names import OPERATION, _attr, epoch_offset_ns, stage_span_name
+from specsched.traces.otel_names import (OPERATION, _attr, epoch_offset_ns, finish_attributes, request_attributes,
+                                         stage_span_name, step_attributes)
 from specsched.traces.schema import DEVICE_TRACK_PREFIX, FORMAT_VERSION, Header, Trace
 
 _KIND_INTERNAL = 1  # SpanKind.INTERNAL in OTLP
@@ -127,14 +128,8 @@ class OtlpJsonTracer:
     def request(self, request_id: str, arrival_ns: int, prompt_len: int, max_tokens: int,
                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                 seed: int | None = None) -> None:
-        attrs = {"gen_ai.operation.name": OPERATION, "gen_ai.request.model": self.header.model,
-                 "gen_ai.usage.input_tokens": prompt_len, "gen_ai.request.max_tokens": max_tokens,
-                 "gen_ai.request.temperature": temperature, "gen_ai.request.top_p": top_p,
-                 "specsched.request_id": request_id}
-        if top_k > 0:
-            attrs["gen_ai.request.top_k"] = top_k
-        if seed is not None:
-            attrs["gen_ai.request.seed"] = seed
+        attrs = request_attributes(self.header.model, request_id, prompt_len, max_tokens, temperature,
+                                   top_p, top_k, seed)
         self._open[request_id] = (_trace_id(), _span_id(), arrival_ns, attrs)
         self._stats[request_id] = [0, 0, 0]
         self._last_ns = max(self._last_ns, arrival_ns)
@@ -168,13 +163,8 @@ class OtlpJsonTracer:
                 stats[0] += 1
                 stats[1] += d
                 stats[2] += a
-        attrs = {"specsched.step": step, "specsched.step.kind": kind,
-                 "specsched.batch_size": len(request_ids),
-                 "specsched.num_new_tokens": sum(num_new_tokens),
-                 "specsched.kv_tokens": sum(kv_lens), "specsched.num_drafted": sum(drafted),
-                 "specsched.num_accepted": sum(accepted)}
-        if num_output is not None:
-            attrs["specsched.num_output"] = sum(num_output)
+        attrs = step_attributes(step, kind, len(request_ids), num_new_tokens, kv_lens, drafted, accepted,
+                                num_output)
         ctx = (_trace_id(), _span_id())
         self._end(ctx, None, "step", start_ns, end_ns, attrs, links=links)
         self._remember(self._step_ctx, step, ctx)
@@ -194,22 +184,11 @@ class OtlpJsonTracer:
                 "gen_ai.operation.name": OPERATION, "gen_ai.request.model": self.header.model,
                 "specsched.request_id": request_id})
         trace_id, span_id, start_ns, attrs = opened
-        steps, drafted, accepted = self._stats.pop(request_id, (0, 0, 0))
-        attrs["gen_ai.usage.output_tokens"] = output_len
-        attrs["gen_ai.response.finish_reasons"] = [finish_reason]
-        attrs["specsched.num_steps"] = steps
-        attrs["specsched.num_drafted"] = drafted
-        attrs["specsched.num_accepted"] = accepted
-        if ttft_ns is not None:
-            attrs["gen_ai.server.time_to_first_token"] = ttft_ns / 1e9
+        attrs.update(finish_attributes(output_len, finish_reason, self._stats.pop(request_id, (0, 0, 0)),
+                                       ttft_ns, agreement))
         events = ([{"timeUnixNano": str(first_token_ns + self.clock_offset_ns), "name": "first_token"}]
                   if first_token_ns is not None else [])
-        if agreement is not None:
-            attrs["specsched.agreement_rate"] = sum(agreement) / max(len(agreement), 1)
-        status = {}
-        if finish_reason == "error":
-            attrs["error.type"] = "error"
-            status = {"message": error or "error", "code": _STATUS_ERROR}
+        status = {"message": error or "error", "code": _STATUS_ERROR} if finish_reason == "error" else {}
         self._end((trace_id, span_id), None, f"{OPERATION} {self.header.model}", start_ns, finish_ns,
                   attrs, events=events, status=status)
         self._remember(self._request_ctx, request_id, (trace_id, span_id))
