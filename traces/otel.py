@@ -23,7 +23,6 @@ is traces/otel_export.py.
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from typing import Any, Sequence
 
 import orjson
@@ -33,18 +32,17 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from specsched.traces.otel_names import (OPERATION, SPEC_STAGES, _attr, epoch_offset_ns,  # noqa: F401
-                                         finish_attributes, request_attributes, stage_span_name,
-                                         step_attributes)
+                                         SpanMapper, finish_attributes, request_attributes,
+                                         stage_span_name, step_attributes)
 from specsched.traces.schema import DEVICE_TRACK_PREFIX, FORMAT_VERSION, Header
 
-class OtelTracer:
+class OtelTracer(SpanMapper):
     """The tracer hook turning records into OpenTelemetry SDK spans on a span processor."""
-
-    enabled = True
 
     def __init__(self, header: Header, span_processor: SpanProcessor, *,
                  clock_offset_ns: int | None = None, max_pending_steps: int = 256,
                  max_remembered: int = 65536, shutdown_on_exit: bool = True):
+        super().__init__(max_pending_steps, max_remembered)
         self.header = header
         if clock_offset_ns is None:
             clock_offset_ns = epoch_offset_ns(header, None)
@@ -58,14 +56,7 @@ class OtelTracer:
         self.provider = TracerProvider(resource=resource, shutdown_on_exit=shutdown_on_exit)
         self.provider.add_span_processor(span_processor)
         self._tracer = self.provider.get_tracer("specsched.traces", FORMAT_VERSION)
-        self._max_pending_steps, self._max_remembered = max_pending_steps, max_remembered
         self._open: dict[str, Any] = {}  # request_id -> open request span
-        self._stats: dict[str, list[int]] = {}  # request_id -> [steps, drafted, accepted]
-        self._request_ctx: OrderedDict[str, Any] = OrderedDict()  # finished, for links
-        self._step_ctx: OrderedDict[int, Any] = OrderedDict()
-        self._pending: OrderedDict[int, list[tuple]] = OrderedDict()  # step -> stage spans
-        self._last_ns = 0
-        self._closed = False
 
     def _ns(self, t_ns: int) -> int:
         return t_ns + self.clock_offset_ns
@@ -81,43 +72,20 @@ class OtelTracer:
         self._stats[request_id] = [0, 0, 0]
         self._last_ns = max(self._last_ns, arrival_ns)
 
-    def span(self, track: str, name: str, step: int | None, start_ns: int, end_ns: int,
-             **attrs: Any) -> None:
-        self._last_ns = max(self._last_ns, end_ns)
-        entry = (track, name, step, start_ns, end_ns, attrs)
-        if step is None or step in self._step_ctx:
-            self._emit_stage(entry, self._step_ctx.get(step))
-            return
-        self._pending.setdefault(step, []).append(entry)
-        if len(self._pending) > self._max_pending_steps:
-            self._emit_orphan_step(*self._pending.popitem(last=False))
-
     def step(self, step: int, kind: str, start_ns: int, end_ns: int,
              request_ids: Sequence[str], num_new_tokens: Sequence[int],
              kv_lens: Sequence[int], num_drafted: Sequence[int] | None = None,
              num_accepted: Sequence[int] | None = None,
              num_output: Sequence[int] | None = None) -> None:
         self._last_ns = max(self._last_ns, end_ns)
-        drafted = list(num_drafted) if num_drafted is not None else [0] * len(request_ids)
-        accepted = list(num_accepted) if num_accepted is not None else [0] * len(request_ids)
-        links = []
-        for rid, d, a in zip(request_ids, drafted, accepted):
-            ctx = self._request_context(rid)
-            if ctx is not None:
-                links.append(Link(ctx))
-            stats = self._stats.get(rid)
-            if stats is not None:
-                stats[0] += 1
-                stats[1] += d
-                stats[2] += a
+        drafted, accepted, contexts = self._tally(request_ids, num_drafted, num_accepted)
+        links = [Link(ctx) for ctx in contexts]
         attrs = step_attributes(step, kind, len(request_ids), num_new_tokens, kv_lens, drafted, accepted,
                                 num_output)
         span = self._tracer.start_span("step", attributes=attrs, links=links,
                                        start_time=self._ns(start_ns))
         span.end(end_time=self._ns(end_ns))
-        self._remember(self._step_ctx, step, span.get_span_context())
-        for entry in self._pending.pop(step, ()):
-            self._emit_stage(entry, self._step_ctx[step])
+        self._step_known(step, span.get_span_context())
 
     def finish(self, request_id: str, finish_ns: int, finish_reason: str, output_len: int,
                first_token_ns: int | None, ttft_ns: int | None = None,
@@ -147,8 +115,7 @@ class OtelTracer:
         if self._closed:
             return
         self._closed = True
-        while self._pending:
-            self._emit_orphan_step(*self._pending.popitem(last=False))
+        self._drain_pending()
         for span in self._open.values():
             span.set_attribute("specsched.finished", False)
             span.end(end_time=self._ns(self._last_ns))
@@ -161,11 +128,6 @@ class OtelTracer:
     def _request_context(self, request_id: str) -> Any:
         span = self._open.get(request_id)
         return span.get_span_context() if span is not None else self._request_ctx.get(request_id)
-
-    def _remember(self, cache: OrderedDict, key: Any, value: Any) -> None:
-        cache[key] = value
-        if len(cache) > self._max_remembered:
-            cache.popitem(last=False)
 
     def _emit_stage(self, entry: tuple, parent_ctx: Any) -> None:
         track, name, step, start_ns, end_ns, attrs = entry

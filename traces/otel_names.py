@@ -6,6 +6,7 @@ not the OpenTelemetry SDK, whose import alone costs a large part of a short expo
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any, Sequence
 
 import orjson
@@ -30,6 +31,79 @@ def _attr(value: Any) -> Any:
             type(v) is type(value[0]) and isinstance(v, (str, bool, int, float)) for v in value):
         return list(value)
     return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY, default=str).decode()
+
+
+class SpanMapper:
+    """What both OpenTelemetry mappers (SDK spans, `OtelTracer`; OTLP/JSON text, `OtlpJsonTracer`)
+    keep while records stream by: stage spans waiting for their step's record (at most
+    `max_pending_steps` steps), per-request step/draft/accept counts, and the span contexts of
+    finished requests and steps (at most `max_remembered` each) for links and parents.
+    Subclasses emit: `_emit_stage(entry, parent_ctx)`, `_emit_orphan_step(step, entries)`,
+    and `_request_context(request_id)` for a request's span context (open or finished)."""
+
+    enabled = True
+
+    def __init__(self, max_pending_steps: int, max_remembered: int) -> None:
+        self._max_pending_steps, self._max_remembered = max_pending_steps, max_remembered
+        self._stats: dict[str, list[int]] = {}  # request_id -> [steps, drafted, accepted]
+        self._request_ctx: OrderedDict[str, Any] = OrderedDict()  # finished requests, for links
+        self._step_ctx: OrderedDict[int, Any] = OrderedDict()
+        self._pending: OrderedDict[int, list[tuple]] = OrderedDict()  # step -> stage spans
+        self._last_ns = 0
+        self._closed = False
+
+    def span(self, track: str, name: str, step: int | None, start_ns: int, end_ns: int,
+             **attrs: Any) -> None:
+        self._last_ns = max(self._last_ns, end_ns)
+        entry = (track, name, step, start_ns, end_ns, attrs)
+        if step is None or step in self._step_ctx:
+            self._emit_stage(entry, self._step_ctx.get(step))
+            return
+        self._pending.setdefault(step, []).append(entry)
+        if len(self._pending) > self._max_pending_steps:
+            self._emit_orphan_step(*self._pending.popitem(last=False))
+
+    def _tally(self, request_ids: Sequence[str], num_drafted: Sequence[int] | None,
+               num_accepted: Sequence[int] | None) -> tuple[list[int], list[int], list[Any]]:
+        """A step's per-row drafted and accepted counts (zeros when absent), added to each
+        request's counts, and the span contexts of its requests (for links)."""
+        drafted = list(num_drafted) if num_drafted is not None else [0] * len(request_ids)
+        accepted = list(num_accepted) if num_accepted is not None else [0] * len(request_ids)
+        contexts = []
+        for rid, d, a in zip(request_ids, drafted, accepted):
+            ctx = self._request_context(rid)
+            if ctx is not None:
+                contexts.append(ctx)
+            stats = self._stats.get(rid)
+            if stats is not None:
+                stats[0] += 1
+                stats[1] += d
+                stats[2] += a
+        return drafted, accepted, contexts
+
+    def _step_known(self, step: int, ctx: Any) -> None:
+        """The step's span exists: remember it and emit the stage spans that waited for it."""
+        self._remember(self._step_ctx, step, ctx)
+        for entry in self._pending.pop(step, ()):
+            self._emit_stage(entry, ctx)
+
+    def _drain_pending(self) -> None:
+        while self._pending:
+            self._emit_orphan_step(*self._pending.popitem(last=False))
+
+    def _remember(self, cache: OrderedDict, key: Any, value: Any) -> None:
+        cache[key] = value
+        if len(cache) > self._max_remembered:
+            cache.popitem(last=False)
+
+    def _emit_stage(self, entry: tuple, parent_ctx: Any) -> None:
+        raise NotImplementedError
+
+    def _emit_orphan_step(self, step: int, entries: list[tuple]) -> None:
+        raise NotImplementedError
+
+    def _request_context(self, request_id: str) -> Any:
+        raise NotImplementedError
 
 
 def request_attributes(model: str | None, request_id: str, prompt_len: int, max_tokens: int,

@@ -24,15 +24,14 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from collections import OrderedDict
 from importlib import metadata
 from typing import Any, Callable, Sequence
 
 import orjson
 
 from specsched.traces.hook import feed, replay
-from specsched.traces.otel_names import (OPERATION, _attr, epoch_offset_ns, finish_attributes, request_attributes,
-                                         stage_span_name, step_attributes)
+from specsched.traces.otel_names import (OPERATION, SpanMapper, _attr, epoch_offset_ns, finish_attributes,
+                                         request_attributes, stage_span_name, step_attributes)
 from specsched.traces.schema import DEVICE_TRACK_PREFIX, FORMAT_VERSION, Header, Trace
 
 _KIND_INTERNAL = 1  # SpanKind.INTERNAL in OTLP
@@ -90,15 +89,14 @@ def _sdk_version() -> str:
         return "unknown"
 
 
-class OtlpJsonTracer:
+class OtlpJsonTracer(SpanMapper):
     """The tracer hook writing OTLP/JSON export requests, `chunk_size` spans each, to `sink`."""
-
-    enabled = True
 
     def __init__(self, header: Header, sink: Callable[[bytes, int], None], *, clock_offset_ns: int,
                  chunk_size: int = 1024, max_pending_steps: int = 256, max_remembered: int = 65536):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        super().__init__(max_pending_steps, max_remembered)
         self.header, self.sink, self.chunk_size = header, sink, chunk_size
         self.clock_offset_ns = clock_offset_ns
         self.num_spans = 0
@@ -114,15 +112,8 @@ class OtlpJsonTracer:
         self._prefix = ('{"resourceSpans":[{"resource":%s,"scopeSpans":[{"scope":%s,"spans":['
                         % (orjson.dumps(self._resource).decode(), orjson.dumps(scope).decode()))
         self._chunk: list[str] = []  # finished spans as JSON text
-        self._max_pending_steps, self._max_remembered = max_pending_steps, max_remembered
         # request_id -> (trace_id, span_id, start_ns, attributes) of a request not finished yet
         self._open: dict[str, tuple[str, str, int, dict]] = {}
-        self._stats: dict[str, list[int]] = {}  # request_id -> [steps, drafted, accepted]
-        self._request_ctx: OrderedDict[str, tuple[str, str]] = OrderedDict()  # finished, for links
-        self._step_ctx: OrderedDict[int, tuple[str, str]] = OrderedDict()
-        self._pending: OrderedDict[int, list[tuple]] = OrderedDict()  # step -> stage spans
-        self._last_ns = 0
-        self._closed = False
 
     # -- the Tracer hook ----------------------------------------------------------------------
     def request(self, request_id: str, arrival_ns: int, prompt_len: int, max_tokens: int,
@@ -134,42 +125,19 @@ class OtlpJsonTracer:
         self._stats[request_id] = [0, 0, 0]
         self._last_ns = max(self._last_ns, arrival_ns)
 
-    def span(self, track: str, name: str, step: int | None, start_ns: int, end_ns: int,
-             **attrs: Any) -> None:
-        self._last_ns = max(self._last_ns, end_ns)
-        entry = (track, name, step, start_ns, end_ns, attrs)
-        if step is None or step in self._step_ctx:
-            self._emit_stage(entry, self._step_ctx.get(step))
-            return
-        self._pending.setdefault(step, []).append(entry)
-        if len(self._pending) > self._max_pending_steps:
-            self._emit_orphan_step(*self._pending.popitem(last=False))
-
     def step(self, step: int, kind: str, start_ns: int, end_ns: int,
              request_ids: Sequence[str], num_new_tokens: Sequence[int],
              kv_lens: Sequence[int], num_drafted: Sequence[int] | None = None,
              num_accepted: Sequence[int] | None = None,
              num_output: Sequence[int] | None = None) -> None:
         self._last_ns = max(self._last_ns, end_ns)
-        drafted = list(num_drafted) if num_drafted is not None else [0] * len(request_ids)
-        accepted = list(num_accepted) if num_accepted is not None else [0] * len(request_ids)
-        links = []
-        for rid, d, a in zip(request_ids, drafted, accepted):
-            ctx = self._request_context(rid)
-            if ctx is not None:
-                links.append({"traceId": ctx[0], "spanId": ctx[1], "flags": _FLAGS})
-            stats = self._stats.get(rid)
-            if stats is not None:
-                stats[0] += 1
-                stats[1] += d
-                stats[2] += a
+        drafted, accepted, contexts = self._tally(request_ids, num_drafted, num_accepted)
+        links = [{"traceId": c[0], "spanId": c[1], "flags": _FLAGS} for c in contexts]
         attrs = step_attributes(step, kind, len(request_ids), num_new_tokens, kv_lens, drafted, accepted,
                                 num_output)
         ctx = (_trace_id(), _span_id())
         self._end(ctx, None, "step", start_ns, end_ns, attrs, links=links)
-        self._remember(self._step_ctx, step, ctx)
-        for entry in self._pending.pop(step, ()):
-            self._emit_stage(entry, ctx)
+        self._step_known(step, ctx)
 
     def finish(self, request_id: str, finish_ns: int, finish_reason: str, output_len: int,
                first_token_ns: int | None, ttft_ns: int | None = None,
@@ -198,8 +166,7 @@ class OtlpJsonTracer:
         if self._closed:
             return
         self._closed = True
-        while self._pending:
-            self._emit_orphan_step(*self._pending.popitem(last=False))
+        self._drain_pending()
         for trace_id, span_id, start_ns, attrs in self._open.values():
             attrs["specsched.finished"] = False
             self._end((trace_id, span_id), None, f"{OPERATION} {self.header.model}", start_ns,
@@ -243,11 +210,6 @@ class OtlpJsonTracer:
     def _request_context(self, request_id: str) -> tuple[str, str] | None:
         opened = self._open.get(request_id)
         return opened[:2] if opened is not None else self._request_ctx.get(request_id)
-
-    def _remember(self, cache: OrderedDict, key: Any, value: Any) -> None:
-        cache[key] = value
-        if len(cache) > self._max_remembered:
-            cache.popitem(last=False)
 
     def _emit_stage(self, entry: tuple, parent: tuple[str, str] | None) -> None:
         # the attribute list is built directly (the most frequent span): OtelTracer._emit_stage's
