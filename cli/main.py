@@ -248,8 +248,6 @@ def bench(
 async def _stop_on_signal(scope, received: list[int]) -> None:
     """SIGINT or SIGTERM cancels the run: the engine aborts what is in flight and closes its
     worker, the streamed trace keeps every record so far, and the command exits 128 + signal."""
-    import signal
-
     import anyio
 
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

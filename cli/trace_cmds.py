@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from specsched.cli.common import _fail, _metrics_table, _print_json, _read_trace, app, check_output_path, console, user_errors
+from specsched.cli.common import _fail, _metrics_table, _print_json, app, check_output_path, console, user_errors
 
 
 @app.command()

@@ -144,10 +144,13 @@ class BatchBuilder:
 
     # -- slots a sequence needs this step ------------------------------------------------
     def slots_needed(self, req: Request, num_new: int, num_draft: int) -> dict[str, int]:
-        target = req.num_computed_tokens + num_new + num_draft
+        return self._slots(req.num_computed_tokens + num_new + num_draft)
+
+    def _slots(self, target):
+        """KV slots per model for `target` target slots (an int, or an array over rows): a
+        proposer's KV is reserved one token ahead (a draft model also sees the sampled token)."""
         slots = {"target": target}
         if self.config.proposer_model is not None:
-            # draft KV runs one token ahead of the target's (it also sees the sampled token)
             slots[self.config.proposer_model] = target + 1
         return slots
 
@@ -188,10 +191,7 @@ class BatchBuilder:
         if take.size == 0:
             return None
         reqs = [running[i] for i in take.tolist()]
-        target = computed[take] + 1 + draft
-        slots = {"target": target}
-        if cfg.proposer_model is not None:
-            slots[cfg.proposer_model] = target + 1  # see `slots_needed`
+        slots = self._slots(computed[take] + 1 + draft)
         need = self.blocks.pages_needed_many(self.blocks.rows([r.request_id for r in reqs]), slots)
         if int(need.sum()) > self.blocks.num_free_pages:
             return None  # someone is preempted: the general path chooses whom
@@ -288,7 +288,5 @@ class BatchBuilder:
             (s.request.num_computed_tokens + s.num_new_tokens
              + (draft_len if spec and s.num_new_tokens == 1 else s.num_draft) for s in batch.seqs),
             dtype=np.int64, count=len(batch.seqs))
-        slots = {"target": target}
-        if self.config.proposer_model is not None:
-            slots[self.config.proposer_model] = target + 1  # see `slots_needed`
-        self.blocks.allocate_many(self.blocks.rows([s.request.request_id for s in batch.seqs]), slots)
+        self.blocks.allocate_many(self.blocks.rows([s.request.request_id for s in batch.seqs]),
+                                  self._slots(target))
