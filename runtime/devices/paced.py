@@ -67,8 +67,10 @@ class PacedWorker:
             t0 = subs[0][1]
         end = t0 + paced_ns(self.pace, device_span_name(op, attrs), attrs)
         now = time.monotonic_ns()
-        if now >= end:
+        if now >= end and not subs:
             return result
+        # an op with substages that overran its pace is still restamped to end now: its
+        # substages alone may span less than the pace although the op as a whole took longer
         while now < end:  # sleep overshoots by tens of us; the last stretch is polled
             left = end - now
             time.sleep((left - 200_000) / 1e9 if left > 300_000 else 0)
