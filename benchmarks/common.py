@@ -1,8 +1,10 @@
 """Helpers shared by the benchmark scripts: run one engine configuration on the bundled
-workload and return its metrics and trace."""
+workload and return its metrics and trace; put another checkout's code on the path of a
+subprocess, for side-by-side runs."""
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import anyio
 
@@ -40,3 +42,13 @@ def run(items, *, concurrency: int = 1, warmup: int = 1, trace: bool = True, eng
 def median_span_ms(trace, name: str, track_prefix: str = "device:") -> float | None:
     vals = [(s.end_ns - s.start_ns) / 1e6 for s in trace.spans if s.name == name and s.track.startswith(track_prefix)]
     return statistics.median(vals) if vals else None
+
+
+def specsched_path(checkout: Path, workdir: Path) -> str:
+    """A folder in which `specsched` is `checkout`'s code, to put first on PYTHONPATH."""
+    pkg = workdir / "specsched"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for name in ("scheduler", "runtime", "traces", "simulator", "cli"):
+        if not (pkg / name).exists():
+            (pkg / name).symlink_to(checkout.resolve() / name)
+    return str(workdir)

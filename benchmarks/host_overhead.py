@@ -1,8 +1,10 @@
-"""Scheduler host cost per step (schedule + kv_alloc + plan) at 64, 256 and 1024 running requests.
+"""Scheduler host cost per step (schedule + kv_alloc + plan + accept) at 64, 256 and 1024 running requests.
 
 Runs the real scheduler code (BatchBuilder, BlockManager, message packing with the
-FlashInfer-layout plan) on N decoding requests, for plain decode steps and speculative
-(verify, D=4) steps, and prints the median milliseconds per stage. No model is involved:
+FlashInfer-layout plan, the bookkeeping of the device's result: counters, accepted lengths,
+speculation statistics and trimming of rejected slots) on N decoding requests, for plain
+decode steps and speculative (verify, D=4) steps, and prints the median milliseconds per
+stage. No model is involved:
 this is the CPU work that must hide behind the device.
 
     python benchmarks/host_overhead.py [--requests 64 256 1024] [--steps 200]
@@ -20,12 +22,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from specsched.scheduler import messages
-from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
-from specsched.scheduler.block_manager import BlockManager
-from specsched.scheduler.proposer import ProposerSpec
-from specsched.scheduler.request import Request
-from specsched.scheduler.sampling_params import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import specsched_path  # noqa: E402
+
+from specsched.scheduler import messages  # noqa: E402
+from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig  # noqa: E402
+from specsched.scheduler.block_manager import BlockManager  # noqa: E402
+from specsched.scheduler.proposer import ProposerSpec  # noqa: E402
+from specsched.scheduler.request import Request  # noqa: E402
+from specsched.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 
 def measure(num_requests: int, steps: int, draft_len: int, prompt_len: int = 512) -> dict[str, float]:
@@ -39,10 +45,9 @@ def measure(num_requests: int, steps: int, draft_len: int, prompt_len: int = 512
         builder.add(Request(f"r{i}", list(range(prompt_len)), params, arrival_ns=0))
     batch = builder.schedule()  # the prefill step
     builder.allocate(batch)
-    for s in batch.seqs:
-        s.request.num_computed_tokens += s.num_new_tokens
-        s.request.output_token_ids.append(1)
-    times: dict[str, list[float]] = {"schedule": [], "kv_alloc": [], "plan": []}
+    book = _bookkeeping(builder, spec)
+    book(batch)
+    times: dict[str, list[float]] = {"schedule": [], "kv_alloc": [], "plan": [], "accept": []}
     for _ in range(steps):
         t0 = time.perf_counter()
         batch = builder.schedule()
@@ -55,26 +60,79 @@ def measure(num_requests: int, steps: int, draft_len: int, prompt_len: int = 512
         else:
             messages.forward_message(batch, blocks)
         t3 = time.perf_counter()
+        book(batch)  # every draft accepted: sequences grow by D + 1
         times["schedule"].append(t1 - t0)
         times["kv_alloc"].append(t2 - t1)
         times["plan"].append(t3 - t2)
-        for s in batch.seqs:  # pretend every draft was accepted: sequences grow by D + 1
-            r = s.request
-            r.num_computed_tokens += 1 + s.num_draft
-            r.output_token_ids.extend([1] * (1 + s.num_draft))
+        times["accept"].append(book.seconds)
     out = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     out["total"] = sum(out.values())
     return out
 
 
-def _specsched_path(checkout: Path, workdir: Path) -> str:
-    """A folder in which `specsched` is `checkout`'s code, to put first on PYTHONPATH."""
-    pkg = workdir / "specsched"
-    pkg.mkdir(parents=True, exist_ok=True)
-    for name in ("scheduler", "runtime", "traces", "simulator", "cli"):
-        if not (pkg / name).exists():
-            (pkg / name).symlink_to(checkout.resolve() / name)
-    return str(workdir)
+def _bookkeeping(builder, spec):
+    """The pipeline's bookkeeping after a step's device result (every draft accepted), timed
+    without the output stage's appends: the counters, speculation statistics and trimming of
+    rejected slots. Code without the batch builder's whole-array bookkeeping runs the
+    pipeline's per-row loop it had instead."""
+    kv_ahead = spec.kv_ahead if spec.kv_model is not None else None
+
+    def arrays(batch):
+        t0 = time.perf_counter()
+        if batch.is_spec:
+            accepted = batch.num_draft
+            before = builder.advance_verify(batch, accepted)
+            builder.record_verify(batch, before, accepted, batch.num_draft, spec.kv_ahead)
+            run.seconds = time.perf_counter() - t0
+            for r, d in zip(batch.requests, batch.num_draft.tolist()):
+                r.extend_output([1] * (1 + d))
+            t1 = time.perf_counter()
+            builder.trim_rejected(batch)
+            run.seconds += time.perf_counter() - t1
+        else:
+            builder.advance_forward(batch, kv_ahead)
+            builder.complete_forward(batch)
+            run.seconds = time.perf_counter() - t0
+            for r in batch.requests:
+                r.extend_output([1])
+
+    def rows(batch):
+        t0 = time.perf_counter()
+        seqs = batch.seqs
+        if batch.is_spec:
+            accepted = [s.num_draft for s in seqs]
+            before = [s.request.num_tokens for s in seqs]
+            for s, a in zip(seqs, accepted):
+                s.request.num_computed_tokens += 1 + a
+            for s, L, a in zip(seqs, before, accepted):
+                r = s.request
+                r.record_spec(s.num_draft, a)
+                r.num_proposer_computed = L + a + spec.kv_ahead
+            run.seconds = time.perf_counter() - t0
+            for s in seqs:
+                s.request.output_token_ids.extend([1] * (1 + s.num_draft))
+            t1 = time.perf_counter()
+            for s in seqs:
+                builder.blocks.trim(s.request.request_id, "target", s.request.num_tokens)
+            run.seconds += time.perf_counter() - t1
+        else:
+            for s in seqs:
+                r = s.request
+                r.num_computed_tokens += s.num_new_tokens
+                if s.samples:
+                    r.num_pending_tokens += 1
+                if kv_ahead is not None:
+                    r.num_proposer_computed = r.num_computed_tokens + (kv_ahead if s.samples else 0)
+            for s in seqs:
+                if s.samples:
+                    s.request.num_pending_tokens -= 1
+            run.seconds = time.perf_counter() - t0
+            for s in seqs:
+                s.request.output_token_ids.append(1)
+
+    run = arrays if hasattr(builder, "advance_verify") else rows
+    run.seconds = 0.0
+    return run
 
 
 def main() -> None:
@@ -91,25 +149,26 @@ def main() -> None:
         print(json.dumps([measure(n, args.steps, d) for n, d, _ in cases]))
         return
     if args.baseline is None:
-        print(f"{'running':>8} {'step':>10} {'schedule':>9} {'kv_alloc':>9} {'plan':>9} {'total ms':>9}")
+        print(f"{'running':>8} {'step':>10} {'schedule':>9} {'kv_alloc':>9} {'plan':>9} {'accept':>9} {'total ms':>9}")
         for n, d, kind in cases:
             m = measure(n, args.steps, d)
-            print(f"{n:>8} {kind:>10} {m['schedule']:>9.3f} {m['kv_alloc']:>9.3f} {m['plan']:>9.3f} {m['total']:>9.3f}")
+            print(f"{n:>8} {kind:>10} {m['schedule']:>9.3f} {m['kv_alloc']:>9.3f} {m['plan']:>9.3f} "
+                  f"{m['accept']:>9.3f} {m['total']:>9.3f}")
         return
     runs: dict[str, list[list[dict]]] = {"this": [], "baseline": []}
     with tempfile.TemporaryDirectory() as tmp:
         envs = {"this": dict(os.environ),
-                "baseline": {**os.environ, "PYTHONPATH": _specsched_path(args.baseline, Path(tmp))}}
+                "baseline": {**os.environ, "PYTHONPATH": specsched_path(args.baseline, Path(tmp))}}
         cmd = [sys.executable, __file__, "--json", "--steps", str(args.steps), "--requests",
                *map(str, args.requests)]
         for r in range(args.rounds):
             for name in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
                 out = subprocess.run(cmd, env=envs[name], capture_output=True, text=True, check=True).stdout
                 runs[name].append(json.loads(out))
-    print(f"median of {args.rounds} alternating rounds, ms per step (schedule + kv_alloc + plan)")
+    print(f"median of {args.rounds} alternating rounds, ms per step (schedule + kv_alloc + plan + accept)")
     print(f"{'running':>8} {'step':>10} {'stage':>9} {'baseline':>9} {'this':>9} {'ratio':>7}")
     for i, (n, _, kind) in enumerate(cases):
-        for stage in ("schedule", "kv_alloc", "plan", "total"):
+        for stage in ("schedule", "kv_alloc", "plan", "accept", "total"):
             a = statistics.median(run[i][stage] for run in runs["baseline"])
             b = statistics.median(run[i][stage] for run in runs["this"])
             print(f"{n:>8} {kind:>10} {stage:>9} {a:>9.3f} {b:>9.3f} {b / a:>6.2f}x")

@@ -15,6 +15,7 @@ import anyio
 from specsched.runtime.engine import AsyncEngine
 from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.workload import WorkItem
+from specsched.scheduler.proposer import RULES
 from specsched.traces.hook import MultiTracer
 from specsched.traces.metrics import compute_metrics
 from specsched.traces.recorder import MemoryRecorder, TraceRecorder, write_trace
@@ -143,7 +144,7 @@ async def _record_agreement(engine, items, outputs, mem) -> None:
         prompt = engine.validate(it.prompt, it.params)
         ev = engine.device.stream("draft").launch("agreement", {"prompt": prompt, "output": out.token_ids})
         by_id[f"r{i}"] = await ev.wait()
-    kind = "first_token" if engine.config.proposer in ("mtp", "eagle") else "teacher_forced"
+    kind = RULES[engine.config.proposer].agreement
     for rec in mem.records:
         if isinstance(rec, dict) and rec.get("type") == "finish" and rec["request_id"] in by_id:
             rec["agreement"] = by_id[rec["request_id"]]["agreement"]

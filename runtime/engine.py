@@ -3,8 +3,11 @@
 Why: users embed the engine in their own asyncio/anyio program. Each `generate` call adds a
 request to the shared pipeline, so concurrent calls are batched together (continuous
 batching); cancelling the consuming task or `abort(request_id)` aborts the request and
-frees its pages. The pipeline runs as a task of the engine's task group; leaving the
-`async with` block finishes or aborts every request and joins every task.
+frees its pages. The pipeline's step loop hands each request its new token ids; the request's
+consumer (the `generate` generator) detokenizes them and applies the stop strings, and a stop
+string finishes the request through `Pipeline.stop_request`. The pipeline runs as a task of
+the engine's task group; leaving the `async with` block finishes or aborts every request and
+joins every task.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from specsched.scheduler.batch_builder import SchedulerConfig, max_pages_needed
 from specsched.scheduler.block_manager import KVPoolStats
 from specsched.scheduler.errors import ConfigurationError, EngineClosedError, InvalidRequestError
 from specsched.scheduler.pipeline import Pipeline
+from specsched.scheduler.proposer import RULES
 from specsched.scheduler.request import Request
 from specsched.scheduler.sampling_params import SamplingParams
 from specsched.scheduler.wiring import build_pipeline, scheduler_config
@@ -50,40 +54,50 @@ class RequestOutput:
     spec: dict = field(default_factory=dict)  # per-request speculative stats (on finish)
 
 
+@dataclass
+class _Tokens:
+    """Stream item: token ids the pipeline appended to the request's output (not decoded)."""
+    token_ids: list[int]
+
+
+@dataclass
+class _Finished:
+    """Stream item: the pipeline finished the request."""
+    reason: str | None
+    error: str | None
+    num_output_tokens: int
+    spec: dict
+
+
 class _Stream:
-    """Outputs of one request; bounded by max_tokens + 1 items by construction."""
+    """Items of one request, from the pipeline to its consumer (`generate`); bounded by
+    max_tokens + 1 items by construction (each `_Tokens` holds at least one token)."""
 
     def __init__(self) -> None:
-        self.items: deque[RequestOutput] = deque()
+        self.items: deque[_Tokens | _Finished] = deque()
         self.event = anyio.Event()
 
-    def push(self, out: RequestOutput) -> None:
-        self.items.append(out)
+    def push(self, item: _Tokens | _Finished) -> None:
+        self.items.append(item)
         self.event.set()
 
 
 class _Sink:
+    """The pipeline's side of each request's stream: raw token ids and the finish go into it;
+    the step loop does no detokenizing (the consumer, `AsyncEngine.generate`, does)."""
+
     def __init__(self, engine: "AsyncEngine"):
         self.engine = engine
 
-    def on_tokens(self, req: Request, token_ids: list[int]) -> tuple[int, str | None]:
+    def on_tokens(self, req: Request, token_ids: list[int]) -> None:
         st = self.engine._streams.get(req.request_id)
-        detok = self.engine._detok.get(req.request_id)
-        if detok is None:
-            return len(token_ids), None
-        keep, reason, text = detok.add(token_ids, req.params.stop)
-        if st is not None and (keep or text):
-            st.push(RequestOutput(req.request_id, token_ids[:keep], text,
-                                  num_output_tokens=req.num_output_tokens + keep))
-        return keep, reason
+        if st is not None and token_ids:
+            st.push(_Tokens(list(token_ids)))
 
     def on_finish(self, req: Request) -> None:
-        detok = self.engine._detok.pop(req.request_id, None)
-        tail = detok.flush() if detok is not None else ""  # empty after a stop string
         st = self.engine._streams.get(req.request_id)
         if st is not None:
-            st.push(RequestOutput(req.request_id, [], tail, True, req.finish_reason, req.error,
-                                  req.num_output_tokens, req.spec_stats()))
+            st.push(_Finished(req.finish_reason, req.error, req.num_output_tokens, req.spec_stats()))
 
 
 class _Detokenizer:
@@ -170,7 +184,6 @@ class AsyncEngine:
         self.config = config or EngineConfig()
         self.tracer = tracer or NULL_TRACER
         self._streams: dict[str, _Stream] = {}
-        self._detok: dict[str, _Detokenizer] = {}
         self._ids = itertools.count()
         self._pipeline: Pipeline | None = None
         self._tg = None
@@ -193,9 +206,10 @@ class AsyncEngine:
         from specsched.runtime import bundled
 
         c = self.config
-        if c.proposer == "draft":
+        option = RULES[c.proposer].checkpoint
+        if option == "draft":
             return c.draft or str(bundled.draft_dir())
-        if c.proposer in ("mtp", "eagle"):
+        if option == "mtp_head":
             return c.mtp_head or str(bundled.mtp_dir())
         return None
 
@@ -203,8 +217,7 @@ class AsyncEngine:
         """Checkpoint folders that are not there and a device this machine lacks are the
         user's input errors, named before anything loads or starts."""
         c = self.config
-        for option, path in (("model", self.model_dir), ("draft", self._proposer_dir() if c.proposer == "draft" else None),
-                             ("mtp_head", self._proposer_dir() if c.proposer in ("mtp", "eagle") else None)):
+        for option, path in (("model", self.model_dir), (RULES[c.proposer].checkpoint, self._proposer_dir())):
             if path is not None and not Path(path).is_dir():
                 what = "not a folder" if Path(path).exists() else "folder not found"
                 raise ConfigurationError(f"{option} {path}: {what} (expected a checkpoint folder "
@@ -217,8 +230,8 @@ class AsyncEngine:
                                          "(torch.cuda.is_available() is False); use device 'host'")
 
     def _check_tokenizers(self) -> None:
-        if self.config.proposer != "draft":
-            return
+        if RULES[self.config.proposer].checkpoint != "draft":
+            return  # only a draft model has a vocabulary of its own
         d = self._proposer_dir()
         other = Tokenizer(d)
         if other.fingerprint() != self.tokenizer.fingerprint():
@@ -365,10 +378,10 @@ class AsyncEngine:
                 f"prompt of {len(ids)} tokens is longer than the model allows ({self.max_model_len - 1})"
             )
         c = self.config
-        if c.proposer == "eagle" and params.temperature > 0:
+        if RULES[c.proposer].greedy_only and params.temperature > 0:
             raise InvalidRequestError(
-                "the eagle (tree) proposer verifies greedily only: use temperature 0, or a linear "
-                "proposer (draft, mtp, ngram) for sampling"
+                f"the {c.proposer} (tree) proposer verifies greedily only: use temperature 0, or a "
+                "linear proposer (draft, mtp, ngram) for sampling"
             )
         need = len(ids) + params.max_tokens + c.proposer_spec().num_candidates + 1
         if need > self.max_model_len:
@@ -395,23 +408,37 @@ class AsyncEngine:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         st = _Stream()
         self._streams[rid] = st
-        self._detok[rid] = _Detokenizer(self.tokenizer)
         req = Request(rid, ids, params, arrival_ns=time.monotonic_ns())
         self._pipeline.add_request(req)
+        # This consumer detokenizes and applies the stop strings, off the pipeline's step loop.
+        detok = _Detokenizer(self.tokenizer)
+        kept = 0  # output tokens streamed so far
+        stopped = False
         try:
             while True:
                 while st.items:
-                    out = st.items.popleft()
-                    yield out
-                    if out.finished:
+                    item = st.items.popleft()
+                    if isinstance(item, _Finished):
+                        yield RequestOutput(rid, [], detok.flush(), True, item.reason, item.error,
+                                            item.num_output_tokens, item.spec)
                         return
+                    keep, reason, text = detok.add(item.token_ids, params.stop)
+                    kept += keep
+                    if reason is not None:  # a stop string: the request ends at its last token
+                        stopped = True
+                        self._pipeline.stop_request(rid, kept)
+                        yield RequestOutput(rid, item.token_ids[:keep], text, True, reason, None,
+                                            kept, req.spec_stats())
+                        return
+                    if keep or text:
+                        yield RequestOutput(rid, item.token_ids[:keep], text, num_output_tokens=kept)
                 st.event = anyio.Event()
                 if st.items:
                     continue
                 await st.event.wait()
         finally:
             self._streams.pop(rid, None)
-            if self._pipeline is not None:
+            if self._pipeline is not None and not stopped:
                 self._pipeline.abort(rid)
 
     def abort(self, request_id: str) -> bool:

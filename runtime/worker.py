@@ -5,7 +5,7 @@ host's messages say which positions to compute; the tokens the device itself pro
 (samples, accepted drafts, bonus tokens) never need a round trip before the next launch.
 That is what lets the `overlap` and `mtp` schedules keep the host off the critical path.
 
-Ops (see scheduler/messages.py for the messages):
+Ops (scheduler/messages.py defines their typed messages and results):
   forward  target forward of prefill chunks / decodes, sampling rows that reach their end
   draft    the proposer's D tokens for each row, in one launch
   verify   target over [last token, candidates]; acceptance; emits accepted + 1 tokens
@@ -25,6 +25,8 @@ from specsched.runtime.checkpoint import load_model
 from specsched.runtime.proposers.factory import make_proposer
 from specsched.runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
 from specsched.runtime.verify import greedy_verify, rejection_verify, threshold_verify
+from specsched.scheduler.messages import (DraftMessage, DraftResult, FillMessage, FillResult, ForwardMessage,
+                                          ForwardResult, VerifyMessage, VerifyResult)
 from specsched.scheduler.plan import AttentionPlan
 from specsched.scheduler.proposer import ProposerSpec
 
@@ -81,9 +83,11 @@ class ModelWorker:
         self.last_hidden: dict | None = None  # target hidden states of the latest target launch
 
     # -- dispatch -------------------------------------------------------------------------------
-    def execute(self, op: str, batch: dict) -> Any:
-        for slot in batch.get("release", ()):
-            self.states.pop(int(slot), None)
+    def execute(self, op: str, batch: Any) -> Any:
+        """Run one op: a pipeline op's typed message (scheduler/messages.py), or a dict for
+        the service ops (ping, agreement)."""
+        for slot in getattr(batch, "release", ()):
+            self.states.pop(slot, None)
         fn = getattr(self, f"op_{op}", None)
         if fn is None:
             raise ValueError(f"unknown op {op!r}")
@@ -93,34 +97,31 @@ class ModelWorker:
     def op_ping(self, batch: dict) -> dict:
         return {"ok": True, "num_states": len(self.states)}
 
-    def _register(self, batch: dict) -> None:
-        for slot, token_ids, p in batch.get("register", ()):
-            self.states[int(slot)] = SeqState(
-                list(token_ids), float(p["temperature"]), int(p["top_k"]), float(p["top_p"]),
-                make_generator(p["seed"], self.device),
-            )
+    def _register(self, msg: ForwardMessage) -> None:
+        for r in msg.register:
+            self.states[r.slot] = SeqState(list(r.token_ids), float(r.temperature), int(r.top_k),
+                                           float(r.top_p), make_generator(r.seed, self.device))
 
     def sampling_tensors(self, rows: list[SeqState], repeat: int = 1) -> SamplingTensors:
         """The rows' sampling parameters on this device, each row repeated `repeat` times."""
         rows = [s for s in rows for _ in range(repeat)]
         return SamplingTensors.from_params(rows, [s.generator for s in rows], self.device)
 
-    def plan(self, msg: dict) -> tuple[AttentionPlan, Any, torch.Tensor]:
-        plan = AttentionPlan.from_message(msg)
+    def plan(self, plan: AttentionPlan) -> tuple[AttentionPlan, Any, torch.Tensor]:
         step = self.backend.prepare(plan, self.device)
         positions = torch.as_tensor(plan.positions, device=self.device)
         return plan, step, positions
 
     # -- target forward (prefill / decode / mixed) ----------------------------------------------
-    def op_forward(self, msg: dict) -> dict:
+    def op_forward(self, msg: ForwardMessage) -> ForwardResult:
         self._register(msg)
-        slots = [int(s) for s in msg["slots"]]
+        slots = msg.slots.tolist()
         rows = [self.states[s] for s in slots]
-        start, num_new, samples = msg["start"], msg["num_new"], msg["samples"]
+        samples = msg.samples.tolist()
         ids = []
-        for st, a, n in zip(rows, start, num_new):
-            ids.extend(st.tokens[int(a) : int(a) + int(n)])
-        plan, step, positions = self.plan(msg["plan"])
+        for st, a, n in zip(rows, msg.start.tolist(), msg.num_new.tolist()):
+            ids.extend(st.tokens[a : a + n])
+        plan, step, positions = self.plan(msg.plan)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         last = plan.qo_indptr[1:] - 1
         sample_rows = [i for i in range(len(slots)) if samples[i]]
@@ -137,20 +138,19 @@ class ModelWorker:
                 rows[i].tokens.append(int(t))
                 tokens[i] = t
         if self.proposer.needs_hidden:
-            self.last_hidden = {"step": msg["step"], "op": "forward", "hidden": out.hidden,
+            self.last_hidden = {"step": msg.step, "op": "forward", "hidden": out.hidden,
                                 "qo_indptr": plan.qo_indptr, "slots": slots}
-        return {"tokens": tokens}
+        return ForwardResult(tokens)
 
     # -- speculation ------------------------------------------------------------------------------
-    def op_draft(self, msg: dict) -> dict:
-        num = self.proposer.draft(msg)
-        return {"num_drafts": num}
+    def op_draft(self, msg: DraftMessage) -> DraftResult:
+        return DraftResult(self.proposer.draft(msg))
 
-    def op_verify(self, msg: dict) -> dict:
+    def op_verify(self, msg: VerifyMessage) -> VerifyResult:
         t0 = time.monotonic_ns()
-        slots = [int(s) for s in msg["slots"]]
+        slots = msg.slots.tolist()
         rows = [self.states[s] for s in slots]
-        plan, step, positions = self.plan(msg["plan"])
+        plan, step, positions = self.plan(msg.plan)
         width = int(plan.qo_lens[0])
         ids = []
         num_drafts = []
@@ -187,7 +187,7 @@ class ModelWorker:
             emitted = res.to_lists()
             accepted = res.num_accepted.tolist()
             if self.proposer.needs_hidden:
-                self.last_hidden = {"step": msg["step"], "op": "verify", "hidden": out.hidden,
+                self.last_hidden = {"step": msg.step, "op": "verify", "hidden": out.hidden,
                                     "qo_indptr": plan.qo_indptr, "slots": slots, "accepted": accepted,
                                     "emitted": emitted}
         for st, toks in zip(rows, emitted):
@@ -195,13 +195,12 @@ class ModelWorker:
             st.drafts = []
             st.draft_q = None
         t2 = time.monotonic_ns()
-        return {"accepted": np.asarray(accepted, dtype=np.int64), "tokens": emitted,
-                "num_drafts": np.asarray(num_drafts, dtype=np.int64),
-                "_substages": [("verify", t0, t1), ("accept", t1, t2)]}
+        return VerifyResult(np.asarray(accepted, dtype=np.int64), emitted,
+                            np.asarray(num_drafts, dtype=np.int64), (("verify", t0, t1), ("accept", t1, t2)))
 
-    def op_fill(self, msg: dict) -> dict:
+    def op_fill(self, msg: FillMessage) -> FillResult:
         self.proposer.fill(msg)
-        return {}
+        return FillResult()
 
     def op_agreement(self, msg: dict) -> dict:
         """Per output position: does the proposer's greedy guess equal the emitted token?"""

@@ -8,9 +8,11 @@ request in it. When pages run out the most recently admitted running request is 
 (pages freed, recomputed later from prompt + outputs); a request is never dropped. A request
 that could not fit in the pool even alone is rejected by `add`.
 
-Every scheduled sequence computes tokens [num_computed_tokens, num_computed_tokens +
-num_new_tokens) and samples iff that reaches its last token. A decode is the special case
-num_new_tokens == 1; a speculative decode adds `num_draft` drafted tokens (at most D, and
+The steady state (every running request decodes) is scheduled with whole-array operations on
+the per-slot arrays (scheduler/slot_state.py); admission, chunking and preemption walk the
+few requests they touch. Every scheduled row computes tokens [num_computed_tokens,
+num_computed_tokens + num_new) and samples iff that reaches its last token. A decode is the special case
+num_new == 1; a speculative decode adds `num_draft` drafted tokens (at most D, and
 fewer near max_tokens), but its verification always covers 1 + D positions
 (D = `draft_len`), so budget and KV pages are reserved for 1 + D per row.
 """
@@ -24,6 +26,7 @@ import numpy as np
 from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.errors import InvalidRequestError
 from specsched.scheduler.request import Request, RequestState
+from specsched.scheduler.slot_state import SlotTable
 
 
 @dataclass(frozen=True)
@@ -56,24 +59,23 @@ def max_pages_needed(config: SchedulerConfig, page_size: int, num_prompt_tokens:
     return pages
 
 
-@dataclass
-class ScheduledSeq:
-    request: Request
-    num_new_tokens: int  # target tokens computed this step (prefill chunk or 1)
-    num_draft: int = 0  # tokens to draft (decode-only batches; <= D, capped by max_tokens)
-    samples: bool = field(init=False)  # this step produces an output token for the request
-    prefill: bool = field(init=False)  # the request was in prefill when scheduled
-
-    def __post_init__(self) -> None:
-        r = self.request
-        self.samples = r.num_computed_tokens + self.num_new_tokens >= r.num_tokens
-        self.prefill = r.in_prefill
-
-
-@dataclass
+@dataclass(eq=False)
 class StepBatch:
+    """One step's rows as arrays over the B scheduled requests (in `requests` order).
+
+    Every row computes target tokens [start, start + num_new) and samples iff that reaches
+    its last token; a speculative row also drafts `num_draft` tokens (its verification
+    covers 1 + D positions whatever it drafted)."""
+
     step: int
-    seqs: list[ScheduledSeq]
+    requests: list[Request]
+    slots: np.ndarray  # [B] int64: each request's slot (page-table row, device state)
+    start: np.ndarray  # [B] int64: num_computed_tokens when scheduled
+    num_new: np.ndarray  # [B] int64: target tokens computed this step (prefill chunk or 1)
+    num_draft: np.ndarray  # [B] int64: tokens to draft (decode-only batches; <= D)
+    samples: np.ndarray  # [B] bool: this step produces an output token for the row
+    prefill: np.ndarray  # [B] bool: the request was in prefill when scheduled
+    gen: np.ndarray  # [B] int64: the slots' generations when scheduled (see `live`)
     preempted: list[Request] = field(default_factory=list)
 
     # A batch's rows and draft counts are fixed once `schedule` returns it, so whether it
@@ -83,36 +85,46 @@ class StepBatch:
     kind: str = field(init=False)  # spec / decode / prefill / mixed, as scheduled
 
     def __post_init__(self) -> None:
-        self.is_spec = any(s.num_draft > 0 for s in self.seqs)
-        num_prefill = sum(1 for s in self.seqs if s.prefill)
+        self.is_spec = bool(self.num_draft.any())
+        num_prefill = int(self.prefill.sum())
         if self.is_spec:
             self.kind = "spec"
         elif not num_prefill:
             self.kind = "decode"
         else:
-            self.kind = "prefill" if num_prefill == len(self.seqs) else "mixed"
+            self.kind = "prefill" if num_prefill == len(self.requests) else "mixed"
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens + s.num_draft for s in self.seqs)
+        return int(self.num_new.sum() + self.num_draft.sum())
 
     def __len__(self) -> int:
-        return len(self.seqs)
+        return len(self.requests)
+
+
+def _empty_batch(step: int, preempted: list[Request]) -> StepBatch:
+    z = np.zeros(0, dtype=np.int64)
+    return StepBatch(step, [], z, z, z, z, z.astype(bool), z.astype(bool), z, preempted)
 
 
 class BatchBuilder:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager):
         self.config = config
         self.blocks = blocks
+        # per-request counters by slot; a slot is also the request's page-table row
+        self.table = SlotTable(max(8, config.max_num_seqs), max(1, config.draft_len))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._running_slots: np.ndarray | None = None  # slots of `running`, in order
+        self._ids: set[str] = set()  # ids queued or running
         self._step = 0
 
     # -- queue management ---------------------------------------------------------------
     def add(self, request: Request) -> None:
-        """Queue a request; InvalidRequestError if it could never fit in the KV pool alone."""
+        """Queue a request (it gets its slot); InvalidRequestError if it could never fit in
+        the KV pool alone, or its id is queued or running."""
         rid = request.request_id
-        if any(r.request_id == rid for r in self.running) or any(r.request_id == rid for r in self.waiting):
+        if rid in self._ids:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         need = self.max_pages_needed(request)
         if need > self.blocks.num_pages:
@@ -121,6 +133,9 @@ class BatchBuilder:
                 f"({request.params.max_tokens}) may need {need} KV pages, the pool has "
                 f"{self.blocks.num_pages}"
             )
+        slot = self.table.attach(request)
+        self.blocks.bind(rid, slot)
+        self._ids.add(rid)
         request.state = RequestState.WAITING
         self.waiting.append(request)
 
@@ -130,17 +145,29 @@ class BatchBuilder:
                                 request.params.max_tokens)
 
     def remove(self, request: Request) -> None:
-        """Take a finished/aborted request out of the queues and free its pages."""
+        """Take a finished/aborted request out of the queues, free its pages and its slot."""
+        if request.request_id not in self._ids:
+            return
         # membership first: a failed deque.remove formats the request's repr into its error
         if request in self.running:
             self.running.remove(request)
+            self._running_slots = None
         if request in self.waiting:
             self.waiting.remove(request)
         self.blocks.free(request.request_id)
+        self.table.detach(request)
+        self._ids.discard(request.request_id)
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def running_slots(self) -> np.ndarray:
+        """[R] slots of the running requests, in their order."""
+        if self._running_slots is None:
+            self._running_slots = np.fromiter((r.slot for r in self.running), dtype=np.int64,
+                                              count=len(self.running))
+        return self._running_slots
 
     # -- slots a sequence needs this step ------------------------------------------------
     def slots_needed(self, req: Request, num_new: int, num_draft: int) -> dict[str, int]:
@@ -156,12 +183,22 @@ class BatchBuilder:
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
-        self.blocks.free(victim.request_id)
+        self._running_slots = None
+        self.blocks.release_pages(victim.request_id)
         victim.state = RequestState.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_proposer_computed = 0
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
+
+    def _batch(self, reqs: list[Request], slots: np.ndarray, start: np.ndarray, num_new: np.ndarray,
+               num_draft: np.ndarray, prefill: np.ndarray, preempted: list[Request]) -> StepBatch:
+        t = self.table
+        total = t.prompt_len[slots] + t.num_output[slots] + t.pending[slots]
+        batch = StepBatch(self._step, reqs, slots, start, num_new, num_draft, start + num_new >= total,
+                          prefill, t.gen[slots], preempted)
+        self._step += 1
+        return batch
 
     # -- the schedule stage ---------------------------------------------------------------
     def schedule(self) -> StepBatch:
@@ -176,11 +213,11 @@ class BatchBuilder:
         cfg, running = self.config, self.running
         if not running or (self.waiting and len(running) < cfg.max_num_seqs):
             return None
-        n = len(running)
-        computed = np.fromiter((r.num_computed_tokens for r in running), dtype=np.int64, count=n)
-        prompt = np.fromiter((r.num_prompt_tokens for r in running), dtype=np.int64, count=n)
-        emitted = np.fromiter((len(r.output_token_ids) + r.num_pending_tokens for r in running),
-                              dtype=np.int64, count=n)
+        t = self.table
+        slots = self.running_slots()
+        computed = t.computed[slots]
+        prompt = t.prompt_len[slots]
+        emitted = t.num_output[slots] + t.pending[slots]
         todo = prompt + emitted - computed
         if (todo > 1).any() or (computed < prompt).any():
             return None  # a prefill or recompute in the batch: no speculation, the general path
@@ -188,24 +225,28 @@ class BatchBuilder:
         active = np.flatnonzero(todo == 1)
         # rows in order while the token budget holds their verification (1 + D each)
         take = active[: min(active.size, cfg.max_num_batched_tokens // (1 + draft))]
-        if take.size == 0:
+        n = take.size
+        if n == 0:
             return None
-        reqs = [running[i] for i in take.tolist()]
-        slots = self._slots(computed[take] + 1 + draft)
-        need = self.blocks.pages_needed_many(self.blocks.rows([r.request_id for r in reqs]), slots)
+        if n == len(running):
+            reqs, rows = list(running), slots
+        else:
+            reqs, rows, computed, emitted = [running[i] for i in take.tolist()], slots[take], computed[take], emitted[take]
+        need = self.blocks.pages_needed_many(rows, self._slots(computed + 1 + draft))
         if int(need.sum()) > self.blocks.num_free_pages:
             return None  # someone is preempted: the general path chooses whom
-        max_tokens = np.fromiter((r.params.max_tokens for r in reqs), dtype=np.int64, count=len(reqs))
-        remaining = max_tokens - emitted[take]  # `Request.remaining_tokens`
-        num_draft = np.minimum(draft, np.maximum(0, remaining - 1)).tolist()
-        batch = StepBatch(self._step, [ScheduledSeq(r, 1, d) for r, d in zip(reqs, num_draft)], [])
-        self._step += 1
-        return batch
+        remaining = t.max_tokens[rows] - emitted  # `Request.remaining_tokens`
+        num_draft = np.minimum(draft, np.maximum(0, remaining - 1))
+        one = np.ones(n, dtype=np.int64)
+        return self._batch(reqs, rows, computed, one, num_draft, np.zeros(n, dtype=bool), [])
 
     def _schedule_general(self) -> StepBatch:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        seqs: list[ScheduledSeq] = []
+        reqs: list[Request] = []
+        new_l: list[int] = []
+        draft_l: list[int] = []
+        prefill_l: list[bool] = []
         preempted: list[Request] = []
         # Speculate only on a decode-only batch: every running request decodes and no waiting
         # one can be admitted (none waits, or every seat is taken).
@@ -218,6 +259,12 @@ class BatchBuilder:
             # a verification computes (and writes KV for) all 1 + D positions of every row
             d = draft if n == 1 else 0
             return self.blocks.pages_needed(req.request_id, self.slots_needed(req, n, d))
+
+        def take(req: Request, n: int, d: int) -> None:
+            reqs.append(req)
+            new_l.append(n)
+            draft_l.append(d)
+            prefill_l.append(req.in_prefill)
 
         gone: set[int] = set()  # ids of requests preempted in this loop
         for req in list(self.running):
@@ -245,8 +292,7 @@ class BatchBuilder:
                 gone.add(id(req))
                 continue
             planned += pages
-            d = min(draft, max(0, req.remaining_tokens - 1)) if n == 1 else 0
-            seqs.append(ScheduledSeq(req, n, d))
+            take(req, n, min(draft, max(0, req.remaining_tokens - 1)) if n == 1 else 0)
             budget -= n + (draft if n == 1 else 0)
             if budget <= 0:
                 break
@@ -266,27 +312,77 @@ class BatchBuilder:
             self.waiting.popleft()
             req.state = RequestState.RUNNING
             self.running.append(req)
+            self._running_slots = None
             planned += pages
-            seqs.append(ScheduledSeq(req, n, 0))
+            take(req, n, 0)
             budget -= n
 
-        if draft and any(s.prefill for s in seqs):
-            for s in seqs:
-                s.num_draft = 0
-        batch = StepBatch(self._step, seqs, preempted)
-        self._step += 1
-        return batch
+        if not reqs:
+            batch = _empty_batch(self._step, preempted)
+            self._step += 1
+            return batch
+        prefill = np.array(prefill_l, dtype=bool)
+        num_draft = np.array(draft_l, dtype=np.int64)
+        if draft and prefill.any():
+            num_draft[:] = 0
+        slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
+        return self._batch(reqs, slots, self.table.computed[slots], np.array(new_l, dtype=np.int64),
+                           num_draft, prefill, preempted)
 
     # -- the kv_alloc stage ---------------------------------------------------------------
     def allocate(self, batch: StepBatch) -> None:
         """Grow page tables for the batch; a speculative batch reserves all 1 + D verify
         slots of every row (rejected ones are trimmed after acceptance)."""
-        if not batch.seqs:
+        if not len(batch):
             return
-        spec, draft_len = batch.is_spec, self.config.draft_len
-        target = np.fromiter(
-            (s.request.num_computed_tokens + s.num_new_tokens
-             + (draft_len if spec and s.num_new_tokens == 1 else s.num_draft) for s in batch.seqs),
-            dtype=np.int64, count=len(batch.seqs))
-        self.blocks.allocate_many(self.blocks.rows([s.request.request_id for s in batch.seqs]),
-                                  self._slots(target))
+        extra = np.where(batch.num_new == 1, self.config.draft_len, batch.num_draft) if batch.is_spec \
+            else batch.num_draft
+        self.blocks.allocate_many(batch.slots, self._slots(batch.start + batch.num_new + extra))
+
+    # -- bookkeeping: the rows' counters after their launches, whole-array ---------------------
+    def live(self, batch: StepBatch) -> np.ndarray:
+        """[B] rows whose request still holds its slot (one that finished while the batch was
+        in flight gave it back; a new request may hold it now)."""
+        return self.table.gen[batch.slots] == batch.gen
+
+    def advance_forward(self, batch: StepBatch, kv_ahead: int | None) -> None:
+        """A forward step launched: its positions are computed, sampling rows have a token
+        pending on the device; a proposer with KV (`kv_ahead` not None) has read them too (a
+        draft model also the sampled token)."""
+        t, slots = self.table, batch.slots
+        computed = batch.start + batch.num_new
+        t.computed[slots] = computed
+        t.pending[slots] += batch.samples
+        if kv_ahead is not None:
+            t.proposer_computed[slots] = computed + kv_ahead * batch.samples
+
+    def complete_forward(self, batch: StepBatch) -> None:
+        """A forward step's tokens reached the host: they are no longer pending (the pipeline
+        then appends them to the outputs)."""
+        t = self.table
+        t.pending[batch.slots[batch.samples & self.live(batch)]] -= 1
+
+    def advance_verify(self, batch: StepBatch, accepted: np.ndarray) -> np.ndarray:
+        """A verification's accepted lengths arrived: each row's KV now covers its last token
+        and `accepted[i]` drafts. Returns [B] each row's token count before the step."""
+        t, slots = self.table, batch.slots
+        before = t.prompt_len[slots] + t.num_output[slots] + t.pending[slots]
+        t.computed[slots] += 1 + accepted
+        return before
+
+    def record_verify(self, batch: StepBatch, before: np.ndarray, accepted: np.ndarray,
+                      num_drafts: np.ndarray, kv_ahead: int) -> None:
+        """Speculation counters and the proposer's KV extent after a verification (before
+        its tokens are appended: a request that finishes on them keeps its counts)."""
+        t, slots = self.table, batch.slots
+        t.record_spec(slots, num_drafts, accepted)
+        # draft model: every emitted token after its fill; heads: up to the new last token
+        t.proposer_computed[slots] = before + accepted + kv_ahead
+
+    def trim_rejected(self, batch: StepBatch) -> int:
+        """After a verification's tokens were appended: the pages of rejected candidates go
+        back, for rows still running (a finished row's pages went with it). Returns pages freed."""
+        t, slots = self.table, batch.slots
+        live = self.live(batch)
+        rows = slots if live.all() else slots[live]
+        return self.blocks.trim_many(rows, "target", t.prompt_len[rows] + t.num_output[rows] + t.pending[rows])

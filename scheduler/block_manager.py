@@ -9,9 +9,13 @@ Check/act pairs: `can_allocate` / `allocate` grow tables to cover a number of KV
 length (rejected drafts); `free` releases everything of a request (finish, abort, preempt).
 
 State is arrays, so that a step over hundreds of rows is a few whole-array operations
-(`pages_needed_many`, `allocate_many`, `tables`): per model a page table `[rows, max_pages]`
-(int32) with a page count per row, a row per request holding pages, and the free pages as an
-array stack (LIFO: recently freed pages are reused first, which keeps a cache warm).
+(`pages_needed_many`, `allocate_many`, `trim_many`, `tables`): per model a page table
+`[rows, max_pages]` (int32) with a page count per row, and the free pages as an array stack
+(LIFO: recently freed pages are reused first, which keeps a cache warm). A request's row is
+its slot: the batch builder `bind`s it when the request is added (rows are then the same
+indices as the scheduler's per-slot arrays, scheduler/slot_state.py) and the whole-array
+methods take rows; the methods keyed by request id serve the general path and tests, and
+give a row of their own to an id that was never bound (a manager used on its own).
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ class BlockManager:
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
         self._top = num_pages
         self._row_of: dict[str, int] = {}  # request id -> its row in every model's table
+        self._owner: dict[int, str] = {}  # row -> request id
         self._free_rows: list[int] = []
         self._num_rows = 0  # rows ever handed out (the tables' used height)
         rows, cols = 8, min(num_pages, 16)
@@ -94,6 +99,20 @@ class BlockManager:
             if short > 0:
                 need += short
         return need
+
+    def bind(self, request_id: str, row: int) -> None:
+        """Make `row` the request's row in every model's table (the request's slot)."""
+        owner = self._owner.get(row)
+        if owner is not None and owner != request_id:
+            raise ValueError(f"row {row} is bound to request {owner!r}")
+        if request_id in self._row_of and self._row_of[request_id] != row:
+            raise ValueError(f"request {request_id!r} is bound to row {self._row_of[request_id]}")
+        self._ensure_height(row + 1)
+        self._num_rows = max(self._num_rows, row + 1)
+        if row in self._free_rows:
+            self._free_rows.remove(row)
+        self._row_of[request_id] = row
+        self._owner[row] = request_id
 
     def rows(self, request_ids: Sequence[str]) -> np.ndarray:
         """[B] each request's row in the tables (a row is given to a request that has none)."""
@@ -180,9 +199,34 @@ class BlockManager:
         counts[row] = keep
         return have - keep
 
-    def free(self, request_id: str) -> int:
-        """Release every page of the request in every model. Idempotent."""
-        row = self._row_of.pop(request_id, None)
+    def trim_many(self, rows: np.ndarray, model: str, num_slots: np.ndarray) -> int:
+        """`trim` for every row of a batch at once (rows distinct): the same pages freed, in
+        the same order, as trimming row by row. Returns pages freed."""
+        counts = self._model_counts(model)
+        ps = self.page_size
+        keep = (np.asarray(num_slots, dtype=np.int64) + ps - 1) // ps
+        have = counts[rows]
+        extra = have - keep
+        picked = np.flatnonzero(extra > 0)
+        if not picked.size:
+            return 0
+        reps = extra[picked]
+        k = int(reps.sum())
+        # each row's pages from its last kept page on, in table order, row after row
+        first = np.repeat(np.cumsum(reps) - reps, reps)
+        within = np.arange(k) - first
+        r = rows[picked]
+        pages = self._tables[model][np.repeat(r, reps), np.repeat(keep[picked], reps) + within]
+        # the stack as `_push` row by row leaves it: each row's pages reversed, rows in order
+        self._stack[self._top : self._top + k] = pages[first + np.repeat(reps, reps) - 1 - within]
+        self._top += k
+        counts[r] = keep[picked]
+        return k
+
+    def release_pages(self, request_id: str) -> int:
+        """Release every page of the request in every model, keeping its row (preemption:
+        the request keeps its slot). Returns pages freed."""
+        row = self._row_of.get(request_id)
         if row is None:
             return 0
         n = 0
@@ -192,7 +236,15 @@ class BlockManager:
                 self._push(self._tables[model][row, :have])
                 self._counts[model][row] = 0
                 n += have
-        self._free_rows.append(row)
+        return n
+
+    def free(self, request_id: str) -> int:
+        """Release every page of the request in every model, and its row. Idempotent."""
+        n = self.release_pages(request_id)
+        row = self._row_of.pop(request_id, None)
+        if row is not None:
+            del self._owner[row]
+            self._free_rows.append(row)
         return n
 
     def stats(self) -> KVPoolStats:
@@ -237,13 +289,21 @@ class BlockManager:
         else:
             row = self._num_rows
             self._num_rows += 1
-            height = self._counts[self.models[0]].shape[0]
-            if row >= height:
-                for m in self.models:
-                    self._tables[m] = np.concatenate([self._tables[m], np.zeros_like(self._tables[m])])
-                    self._counts[m] = np.concatenate([self._counts[m], np.zeros_like(self._counts[m])])
+            self._ensure_height(row + 1)
         self._row_of[request_id] = row
+        self._owner[row] = request_id
         return row
+
+    def _ensure_height(self, rows: int) -> None:
+        height = self._counts[self.models[0]].shape[0]
+        if rows > height:
+            new = max(rows, 2 * height)
+            for m in self.models:
+                t = np.zeros((new, self._tables[m].shape[1]), dtype=np.int32)
+                t[:height] = self._tables[m]
+                c = np.zeros(new, dtype=np.int64)
+                c[:height] = self._counts[m]
+                self._tables[m], self._counts[m] = t, c
 
     def _table_with_room(self, model: str, num_pages: int) -> np.ndarray:
         table = self._tables[model]

@@ -1,219 +1,270 @@
-"""Packing a scheduled step into device messages (the `plan` stage's output).
+"""The device messages: one frozen dataclass per op, packed from a scheduled step.
 
-Why: work crosses to the device as an op name plus plain arrays, so it can go over a pipe
-to a worker process, to CUDA in-process, or to the simulator's virtual device unchanged.
-The device keeps per-request token state (indexed by `slot`); messages say which
-positions to compute, never the tokens the device itself produced, so the host need not
-wait for them (the basis of the no-sync schedules).
+Why: work crosses to the device as a typed message of arrays and scalars, so it can go over a
+pipe to a worker process (pickled), to CUDA in-process, or to the simulator's virtual device
+unchanged, and every reader (the worker, the proposers, the paced worker, the virtual device)
+names the fields it reads. The device keeps per-request token state (indexed by slot);
+messages say which positions to compute, never the tokens the device itself produced, so the
+host need not wait for them (the basis of the no-sync schedules).
 
-Ops and their messages (per-row fields are lists of Python ints over the B scheduled rows:
-a handful of rows, where numpy's per-call cost would exceed the work, and lists pickle
-smaller to a worker; the attention plan's arrays are numpy):
-  forward  target forward of prefill chunks / decodes; samples where `samples`
-  draft    proposer makes up to `num_draft` tokens per row (one launch for all D steps)
-  verify   target forward over the last token + candidates, acceptance, bonus token
-  fill     proposer KV fill (draft model: unseen tokens; head: the previous target batch)
+Ops and their messages (per-row fields are [B] numpy arrays over the scheduled rows):
+  forward  `ForwardMessage`: target forward of prefill chunks / decodes; samples where `samples`
+  draft    `DraftMessage`: the proposer makes up to `num_draft` tokens per row (one launch)
+  verify   `VerifyMessage`: target over the last token + candidates, acceptance, bonus token
+  fill     `FillMessage`: proposer KV fill (draft model: unseen tokens; head: a target batch)
+Every message carries its `LaunchShape` (what traces and cost models read: a virtual or
+paced device times the launch by it) and the slots whose device state is to be `release`d
+before the op runs. Results are typed the same way (`ForwardResult`, `DraftResult`,
+`VerifyResult`, `FillResult`); `substages` are device-side (name, start_ns, end_ns) stamps.
 """
 from __future__ import annotations
 
-from itertools import accumulate
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 
 from specsched.scheduler.batch_builder import StepBatch
 from specsched.scheduler.block_manager import BlockManager
-from specsched.scheduler.plan import build_plan
+from specsched.scheduler.plan import AttentionPlan, build_plan
 from specsched.scheduler.proposer import ProposerSpec
-from specsched.scheduler.request import Request
+
+_NO_SLOTS = np.zeros(0, dtype=np.int64)
 
 
-def _tables(blocks: BlockManager, reqs: list[Request], model: str = "target") -> dict:
+@dataclass(frozen=True, slots=True)
+class LaunchShape:
+    """A launch's shape: its spans' attributes and its cost features."""
+
+    requests: int
+    tokens: int
+    kv_tokens: int
+    kind: str | None = None  # a forward: prefill / decode / mixed
+    after: str | None = None  # a fill: the target launch it follows ("forward" / "verify")
+    num_draft: int | None = None  # a draft: the longest row's draft count
+    draft_tokens: int | None = None
+    draft_forwards: int | None = None
+
+    def attrs(self) -> dict[str, Any]:
+        """The shape as span attributes (fields that are set)."""
+        return {k: getattr(self, k) for k in self.__slots__ if getattr(self, k) is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """A request the device has no state for yet: its tokens so far and sampling params."""
+
+    slot: int
+    token_ids: list[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Message:
+    op: ClassVar[str] = ""
+    step: int
+    slots: np.ndarray  # [B] int64
+    shape: LaunchShape
+    release: tuple[int, ...] = ()  # slots whose device state is dropped before the op
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardMessage(Message):
+    op: ClassVar[str] = "forward"
+    start: np.ndarray  # [B] first position computed
+    num_new: np.ndarray  # [B] positions computed
+    samples: np.ndarray  # [B] bool: sample a token after the row's last position
+    register: tuple[Registration, ...] = ()
+    plan: AttentionPlan | None = None  # None for a device that needs no attention metadata
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DraftMessage(Message):
+    op: ClassVar[str] = "draft"
+    num_draft: np.ndarray  # [B] tokens to draft
+    page_size: int
+    page_tables: np.ndarray | None = None  # [B, max_pages] the proposer's KV pages
+    table_lens: np.ndarray | None = None  # [B] pages in each row
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifyMessage(Message):
+    op: ClassVar[str] = "verify"
+    start: np.ndarray  # [B] position of each row's last token
+    num_draft: np.ndarray  # [B] drafts planned
+    plan: AttentionPlan | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FillMessage(Message):
+    op: ClassVar[str] = "fill"
+    after: str  # "forward" / "verify": a head consumes that launch's target hidden states
+    start: np.ndarray  # [B] first position filled
+    end: np.ndarray  # [B] end of the fill
+    plan: AttentionPlan | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardResult:
+    tokens: np.ndarray  # [B] sampled token per row (-1 where the row does not sample)
+    substages: tuple[tuple[str, int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DraftResult:
+    num_drafts: np.ndarray  # [B] tokens drafted per row
+    substages: tuple[tuple[str, int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult:
+    accepted: np.ndarray  # [B] drafts accepted per row
+    tokens: list[list[int]]  # per row: the emitted tokens (accepted + bonus)
+    num_drafts: np.ndarray  # [B] drafts each row was scored on
+    substages: tuple[tuple[str, int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FillResult:
+    substages: tuple[tuple[str, int, int], ...] = field(default=())
+
+
+def shape(qo_lens: np.ndarray, kv_lens: np.ndarray, **extra: Any) -> LaunchShape:
+    """A launch's shape from its rows' computed and KV tokens."""
+    return LaunchShape(len(qo_lens), int(qo_lens.sum()), int(kv_lens.sum()), **extra)
+
+
+def batch_shape(batch: StepBatch, width: int = 0, **extra: Any) -> LaunchShape:
+    """Shape of a step for traces and cost models: requests, tokens, KV tokens. A speculative
+    step computes a fixed `width` (1 + candidates) tokens per row, whatever was drafted."""
+    n = len(batch)
+    tokens = n * width if (width and batch.is_spec) else batch.num_tokens
+    return LaunchShape(n, tokens, int((batch.start + batch.num_new + batch.num_draft).sum()), **extra)
+
+
+def _tables(blocks: BlockManager, slots: np.ndarray, model: str = "target") -> dict:
     """The rows' page tables as the plan takes them: one [B, max_pages] array and the counts."""
-    tables, counts = blocks.tables(model, blocks.rows([r.request_id for r in reqs]))
+    tables, counts = blocks.tables(model, slots)
     return {"page_tables": tables, "table_lens": counts}
 
 
-def _params(req: Request) -> dict:
-    p = req.params
-    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "seed": p.seed}
+def registrations(batch: StepBatch) -> tuple[Registration, ...]:
+    """Rows the device has no state for yet (nothing computed): prefill rows only."""
+    out = []
+    for i in np.flatnonzero(batch.start == 0).tolist():
+        r = batch.requests[i]
+        p = r.params
+        out.append(Registration(r.slot, r.all_token_ids, p.temperature, p.top_k, p.top_p, p.seed))
+    return tuple(out)
 
 
-def _shape_only(qo_lens: list[int], kv_lens: list[int]) -> dict:
-    """What a device that needs no attention metadata (the simulator's) gets instead of a
-    plan: the plan's two shape fields as Python lists (a handful of rows: numpy's per-call
-    cost would exceed the work; nothing reads them as arrays)."""
-    return {"qo_indptr": [0, *accumulate(qo_lens)], "kv_lens": list(kv_lens)}
+def forward_message(batch: StepBatch, blocks: BlockManager, with_plan: bool = True) -> ForwardMessage:
+    ends = batch.start + batch.num_new
+    plan = build_plan(batch.num_new, ends, page_size=blocks.page_size,
+                      **_tables(blocks, batch.slots)) if with_plan else None
+    return ForwardMessage(step=batch.step, slots=batch.slots, shape=batch_shape(batch, kind=batch.kind),
+                          start=batch.start, num_new=batch.num_new, samples=batch.samples,
+                          register=registrations(batch), plan=plan)
 
 
-def shape(qo_lens: list[int], kv_lens: list[int]) -> dict:
-    """A launch's shape for traces and cost models: rows, tokens computed, KV tokens."""
-    return {"requests": len(qo_lens), "tokens": sum(qo_lens), "kv_tokens": sum(kv_lens)}
-
-
-def registrations(batch: StepBatch) -> list[tuple[int, list[int], dict]]:
-    """(slot, token ids, sampling params) for rows the device has no state for yet."""
-    return [
-        (s.request.slot, s.request.all_token_ids, _params(s.request))
-        for s in batch.seqs
-        if s.request.num_computed_tokens == 0
-    ]
-
-
-def forward_message(batch: StepBatch, blocks: BlockManager, with_plan: bool = True) -> dict:
-    reqs = [s.request for s in batch.seqs]
-    start_l = [r.num_computed_tokens for r in reqs]
-    new_l = [s.num_new_tokens for s in batch.seqs]
-    ends = [a + n for a, n in zip(start_l, new_l)]
-    plan = build_plan(
-        np.array(new_l, dtype=np.int64),
-        np.array(ends, dtype=np.int64),
-        page_size=blocks.page_size,
-        **_tables(blocks, reqs),
-    ).to_message() if with_plan else _shape_only(new_l, ends)
-    return {
-        "step": batch.step,
-        "slots": [r.slot for r in reqs],
-        "start": start_l,
-        "num_new": new_l,
-        "samples": [s.samples for s in batch.seqs],
-        "register": registrations(batch),
-        "plan": plan,
-    }
-
-
-def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec, with_plan: bool = True) -> dict:
+def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
+                   with_plan: bool = True) -> VerifyMessage:
     """Target over [last token, candidates]: W = 1 + num_candidates tokens per row."""
-    reqs = [s.request for s in batch.seqs]
     width = 1 + spec.num_candidates
-    start_l = [r.num_computed_tokens for r in reqs]
-    if not with_plan:
-        plan_msg = _shape_only([width] * len(reqs), [a + width for a in start_l])
-    else:
-        start = np.array(start_l, dtype=np.int64)
+    start = batch.start
+    n = len(batch)
+    plan = None
+    if with_plan:
         positions = masks = None
         if spec.is_tree:
             depths = np.concatenate([[0], spec.tree_depths()])
             positions = [s + depths for s in start]
             tree = spec.tree_mask()
             masks = []
-            for s0 in start:
-                m = np.ones((width, int(s0) + width), dtype=bool)
+            for s0 in start.tolist():
+                m = np.ones((width, s0 + width), dtype=bool)
                 m[:, s0:] = tree
                 masks.append(m)
-        plan_msg = build_plan(
-            np.full(len(reqs), width),
-            start + width,
-            page_size=blocks.page_size,
-            **_tables(blocks, reqs),
-            positions=positions,
-            custom_masks=masks,
-        ).to_message()
-    return {
-        "step": batch.step,
-        "slots": [r.slot for r in reqs],
-        "start": start_l,
-        "num_draft": [s.num_draft for s in batch.seqs],
-        "plan": plan_msg,
-    }
+        plan = build_plan(np.full(n, width), start + width, page_size=blocks.page_size,
+                          **_tables(blocks, batch.slots), positions=positions, custom_masks=masks)
+    return VerifyMessage(step=batch.step, slots=batch.slots, shape=batch_shape(batch, width),
+                         start=start, num_draft=batch.num_draft, plan=plan)
 
 
-def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec) -> dict:
+def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec) -> DraftMessage:
     """The proposer's D steps in one launch; the device derives per-step plans from the
     page tables (multi-step work that belongs together is one launch)."""
-    reqs = [s.request for s in batch.seqs]
-    msg = {
-        "step": batch.step,
-        "slots": [r.slot for r in reqs],
-        "num_draft": [s.num_draft for s in batch.seqs],
-        "page_size": blocks.page_size,
-    }
+    nd = batch.num_draft
+    s = batch_shape(batch, 1 + spec.num_candidates)
+    shape_ = LaunchShape(s.requests, s.tokens, s.kv_tokens, num_draft=int(nd.max()) if nd.size else 0,
+                         draft_tokens=int(nd.sum()), draft_forwards=int(np.maximum(nd - 1, 0).sum()))
+    tables = counts = None
     if spec.kv_model is not None:
-        tables, counts = blocks.tables(spec.kv_model, blocks.rows([r.request_id for r in reqs]))
-        msg["page_tables"] = [row[:n] for row, n in zip(tables.tolist(), counts.tolist())]
-    return msg
+        tables, counts = blocks.tables(spec.kv_model, batch.slots)
+    return DraftMessage(step=batch.step, slots=batch.slots, shape=shape_, num_draft=nd,
+                        page_size=blocks.page_size, page_tables=tables, table_lens=counts)
 
 
-def fill_message(
-    step: int,
-    reqs: list[Request],
-    starts: list[int],
-    ends: list[int],
-    blocks: BlockManager,
-    spec: ProposerSpec,
-    *,
-    after: str,
-    with_plan: bool = True,
-) -> dict:
+def fill_message(step: int, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                 blocks: BlockManager, spec: ProposerSpec, *, after: str,
+                 with_plan: bool = True) -> FillMessage:
     """Proposer KV fill over positions [starts[i], ends[i]) of each row.
 
     after="forward"/"verify": a head (MTP) consumes the target hidden states of that launch,
     so its rows and positions equal the target batch's; a draft model only needs tokens.
     """
     assert spec.kv_model is not None
-    lens = [b - a for a, b in zip(starts, ends)]
-    plan = build_plan(
-        np.array(lens, dtype=np.int64),
-        np.array(ends, dtype=np.int64),
-        page_size=blocks.page_size,
-        **_tables(blocks, reqs, spec.kv_model),
-    ).to_message() if with_plan else _shape_only(lens, ends)
-    return {
-        "step": step,
-        "after": after,
-        "slots": [r.slot for r in reqs],
-        "start": starts,
-        "plan": plan,
-        "shape": shape(lens, ends),  # the fill launch's attributes (traces, cost models)
-    }
+    lens = ends - starts
+    plan = build_plan(lens, ends, page_size=blocks.page_size,
+                      **_tables(blocks, slots, spec.kv_model)) if with_plan else None
+    return FillMessage(step=step, slots=slots, shape=shape(lens, ends, after=after), after=after,
+                       start=starts, end=ends, plan=plan)
 
 
 def prefill_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
-                         with_plan: bool = True) -> dict | None:
-    """The proposer's fill after a forward step (None if no row needs one). Call before the
-    step's bookkeeping advances `num_computed_tokens`. A head (or EAGLE) fills exactly the
-    target's new positions; a draft model catches up from what it has seen to the new last
+                         proposer_computed: np.ndarray, with_plan: bool = True) -> FillMessage | None:
+    """The proposer's fill after a forward step (None if no row needs one); computed from the
+    step's rows as scheduled. A head (or EAGLE) fills exactly the target's new positions; a
+    draft model catches up from what it has seen (`proposer_computed`, [B]) to the new last
     token (including a sampled one: its KV runs one token ahead of the target's)."""
-    reqs, starts, ends = [], [], []
-    for s in batch.seqs:
-        r = s.request
-        if spec.kv_ahead == 0:  # a head: exactly the target's new positions
-            a, b = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-        else:  # a model of its own: from what it has read up to the sampled token
-            a = r.num_proposer_computed
-            b = r.num_computed_tokens + s.num_new_tokens + (spec.kv_ahead if s.samples else 0)
-        if b > a:
-            reqs.append(r)
-            starts.append(a)
-            ends.append(b)
-    if not reqs:
+    if spec.kv_ahead == 0:  # a head: exactly the target's new positions
+        a, b = batch.start, batch.start + batch.num_new
+    else:  # a model of its own: from what it has read up to the sampled token
+        a = proposer_computed
+        b = batch.start + batch.num_new + spec.kv_ahead * batch.samples
+    rows = np.flatnonzero(b > a)
+    if not rows.size:
         return None
-    return fill_message(batch.step, reqs, starts, ends, blocks, spec, after="forward", with_plan=with_plan)
+    if rows.size < len(batch):
+        return fill_message(batch.step, batch.slots[rows], a[rows], b[rows], blocks, spec,
+                            after="forward", with_plan=with_plan)
+    return fill_message(batch.step, batch.slots, a, b, blocks, spec, after="forward", with_plan=with_plan)
 
 
 def verify_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
-                        with_plan: bool = True) -> dict:
+                        with_plan: bool = True) -> FillMessage:
     """An MTP head's fill over exactly the verify batch's positions (it consumes the target's
-    hidden states of that launch), so it can be packed before acceptance. Call before the
-    step's bookkeeping advances `num_computed_tokens`."""
-    reqs = [s.request for s in batch.seqs]
+    hidden states of that launch), so it can be packed before acceptance."""
     width = 1 + spec.num_candidates
-    starts = [r.num_computed_tokens for r in reqs]
-    return fill_message(batch.step, reqs, starts, [a + width for a in starts], blocks, spec,
+    return fill_message(batch.step, batch.slots, batch.start, batch.start + width, blocks, spec,
                         after="verify", with_plan=with_plan)
 
 
-def accept_fill_message(batch: StepBatch, starts_before: list[int], accepted: list[int],
-                        blocks: BlockManager, spec: ProposerSpec, with_plan: bool = True) -> dict:
+def accept_fill_message(batch: StepBatch, starts_before: np.ndarray, accepted: np.ndarray,
+                        proposer_computed: np.ndarray, blocks: BlockManager, spec: ProposerSpec,
+                        with_plan: bool = True) -> FillMessage:
     """The proposer's fill after a verification whose accepted lengths the host now knows.
-    `starts_before[i]` is row i's token count before the step. Positions the proposer
-    already wrote while drafting stay valid up to the first rejection; the fill covers the
-    rest of the accepted tokens (and, for a draft model, the bonus token)."""
-    reqs = [s.request for s in batch.seqs]
-    starts, ends = [], []
-    bonus = spec.kv_ahead  # a proposer whose KV runs ahead also reads the bonus token
-    for r, s, L, a in zip(reqs, batch.seqs, starts_before, accepted):
-        # a tree's accepted path is compacted in place: rewritten from the last emitted token
-        valid = L - 1 if spec.is_tree else r.num_proposer_computed + min(a, max(s.num_draft - 1, 0))
-        starts.append(min(valid, L + a))
-        ends.append(L + a + bonus)
-    return fill_message(batch.step, reqs, starts, ends, blocks, spec, after="verify", with_plan=with_plan)
+    `starts_before[i]` is row i's token count before the step, `proposer_computed[i]` its
+    proposer KV length then. Positions the proposer already wrote while drafting stay valid
+    up to the first rejection; the fill covers the rest of the accepted tokens (and, for a
+    draft model, the bonus token)."""
+    end = starts_before + accepted
+    if spec.is_tree:  # a tree's accepted path is compacted in place: rewritten from the last token
+        valid = starts_before - 1
+    else:
+        valid = proposer_computed + np.minimum(accepted, np.maximum(batch.num_draft - 1, 0))
+    return fill_message(batch.step, batch.slots, np.minimum(valid, end), end + spec.kv_ahead, blocks,
+                        spec, after="verify", with_plan=with_plan)

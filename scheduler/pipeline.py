@@ -21,24 +21,19 @@ Schedules:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
+import numpy as np
 
 from specsched.scheduler import messages
 from specsched.scheduler.batch_builder import BatchBuilder, StepBatch
 from specsched.scheduler.protocols import Clock, Device, DeviceError, OutputSink
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.request import Request, RequestState
-from specsched.scheduler.step_trace import Launch, StepTrace, batch_attrs
+from specsched.scheduler.step_trace import Launch, StepTrace
 from specsched.traces.hook import NULL_TRACER
-
-
-def _ints(values: Any) -> list[int]:
-    """Per-row counts from a device result (a numpy array from a worker, a list from the
-    simulator) as Python ints: the bookkeeping indexes them once per row."""
-    return values.tolist() if hasattr(values, "tolist") else [int(v) for v in values]
 
 
 @dataclass(frozen=True)
@@ -70,15 +65,15 @@ class Pipeline:
         self.sink = sink
         # the clock's reading, bound once (the pipeline reads it ~40 times a step)
         self._now = clock.now_ns
-        self.trace = StepTrace(tracer if tracer is not None else NULL_TRACER, self._now)
+        self.trace = StepTrace(tracer if tracer is not None else NULL_TRACER, self._now, self._computed_now)
         self.eos = set(eos_token_ids)
         # a device that only models time (the simulator's) needs no attention metadata
         self.with_plan = getattr(device, "needs_plans", True)
         self.main = device.stream("main")
         self.aux = device.stream("draft")
-        self._free_slots: list[int] = []
-        self._next_slot = 0
-        self._release: list[int] = []
+        self.table = builder.table  # per-slot counters (scheduler/slot_state.py)
+        self._release: list[int] = []  # slots whose device state goes with the next launch
+        self._aborts: set[str] = set()  # ids to abort or stop at the next step boundary
         self._pending_fill: Launch | None = None
         self._inflight: tuple[StepBatch, Launch] | None = None
         self._wake = anyio.Event()
@@ -100,12 +95,7 @@ class Pipeline:
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        self.builder.add(req)  # raises InvalidRequestError before anything is held
-        if self._free_slots:
-            req.slot = self._free_slots.pop()
-        else:
-            req.slot = self._next_slot
-            self._next_slot += 1
+        self.builder.add(req)  # gives it a slot; raises InvalidRequestError before anything is held
         self.requests[req.request_id] = req
         p = req.params
         self.tracer.request(
@@ -121,6 +111,20 @@ class Pipeline:
         if req is None or req.is_finished:
             return False
         req.abort_requested = True
+        self._aborts.add(request_id)
+        self._wake.set()
+        return True
+
+    def stop_request(self, request_id: str, num_output_tokens: int) -> bool:
+        """The request's consumer found a stop string in its text: finish it with reason
+        "stop" at the next step boundary, its output cut to its first `num_output_tokens`
+        tokens (tokens produced meanwhile are dropped). False if unknown or finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        if req.stop_at is None or num_output_tokens < req.stop_at:
+            req.stop_at = num_output_tokens
+        self._aborts.add(request_id)
         self._wake.set()
         return True
 
@@ -131,10 +135,10 @@ class Pipeline:
         req.finish_reason = reason
         req.error = error
         req.finish_ns = self._now()
-        self.builder.remove(req)
         self._release.append(req.slot)
-        self._free_slots.append(req.slot)
+        self.builder.remove(req)  # frees its pages and its slot
         self.requests.pop(req.request_id, None)
+        self._aborts.discard(req.request_id)
         self.tracer.finish(
             request_id=req.request_id, finish_ns=req.finish_ns, finish_reason=reason,
             output_len=req.num_output_tokens, first_token_ns=req.first_token_ns,
@@ -143,17 +147,48 @@ class Pipeline:
         )
         self.sink.on_finish(req)
 
+    def _finish_stopped(self, req: Request) -> None:
+        """A stop string the consumer found: the output ends after `stop_at` tokens."""
+        if req.stop_at < req.num_output_tokens:
+            del req.output_token_ids[req.stop_at:]
+            req.extend_output([])
+        self._finish(req, "stop")
+
     def _process_aborts(self) -> None:
-        for req in list(self.requests.values()):
-            if req.abort_requested and not self._in_flight(req):
-                self._finish(req, "abort")
+        if not self._aborts:
+            return
+        for rid in list(self._aborts):
+            req = self.requests.get(rid)
+            if req is None:
+                self._aborts.discard(rid)
+            elif not self._in_flight(req):
+                if req.abort_requested:
+                    self._finish(req, "abort")
+                else:
+                    self._finish_stopped(req)
 
     def _in_flight(self, req: Request) -> bool:
-        return self._inflight is not None and any(s.request is req for s in self._inflight[0].seqs)
+        return self._inflight is not None and any(r is req for r in self._inflight[0].requests)
+
+    def _computed_now(self, batch: StepBatch) -> np.ndarray:
+        """[B] num_computed_tokens of the batch's rows now (a finished row's own, kept in its
+        handle once its slot went back)."""
+        t = self.table
+        computed = t.computed[batch.slots]
+        for i in np.flatnonzero(t.gen[batch.slots] != batch.gen).tolist():
+            computed[i] = batch.requests[i].num_computed_tokens
+        return computed
 
     # -- tracing helpers --------------------------------------------------------------------
-    def _attrs(self, batch: StepBatch) -> dict:
-        return batch_attrs(batch, 1 + self.spec.num_candidates)
+    def _attrs(self, batch: StepBatch, computed: np.ndarray | None = None) -> dict:
+        """The step's shape as span attributes; with `computed` (the rows' computed tokens
+        after the step's bookkeeping) the output stage's."""
+        if computed is None:
+            return messages.batch_shape(batch, 1 + self.spec.num_candidates).attrs()
+        n = len(batch)
+        width = 1 + self.spec.num_candidates
+        return {"requests": n, "tokens": n * width if batch.is_spec else batch.num_tokens,
+                "kv_tokens": int((computed + batch.num_new + batch.num_draft).sum())}
 
     def _charge(self, name: str, attrs: dict) -> None:
         """Simulator: a host stage's modelled cost passes as busy time -- the virtual clock
@@ -170,16 +205,16 @@ class Pipeline:
     def _span(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
         self.tracer.span("host", name, step, start_ns, self._now(), **attrs)
 
-    def _launch(self, stream: Any, op: str, msg: dict, step: int, **attrs: Any) -> Launch:
+    def _launch(self, stream: Any, msg: messages.Message) -> Launch:
         if self._release:
-            msg["release"] = self._release
+            msg = replace(msg, release=tuple(self._release))
             self._release = []
         t0 = self._now()
-        msg["attrs"] = attrs  # the step's shape travels with the work (virtual device costs)
-        launch = Launch(stream.launch(op, msg), step, op, attrs)
+        attrs = msg.shape.attrs()  # the launch's spans' attributes
+        launch = Launch(stream.launch(msg.op, msg), msg.step, msg.op, attrs)
         # simulator: the host's launch work is charged after the virtual device took the
         # launch, whose lead (launch start -> device start) covers the packing already
-        self._charge("launch:" + op, attrs)
+        self._charge("launch:" + msg.op, attrs)
         if self.tracer.enabled:
             self.trace.launched(launch, t0)
         return launch
@@ -243,9 +278,9 @@ class Pipeline:
         batch = self.builder.schedule()
         shape = self._attrs(batch)  # the step's shape until its bookkeeping (output recomputes)
         self._host("schedule", batch.step, t0, **shape)
-        if not batch.seqs:
+        if not len(batch):
             await self._drain()
-            if not batch.seqs and self.builder.has_work and self._inflight is None:
+            if not len(batch) and self.builder.has_work and self._inflight is None:
                 await anyio.sleep(0)
             return
         t0 = self._now()
@@ -263,28 +298,21 @@ class Pipeline:
 
     # -- plain / prefill steps ----------------------------------------------------------------
     async def _forward_step(self, batch: StepBatch, t_step: int, shape: dict) -> None:
-        spec = self.spec
+        spec, t, slots = self.spec, self.table, batch.slots
         t0 = self._now()
         msg = messages.forward_message(batch, self.blocks, self.with_plan)
         fill_msg = None
         if spec.kv_model is not None:
-            fill_msg = messages.prefill_fill_message(batch, self.blocks, spec, self.with_plan)
+            fill_msg = messages.prefill_fill_message(batch, self.blocks, spec, t.proposer_computed[slots],
+                                                     self.with_plan)
         self._host("plan", batch.step, t0, **shape)
-        launch = self._launch(self.main, "forward", msg, batch.step, kind=batch.kind, **shape)
+        launch = self._launch(self.main, msg)
         launch.t_step = t_step
-        for s in batch.seqs:
-            r = s.request
-            samples = s.samples
-            r.num_computed_tokens += s.num_new_tokens
-            if samples:
-                r.num_pending_tokens += 1
-            if spec.kv_model is not None:
-                r.num_proposer_computed = r.num_computed_tokens + (spec.kv_ahead if samples else 0)
+        self.builder.advance_forward(batch, spec.kv_ahead if spec.kv_model is not None else None)
         s_fill = None
         if fill_msg is not None:
             self.aux.wait_event(launch.event)
-            s_fill = self._launch(self.aux, "fill", fill_msg, batch.step, after="forward",
-                                  **fill_msg["shape"])
+            s_fill = self._launch(self.aux, fill_msg)
         if self.config.schedule == "plain_overlap":
             prev, self._inflight = self._inflight, (batch, launch)
             if prev is not None:
@@ -310,21 +338,22 @@ class Pipeline:
             self._fail_batch(batch, e)
             return
         t0 = self._now()
-        tokens = result["tokens"]
-        out_counts = []
-        for i, s in enumerate(batch.seqs):
-            r = s.request
-            if s.samples:
-                r.num_pending_tokens -= 1
-                out_counts.append(self._emit(r, [int(tokens[i])]))
-            else:
-                out_counts.append(0)
-        self._host("output", batch.step, t0, **self._attrs(batch), emitted=sum(out_counts))
-        self.trace.step_done(batch, launch.t_step if launch.t_step is not None else t0, out_counts, [0] * len(batch), [0] * len(batch))
+        # rows whose request finished while this step was in flight (plain_overlap) are
+        # left alone: their slot may hold a new request by now
+        self.builder.complete_forward(batch)
+        tokens = np.asarray(result.tokens).tolist()
+        out_counts = [0] * len(batch)
+        reqs = batch.requests
+        for i in np.flatnonzero(batch.samples).tolist():
+            out_counts[i] = self._emit(reqs[i], tokens[i:i + 1])
+        self._host("output", batch.step, t0, **self._attrs(batch, self._computed_now(batch)),
+                   emitted=sum(out_counts))
+        zeros = np.zeros(len(batch), dtype=np.int64)
+        self.trace.step_done(batch, launch.t_step if launch.t_step is not None else t0, out_counts, zeros, zeros)
 
     # -- speculative steps --------------------------------------------------------------------
     async def _spec_step(self, batch: StepBatch, t_step: int, shape: dict) -> None:
-        spec, sched = self.spec, self.config.schedule
+        spec, sched, t, slots = self.spec, self.config.schedule, self.table, batch.slots
         t0 = self._now()
         vmsg = messages.verify_message(batch, self.blocks, spec, self.with_plan)
         dmsg = messages.draft_message(batch, self.blocks, spec)
@@ -332,9 +361,7 @@ class Pipeline:
         self._host("plan", batch.step, t0, **shape)
         # rows stop drafting at their own count; the first token of each comes from logits
         # the fill computed, every further one is a proposer forward (what the cost follows)
-        nd = [s.num_draft for s in batch.seqs]
-        d_launch = self._launch(self.aux, "draft", dmsg, batch.step, **shape, num_draft=max(nd),
-                                draft_tokens=sum(nd), draft_forwards=sum(d - 1 for d in nd if d > 1))
+        d_launch = self._launch(self.aux, dmsg)
         self._pending_fill = None  # the draft queues behind any pending fill on its stream
         if sched == "sync":
             try:
@@ -343,43 +370,35 @@ class Pipeline:
                 self._fail_batch(batch, e)
                 return
         self.main.wait_event(d_launch.event)
-        v_launch = self._launch(self.main, "verify", vmsg, batch.step, **shape)
+        v_launch = self._launch(self.main, vmsg)
         f_launch = None
         if fmsg is not None and sched == "mtp":
             self.aux.wait_event(v_launch.event)
-            f_launch = self._launch(self.aux, "fill", fmsg, batch.step, after="verify",
-                                    **fmsg["shape"])
+            f_launch = self._launch(self.aux, fmsg)
         try:
             result = await self._sync(v_launch)
         except DeviceError as e:
             self._fail_batch(batch, e)
             return
-        accepted = _ints(result["accepted"])
-        emitted = result["tokens"]
-        num_drafts = _ints(result["num_drafts"]) if "num_drafts" in result else nd
-        starts_before = [s.request.num_tokens for s in batch.seqs]
-        # host bookkeeping of the accepted lengths, then the proposer's fill
-        for s, a in zip(batch.seqs, accepted):
-            s.request.num_computed_tokens += 1 + a
+        accepted = np.asarray(result.accepted, dtype=np.int64)
+        num_drafts = np.asarray(result.num_drafts, dtype=np.int64)
+        starts_before = self.builder.advance_verify(batch, accepted)
         if spec.kv_model is not None and f_launch is None:
             t0 = self._now()
             fm = fmsg if spec.fill_same_batch else messages.accept_fill_message(
-                batch, starts_before, accepted, self.blocks, spec, self.with_plan)
-            self._host("plan", batch.step, t0, kind="fill", **fm["shape"])
+                batch, starts_before, accepted, t.proposer_computed[slots], self.blocks, spec, self.with_plan)
+            fs = fm.shape
+            self._host("plan", batch.step, t0, kind="fill", requests=fs.requests, tokens=fs.tokens,
+                       kv_tokens=fs.kv_tokens)
             self.aux.wait_event(v_launch.event)
-            f_launch = self._launch(self.aux, "fill", fm, batch.step, after="verify",
-                                    **fm["shape"])
+            f_launch = self._launch(self.aux, fm)
         t0 = self._now()
-        out_counts = []
-        for i, s in enumerate(batch.seqs):
-            r = s.request
-            r.record_spec(num_drafts[i], accepted[i])
-            # draft model: every emitted token after its fill; heads: up to the new last token
-            r.num_proposer_computed = starts_before[i] + accepted[i] + spec.kv_ahead
-            out_counts.append(self._emit(r, [int(t) for t in emitted[i]]))
-            if not r.is_finished:
-                self.blocks.trim(r.request_id, "target", r.num_tokens)
-        self._host("output", batch.step, t0, **self._attrs(batch), emitted=sum(out_counts))
+        self.builder.record_verify(batch, starts_before, accepted, num_drafts, spec.kv_ahead)
+        emit = self._emit
+        out_counts = [emit(r, toks) for r, toks in zip(batch.requests, result.tokens)]
+        self.builder.trim_rejected(batch)
+        self._host("output", batch.step, t0, **self._attrs(batch, self._computed_now(batch)),
+                   emitted=sum(out_counts))
         self.trace.step_done(batch, t_step, out_counts, num_drafts, accepted)
         if f_launch is not None:
             if sched == "sync":
@@ -389,35 +408,43 @@ class Pipeline:
 
     # -- outputs and failures -----------------------------------------------------------------
     def _emit(self, req: Request, tokens: list[int]) -> int:
-        """Append new tokens, applying max_tokens / EOS / the sink's stop strings."""
+        """Append new tokens, applying max_tokens and EOS; the sink gets the tokens kept
+        (the request's consumer detokenizes them and applies stop strings)."""
         if req.is_finished:
             return 0
         if req.abort_requested:
             self._finish(req, "abort")
             return 0
-        room = req.params.max_tokens - req.num_output_tokens
-        tokens = tokens[:room]
+        if req.stop_at is not None:
+            self._finish_stopped(req)
+            return 0
+        params = req.params
+        room = params.max_tokens - len(req.output_token_ids)
+        if len(tokens) > room:
+            tokens = tokens[:room]
         reason = None
-        if not req.params.ignore_eos:
-            for j, t in enumerate(tokens):
-                if t in self.eos:
+        eos = self.eos
+        if eos and not params.ignore_eos and not eos.isdisjoint(tokens):
+            for j, tok in enumerate(tokens):
+                if tok in eos:
                     tokens = tokens[: j + 1]
                     reason = "stop"
                     break
-        if req.first_token_ns is None and tokens:
+        if not tokens:
+            return 0
+        if req.first_token_ns is None:
             req.first_token_ns = self._now()
-        keep, sink_reason = self.sink.on_tokens(req, tokens)
-        tokens = tokens[:keep]
-        req.output_token_ids.extend(tokens)
-        reason = sink_reason or reason
-        if reason is None and req.num_output_tokens >= req.params.max_tokens:
+        req.extend_output(tokens)
+        self.sink.on_tokens(req, tokens)
+        if reason is None and len(req.output_token_ids) >= params.max_tokens:
             reason = "length"
         if reason is not None:
             self._finish(req, reason)
         return len(tokens)
 
     def _fail_batch(self, batch: StepBatch, err: Exception) -> None:
-        for s in batch.seqs:
-            s.request.num_pending_tokens = 0
-            self._finish(s.request, "error", error=str(err))
+        for r in batch.requests:
+            if not r.is_finished:
+                r.num_pending_tokens = 0
+            self._finish(r, "error", error=str(err))
         self.tracer.span("host", "error", batch.step, self._now(), self._now(), error=str(err))

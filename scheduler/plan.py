@@ -43,36 +43,6 @@ class AttentionPlan:
     def qo_lens(self) -> np.ndarray:
         return np.diff(self.qo_indptr)
 
-    def to_message(self) -> dict:
-        """The plan as plain arrays, for a packed batch message."""
-        msg = {
-            "qo_indptr": self.qo_indptr,
-            "paged_kv_indptr": self.paged_kv_indptr,
-            "paged_kv_indices": self.paged_kv_indices,
-            "paged_kv_last_page_len": self.paged_kv_last_page_len,
-            "kv_lens": self.kv_lens,
-            "positions": self.positions,
-            "slot_mapping": self.slot_mapping,
-            "page_size": self.page_size,
-        }
-        if self.custom_mask is not None:
-            msg["custom_mask"] = self.custom_mask
-        return msg
-
-    @classmethod
-    def from_message(cls, msg: dict) -> "AttentionPlan":
-        return cls(
-            qo_indptr=msg["qo_indptr"],
-            paged_kv_indptr=msg["paged_kv_indptr"],
-            paged_kv_indices=msg["paged_kv_indices"],
-            paged_kv_last_page_len=msg["paged_kv_last_page_len"],
-            kv_lens=msg["kv_lens"],
-            positions=msg["positions"],
-            slot_mapping=msg["slot_mapping"],
-            page_size=int(msg["page_size"]),
-            custom_mask=msg.get("custom_mask"),
-        )
-
 
 def build_plan(
     qo_lens: Sequence[int],

@@ -24,14 +24,23 @@ class ProposerRules:
     kv_ahead: int  # tokens its KV runs ahead of the target's (a draft model also reads the sampled token)
     fill_same_batch: bool  # its fill reuses the verify batch (a head on the target's hidden states)
     tree: bool  # drafts a token tree, verified with a custom mask, its accepted path compacted
+    checkpoint: str | None = None  # the EngineConfig option naming its weights ("draft", "mtp_head")
+    greedy_only: bool = False  # verifies greedily only (sampled requests are rejected)
+    # what its per-position agreement with an output measures (traces): "teacher_forced" (a
+    # model of its own, exact at any draft length) or "first_token" (a head: exact at D = 1)
+    agreement: str | None = None
 
 
 RULES = {
     "none": ProposerRules(kv_model=None, kv_ahead=0, fill_same_batch=False, tree=False),
-    "draft": ProposerRules(kv_model="draft", kv_ahead=1, fill_same_batch=False, tree=False),
-    "mtp": ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=True, tree=False),
-    "eagle": ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=False, tree=True),
-    "ngram": ProposerRules(kv_model=None, kv_ahead=0, fill_same_batch=False, tree=False),
+    "draft": ProposerRules(kv_model="draft", kv_ahead=1, fill_same_batch=False, tree=False,
+                           checkpoint="draft", agreement="teacher_forced"),
+    "mtp": ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=True, tree=False,
+                         checkpoint="mtp_head", agreement="first_token"),
+    "eagle": ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=False, tree=True,
+                           checkpoint="mtp_head", greedy_only=True, agreement="first_token"),
+    "ngram": ProposerRules(kv_model=None, kv_ahead=0, fill_same_batch=False, tree=False,
+                           agreement="teacher_forced"),
 }
 PROPOSERS = tuple(RULES)
 
@@ -159,12 +168,13 @@ def validate_combination(proposer: str, schedule: str, draft_len: int) -> None:
         )
     if proposer != "none" and schedule == "plain_overlap":
         raise ValueError("'plain_overlap' is for plain decoding; speculative runs use sync/overlap/mtp")
-    if schedule == "mtp" and proposer != "mtp":
+    rules = RULES[proposer]
+    if schedule == "mtp" and not rules.fill_same_batch:
         raise ValueError(
             f"the 'mtp' schedule re-runs a head on the verify batch; proposer {proposer!r} "
             "has no such head (use 'overlap' for a draft model, 'sync' for n-gram)"
         )
-    if schedule == "overlap" and proposer not in ("draft", "eagle"):
+    if schedule == "overlap" and (rules.kv_model is None or rules.fill_same_batch):
         raise ValueError(
             f"the 'overlap' schedule overlaps a proposer's fill run with the next step's host "
             f"work; proposer {proposer!r} has none to overlap (use 'mtp' for an MTP head, "

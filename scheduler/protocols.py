@@ -106,10 +106,13 @@ class Worker(Protocol):
 
 
 class OutputSink(Protocol):
-    """Host-side output handling (detokenizing, streaming, stop strings)."""
+    """Host-side output handling: hands each request its new token ids; detokenizing and stop
+    strings run in the request's consumer (off the step loop), which ends a request on a stop
+    string through `Pipeline.stop_request`."""
 
-    def on_tokens(self, req: "Request", token_ids: list[int]) -> tuple[int, str | None]:
-        """New tokens for `req`. Return (how many of them to keep, finish reason or None)."""
+    def on_tokens(self, req: "Request", token_ids: list[int]) -> None:
+        """The new token ids the pipeline appended to `req.output_token_ids` (already cut at
+        max_tokens / EOS)."""
         ...
 
     def on_finish(self, req: "Request") -> None: ...

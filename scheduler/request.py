@@ -8,9 +8,11 @@ Draft tokens are extra scheduled tokens of a step; the rejected ones roll back.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+
+import numpy as np
 
 from specsched.scheduler.sampling_params import SamplingParams
+from specsched.scheduler.slot_state import SlotTable
 
 
 class RequestState(enum.Enum):
@@ -24,46 +26,78 @@ class RequestState(enum.Enum):
 FINISHED_STATES = (RequestState.FINISHED, RequestState.ABORTED)
 
 
-@dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_ns: int
-    slot: int = -1  # dense index the device uses for per-request state
-    state: RequestState = RequestState.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens with KV in the target cache
-    num_pending_tokens: int = 0  # sampled on the device, not yet seen by the host
-    num_proposer_computed: int = 0  # tokens with KV in the proposer's cache (draft / head)
-    abort_requested: bool = False
-    num_preemptions: int = 0
-    first_token_ns: int | None = None
-    finish_ns: int | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str | None = None
-    # speculative accounting
-    num_drafts: int = 0  # steps in which this request was drafted for
-    num_drafted_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # [D] drafts accepted at >= k+1
-    drafted_per_pos: list[int] = field(default_factory=list)  # [D] drafts with >= k+1 tokens
+def _counter(name: str, doc: str) -> property:
+    """A Request attribute stored in its row of a SlotTable (see scheduler/slot_state.py)."""
 
-    def __post_init__(self) -> None:
-        self._num_prompt = len(self.prompt_token_ids)  # the prompt never changes
+    def get(self) -> int:
+        return int(getattr(self._table, name)[self._row])
+
+    def set(self, value: int) -> None:
+        getattr(self._table, name)[self._row] = value
+
+    return property(get, set, doc=doc)
+
+
+class Request:
+    """A request's public handle: id, prompt, params, output ids, timings and outcome. Its
+    scheduler counters live in arrays indexed by its slot (`SlotTable`), so the batch
+    builder and the pipeline update every running request with whole-array operations."""
+
+    __slots__ = ("request_id", "prompt_token_ids", "params", "arrival_ns", "slot", "state",
+                 "output_token_ids", "abort_requested", "stop_at", "num_preemptions",
+                 "first_token_ns", "finish_ns", "finish_reason", "error", "_table", "_row")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_ns: int, *, num_computed_tokens: int = 0):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.arrival_ns = arrival_ns
+        self.slot = -1  # dense index: page-table row, device state, scheduler arrays
+        self.state = RequestState.WAITING
+        self.output_token_ids: list[int] = []
+        self.abort_requested = False
+        self.stop_at: int | None = None  # a stop string ends the output after this many tokens
+        self.num_preemptions = 0
+        self.first_token_ns: int | None = None
+        self.finish_ns: int | None = None
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+        self.error: str | None = None
+        self._table = SlotTable(1)
+        self._row = 0
+        t = self._table
+        t.prompt_len[0] = len(prompt_token_ids)  # the prompt never changes
+        t.max_tokens[0] = params.max_tokens
+        t.computed[0] = num_computed_tokens
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, state={self.state.value}, prompt={self.num_prompt_tokens}, "
+                f"output={self.num_output_tokens}, computed={self.num_computed_tokens})")
+
+    num_computed_tokens = _counter("computed", "tokens with KV in the target cache")
+    num_pending_tokens = _counter("pending", "sampled on the device, not yet seen by the host")
+    num_proposer_computed = _counter("proposer_computed", "tokens with KV in the proposer's cache")
+    num_drafts = _counter("num_drafts", "steps in which this request was drafted for")
+    num_drafted_tokens = _counter("drafted_tokens", "tokens drafted for this request")
+    num_accepted_tokens = _counter("accepted_tokens", "drafted tokens accepted")
 
     @property
     def num_prompt_tokens(self) -> int:
-        return self._num_prompt
+        return len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    def extend_output(self, token_ids: list[int]) -> None:
+        """Append tokens the host has seen (the output list and its count in the arrays)."""
+        self.output_token_ids.extend(token_ids)
+        self._table.num_output[self._row] = len(self.output_token_ids)
+
     @property
     def num_tokens(self) -> int:
         """Tokens of the sequence, including ones sampled on the device but not yet seen."""
-        return self._num_prompt + len(self.output_token_ids) + self.num_pending_tokens
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -78,34 +112,35 @@ class Request:
         """True while the prompt, or some token before the last, still lacks KV (prompt or
         recompute). A token sampled on the device but not yet seen counts as emitted."""
         c = self.num_computed_tokens
-        return c < self._num_prompt or c < self._num_prompt + len(self.output_token_ids) + self.num_pending_tokens - 1
+        n = len(self.prompt_token_ids)
+        return c < n or c < n + len(self.output_token_ids) + self.num_pending_tokens - 1
 
     @property
     def remaining_tokens(self) -> int:
         return self.params.max_tokens - self.num_output_tokens - self.num_pending_tokens
 
+    @property
+    def drafted_per_pos(self) -> list[int]:
+        """[D] drafts with >= k+1 tokens."""
+        t, i = self._table, self._row
+        return t.drafted_per_pos[i, : t.spec_width[i]].tolist()
+
+    @property
+    def accepted_per_pos(self) -> list[int]:
+        """[D] drafts accepted at >= k+1 tokens."""
+        t, i = self._table, self._row
+        return t.accepted_per_pos[i, : t.spec_width[i]].tolist()
+
     def record_spec(self, num_drafted: int, num_accepted: int) -> None:
-        if num_drafted <= 0:
-            return
-        self.num_drafts += 1
-        self.num_drafted_tokens += num_drafted
-        self.num_accepted_tokens += num_accepted
-        while len(self.drafted_per_pos) < num_drafted:
-            self.drafted_per_pos.append(0)
-            self.accepted_per_pos.append(0)
-        for k in range(num_drafted):
-            self.drafted_per_pos[k] += 1
-            if k < num_accepted:
-                self.accepted_per_pos[k] += 1
+        self._table.record_spec(np.array([self._row]), np.array([num_drafted]), np.array([num_accepted]))
 
     def spec_stats(self) -> dict:
+        drafts, accepted = self.num_drafts, self.num_accepted_tokens
         return {
-            "drafts": self.num_drafts,
+            "drafts": drafts,
             "drafted_tokens": self.num_drafted_tokens,
-            "accepted_tokens": self.num_accepted_tokens,
-            "mean_accept_len": (1.0 + self.num_accepted_tokens / self.num_drafts)
-            if self.num_drafts
-            else None,
+            "accepted_tokens": accepted,
+            "mean_accept_len": (1.0 + accepted / drafts) if drafts else None,
             "accept_rate_per_pos": [
                 a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)
             ],

@@ -3,7 +3,7 @@
 Why a module of its own: the step logic (scheduler/pipeline.py) should read as the
 schedule it implements; what it tells the tracer -- a `launch` span per launch, a
 `device:<stream>` span per op once its event is done, one step record when the step's host
-work ends -- lives here. Shapes (`batch_attrs`) travel with every span and launch: the
+work ends -- lives here. Shapes (`messages.LaunchShape`) travel with every span and launch: the
 simulator's cost models are fitted on their features (`launch_features`), and a paced
 device (runtime/devices/paced.py) times launches by the same features.
 """
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import numpy as np
 
 from specsched.scheduler.batch_builder import StepBatch
 from specsched.scheduler.protocols import Event
@@ -24,16 +26,6 @@ class Launch:
     attrs: dict  # the launch's shape: its spans' attributes
     t_step: int | None = None  # a forward step's start, for its step record (written when
     # the launch completes: a step later under plain_overlap)
-
-
-def batch_attrs(batch: StepBatch, width: int = 0) -> dict:
-    """Shape of a step for traces and cost models: requests, tokens, KV tokens. A speculative
-    step computes a fixed `width` (1 + candidates) tokens per row, whatever was drafted."""
-    return {
-        "requests": len(batch.seqs),
-        "tokens": len(batch.seqs) * width if (width and batch.is_spec) else batch.num_tokens,
-        "kv_tokens": sum(s.request.num_computed_tokens + s.num_new_tokens + s.num_draft for s in batch.seqs),
-    }
 
 
 LAUNCH_FEATURES = ("const", "tokens", "requests", "kv_tokens", "draft_steps", "draft_forwards", "draft_tokens")
@@ -70,9 +62,11 @@ def device_span_name(op: str, attrs: dict) -> str:
 class StepTrace:
     """Launch/device/step records of one pipeline; `now()` is the pipeline's host time."""
 
-    def __init__(self, tracer: Any, now: Callable[[], int]):
+    def __init__(self, tracer: Any, now: Callable[[], int],
+                 computed_now: Callable[[StepBatch], np.ndarray]):
         self.tracer = tracer
         self.now = now
+        self.computed_now = computed_now  # [B] a batch's rows' num_computed_tokens now
         self._unrecorded: list[Launch] = []
         self._steps_done: list[tuple] = []
 
@@ -105,7 +99,7 @@ class StepTrace:
                 result = ev.synchronize(0)
             except Exception:  # noqa: BLE001 - failed work still occupied the device
                 result = None
-            sub = result.get("_substages") if isinstance(result, dict) else None
+            sub = getattr(result, "substages", None)
             if sub:
                 for sname, s0, s1 in sub:
                     self.tracer.span(track, sname, launch.step, s0, s1, **attrs)
@@ -114,8 +108,8 @@ class StepTrace:
                                  ev.end_ns, **attrs)
         self._unrecorded = keep
 
-    def step_done(self, batch: StepBatch, t_step: int, out_counts: list[int], drafted: list[int],
-                  accepted: list[int]) -> None:
+    def step_done(self, batch: StepBatch, t_step: int, out_counts: list[int], drafted: np.ndarray,
+                  accepted: np.ndarray) -> None:
         """Queue the step's record; it is written when the step's host work ends (after any
         fill the schedule waits for), so step intervals cover the whole step."""
         if self.tracer.enabled:
@@ -124,11 +118,13 @@ class StepTrace:
     def flush_steps(self) -> None:
         end = self.now()
         for batch, t_step, out_counts, drafted, accepted in self._steps_done:
+            kv_lens = self.computed_now(batch)  # the rows' target KV as the step ends
             self.tracer.step(
                 step=batch.step, kind=batch.kind, start_ns=t_step, end_ns=max(end, t_step),
-                request_ids=[s.request.request_id for s in batch.seqs],
-                num_new_tokens=[s.num_new_tokens + s.num_draft for s in batch.seqs],
-                kv_lens=[s.request.num_computed_tokens for s in batch.seqs],
-                num_drafted=drafted, num_accepted=accepted, num_output=out_counts,
+                request_ids=[r.request_id for r in batch.requests],
+                num_new_tokens=(batch.num_new + batch.num_draft).tolist(),
+                kv_lens=np.asarray(kv_lens).tolist(),
+                num_drafted=np.asarray(drafted).tolist(), num_accepted=np.asarray(accepted).tolist(),
+                num_output=list(out_counts),
             )
         self._steps_done.clear()

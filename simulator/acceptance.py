@@ -38,6 +38,7 @@ class AcceptanceModel:
         self.recorded = recorded or {}  # request index -> {output position: (accepted, drafted)}
         self.draft_rate = draft_rate  # share of speculative rows that drafted anything
         self.rng = np.random.default_rng(seed)
+        self._tables: tuple[np.ndarray, ...] | None = None  # `outcomes`' lookups, built on first use
 
     @classmethod
     def parse(cls, spec: str, trace, seed: int = 0, captured_config: bool = False) -> "AcceptanceModel":
@@ -93,6 +94,41 @@ class AcceptanceModel:
             a += 1
         return a, num_drafts
 
+    def outcomes(self, index: np.ndarray, out_pos: np.ndarray, num_drafts: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """`outcome` for a verify's rows at once: ([B] accepted, [B] drafted). Rows replayed
+        from the trace's data are whole-array lookups; rows priced from rates or Bernoulli
+        draws take their random numbers row by row, in row order (as `outcome` does)."""
+        num_drafts = np.asarray(num_drafts, dtype=np.int64)
+        accepted = np.zeros(num_drafts.shape[0], dtype=np.int64)
+        drafted = np.zeros(num_drafts.shape[0], dtype=np.int64)
+        todo = num_drafts > 0
+        if self.mode == "trace" and todo.any():
+            if self._tables is None:
+                self._tables = _lookup_tables(self.recorded, self.agreement)
+            rec_acc, rec_drafted, runs, has_agree = self._tables
+            inside = (index < rec_acc.shape[0]) & (out_pos >= 0) & (out_pos < rec_acc.shape[1])
+            if inside.any():
+                i, p = np.where(inside, index, 0), np.where(inside, out_pos, 0)
+                hit = todo & inside & (rec_acc[i, p] >= 0)
+                accepted[hit] = np.minimum(rec_acc[i, p], num_drafts)[hit]
+                drafted[hit] = np.minimum(rec_drafted[i, p], num_drafts)[hit]
+                todo &= ~hit
+            if has_agree.size and runs.shape[1]:
+                known = index < has_agree.shape[0]
+                i = np.where(known, index, 0)
+                agree = todo & known & has_agree[i]
+                if self.exact_max_d is not None:
+                    agree &= num_drafts <= self.exact_max_d
+                inside = (out_pos >= 0) & (out_pos < runs.shape[1])
+                run = np.where(inside, runs[i, np.where(inside, out_pos, 0)], 0)
+                accepted[agree] = np.minimum(run, num_drafts)[agree]
+                drafted[agree] = num_drafts[agree]
+                todo &= ~agree
+        for r in np.flatnonzero(todo).tolist():
+            accepted[r], drafted[r] = self.outcome(int(index[r]), int(out_pos[r]), int(num_drafts[r]))
+        return accepted, drafted
+
     def accept(self, request_index: int, out_pos: int, num_drafts: int) -> int:
         return self.outcome(request_index, out_pos, num_drafts)[0]
 
@@ -136,3 +172,30 @@ def recorded_acceptance(trace) -> dict[int, dict[int, tuple[int, int]]]:
                 out.setdefault(idx[rid], {})[p] = (int(accepted), int(drafted))
             pos[rid] = p + int(emitted)
     return out
+
+
+def _lookup_tables(recorded: dict[int, dict[int, tuple[int, int]]], agreement: dict[int, list[int]]
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Padded arrays for `AcceptanceModel.outcomes`: recorded (accepted, drafted) by [request
+    index, output position] (-1 where none), and per request with agreement data the run of
+    agreeing positions starting at each output position."""
+    n = max(recorded, default=-1) + 1
+    width = max((max(d) + 1 for d in recorded.values() if d), default=0)
+    rec_acc = np.full((n, width), -1, dtype=np.int64)
+    rec_drafted = np.full((n, width), -1, dtype=np.int64)
+    for i, by_pos in recorded.items():
+        if by_pos:
+            pos = np.fromiter(by_pos, dtype=np.int64, count=len(by_pos))
+            vals = np.array(list(by_pos.values()), dtype=np.int64).reshape(-1, 2)
+            rec_acc[i, pos], rec_drafted[i, pos] = vals[:, 0], vals[:, 1]
+    m = max(agreement, default=-1) + 1
+    length = max((len(a) for a in agreement.values()), default=0)
+    runs = np.zeros((m, length), dtype=np.int64)
+    has = np.zeros(m, dtype=bool)
+    for i, agree in agreement.items():
+        has[i] = True
+        run = 0
+        for p in range(len(agree) - 1, -1, -1):  # ones in a row from p on
+            run = run + 1 if agree[p] else 0
+            runs[i, p] = run
+    return rec_acc, rec_drafted, runs, has

@@ -9,6 +9,7 @@ process) every stream shares one queue, otherwise streams run concurrently and o
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Protocol
 
 from specsched.scheduler.protocols import DeviceError
@@ -18,7 +19,7 @@ from specsched.simulator.vtime import VirtualClock
 
 
 class Responder(Protocol):
-    def respond(self, op: str, batch: dict, start_ns: int) -> tuple[Any, list[tuple[str, int]]]:
+    def respond(self, op: str, batch: Any, start_ns: int) -> tuple[Any, list[tuple[str, int]]]:
         """(result, [(substage name, duration ns), ...]) for a launch starting at start_ns."""
         ...
 
@@ -65,11 +66,12 @@ class VirtualStream:
         self.busy_until_ns = 0
         self._after_ns = 0  # wait_event dependencies
 
-    def launch(self, op: str, batch: dict) -> VirtualEvent:
+    def launch(self, op: str, batch: Any) -> VirtualEvent:
         dev = self.device
         now = dev.clock.now_ns()
         ready = now + int(dev.profile.launch_lead_for(op))
-        attrs = batch.get("attrs", {})
+        shape = getattr(batch, "shape", None)
+        attrs = shape.attrs() if shape is not None else {}
         name = device_span_name(op, attrs)
         # launched while the queue is busy, an op starts the device's per-op gap after the
         # op ahead of it; launched onto an idle device, its launch lead after the launch (how
@@ -95,8 +97,8 @@ class VirtualStream:
         for name, dur in subs:
             stamps.append((name, t, t + int(dur)))
             t += int(dur)
-        if isinstance(result, dict) and len(stamps) > 1:
-            result["_substages"] = stamps
+        if len(stamps) > 1 and hasattr(result, "substages"):
+            result = replace(result, substages=tuple(stamps))
         self.busy_until_ns = t
         dev.busy_until_ns = max(dev.busy_until_ns, t)
         self._after_ns = 0

@@ -12,9 +12,11 @@ import math
 from dataclasses import dataclass, field
 
 import anyio
+import numpy as np
 
 from specsched.scheduler import wiring
 from specsched.scheduler.errors import InvalidRequestError
+from specsched.scheduler.messages import DraftResult, FillResult, ForwardResult, VerifyResult
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.wiring import NATURAL_SCHEDULE, build_pipeline
 from specsched.scheduler.request import Request
@@ -84,44 +86,49 @@ def workload_from_trace(trace: Trace) -> list[WorkloadItem]:
 
 
 class TraceResponder:
-    """The simulator's worker: token bookkeeping per slot and acceptance per verify."""
+    """The simulator's worker: tokens known per slot and acceptance per verify, in arrays
+    indexed by slot (a verify of B rows is a few whole-array operations)."""
 
     def __init__(self, profile: CostProfile, acceptance: AcceptanceModel, prompt_lens: list[int]):
         self.profile = profile
         self.acceptance = acceptance
-        self.prompt_lens = prompt_lens
-        self.slots: dict[int, list[int]] = {}  # slot -> [request index, tokens known]
+        self.prompt_lens = np.asarray(prompt_lens, dtype=np.int64)
+        self.index = np.zeros(64, dtype=np.int64)  # slot -> request index (its prompt's token)
+        self.known = np.zeros(64, dtype=np.int64)  # slot -> tokens known
+        self._emitted = [(_DUMMY_TOKEN,) * k for k in range(9)]  # emitted tokens by count
 
-    def respond(self, op: str, batch: dict, start_ns: int):
-        for s in batch.get("release", ()):
-            self.slots.pop(int(s), None)
-        for slot, token_ids, _ in batch.get("register", ()):
-            self.slots[int(slot)] = [int(token_ids[0]), len(token_ids)]
-        attrs = batch.get("attrs", {})
+    def _register(self, regs) -> None:
+        for r in regs:
+            if r.slot >= self.index.shape[0]:
+                size = max(r.slot + 1, 2 * self.index.shape[0])
+                self.index = np.resize(self.index, size)
+                self.known = np.resize(self.known, size)
+            self.index[r.slot] = r.token_ids[0]
+            self.known[r.slot] = len(r.token_ids)
+
+    def respond(self, op: str, msg, start_ns: int):
         if op == "forward":
-            out = []
-            for slot, samp in zip(batch["slots"], batch["samples"]):
-                if samp:
-                    self.slots[slot][1] += 1
-                out.append(_DUMMY_TOKEN if samp else -1)
-            return {"tokens": out}, []
+            if msg.register:
+                self._register(msg.register)
+            self.known[msg.slots[msg.samples]] += 1
+            return ForwardResult(np.where(msg.samples, _DUMMY_TOKEN, -1)), []
         if op == "draft":
-            return {"num_drafts": batch["num_draft"]}, []
+            return DraftResult(msg.num_draft), []
         if op == "verify":
-            accepted, emitted, drafted = [], [], []
-            for slot, nd in zip(batch["slots"], batch["num_draft"]):
-                st = self.slots[slot]
-                pos = st[1] - self.prompt_lens[st[0]]
-                a, d = self.acceptance.outcome(st[0], pos, nd)
-                accepted.append(a)
-                drafted.append(d)
-                emitted.append([_DUMMY_TOKEN] * (a + 1))
-                st[1] += a + 1
+            slots = msg.slots
+            idx = self.index[slots]
+            accepted, drafted = self.acceptance.outcomes(idx, self.known[slots] - self.prompt_lens[idx],
+                                                         msg.num_draft)
+            self.known[slots] += accepted + 1
+            runs = self._emitted
+            if int(accepted.max(initial=0)) + 1 >= len(runs):
+                runs.extend((_DUMMY_TOKEN,) * k for k in range(len(runs), int(accepted.max()) + 2))
+            attrs = msg.shape.attrs()
             subs = [("verify", int(self.profile.device_ns("verify", attrs))),
                     ("accept", int(self.profile.device_ns("accept", attrs)) if "accept" in self.profile.device else 0)]
-            return {"accepted": accepted, "tokens": emitted, "num_drafts": drafted}, subs
+            return VerifyResult(accepted, [runs[a + 1] for a in accepted.tolist()], drafted), subs
         if op == "fill":
-            return {}, []
+            return FillResult(), []
         raise ValueError(f"virtual device: unknown op {op!r}")
 
 
@@ -129,8 +136,8 @@ class _Sink:
     def __init__(self) -> None:
         self.done: dict[str, anyio.Event] = {}
 
-    def on_tokens(self, req, token_ids):
-        return len(token_ids), None
+    def on_tokens(self, req, token_ids) -> None:
+        pass
 
     def on_finish(self, req) -> None:
         ev = self.done.get(req.request_id)

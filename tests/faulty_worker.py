@@ -6,8 +6,8 @@ POISON = 3
 
 class FaultyWorker(ModelWorker):
     def execute(self, op, batch):
-        for _, token_ids, _ in batch.get("register", ()):
-            if POISON in token_ids:
+        for reg in getattr(batch, "register", ()):
+            if POISON in reg.token_ids:
                 self._poisoned = True
         if op == "forward" and getattr(self, "_poisoned", False):
             self._poisoned = False

@@ -1,11 +1,13 @@
 """Tests for specsched.scheduler.batch_builder: budgets, FCFS admission, chunked prefill, speculation on
-decode-only batches, preemption and recompute, driven to completion by a small simulation of
-the pipeline's bookkeeping."""
+decode-only batches, preemption and recompute, driven to completion through the builder's
+own bookkeeping functions (the ones the pipeline calls)."""
 from __future__ import annotations
 
 import copy
 import random
+from dataclasses import dataclass
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -37,9 +39,27 @@ def make_builder(
     return BatchBuilder(cfg, BlockManager(num_pages, page_size, models))
 
 
+@dataclass(frozen=True)
+class Row:
+    """One row of a StepBatch, for assertions."""
+    request: Request
+    num_new_tokens: int
+    num_draft: int
+    samples: bool
+    prefill: bool
+
+
+def rows(batch: StepBatch) -> list[Row]:
+    return [Row(r, n, d, s, p) for r, n, d, s, p in zip(
+        batch.requests, batch.num_new.tolist(), batch.num_draft.tolist(), batch.samples.tolist(),
+        batch.prefill.tolist())]
+
+
 class Sim:
-    """The pipeline's host bookkeeping for one builder: allocate, advance computed tokens,
-    append sampled tokens (1 + accepted on a speculative step), trim rejected KV, finish."""
+    """Drives a builder through the pipeline's host bookkeeping -- the builder's own
+    `advance_forward` / `complete_forward` / `advance_verify` / `record_verify` /
+    `trim_rejected` -- with random acceptance; tokens are appended and requests finish at
+    max_tokens as the pipeline's output stage does."""
 
     def __init__(self, builder: BatchBuilder, accept_rng: random.Random | None = None):
         self.b = builder
@@ -47,9 +67,20 @@ class Sim:
         self.finished: list[Request] = []
         self.batches: list[StepBatch] = []
         self.num_fast = 0  # steps the whole-array decode path scheduled
+        cfg = builder.config
+        self.kv_ahead = (1 if cfg.proposer_model == "draft" else 0) if cfg.proposer_model else None
 
     def add(self, req: Request) -> None:
         self.b.add(req)
+
+    def _emit(self, r: Request, n: int) -> None:
+        start = r.num_output_tokens
+        r.extend_output(list(range(start, start + n)))
+        assert r.num_output_tokens <= r.params.max_tokens
+        if r.num_output_tokens == r.params.max_tokens:
+            r.state = RequestState.FINISHED
+            self.b.remove(r)
+            self.finished.append(r)
 
     def step(self) -> StepBatch:
         b, cfg = self.b, self.b.config
@@ -65,27 +96,28 @@ class Sim:
         b.allocate(batch)
         check_allocation(b, batch)
         check_messages(b, batch)
-        for s in batch.seqs:
-            r = s.request
-            if s.samples:
-                assert r.num_computed_tokens + s.num_new_tokens == r.num_tokens
-            if batch.is_spec:
-                accepted = self.rng.randint(0, s.num_draft)
-                r.num_computed_tokens += 1 + accepted
-                new = 1 + accepted
-            else:
-                r.num_computed_tokens += s.num_new_tokens
-                new = 1 if s.samples else 0
-            start = r.num_output_tokens
-            r.output_token_ids.extend(range(start, start + new))
-            assert r.num_output_tokens <= r.params.max_tokens
-            if r.num_output_tokens == r.params.max_tokens:
-                r.state = RequestState.FINISHED
-                b.remove(r)
-                self.finished.append(r)
-            elif batch.is_spec:
-                b.blocks.trim(r.request_id, "target", r.num_tokens)
+        for row in rows(batch):
+            if row.samples:
+                assert row.request.num_computed_tokens + row.num_new_tokens == row.request.num_tokens
+        if batch.is_spec:
+            accepted = np.array([self.rng.randint(0, d) for d in batch.num_draft.tolist()], dtype=np.int64)
+            before = b.advance_verify(batch, accepted)
+            assert (before == batch.start + 1).all()
+            b.record_verify(batch, before, accepted, batch.num_draft, self.kv_ahead or 0)
+            for r, a in zip(batch.requests, accepted.tolist()):
+                self._emit(r, 1 + a)
+            b.trim_rejected(batch)
+            for r in batch.requests:
+                if not r.is_finished:
+                    assert b.blocks.num_slots(r.request_id) < r.num_tokens + b.blocks.page_size
+        else:
+            b.advance_forward(batch, self.kv_ahead)
+            b.complete_forward(batch)
+            for row in rows(batch):
+                if row.samples:
+                    self._emit(row.request, 1)
         b.blocks.check_invariants()
+        check_slots(b)
         for r in b.running:
             assert r.state is RequestState.RUNNING
         for r in b.waiting:
@@ -102,26 +134,34 @@ class Sim:
         raise AssertionError("the scheduler made no progress (livelock)")
 
 
+def check_slots(b: BatchBuilder) -> None:
+    """Queued and running requests hold distinct slots, each the request's page-table row."""
+    held = [r.slot for r in list(b.running) + list(b.waiting)]
+    assert len(held) == len(set(held)) and all(s >= 0 for s in held)
+    assert b.table.num_used == len(held)
+    assert b.running_slots().tolist() == [r.slot for r in b.running]
+
+
 def _summary(batch: StepBatch) -> tuple:
     return (batch.step, batch.kind, [(s.request.request_id, s.num_new_tokens, s.num_draft, s.samples, s.prefill)
-                                     for s in batch.seqs], [r.request_id for r in batch.preempted])
+                                     for s in rows(batch)], [r.request_id for r in batch.preempted])
 
 
 def check_batch(b: BatchBuilder, batch: StepBatch) -> None:
     cfg = b.config
-    ids = [s.request.request_id for s in batch.seqs]
+    ids = [s.request.request_id for s in rows(batch)]
     assert len(ids) == len(set(ids)), "a request scheduled twice"
     assert len(batch) <= cfg.max_num_seqs and len(b.running) <= cfg.max_num_seqs
     assert batch.num_tokens <= cfg.max_num_batched_tokens
-    for s in batch.seqs:
+    for s in rows(batch):
         assert s.request in b.running
         assert s.num_new_tokens >= 1
         assert s.request.num_computed_tokens + s.num_new_tokens <= s.request.num_tokens
         assert s.num_draft <= max(0, s.request.remaining_tokens - 1)
     if batch.is_spec:
-        assert not any(s.request.in_prefill for s in batch.seqs)
-        assert all(s.num_new_tokens == 1 and s.samples for s in batch.seqs)
-        assert all(s.num_draft == min(cfg.draft_len, s.request.remaining_tokens - 1) for s in batch.seqs)
+        assert not any(s.request.in_prefill for s in rows(batch))
+        assert all(s.num_new_tokens == 1 and s.samples for s in rows(batch))
+        assert all(s.num_draft == min(cfg.draft_len, s.request.remaining_tokens - 1) for s in rows(batch))
         assert batch.kind == "spec"
         # the verify computes 1 + D tokens for every row
         assert len(batch) * (1 + cfg.draft_len) <= cfg.max_num_batched_tokens
@@ -134,7 +174,7 @@ def check_batch(b: BatchBuilder, batch: StepBatch) -> None:
 
 def check_allocation(b: BatchBuilder, batch: StepBatch) -> None:
     cfg, bm = b.config, b.blocks
-    for s in batch.seqs:
+    for s in rows(batch):
         r = s.request
         width = cfg.draft_len if batch.is_spec else 0
         target = r.num_computed_tokens + s.num_new_tokens + width
@@ -152,14 +192,14 @@ def spec_of(cfg: SchedulerConfig) -> ProposerSpec:
 def check_messages(b: BatchBuilder, batch: StepBatch) -> None:
     """The plan stage must succeed on what kv_alloc reserved, and no two tokens of the step
     may write the same KV slot."""
-    if not batch.seqs:
+    if not len(batch):
         return
     if batch.is_spec:
         msg = messages.verify_message(batch, b.blocks, spec_of(b.config))
         messages.draft_message(batch, b.blocks, spec_of(b.config))
     else:
         msg = messages.forward_message(batch, b.blocks)
-    slots = msg["plan"]["slot_mapping"].tolist()
+    slots = msg.plan.slot_mapping.tolist()
     assert len(slots) == len(set(slots))
 
 
@@ -186,9 +226,9 @@ def test_token_budget_seats_and_fcfs_admission() -> None:
     for r in reqs:
         b.add(r)
     batch = b.schedule()
-    assert [s.request.request_id for s in batch.seqs] == ["r0", "r1", "r2"]
-    assert [s.num_new_tokens for s in batch.seqs] == [5, 5, 2]  # r2's prefill is chunked
-    assert [s.samples for s in batch.seqs] == [True, True, False]
+    assert [s.request.request_id for s in rows(batch)] == ["r0", "r1", "r2"]
+    assert [s.num_new_tokens for s in rows(batch)] == [5, 5, 2]  # r2's prefill is chunked
+    assert [s.samples for s in rows(batch)] == [True, True, False]
     assert batch.num_tokens == 12 and batch.kind == "prefill"
     assert [r.request_id for r in b.waiting] == ["r3", "r4", "r5"]
     assert all(r.state is RequestState.RUNNING for r in reqs[:3])
@@ -203,13 +243,13 @@ def test_chunked_prefill_across_steps_then_decode() -> None:
     chunks = []
     for _ in range(3):
         batch = sim.step()
-        (s,) = batch.seqs
+        (s,) = rows(batch)
         chunks.append((s.num_new_tokens, s.samples))
         assert batch.kind == "prefill"
     assert chunks == [(10, False), (10, False), (5, True)]
     assert r.num_computed_tokens == 25 and r.num_output_tokens == 1
     batch = sim.step()
-    assert batch.kind == "decode" and batch.seqs[0].num_new_tokens == 1
+    assert batch.kind == "decode" and rows(batch)[0].num_new_tokens == 1
     sim.run()
     assert r.num_output_tokens == 3 and r.state is RequestState.FINISHED
     assert b.blocks.num_free_pages == b.blocks.num_pages
@@ -222,9 +262,9 @@ def test_running_requests_come_before_new_prefill() -> None:
     sim.step()  # a: 8 of 20
     sim.add(make_req("b", 3, 2))
     batch = sim.step()
-    assert [(s.request.request_id, s.num_new_tokens) for s in batch.seqs] == [("a", 8)]
+    assert [(s.request.request_id, s.num_new_tokens) for s in rows(batch)] == [("a", 8)]
     batch = sim.step()
-    assert [(s.request.request_id, s.num_new_tokens) for s in batch.seqs] == [("a", 4), ("b", 3)]
+    assert [(s.request.request_id, s.num_new_tokens) for s in rows(batch)] == [("a", 4), ("b", 3)]
 
 
 # -- speculation ------------------------------------------------------------------------------------
@@ -238,13 +278,13 @@ def test_speculation_only_on_decode_only_batches() -> None:
     batch = sim.step()
     assert batch.kind == "prefill" and not batch.is_spec
     batch = sim.step()
-    assert batch.is_spec and batch.seqs[0].num_draft == 3
+    assert batch.is_spec and rows(batch)[0].num_draft == 3
     sim.add(make_req("b", 6, 20))
     batch = sim.step()  # b prefills: nobody speculates in this step
     assert batch.kind == "mixed" and not batch.is_spec
-    assert all(s.num_draft == 0 for s in batch.seqs)
+    assert all(s.num_draft == 0 for s in rows(batch))
     batch = sim.step()
-    assert batch.is_spec and [s.num_draft for s in batch.seqs] == [3, 3]
+    assert batch.is_spec and [s.num_draft for s in rows(batch)] == [3, 3]
 
 
 def test_speculation_continues_when_waiting_requests_cannot_get_a_seat() -> None:
@@ -254,7 +294,7 @@ def test_speculation_continues_when_waiting_requests_cannot_get_a_seat() -> None
     sim.step()
     sim.add(make_req("b", 4, 10))
     batch = sim.step()
-    assert batch.is_spec and [s.request.request_id for s in batch.seqs] == ["a"]
+    assert batch.is_spec and [s.request.request_id for s in rows(batch)] == ["a"]
     assert [r.request_id for r in b.waiting] == ["b"]
 
 
@@ -265,7 +305,7 @@ def test_no_speculation_while_a_waiting_request_can_be_admitted() -> None:
     sim.step()
     sim.add(make_req("b", 4, 10))
     batch = sim.step()
-    assert not batch.is_spec and {s.request.request_id for s in batch.seqs} == {"a", "b"}
+    assert not batch.is_spec and {s.request.request_id for s in rows(batch)} == {"a", "b"}
 
 
 def test_num_draft_capped_by_remaining_tokens() -> None:
@@ -276,7 +316,7 @@ def test_num_draft_capped_by_remaining_tokens() -> None:
     sim.add(r)
     sim.step()  # prefill -> 1 token, 3 remaining
     batch = sim.step()
-    assert batch.seqs[0].num_draft == 2  # 1 + 2 drafts = the 3 remaining tokens
+    assert rows(batch)[0].num_draft == 2  # 1 + 2 drafts = the 3 remaining tokens
     assert r.num_output_tokens == 4 and r.state is RequestState.FINISHED
 
 
@@ -292,12 +332,12 @@ def test_spec_rows_reserve_the_whole_verify_width() -> None:
     sim.step()  # both prefill, one token each
     batch = b.schedule()
     assert batch.is_spec
-    assert {s.request.request_id: s.num_draft for s in batch.seqs} == {"long": 3, "short": 0}
+    assert {s.request.request_id: s.num_draft for s in rows(batch)} == {"long": 3, "short": 0}
     b.allocate(batch)
-    for s in batch.seqs:
+    for s in rows(batch):
         assert b.blocks.num_slots(s.request.request_id) >= s.request.num_computed_tokens + 1 + 3
-    plan = messages.verify_message(batch, b.blocks, ProposerSpec("ngram", 3))["plan"]
-    assert list(plan["qo_indptr"]) == [0, 4, 8]
+    plan = messages.verify_message(batch, b.blocks, ProposerSpec("ngram", 3)).plan
+    assert list(plan.qo_indptr) == [0, 4, 8]
 
 
 def test_spec_token_budget_counts_the_verify_width() -> None:
@@ -309,7 +349,7 @@ def test_spec_token_budget_counts_the_verify_width() -> None:
     batch = sim.step()
     assert batch.is_spec and len(batch) == 2  # 2 * (1 + 3) <= 10 < 3 * 4
     batch = sim.step()
-    assert batch.is_spec and batch.seqs[0].request.request_id == "r0"
+    assert batch.is_spec and rows(batch)[0].request.request_id == "r0"
 
 
 # -- preemption -------------------------------------------------------------------------------------
@@ -323,7 +363,7 @@ def test_preemption_takes_the_most_recent_request_and_recomputes_it() -> None:
     for r in reqs:
         sim.add(r)
     batch = sim.step()
-    assert [s.request.request_id for s in batch.seqs] == ["r0", "r1", "r2"]  # 2 pages each
+    assert [s.request.request_id for s in rows(batch)] == ["r0", "r1", "r2"]  # 2 pages each
     batch = sim.step()  # all decode at position 3: fits in the 2 pages
     assert not batch.preempted
     batch = sim.step()  # position 4 needs a third page each: no room; r2 is preempted
@@ -332,13 +372,13 @@ def test_preemption_takes_the_most_recent_request_and_recomputes_it() -> None:
     assert r2.state is RequestState.PREEMPTED and r2.num_preemptions == 1
     assert list(b.waiting) == [r2]
     assert r2.output_token_ids == [0, 1]  # outputs are kept, never dropped
-    assert [s.request.request_id for s in batch.seqs] == ["r0", "r1"]
+    assert [s.request.request_id for s in rows(batch)] == ["r0", "r1"]
     sim.run()
     assert all(r.state is RequestState.FINISHED and r.output_token_ids == list(range(6)) for r in reqs)
     # r2 came back with a recompute of prompt + outputs in one prefill chunk
     readmit = next(bt for bt in sim.batches if any(
-        s.request is r2 and s.num_new_tokens > 1 for s in bt.seqs) and bt.step > 2)
-    (s2,) = [s for s in readmit.seqs if s.request is r2]
+        s.request is r2 and s.num_new_tokens > 1 for s in rows(bt)) and bt.step > 2)
+    (s2,) = [s for s in rows(readmit) if s.request is r2]
     assert s2.num_new_tokens == 3 + 2 and s2.samples
     assert b.blocks.num_free_pages == b.blocks.num_pages
 
@@ -355,7 +395,7 @@ def test_preempted_requests_return_to_the_front_in_fcfs_order() -> None:
     assert b.blocks.num_free_pages == 0
     batch = sim.step()
     assert [r.request_id for r in batch.preempted] == ["r2", "r1"]
-    assert [s.request.request_id for s in batch.seqs] == ["r0"] and batch.is_spec
+    assert [s.request.request_id for s in rows(batch)] == ["r0"] and batch.is_spec
     late = make_req("late", 2, 2, arrival_ns=9)
     sim.add(late)
     assert [r.request_id for r in b.waiting] == ["r1", "r2", "late"]
@@ -475,7 +515,7 @@ def test_random_workloads_finish_with_every_token(w: dict) -> None:
         assert r.state is RequestState.FINISHED
         assert r.output_token_ids == list(range(r.params.max_tokens))
     assert b.blocks.num_free_pages == num_pages
-    admitted = [s.request.request_id for bt in sim.batches for s in bt.seqs if s.request.num_preemptions == 0]
+    admitted = [s.request.request_id for bt in sim.batches for s in rows(bt) if s.request.num_preemptions == 0]
     first_seen = list(dict.fromkeys(admitted))
     arrival_order = [reqs[i].request_id for _, i in sorted((d, i) for i, (_, _, d) in enumerate(w["requests"]))]
     # FCFS: among requests never preempted, first scheduling follows arrival order

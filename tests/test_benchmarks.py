@@ -13,6 +13,9 @@ TINY = {
     "forward_cost.py": ["--repeats", "3", "--context", "32"],
     "device_idle.py": ["--n", "32", "--repeat", "1", "--rounds", "2"],
     "host_overhead.py": ["--requests", "4", "--steps", "5"],
+    "engine_ab.py": ["--baseline", ".", "--rounds", "1", "--concurrency", "1", "--num-requests", "1",
+                     "--max-tokens", "3"],
+    "simulator_speed.py": ["--concurrency", "2", "8", "--repeats", "1", "--min-seconds", "0"],
     "tracing_overhead.py": ["--spans", "200"],
     "proposers.py": ["--num-requests", "1", "--max-tokens", "4", "--only", "ngram"],
     "simulator_fidelity.py": ["--num-requests", "2", "--max-tokens", "6", "--concurrency", "2",
@@ -38,3 +41,28 @@ def test_benchmark_smoke(script):
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     assert res.stdout.strip()
+
+
+def _table_rows(stdout: str) -> list[list[str]]:
+    return [line.split() for line in stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+
+
+def test_simulator_speed_table():
+    """One row per concurrency: the sample trace (6 requests) replayed at 2, a workload of
+    2 x 8 copied requests at 8; and the side-by-side table against a baseline checkout."""
+    script = str(ROOT / "benchmarks" / "simulator_speed.py")
+    res = subprocess.run([sys.executable, script, *TINY["simulator_speed.py"]],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = _table_rows(res.stdout)
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(2, 6), (8, 16)]
+    for _, _, steps, ms, rt in rows:
+        assert int(steps) > 0 and float(ms) > 0 and rt.endswith("x") and float(rt[:-1]) > 0
+    res = subprocess.run([sys.executable, script, *TINY["simulator_speed.py"], "--baseline", str(ROOT),
+                          "--rounds", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = _table_rows(res.stdout)
+    assert [int(r[0]) for r in rows] == [2, 8]
+    for _, steps, base_ms, this_ms, ms_ratio, base_rt, this_rt, rt_ratio in rows:
+        assert int(steps) > 0 and float(base_ms) > 0 and float(this_ms) > 0
+        assert all(v.endswith("x") and float(v[:-1]) > 0 for v in (ms_ratio, base_rt, this_rt, rt_ratio))

@@ -11,18 +11,18 @@ from specsched.runtime.training.mtp_eval import run_requests, summarize
 from specsched.runtime.verify import greedy_verify
 from specsched.runtime.worker import ModelWorker
 from specsched.scheduler.block_manager import BlockManager
-from specsched.scheduler.batch_builder import ScheduledSeq, StepBatch
+from specsched.scheduler.batch_builder import StepBatch
 from specsched.scheduler.errors import InvalidRequestError
 from specsched.scheduler.messages import verify_message
 from specsched.scheduler.plan import build_plan
 from specsched.scheduler.proposer import ProposerSpec, default_tree
 from specsched.scheduler.request import Request
 from specsched.scheduler.sampling_params import SamplingParams
+from tests import device_messages
 
 PAGE = 4
 PAGES = 256
 TREE = default_tree(3, 2, 8)  # (-1, -1, 0, 0, 1, 2, 2, 3)
-GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}
 
 
 # fixtures head_family, head_prompts, head_reference and one_thread: conftest.py
@@ -38,15 +38,15 @@ def eagle_worker(head_family, tree=TREE, num_pages=PAGES) -> ModelWorker:
 def prefill(worker: ModelWorker, prompt: list[int]) -> tuple[Request, BlockManager]:
     """Run the prefill forward + head fill for one request (slot 0) as the pipeline does."""
     blocks = BlockManager(PAGES, PAGE, ("target", "mtp"))
-    req = Request("r", list(prompt), SamplingParams(max_tokens=64), 0, slot=0)
+    req = Request("r", list(prompt), SamplingParams(max_tokens=64), 0)
+    req.slot = 0
     n = len(prompt)
     blocks.allocate("r", {"target": n + 1 + len(TREE), "mtp": n + 2 + len(TREE)})
     plan = build_plan([n], [n], [blocks.page_table("r")], PAGE)
-    worker.execute("forward", {"step": 0, "slots": [0], "start": [0], "num_new": [n], "samples": [True],
-                               "register": [(0, list(prompt), GREEDY)], "plan": plan.to_message()})
+    worker.execute("forward", device_messages.prefill_forward(list(prompt), plan))
     fplan = build_plan([n], [n], [blocks.page_table("r", "mtp")], PAGE)
-    worker.execute("fill", {"step": 0, "after": "forward", "slots": [0], "start": [0], "plan": fplan.to_message()})
-    req.output_token_ids.append(worker.states[0].tokens[-1])
+    worker.execute("fill", device_messages.fill(fplan, 0, n, "forward"))
+    req.extend_output([worker.states[0].tokens[-1]])
     req.num_computed_tokens = n
     req.state = req.state.RUNNING
     return req, blocks
@@ -54,7 +54,10 @@ def prefill(worker: ModelWorker, prompt: list[int]) -> tuple[Request, BlockManag
 
 def verify_msg(req: Request, blocks: BlockManager, tree=TREE, step: int = 1) -> dict:
     spec = ProposerSpec("eagle", 3, tuple(tree))
-    batch = StepBatch(step, [ScheduledSeq(req, 1, len(tree))], [])
+    one = np.ones(1, dtype=np.int64)
+    c = np.array([req.num_computed_tokens])
+    batch = StepBatch(step, [req], np.array([blocks.rows(["r"])[0]]), c, one, np.array([len(tree)]),
+                      np.ones(1, dtype=bool), np.zeros(1, dtype=bool), np.zeros(1, dtype=np.int64))
     return verify_message(batch, blocks, spec)
 
 
@@ -69,7 +72,7 @@ def test_tree_verify_matches_sequential_branches(head_family):
     gen = torch.Generator().manual_seed(2)
     st.drafts = torch.randint(0, 32, (len(TREE),), generator=gen).tolist()
     vmsg = verify_msg(req, blocks)
-    plan, step, positions = worker.plan(vmsg["plan"])
+    plan, step, positions = worker.plan(vmsg.plan)
     ids = torch.tensor([st.tokens[-1]] + st.drafts)
     out = worker.target(ids, step, worker.kv, positions)
     # each root-to-node branch, run as a plain causal sequence, gives the same logits
@@ -106,7 +109,7 @@ def test_tree_acceptance_is_the_best_branch(head_family):
                 drafts[n] = g[k + 1]
         st.drafts = list(drafts)
         vmsg = verify_msg(req, blocks, step=trial + 1)
-        plan, step, positions = worker.plan(vmsg["plan"])
+        plan, step, positions = worker.plan(vmsg.plan)
         out = worker.target(torch.tensor([st.tokens[-1]] + drafts), step, worker.kv, positions,
                             return_hidden=True)
         emitted, accepted = worker.proposer.accept_tree([st], out.logits[None], plan, out.hidden)
@@ -131,8 +134,7 @@ def test_draft_tree_matches_dense_branches(head_family):
     req, blocks = prefill(worker, [5, 1, 22, 8, 8, 13, 2])
     st = worker.states[0]
     L = len(st.tokens)
-    worker.execute("draft", {"step": 1, "slots": [0], "num_tokens": [L], "num_draft": [3], "page_size": PAGE,
-                             "page_tables": [blocks.page_table("r", "mtp")], "proposer_computed": [L - 1]})
+    worker.execute("draft", device_messages.draft(3, blocks.page_table("r", "mtp"), PAGE))
     head, target = worker.proposer.head, worker.target
     seq = torch.tensor([st.tokens])
     _, hidden = target.forward_full(seq)
@@ -177,7 +179,7 @@ def test_accepted_path_kv_is_compacted_and_filled(head_family):
     drafts[1], drafts[4] = g[0], g[1]  # branch 1 -> 4: slots of nodes 1, 4 move to L, L+1
     st.drafts = drafts
     res = worker.execute("verify", verify_msg(req, blocks))
-    assert res["tokens"] == [g] and res["accepted"].tolist() == [2]
+    assert res.tokens == [g] and res.accepted.tolist() == [2]
     # target KV of positions 0..L+1 equals a plain prefill of the accepted sequence
     full = st.tokens[: L + 2]
     fresh = worker.target.make_kv_cache(8, PAGE)
@@ -192,8 +194,7 @@ def test_accepted_path_kv_is_compacted_and_filled(head_family):
         torch.testing.assert_close(got_v, want_v, atol=1e-4, rtol=1e-4)
     # the host-planned fill over [L-1, L+2) leaves the dense head's logits carried
     fplan = build_plan([3], [L + 2], [blocks.page_table("r", "mtp")], PAGE)
-    worker.execute("fill", {"step": 1, "after": "verify", "slots": [0], "start": [L - 1],
-                            "plan": fplan.to_message(), "accepted": np.array([2])})
+    worker.execute("fill", device_messages.fill(fplan, L - 1, L + 2, "verify", step=1))
     seq = torch.tensor([st.tokens])
     _, hidden = worker.target.forward_full(seq)
     dense = worker.proposer.head.forward_full(seq[:, 1:], hidden[:, :-1])
@@ -231,8 +232,7 @@ def test_eagle_with_temperature_raises(head_family, head_prompts):
     req, blocks = prefill(worker, [1, 2, 3])
     worker.states[0].temperature = 0.5
     with pytest.raises(InvalidRequestError, match="temperature"):
-        worker.execute("draft", {"step": 1, "slots": [0], "num_tokens": [4], "num_draft": [3], "page_size": PAGE,
-                                 "page_tables": [blocks.page_table("r", "mtp")], "proposer_computed": [3]})
+        worker.execute("draft", device_messages.draft(3, blocks.page_table("r", "mtp"), PAGE))
 
 
 @pytest.mark.cuda

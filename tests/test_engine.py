@@ -1,6 +1,7 @@
 """The embedded engine end to end: losslessness for every proposer and schedule, batching,
-preemption, cancellation, abort, device failure and bad input; and its detokenizer (streamed
-text, stop strings) on the bundled tokenizer, without a model."""
+preemption, cancellation, abort, device failure and bad input; its detokenizer (streamed
+text, stop strings) on the bundled tokenizer, and each request's consumer (`generate`, which
+detokenizes and applies stop strings) driven by a scripted pipeline, without a model."""
 from __future__ import annotations
 
 import random
@@ -102,6 +103,44 @@ def test_stop_strings_and_streaming(tiny_family, reference):
             assert joined == text[: text.index(stop)]
             assert len(deltas) > 2  # streamed incrementally
     anyio.run(main)
+
+
+def test_stop_string_finishes_the_request_in_the_pipeline(tiny_family, reference):
+    """A stop string found by the consumer finishes the request in the pipeline too: it leaves
+    the pipeline as "stop", frees its pages, and its output is cut to the tokens streamed
+    (tokens the overlapped speculative steps produced past the stop string are dropped)."""
+    from specsched.traces import Header, MemoryRecorder
+
+    rec = MemoryRecorder(Header.create(source="engine", clock="monotonic_ns", model="tiny",
+                                       proposer="draft", schedule="overlap", draft_len=3,
+                                       device={"kind": "host", "name": "host"}))
+    cfg = _cfg(tiny_family, proposer="draft", schedule="overlap", draft_len=3)
+
+    async def main():
+        async with AsyncEngine(cfg, tracer=rec) as eng:
+            text = eng.tokenizer.decode(reference[0])
+            cands = [text[i:i + n] for n in (3, 4, 6) for i in range(len(text) // 3, 2 * len(text) // 3)
+                     if text.index(text[i:i + n]) == i]
+            assert cands, f"no usable stop string in {text!r}"
+            stop = cands[0]
+            params = SamplingParams(max_tokens=24, stop=[stop], ignore_eos=True)
+            outs = [out async for out in eng.generate(PROMPTS[0], params, request_id="s")]
+            assert outs[-1].finished and outs[-1].finish_reason == "stop"
+            assert "".join(o.text for o in outs) == text[:text.index(stop)]
+            streamed = [t for o in outs for t in o.token_ids]
+            assert streamed == reference[0][:len(streamed)] and len(streamed) < len(reference[0])
+            assert outs[-1].num_output_tokens == len(streamed)
+            for _ in range(200):  # the pipeline finishes it at its next step boundary
+                if not eng.num_unfinished_requests():
+                    break
+                await anyio.sleep(0.01)
+            assert eng.num_unfinished_requests() == 0
+            assert eng.kv_stats().num_used_pages == 0
+            return streamed
+
+    streamed = anyio.run(main)
+    [fin] = [f for f in rec.to_trace().finishes if f.request_id == "s"]
+    assert (fin.finish_reason, fin.output_len) == ("stop", len(streamed))
 
 
 def test_cancel_consumer_aborts_and_frees_pages(tiny_family):
@@ -393,20 +432,89 @@ def test_detok_decodes_a_bounded_window_per_token(monkeypatch):
     assert max(seen) <= 16 < len(ids)
 
 
-def test_sink_streams_held_back_text_when_eos_ends_the_request(btok):
-    """Text held back as a possible stop string start is streamed if EOS ends the request."""
-    outs = []
-    eng = SimpleNamespace(_streams={"r": SimpleNamespace(push=outs.append)},
-                          _detok={"r": _Detokenizer(btok)})
-    req = SimpleNamespace(request_id="r", params=SamplingParams(stop=["foobar"]), num_output_tokens=0,
-                          finish_reason=None, error=None, spec_stats=dict)
-    ids = btok.encode("x = foo") + [btok.eos_token_id]
+class _ScriptedPipeline:
+    """Stands in for the pipeline: when the request is added, it hands the engine's sink a
+    scripted run of token id chunks (appended to the output first, as the step loop does),
+    then finishes it with `finish` (None: never). Records stop_request and abort calls."""
+
+    def __init__(self, sink, chunks, finish="stop"):
+        self.sink, self.chunks, self.finish = sink, chunks, finish
+        self.stops, self.aborts = [], []
+
+    def add_request(self, req):
+        for ids in self.chunks:
+            req.output_token_ids.extend(ids)
+            self.sink.on_tokens(req, ids)
+        if self.finish is not None:
+            req.finish_reason = self.finish
+            self.sink.on_finish(req)
+
+    def stop_request(self, request_id, num_output_tokens):
+        self.stops.append((request_id, num_output_tokens))
+        return True
+
+    def abort(self, request_id):
+        self.aborts.append(request_id)
+        return True
+
+
+def _consume(tiny_family, chunks, params, finish="stop"):
+    """Drive `AsyncEngine.generate` (the consumer) from a scripted pipeline, without a model:
+    (the outputs it yields, the scripted pipeline)."""
+    async def main():
+        eng = AsyncEngine(_cfg(tiny_family))
+        eng._pipeline = pipe = _ScriptedPipeline(_Sink(eng), chunks, finish)
+        outs = [out async for out in eng.generate("x", params, request_id="r")]
+        assert not eng._streams
+        return outs, pipe
+    return anyio.run(main)
+
+
+def test_sink_hands_the_stream_raw_token_ids(btok):
+    """The pipeline's side does no detokenizing: it queues the token ids and the finish."""
+    from specsched.runtime.engine import _Finished, _Tokens
+
+    items = []
+    eng = SimpleNamespace(_streams={"r": SimpleNamespace(push=items.append)})
+    req = SimpleNamespace(request_id="r", num_output_tokens=3, finish_reason="length", error=None,
+                          spec_stats=lambda: {"drafts": 2})
     sink = _Sink(eng)
-    assert sink.on_tokens(req, ids) == (len(ids), None)
-    assert "".join(o.text for o in outs) == "x = "
-    req.finish_reason = "stop"  # the pipeline's EOS
+    assert sink.on_tokens(req, [5, 6, 7]) is None
+    sink.on_tokens(req, [])  # nothing new: nothing queued
     sink.on_finish(req)
-    assert outs[-1].finished and "".join(o.text for o in outs) == "x = foo"
+    assert items == [_Tokens([5, 6, 7]), _Finished("length", None, 3, {"drafts": 2})]
+    sink.on_tokens(SimpleNamespace(request_id="gone"), [8])  # its consumer left: dropped
+    assert len(items) == 2
+
+
+def test_consumer_streams_held_back_text_when_eos_ends_the_request(tiny_family):
+    """Text held back as a possible stop string start is streamed if EOS ends the request."""
+    tok = Tokenizer(tiny_family["target"])
+    ids = tok.encode("x = foo") + [tok.eos_token_id]
+    outs, pipe = _consume(tiny_family, [ids[:2], ids[2:]], SamplingParams(stop=["foobar"]))
+    assert "".join(o.text for o in outs[:-1]) == tok.decode(ids[:-1]).removesuffix("foo")
+    assert outs[-1].finished and outs[-1].finish_reason == "stop"
+    assert "".join(o.text for o in outs) == tok.decode(ids) == "x = foo"
+    assert sum(len(o.token_ids) for o in outs) == len(ids) == outs[-1].num_output_tokens
+    assert pipe.stops == [] and pipe.aborts == ["r"]  # the finally-block abort, a no-op here
+
+
+def test_consumer_ends_the_request_on_a_stop_string(tiny_family):
+    """The consumer finds the stop string, yields the final output cut before it, and has the
+    pipeline finish the request at the stop string's last token; tokens after it are dropped."""
+    tok = Tokenizer(tiny_family["target"])
+    text = "def encode(self, obj):\n    return json.dumps(obj)\n"
+    ids = tok.encode(text)
+    n, want = _reference_stop(tok, ids, ["n.du"])
+    assert n < len(ids) - 2
+    chunks = [ids[i:i + 3] for i in range(0, len(ids), 3)]
+    outs, pipe = _consume(tiny_family, chunks, SamplingParams(stop=["n.du"], max_tokens=64),
+                          finish=None)
+    assert "".join(o.text for o in outs) == want == text[:text.index("n.du")]
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    assert outs[-1].finish_reason == "stop" and outs[-1].num_output_tokens == n
+    assert [t for o in outs for t in o.token_ids] == ids[:n]
+    assert pipe.stops == [("r", n)] and pipe.aborts == []  # finished by stop_request alone
 
 
 @pytest.mark.parametrize("proposer", ["none", "draft", "ngram"])

@@ -19,6 +19,7 @@ from specsched.runtime.training.mtp_eval import run_requests, summarize
 from specsched.runtime.worker import ModelWorker
 from specsched.scheduler.plan import build_plan
 from specsched.scheduler.sampling_params import SamplingParams
+from tests import device_messages
 
 PAGE = 4
 PAGES = 256
@@ -96,11 +97,9 @@ def test_worker_fill_carries_dense_logits(head_family, head_prompts):
     # after the run every state is released; redo one request's prefill through the ops
     p = head_prompts[2]
     msg_plan = build_plan([len(p)], [len(p)], [list(range(8))], PAGE)
-    worker.execute("forward", {"step": 0, "slots": [0], "start": [0], "num_new": [len(p)],
-                               "samples": [True], "plan": msg_plan.to_message(),
-                               "register": [(0, p, {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None})]})
-    worker.execute("fill", {"step": 0, "after": "forward", "slots": [0], "start": [0],
-                            "plan": build_plan([len(p)], [len(p)], [list(range(8, 16))], PAGE).to_message()})
+    worker.execute("forward", device_messages.prefill_forward(p, msg_plan))
+    worker.execute("fill", device_messages.fill(build_plan([len(p)], [len(p)], [list(range(8, 16))], PAGE),
+                                                0, len(p), "forward"))
     st = worker.states[0]
     seq = torch.tensor([st.tokens])
     _, hidden = worker.target.forward_full(seq)

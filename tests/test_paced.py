@@ -1,11 +1,13 @@
 """The paced device: ops held to a set duration, lossless, and what the simulator replays."""
 import time
+from types import SimpleNamespace
 
 import anyio
 import pytest
 
 from specsched.runtime.devices import WorkerSpec
 from specsched.runtime.devices.paced import PacedWorker, paced_ns
+from specsched.scheduler.messages import FillResult, LaunchShape
 from specsched.scheduler.step_trace import launch_features
 
 MS = 1_000_000
@@ -17,7 +19,7 @@ class SubstageWorker:
     def execute(self, op, batch):
         t0 = time.monotonic_ns()
         t1 = t0 + 1000
-        return {"op": op, "_substages": [("verify", t0, t1), ("accept", t1, t1 + 500_000)]}
+        return FillResult(substages=(("verify", t0, t1), ("accept", t1, t1 + 500_000)))
 
 
 def test_paced_ns_prices_a_launch_shape_with_the_cost_model_features():
@@ -33,10 +35,10 @@ def test_paced_ns_prices_a_launch_shape_with_the_cost_model_features():
 def test_paced_worker_holds_each_launch_to_its_pace_and_moves_the_last_substage():
     w = PacedWorker(WorkerSpec("tests.test_paced:SubstageWorker"), {"verify": {"const": 30 * MS}})
     t0 = time.monotonic_ns()
-    res = w.execute("verify", {"attrs": {"requests": 1, "tokens": 4}})
+    res = w.execute("verify", SimpleNamespace(shape=LaunchShape(requests=1, tokens=4, kv_tokens=0)))
     took = time.monotonic_ns() - t0
     assert took >= 30 * MS
-    (n0, a0, b0), (n1, a1, b1) = res["_substages"]
+    (n0, a0, b0), (n1, a1, b1) = res.substages
     assert (n0, n1) == ("verify", "accept")
     assert a0 >= t0 and b0 == a1 and b1 - a1 == 500_000  # accept keeps its real length
     assert b1 - a0 >= 30 * MS  # the whole launch lasted its pace

@@ -5,9 +5,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import anyio
 import numpy as np
 import pytest
+
+from specsched.scheduler.messages import LaunchShape
 
 from specsched.simulator.acceptance import AcceptanceModel
 from specsched.simulator.analysis import ab, tune, validate
@@ -55,6 +59,10 @@ class _EchoResponder:
         return {"op": op}, []
 
 
+# what the virtual device reads of a launch: its shape
+DECODE = SimpleNamespace(shape=LaunchShape(1, 1, 1, kind="decode"))
+
+
 @pytest.mark.parametrize("serialize", [True, False])
 def test_virtual_device_streams(serialize):
     prof = CostProfile(serialize_streams=serialize)
@@ -63,9 +71,9 @@ def test_virtual_device_streams(serialize):
     async def main():
         dev = VirtualDevice(prof, _EchoResponder())
         a, b = dev.stream("main"), dev.stream("draft")
-        e1 = a.launch("forward", {"attrs": {"kind": "decode"}})
-        e2 = b.launch("forward", {"attrs": {"kind": "decode"}})
-        e3 = a.launch("forward", {"attrs": {"kind": "decode"}})
+        e1 = a.launch("forward", DECODE)
+        e2 = b.launch("forward", DECODE)
+        e3 = a.launch("forward", DECODE)
         assert not e1.query()
         assert (await e3.wait()) == {"op": "forward"}
         return [(e.start_ns, e.end_ns) for e in (e1, e2, e3)]
@@ -87,12 +95,12 @@ def test_the_queue_gap_applies_only_to_an_op_launched_while_the_queue_is_busy():
     async def main():
         dev = VirtualDevice(prof, _EchoResponder())
         s = dev.stream("main")
-        e1 = s.launch("forward", {"attrs": {"kind": "decode"}})
-        e2 = s.launch("forward", {"attrs": {"kind": "decode"}})  # queued behind e1
+        e1 = s.launch("forward", DECODE)
+        e2 = s.launch("forward", DECODE)  # queued behind e1
         await e2.wait()
         dev.clock.advance_ns(2_000_000)  # the device idles 2 ms: less than the gap
         t = dev.clock.now_ns()
-        e3 = s.launch("forward", {"attrs": {"kind": "decode"}})
+        e3 = s.launch("forward", DECODE)
         return e1.start_ns, e2.start_ns, e2.end_ns, t, e3.start_ns
 
     s1, s2, e2_end, t, s3 = run_virtual(main)

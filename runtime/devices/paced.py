@@ -19,6 +19,7 @@ ends late (the benchmark counts those from the trace).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from specsched.runtime.devices.spec import WorkerSpec
@@ -59,10 +60,11 @@ class PacedWorker:
     def execute(self, op: str, batch: Any) -> Any:
         t0 = time.monotonic_ns()
         result = self.inner.execute(op, batch)
-        attrs = batch.get("attrs") if isinstance(batch, dict) else None
-        if attrs is None:
+        shape = getattr(batch, "shape", None)
+        if shape is None:
             return result  # not a pipeline launch (ping, agreement): unpaced
-        subs = result.get("_substages") if isinstance(result, dict) else None
+        attrs = shape.attrs()
+        subs = getattr(result, "substages", None)
         if subs:  # the op's span is its substages': the pace counts from the first one
             t0 = subs[0][1]
         end = t0 + paced_ns(self.pace, device_span_name(op, attrs), attrs)
@@ -81,5 +83,5 @@ class PacedWorker:
             for name, a, b in subs[1:]:
                 stamps.append((name, t, t + b - a))
                 t += b - a
-            result["_substages"] = stamps
+            result = replace(result, substages=tuple(stamps))
         return result

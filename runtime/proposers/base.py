@@ -18,6 +18,7 @@ from specsched.runtime.sampling import logits_to_probs, sample
 
 if TYPE_CHECKING:
     from specsched.runtime.worker import ModelWorker, SeqState
+    from specsched.scheduler.messages import DraftMessage, FillMessage
 
 
 class NoProposer:
@@ -26,10 +27,10 @@ class NoProposer:
     def __init__(self, worker: "ModelWorker"):
         self.worker = worker
 
-    def draft(self, msg: dict) -> np.ndarray:
+    def draft(self, msg: "DraftMessage") -> np.ndarray:
         raise RuntimeError("no proposer configured: this engine does not speculate")
 
-    def fill(self, msg: dict) -> None:
+    def fill(self, msg: "FillMessage") -> None:
         raise RuntimeError("no proposer configured: nothing to fill")
 
     def draft_probs(self, rows: list["SeqState"], num: int) -> torch.Tensor | None:
@@ -48,10 +49,10 @@ class NgramDrafter(NoProposer):
 
         self.lookup = NgramProposer(min_n, max_n, num_tokens)
 
-    def draft(self, msg: dict) -> np.ndarray:
+    def draft(self, msg: "DraftMessage") -> np.ndarray:
         counts = []
-        for slot, d in zip(msg["slots"], msg["num_draft"]):
-            st = self.worker.states[int(slot)]
+        for slot, d in zip(msg.slots.tolist(), msg.num_draft.tolist()):
+            st = self.worker.states[slot]
             st.drafts = self.lookup.propose(st.tokens, int(d)) if d > 0 else []
             counts.append(len(st.drafts))
         return np.asarray(counts, dtype=np.int64)

@@ -13,6 +13,7 @@ import torch
 
 from specsched.runtime.checkpoint import load_model
 from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or
+from specsched.scheduler.messages import DraftMessage, FillMessage
 from specsched.scheduler.plan import build_plan
 
 
@@ -27,33 +28,31 @@ class DraftModelProposer(NoProposer):
             )
         self.kv = self.model.make_kv_cache(num_pages, worker.page_size)
 
-    def draft(self, msg: dict) -> np.ndarray:
+    def draft(self, msg: DraftMessage) -> np.ndarray:
         w = self.worker
-        slots = [int(s) for s in msg["slots"]]
-        rows = [w.states[s] for s in slots]
-        num_draft = [int(d) for d in msg["num_draft"]]
-        tables = msg["page_tables"]
+        rows = [w.states[s] for s in msg.slots.tolist()]
+        num_draft = msg.num_draft.tolist()
+        tables, table_lens = msg.page_tables, msg.table_lens
         L = [len(st.tokens) for st in rows]
         drafts = DraftCollector(w, rows, num_draft)
         drafts.first(torch.stack([st.carried for st in rows]))
         for k in range(1, max(num_draft, default=0)):
             active = [i for i in range(len(rows)) if num_draft[i] > k]
-            plan = build_plan([1] * len(active), [L[i] + k for i in active],
-                              [tables[i] for i in active], w.page_size)
+            plan = build_plan([1] * len(active), [L[i] + k for i in active], tables[active],
+                              w.page_size, table_lens=table_lens[active])
             step = w.backend.prepare(plan, w.device)
             ids = torch.tensor([rows[i].drafts[-1] for i in active], dtype=torch.int64, device=w.device)
             pos = torch.as_tensor(plan.positions, device=w.device)
             drafts.extend(active, self.model(ids, step, self.kv, pos).logits)
         return drafts.finish()
 
-    def fill(self, msg: dict) -> None:
+    def fill(self, msg: FillMessage) -> None:
         w = self.worker
-        slots = [int(s) for s in msg["slots"]]
-        rows = [w.states[s] for s in slots]
-        plan, step, positions = w.plan(msg["plan"])
+        rows = [w.states[s] for s in msg.slots.tolist()]
+        plan, step, positions = w.plan(msg.plan)
         ids = []
-        for st, a, n in zip(rows, msg["start"], plan.qo_lens):
-            ids.extend(st.tokens[int(a) : int(a) + int(n)])
+        for st, a, b in zip(rows, msg.start.tolist(), msg.end.tolist()):
+            ids.extend(st.tokens[a:b])
         last = torch.as_tensor(plan.qo_indptr[1:] - 1, dtype=torch.int64, device=w.device)
         out = self.model(torch.tensor(ids, dtype=torch.int64, device=w.device), step, self.kv,
                          positions, logits_indices=last)

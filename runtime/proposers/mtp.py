@@ -25,6 +25,7 @@ import torch
 from specsched.runtime.mtp_head import load_head
 from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or
 from specsched.runtime.verify import TreeSpec, check_tree_greedy, greedy_tree_verify
+from specsched.scheduler.messages import DraftMessage, FillMessage
 from specsched.scheduler.plan import build_plan
 
 
@@ -45,19 +46,20 @@ class HeadProposer(NoProposer):
         return torch.as_tensor(values, dtype=torch.int64, device=self.worker.device)
 
     # -- fill -------------------------------------------------------------------------------
-    def fill(self, msg: dict) -> None:
+    def fill(self, msg: FillMessage) -> None:
         w = self.worker
         lh = w.last_hidden
-        after = msg["after"]
-        if lh is None or lh["op"] != after or lh["step"] not in (msg["step"], None):
+        after = msg.after
+        if lh is None or lh["op"] != after or lh["step"] not in (msg.step, None):
             got = None if lh is None else (lh["op"], lh["step"])
-            raise RuntimeError(f"head fill after {after!r} of step {msg['step']} needs that launch's "
+            raise RuntimeError(f"head fill after {after!r} of step {msg.step} needs that launch's "
                                f"target hidden states; the latest recorded are {got}")
-        plan, step, positions = w.plan(msg["plan"])
+        plan, step, positions = w.plan(msg.plan)
         where = {int(s): j for j, s in enumerate(lh["slots"])}
         hq, qo = lh["qo_indptr"], plan.qo_lens
         rows, ids, gather, carry = [], [], [], []
-        for b, slot in enumerate(int(s) for s in msg["slots"]):
+        starts = msg.start.tolist()
+        for b, slot in enumerate(msg.slots.tolist()):
             j = where.get(slot)
             n = int(qo[b])
             if j is None or int(hq[j + 1] - hq[j]) != n:
@@ -65,7 +67,7 @@ class HeadProposer(NoProposer):
                                    f"recorded {None if j is None else int(hq[j + 1] - hq[j])}")
             st = w.states[slot]
             toks = st.tokens
-            start = int(msg["start"][b])
+            start = starts[b]
             ids.extend(toks[p + 1] if p + 1 < len(toks) else toks[-1] for p in range(start, start + n))
             gather.extend(range(int(hq[j]), int(hq[j + 1])))
             k = int(lh["accepted"][j]) if (after == "verify" and self.spec.kind == "mtp") else n - 1
@@ -82,29 +84,28 @@ class HeadProposer(NoProposer):
             st.extra["hidden"] = carried_hidden[i]
 
     # -- linear drafting ----------------------------------------------------------------------
-    def _step(self, active: list[int], tables, kv_lens: list[int], ids: list[int],
+    def _step(self, active: list[int], msg: DraftMessage, kv_lens: list[int], ids: list[int],
               hidden: torch.Tensor, positions=None, masks=None):
         """One head forward over the given rows of a draft launch (plans from the page tables)."""
         w = self.worker
         qo = [len(x) for x in positions] if positions is not None else [1] * len(active)
-        plan = build_plan(qo, kv_lens, [tables[i] for i in active], w.page_size,
-                          positions=positions, custom_masks=masks)
+        plan = build_plan(qo, kv_lens, msg.page_tables[active], w.page_size,
+                          table_lens=msg.table_lens[active], positions=positions, custom_masks=masks)
         step = w.backend.prepare(plan, w.device)
         pos = torch.as_tensor(plan.positions, device=w.device)
         return self.head(self._tensor(ids), hidden, step, self.kv, pos)
 
-    def draft(self, msg: dict) -> np.ndarray:
+    def draft(self, msg: DraftMessage) -> np.ndarray:
         w = self.worker
-        rows = [w.states[int(s)] for s in msg["slots"]]
-        num_draft = [int(d) for d in msg["num_draft"]]
-        tables = msg["page_tables"]
+        rows = [w.states[s] for s in msg.slots.tolist()]
+        num_draft = msg.num_draft.tolist()
         L = [len(st.tokens) for st in rows]
         drafts = DraftCollector(w, rows, num_draft)
         drafts.first(torch.stack([st.carried for st in rows]))
         hidden = torch.stack([st.extra["hidden"] for st in rows])  # [B, H]
         for k in range(2, max(num_draft, default=0) + 1):
             active = [i for i in range(len(rows)) if num_draft[i] >= k]
-            out = self._step(active, tables, [L[i] + k - 2 for i in active],
+            out = self._step(active, msg, [L[i] + k - 2 for i in active],
                              [rows[i].drafts[-1] for i in active], hidden[active])
             hidden = hidden.clone()
             hidden[active] = out.hidden
@@ -142,12 +143,11 @@ class EagleProposer(HeadProposer):
         for n, p in enumerate(parents):
             self.children.setdefault(p, []).append(n)
 
-    def draft(self, msg: dict) -> np.ndarray:
+    def draft(self, msg: DraftMessage) -> np.ndarray:
         w = self.worker
-        rows = [w.states[int(s)] for s in msg["slots"]]
+        rows = [w.states[s] for s in msg.slots.tolist()]
         check_tree_greedy([st.temperature for st in rows])
-        self._draft_step = msg["step"]
-        tables = msg["page_tables"]
+        self._draft_step = msg.step
         L = [len(st.tokens) for st in rows]
         b, t = len(rows), len(self.depths)
         tokens = torch.zeros(b, t, dtype=torch.int64, device=w.device)
@@ -173,7 +173,7 @@ class EagleProposer(HeadProposer):
             ids = tokens[:, run].reshape(-1).tolist()
             parents = [self.spec.tree_parents[n] for n in run]
             hid = torch.stack([carried_hidden if p < 0 else node_hidden[p] for p in parents], 1)
-            out = self._step(list(range(b)), tables, [L[i] - 1 + used for i in range(b)], ids,
+            out = self._step(list(range(b)), msg, [L[i] - 1 + used for i in range(b)], ids,
                              hid.reshape(b * len(run), -1), positions, masks)
             logits = out.logits.view(b, len(run), -1)
             hs = out.hidden.view(b, len(run), -1)
@@ -181,8 +181,9 @@ class EagleProposer(HeadProposer):
                 node_hidden[n] = hs[:, r]
                 self._expand(n, logits[:, r], tokens)
         counts = []
+        nd = msg.num_draft.tolist()
         for i, st in enumerate(rows):
-            st.drafts = tokens[i].tolist() if int(msg["num_draft"][i]) > 0 else []
+            st.drafts = tokens[i].tolist() if nd[i] > 0 else []
             st.draft_q = None
             counts.append(len(st.drafts))
         return np.asarray(counts, dtype=np.int64)

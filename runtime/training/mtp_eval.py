@@ -82,8 +82,8 @@ class _Sink:
         self.done = anyio.Event()
         self.expected = 0
 
-    def on_tokens(self, req: Request, token_ids: list[int]) -> tuple[int, str | None]:
-        return len(token_ids), None
+    def on_tokens(self, req: Request, token_ids: list[int]) -> None:
+        pass
 
     def on_finish(self, req: Request) -> None:
         self.finished[req.request_id] = req

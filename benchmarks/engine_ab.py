@@ -1,0 +1,75 @@
+"""Engine tokens/s of this checkout against another, side by side, at batch 1 and 8.
+
+Runs the bundled model on the bundled workload (closed loop at each concurrency) for plain
+decoding and two speculative configurations, in alternating subprocesses -- this checkout,
+then the other, then the other way round -- and prints the median output tokens/s of each
+and their ratio. What a change to the host side costs or saves end to end.
+
+    python benchmarks/engine_ab.py --baseline ../before [--rounds 3] [--concurrency 1 8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bundled_items, run, specsched_path  # noqa: E402
+
+CONFIGS = {  # name -> EngineConfig fields
+    "none/sync": {"proposer": "none", "schedule": "sync"},
+    "draft/overlap": {"proposer": "draft", "draft_len": 4, "schedule": "overlap"},
+    "mtp/mtp": {"proposer": "mtp", "draft_len": 1, "schedule": "mtp"},
+}
+
+
+def measure(concurrencies: list[int], num_requests: int, max_tokens: int) -> dict[str, float]:
+    out = {}
+    for c in concurrencies:
+        items = bundled_items(max(num_requests, c), max_tokens)
+        for name, kw in CONFIGS.items():
+            m, _ = run(items, concurrency=c, warmup=1, trace=False, **kw)
+            out[f"{name}@{c}"] = m["output_tokens_per_s"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", type=Path, required=True, help="another checkout (e.g. a git worktree)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (medians)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--num-requests", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's raw figures
+    args = ap.parse_args()
+    if args.json:
+        print(json.dumps(measure(args.concurrency, args.num_requests, args.max_tokens)))
+        return
+    runs: dict[str, list[dict]] = {"this": [], "baseline": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        envs = {"this": dict(os.environ),
+                "baseline": {**os.environ, "PYTHONPATH": specsched_path(args.baseline, Path(tmp))}}
+        cmd = [sys.executable, __file__, "--json", "--baseline", str(args.baseline), "--num-requests",
+               str(args.num_requests), "--max-tokens", str(args.max_tokens), "--concurrency",
+               *map(str, args.concurrency)]
+        for r in range(args.rounds):
+            for name in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
+                out = subprocess.run(cmd, env=envs[name], capture_output=True, text=True, check=True).stdout
+                runs[name].append(json.loads(out.strip().splitlines()[-1]))
+    print(f"median of {args.rounds} alternating rounds, output tokens/s ({args.num_requests} requests x "
+          f"{args.max_tokens} tokens, bundled model)")
+    print(f"{'config':>16} {'batch':>6} {'baseline':>9} {'this':>9} {'ratio':>7}")
+    for key in runs["this"][0]:
+        name, c = key.rsplit("@", 1)
+        a = statistics.median(r[key] for r in runs["baseline"])
+        b = statistics.median(r[key] for r in runs["this"])
+        print(f"{name:>16} {c:>6} {a:>9.1f} {b:>9.1f} {b / a:>6.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Replay simulator CPU cost: ms of CPU per simulated step at 4, 64 and 256 concurrent requests.
+
+Replays a draft-model trace under the `overlap` schedule at D=4 with the public API
+(`specsched.simulator.replay.replay`), the cost profile fitted (`fit_profile`) on
+`traces/samples/draft_overlap.jsonl` (6 requests of 48 tokens, captured on the bundled
+models). A concurrency no larger than the sample's 6 requests replays the sample itself, closed
+loop at that concurrency; a larger one replays a workload of 2 x concurrency requests made of
+copies of the sample's requests (prompt and output lengths, sampling, and the teacher-forced
+agreement the `trace` acceptance replays), with the same fitted profile and engine settings
+(seats raised to the concurrency where the trace's `max_num_seqs` is lower). Trace loading,
+fitting and building the workload are done before timing; `time.process_time` covers the
+`replay` call alone, and the step count is that of the simulated trace. The real-time ratio is
+the simulated makespan (first arrival -> last finish, virtual time) over the replay's wall
+time. Each figure is the best of at least `--repeats` replays, more while they have taken less
+than `--min-seconds` of CPU, after one untimed warm-up replay.
+
+    python benchmarks/simulator_speed.py [--concurrency 4 64 256] [--repeats 5] [--min-seconds 1]
+    python benchmarks/simulator_speed.py --baseline ../before   # side by side with another checkout
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import specsched_path  # noqa: E402
+
+from specsched.simulator.fit import fit_profile  # noqa: E402
+from specsched.simulator.replay import ReplayConfig, replay  # noqa: E402
+from specsched.traces.reader import read_trace  # noqa: E402
+from specsched.traces.schema import Trace  # noqa: E402
+
+SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "samples" / "draft_overlap.jsonl"
+
+
+def workload(sample: Trace, num_requests: int) -> Trace:
+    """`num_requests` requests (and their finish records) copied round-robin from `sample`,
+    in the sample's arrival order, with unique ids."""
+    reqs = sorted(sample.requests, key=lambda r: r.arrival_ns)
+    fin = {f.request_id: f for f in sample.finishes}
+    out = Trace(header=sample.header, path=sample.path)
+    t0 = reqs[0].arrival_ns
+    for i in range(num_requests):
+        r = reqs[i % len(reqs)]
+        rid = f"{r.request_id}.{i // len(reqs)}"
+        out.add(r.model_copy(update={"request_id": rid, "arrival_ns": t0 + i}))
+        out.add(fin[r.request_id].model_copy(update={"request_id": rid}))
+    return out
+
+
+def case(sample: Trace, concurrency: int) -> tuple[Trace, ReplayConfig]:
+    """The trace and replay configuration measured at `concurrency`."""
+    if concurrency <= len(sample.requests):
+        return sample, ReplayConfig(concurrency=concurrency)
+    seats = int(sample.header.engine_config.get("max_num_seqs", 64))
+    overrides = {"max_num_seqs": concurrency} if concurrency > seats else {}
+    return workload(sample, 2 * concurrency), ReplayConfig(concurrency=concurrency, engine_overrides=overrides)
+
+
+def measure(concurrencies: list[int], repeats: int, min_seconds: float) -> list[dict[str, float]]:
+    sample = read_trace(SAMPLE)
+    profile = fit_profile([sample])
+    cases = [case(sample, c) for c in concurrencies]
+    warm_trace, warm_cfg = case(sample, min(4, len(sample.requests)))
+    replay(warm_trace, profile, warm_cfg)  # warm-up, untimed
+    out = []
+    for c, (trace, cfg) in zip(concurrencies, cases):
+        cpu = wall = float("inf")
+        done, spent = 0, 0.0
+        while done < repeats or spent < min_seconds:
+            gc.collect()
+            c0, w0 = time.process_time(), time.perf_counter()
+            metrics, _ = replay(trace, profile, cfg)
+            w1, c1 = time.perf_counter(), time.process_time()
+            cpu, wall = min(cpu, c1 - c0), min(wall, w1 - w0)
+            done, spent = done + 1, spent + (c1 - c0)
+        steps = metrics["steps"]
+        out.append({"concurrency": c, "requests": len(trace.requests), "steps": steps,
+                    "cpu_ms_per_step": cpu / steps * 1e3, "realtime_x": metrics["duration_s"] / wall,
+                    "makespan_s": metrics["duration_s"], "cpu_s": cpu, "wall_s": wall, "replays": done})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[4, 64, 256])
+    ap.add_argument("--repeats", type=int, default=5, help="replays per concurrency, at least (best of)")
+    ap.add_argument("--min-seconds", type=float, default=1.0,
+                    help="more replays per concurrency until they have taken this much CPU time")
+    ap.add_argument("--baseline", type=Path, help="another checkout (e.g. a git worktree of an earlier "
+                    "commit) measured side by side, in alternating processes")
+    ap.add_argument("--rounds", type=int, default=3, help="with --baseline: alternating rounds (medians)")
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's raw figures
+    args = ap.parse_args()
+    if min(args.concurrency) < 1 or args.repeats < 1 or args.rounds < 1 or args.min_seconds < 0:
+        ap.error("--concurrency, --repeats and --rounds must be >= 1, --min-seconds >= 0")
+    if args.json:
+        print(json.dumps(measure(args.concurrency, args.repeats, args.min_seconds)))
+        return
+    if args.baseline is None:
+        print(f"best of >= {args.repeats} replays and >= {args.min_seconds:g} s CPU per row; draft / overlap, D=4")
+        print(f"{'concurrency':>11} {'requests':>8} {'steps':>6} {'ms CPU/step':>11} {'real-time':>10}")
+        for m in measure(args.concurrency, args.repeats, args.min_seconds):
+            print(f"{m['concurrency']:>11} {m['requests']:>8} {m['steps']:>6} {m['cpu_ms_per_step']:>11.3f} "
+                  f"{m['realtime_x']:>9.1f}x")
+        return
+    runs: dict[str, list[list[dict]]] = {"this": [], "baseline": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        envs = {"this": dict(os.environ),
+                "baseline": {**os.environ, "PYTHONPATH": specsched_path(args.baseline, Path(tmp))}}
+        cmd = [sys.executable, __file__, "--json", "--repeats", str(args.repeats),
+               "--min-seconds", str(args.min_seconds), "--concurrency", *map(str, args.concurrency)]
+        for r in range(args.rounds):
+            for name in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
+                res = subprocess.run(cmd, env=envs[name], capture_output=True, text=True)
+                if res.returncode:
+                    sys.exit(f"the {name} run failed:\n{res.stderr[-4000:]}")
+                runs[name].append(json.loads(res.stdout))
+    print(f"median of {args.rounds} alternating rounds, each row the best of >= {args.repeats} replays and "
+          f">= {args.min_seconds:g} s CPU; draft / overlap, D=4; ratio = this / baseline")
+    print(f"{'concurrency':>11} {'steps':>7} {'base ms':>8} {'this ms':>8} {'ratio':>6} "
+          f"{'base RT':>8} {'this RT':>8} {'ratio':>6}   (ms CPU per simulated step; RT: real-time ratio)")
+    for i, c in enumerate(args.concurrency):
+        med = {key: {name: statistics.median(run[i][key] for run in runs[name]) for name in runs}
+               for key in ("steps", "cpu_ms_per_step", "realtime_x")}
+        steps, cpu, rt = med["steps"], med["cpu_ms_per_step"], med["realtime_x"]
+        shown = f"{steps['this']:.0f}" if steps["this"] == steps["baseline"] else \
+            f"{steps['baseline']:.0f}/{steps['this']:.0f}"
+        print(f"{c:>11} {shown:>7} {cpu['baseline']:>8.3f} {cpu['this']:>8.3f} {cpu['this'] / cpu['baseline']:>5.2f}x "
+              f"{rt['baseline']:>7.1f}x {rt['this']:>7.1f}x {rt['this'] / rt['baseline']:>5.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""The scheduler's per-slot arrays against a plain reference model: random sequences of
+adds, steps (with random acceptance), finishes, aborts and preemptions keep the arrays, the
+page tables and the free stack consistent, with no page leaked or shared."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
+from specsched.scheduler.block_manager import BlockManager
+from specsched.scheduler.request import Request, RequestState
+from specsched.scheduler.sampling_params import SamplingParams
+from specsched.scheduler.slot_state import SlotTable
+
+
+class Ref:
+    """What one request's counters must be, kept as plain Python ints."""
+
+    def __init__(self, prompt: int, max_tokens: int):
+        self.prompt, self.max_tokens = prompt, max_tokens
+        self.computed = self.output = self.proposer = 0
+        self.drafts = self.drafted = self.accepted = 0
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(page_size=st.integers(1, 5), draft_len=st.integers(0, 3), draft_model=st.booleans(),
+                max_num_seqs=st.integers(1, 5), budget=st.integers(4, 24), extra=st.integers(0, 12),
+                seed=st.integers(0, 2**16))
+    def setup(self, page_size, draft_len, draft_model, max_num_seqs, budget, extra, seed):
+        self.proposer = "draft" if (draft_len and draft_model) else None
+        cfg = SchedulerConfig(max_num_seqs, max(budget, 1 + draft_len), draft_len, self.proposer)
+        self.max_prompt, self.max_out = 12, 8
+        probe = Request("probe", [0] * self.max_prompt, SamplingParams(max_tokens=self.max_out), 0)
+        models = ("target",) + ((self.proposer,) if self.proposer else ())
+        self.blocks = BlockManager(1, page_size, models)
+        self.b = BatchBuilder(cfg, self.blocks)
+        num_pages = self.b.max_pages_needed(probe) + extra  # the largest request fits alone
+        self.blocks = BlockManager(num_pages, page_size, models)
+        self.b = BatchBuilder(cfg, self.blocks)
+        self.kv_ahead = 1 if self.proposer else None
+        self.rng = random.Random(seed)
+        self.refs: dict[str, Ref] = {}
+        self.live: dict[str, Request] = {}
+        self.done: list[Request] = []
+        self.n = 0
+        self.num_spec = 0
+
+    @rule(prompt=st.integers(1, 12), max_tokens=st.integers(1, 8))
+    def add(self, prompt, max_tokens):
+        rid = f"r{self.n}"
+        self.n += 1
+        req = Request(rid, list(range(prompt)), SamplingParams(max_tokens=max_tokens), 0)
+        self.b.add(req)
+        self.refs[rid] = Ref(prompt, max_tokens)
+        self.live[rid] = req
+
+    @rule(data=st.data())
+    def abort(self, data):
+        if not self.live:
+            return
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        self._finish(self.live[rid], RequestState.ABORTED)
+
+    @rule()
+    def step(self):
+        if not self.b.has_work:
+            return
+        b, refs = self.b, self.refs
+        batch = b.schedule()
+        for r in batch.preempted:
+            refs[r.request_id].computed = refs[r.request_id].proposer = 0
+        b.allocate(batch)
+        if batch.is_spec:
+            accepted = np.array([self.rng.randint(0, d) for d in batch.num_draft.tolist()], dtype=np.int64)
+            before = b.advance_verify(batch, accepted)
+            b.record_verify(batch, before, accepted, batch.num_draft, self.kv_ahead or 0)
+            for r, d, a in zip(batch.requests, batch.num_draft.tolist(), accepted.tolist()):
+                ref = refs[r.request_id]
+                assert before[batch.requests.index(r)] == ref.prompt + ref.output
+                ref.computed += 1 + a
+                ref.proposer = ref.prompt + ref.output + a + (self.kv_ahead or 0)
+                if d:
+                    ref.drafts, ref.drafted, ref.accepted = ref.drafts + 1, ref.drafted + d, ref.accepted + a
+                self._emit(r, 1 + a)
+            b.trim_rejected(batch)
+            ps = self.blocks.page_size
+            width = 1 + self.b.config.draft_len
+            for r, start in zip(batch.requests, batch.start.tolist()):
+                if not r.is_finished:  # rejected candidates' pages went back, the rest stay
+                    reserved = -(-(start + width) // ps)
+                    assert len(self.blocks.page_table(r.request_id)) == min(reserved, -(-r.num_tokens // ps))
+            self.num_spec += 1
+        else:
+            b.advance_forward(batch, self.kv_ahead)
+            b.complete_forward(batch)
+            for r, n, s in zip(batch.requests, batch.num_new.tolist(), batch.samples.tolist()):
+                ref = refs[r.request_id]
+                ref.computed += n
+                if self.kv_ahead is not None:
+                    ref.proposer = ref.computed + (self.kv_ahead if s else 0)
+                if s:
+                    self._emit(r, 1)
+
+    def _emit(self, r: Request, n: int) -> None:
+        ref = self.refs[r.request_id]
+        n = min(n, ref.max_tokens - ref.output)
+        ref.output += n
+        r.extend_output([1] * n)
+        if ref.output == ref.max_tokens:
+            self._finish(r, RequestState.FINISHED)
+
+    def _finish(self, r: Request, state: RequestState) -> None:
+        r.state = state
+        self.b.remove(r)
+        del self.live[r.request_id]
+        self.done.append(r)
+
+    @invariant()
+    def arrays_match_the_reference(self):
+        if not hasattr(self, "b"):
+            return
+        for r in list(self.live.values()) + self.done:
+            ref = self.refs[r.request_id]
+            got = (r.num_computed_tokens, r.num_output_tokens, r.num_pending_tokens, r.num_drafts,
+                   r.num_drafted_tokens, r.num_accepted_tokens)
+            assert got == (ref.computed, ref.output, 0, ref.drafts, ref.drafted, ref.accepted), r.request_id
+            if self.kv_ahead is not None:
+                assert r.num_proposer_computed == ref.proposer, r.request_id
+
+    @invariant()
+    def pages_and_slots_are_consistent(self):
+        if not hasattr(self, "b"):
+            return
+        b, bm = self.b, self.blocks
+        bm.check_invariants()  # every page free or in exactly one table
+        slots = [r.slot for r in self.live.values()]
+        assert len(set(slots)) == len(slots) and b.table.num_used == len(slots)
+        ps = bm.page_size
+        for r in self.live.values():
+            held = len(bm.page_table(r.request_id))
+            if r.state is RequestState.RUNNING:
+                assert held * ps >= r.num_computed_tokens  # computed KV is backed by pages
+            else:
+                assert held == 0  # waiting or preempted: nothing held
+        for r in self.done:
+            assert bm.page_table(r.request_id) == []
+        assert bm.num_free_pages + sum(
+            len(bm.page_table(r.request_id, m)) for r in self.live.values() for m in bm.models) == bm.num_pages
+
+
+TestScheduler = SchedulerMachine.TestCase
+TestScheduler.settings = settings(max_examples=60, stateful_step_count=40, deadline=None, database=None)
+
+
+def test_a_handle_keeps_its_counters_after_its_slot_is_reused():
+    table = SlotTable(2)
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=4), 0)
+    a.num_computed_tokens = 5
+    slot = table.attach(a)
+    a.record_spec(3, 2)
+    table.detach(a)
+    b = Request("b", [9], SamplingParams(max_tokens=2), 0)
+    assert table.attach(b) == slot  # the freed slot goes to the next request
+    b.num_computed_tokens = 1
+    assert (a.num_computed_tokens, a.num_accepted_tokens, a.accepted_per_pos) == (5, 2, [1, 1, 0])
+    assert (b.num_computed_tokens, b.num_drafts, b.drafted_per_pos) == (1, 0, [])
+
+
+def test_the_table_grows_past_its_capacity_and_width():
+    table = SlotTable(1, width=1)
+    reqs = [Request(f"r{i}", [i], SamplingParams(max_tokens=9), 0) for i in range(5)]
+    for i, r in enumerate(reqs):
+        table.attach(r)
+        r.num_computed_tokens = i
+    table.record_spec(np.array([r.slot for r in reqs]), np.array([4, 0, 1, 2, 3]), np.array([4, 0, 0, 2, 1]))
+    assert [r.num_computed_tokens for r in reqs] == [0, 1, 2, 3, 4]
+    assert reqs[0].accepted_per_pos == [1, 1, 1, 1] and reqs[1].drafted_per_pos == []
+    assert reqs[4].drafted_per_pos == [1, 1, 1] and reqs[4].accepted_per_pos == [1, 0, 0]
+
+
+@pytest.mark.parametrize("model", ["target", "draft"])
+def test_trim_many_frees_what_row_by_row_trims_free(model):
+    rng = np.random.default_rng(0)
+    sizes = [int(n) for n in rng.integers(1, 40, 12)]
+    keep = [int(n) for n in rng.integers(0, 40, 12)]
+    one, many = (BlockManager(200, 3, ("target", "draft")) for _ in range(2))
+    for bm in (one, many):
+        for i in (7, 2, 9, 0, 11, 4, 1, 10, 3, 8, 6, 5):  # rows bound out of order
+            bm.bind(f"r{i}", i)
+            bm.allocate(f"r{i}", {"target": sizes[i], "draft": sizes[i] + 1})
+    rows = np.array([3, 0, 11, 5, 8, 1])
+    freed = sum(one.trim(f"r{i}", model, keep[i]) for i in rows.tolist())
+    assert many.trim_many(rows, model, np.array([keep[i] for i in rows.tolist()])) == freed
+    for i in range(12):
+        assert many.page_table(f"r{i}", model) == one.page_table(f"r{i}", model)
+    assert many._stack[: many.num_free_pages].tolist() == one._stack[: one.num_free_pages].tolist()
+    many.check_invariants()
