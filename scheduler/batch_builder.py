@@ -240,7 +240,28 @@ class BatchBuilder:
         one = np.ones(n, dtype=np.int64)
         return self._batch(reqs, rows, computed, one, num_draft, np.zeros(n, dtype=bool), [])
 
-    def _schedule_general(self) -> StepBatch:
+    def _running_rows(self, budget: int) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """The running requests' rows of a step that drafts nothing, in whole-array
+        operations: (indices into `running`, tokens each computes, pages they need), each
+        taking what is left of the token budget in order -- or None when the pool cannot
+        hold them all and someone must be preempted (the loop in `_schedule_general`)."""
+        t = self.table
+        slots = self.running_slots()
+        computed = t.computed[slots]
+        todo = t.prompt_len[slots] + t.num_output[slots] + t.pending[slots] - computed
+        before = np.cumsum(todo) - todo  # budget the rows ahead of each take
+        n = np.clip(budget - before, 0, todo)
+        rows = np.flatnonzero(n > 0)
+        n = n[rows]
+        need = self.blocks.pages_needed_many(slots[rows], self._slots(computed[rows] + n))
+        pages = int(need.sum())
+        if pages > self.blocks.num_free_pages:
+            return None
+        return rows, n, pages
+
+    def _schedule_general(self, vectorized: bool = True) -> StepBatch:
+        """Any step: running requests first (whole-array unless someone must be preempted,
+        or with `vectorized=False`), then admission of waiting ones, one by one."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         reqs: list[Request] = []
@@ -248,12 +269,18 @@ class BatchBuilder:
         draft_l: list[int] = []
         prefill_l: list[bool] = []
         preempted: list[Request] = []
+        t = self.table
+        slots = self.running_slots()
+        computed = t.computed[slots]
+        prompt = t.prompt_len[slots]
+        total = prompt + t.num_output[slots] + t.pending[slots]
+        in_prefill = (computed < prompt) | (computed < total - 1)  # `Request.in_prefill`
         # Speculate only on a decode-only batch: every running request decodes and no waiting
         # one can be admitted (none waits, or every seat is taken).
-        decode_only = (not self.waiting or len(self.running) >= cfg.max_num_seqs) and not any(
-            r.in_prefill for r in self.running)
+        decode_only = (not self.waiting or len(self.running) >= cfg.max_num_seqs) and not in_prefill.any()
         draft = cfg.draft_len if decode_only else 0
         planned = 0  # pages already promised to earlier seqs this step
+        fast = self._running_rows(budget) if (vectorized and not draft and self.running) else None
 
         def need(req: Request, n: int) -> int:
             # a verification computes (and writes KV for) all 1 + D positions of every row
@@ -267,7 +294,15 @@ class BatchBuilder:
             prefill_l.append(req.in_prefill)
 
         gone: set[int] = set()  # ids of requests preempted in this loop
-        for req in list(self.running):
+        if fast is not None:
+            rows, n, planned = fast
+            running = self.running
+            reqs = [running[i] for i in rows.tolist()]
+            new_l = n.tolist()
+            draft_l = [0] * len(reqs)
+            prefill_l = in_prefill[rows].tolist()
+            budget -= int(n.sum())
+        for req in (list(self.running) if fast is None else ()):
             if id(req) in gone:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)

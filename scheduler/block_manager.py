@@ -128,7 +128,8 @@ class BlockManager:
 
     def pages_needed_many(self, rows: np.ndarray, slots: Mapping[str, np.ndarray]) -> np.ndarray:
         """[B] pages each row is short of to cover slots[model][b] KV slots."""
-        return self._shortfall(rows, slots).sum(axis=1)
+        cols = self._shortfall(rows, slots)
+        return sum(cols[1:], cols[0]) if cols else np.zeros(len(rows), dtype=np.int64)
 
     # -- check / act -----------------------------------------------------------------------
     def can_allocate(self, request_id: str, slots: Mapping[str, int], *, reserve_pages: int = 0) -> bool:
@@ -160,12 +161,13 @@ class BlockManager:
     def allocate_many(self, rows: np.ndarray, slots: Mapping[str, np.ndarray]) -> None:
         """`allocate` for every row of a batch at once (rows distinct), all or nothing: the
         same pages as allocating row by row, model by model, in order."""
-        short = self._shortfall(rows, slots)  # [B, M]
-        total = int(short.sum())
+        cols = self._shortfall(rows, slots)
+        total = sum(int(c.sum()) for c in cols)
         if total > self._top:
             raise OutOfPagesError(f"a batch of {len(rows)} rows needs {total} pages, {self._top} free")
         if not total:
             return
+        short = np.stack(cols, axis=1)  # [B, M]
         taken = self._stack[self._top - total : self._top][::-1]
         first = (np.cumsum(short.ravel()) - short.ravel()).reshape(short.shape)  # offset into `taken`
         for j, model in enumerate(slots):
@@ -275,13 +277,16 @@ class BlockManager:
             raise AssertionError(f"page leak or double free: {pages.size} refs, {np.unique(pages).size} unique")
 
     # -- internals -----------------------------------------------------------------------------
-    def _shortfall(self, rows: np.ndarray, slots: Mapping[str, np.ndarray]) -> np.ndarray:
+    def _shortfall(self, rows: np.ndarray, slots: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Per model in `slots` order, [B] pages each row is short of."""
         ps = self.page_size
         cols = []
         for model, n in slots.items():
             counts = self._model_counts(model)
-            cols.append(np.maximum((np.asarray(n, dtype=np.int64) + ps - 1) // ps - counts[rows], 0))
-        return np.stack(cols, axis=1) if cols else np.zeros((len(rows), 0), dtype=np.int64)
+            short = (np.asarray(n, dtype=np.int64) + ps - 1) // ps - counts[rows]
+            np.maximum(short, 0, out=short)
+            cols.append(short)
+        return cols
 
     def _new_row(self, request_id: str) -> int:
         if self._free_rows:

@@ -47,7 +47,16 @@ class LaunchShape:
 
     def attrs(self) -> dict[str, Any]:
         """The shape as span attributes (fields that are set)."""
-        return {k: getattr(self, k) for k in self.__slots__ if getattr(self, k) is not None}
+        out: dict[str, Any] = {"requests": self.requests, "tokens": self.tokens, "kv_tokens": self.kv_tokens}
+        if self.kind is not None:
+            out["kind"] = self.kind
+        if self.after is not None:
+            out["after"] = self.after
+        if self.num_draft is not None:
+            out["num_draft"] = self.num_draft
+            out["draft_tokens"] = self.draft_tokens
+            out["draft_forwards"] = self.draft_forwards
+        return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -175,8 +175,10 @@ class Pipeline:
         handle once its slot went back)."""
         t = self.table
         computed = t.computed[batch.slots]
-        for i in np.flatnonzero(t.gen[batch.slots] != batch.gen).tolist():
-            computed[i] = batch.requests[i].num_computed_tokens
+        gone = t.gen[batch.slots] != batch.gen
+        if gone.any():
+            for i in np.flatnonzero(gone).tolist():
+                computed[i] = batch.requests[i].num_computed_tokens
         return computed
 
     # -- tracing helpers --------------------------------------------------------------------

@@ -12,7 +12,7 @@ import enum
 import numpy as np
 
 from specsched.scheduler.sampling_params import SamplingParams
-from specsched.scheduler.slot_state import SlotTable
+from specsched.scheduler.slot_state import SlotTable, own_counters
 
 
 class RequestState(enum.Enum):
@@ -30,10 +30,15 @@ def _counter(name: str, doc: str) -> property:
     """A Request attribute stored in its row of a SlotTable (see scheduler/slot_state.py)."""
 
     def get(self) -> int:
-        return int(getattr(self._table, name)[self._row])
+        t = self._table
+        return self._own[name] if t is None else int(getattr(t, name)[self._row])
 
     def set(self, value: int) -> None:
-        getattr(self._table, name)[self._row] = value
+        t = self._table
+        if t is None:
+            self._own[name] = int(value)
+        else:
+            getattr(t, name)[self._row] = value
 
     return property(get, set, doc=doc)
 
@@ -45,7 +50,7 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "params", "arrival_ns", "slot", "state",
                  "output_token_ids", "abort_requested", "stop_at", "num_preemptions",
-                 "first_token_ns", "finish_ns", "finish_reason", "error", "_table", "_row")
+                 "first_token_ns", "finish_ns", "finish_reason", "error", "_table", "_row", "_own")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_ns: int, *, num_computed_tokens: int = 0):
@@ -63,12 +68,11 @@ class Request:
         self.finish_ns: int | None = None
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
         self.error: str | None = None
-        self._table = SlotTable(1)
-        self._row = 0
-        t = self._table
-        t.prompt_len[0] = len(prompt_token_ids)  # the prompt never changes
-        t.max_tokens[0] = params.max_tokens
-        t.computed[0] = num_computed_tokens
+        # without a slot (not queued, or finished) the counters are the handle's own
+        self._table: SlotTable | None = None
+        self._row = -1
+        self._own = own_counters(len(prompt_token_ids), params.max_tokens)
+        self._own["computed"] = num_computed_tokens
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, state={self.state.value}, prompt={self.num_prompt_tokens}, "
@@ -92,7 +96,9 @@ class Request:
     def extend_output(self, token_ids: list[int]) -> None:
         """Append tokens the host has seen (the output list and its count in the arrays)."""
         self.output_token_ids.extend(token_ids)
-        self._table.num_output[self._row] = len(self.output_token_ids)
+        self.num_output = len(self.output_token_ids)
+
+    num_output = _counter("num_output", "len(output_token_ids), as the arrays hold it")
 
     @property
     def num_tokens(self) -> int:
@@ -123,16 +129,36 @@ class Request:
     def drafted_per_pos(self) -> list[int]:
         """[D] drafts with >= k+1 tokens."""
         t, i = self._table, self._row
+        if t is None:
+            return list(self._own["drafted_per_pos"])
         return t.drafted_per_pos[i, : t.spec_width[i]].tolist()
 
     @property
     def accepted_per_pos(self) -> list[int]:
         """[D] drafts accepted at >= k+1 tokens."""
         t, i = self._table, self._row
+        if t is None:
+            return list(self._own["accepted_per_pos"])
         return t.accepted_per_pos[i, : t.spec_width[i]].tolist()
 
     def record_spec(self, num_drafted: int, num_accepted: int) -> None:
-        self._table.record_spec(np.array([self._row]), np.array([num_drafted]), np.array([num_accepted]))
+        if self._table is not None:
+            self._table.record_spec(np.array([self._row]), np.array([num_drafted]), np.array([num_accepted]))
+            return
+        if num_drafted <= 0:
+            return
+        own = self._own
+        own["num_drafts"] += 1
+        own["drafted_tokens"] += num_drafted
+        own["accepted_tokens"] += num_accepted
+        d, a = own["drafted_per_pos"], own["accepted_per_pos"]
+        while len(d) < num_drafted:
+            d.append(0)
+            a.append(0)
+        for k in range(num_drafted):
+            d[k] += 1
+            a[k] += k < num_accepted
+        own["spec_width"] = len(d)
 
     def spec_stats(self) -> dict:
         drafts, accepted = self.num_drafts, self.num_accepted_tokens

@@ -8,9 +8,9 @@ is a few whole-array operations whatever the batch size.
 
 A `Request` is the public handle (id, params, output ids); its counters
 (`num_computed_tokens`, `num_pending_tokens`, ...) read and write its row of a `SlotTable`.
-A request not yet added to a scheduler has a one-row table of its own; `attach` moves its
-row into the scheduler's table under a free slot, `detach` moves it back out (the handle
-stays readable after its slot is reused). The slot is also the request's row in the block
+A request without a slot (not yet added to a scheduler, or finished) keeps them in a dict
+of its own (`own_counters`); `attach` moves them into the scheduler's table under a free
+slot, `detach` moves them back out (the handle stays readable after its slot is reused). The slot is also the request's row in the block
 manager's page tables and its index into the device's per-request state.
 """
 from __future__ import annotations
@@ -30,6 +30,15 @@ COUNTERS = (
     "accepted_tokens",
     "spec_width",  # longest draft seen: the used width of the per-position counts
 )
+
+
+def own_counters(prompt_len: int, max_tokens: int) -> dict:
+    """A request's counters while it holds no slot: `COUNTERS` as ints, and the per-position
+    draft / acceptance counts as lists."""
+    own = dict.fromkeys(COUNTERS, 0)
+    own["prompt_len"], own["max_tokens"] = prompt_len, max_tokens
+    own["drafted_per_pos"], own["accepted_per_pos"] = [], []
+    return own
 
 
 class SlotTable:
@@ -69,25 +78,31 @@ class SlotTable:
             self._next += 1
             if slot >= self._capacity:
                 self._grow(rows=2 * self._capacity)
-        src, i = req._table, req._row
-        if src.drafted_per_pos.shape[1] > self._width:
-            self._grow(width=src.drafted_per_pos.shape[1])
-        self._copy_row(src, i, self, slot)
+        own = req._own
+        width = len(own["drafted_per_pos"])
+        if width > self._width:
+            self._grow(width=width)
+        for name in COUNTERS:
+            getattr(self, name)[slot] = own[name]
+        self.drafted_per_pos[slot, :width] = own["drafted_per_pos"]
+        self.accepted_per_pos[slot, :width] = own["accepted_per_pos"]
         self.gen[slot] += 1
-        req._table, req._row, req.slot = self, slot, slot
+        req._table, req._row, req._own, req.slot = self, slot, None, slot
         return slot
 
     def detach(self, req) -> None:
-        """Move `req`'s counters to a one-row table of its own and free its slot."""
+        """Move `req`'s counters back to the handle and free its slot."""
         slot = req._row
-        own = SlotTable(1, self._width)
-        self._copy_row(self, slot, own, 0)
+        own = {name: int(getattr(self, name)[slot]) for name in COUNTERS}
+        width = own["spec_width"]
+        own["drafted_per_pos"] = self.drafted_per_pos[slot, :width].tolist()
+        own["accepted_per_pos"] = self.accepted_per_pos[slot, :width].tolist()
         for name in COUNTERS:
             getattr(self, name)[slot] = 0
         self.drafted_per_pos[slot] = 0
         self.accepted_per_pos[slot] = 0
         self.gen[slot] += 1
-        req._table, req._row = own, 0
+        req._table, req._row, req._own = None, -1, own
         self._free.append(slot)
 
     # -- whole-array updates ----------------------------------------------------------------
@@ -96,31 +111,25 @@ class SlotTable:
         `accepted[i]` of them accepted (rows that drafted nothing are not counted)."""
         drafted = np.asarray(drafted, dtype=np.int64)
         accepted = np.asarray(accepted, dtype=np.int64)
-        keep = drafted > 0
-        if not keep.all():
-            slots, drafted, accepted = slots[keep], drafted[keep], accepted[keep]
-        if not slots.size:
+        if not drafted.size:
             return
+        if int(drafted.min()) <= 0:
+            keep = drafted > 0
+            slots, drafted, accepted = slots[keep], drafted[keep], accepted[keep]
+            if not slots.size:
+                return
         widest = int(drafted.max())
         if widest > self._width:
             self._grow(width=widest)
         self.num_drafts[slots] += 1
         self.drafted_tokens[slots] += drafted
         self.accepted_tokens[slots] += accepted
-        np.maximum.at(self.spec_width, slots, drafted)
+        self.spec_width[slots] = np.maximum(self.spec_width[slots], drafted)  # slots are distinct
         pos = self._pos
         self.drafted_per_pos[slots] += pos < drafted[:, None]
         self.accepted_per_pos[slots] += pos < np.minimum(accepted, drafted)[:, None]
 
     # -- internals --------------------------------------------------------------------------
-    @staticmethod
-    def _copy_row(src: "SlotTable", i: int, dst: "SlotTable", j: int) -> None:
-        for name in COUNTERS:
-            getattr(dst, name)[j] = getattr(src, name)[i]
-        w = src.drafted_per_pos.shape[1]
-        dst.drafted_per_pos[j, :w] = src.drafted_per_pos[i]
-        dst.accepted_per_pos[j, :w] = src.accepted_per_pos[i]
-
     def _grow(self, rows: int | None = None, width: int | None = None) -> None:
         rows = max(rows or 0, self._capacity)
         width = max(width or 0, self._width)

@@ -20,6 +20,9 @@ from __future__ import annotations
 import numpy as np
 
 
+SMALL_BATCH = 8  # rows up to which `outcomes` takes them one by one
+
+
 class AcceptanceModel:
     def __init__(self, mode: str, *, agreement: dict[int, list[int]] | None = None,
                  rates: list[float] | None = None, alpha: float | None = None,
@@ -103,7 +106,9 @@ class AcceptanceModel:
         accepted = np.zeros(num_drafts.shape[0], dtype=np.int64)
         drafted = np.zeros(num_drafts.shape[0], dtype=np.int64)
         todo = num_drafts > 0
-        if self.mode == "trace" and todo.any():
+        if num_drafts.shape[0] <= SMALL_BATCH:  # a handful of rows: the array calls would cost more
+            todo[:] = True
+        elif self.mode == "trace" and todo.any():
             if self._tables is None:
                 self._tables = _lookup_tables(self.recorded, self.agreement)
             rec_acc, rec_drafted, runs, has_agree = self._tables

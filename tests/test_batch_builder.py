@@ -84,7 +84,9 @@ class Sim:
 
     def step(self) -> StepBatch:
         b, cfg = self.b, self.b.config
-        general = copy.deepcopy(b)._schedule_general()  # what the one-row-at-a-time path decides
+        # what the one-row-at-a-time path decides; the whole-array paths must agree with it
+        general = copy.deepcopy(b)._schedule_general(vectorized=False)
+        assert _summary(copy.deepcopy(b)._schedule_general()) == _summary(general)
         fast = copy.deepcopy(b)._schedule_decode_only()
         batch = b.schedule()
         assert _summary(batch) == _summary(general)

@@ -10,10 +10,12 @@ from types import SimpleNamespace
 import anyio
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specsched.scheduler.messages import LaunchShape
 
-from specsched.simulator.acceptance import AcceptanceModel
+from specsched.simulator.acceptance import SMALL_BATCH, AcceptanceModel
 from specsched.simulator.analysis import ab, tune, validate
 from specsched.simulator.costs import CostProfile, StageModel
 from specsched.simulator.fit import fit_profile, fit_stage
@@ -467,3 +469,27 @@ def test_replay_of_a_measured_run_is_close_and_writes_a_readable_trace(tiny_fami
     for key in ("requests", "output_tokens", "steps", "duration_s", "mean_accept_len", "bubble_fraction"):
         assert back[key] == pytest.approx(m[key]), key
     assert back["ttft_ms"] == pytest.approx(m["ttft_ms"])
+
+
+@given(st.data())
+@settings(max_examples=60, deadline=None, database=None)
+def test_a_verify_s_outcomes_at_once_equal_row_by_row(data):
+    """The responder's whole-array acceptance gives each row what `outcome` gives it: recorded
+    steps first, then agreement runs (up to exact_max_d), then the trace's rates (drawn in row
+    order, so the random numbers line up too)."""
+    n_req = data.draw(st.integers(1, 6))
+    recorded = {i: {p: (a, d) for p, (a, d) in data.draw(st.dictionaries(
+        st.integers(0, 12), st.tuples(st.integers(0, 4), st.integers(0, 4)), max_size=6)).items()}
+        for i in range(n_req) if data.draw(st.booleans())}
+    agreement = {i: data.draw(st.lists(st.integers(0, 1), max_size=14)) for i in range(n_req)
+                 if data.draw(st.booleans())}
+    kw = dict(agreement=agreement, rates=[0.8, 0.5, 0.3], recorded=recorded, draft_rate=0.9,
+              exact_max_d=data.draw(st.sampled_from([None, 1, 2])))
+    rows = data.draw(st.integers(1, 3 * SMALL_BATCH))
+    index = np.array(data.draw(st.lists(st.integers(0, n_req - 1), min_size=rows, max_size=rows)))
+    pos = np.array(data.draw(st.lists(st.integers(0, 16), min_size=rows, max_size=rows)))
+    nd = np.array(data.draw(st.lists(st.integers(0, 4), min_size=rows, max_size=rows)))
+    a, b = AcceptanceModel("trace", seed=5, **kw), AcceptanceModel("trace", seed=5, **kw)
+    acc, drafted = a.outcomes(index, pos, nd)
+    want = [b.outcome(int(i), int(p), int(d)) for i, p, d in zip(index, pos, nd)]
+    assert list(zip(acc.tolist(), drafted.tolist())) == want
