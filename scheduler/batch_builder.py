@@ -83,6 +83,7 @@ class StepBatch:
     # step; a plain attribute, as functools.cached_property takes a lock on Python 3.11).
     is_spec: bool = field(init=False)
     kind: str = field(init=False)  # spec / decode / prefill / mixed, as scheduled
+    shape_cache: dict = field(init=False, default_factory=dict)  # `messages.batch_shape`'s sums
 
     def __post_init__(self) -> None:
         self.is_spec = bool(self.num_draft.any())

@@ -126,6 +126,12 @@ class BlockManager:
         counts = self._model_counts(model)
         return self._tables[model][rows], counts[rows]
 
+    def table_of(self, model: str) -> tuple[np.ndarray, np.ndarray]:
+        """(the [rows, max_pages] page table, [rows] page counts) of `model` itself, for
+        readers that gather their rows from it (`build_plan`'s `table_rows`); not to be
+        written to."""
+        return self._tables[model], self._model_counts(model)
+
     def pages_needed_many(self, rows: np.ndarray, slots: Mapping[str, np.ndarray]) -> np.ndarray:
         """[B] pages each row is short of to cover slots[model][b] KV slots."""
         cols = self._shortfall(rows, slots)

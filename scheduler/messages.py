@@ -151,13 +151,17 @@ def batch_shape(batch: StepBatch, width: int = 0, **extra: Any) -> LaunchShape:
     step computes a fixed `width` (1 + candidates) tokens per row, whatever was drafted."""
     n = len(batch)
     tokens = n * width if (width and batch.is_spec) else batch.num_tokens
-    return LaunchShape(n, tokens, int((batch.start + batch.num_new + batch.num_draft).sum()), **extra)
+    kv = batch.shape_cache.get("kv_tokens")
+    if kv is None:  # asked for by several stages of the step
+        kv = batch.shape_cache["kv_tokens"] = int((batch.start + batch.num_new + batch.num_draft).sum())
+    return LaunchShape(n, tokens, kv, **extra)
 
 
 def _tables(blocks: BlockManager, slots: np.ndarray, model: str = "target") -> dict:
-    """The rows' page tables as the plan takes them: one [B, max_pages] array and the counts."""
-    tables, counts = blocks.tables(model, slots)
-    return {"page_tables": tables, "table_lens": counts}
+    """The rows' page tables as the plan takes them: the model's whole table, the rows in
+    it and their page counts (the plan gathers the pages it needs, nothing more)."""
+    table, counts = blocks.table_of(model)
+    return {"page_tables": table, "table_rows": slots, "table_lens": counts[slots]}
 
 
 def registrations(batch: StepBatch) -> tuple[Registration, ...]:
@@ -203,15 +207,17 @@ def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
                          start=start, num_draft=batch.num_draft, plan=plan)
 
 
-def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec) -> DraftMessage:
+def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
+                  with_plan: bool = True) -> DraftMessage:
     """The proposer's D steps in one launch; the device derives per-step plans from the
-    page tables (multi-step work that belongs together is one launch)."""
+    page tables (multi-step work that belongs together is one launch). Without plans (a
+    device that only models time) no page tables are sent."""
     nd = batch.num_draft
     s = batch_shape(batch, 1 + spec.num_candidates)
     shape_ = LaunchShape(s.requests, s.tokens, s.kv_tokens, num_draft=int(nd.max()) if nd.size else 0,
                          draft_tokens=int(nd.sum()), draft_forwards=int(np.maximum(nd - 1, 0).sum()))
     tables = counts = None
-    if spec.kv_model is not None:
+    if spec.kv_model is not None and with_plan:
         tables, counts = blocks.tables(spec.kv_model, batch.slots)
     return DraftMessage(step=batch.step, slots=batch.slots, shape=shape_, num_draft=nd,
                         page_size=blocks.page_size, page_tables=tables, table_lens=counts)

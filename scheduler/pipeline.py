@@ -358,7 +358,7 @@ class Pipeline:
         spec, sched, t, slots = self.spec, self.config.schedule, self.table, batch.slots
         t0 = self._now()
         vmsg = messages.verify_message(batch, self.blocks, spec, self.with_plan)
-        dmsg = messages.draft_message(batch, self.blocks, spec)
+        dmsg = messages.draft_message(batch, self.blocks, spec, self.with_plan)
         fmsg = messages.verify_fill_message(batch, self.blocks, spec, self.with_plan) if spec.fill_same_batch else None
         self._host("plan", batch.step, t0, **shape)
         # rows stop drafting at their own count; the first token of each comes from logits

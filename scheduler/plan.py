@@ -51,6 +51,7 @@ def build_plan(
     page_size: int,
     *,
     table_lens: np.ndarray | None = None,
+    table_rows: np.ndarray | None = None,
     positions: Sequence[np.ndarray | None] | None = None,
     custom_masks: Sequence[np.ndarray | None] | None = None,
 ) -> AttentionPlan:
@@ -60,7 +61,8 @@ def build_plan(
     page_tables[i]: its page ids (at least ceil(kv_len / page_size) of them; extra pages,
     e.g. reserved for drafts, are ignored) -- a list per sequence, or one [B, max_pages]
     array with each row's page count in `table_lens` (the block manager's layout: the plan is
-    then whole-array operations). New tokens occupy KV slots [kv_len - qo_len, kv_len).
+    then whole-array operations); with `table_rows`, `page_tables` is the whole table and
+    sequence i's pages are its row table_rows[i] (no copy of the rows is made). New tokens occupy KV slots [kv_len - qo_len, kv_len).
     positions[i] overrides their RoPE positions (trees); custom_masks[i] is a bool
     [qo_len, kv_len] mask (None: causal).
     """
@@ -69,9 +71,10 @@ def build_plan(
     qo = np.asarray(qo_lens, dtype=np.int64).reshape(-1)
     kv = np.asarray(kv_lens, dtype=np.int64).reshape(-1)
     num_seqs = qo.shape[0]
-    if kv.shape[0] != num_seqs or len(page_tables) != num_seqs:
+    num_tables = len(table_rows) if table_rows is not None else len(page_tables)
+    if kv.shape[0] != num_seqs or num_tables != num_seqs:
         raise ValueError(
-            f"qo_lens ({num_seqs}), kv_lens ({kv.shape[0]}) and page_tables ({len(page_tables)}) "
+            f"qo_lens ({num_seqs}), kv_lens ({kv.shape[0]}) and page_tables ({num_tables}) "
             "must have one entry per sequence"
         )
     for name, per_seq in (("positions", positions), ("custom_masks", custom_masks)):
@@ -92,8 +95,12 @@ def build_plan(
             raise ValueError(f"sequence {i}: {kv[i]} KV tokens need {num_pages[i]} pages, page table "
                              f"has {lens[i]}")
         width = page_tables.shape[1] if page_tables.ndim == 2 else 0
-        keep = np.arange(width)[None, :] < num_pages[:, None]
-        indices = page_tables[keep].astype(np.int64)  # row-major: sequence by sequence
+        kv_indptr = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_pages, out=kv_indptr[1:])
+        # each row's first num_pages entries, row after row, as one gather from the flat table
+        rows = np.arange(num_seqs) if table_rows is None else np.asarray(table_rows, dtype=np.int64)
+        flat = np.arange(int(kv_indptr[-1])) + np.repeat(rows * width - kv_indptr[:-1], num_pages)
+        indices = page_tables.reshape(-1)[flat] if flat.size else np.zeros(0, dtype=np.int32)
     else:
         flat: list[int] = []  # one Python list, one array: cheaper than an array per row
         for i, (table, n) in enumerate(zip(page_tables, num_pages.tolist())):
@@ -102,9 +109,9 @@ def build_plan(
                     f"sequence {i}: {kv[i]} KV tokens need {n} pages, page table has {len(table)}"
                 )
             flat.extend(table[:n])
-        indices = np.array(flat, dtype=np.int64)
-    kv_indptr = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(num_pages, out=kv_indptr[1:])
+        indices = np.array(flat, dtype=np.int32)
+        kv_indptr = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_pages, out=kv_indptr[1:])
     qo_indptr = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(qo, out=qo_indptr[1:])
     last_page_len = kv - (num_pages - 1) * page_size
@@ -114,10 +121,10 @@ def build_plan(
     seq_of_tok = np.repeat(np.arange(num_seqs), qo)
     offset_in_seq = np.arange(total) - qo_indptr[:-1][seq_of_tok]
     logical = (kv - qo)[seq_of_tok] + offset_in_seq
-    page_of_tok = indices[kv_indptr[:-1][seq_of_tok] + logical // page_size]
+    page_of_tok = indices[kv_indptr[:-1][seq_of_tok] + logical // page_size].astype(np.int64)
     slot_mapping = page_of_tok * page_size + logical % page_size
 
-    pos = logical.copy()
+    pos = logical  # a fresh array: tree positions may overwrite it
     if positions is not None:
         for i, p in enumerate(positions):
             if p is not None:
@@ -142,11 +149,11 @@ def build_plan(
     return AttentionPlan(
         qo_indptr=qo_indptr.astype(np.int32),
         paged_kv_indptr=kv_indptr.astype(np.int32),
-        paged_kv_indices=indices.astype(np.int32),
+        paged_kv_indices=np.asarray(indices, dtype=np.int32),
         paged_kv_last_page_len=last_page_len.astype(np.int32),
         kv_lens=kv.astype(np.int32),
-        positions=pos.astype(np.int64),
-        slot_mapping=slot_mapping.astype(np.int64),
+        positions=pos,
+        slot_mapping=slot_mapping,
         page_size=page_size,
         custom_mask=mask,
     )

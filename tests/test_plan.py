@@ -210,13 +210,19 @@ def test_padded_table_array_gives_the_plan_of_per_sequence_lists(batch, pad: int
     lens = np.array([len(t) for t in tables])
     pa = build_plan(qo_lens, kv_lens, tables, page_size)
     pb = build_plan(qo_lens, kv_lens, array, page_size, table_lens=lens)
+    # the whole table with the rows named (the block manager's own array, rows in any order)
+    order = np.random.default_rng(len(tables)).permutation(len(tables) + 2)[: len(tables)]
+    whole = np.full((len(tables) + 2, width), 777, dtype=np.int32)
+    whole[order] = array
+    pc = build_plan(qo_lens, kv_lens, whole, page_size, table_lens=lens, table_rows=order)
     a = {k: getattr(pa, k) for k in AttentionPlan.__slots__}
-    b = {k: getattr(pb, k) for k in AttentionPlan.__slots__}
-    for key in a:
-        if isinstance(a[key], np.ndarray):
-            assert a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key]), key
-        else:
-            assert a[key] == b[key], key
+    for other in (pb, pc):
+        b = {k: getattr(other, k) for k in AttentionPlan.__slots__}
+        for key in a:
+            if isinstance(a[key], np.ndarray):
+                assert a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key]), key
+            else:
+                assert a[key] == b[key], key
 
 
 def test_padded_table_array_too_short_is_named() -> None:
