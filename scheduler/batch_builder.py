@@ -84,6 +84,9 @@ class StepBatch:
     is_spec: bool = field(init=False)
     kind: str = field(init=False)  # spec / decode / prefill / mixed, as scheduled
     shape_cache: dict = field(init=False, default_factory=dict)  # `messages.batch_shape`'s sums
+    # the pages each row is short of, as scheduling found them (per model), and the block
+    # manager's version then: `allocate` reuses them while no pages changed hands
+    shortfall: tuple[int, dict[str, np.ndarray]] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.is_spec = bool(self.num_draft.any())
@@ -233,13 +236,16 @@ class BatchBuilder:
             reqs, rows = list(running), slots
         else:
             reqs, rows, computed, emitted = [running[i] for i in take.tolist()], slots[take], computed[take], emitted[take]
-        need = self.blocks.pages_needed_many(rows, self._slots(computed + 1 + draft))
-        if int(need.sum()) > self.blocks.num_free_pages:
+        blocks = self.blocks
+        cols = blocks.shortfall(rows, self._slots(computed + 1 + draft))
+        if sum(int(c.sum()) for c in cols.values()) > blocks.num_free_pages:
             return None  # someone is preempted: the general path chooses whom
         remaining = t.max_tokens[rows] - emitted  # `Request.remaining_tokens`
         num_draft = np.minimum(draft, np.maximum(0, remaining - 1))
         one = np.ones(n, dtype=np.int64)
-        return self._batch(reqs, rows, computed, one, num_draft, np.zeros(n, dtype=bool), [])
+        batch = self._batch(reqs, rows, computed, one, num_draft, np.zeros(n, dtype=bool), [])
+        batch.shortfall = (blocks.version, cols)  # what `allocate` reserves: 1 + D slots per row
+        return batch
 
     def _running_rows(self, budget: int) -> tuple[np.ndarray, np.ndarray, int] | None:
         """The running requests' rows of a step that drafts nothing, in whole-array
@@ -370,6 +376,9 @@ class BatchBuilder:
         """Grow page tables for the batch; a speculative batch reserves all 1 + D verify
         slots of every row (rejected ones are trimmed after acceptance)."""
         if not len(batch):
+            return
+        if batch.shortfall is not None and batch.shortfall[0] == self.blocks.version:
+            self.blocks.allocate_many(batch.slots, shortfall=batch.shortfall[1])
             return
         extra = np.where(batch.num_new == 1, self.config.draft_len, batch.num_draft) if batch.is_spec \
             else batch.num_draft

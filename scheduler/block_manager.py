@@ -51,6 +51,7 @@ class BlockManager:
         # free pages, the next to hand out at the top (the end): the stack starts with page 0 on top
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
         self._top = num_pages
+        self.version = 0  # bumped whenever pages change hands (a plan of shortfalls goes stale)
         self._row_of: dict[str, int] = {}  # request id -> its row in every model's table
         self._owner: dict[int, str] = {}  # row -> request id
         self._free_rows: list[int] = []
@@ -162,12 +163,22 @@ class BlockManager:
                 # the pages in the order popping them one at a time gives
                 table[row, have : have + short] = self._stack[self._top - short : self._top][::-1]
                 self._top -= short
+                self.version += 1
                 counts[row] = have + short
 
-    def allocate_many(self, rows: np.ndarray, slots: Mapping[str, np.ndarray]) -> None:
+    def shortfall(self, rows: np.ndarray, slots: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Model -> [B] pages each row is short of to cover slots[model] (what
+        `allocate_many` takes as `shortfall` while `version` is unchanged)."""
+        return dict(zip(slots, self._shortfall(rows, slots)))
+
+    def allocate_many(self, rows: np.ndarray, slots: Mapping[str, np.ndarray] | None = None,
+                      shortfall: Mapping[str, np.ndarray] | None = None) -> None:
         """`allocate` for every row of a batch at once (rows distinct), all or nothing: the
-        same pages as allocating row by row, model by model, in order."""
-        cols = self._shortfall(rows, slots)
+        same pages as allocating row by row, model by model, in order. `shortfall` instead of
+        `slots`: what `shortfall(rows, slots)` returned, if no pages changed hands since."""
+        if shortfall is None:
+            shortfall = self.shortfall(rows, slots)
+        models, cols = list(shortfall), list(shortfall.values())
         total = sum(int(c.sum()) for c in cols)
         if total > self._top:
             raise OutOfPagesError(f"a batch of {len(rows)} rows needs {total} pages, {self._top} free")
@@ -176,7 +187,7 @@ class BlockManager:
         short = np.stack(cols, axis=1)  # [B, M]
         taken = self._stack[self._top - total : self._top][::-1]
         first = (np.cumsum(short.ravel()) - short.ravel()).reshape(short.shape)  # offset into `taken`
-        for j, model in enumerate(slots):
+        for j, model in enumerate(models):
             s = short[:, j]
             k = int(s.sum())
             if not k:
@@ -191,6 +202,7 @@ class BlockManager:
                 taken[np.repeat(first[picked, j], reps) + within]
             counts[rows] = have + s
         self._top -= total
+        self.version += 1
 
     def trim(self, request_id: str, model: str, num_slots: int) -> int:
         """Release pages wholly beyond `num_slots` (rejected draft slots). Returns pages freed."""
@@ -228,6 +240,7 @@ class BlockManager:
         # the stack as `_push` row by row leaves it: each row's pages reversed, rows in order
         self._stack[self._top : self._top + k] = pages[first + np.repeat(reps, reps) - 1 - within]
         self._top += k
+        self.version += 1
         counts[r] = keep[picked]
         return k
 
@@ -330,3 +343,4 @@ class BlockManager:
         k = pages.shape[0]
         self._stack[self._top : self._top + k] = pages[::-1]
         self._top += k
+        self.version += 1

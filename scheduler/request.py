@@ -128,18 +128,18 @@ class Request:
     @property
     def drafted_per_pos(self) -> list[int]:
         """[D] drafts with >= k+1 tokens."""
-        t, i = self._table, self._row
+        t = self._table
         if t is None:
             return list(self._own["drafted_per_pos"])
-        return t.drafted_per_pos[i, : t.spec_width[i]].tolist()
+        return t.per_pos(self._row)[0]
 
     @property
     def accepted_per_pos(self) -> list[int]:
         """[D] drafts accepted at >= k+1 tokens."""
-        t, i = self._table, self._row
+        t = self._table
         if t is None:
             return list(self._own["accepted_per_pos"])
-        return t.accepted_per_pos[i, : t.spec_width[i]].tolist()
+        return t.per_pos(self._row)[1]
 
     def record_spec(self, num_drafted: int, num_accepted: int) -> None:
         if self._table is not None:
@@ -158,7 +158,6 @@ class Request:
         for k in range(num_drafted):
             d[k] += 1
             a[k] += k < num_accepted
-        own["spec_width"] = len(d)
 
     def spec_stats(self) -> dict:
         drafts, accepted = self.num_drafts, self.num_accepted_tokens

@@ -28,7 +28,6 @@ COUNTERS = (
     "num_drafts",  # speculative steps this request was drafted for
     "drafted_tokens",
     "accepted_tokens",
-    "spec_width",  # longest draft seen: the used width of the per-position counts
 )
 
 
@@ -42,8 +41,9 @@ def own_counters(prompt_len: int, max_tokens: int) -> dict:
 
 
 class SlotTable:
-    """Counters of up to `capacity` requests (grows on demand), plus per-position draft /
-    acceptance counts `[slots, width]`."""
+    """Counters of up to `capacity` requests (grows on demand), plus per slot how many
+    drafts had d tokens and how many verifications accepted a of them (`[slots, width+1]`
+    histograms: one element each per verification, whatever the draft length)."""
 
     def __init__(self, capacity: int = 8, width: int = 4):
         self._capacity = max(1, capacity)
@@ -54,11 +54,10 @@ class SlotTable:
         # bumped whenever a slot changes hands: rows of a batch whose request finished while
         # it was in flight are told apart from a new request in the same slot
         self.gen = np.zeros(self._capacity, dtype=np.int64)
-        self.drafted_per_pos = np.zeros((self._capacity, self._width), dtype=np.int64)
-        self.accepted_per_pos = np.zeros((self._capacity, self._width), dtype=np.int64)
+        self.drafted_hist = np.zeros((self._capacity, self._width + 1), dtype=np.int64)
+        self.accepted_hist = np.zeros((self._capacity, self._width + 1), dtype=np.int64)
         self._free: list[int] = []  # freed slots, reused last-freed first
         self._next = 0  # slots ever handed out
-        self._pos = np.arange(self._width)
 
     @property
     def capacity(self) -> int:
@@ -84,8 +83,9 @@ class SlotTable:
             self._grow(width=width)
         for name in COUNTERS:
             getattr(self, name)[slot] = own[name]
-        self.drafted_per_pos[slot, :width] = own["drafted_per_pos"]
-        self.accepted_per_pos[slot, :width] = own["accepted_per_pos"]
+        if width:
+            self.drafted_hist[slot, 1 : width + 1] = _hist(own["drafted_per_pos"])
+            self.accepted_hist[slot, 1 : width + 1] = _hist(own["accepted_per_pos"])
         self.gen[slot] += 1
         req._table, req._row, req._own, req.slot = self, slot, None, slot
         return slot
@@ -94,13 +94,11 @@ class SlotTable:
         """Move `req`'s counters back to the handle and free its slot."""
         slot = req._row
         own = {name: int(getattr(self, name)[slot]) for name in COUNTERS}
-        width = own["spec_width"]
-        own["drafted_per_pos"] = self.drafted_per_pos[slot, :width].tolist()
-        own["accepted_per_pos"] = self.accepted_per_pos[slot, :width].tolist()
+        own["drafted_per_pos"], own["accepted_per_pos"] = self.per_pos(slot)
         for name in COUNTERS:
             getattr(self, name)[slot] = 0
-        self.drafted_per_pos[slot] = 0
-        self.accepted_per_pos[slot] = 0
+        self.drafted_hist[slot] = 0
+        self.accepted_hist[slot] = 0
         self.gen[slot] += 1
         req._table, req._row, req._own = None, -1, own
         self._free.append(slot)
@@ -124,10 +122,19 @@ class SlotTable:
         self.num_drafts[slots] += 1
         self.drafted_tokens[slots] += drafted
         self.accepted_tokens[slots] += accepted
-        self.spec_width[slots] = np.maximum(self.spec_width[slots], drafted)  # slots are distinct
-        pos = self._pos
-        self.drafted_per_pos[slots] += pos < drafted[:, None]
-        self.accepted_per_pos[slots] += pos < np.minimum(accepted, drafted)[:, None]
+        self.drafted_hist[slots, drafted] += 1  # slots are distinct
+        self.accepted_hist[slots, np.minimum(accepted, drafted)] += 1
+
+    def per_pos(self, slot: int) -> tuple[list[int], list[int]]:
+        """([D] drafts with >= k+1 tokens, [D] drafts accepted at >= k+1), D the longest
+        draft the slot's request had."""
+        d = self.drafted_hist[slot]
+        used = np.flatnonzero(d)
+        if not used.size:
+            return [], []
+        width = int(used[-1])
+        at_least = lambda h: np.cumsum(h[::-1])[::-1][1 : width + 1].tolist()  # noqa: E731
+        return at_least(d), at_least(self.accepted_hist[slot])
 
     # -- internals --------------------------------------------------------------------------
     def _grow(self, rows: int | None = None, width: int | None = None) -> None:
@@ -138,10 +145,15 @@ class SlotTable:
             new = np.zeros(rows, dtype=np.int64)
             new[: old.shape[0]] = old
             setattr(self, name, new)
-        for name in ("drafted_per_pos", "accepted_per_pos"):
+        for name in ("drafted_hist", "accepted_hist"):
             old = getattr(self, name)
-            new = np.zeros((rows, width), dtype=np.int64)
+            new = np.zeros((rows, width + 1), dtype=np.int64)
             new[: old.shape[0], : old.shape[1]] = old
             setattr(self, name, new)
         self._capacity, self._width = rows, width
-        self._pos = np.arange(width)
+
+
+def _hist(at_least: list[int]) -> np.ndarray:
+    """Counts per exact value 1..D from counts of "at least k+1" (k = 0..D-1)."""
+    a = np.asarray(at_least, dtype=np.int64)
+    return a - np.append(a[1:], 0)

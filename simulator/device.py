@@ -9,7 +9,6 @@ process) every stream shares one queue, otherwise streams run concurrently and o
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Protocol
 
 from specsched.scheduler.protocols import DeviceError
@@ -98,7 +97,9 @@ class VirtualStream:
             stamps.append((name, t, t + int(dur)))
             t += int(dur)
         if len(stamps) > 1 and hasattr(result, "substages"):
-            result = replace(result, substages=tuple(stamps))
+            # the result is new and nobody holds it yet: its stamps are set in place
+            # (dataclasses.replace would cost more than the rest of the launch)
+            object.__setattr__(result, "substages", tuple(stamps))
         self.busy_until_ns = t
         dev.busy_until_ns = max(dev.busy_until_ns, t)
         self._after_ns = 0

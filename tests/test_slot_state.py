@@ -25,6 +25,8 @@ class Ref:
         self.prompt, self.max_tokens = prompt, max_tokens
         self.computed = self.output = self.proposer = 0
         self.drafts = self.drafted = self.accepted = 0
+        self.drafted_pos: list[int] = []  # drafts with >= k+1 tokens
+        self.accepted_pos: list[int] = []  # of those, accepted at >= k+1
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -86,6 +88,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                 ref.proposer = ref.prompt + ref.output + a + (self.kv_ahead or 0)
                 if d:
                     ref.drafts, ref.drafted, ref.accepted = ref.drafts + 1, ref.drafted + d, ref.accepted + a
+                    while len(ref.drafted_pos) < d:
+                        ref.drafted_pos.append(0)
+                        ref.accepted_pos.append(0)
+                    for k in range(d):
+                        ref.drafted_pos[k] += 1
+                        ref.accepted_pos[k] += k < a
                 self._emit(r, 1 + a)
             b.trim_rejected(batch)
             ps = self.blocks.page_size
@@ -129,6 +137,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             got = (r.num_computed_tokens, r.num_output_tokens, r.num_pending_tokens, r.num_drafts,
                    r.num_drafted_tokens, r.num_accepted_tokens)
             assert got == (ref.computed, ref.output, 0, ref.drafts, ref.drafted, ref.accepted), r.request_id
+            assert (r.drafted_per_pos, r.accepted_per_pos) == (ref.drafted_pos, ref.accepted_pos), r.request_id
             if self.kv_ahead is not None:
                 assert r.num_proposer_computed == ref.proposer, r.request_id
 
