@@ -54,7 +54,8 @@ class BlockManager:
         self.version = 0  # bumped whenever pages change hands (a plan of shortfalls goes stale)
         self._row_of: dict[str, int] = {}  # request id -> its row in every model's table
         self._owner: dict[int, str] = {}  # row -> request id
-        self._free_rows: list[int] = []
+        self._free_rows: list[int] = []  # rows `_new_row` gave out and got back
+        self._bound: set[int] = set()  # rows given by `bind` (the caller owns their reuse)
         self._num_rows = 0  # rows ever handed out (the tables' used height)
         rows, cols = 8, min(num_pages, 16)
         self._tables = {m: np.zeros((rows, cols), dtype=np.int32) for m in models}  # [rows, max_pages]
@@ -110,8 +111,9 @@ class BlockManager:
             raise ValueError(f"request {request_id!r} is bound to row {self._row_of[request_id]}")
         self._ensure_height(row + 1)
         self._num_rows = max(self._num_rows, row + 1)
-        if row in self._free_rows:
+        if self._free_rows and row in self._free_rows:
             self._free_rows.remove(row)
+        self._bound.add(row)
         self._row_of[request_id] = row
         self._owner[row] = request_id
 
@@ -265,7 +267,10 @@ class BlockManager:
         row = self._row_of.pop(request_id, None)
         if row is not None:
             del self._owner[row]
-            self._free_rows.append(row)
+            if row in self._bound:
+                self._bound.discard(row)
+            else:
+                self._free_rows.append(row)
         return n
 
     def stats(self) -> KVPoolStats:

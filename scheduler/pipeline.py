@@ -36,6 +36,9 @@ from specsched.scheduler.step_trace import Launch, StepTrace
 from specsched.traces.hook import NULL_TRACER
 
 
+SMALL_BATCH = 8  # rows up to which the output stage takes them one by one
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     schedule: str = "sync"
@@ -343,11 +346,9 @@ class Pipeline:
         # rows whose request finished while this step was in flight (plain_overlap) are
         # left alone: their slot may hold a new request by now
         self.builder.complete_forward(batch)
-        tokens = np.asarray(result.tokens).tolist()
-        out_counts = [0] * len(batch)
-        reqs = batch.requests
-        for i in np.flatnonzero(batch.samples).tolist():
-            out_counts[i] = self._emit(reqs[i], tokens[i:i + 1])
+        rows = np.flatnonzero(batch.samples)
+        tokens = np.asarray(result.tokens)[rows].tolist()
+        out_counts = self._output(batch, rows, [[tok] for tok in tokens])
         self._host("output", batch.step, t0, **self._attrs(batch, self._computed_now(batch)),
                    emitted=sum(out_counts))
         zeros = np.zeros(len(batch), dtype=np.int64)
@@ -396,8 +397,7 @@ class Pipeline:
             f_launch = self._launch(self.aux, fm)
         t0 = self._now()
         self.builder.record_verify(batch, starts_before, accepted, num_drafts, spec.kv_ahead)
-        emit = self._emit
-        out_counts = [emit(r, toks) for r, toks in zip(batch.requests, result.tokens)]
+        out_counts = self._output(batch, np.arange(len(batch)), result.tokens)
         self.builder.trim_rejected(batch)
         self._host("output", batch.step, t0, **self._attrs(batch, self._computed_now(batch)),
                    emitted=sum(out_counts))
@@ -409,6 +409,53 @@ class Pipeline:
                 self._pending_fill = f_launch
 
     # -- outputs and failures -----------------------------------------------------------------
+    def _output(self, batch: StepBatch, rows: np.ndarray, tokens: list) -> list[int]:
+        """The output stage: rows[j] of the batch gets tokens[j], cut at max_tokens and EOS;
+        returns [B] tokens kept per row. Counts and finishes by length are whole-array; what
+        is left per row is handing the request its tokens. Rows with an abort or a stop
+        pending, or an EOS among their tokens, take `_emit` one by one."""
+        out = [0] * len(batch)
+        if not rows.size:
+            return out
+        t, reqs = self.table, batch.requests
+        if rows.size <= SMALL_BATCH:  # a handful of rows: the array calls would cost more
+            for i, tk in zip(rows.tolist(), tokens):
+                out[i] = self._emit(reqs[i], tk)
+            return out
+        slots = batch.slots[rows]
+        live = t.gen[slots] == batch.gen[rows]  # a finished row keeps nothing
+        lens = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+        room = t.max_tokens[slots] - t.num_output[slots]
+        keep = np.where(live, np.minimum(lens, room), 0)
+        index = rows.tolist()
+        one_by_one = np.zeros(len(index), dtype=bool)
+        if self._aborts:
+            one_by_one |= np.fromiter((reqs[i].request_id in self._aborts for i in index), dtype=bool,
+                                      count=len(index))
+        if self.eos:
+            eos = self.eos
+            one_by_one |= np.fromiter((not eos.isdisjoint(tk) and not reqs[i].params.ignore_eos
+                                       for i, tk in zip(index, tokens)), dtype=bool, count=len(index))
+        bulk = (keep > 0) & ~one_by_one
+        now = self._now()
+        sink = self.sink.on_tokens
+        keep_l = keep.tolist()
+        for j in np.flatnonzero(bulk).tolist():
+            r, tk, k = reqs[index[j]], tokens[j], keep_l[j]
+            if k < len(tk):
+                tk = tk[:k]
+            r.output_token_ids.extend(tk)
+            if r.first_token_ns is None:
+                r.first_token_ns = now
+            sink(r, tk)
+            out[index[j]] = k
+        t.num_output[slots[bulk]] += keep[bulk]
+        for j in np.flatnonzero(bulk & (keep >= room)).tolist():
+            self._finish(reqs[index[j]], "length")
+        for j in np.flatnonzero(one_by_one & live).tolist():
+            out[index[j]] = self._emit(reqs[index[j]], tokens[j])
+        return out
+
     def _emit(self, req: Request, tokens: list[int]) -> int:
         """Append new tokens, applying max_tokens and EOS; the sink gets the tokens kept
         (the request's consumer detokenizes them and applies stop strings)."""

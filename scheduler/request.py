@@ -12,7 +12,7 @@ import enum
 import numpy as np
 
 from specsched.scheduler.sampling_params import SamplingParams
-from specsched.scheduler.slot_state import SlotTable, own_counters
+from specsched.scheduler.slot_state import SlotTable, own_counters, per_pos
 
 
 class RequestState(enum.Enum):
@@ -130,7 +130,7 @@ class Request:
         """[D] drafts with >= k+1 tokens."""
         t = self._table
         if t is None:
-            return list(self._own["drafted_per_pos"])
+            return per_pos(self._own["drafted_hist"], self._own["accepted_hist"])[0]
         return t.per_pos(self._row)[0]
 
     @property
@@ -138,7 +138,7 @@ class Request:
         """[D] drafts accepted at >= k+1 tokens."""
         t = self._table
         if t is None:
-            return list(self._own["accepted_per_pos"])
+            return per_pos(self._own["drafted_hist"], self._own["accepted_hist"])[1]
         return t.per_pos(self._row)[1]
 
     def record_spec(self, num_drafted: int, num_accepted: int) -> None:
@@ -151,13 +151,14 @@ class Request:
         own["num_drafts"] += 1
         own["drafted_tokens"] += num_drafted
         own["accepted_tokens"] += num_accepted
-        d, a = own["drafted_per_pos"], own["accepted_per_pos"]
-        while len(d) < num_drafted:
-            d.append(0)
-            a.append(0)
-        for k in range(num_drafted):
-            d[k] += 1
-            a[k] += k < num_accepted
+        for name, value in (("drafted_hist", num_drafted), ("accepted_hist", min(num_accepted, num_drafted))):
+            h = own[name]
+            if h is None or h.shape[0] <= num_drafted:
+                grown = np.zeros(num_drafted + 1, dtype=np.int64)
+                if h is not None:
+                    grown[: h.shape[0]] = h
+                own[name] = h = grown
+            h[value] += 1
 
     def spec_stats(self) -> dict:
         drafts, accepted = self.num_drafts, self.num_accepted_tokens

@@ -36,7 +36,7 @@ def own_counters(prompt_len: int, max_tokens: int) -> dict:
     draft / acceptance counts as lists."""
     own = dict.fromkeys(COUNTERS, 0)
     own["prompt_len"], own["max_tokens"] = prompt_len, max_tokens
-    own["drafted_per_pos"], own["accepted_per_pos"] = [], []
+    own["drafted_hist"] = own["accepted_hist"] = None  # [D+1] as in `SlotTable`, once drafted for
     return own
 
 
@@ -78,14 +78,14 @@ class SlotTable:
             if slot >= self._capacity:
                 self._grow(rows=2 * self._capacity)
         own = req._own
-        width = len(own["drafted_per_pos"])
-        if width > self._width:
-            self._grow(width=width)
         for name in COUNTERS:
             getattr(self, name)[slot] = own[name]
-        if width:
-            self.drafted_hist[slot, 1 : width + 1] = _hist(own["drafted_per_pos"])
-            self.accepted_hist[slot, 1 : width + 1] = _hist(own["accepted_per_pos"])
+        if own["drafted_hist"] is not None:
+            width = own["drafted_hist"].shape[0] - 1
+            if width > self._width:
+                self._grow(width=width)
+            self.drafted_hist[slot, : width + 1] = own["drafted_hist"]
+            self.accepted_hist[slot, : width + 1] = own["accepted_hist"]
         self.gen[slot] += 1
         req._table, req._row, req._own, req.slot = self, slot, None, slot
         return slot
@@ -94,11 +94,14 @@ class SlotTable:
         """Move `req`'s counters back to the handle and free its slot."""
         slot = req._row
         own = {name: int(getattr(self, name)[slot]) for name in COUNTERS}
-        own["drafted_per_pos"], own["accepted_per_pos"] = self.per_pos(slot)
+        if own["num_drafts"]:
+            own["drafted_hist"], own["accepted_hist"] = self.drafted_hist[slot].copy(), self.accepted_hist[slot].copy()
+            self.drafted_hist[slot] = 0
+            self.accepted_hist[slot] = 0
+        else:
+            own["drafted_hist"] = own["accepted_hist"] = None
         for name in COUNTERS:
             getattr(self, name)[slot] = 0
-        self.drafted_hist[slot] = 0
-        self.accepted_hist[slot] = 0
         self.gen[slot] += 1
         req._table, req._row, req._own = None, -1, own
         self._free.append(slot)
@@ -128,13 +131,7 @@ class SlotTable:
     def per_pos(self, slot: int) -> tuple[list[int], list[int]]:
         """([D] drafts with >= k+1 tokens, [D] drafts accepted at >= k+1), D the longest
         draft the slot's request had."""
-        d = self.drafted_hist[slot]
-        used = np.flatnonzero(d)
-        if not used.size:
-            return [], []
-        width = int(used[-1])
-        at_least = lambda h: np.cumsum(h[::-1])[::-1][1 : width + 1].tolist()  # noqa: E731
-        return at_least(d), at_least(self.accepted_hist[slot])
+        return per_pos(self.drafted_hist[slot], self.accepted_hist[slot])
 
     # -- internals --------------------------------------------------------------------------
     def _grow(self, rows: int | None = None, width: int | None = None) -> None:
@@ -153,7 +150,18 @@ class SlotTable:
         self._capacity, self._width = rows, width
 
 
-def _hist(at_least: list[int]) -> np.ndarray:
-    """Counts per exact value 1..D from counts of "at least k+1" (k = 0..D-1)."""
-    a = np.asarray(at_least, dtype=np.int64)
-    return a - np.append(a[1:], 0)
+
+def per_pos(drafted_hist: np.ndarray | None, accepted_hist: np.ndarray | None) -> tuple[list[int], list[int]]:
+    """Histograms of exact draft lengths and accepted counts -> ([D] drafts with >= k+1
+    tokens, [D] drafts accepted at >= k+1), D the longest draft counted."""
+    if drafted_hist is None:
+        return [], []
+    used = np.flatnonzero(drafted_hist)
+    if not used.size:
+        return [], []
+    width = int(used[-1])
+
+    def at_least(h: np.ndarray) -> list[int]:
+        return np.cumsum(h[::-1])[::-1][1 : width + 1].tolist()
+
+    return at_least(drafted_hist), at_least(accepted_hist)

@@ -76,12 +76,16 @@ def workload_from_trace(trace: Trace) -> list[WorkloadItem]:
         raise ValueError(f"{trace.path or 'trace'}: no request records to replay")
     t0 = reqs[0].arrival_ns
     items = []
+    made: dict[tuple, SamplingParams] = {}  # SamplingParams are immutable: one per distinct set
     for r in reqs:
         f = fin.get(r.request_id)
-        out_len = f.output_len if f is not None else r.max_tokens
-        items.append(WorkloadItem(r.prompt_len, max(1, out_len), r.arrival_ns - t0, SamplingParams(
-            max_tokens=max(1, out_len), temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-            seed=r.seed, ignore_eos=True)))
+        out_len = max(1, f.output_len if f is not None else r.max_tokens)
+        key = (out_len, r.temperature, r.top_p, r.top_k, r.seed)
+        params = made.get(key)
+        if params is None:
+            params = made[key] = SamplingParams(max_tokens=out_len, temperature=r.temperature, top_p=r.top_p,
+                                                top_k=r.top_k, seed=r.seed, ignore_eos=True)
+        items.append(WorkloadItem(r.prompt_len, out_len, r.arrival_ns - t0, params))
     return items
 
 
@@ -200,26 +204,37 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
     pipe.host_cost = host_cost
     workload = trace.header.extra.get("workload", {})
     concurrency = cfg.concurrency or workload.get("concurrency")
-    sem = anyio.Semaphore(concurrency or len(items))
     start = clock.now_ns()
 
-    async def client(i: int, it: WorkloadItem) -> None:
-        if concurrency is None:
-            await clock.sleep_ns(int(start + it.arrival_ns / cfg.rate_scale - clock.now_ns()))
-        async with sem:
-            if concurrency is not None and i >= concurrency:
+    async def submit(i: int, it: WorkloadItem) -> None:
+        rid = f"r{i}"
+        ev = anyio.Event()
+        sink.done[rid] = ev
+        pipe.add_request(Request(rid, [i] * it.prompt_len, it.params, arrival_ns=clock.now_ns()))
+        await ev.wait()
+
+    async def seat(queue) -> None:
+        """Closed loop: one client per seat, submitting the next item when its request
+        finishes (items go to seats in order, as they free up)."""
+        for i, it in queue:
+            if i >= concurrency:
                 clock.advance_ns(int(profile.client_latency_ns))  # a seat freed: resubmitting
-            rid = f"r{i}"
-            ev = anyio.Event()
-            sink.done[rid] = ev
-            pipe.add_request(Request(rid, [i] * it.prompt_len, it.params, arrival_ns=clock.now_ns()))
-            await ev.wait()
+            await submit(i, it)
+
+    async def arrival(i: int, it: WorkloadItem) -> None:
+        await clock.sleep_ns(int(start + it.arrival_ns / cfg.rate_scale - clock.now_ns()))
+        await submit(i, it)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(pipe.run)
         async with anyio.create_task_group() as clients:
-            for i, it in enumerate(items):
-                clients.start_soon(client, i, it)
+            if concurrency is None:  # open loop: each request at its arrival time
+                for i, it in enumerate(items):
+                    clients.start_soon(arrival, i, it)
+            else:
+                queue = iter(enumerate(items))
+                for _ in range(min(concurrency, len(items))):
+                    clients.start_soon(seat, queue)
         pipe.stop()
     rec.header.extra["stand_ins"] = device.stand_ins()
     return rec.to_trace(validate=False)
