@@ -15,6 +15,7 @@ import anyio
 from specsched.runtime.engine import AsyncEngine
 from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.workload import WorkItem
+from specsched.scheduler.messages import AgreementMessage
 from specsched.scheduler.proposer import RULES
 from specsched.traces.hook import MultiTracer
 from specsched.traces.metrics import compute_metrics
@@ -142,10 +143,10 @@ async def _record_agreement(engine, items, outputs, mem) -> None:
         if out is None or not it.params.greedy:
             continue
         prompt = engine.validate(it.prompt, it.params)
-        ev = engine.device.stream("draft").launch("agreement", {"prompt": prompt, "output": out.token_ids})
-        by_id[f"r{i}"] = await ev.wait()
+        msg = AgreementMessage(prompt, list(out.token_ids))
+        by_id[f"r{i}"] = (await engine.device.stream("draft").launch(msg.op, msg).wait()).agreement
     kind = RULES[engine.config.proposer].agreement
     for rec in mem.records:
         if isinstance(rec, dict) and rec.get("type") == "finish" and rec["request_id"] in by_id:
-            rec["agreement"] = by_id[rec["request_id"]]["agreement"]
+            rec["agreement"] = by_id[rec["request_id"]]
             rec["agreement_kind"] = kind

@@ -25,7 +25,7 @@ from specsched.runtime.checkpoint import load_model
 from specsched.runtime.proposers.factory import make_proposer
 from specsched.runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
 from specsched.runtime.verify import greedy_verify, rejection_verify, threshold_verify
-from specsched.scheduler.messages import (DraftMessage, DraftResult, FillMessage, FillResult, ForwardMessage,
+from specsched.scheduler.messages import (AgreementMessage, AgreementResult, DraftMessage, DraftResult, FillMessage, FillResult, ForwardMessage,
                                           ForwardResult, VerifyMessage, VerifyResult)
 from specsched.scheduler.plan import AttentionPlan
 from specsched.scheduler.proposer import ProposerSpec
@@ -84,8 +84,7 @@ class ModelWorker:
 
     # -- dispatch -------------------------------------------------------------------------------
     def execute(self, op: str, batch: Any) -> Any:
-        """Run one op: a pipeline op's typed message (scheduler/messages.py), or a dict for
-        the service ops (ping, agreement)."""
+        """Run one op on its typed message (scheduler/messages.py); `ping` takes anything."""
         for slot in getattr(batch, "release", ()):
             self.states.pop(slot, None)
         fn = getattr(self, f"op_{op}", None)
@@ -202,6 +201,6 @@ class ModelWorker:
         self.proposer.fill(msg)
         return FillResult()
 
-    def op_agreement(self, msg: dict) -> dict:
+    def op_agreement(self, msg: AgreementMessage) -> AgreementResult:
         """Per output position: does the proposer's greedy guess equal the emitted token?"""
-        return {"agreement": self.proposer.agreement(msg["prompt"], msg["output"])}
+        return AgreementResult(self.proposer.agreement(msg.prompt, msg.output))

@@ -12,6 +12,7 @@ Ops and their messages (per-row fields are [B] numpy arrays over the scheduled r
   draft    `DraftMessage`: the proposer makes up to `num_draft` tokens per row (one launch)
   verify   `VerifyMessage`: target over the last token + candidates, acceptance, bonus token
   fill     `FillMessage`: proposer KV fill (draft model: unseen tokens; head: a target batch)
+and, outside the step loop, `AgreementMessage` (the proposer's agreement with an output).
 Every message carries its `LaunchShape` (what traces and cost models read: a virtual or
 paced device times the launch by it) and the slots whose device state is to be `release`d
 before the op runs. Results are typed the same way (`ForwardResult`, `DraftResult`,
@@ -114,6 +115,21 @@ class FillMessage(Message):
     start: np.ndarray  # [B] first position filled
     end: np.ndarray  # [B] end of the fill
     plan: AttentionPlan | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AgreementMessage:
+    """Not a pipeline op: the proposer's teacher-forced greedy agreement with an output
+    (recorded in traces for the simulator, `specsched bench`)."""
+
+    op: ClassVar[str] = "agreement"
+    prompt: list[int]
+    output: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class AgreementResult:
+    agreement: list[int]  # per output token: 1 where the proposer's guess equals it
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from specsched.runtime.mtp_head import MTPHead, load_head, save_head, target_fin
 from specsched.runtime.training.mtp import head_rollout
 from specsched.runtime.training.mtp_eval import run_requests, summarize
 from specsched.runtime.worker import ModelWorker
+from specsched.scheduler.messages import AgreementMessage
 from specsched.scheduler.plan import build_plan
 from specsched.scheduler.sampling_params import SamplingParams
 from tests import device_messages
@@ -150,7 +151,7 @@ def test_agreement_matches_dense_guesses(head_family, head_prompts, head_referen
     worker = ModelWorker(head_family.target, {"kind": "mtp", "draft_len": 1}, proposer_dir=head_family.head,
                          page_size=PAGE, num_pages=PAGES)
     prompt, out = head_prompts[3], head_reference[3]
-    agree = worker.execute("agreement", {"prompt": prompt, "output": out})["agreement"]
+    agree = worker.execute("agreement", AgreementMessage(prompt, out)).agreement
     assert len(agree) == len(out) and set(agree) <= {0, 1}
     seq = torch.tensor([prompt + out])
     _, hidden = worker.target.forward_full(seq)
@@ -158,7 +159,7 @@ def test_agreement_matches_dense_guesses(head_family, head_prompts, head_referen
     p = len(prompt)
     assert agree == [int(guess[p + j - 2] == t) for j, t in enumerate(out)]
     assert sum(agree) > 0
-    one = worker.execute("agreement", {"prompt": [prompt[0]], "output": out[:3]})["agreement"]
+    one = worker.execute("agreement", AgreementMessage([prompt[0]], out[:3])).agreement
     assert one[0] == 0  # output 0 after a 1-token prompt has no head position
 
 
