@@ -3,19 +3,20 @@
 Why: the pipeline must run unchanged on a real device (a worker process or CUDA streams)
 and on the simulator's virtual device and clock. So it only ever sees these protocols.
 
-Work crosses the seam as messages -- an op name plus a packed batch of arrays and scalars --
-never as closures, so it can cross a process boundary (and, with tensor parallelism, be
-broadcast to every rank unchanged).
+Work crosses the seam as messages -- an op name plus a typed message of arrays and scalars
+(scheduler/messages.py) -- never as closures, so it can cross a process boundary (and, with
+tensor parallelism, be broadcast to every rank unchanged).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from specsched.scheduler.request import Request
 
-# A packed batch: names to numpy arrays / Python scalars / short lists. Must be picklable.
-Batch = Mapping[str, Any]
+# A launch's message: one of scheduler/messages.py's frozen dataclasses for the pipeline's ops
+# (a test or service op may pass a plain mapping). Must be picklable.
+Batch = Any
 
 
 class DeviceError(RuntimeError):
