@@ -5,7 +5,7 @@ decoding and two speculative configurations, in alternating subprocesses -- this
 then the other, then the other way round -- and prints the median output tokens/s of each
 and their ratio. What a change to the host side costs or saves end to end.
 
-    python benchmarks/engine_ab.py --baseline ../before [--rounds 3] [--concurrency 1 8]
+    python benchmarks/engine_ab.py --baseline ../before [--rounds 3] [--concurrency 1 8] [--configs mtp/mtp]
 """
 from __future__ import annotations
 
@@ -28,11 +28,12 @@ CONFIGS = {  # name -> EngineConfig fields
 }
 
 
-def measure(concurrencies: list[int], num_requests: int, max_tokens: int) -> dict[str, float]:
+def measure(concurrencies: list[int], num_requests: int, max_tokens: int, configs: list[str]) -> dict[str, float]:
     out = {}
     for c in concurrencies:
         items = bundled_items(max(num_requests, c), max_tokens)
-        for name, kw in CONFIGS.items():
+        for name in configs:
+            kw = CONFIGS[name]
             m, _ = run(items, concurrency=c, warmup=1, trace=False, **kw)
             out[f"{name}@{c}"] = m["output_tokens_per_s"]
     return out
@@ -45,10 +46,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--num-requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's raw figures
     args = ap.parse_args()
     if args.json:
-        print(json.dumps(measure(args.concurrency, args.num_requests, args.max_tokens)))
+        print(json.dumps(measure(args.concurrency, args.num_requests, args.max_tokens, args.configs)))
         return
     runs: dict[str, list[dict]] = {"this": [], "baseline": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,7 +58,7 @@ def main() -> None:
                 "baseline": {**os.environ, "PYTHONPATH": specsched_path(args.baseline, Path(tmp))}}
         cmd = [sys.executable, __file__, "--json", "--baseline", str(args.baseline), "--num-requests",
                str(args.num_requests), "--max-tokens", str(args.max_tokens), "--concurrency",
-               *map(str, args.concurrency)]
+               *map(str, args.concurrency), "--configs", *args.configs]
         for r in range(args.rounds):
             for name in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
                 out = subprocess.run(cmd, env=envs[name], capture_output=True, text=True, check=True).stdout
