@@ -13,6 +13,7 @@ TINY = {
     "forward_cost.py": ["--repeats", "3", "--context", "32"],
     "device_idle.py": ["--n", "32", "--repeat", "1", "--rounds", "2"],
     "host_overhead.py": ["--requests", "4", "--steps", "5"],
+    "gpu_check.py": ["--dry-run"],
     "engine_ab.py": ["--baseline", ".", "--rounds", "1", "--concurrency", "1", "--num-requests", "1",
                      "--max-tokens", "3"],
     "simulator_speed.py": ["--concurrency", "2", "8", "--repeats", "1", "--min-seconds", "0"],
@@ -66,3 +67,22 @@ def test_simulator_speed_table():
     for _, steps, base_ms, this_ms, ms_ratio, base_rt, this_rt, rt_ratio in rows:
         assert int(steps) > 0 and float(base_ms) > 0 and float(this_ms) > 0
         assert all(v.endswith("x") and float(v[:-1]) > 0 for v in (ms_ratio, base_rt, this_rt, rt_ratio))
+
+
+def test_gpu_check_says_what_it_skips_and_judges_the_gpu_targets():
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "dry run, --dry-run: skipping the CUDA tests" in res.stdout
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    rows = [{"config": "draft/sync", "bubble_fraction": 0.30, "launch_us_median": 40.0},
+            {"config": "draft/overlap", "bubble_fraction": 0.10, "launch_us_median": 150.0},
+            {"config": "mtp/sync", "bubble_fraction": 0.20, "launch_us_median": 50.0},
+            {"config": "mtp/mtp", "error": "RuntimeError: boom"}]
+    assert gpu_check.verdicts(rows) == [
+        "launch return median < 100 us: no (largest median 150.0 us)",
+        "draft: overlap bubble below sync's: yes (0.100 vs 0.300)",
+    ]

@@ -1,0 +1,156 @@
+"""The GPU check: CUDA and FlashInfer tests, bubbles per schedule and launch-return times, in one summary.
+
+On a machine with CUDA it runs, within `--minutes`:
+  1. the CUDA-marked tests (`pytest -m cuda`: CUDA streams and events, FlashInfer against the
+     torch attention backend, tree verify with a custom mask, the engine on CUDA);
+  2. the bundled model on the GPU (FlashInfer attention) under `sync`, `overlap` and `mtp`:
+     tokens/s, bubble fraction and the host `launch` span (how long a launch takes to return);
+  3. a summary: every figure on one line each, and whether the GPU targets hold (launch
+     return < 100 us median; `overlap` and `mtp` bubble below `sync`'s).
+Without CUDA (or with `--dry-run`) it says which parts it skips and why, and exits 0.
+
+    python benchmarks/gpu_check.py [--minutes 8] [--out DIR]
+    bash benchmarks/gpu_check.sh          # first installs wheels carried in .whl/, if any
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+SCHEDULES = (("draft", 4, "sync"), ("draft", 4, "overlap"), ("mtp", 1, "sync"), ("mtp", 1, "mtp"))
+
+
+def _importable_path(tmp: Path) -> str | None:
+    """A PYTHONPATH entry that makes `specsched` this checkout, where it is not installed."""
+    try:
+        import specsched.scheduler  # noqa: F401
+        return None
+    except ImportError:
+        from common import specsched_path
+
+        return specsched_path(ROOT, tmp)
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"torch": torch.__version__, "cuda": bool(torch.cuda.is_available())}
+    if env["cuda"]:
+        env["device"] = torch.cuda.get_device_name(0)
+    try:
+        import flashinfer
+
+        env["flashinfer"] = getattr(flashinfer, "__version__", "installed")
+    except ImportError as e:
+        env["flashinfer"] = f"not importable ({e})"
+    return env
+
+
+def cuda_tests(deadline: float, extra_path: str | None) -> dict:
+    env = None
+    if extra_path:
+        import os
+
+        env = {**os.environ, "PYTHONPATH": extra_path + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    left = max(30.0, deadline - time.monotonic())
+    try:
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                              str(ROOT / "tests")], cwd=ROOT, capture_output=True, text=True, timeout=left, env=env)
+    except subprocess.TimeoutExpired:
+        return {"status": "timed out", "tail": ""}
+    tail = res.stdout.strip().splitlines()[-1:] if res.stdout.strip() else []
+    return {"status": "passed" if res.returncode == 0 else f"failed (exit {res.returncode})",
+            "summary": tail[0] if tail else "", "tail": res.stdout[-3000:] + res.stderr[-2000:]}
+
+
+def schedules(deadline: float, num_requests: int, max_tokens: int, concurrency: int) -> list[dict]:
+    from common import bundled_items, run
+
+    items = bundled_items(num_requests, max_tokens)
+    rows = []
+    for proposer, d, schedule in SCHEDULES:
+        if time.monotonic() > deadline:
+            rows.append({"config": f"{proposer}/{schedule}", "skipped": "out of time"})
+            continue
+        try:
+            m, tr = run(items, concurrency=concurrency, warmup=1, trace=True, proposer=proposer, draft_len=d,
+                        schedule=schedule, device="cuda", attention="flashinfer")
+        except Exception as e:  # noqa: BLE001 - one failing configuration is reported, not fatal
+            rows.append({"config": f"{proposer}/{schedule}", "error": f"{type(e).__name__}: {e}"})
+            continue
+        launches = sorted((s.end_ns - s.start_ns) / 1e3 for s in tr.spans if s.track == "host" and s.name == "launch")
+        rows.append({"config": f"{proposer}/{schedule}", "tokens_per_s": m["output_tokens_per_s"],
+                     "bubble_fraction": m["bubble_fraction"],
+                     "launch_us_median": launches[len(launches) // 2] if launches else None,
+                     "launch_us_p90": launches[int(len(launches) * 0.9)] if launches else None})
+    return rows
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    by = {r["config"]: r for r in rows if "bubble_fraction" in r}
+    out = []
+    launches = [r["launch_us_median"] for r in by.values() if r.get("launch_us_median") is not None]
+    if launches:
+        worst = max(launches)
+        out.append(f"launch return median < 100 us: {'yes' if worst < 100 else 'no'} (largest median {worst:.1f} us)")
+    for proposer, schedule in (("draft", "overlap"), ("mtp", "mtp")):
+        a, b = by.get(f"{proposer}/sync"), by.get(f"{proposer}/{schedule}")
+        if a and b and a["bubble_fraction"] is not None and b["bubble_fraction"] is not None:
+            ok = b["bubble_fraction"] < a["bubble_fraction"]
+            out.append(f"{proposer}: {schedule} bubble below sync's: {'yes' if ok else 'no'} "
+                       f"({b['bubble_fraction']:.3f} vs {a['bubble_fraction']:.3f})")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=8.0, help="time for the whole check")
+    ap.add_argument("--dry-run", action="store_true", help="skip the CUDA parts even where CUDA is present")
+    ap.add_argument("--out", type=Path, help="also write the summary as JSON into this folder")
+    ap.add_argument("--num-requests", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=4)
+    args = ap.parse_args()
+    deadline = time.monotonic() + 60 * args.minutes
+    with tempfile.TemporaryDirectory() as tmp:
+        extra = _importable_path(Path(tmp))
+        if extra:
+            sys.path.insert(0, extra)
+        env = environment()
+        summary: dict = {"environment": env}
+        print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
+        if args.dry_run or not env["cuda"]:
+            why = "--dry-run" if args.dry_run else "no CUDA device (torch.cuda.is_available() is False)"
+            print(f"dry run, {why}: skipping the CUDA tests, the schedules on the GPU and the GPU targets")
+            summary["dry_run"] = why
+        else:
+            tests = cuda_tests(deadline - 60 * args.minutes / 2, extra)
+            summary["cuda_tests"] = {k: v for k, v in tests.items() if k != "tail"}
+            print(f"cuda tests: {tests['status']} {tests.get('summary', '')}")
+            if tests["status"] != "passed":
+                print(tests["tail"])
+            rows = schedules(deadline, args.num_requests, args.max_tokens, args.concurrency)
+            summary["schedules"] = rows
+            for r in rows:
+                print("schedule " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                              for k, v in r.items()))
+            summary["targets"] = verdicts(rows)
+            for line in summary["targets"]:
+                print("target: " + line)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_check.json").write_text(json.dumps(summary, indent=2, default=str))
+    failed = summary.get("cuda_tests", {}).get("status", "passed") != "passed"
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
