@@ -10,8 +10,9 @@ A `Request` is the public handle (id, params, output ids); its counters
 (`num_computed_tokens`, `num_pending_tokens`, ...) read and write its row of a `SlotTable`.
 A request without a slot (not yet added to a scheduler, or finished) keeps them in a dict
 of its own (`own_counters`); `attach` moves them into the scheduler's table under a free
-slot, `detach` moves them back out (the handle stays readable after its slot is reused). The slot is also the request's row in the block
-manager's page tables and its index into the device's per-request state.
+slot, `detach` moves them back out (the handle stays readable after its slot is reused).
+The slot is also the request's row in the block manager's page tables and its index into
+the device's per-request state.
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ COUNTERS = (
 
 
 def own_counters(prompt_len: int, max_tokens: int) -> dict:
-    """A request's counters while it holds no slot: `COUNTERS` as ints, and the per-position
-    draft / acceptance counts as lists."""
+    """A request's counters while it holds no slot: `COUNTERS` as ints, and its draft-length
+    and accepted-count histograms (None until it was drafted for)."""
     own = dict.fromkeys(COUNTERS, 0)
     own["prompt_len"], own["max_tokens"] = prompt_len, max_tokens
     own["drafted_hist"] = own["accepted_hist"] = None  # [D+1] as in `SlotTable`, once drafted for
@@ -50,10 +51,10 @@ class SlotTable:
         self._width = max(1, width)
         for name in COUNTERS:
             setattr(self, name, np.zeros(self._capacity, dtype=np.int64))
-        # [slots, width]: drafts with >= k+1 tokens, and of those accepted at >= k+1
         # bumped whenever a slot changes hands: rows of a batch whose request finished while
         # it was in flight are told apart from a new request in the same slot
         self.gen = np.zeros(self._capacity, dtype=np.int64)
+        # [slots, width + 1]: verifications that drafted exactly d tokens / accepted exactly a
         self.drafted_hist = np.zeros((self._capacity, self._width + 1), dtype=np.int64)
         self.accepted_hist = np.zeros((self._capacity, self._width + 1), dtype=np.int64)
         self._free: list[int] = []  # freed slots, reused last-freed first
