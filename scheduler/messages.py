@@ -207,18 +207,10 @@ def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
     n = len(batch)
     plan = None
     if with_plan:
-        positions = masks = None
-        if spec.is_tree:
-            depths = np.concatenate([[0], spec.tree_depths()])
-            positions = [s + depths for s in start]
-            tree = spec.tree_mask()
-            masks = []
-            for s0 in start.tolist():
-                m = np.ones((width, s0 + width), dtype=bool)
-                m[:, s0:] = tree
-                masks.append(m)
+        # a tree: node j at the last token's position + its depth, the root the last token
+        tree = (np.concatenate([[0], spec.tree_depths()]), spec.tree_mask()) if spec.is_tree else None
         plan = build_plan(np.full(n, width), start + width, page_size=blocks.page_size,
-                          **_tables(blocks, batch.slots), positions=positions, custom_masks=masks)
+                          **_tables(blocks, batch.slots), tree=tree)
     return VerifyMessage(step=batch.step, slots=batch.slots, shape=batch_shape(batch, width),
                          start=start, num_draft=batch.num_draft, plan=plan)
 

@@ -54,6 +54,7 @@ def build_plan(
     table_rows: np.ndarray | None = None,
     positions: Sequence[np.ndarray | None] | None = None,
     custom_masks: Sequence[np.ndarray | None] | None = None,
+    tree: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> AttentionPlan:
     """Build the step's attention plan.
 
@@ -64,7 +65,10 @@ def build_plan(
     then whole-array operations); with `table_rows`, `page_tables` is the whole table and
     sequence i's pages are its row table_rows[i] (no copy of the rows is made). New tokens occupy KV slots [kv_len - qo_len, kv_len).
     positions[i] overrides their RoPE positions (trees); custom_masks[i] is a bool
-    [qo_len, kv_len] mask (None: causal).
+    [qo_len, kv_len] mask (None: causal). `tree` = (offsets [W], mask [W, W]): every
+    sequence computes the same token tree of W nodes -- node j at RoPE position
+    (kv_len - W) + offsets[j], attending to the whole prefix and to the nodes mask[j] marks --
+    built in whole-array operations (a verification of a tree for every row).
     """
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -125,6 +129,22 @@ def build_plan(
     slot_mapping = page_of_tok * page_size + logical % page_size
 
     pos = logical  # a fresh array: tree positions may overwrite it
+    mask = None
+    if tree is not None:
+        offsets, tree_mask = np.asarray(tree[0], dtype=np.int64), np.asarray(tree[1], dtype=bool)
+        width = offsets.shape[0]
+        if tree_mask.shape != (width, width) or (qo != width).any():
+            raise ValueError(f"a tree of {width} nodes needs a [{width}, {width}] mask and {width} new "
+                             f"tokens per sequence (mask {tree_mask.shape}, qo_lens {sorted(set(qo.tolist()))})")
+        prefix = kv - width
+        pos = (prefix[:, None] + offsets[None, :]).reshape(-1)
+        # row-major [W, kv_len] per sequence, concatenated: all True, then the tree block
+        sizes = width * kv
+        base = np.cumsum(sizes) - sizes
+        mask = np.ones(int(sizes.sum()), dtype=bool)
+        q = np.arange(width)
+        at = base[:, None, None] + q[None, :, None] * kv[:, None, None] + prefix[:, None, None] + q[None, None, :]
+        mask[at.reshape(-1)] = np.broadcast_to(tree_mask, (num_seqs, width, width)).reshape(-1)
     if positions is not None:
         for i, p in enumerate(positions):
             if p is not None:
@@ -132,7 +152,6 @@ def build_plan(
                     raise ValueError(f"sequence {i}: {len(p)} positions for {qo[i]} tokens")
                 pos[qo_indptr[i] : qo_indptr[i + 1]] = p
 
-    mask = None
     if custom_masks is not None and any(m is not None for m in custom_masks):
         parts = []
         for i in range(num_seqs):

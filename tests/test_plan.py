@@ -228,3 +228,28 @@ def test_padded_table_array_gives_the_plan_of_per_sequence_lists(batch, pad: int
 def test_padded_table_array_too_short_is_named() -> None:
     with pytest.raises(ValueError, match="sequence 1: 9 KV tokens need 3 pages, page table has 2"):
         build_plan([1, 1], [4, 9], np.array([[0, 1, 7], [2, 3, 7]]), 4, table_lens=np.array([1, 2]))
+
+
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=5), st.integers(1, 4), st.integers(0, 2**16))
+@settings(max_examples=60, deadline=None, database=None)
+def test_a_tree_for_every_row_plans_what_per_row_masks_and_positions_plan(starts, page_size, seed):
+    """`tree=` builds in whole arrays the positions and custom mask that per-sequence lists give."""
+    from specsched.scheduler.proposer import ProposerSpec, default_tree
+
+    spec = ProposerSpec("eagle", 3, default_tree(3, 2, 6))
+    width = 1 + spec.num_candidates
+    offsets, tree = np.concatenate([[0], spec.tree_depths()]), spec.tree_mask()
+    kv = [s + width for s in starts]
+    rng = np.random.default_rng(seed)
+    tables = [rng.permutation(200)[: -(-k // page_size)].tolist() for k in kv]
+    masks = []
+    for s0 in starts:
+        m = np.ones((width, s0 + width), dtype=bool)
+        m[:, s0:] = tree
+        masks.append(m)
+    want = build_plan([width] * len(starts), kv, tables, page_size,
+                      positions=[s + offsets for s in starts], custom_masks=masks)
+    got = build_plan([width] * len(starts), kv, tables, page_size, tree=(offsets, tree))
+    for name in AttentionPlan.__slots__:
+        a, b = getattr(want, name), getattr(got, name)
+        assert np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b, name
