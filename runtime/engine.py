@@ -289,6 +289,7 @@ class AsyncEngine:
             "threshold": c.threshold,
             "ngram": (c.ngram_min, c.ngram_max),
             "num_threads": c.worker_threads,
+            "sync_guard": c.sync_guard,
         })
 
     async def __aenter__(self) -> "AsyncEngine":

@@ -43,6 +43,8 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     worker_threads: int = 1
+    sync_guard: bool = Field(False, description="fail any device op that reads a device value on the host "
+                             "(HostSyncError; on CUDA also torch.cuda.set_sync_debug_mode('error'))")
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

@@ -79,7 +79,7 @@ class PagedKVCache:
             raise ValueError(f"copy_slots: {src.numel()} sources but {dst.numel()} destinations")
         if src.numel() == 0:
             return
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and not isinstance(src_slots, torch.Tensor):  # host lists: checked
             lo = int(torch.minimum(src.min(), dst.min()))
             hi = int(torch.maximum(src.max(), dst.max()))
             if lo < 0 or hi >= self.num_slots:

@@ -61,8 +61,10 @@ def _check_linear(draft_tokens: torch.Tensor, num_drafts: torch.Tensor, target: 
         raise ValueError(f"num_drafts must be [B={b}], got {tuple(num_drafts.shape)}")
     if tuple(target.shape[:2]) != (b, d + 1):
         raise ValueError(f"{what} must be [B={b}, D+1={d + 1}, ...], got {tuple(target.shape)}")
-    if num_drafts.device.type == "cpu" and bool(((num_drafts < 0) | (num_drafts > d)).any()):
-        raise ValueError(f"num_drafts must lie in [0, D={d}], got {num_drafts.tolist()}")
+    if num_drafts.device.type == "cpu":  # a host array's check reads no device value
+        counts = num_drafts.numpy()
+        if ((counts < 0) | (counts > d)).any():
+            raise ValueError(f"num_drafts must lie in [0, D={d}], got {counts.tolist()}")
 
 
 def _accepted_prefix(keep: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:

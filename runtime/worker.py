@@ -1,9 +1,12 @@
 """ModelWorker: executes the pipeline's ops inside the device (worker process or CUDA).
 
-Why: the device, not the host, owns weights, KV caches and per-request token state. The
-host's messages say which positions to compute; the tokens the device itself produced
-(samples, accepted drafts, bonus tokens) never need a round trip before the next launch.
-That is what lets the `overlap` and `mtp` schedules keep the host off the critical path.
+Why: the device, not the host, owns weights, KV caches and per-request token state (a
+`TokenBuffer` on the device, and a draft buffer). The host's messages say which positions to
+compute; the tokens the device itself produced (samples, accepted drafts, bonus tokens) never
+need a round trip before the next launch, and no op reads a device value on the host: what
+the host needs back is copied into host-side buffers, read after the op's event. That is
+what lets the `overlap` and `mtp` schedules keep the host off the critical path
+(`sync_guard=True` fails an op that does read the device; see runtime/sync_guard.py).
 
 Ops (scheduler/messages.py defines their typed messages and results):
   forward  target forward of prefill chunks / decodes, sampling rows that reach their end
@@ -15,7 +18,7 @@ Ops (scheduler/messages.py defines their typed messages and results):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -27,6 +30,7 @@ from specsched.runtime.sampling import SamplingTensors, logits_to_probs, make_ge
 from specsched.runtime.verify import greedy_verify, rejection_verify, threshold_verify
 from specsched.scheduler.messages import (AgreementMessage, AgreementResult, DraftMessage, DraftResult, FillMessage, FillResult, ForwardMessage,
                                           ForwardResult, VerifyMessage, VerifyResult)
+from specsched.runtime.sync_guard import host_side, no_host_sync
 from specsched.scheduler.plan import AttentionPlan
 from specsched.scheduler.proposer import ProposerSpec
 
@@ -35,19 +39,66 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass
 class SeqState:
-    tokens: list[int]  # every token the device knows for this request
+    """A request's state on the device besides its tokens (in `TokenBuffer`, by slot)."""
+
     temperature: float
     top_k: int
     top_p: float
     generator: torch.Generator | None
     carried: torch.Tensor | None = None  # [V] proposer logits for the next token
-    drafts: list[int] = field(default_factory=list)  # this step's draft tokens
+    num_drafts: int = 0  # this step's drafts in the worker's draft buffer (known without a sync)
     draft_q: torch.Tensor | None = None  # [D, V] draft distributions (sampled requests)
     extra: dict = field(default_factory=dict)  # proposer-specific state
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _as_numpy(result: Any) -> Any:
+    fields = getattr(result, "__dataclass_fields__", None)
+    if not fields or not any(isinstance(getattr(result, f), torch.Tensor) for f in fields):
+        return result
+    return replace(result, **{f: getattr(result, f).numpy() for f in fields
+                              if isinstance(getattr(result, f), torch.Tensor)})
+
+
+class TokenBuffer:
+    """Every request's tokens on the device, `[slots, max_len]` int64 by slot: ops gather their
+    input ids and write sampled / accepted tokens with tensor indexing, so no op reads a
+    token on the host. Positions come from the messages (the host knows every row's length)."""
+
+    def __init__(self, max_len: int, device: torch.device):
+        self.max_len = max_len
+        self.device = device
+        self.data = torch.zeros((8, max_len), dtype=torch.int64, device=device)
+
+    def register(self, slot: int, token_ids: list[int]) -> None:
+        if slot >= self.data.shape[0]:
+            grown = torch.zeros((max(slot + 1, 2 * self.data.shape[0]), self.max_len), dtype=torch.int64,
+                                device=self.device)
+            grown[: self.data.shape[0]] = self.data
+            self.data = grown
+        if len(token_ids) > self.max_len:
+            raise ValueError(f"slot {slot}: {len(token_ids)} tokens exceed the buffer's {self.max_len}")
+        self.data[slot, : len(token_ids)] = torch.tensor(token_ids, dtype=torch.int64).to(self.device)
+
+    def ranges(self, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> torch.Tensor:
+        """Tokens [starts[i], ends[i]) of each row, concatenated (host arrays in, device out)."""
+        lens = ends - starts
+        rows = np.repeat(slots, lens)
+        pos = np.arange(int(lens.sum())) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
+        return self.at(rows, pos)
+
+    def at(self, slots: Any, positions: Any) -> torch.Tensor:
+        """Tokens at (slots[i], positions[i]): index arrays (host or device) in, device out."""
+        return self.data[self._index(slots), self._index(positions)]
+
+    def write(self, slots: Any, positions: Any, values: torch.Tensor) -> None:
+        self.data[self._index(slots), self._index(positions)] = values.to(torch.int64)
+
+    def _index(self, x: Any) -> torch.Tensor:
+        return x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x, dtype=np.int64), device=self.device)
 
 
 class ModelWorker:
@@ -65,6 +116,7 @@ class ModelWorker:
         threshold: float = 0.3,
         ngram: tuple[int, int] = (1, 3),
         num_threads: int | None = None,
+        sync_guard: bool = False,
     ):
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -79,27 +131,79 @@ class ModelWorker:
         self.acceptance = acceptance
         self.threshold = threshold
         self.states: dict[int, SeqState] = {}
+        # request tokens and this step's drafts live on the device, indexed by slot
+        self.tokens = TokenBuffer(self.target.config.max_position_embeddings + 1, self.device)
+        self.draft_width = max(1, self.spec.num_candidates)
+        self.drafts = torch.zeros((8, self.draft_width), dtype=torch.int64, device=self.device)
         self.proposer = make_proposer(self, self.spec, proposer_dir, num_pages, ngram)
         self.last_hidden: dict | None = None  # target hidden states of the latest target launch
+        # ops enqueue device work only; with the guard a host read of a device value fails the op
+        self.sync_guard = sync_guard
 
     # -- dispatch -------------------------------------------------------------------------------
     def execute(self, op: str, batch: Any) -> Any:
         """Run one op on its typed message (scheduler/messages.py); `ping` takes anything."""
         for slot in getattr(batch, "release", ()):
             self.states.pop(slot, None)
+            self.proposer.release(slot)
         fn = getattr(self, f"op_{op}", None)
         if fn is None:
             raise ValueError(f"unknown op {op!r}")
         with torch.inference_mode():
-            return fn(batch)
+            if not (self.sync_guard and hasattr(batch, "shape")):  # the pipeline's ops are guarded
+                result = fn(batch)
+            else:
+                cuda = self.device.type == "cuda"
+                if cuda:
+                    mode = torch.cuda.get_sync_debug_mode()
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    with no_host_sync(self.device, what=f"op {op}"):
+                        result = fn(batch)
+                finally:
+                    if cuda:
+                        torch.cuda.set_sync_debug_mode(mode)
+        # On the CPU an op has finished when it returns: its host-side tensors go to the host
+        # as numpy arrays (the engine's process needs no torch to read them). On CUDA they are
+        # read after the op's event, by whoever waits on it.
+        return _as_numpy(result) if self.device.type == "cpu" else result
 
     def op_ping(self, batch: dict) -> dict:
         return {"ok": True, "num_states": len(self.states)}
 
     def _register(self, msg: ForwardMessage) -> None:
         for r in msg.register:
-            self.states[r.slot] = SeqState(list(r.token_ids), float(r.temperature), int(r.top_k),
-                                           float(r.top_p), make_generator(r.seed, self.device))
+            self.states[r.slot] = SeqState(float(r.temperature), int(r.top_k), float(r.top_p),
+                                           make_generator(r.seed, self.device))
+            self.tokens.register(r.slot, list(r.token_ids))
+            self.proposer.register(r.slot, r.token_ids)
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A result's copy on the host, read once the op's completion event is done: a
+        non-blocking copy into pinned memory on CUDA, a copy on the CPU."""
+        if self.device.type == "cuda":
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h.copy_(t, non_blocking=True)
+        else:
+            h = t.clone()
+        return host_side(h)
+
+    def set_drafts(self, slots: list[int], drafts: torch.Tensor, counts: list[int]) -> None:
+        """This step's drafts [B, <=width] of each row into the draft buffer, and their counts."""
+        top = max(slots, default=-1)
+        if top >= self.drafts.shape[0]:
+            grown = torch.zeros((max(top + 1, 2 * self.drafts.shape[0]), self.draft_width), dtype=torch.int64,
+                                device=self.device)
+            grown[: self.drafts.shape[0]] = self.drafts
+            self.drafts = grown
+        if slots and drafts.shape[1]:
+            self.drafts[torch.as_tensor(slots, device=self.device), : drafts.shape[1]] = drafts.to(torch.int64)
+        for s, n in zip(slots, counts):
+            self.states[s].num_drafts = n
+
+    def get_drafts(self, slots: list[int], width: int) -> torch.Tensor:
+        """[B, width] the rows' drafts (positions past a row's count hold stale tokens)."""
+        return self.drafts[torch.as_tensor(slots, device=self.device), :width]
 
     def sampling_tensors(self, rows: list[SeqState], repeat: int = 1) -> SamplingTensors:
         """The rows' sampling parameters on this device, each row repeated `repeat` times."""
@@ -115,31 +219,28 @@ class ModelWorker:
     def op_forward(self, msg: ForwardMessage) -> ForwardResult:
         self._register(msg)
         slots = msg.slots.tolist()
-        rows = [self.states[s] for s in slots]
-        samples = msg.samples.tolist()
-        ids = []
-        for st, a, n in zip(rows, msg.start.tolist(), msg.num_new.tolist()):
-            ids.extend(st.tokens[a : a + n])
+        ends = msg.start + msg.num_new
+        input_ids = self.tokens.ranges(msg.slots, msg.start, ends)
         plan, step, positions = self.plan(msg.plan)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         last = plan.qo_indptr[1:] - 1
-        sample_rows = [i for i in range(len(slots)) if samples[i]]
+        sample_rows = np.flatnonzero(msg.samples)
         out = self.target(
             input_ids, step, self.kv, positions,
             logits_indices=torch.as_tensor(last[sample_rows], dtype=torch.int64, device=self.device),
             return_hidden=self.proposer.needs_hidden,
         )
-        tokens = np.full(len(slots), -1, dtype=np.int64)
-        if sample_rows:
-            srows = [rows[i] for i in sample_rows]
-            new = sample_logits(out.logits, self.sampling_tensors(srows)).tolist()
-            for i, t in zip(sample_rows, new):
-                rows[i].tokens.append(int(t))
-                tokens[i] = t
+        tokens = torch.full((len(slots),), -1, dtype=torch.int64, device=self.device)
+        if sample_rows.size:
+            srows = [self.states[slots[i]] for i in sample_rows.tolist()]
+            new = sample_logits(out.logits, self.sampling_tensors(srows))
+            self.tokens.write(msg.slots[sample_rows], ends[sample_rows], new)  # each row's next token
+            tokens[torch.as_tensor(sample_rows, device=self.device)] = new.to(torch.int64)
         if self.proposer.needs_hidden:
             self.last_hidden = {"step": msg.step, "op": "forward", "hidden": out.hidden,
                                 "qo_indptr": plan.qo_indptr, "slots": slots}
-        return ForwardResult(tokens)
+        host = self.to_host(tokens)
+        self.proposer.emitted(slots, host, None)
+        return ForwardResult(host)
 
     # -- speculation ------------------------------------------------------------------------------
     def op_draft(self, msg: DraftMessage) -> DraftResult:
@@ -151,26 +252,24 @@ class ModelWorker:
         rows = [self.states[s] for s in slots]
         plan, step, positions = self.plan(msg.plan)
         width = int(plan.qo_lens[0])
-        ids = []
-        num_drafts = []
-        for st in rows:
-            d = st.drafts[: width - 1]
-            # a tree is scored by depth: position k = a node at depth k accepted
-            num_drafts.append(min(len(d), self.spec.max_accept) if self.spec.is_tree else len(d))
-            ids.append(st.tokens[-1])
-            ids.extend(d)
-            ids.extend([st.tokens[-1]] * (width - 1 - len(d)))
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        out = self.target(input_ids, step, self.kv, positions, return_hidden=self.proposer.needs_hidden)
+        counts = [min(st.num_drafts, width - 1) for st in rows]
+        # a tree is scored by depth: position k = a node at depth k accepted
+        num_drafts = [min(n, self.spec.max_accept) for n in counts] if self.spec.is_tree else counts
         b = len(rows)
+        last = self.tokens.at(msg.slots, msg.start)  # [B] each row's last token
+        drafts = self.get_drafts(slots, width - 1)
+        cols = torch.arange(width - 1, device=self.device)
+        have = cols < torch.as_tensor(counts, device=self.device).unsqueeze(-1)
+        draft_t = torch.where(have, drafts, last.unsqueeze(-1))  # a row that drafted less: padded
+        input_ids = torch.cat([last.unsqueeze(-1), draft_t], dim=1).reshape(-1)
+        out = self.target(input_ids, step, self.kv, positions, return_hidden=self.proposer.needs_hidden)
         logits = out.logits.view(b, width, -1)
         t1 = time.monotonic_ns()
         if self.spec.is_tree:
-            emitted, accepted = self.proposer.accept_tree(rows, logits, plan, out.hidden)
+            res = self.proposer.accept_tree(msg, rows, draft_t, last, logits, plan, out.hidden)
         else:
-            draft_t = torch.tensor([ids[i * width + 1 : (i + 1) * width] for i in range(b)],
-                                   dtype=torch.int64, device=self.device).view(b, width - 1)
-            nd = torch.tensor(num_drafts, dtype=torch.int64, device=self.device)
+            nd = torch.tensor(num_drafts, dtype=torch.int64)  # counts known on the host
+            nd = host_side(nd) if self.device.type == "cpu" else nd.to(self.device)
             all_greedy = all(st.greedy for st in rows)
             if self.acceptance == "threshold":
                 probs = logits_to_probs(logits.reshape(b * width, -1), self.sampling_tensors(rows, width))
@@ -180,22 +279,27 @@ class ModelWorker:
                 res = greedy_verify(draft_t, nd, logits)
             else:
                 probs = logits_to_probs(logits.reshape(b * width, -1), self.sampling_tensors(rows, width))
-                q = self.proposer.draft_probs(rows, width - 1)
+                q = self.proposer.draft_probs(rows, slots, width - 1)
                 res = rejection_verify(draft_t, nd, q, probs.view(b, width, -1),
                                        [st.generator for st in rows])
-            emitted = res.to_lists()
-            accepted = res.num_accepted.tolist()
             if self.proposer.needs_hidden:
                 self.last_hidden = {"step": msg.step, "op": "verify", "hidden": out.hidden,
-                                    "qo_indptr": plan.qo_indptr, "slots": slots, "accepted": accepted,
-                                    "emitted": emitted}
-        for st, toks in zip(rows, emitted):
-            st.tokens.extend(toks)
-            st.drafts = []
+                                    "qo_indptr": plan.qo_indptr, "slots": slots,
+                                    "accepted": res.num_accepted}
+        # the emitted tokens (accepted, then the recovered or bonus one) follow the last token;
+        # columns past a row's count hold -1 and land beyond its end, never read
+        emitted = res.output_tokens
+        k = emitted.shape[1]
+        pos = torch.as_tensor(msg.start, device=self.device).unsqueeze(-1) + 1 + torch.arange(k, device=self.device)
+        self.tokens.write(torch.as_tensor(msg.slots, device=self.device).unsqueeze(-1).expand(-1, k), pos, emitted)
+        for st in rows:
+            st.num_drafts = 0
             st.draft_q = None
+        accepted, tokens = self.to_host(res.num_accepted), self.to_host(emitted)
+        self.proposer.emitted(slots, tokens, accepted)
         t2 = time.monotonic_ns()
-        return VerifyResult(np.asarray(accepted, dtype=np.int64), emitted,
-                            np.asarray(num_drafts, dtype=np.int64), (("verify", t0, t1), ("accept", t1, t2)))
+        return VerifyResult(accepted, tokens, np.asarray(num_drafts, dtype=np.int64),
+                            (("verify", t0, t1), ("accept", t1, t2)))
 
     def op_fill(self, msg: FillMessage) -> FillResult:
         self.proposer.fill(msg)

@@ -94,6 +94,7 @@ class ForwardMessage(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DraftMessage(Message):
     op: ClassVar[str] = "draft"
+    start: np.ndarray  # [B] position of each row's last token (its length - 1)
     num_draft: np.ndarray  # [B] tokens to draft
     page_size: int
     page_tables: np.ndarray | None = None  # [B, max_pages] the proposer's KV pages
@@ -147,7 +148,7 @@ class DraftResult:
 @dataclass(frozen=True, slots=True)
 class VerifyResult:
     accepted: np.ndarray  # [B] drafts accepted per row
-    tokens: list[list[int]]  # per row: the emitted tokens (accepted + bonus)
+    tokens: np.ndarray  # [B, W] emitted tokens (accepted, then the bonus): row i's first accepted[i] + 1
     num_drafts: np.ndarray  # [B] drafts each row was scored on
     substages: tuple[tuple[str, int, int], ...] = ()
 
@@ -227,7 +228,7 @@ def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
     tables = counts = None
     if spec.kv_model is not None and with_plan:
         tables, counts = blocks.tables(spec.kv_model, batch.slots)
-    return DraftMessage(step=batch.step, slots=batch.slots, shape=shape_, num_draft=nd,
+    return DraftMessage(step=batch.step, slots=batch.slots, shape=shape_, start=batch.start, num_draft=nd,
                         page_size=blocks.page_size, page_tables=tables, table_lens=counts)
 
 

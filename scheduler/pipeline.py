@@ -397,7 +397,8 @@ class Pipeline:
             f_launch = self._launch(self.aux, fm)
         t0 = self._now()
         self.builder.record_verify(batch, starts_before, accepted, num_drafts, spec.kv_ahead)
-        out_counts = self._output(batch, np.arange(len(batch)), result.tokens)
+        # [B, W] emitted tokens, row i's first accepted[i] + 1 valid
+        out_counts = self._output(batch, np.arange(len(batch)), np.asarray(result.tokens).tolist(), accepted + 1)
         self.builder.trim_rejected(batch)
         self._host("output", batch.step, t0, **self._attrs(batch, self._computed_now(batch)),
                    emitted=sum(out_counts))
@@ -409,15 +410,18 @@ class Pipeline:
                 self._pending_fill = f_launch
 
     # -- outputs and failures -----------------------------------------------------------------
-    def _output(self, batch: StepBatch, rows: np.ndarray, tokens: list) -> list[int]:
-        """The output stage: rows[j] of the batch gets tokens[j], cut at max_tokens and EOS;
-        returns [B] tokens kept per row. Counts and finishes by length are whole-array; what
+    def _output(self, batch: StepBatch, rows: np.ndarray, tokens: list,
+                lens: np.ndarray | None = None) -> list[int]:
+        """The output stage: rows[j] of the batch gets tokens[j] (its first lens[j] when
+        given), cut at max_tokens and EOS; returns [B] tokens kept per row. Counts and finishes by length are whole-array; what
         is left per row is handing the request its tokens. Rows with an abort or a stop
         pending, or an EOS among their tokens, take `_emit` one by one."""
         out = [0] * len(batch)
         if not rows.size:
             return out
         t, reqs = self.table, batch.requests
+        if lens is not None:
+            tokens = [tk[:n] for tk, n in zip(tokens, lens.tolist())]
         if rows.size <= SMALL_BATCH:  # a handful of rows: the array calls would cost more
             for i, tk in zip(rows.tolist(), tokens):
                 out[i] = self._emit(reqs[i], tk)

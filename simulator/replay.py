@@ -99,7 +99,6 @@ class TraceResponder:
         self.prompt_lens = np.asarray(prompt_lens, dtype=np.int64)
         self.index = np.zeros(64, dtype=np.int64)  # slot -> request index (its prompt's token)
         self.known = np.zeros(64, dtype=np.int64)  # slot -> tokens known
-        self._emitted = [(_DUMMY_TOKEN,) * k for k in range(9)]  # emitted tokens by count
 
     def _register(self, regs) -> None:
         for r in regs:
@@ -124,13 +123,11 @@ class TraceResponder:
             accepted, drafted = self.acceptance.outcomes(idx, self.known[slots] - self.prompt_lens[idx],
                                                          msg.num_draft)
             self.known[slots] += accepted + 1
-            runs = self._emitted
-            if int(accepted.max(initial=0)) + 1 >= len(runs):
-                runs.extend((_DUMMY_TOKEN,) * k for k in range(len(runs), int(accepted.max()) + 2))
             attrs = msg.shape.attrs()
             subs = [("verify", int(self.profile.device_ns("verify", attrs))),
                     ("accept", int(self.profile.device_ns("accept", attrs)) if "accept" in self.profile.device else 0)]
-            return VerifyResult(accepted, [runs[a + 1] for a in accepted.tolist()], drafted), subs
+            tokens = np.full((len(slots), int(accepted.max(initial=0)) + 1), _DUMMY_TOKEN, dtype=np.int64)
+            return VerifyResult(accepted, tokens, drafted), subs
         if op == "fill":
             return FillResult(), []
         raise ValueError(f"virtual device: unknown op {op!r}")

@@ -46,10 +46,19 @@ def prefill(worker: ModelWorker, prompt: list[int]) -> tuple[Request, BlockManag
     worker.execute("forward", device_messages.prefill_forward(list(prompt), plan))
     fplan = build_plan([n], [n], [blocks.page_table("r", "mtp")], PAGE)
     worker.execute("fill", device_messages.fill(fplan, 0, n, "forward"))
-    req.extend_output([worker.states[0].tokens[-1]])
+    req.extend_output([int(worker.tokens.data[0, n])])  # the sampled token, from the device
     req.num_computed_tokens = n
     req.state = req.state.RUNNING
     return req, blocks
+
+
+def tokens_of(worker: ModelWorker, length: int) -> list[int]:
+    """Slot 0's first `length` tokens, read from the worker's device token buffer."""
+    return worker.tokens.data[0, :length].tolist()
+
+
+def set_drafts(worker: ModelWorker, drafts: list[int]) -> None:
+    worker.set_drafts([0], torch.tensor([drafts]), [len(drafts)])
 
 
 def verify_msg(req: Request, blocks: BlockManager, tree=TREE, step: int = 1) -> dict:
@@ -68,12 +77,13 @@ def test_tree_verify_matches_sequential_branches(head_family):
     worker = eagle_worker(head_family)
     prompt = [3, 14, 15, 9, 26, 5]
     req, blocks = prefill(worker, prompt)
-    st = worker.states[0]
+    toks = tokens_of(worker, req.num_tokens)
     gen = torch.Generator().manual_seed(2)
-    st.drafts = torch.randint(0, 32, (len(TREE),), generator=gen).tolist()
+    drafts = torch.randint(0, 32, (len(TREE),), generator=gen).tolist()
+    set_drafts(worker, drafts)
     vmsg = verify_msg(req, blocks)
     plan, step, positions = worker.plan(vmsg.plan)
-    ids = torch.tensor([st.tokens[-1]] + st.drafts)
+    ids = torch.tensor([toks[-1]] + drafts)
     out = worker.target(ids, step, worker.kv, positions)
     # each root-to-node branch, run as a plain causal sequence, gives the same logits
     for node in range(len(TREE)):
@@ -81,10 +91,10 @@ def test_tree_verify_matches_sequential_branches(head_family):
         while a >= 0:
             path.insert(0, a)
             a = TREE[a]
-        seq = torch.tensor([st.tokens + [st.drafts[n] for n in path]])
+        seq = torch.tensor([toks + [drafts[n] for n in path]])
         dense, _ = worker.target.forward_full(seq)
         torch.testing.assert_close(out.logits[1 + node], dense[0, -1], atol=1e-4, rtol=1e-4)
-    root, _ = worker.target.forward_full(torch.tensor([st.tokens]))
+    root, _ = worker.target.forward_full(torch.tensor([toks]))
     torch.testing.assert_close(out.logits[0], root[0, -1], atol=1e-4, rtol=1e-4)
 
 
@@ -93,9 +103,10 @@ def test_tree_acceptance_is_the_best_branch(head_family):
     worker = eagle_worker(head_family)
     req, blocks = prefill(worker, [7, 7, 1, 30, 2])
     st = worker.states[0]
-    g = [st.tokens[-1]]
+    toks = tokens_of(worker, req.num_tokens)
+    g = [toks[-1]]
     for _ in range(3):
-        g.append(int(worker.target.forward_full(torch.tensor([st.tokens + g[1:]]))[0][0, -1].argmax()))
+        g.append(int(worker.target.forward_full(torch.tensor([toks + g[1:]]))[0][0, -1].argmax()))
     rng = np.random.default_rng(0)
     leaves = [n for n in range(len(TREE)) if n not in TREE]
     for trial in range(6):
@@ -107,12 +118,14 @@ def test_tree_acceptance_is_the_best_branch(head_family):
                 a = TREE[a]
             for k, n in enumerate(path[: int(rng.integers(1, len(path) + 1))]):
                 drafts[n] = g[k + 1]
-        st.drafts = list(drafts)
+        set_drafts(worker, drafts)
         vmsg = verify_msg(req, blocks, step=trial + 1)
         plan, step, positions = worker.plan(vmsg.plan)
-        out = worker.target(torch.tensor([st.tokens[-1]] + drafts), step, worker.kv, positions,
+        out = worker.target(torch.tensor([toks[-1]] + drafts), step, worker.kv, positions,
                             return_hidden=True)
-        emitted, accepted = worker.proposer.accept_tree([st], out.logits[None], plan, out.hidden)
+        res = worker.proposer.accept_tree(vmsg, [st], torch.tensor([drafts]), torch.tensor([toks[-1]]),
+                                          out.logits[None], plan, out.hidden)
+        emitted, accepted = res.to_lists(), res.num_accepted.tolist()
         best = []
         for leaf in leaves:
             path, a = [], leaf
@@ -132,22 +145,23 @@ def test_tree_acceptance_is_the_best_branch(head_family):
 def test_draft_tree_matches_dense_branches(head_family):
     worker = eagle_worker(head_family)
     req, blocks = prefill(worker, [5, 1, 22, 8, 8, 13, 2])
-    st = worker.states[0]
-    L = len(st.tokens)
-    worker.execute("draft", device_messages.draft(3, blocks.page_table("r", "mtp"), PAGE))
+    toks = tokens_of(worker, req.num_tokens)
+    L = len(toks)
+    worker.execute("draft", device_messages.draft(3, blocks.page_table("r", "mtp"), PAGE, L))
+    drafts = worker.drafts[0, : len(TREE)].tolist()
     head, target = worker.proposer.head, worker.target
-    seq = torch.tensor([st.tokens])
+    seq = torch.tensor([toks])
     _, hidden = target.forward_full(seq)
     base = head.forward_full(seq[:, 1:], hidden[:, :-1])
 
     def run(path_tokens):
         """Dense head logits after feeding its own hidden along a path of draft tokens."""
-        hid, toks = hidden[0, : L - 1].clone(), st.tokens[1:]
+        hid, seen = hidden[0, : L - 1].clone(), toks[1:]
         own, logits = base.hidden[0, -1], base.logits[0, -1]
         for t in path_tokens:
             hid = torch.cat([hid, own[None]])
-            toks = toks + [t]
-            out = head.forward_full(torch.tensor([toks]), hid[None])
+            seen = seen + [t]
+            out = head.forward_full(torch.tensor([seen]), hid[None])
             own, logits = out.hidden[0, -1], out.logits[0, -1]
         return logits
 
@@ -157,10 +171,10 @@ def test_draft_tree_matches_dense_branches(head_family):
     for parent, kids in children.items():
         path, a = [], parent
         while a >= 0:
-            path.insert(0, st.drafts[a])
+            path.insert(0, drafts[a])
             a = TREE[a]
         want = run(path).topk(len(kids)).indices.tolist()
-        assert [st.drafts[k] for k in kids] == want, f"children of node {parent}"
+        assert [drafts[k] for k in kids] == want, f"children of node {parent}"
 
 
 # --- compaction and the fill along the accepted path ----------------------------------------
@@ -171,17 +185,18 @@ def test_accepted_path_kv_is_compacted_and_filled(head_family):
     prompt = [9, 2, 6, 5, 3, 5]
     req, blocks = prefill(worker, prompt)
     st = worker.states[0]
-    L = len(st.tokens)
+    toks = tokens_of(worker, req.num_tokens)
+    L = len(toks)
     g = []
     for _ in range(3):
-        g.append(int(worker.target.forward_full(torch.tensor([st.tokens + g]))[0][0, -1].argmax()))
+        g.append(int(worker.target.forward_full(torch.tensor([toks + g]))[0][0, -1].argmax()))
     drafts = [(g[0] + 1) % 32] * len(TREE)
     drafts[1], drafts[4] = g[0], g[1]  # branch 1 -> 4: slots of nodes 1, 4 move to L, L+1
-    st.drafts = drafts
+    set_drafts(worker, drafts)
     res = worker.execute("verify", verify_msg(req, blocks))
-    assert res.tokens == [g] and res.accepted.tolist() == [2]
+    assert res.accepted.tolist() == [2] and res.tokens[0, :3].tolist() == g
     # target KV of positions 0..L+1 equals a plain prefill of the accepted sequence
-    full = st.tokens[: L + 2]
+    full = tokens_of(worker, L + 2)
     fresh = worker.target.make_kv_cache(8, PAGE)
     plan = build_plan([len(full)], [len(full)], [list(range(8))], PAGE)
     worker.target(torch.tensor(full), worker.backend.prepare(plan), fresh, torch.as_tensor(plan.positions))
@@ -195,7 +210,7 @@ def test_accepted_path_kv_is_compacted_and_filled(head_family):
     # the host-planned fill over [L-1, L+2) leaves the dense head's logits carried
     fplan = build_plan([3], [L + 2], [blocks.page_table("r", "mtp")], PAGE)
     worker.execute("fill", device_messages.fill(fplan, L - 1, L + 2, "verify", step=1))
-    seq = torch.tensor([st.tokens])
+    seq = torch.tensor([tokens_of(worker, L + 3)])
     _, hidden = worker.target.forward_full(seq)
     dense = worker.proposer.head.forward_full(seq[:, 1:], hidden[:, :-1])
     torch.testing.assert_close(st.carried, dense.logits[0, -1], atol=1e-4, rtol=1e-4)
@@ -232,7 +247,7 @@ def test_eagle_with_temperature_raises(head_family, head_prompts):
     req, blocks = prefill(worker, [1, 2, 3])
     worker.states[0].temperature = 0.5
     with pytest.raises(InvalidRequestError, match="temperature"):
-        worker.execute("draft", device_messages.draft(3, blocks.page_table("r", "mtp"), PAGE))
+        worker.execute("draft", device_messages.draft(3, blocks.page_table("r", "mtp"), PAGE, 4))
 
 
 @pytest.mark.cuda

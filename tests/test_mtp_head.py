@@ -102,11 +102,11 @@ def test_worker_fill_carries_dense_logits(head_family, head_prompts):
     worker.execute("fill", device_messages.fill(build_plan([len(p)], [len(p)], [list(range(8, 16))], PAGE),
                                                 0, len(p), "forward"))
     st = worker.states[0]
-    seq = torch.tensor([st.tokens])
+    seq = worker.tokens.data[0:1, : len(p) + 1]  # the prompt and the sampled token, on the device
     _, hidden = worker.target.forward_full(seq)
     dense = worker.proposer.head.forward_full(seq[:, 1:], hidden[:, :-1])
     torch.testing.assert_close(st.carried, dense.logits[0, -1], atol=1e-4, rtol=1e-4)
-    assert st.tokens[len(p)] == reqs[2].output_token_ids[0]
+    assert int(seq[0, len(p)]) == reqs[2].output_token_ids[0]
 
 
 # --- greedy losslessness through the pipeline ------------------------------------------------

@@ -27,13 +27,25 @@ class NoProposer:
     def __init__(self, worker: "ModelWorker"):
         self.worker = worker
 
+    # the worker tells its proposer about requests and the tokens each op emitted
+    def register(self, slot: int, token_ids: list[int]) -> None:
+        pass
+
+    def release(self, slot: int) -> None:
+        pass
+
+    def emitted(self, slots: list[int], tokens: torch.Tensor, accepted: torch.Tensor | None) -> None:
+        """An op's emitted tokens, as host-side result buffers (readable once the op is done):
+        a forward's [B] (-1 where a row did not sample), or a verify's [B, W] with the rows'
+        accepted counts [B] (row i's first accepted[i] + 1 tokens)."""
+
     def draft(self, msg: "DraftMessage") -> np.ndarray:
         raise RuntimeError("no proposer configured: this engine does not speculate")
 
     def fill(self, msg: "FillMessage") -> None:
         raise RuntimeError("no proposer configured: nothing to fill")
 
-    def draft_probs(self, rows: list["SeqState"], num: int) -> torch.Tensor | None:
+    def draft_probs(self, rows: list["SeqState"], slots: list[int], num: int) -> torch.Tensor | None:
         return None
 
     def agreement(self, prompt: list[int], output: list[int]) -> list[int]:
@@ -41,20 +53,52 @@ class NoProposer:
 
 
 class NgramDrafter(NoProposer):
-    """Prompt lookup: drafts copied from the request's own history; q is one-hot."""
+    """Prompt lookup: drafts copied from the request's own history; q is one-hot. The lookup
+    runs on the host, on a copy of each request's tokens fed from the results the host
+    receives anyway (it drafts under the `sync` schedule, after those results arrived)."""
 
     def __init__(self, worker: "ModelWorker", min_n: int, max_n: int, num_tokens: int):
         super().__init__(worker)
         from specsched.runtime.proposers.ngram import NgramProposer
 
         self.lookup = NgramProposer(min_n, max_n, num_tokens)
+        self.seqs: dict[int, list[int]] = {}
+        self._results: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
+
+    def register(self, slot: int, token_ids: list[int]) -> None:
+        self.seqs[slot] = list(token_ids)
+
+    def release(self, slot: int) -> None:
+        self.seqs.pop(slot, None)
+
+    def emitted(self, slots, tokens, accepted) -> None:
+        self._results.append((slots, tokens, accepted))
+
+    def _catch_up(self) -> None:
+        for slots, tokens, accepted in self._results:
+            rows = tokens.tolist()
+            if accepted is None:
+                for s, t in zip(slots, rows):
+                    if t >= 0 and s in self.seqs:
+                        self.seqs[s].append(t)
+            else:
+                for s, row, a in zip(slots, rows, accepted.tolist()):
+                    if s in self.seqs:
+                        self.seqs[s].extend(row[: a + 1])
+        self._results.clear()
 
     def draft(self, msg: "DraftMessage") -> np.ndarray:
+        self._catch_up()
+        w = self.worker
+        slots = msg.slots.tolist()
+        width = max(1, int(msg.num_draft.max(initial=0)))
+        out = np.zeros((len(slots), width), dtype=np.int64)
         counts = []
-        for slot, d in zip(msg.slots.tolist(), msg.num_draft.tolist()):
-            st = self.worker.states[slot]
-            st.drafts = self.lookup.propose(st.tokens, int(d)) if d > 0 else []
-            counts.append(len(st.drafts))
+        for i, (slot, d) in enumerate(zip(slots, msg.num_draft.tolist())):
+            drafts = self.lookup.propose(self.seqs[slot], d) if d > 0 else []
+            out[i, : len(drafts)] = drafts
+            counts.append(len(drafts))
+        w.set_drafts(slots, torch.as_tensor(out, device=w.device), counts)
         return np.asarray(counts, dtype=np.int64)
 
     def agreement(self, prompt: list[int], output: list[int]) -> list[int]:
@@ -68,58 +112,69 @@ class NgramDrafter(NoProposer):
 
 
 def sample_next(worker: "ModelWorker", rows: list["SeqState"], logits: torch.Tensor
-                ) -> tuple[list[int], torch.Tensor | None]:
-    """Draft tokens from logits [B, V]; probs [B, V] when any row samples."""
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft tokens [B] from logits [B, V] (on the device); probs [B, V] when any row samples."""
     st = worker.sampling_tensors(rows)
     if st.all_greedy:
-        return logits.argmax(-1).tolist(), None
+        return logits.argmax(-1), None
     probs = logits_to_probs(logits, st)
-    return sample(probs, st.generators).tolist(), probs
+    return sample(probs, st.generators), probs
 
 
 class DraftCollector:
-    """One draft launch's tokens, sampled step by step into `SeqState.drafts`, and the
+    """One draft launch's tokens, sampled step by step into a [B, D] device tensor, and the
     distributions q they were drawn from, stacked into `SeqState.draft_q` by `finish`."""
 
-    def __init__(self, worker: "ModelWorker", rows: list["SeqState"], num_draft: list[int]):
+    def __init__(self, worker: "ModelWorker", slots: list[int], rows: list["SeqState"], num_draft: list[int]):
         self.worker = worker
+        self.slots = slots
         self.rows = rows
         self.num_draft = num_draft
+        width = max(num_draft, default=0)
+        self.tokens = torch.zeros((len(rows), max(width, 1)), dtype=torch.int64, device=worker.device)
         self.qs: list[list[torch.Tensor]] = [[] for _ in rows]
 
     def first(self, logits: torch.Tensor) -> None:
         """The first draft token of every row (rows drafting none get no draft) from [B, V]."""
         toks, probs = sample_next(self.worker, self.rows, logits)
-        for i, st in enumerate(self.rows):
-            st.drafts = [toks[i]] if self.num_draft[i] > 0 else []
-            if probs is not None:
+        self.tokens[:, 0] = toks
+        if probs is not None:
+            for i in range(len(self.rows)):
                 self.qs[i].append(probs[i])
 
-    def extend(self, active: list[int], logits: torch.Tensor) -> None:
-        """One more draft token for rows `active` (indices into rows) from logits [len(active), V]."""
+    def last(self, active: list[int], k: int) -> torch.Tensor:
+        """[len(active)] the rows' draft token k-1 (the input of their k-th draft step)."""
+        return self.tokens[torch.as_tensor(active, device=self.worker.device), k - 1]
+
+    def extend(self, active: list[int], k: int, logits: torch.Tensor) -> None:
+        """Draft token k (0-based column) for rows `active` from logits [len(active), V]."""
         toks, probs = sample_next(self.worker, [self.rows[i] for i in active], logits)
-        for j, i in enumerate(active):
-            self.rows[i].drafts.append(toks[j])
-            if probs is not None:
+        self.tokens[torch.as_tensor(active, device=self.worker.device), k] = toks
+        if probs is not None:
+            for j, i in enumerate(active):
                 self.qs[i].append(probs[j])
 
     def finish(self) -> np.ndarray:
-        """Store sampled rows' draft_q [n, V] (None for greedy rows); returns the draft counts."""
+        """Store the drafts in the worker's draft buffer and sampled rows' draft_q [n, V];
+        returns the draft counts (what each row was asked for: a model always drafts them)."""
+        counts = [d if d > 0 else 0 for d in self.num_draft]
+        self.worker.set_drafts(self.slots, self.tokens, counts)
         for i, st in enumerate(self.rows):
-            st.draft_q = torch.stack(self.qs[i]) if (self.qs[i] and not st.greedy) else None
-        return np.asarray([len(st.drafts) for st in self.rows], dtype=np.int64)
+            st.draft_q = torch.stack(self.qs[i][: counts[i]]) if (self.qs[i] and counts[i] and not st.greedy) else None
+        return np.asarray(counts, dtype=np.int64)
 
 
-def one_hot_or(rows: list["SeqState"], num: int, vocab: int, device: torch.device) -> torch.Tensor | None:
-    """Stack rows' draft distributions [B, num, V]; rows drafted greedily get one-hot rows."""
+def one_hot_or(worker: "ModelWorker", rows: list["SeqState"], slots: list[int], num: int, vocab: int
+               ) -> torch.Tensor | None:
+    """Stack rows' draft distributions [B, num, V]; rows drafted greedily get one-hot rows of
+    their drafts (from the draft buffer, on the device)."""
     if all(st.draft_q is None for st in rows):
         return None
-    out = torch.zeros(len(rows), num, vocab, device=device)
+    drafts = worker.get_drafts(slots, num)
+    out = torch.zeros(len(rows), num, vocab, device=worker.device)
+    out.scatter_(2, drafts.unsqueeze(-1), 1.0)  # one-hot everywhere; sampled rows overwritten
     for i, st in enumerate(rows):
         if st.draft_q is not None:
             n = min(num, st.draft_q.shape[0])
             out[i, :n] = st.draft_q[:n]
-        else:
-            for j, t in enumerate(st.drafts[:num]):
-                out[i, j, t] = 1.0
     return out

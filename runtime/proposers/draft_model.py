@@ -30,37 +30,34 @@ class DraftModelProposer(NoProposer):
 
     def draft(self, msg: DraftMessage) -> np.ndarray:
         w = self.worker
-        rows = [w.states[s] for s in msg.slots.tolist()]
+        slots = msg.slots.tolist()
+        rows = [w.states[s] for s in slots]
         num_draft = msg.num_draft.tolist()
         tables, table_lens = msg.page_tables, msg.table_lens
-        L = [len(st.tokens) for st in rows]
-        drafts = DraftCollector(w, rows, num_draft)
+        L = (msg.start + 1).tolist()  # tokens per row (the last emitted one at start)
+        drafts = DraftCollector(w, slots, rows, num_draft)
         drafts.first(torch.stack([st.carried for st in rows]))
         for k in range(1, max(num_draft, default=0)):
             active = [i for i in range(len(rows)) if num_draft[i] > k]
             plan = build_plan([1] * len(active), [L[i] + k for i in active], tables[active],
                               w.page_size, table_lens=table_lens[active])
             step = w.backend.prepare(plan, w.device)
-            ids = torch.tensor([rows[i].drafts[-1] for i in active], dtype=torch.int64, device=w.device)
             pos = torch.as_tensor(plan.positions, device=w.device)
-            drafts.extend(active, self.model(ids, step, self.kv, pos).logits)
+            drafts.extend(active, k, self.model(drafts.last(active, k), step, self.kv, pos).logits)
         return drafts.finish()
 
     def fill(self, msg: FillMessage) -> None:
         w = self.worker
         rows = [w.states[s] for s in msg.slots.tolist()]
         plan, step, positions = w.plan(msg.plan)
-        ids = []
-        for st, a, b in zip(rows, msg.start.tolist(), msg.end.tolist()):
-            ids.extend(st.tokens[a:b])
+        ids = w.tokens.ranges(msg.slots, msg.start, msg.end)
         last = torch.as_tensor(plan.qo_indptr[1:] - 1, dtype=torch.int64, device=w.device)
-        out = self.model(torch.tensor(ids, dtype=torch.int64, device=w.device), step, self.kv,
-                         positions, logits_indices=last)
+        out = self.model(ids, step, self.kv, positions, logits_indices=last)
         for i, st in enumerate(rows):
             st.carried = out.logits[i]
 
-    def draft_probs(self, rows, num: int) -> torch.Tensor | None:
-        return one_hot_or(rows, num, self.worker.target.config.vocab_size, self.worker.device)
+    def draft_probs(self, rows, slots, num: int) -> torch.Tensor | None:
+        return one_hot_or(self.worker, rows, slots, num, self.worker.target.config.vocab_size)
 
     def agreement(self, prompt: list[int], output: list[int]) -> list[int]:
         if not output:

@@ -57,34 +57,44 @@ class HeadProposer(NoProposer):
         plan, step, positions = w.plan(msg.plan)
         where = {int(s): j for j, s in enumerate(lh["slots"])}
         hq, qo = lh["qo_indptr"], plan.qo_lens
-        rows, ids, gather, carry = [], [], [], []
-        starts = msg.start.tolist()
-        for b, slot in enumerate(msg.slots.tolist()):
+        slots = msg.slots.tolist()
+        rows, js, gather = [], [], []
+        for b, slot in enumerate(slots):
             j = where.get(slot)
             n = int(qo[b])
-            if j is None or int(hq[j + 1] - hq[j]) != n:
+            if j is None or int(hq[j + 1] - hq[j]) < n:
                 raise RuntimeError(f"fill row for slot {slot} has {n} positions, the target launch "
                                    f"recorded {None if j is None else int(hq[j + 1] - hq[j])}")
-            st = w.states[slot]
-            toks = st.tokens
-            start = starts[b]
-            ids.extend(toks[p + 1] if p + 1 < len(toks) else toks[-1] for p in range(start, start + n))
-            gather.extend(range(int(hq[j]), int(hq[j + 1])))
-            k = int(lh["accepted"][j]) if (after == "verify" and self.spec.kind == "mtp") else n - 1
-            carry.append(int(plan.qo_indptr[b]) + k)
-            rows.append(st)
+            gather.extend(range(int(hq[j]), int(hq[j]) + n))  # a tree's row: its accepted path first
+            js.append(j)
+            rows.append(w.states[slot])
+        # the head reads, at position p, the target's hidden state there and token p + 1
+        total = int(qo.sum())
+        pos = np.arange(total) + np.repeat(msg.start - (np.cumsum(qo) - qo), qo) + 1
+        row_of = np.repeat(msg.slots, qo)
+        if after == "verify" and self.spec.kind == "mtp":
+            # the verify batch runs past the accepted tokens: beyond a row's new last token
+            # (start + 1 + accepted) it reads that token, and the carried logits are the ones
+            # after it; both follow the accepted counts on the device
+            acc = lh["accepted"][self._tensor(js)]
+            last = self._tensor(msg.start) + 1 + acc
+            limit = torch.repeat_interleave(last, self._tensor(qo), output_size=total)
+            ids = w.tokens.at(row_of, torch.minimum(self._tensor(pos), limit))
+            carry_t = self._tensor(plan.qo_indptr[:-1]) + acc
+        else:
+            ids = w.tokens.at(row_of, pos)
+            carry_t = self._tensor(plan.qo_indptr[1:] - 1)
         hidden = lh["hidden"]
         if len(gather) != hidden.shape[0] or gather != list(range(len(gather))):
             hidden = hidden.index_select(0, self._tensor(gather))
-        carry_t = self._tensor(carry)
-        out = self.head(self._tensor(ids), hidden, step, self.kv, positions, logits_indices=carry_t)
+        out = self.head(ids, hidden, step, self.kv, positions, logits_indices=carry_t)
         carried_hidden = out.hidden.index_select(0, carry_t)
         for i, st in enumerate(rows):
             st.carried = out.logits[i]
             st.extra["hidden"] = carried_hidden[i]
 
     # -- linear drafting ----------------------------------------------------------------------
-    def _step(self, active: list[int], msg: DraftMessage, kv_lens: list[int], ids: list[int],
+    def _step(self, active: list[int], msg: DraftMessage, kv_lens: list[int], ids: torch.Tensor,
               hidden: torch.Tensor, positions=None, masks=None):
         """One head forward over the given rows of a draft launch (plans from the page tables)."""
         w = self.worker
@@ -93,27 +103,28 @@ class HeadProposer(NoProposer):
                           table_lens=msg.table_lens[active], positions=positions, custom_masks=masks)
         step = w.backend.prepare(plan, w.device)
         pos = torch.as_tensor(plan.positions, device=w.device)
-        return self.head(self._tensor(ids), hidden, step, self.kv, pos)
+        return self.head(ids, hidden, step, self.kv, pos)
 
     def draft(self, msg: DraftMessage) -> np.ndarray:
         w = self.worker
-        rows = [w.states[s] for s in msg.slots.tolist()]
+        slots = msg.slots.tolist()
+        rows = [w.states[s] for s in slots]
         num_draft = msg.num_draft.tolist()
-        L = [len(st.tokens) for st in rows]
-        drafts = DraftCollector(w, rows, num_draft)
+        L = (msg.start + 1).tolist()  # tokens per row
+        drafts = DraftCollector(w, slots, rows, num_draft)
         drafts.first(torch.stack([st.carried for st in rows]))
         hidden = torch.stack([st.extra["hidden"] for st in rows])  # [B, H]
         for k in range(2, max(num_draft, default=0) + 1):
             active = [i for i in range(len(rows)) if num_draft[i] >= k]
-            out = self._step(active, msg, [L[i] + k - 2 for i in active],
-                             [rows[i].drafts[-1] for i in active], hidden[active])
+            out = self._step(active, msg, [L[i] + k - 2 for i in active], drafts.last(active, k - 1),
+                             hidden[active])
             hidden = hidden.clone()
             hidden[active] = out.hidden
-            drafts.extend(active, out.logits)
+            drafts.extend(active, k - 1, out.logits)
         return drafts.finish()
 
-    def draft_probs(self, rows, num: int) -> torch.Tensor | None:
-        return one_hot_or(rows, num, self.worker.target.config.vocab_size, self.worker.device)
+    def draft_probs(self, rows, slots, num: int) -> torch.Tensor | None:
+        return one_hot_or(self.worker, rows, slots, num, self.worker.target.config.vocab_size)
 
     # -- teacher-forced agreement ---------------------------------------------------------------
     def agreement(self, prompt: list[int], output: list[int]) -> list[int]:
@@ -145,10 +156,11 @@ class EagleProposer(HeadProposer):
 
     def draft(self, msg: DraftMessage) -> np.ndarray:
         w = self.worker
-        rows = [w.states[s] for s in msg.slots.tolist()]
+        slots = msg.slots.tolist()
+        rows = [w.states[s] for s in slots]
         check_tree_greedy([st.temperature for st in rows])
         self._draft_step = msg.step
-        L = [len(st.tokens) for st in rows]
+        L = (msg.start + 1).tolist()  # tokens per row
         b, t = len(rows), len(self.depths)
         tokens = torch.zeros(b, t, dtype=torch.int64, device=w.device)
         self._expand(-1, torch.stack([st.carried for st in rows]), tokens)
@@ -170,7 +182,7 @@ class EagleProposer(HeadProposer):
                     a = self.spec.tree_parents[a]
             masks = [np.concatenate([np.ones((len(run), L[i] - 1), dtype=bool), block], axis=1) for i in range(b)]
             positions = [np.full(len(run), L[i] - 2 + depth) for i in range(b)]
-            ids = tokens[:, run].reshape(-1).tolist()
+            ids = tokens[:, run].reshape(-1)
             parents = [self.spec.tree_parents[n] for n in run]
             hid = torch.stack([carried_hidden if p < 0 else node_hidden[p] for p in parents], 1)
             out = self._step(list(range(b)), msg, [L[i] - 1 + used for i in range(b)], ids,
@@ -180,12 +192,10 @@ class EagleProposer(HeadProposer):
             for r, n in enumerate(run):
                 node_hidden[n] = hs[:, r]
                 self._expand(n, logits[:, r], tokens)
-        counts = []
-        nd = msg.num_draft.tolist()
-        for i, st in enumerate(rows):
-            st.drafts = tokens[i].tolist() if nd[i] > 0 else []
+        counts = [t if d > 0 else 0 for d in msg.num_draft.tolist()]
+        w.set_drafts(slots, tokens, counts)
+        for st in rows:
             st.draft_q = None
-            counts.append(len(st.drafts))
         return np.asarray(counts, dtype=np.int64)
 
     def _expand(self, parent: int, logits: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -193,41 +203,34 @@ class EagleProposer(HeadProposer):
         if kids:
             tokens[:, kids] = logits.topk(len(kids), dim=-1).indices
 
-    def accept_tree(self, rows, logits: torch.Tensor, plan, hidden: torch.Tensor):
-        """Greedy tree verification of logits [B, 1+T, V]; compacts the accepted path's target
-        KV to slots of positions L, L+1, ... and records its hidden states for the fill.
-        Returns (emitted token lists, accepted counts)."""
+    def accept_tree(self, msg, rows, drafts: torch.Tensor, last: torch.Tensor, logits: torch.Tensor, plan,
+                    hidden: torch.Tensor):
+        """Greedy tree verification of logits [B, 1+T, V] (drafts [B, T], last [B] the roots);
+        compacts the accepted path's target KV to slots of positions L, L+1, ... and records
+        its hidden states for the fill, all on the device. Returns the TreeVerifyResult."""
         w = self.worker
         check_tree_greedy([st.temperature for st in rows])
         b, width = logits.shape[:2]
-        tree_tokens = torch.full((b, width), -1, dtype=torch.int64, device=logits.device)
-        for i, st in enumerate(rows):
-            tree_tokens[i, 0] = st.tokens[-1]
-            if len(st.drafts) == width - 1:
-                tree_tokens[i, 1:] = self._tensor(st.drafts)
-        res = greedy_tree_verify(tree_tokens, self.tree, logits)
-        accepted = res.num_accepted.tolist()
-        paths = res.accepted_nodes.tolist()
-        src, dst, gather, indptr = [], [], [], [0]
-        for i in range(b):
-            base = int(plan.qo_indptr[i])
-            path = paths[i][: accepted[i]]
-            for k, n in enumerate(path, start=1):
-                if n != k:
-                    src.append(int(plan.slot_mapping[base + n]))
-                    dst.append(int(plan.slot_mapping[base + k]))
-            gather.extend([base] + [base + n for n in path])
-            indptr.append(len(gather))
+        whole = torch.as_tensor([st.num_drafts == width - 1 for st in rows], device=w.device)
+        nodes = torch.where(whole.unsqueeze(-1), drafts, torch.full_like(drafts, -1))  # no tree: nothing to accept
+        res = greedy_tree_verify(torch.cat([last.unsqueeze(-1), nodes], dim=1), self.tree, logits)
+        depth = res.accepted_nodes.shape[1]
+        base = self._tensor(plan.qo_indptr[:-1]).unsqueeze(-1)  # [B, 1] each row's first token
+        sm = self._tensor(plan.slot_mapping)
+        k = torch.arange(1, depth + 1, device=w.device)
+        path = res.accepted_nodes.clamp(min=0)  # node at depth k (k <= accepted), else padding
+        move = (k <= res.num_accepted.unsqueeze(-1)) & (path != k)
+        dst = sm[base + k]
+        src = torch.where(move, sm[base + path], dst)  # the rest copy a slot onto itself
         w.kv.copy_slots(src, dst)
-        emitted = res.to_lists()
-        slot_of = {id(st): slot for slot, st in w.states.items()}
+        # the fill reads each row's accepted path: the root, then a node per accepted depth
+        at = torch.cat([base, base + path], dim=1).reshape(-1)
         w.last_hidden = {
-            "step": self._draft_step, "op": "verify",
-            "hidden": hidden.index_select(0, self._tensor(gather)),
-            "qo_indptr": np.asarray(indptr, dtype=np.int64), "slots": [slot_of[id(st)] for st in rows],
-            "accepted": accepted, "emitted": emitted,
+            "step": self._draft_step, "op": "verify", "hidden": hidden.index_select(0, at),
+            "qo_indptr": np.arange(b + 1, dtype=np.int64) * (depth + 1), "slots": msg.slots.tolist(),
+            "accepted": res.num_accepted,
         }
-        return emitted, accepted
+        return res
 
 
 def make_head_proposer(worker, spec, proposer_dir: str | None, num_pages: int):
