@@ -18,7 +18,7 @@ Ops (scheduler/messages.py defines their typed messages and results):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -56,11 +56,13 @@ class SeqState:
 
 
 def _as_numpy(result: Any) -> Any:
-    fields = getattr(result, "__dataclass_fields__", None)
-    if not fields or not any(isinstance(getattr(result, f), torch.Tensor) for f in fields):
-        return result
-    return replace(result, **{f: getattr(result, f).numpy() for f in fields
-                              if isinstance(getattr(result, f), torch.Tensor)})
+    """The op's result with its tensors as numpy arrays, in place: the result is new and
+    nobody else holds it (dataclasses.replace would cost more than the op's other host work)."""
+    for f in getattr(result, "__dataclass_fields__", ()):
+        v = getattr(result, f)
+        if isinstance(v, torch.Tensor):
+            object.__setattr__(result, f, v.numpy())
+    return result
 
 
 class TokenBuffer:
@@ -92,13 +94,20 @@ class TokenBuffer:
 
     def at(self, slots: Any, positions: Any) -> torch.Tensor:
         """Tokens at (slots[i], positions[i]): index arrays (host or device) in, device out."""
-        return self.data[self._index(slots), self._index(positions)]
+        return self.data.view(-1)[self._flat(slots, positions)]
 
     def write(self, slots: Any, positions: Any, values: torch.Tensor) -> None:
-        self.data[self._index(slots), self._index(positions)] = values.to(torch.int64)
+        self.data.view(-1)[self._flat(slots, positions)] = values.to(torch.int64).reshape(-1)
 
-    def _index(self, x: Any) -> torch.Tensor:
-        return x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x, dtype=np.int64), device=self.device)
+    def _flat(self, slots: Any, positions: Any) -> torch.Tensor:
+        """One index into the flattened buffer (one index costs less than two)."""
+        if isinstance(slots, torch.Tensor) or isinstance(positions, torch.Tensor):
+            s = slots if isinstance(slots, torch.Tensor) else torch.as_tensor(np.asarray(slots), device=self.device)
+            p = positions if isinstance(positions, torch.Tensor) else torch.as_tensor(np.asarray(positions),
+                                                                                      device=self.device)
+            return (s * self.max_len + p).reshape(-1)
+        flat = np.asarray(slots, dtype=np.int64) * self.max_len + np.asarray(positions, dtype=np.int64)
+        return torch.as_tensor(flat.reshape(-1), device=self.device)
 
 
 class ModelWorker:
@@ -184,9 +193,8 @@ class ModelWorker:
         if self.device.type == "cuda":
             h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             h.copy_(t, non_blocking=True)
-        else:
-            h = t.clone()
-        return host_side(h)
+            return host_side(h)
+        return host_side(t)  # already in host memory; the op made it and writes it no more
 
     def set_drafts(self, slots: list[int], drafts: torch.Tensor, counts: list[int]) -> None:
         """This step's drafts [B, <=width] of each row into the draft buffer, and their counts."""
@@ -229,12 +237,17 @@ class ModelWorker:
             logits_indices=torch.as_tensor(last[sample_rows], dtype=torch.int64, device=self.device),
             return_hidden=self.proposer.needs_hidden,
         )
-        tokens = torch.full((len(slots),), -1, dtype=torch.int64, device=self.device)
         if sample_rows.size:
             srows = [self.states[slots[i]] for i in sample_rows.tolist()]
-            new = sample_logits(out.logits, self.sampling_tensors(srows))
+            new = sample_logits(out.logits, self.sampling_tensors(srows)).to(torch.int64)
             self.tokens.write(msg.slots[sample_rows], ends[sample_rows], new)  # each row's next token
-            tokens[torch.as_tensor(sample_rows, device=self.device)] = new.to(torch.int64)
+            if sample_rows.size == len(slots):
+                tokens = new
+            else:
+                tokens = torch.full((len(slots),), -1, dtype=torch.int64, device=self.device)
+                tokens[torch.as_tensor(sample_rows, device=self.device)] = new
+        else:
+            tokens = torch.full((len(slots),), -1, dtype=torch.int64, device=self.device)
         if self.proposer.needs_hidden:
             self.last_hidden = {"step": msg.step, "op": "forward", "hidden": out.hidden,
                                 "qo_indptr": plan.qo_indptr, "slots": slots}
