@@ -290,6 +290,7 @@ class AsyncEngine:
             "ngram": (c.ngram_min, c.ngram_max),
             "num_threads": c.worker_threads,
             "sync_guard": c.sync_guard,
+            "verify_micro_batches": c.verify_micro_batches,
         })
 
     async def __aenter__(self) -> "AsyncEngine":

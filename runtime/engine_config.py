@@ -43,6 +43,8 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     worker_threads: int = 1
+    verify_micro_batches: int = Field(1, description="run a verify's rows as this many target forwards "
+                                      "back to back (1 or 2)")
     sync_guard: bool = Field(False, description="fail any device op that reads a device value on the host "
                              "(HostSyncError; on CUDA also torch.cuda.set_sync_debug_mode('error'))")
 
@@ -52,6 +54,8 @@ class EngineConfig(BaseModel):
             self.draft_len = DEFAULT_DRAFT_LEN[self.proposer]
         if self.schedule is None:
             self.schedule = NATURAL_SCHEDULE[self.proposer]
+        if self.verify_micro_batches not in (1, 2):
+            raise ValueError(f"verify_micro_batches must be 1 or 2, got {self.verify_micro_batches}")
         for name in ("page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens", "worker_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

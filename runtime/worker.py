@@ -126,6 +126,7 @@ class ModelWorker:
         ngram: tuple[int, int] = (1, 3),
         num_threads: int | None = None,
         sync_guard: bool = False,
+        verify_micro_batches: int = 1,
     ):
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -148,6 +149,9 @@ class ModelWorker:
         self.last_hidden: dict | None = None  # target hidden states of the latest target launch
         # ops enqueue device work only; with the guard a host read of a device value fails the op
         self.sync_guard = sync_guard
+        # a verify's rows as this many target forwards back to back (on a tensor-parallel
+        # target one half's compute would overlap the other's communication)
+        self.verify_micro_batches = verify_micro_batches
 
     # -- dispatch -------------------------------------------------------------------------------
     def execute(self, op: str, batch: Any) -> Any:
@@ -271,15 +275,14 @@ class ModelWorker:
         b = len(rows)
         last = self.tokens.at(msg.slots, msg.start)  # [B] each row's last token
         drafts = self.get_drafts(slots, width - 1)
-        cols = torch.arange(width - 1, device=self.device)
-        have = cols < torch.as_tensor(counts, device=self.device).unsqueeze(-1)
+        have = torch.as_tensor(np.arange(width - 1) < np.asarray(counts)[:, None], device=self.device)
         draft_t = torch.where(have, drafts, last.unsqueeze(-1))  # a row that drafted less: padded
         input_ids = torch.cat([last.unsqueeze(-1), draft_t], dim=1).reshape(-1)
-        out = self.target(input_ids, step, self.kv, positions, return_hidden=self.proposer.needs_hidden)
-        logits = out.logits.view(b, width, -1)
+        logits, hidden = self._verify_forward(plan, step, positions, input_ids, b, width)
+        logits = logits.view(b, width, -1)
         t1 = time.monotonic_ns()
         if self.spec.is_tree:
-            res = self.proposer.accept_tree(msg, rows, draft_t, last, logits, plan, out.hidden)
+            res = self.proposer.accept_tree(msg, rows, draft_t, last, logits, plan, hidden)
         else:
             nd = torch.tensor(num_drafts, dtype=torch.int64)  # counts known on the host
             nd = host_side(nd) if self.device.type == "cpu" else nd.to(self.device)
@@ -296,15 +299,14 @@ class ModelWorker:
                 res = rejection_verify(draft_t, nd, q, probs.view(b, width, -1),
                                        [st.generator for st in rows])
             if self.proposer.needs_hidden:
-                self.last_hidden = {"step": msg.step, "op": "verify", "hidden": out.hidden,
+                self.last_hidden = {"step": msg.step, "op": "verify", "hidden": hidden,
                                     "qo_indptr": plan.qo_indptr, "slots": slots,
                                     "accepted": res.num_accepted}
         # the emitted tokens (accepted, then the recovered or bonus one) follow the last token;
         # columns past a row's count hold -1 and land beyond its end, never read
         emitted = res.output_tokens
         k = emitted.shape[1]
-        pos = torch.as_tensor(msg.start, device=self.device).unsqueeze(-1) + 1 + torch.arange(k, device=self.device)
-        self.tokens.write(torch.as_tensor(msg.slots, device=self.device).unsqueeze(-1).expand(-1, k), pos, emitted)
+        self.tokens.write(np.repeat(msg.slots, k), (msg.start[:, None] + 1 + np.arange(k)).reshape(-1), emitted)
         for st in rows:
             st.num_drafts = 0
             st.draft_q = None
@@ -313,6 +315,25 @@ class ModelWorker:
         t2 = time.monotonic_ns()
         return VerifyResult(accepted, tokens, np.asarray(num_drafts, dtype=np.int64),
                             (("verify", t0, t1), ("accept", t1, t2)))
+
+    def _verify_forward(self, plan: AttentionPlan, step: Any, positions: torch.Tensor, input_ids: torch.Tensor,
+                        b: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target over a verify's rows: (logits [B*W, V], hidden or None), in one forward or
+        in `verify_micro_batches` forwards over consecutive rows."""
+        need_hidden = self.proposer.needs_hidden
+        parts = min(self.verify_micro_batches, b)
+        if parts <= 1:
+            out = self.target(input_ids, step, self.kv, positions, return_hidden=need_hidden)
+            return out.logits, out.hidden
+        logits, hidden = [], []
+        for rows in np.array_split(np.arange(b), parts):
+            lo, hi = int(rows[0]), int(rows[-1]) + 1
+            sub = plan.rows(lo, hi)
+            out = self.target(input_ids[lo * width : hi * width], self.backend.prepare(sub, self.device), self.kv,
+                              positions[lo * width : hi * width], return_hidden=need_hidden)
+            logits.append(out.logits)
+            hidden.append(out.hidden)
+        return torch.cat(logits), (torch.cat(hidden) if need_hidden else None)
 
     def op_fill(self, msg: FillMessage) -> FillResult:
         self.proposer.fill(msg)

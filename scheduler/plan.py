@@ -43,6 +43,21 @@ class AttentionPlan:
     def qo_lens(self) -> np.ndarray:
         return np.diff(self.qo_indptr)
 
+    def rows(self, lo: int, hi: int) -> "AttentionPlan":
+        """The plan of sequences [lo, hi) alone (a micro-batch of this step's rows)."""
+        q0, q1 = int(self.qo_indptr[lo]), int(self.qo_indptr[hi])
+        k0, k1 = int(self.paged_kv_indptr[lo]), int(self.paged_kv_indptr[hi])
+        mask = None
+        if self.custom_mask is not None:
+            sizes = np.diff(self.qo_indptr).astype(np.int64) * self.kv_lens.astype(np.int64)
+            ends = np.cumsum(sizes)
+            mask = self.custom_mask[int(ends[lo - 1]) if lo else 0 : int(ends[hi - 1]) if hi else 0]
+        return AttentionPlan(
+            qo_indptr=self.qo_indptr[lo : hi + 1] - q0, paged_kv_indptr=self.paged_kv_indptr[lo : hi + 1] - k0,
+            paged_kv_indices=self.paged_kv_indices[k0:k1], paged_kv_last_page_len=self.paged_kv_last_page_len[lo:hi],
+            kv_lens=self.kv_lens[lo:hi], positions=self.positions[q0:q1], slot_mapping=self.slot_mapping[q0:q1],
+            page_size=self.page_size, custom_mask=mask)
+
 
 def build_plan(
     qo_lens: Sequence[int],

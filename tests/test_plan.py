@@ -253,3 +253,24 @@ def test_a_tree_for_every_row_plans_what_per_row_masks_and_positions_plan(starts
     for name in AttentionPlan.__slots__:
         a, b = getattr(want, name), getattr(got, name)
         assert np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b, name
+
+
+@given(st.lists(st.tuples(st.integers(1, 5), st.integers(0, 30)), min_size=2, max_size=6), st.integers(1, 4),
+       st.booleans(), st.data())
+@settings(max_examples=60, deadline=None, database=None)
+def test_a_plan_of_some_rows_is_the_plan_of_those_rows_alone(rows, page_size, masked, data):
+    """`AttentionPlan.rows(lo, hi)` (a verify micro-batch) equals planning rows [lo, hi) alone."""
+    qo = [q for q, _ in rows]
+    kv = [q + p for q, p in rows]
+    rng = np.random.default_rng(len(rows))
+    tables = [rng.permutation(300)[: -(-k // page_size)].tolist() for k in kv]
+    masks = [rng.random((q, k)) < 0.5 for q, k in zip(qo, kv)] if masked else None
+    lo = data.draw(st.integers(0, len(rows) - 1))
+    hi = data.draw(st.integers(lo + 1, len(rows)))
+    whole = build_plan(qo, kv, tables, page_size, custom_masks=masks)
+    alone = build_plan(qo[lo:hi], kv[lo:hi], tables[lo:hi], page_size,
+                       custom_masks=masks[lo:hi] if masks else None)
+    part = whole.rows(lo, hi)
+    for name in AttentionPlan.__slots__:
+        a, b = getattr(alone, name), getattr(part, name)
+        assert (a is None and b is None) or (np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b), name

@@ -84,3 +84,20 @@ def test_the_engine_runs_its_worker_process_under_the_guard_when_asked(plain):
                     for p in PROMPTS]
 
     assert anyio.run(main) == plain
+
+
+@pytest.mark.parametrize("kind", ["mtp", "draft", "eagle"])
+def test_a_verify_in_two_micro_batches_emits_the_same_tokens(kind, plain):
+    d, ckpt, schedules = CASES[kind]
+    spec = wiring.proposer_spec(kind, d)
+    proposer_dir = {"draft": bundled.draft_dir, "mtp": bundled.mtp_dir}[ckpt]()
+    two = ModelWorker(str(bundled.target_dir()), {"kind": kind, "draft_len": d, "tree_parents": list(spec.tree_parents)},
+                      proposer_dir=str(proposer_dir), num_pages=256, page_size=16, sync_guard=True,
+                      verify_micro_batches=2)
+    one = _worker(kind, False)
+    for schedule in schedules:
+        for temperature in (0.0,) if kind == "eagle" else (0.0, 0.8):
+            got = _serve(two, schedule, temperature)
+            assert got == _serve(one, schedule, temperature), (schedule, temperature)
+            if temperature == 0.0:
+                assert got == plain
