@@ -329,3 +329,26 @@ def test_gpu_reanchored_clock_stays_on_host_time(cycles_per_ms):
             event.synchronize()
             done_ns = time.monotonic_ns()
             assert event.launch_ns - 200_000 <= event.start_ns < event.end_ns <= done_ns + 200_000
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("proposer,draft_len,schedule", [("draft", 4, "overlap"), ("mtp", 1, "mtp")])
+def test_engine_launches_on_the_gpu_return_at_once_and_never_sync(proposer, draft_len, schedule):
+    """Under the sync guard (and CUDA's sync debug mode "error") every op of the engine on the
+    GPU only enqueues work: a launch returns in well under a millisecond, median."""
+    import anyio
+
+    from specsched.runtime import bundled
+    from specsched.runtime.bench import run_workload
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.runtime.workload import load_workload
+
+    items = load_workload(bundled.workload_path(), limit=4, max_tokens=32)
+    cfg = EngineConfig(proposer=proposer, draft_len=draft_len, schedule=schedule, device="cuda",
+                       sync_guard=True)
+    metrics, trace, _ = anyio.run(lambda: run_workload(cfg, items, concurrency=4, warmup=1, agreement=False,
+                                                       record=True))
+    assert metrics["requests_failed"] == 0
+    launches = sorted(s.end_ns - s.start_ns for s in trace.spans if s.track == "host" and s.name == "launch")
+    assert launches and launches[len(launches) // 2] < MS
