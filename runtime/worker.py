@@ -1,7 +1,7 @@
 """ModelWorker: executes the pipeline's ops inside the device (worker process or CUDA).
 
 Why: the device, not the host, owns weights, KV caches and per-request token state (a
-`TokenBuffer` on the device, and a draft buffer). The host's messages say which positions to
+`TokenBuffer` on the device; a step's drafts follow each row's last token there). The host's messages say which positions to
 compute; the tokens the device itself produced (samples, accepted drafts, bonus tokens) never
 need a round trip before the next launch, and no op reads a device value on the host: what
 the host needs back is copied into host-side buffers, read after the op's event. That is
@@ -141,10 +141,10 @@ class ModelWorker:
         self.acceptance = acceptance
         self.threshold = threshold
         self.states: dict[int, SeqState] = {}
-        # request tokens and this step's drafts live on the device, indexed by slot
+        # request tokens live on the device, indexed by slot; a step's drafts sit right after
+        # each row's last token, where the verify reads them with it in one gather
         self.tokens = TokenBuffer(self.target.config.max_position_embeddings + 1, self.device)
         self.draft_width = max(1, self.spec.num_candidates)
-        self.drafts = torch.zeros((8, self.draft_width), dtype=torch.int64, device=self.device)
         self.proposer = make_proposer(self, self.spec, proposer_dir, num_pages, ngram)
         self.last_hidden: dict | None = None  # target hidden states of the latest target launch
         # ops enqueue device work only; with the guard a host read of a device value fails the op
@@ -200,22 +200,20 @@ class ModelWorker:
             return host_side(h)
         return host_side(t)  # already in host memory; the op made it and writes it no more
 
-    def set_drafts(self, slots: list[int], drafts: torch.Tensor, counts: list[int]) -> None:
-        """This step's drafts [B, <=width] of each row into the draft buffer, and their counts."""
-        top = max(slots, default=-1)
-        if top >= self.drafts.shape[0]:
-            grown = torch.zeros((max(top + 1, 2 * self.drafts.shape[0]), self.draft_width), dtype=torch.int64,
-                                device=self.device)
-            grown[: self.drafts.shape[0]] = self.drafts
-            self.drafts = grown
-        if slots and drafts.shape[1]:
-            self.drafts[torch.as_tensor(slots, device=self.device), : drafts.shape[1]] = drafts.to(torch.int64)
+    def set_drafts(self, slots: list[int], starts: np.ndarray, drafts: torch.Tensor, counts: list[int]) -> None:
+        """This step's drafts [B, draft_width] (columns past a row's count: any valid token) go
+        right after each row's last token (at starts[i]); their counts are kept on the host."""
+        w = drafts.shape[1]
+        if slots and w:
+            pos = (np.asarray(starts)[:, None] + 1 + np.arange(w)).reshape(-1)
+            self.tokens.write(np.repeat(np.asarray(slots), w), pos, drafts)
         for s, n in zip(slots, counts):
             self.states[s].num_drafts = n
 
-    def get_drafts(self, slots: list[int], width: int) -> torch.Tensor:
-        """[B, width] the rows' drafts (positions past a row's count hold stale tokens)."""
-        return self.drafts[torch.as_tensor(slots, device=self.device), :width]
+    def get_drafts(self, slots: list[int], starts: np.ndarray, width: int) -> torch.Tensor:
+        """[B, width] the rows' drafts (positions past a row's count hold other tokens)."""
+        pos = (np.asarray(starts)[:, None] + 1 + np.arange(width)).reshape(-1)
+        return self.tokens.at(np.repeat(np.asarray(slots), width), pos).view(len(slots), width)
 
     def sampling_tensors(self, rows: list[SeqState], repeat: int = 1) -> SamplingTensors:
         """The rows' sampling parameters on this device, each row repeated `repeat` times."""
@@ -273,11 +271,11 @@ class ModelWorker:
         # a tree is scored by depth: position k = a node at depth k accepted
         num_drafts = [min(n, self.spec.max_accept) for n in counts] if self.spec.is_tree else counts
         b = len(rows)
-        last = self.tokens.at(msg.slots, msg.start)  # [B] each row's last token
-        drafts = self.get_drafts(slots, width - 1)
-        have = torch.as_tensor(np.arange(width - 1) < np.asarray(counts)[:, None], device=self.device)
-        draft_t = torch.where(have, drafts, last.unsqueeze(-1))  # a row that drafted less: padded
-        input_ids = torch.cat([last.unsqueeze(-1), draft_t], dim=1).reshape(-1)
+        # each row's last token and its drafts, side by side in the token buffer (a row that
+        # drafted less has other valid tokens there: never accepted, their KV overwritten)
+        input_ids = self.tokens.ranges(msg.slots, msg.start, msg.start + width)
+        grid = input_ids.view(b, width)
+        last, draft_t = grid[:, 0], grid[:, 1:]
         logits, hidden = self._verify_forward(plan, step, positions, input_ids, b, width)
         logits = logits.view(b, width, -1)
         t1 = time.monotonic_ns()
@@ -295,7 +293,7 @@ class ModelWorker:
                 res = greedy_verify(draft_t, nd, logits)
             else:
                 probs = logits_to_probs(logits.reshape(b * width, -1), self.sampling_tensors(rows, width))
-                q = self.proposer.draft_probs(rows, slots, width - 1)
+                q = self.proposer.draft_probs(rows, slots, msg.start, width - 1)
                 res = rejection_verify(draft_t, nd, q, probs.view(b, width, -1),
                                        [st.generator for st in rows])
             if self.proposer.needs_hidden:

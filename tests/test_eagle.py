@@ -57,8 +57,8 @@ def tokens_of(worker: ModelWorker, length: int) -> list[int]:
     return worker.tokens.data[0, :length].tolist()
 
 
-def set_drafts(worker: ModelWorker, drafts: list[int]) -> None:
-    worker.set_drafts([0], torch.tensor([drafts]), [len(drafts)])
+def set_drafts(worker: ModelWorker, req: Request, drafts: list[int]) -> None:
+    worker.set_drafts([0], np.array([req.num_tokens - 1]), torch.tensor([drafts]), [len(drafts)])
 
 
 def verify_msg(req: Request, blocks: BlockManager, tree=TREE, step: int = 1) -> dict:
@@ -80,7 +80,7 @@ def test_tree_verify_matches_sequential_branches(head_family):
     toks = tokens_of(worker, req.num_tokens)
     gen = torch.Generator().manual_seed(2)
     drafts = torch.randint(0, 32, (len(TREE),), generator=gen).tolist()
-    set_drafts(worker, drafts)
+    set_drafts(worker, req, drafts)
     vmsg = verify_msg(req, blocks)
     plan, step, positions = worker.plan(vmsg.plan)
     ids = torch.tensor([toks[-1]] + drafts)
@@ -118,7 +118,7 @@ def test_tree_acceptance_is_the_best_branch(head_family):
                 a = TREE[a]
             for k, n in enumerate(path[: int(rng.integers(1, len(path) + 1))]):
                 drafts[n] = g[k + 1]
-        set_drafts(worker, drafts)
+        set_drafts(worker, req, drafts)
         vmsg = verify_msg(req, blocks, step=trial + 1)
         plan, step, positions = worker.plan(vmsg.plan)
         out = worker.target(torch.tensor([toks[-1]] + drafts), step, worker.kv, positions,
@@ -148,7 +148,7 @@ def test_draft_tree_matches_dense_branches(head_family):
     toks = tokens_of(worker, req.num_tokens)
     L = len(toks)
     worker.execute("draft", device_messages.draft(3, blocks.page_table("r", "mtp"), PAGE, L))
-    drafts = worker.drafts[0, : len(TREE)].tolist()
+    drafts = worker.get_drafts([0], np.array([L - 1]), len(TREE))[0].tolist()
     head, target = worker.proposer.head, worker.target
     seq = torch.tensor([toks])
     _, hidden = target.forward_full(seq)
@@ -192,7 +192,7 @@ def test_accepted_path_kv_is_compacted_and_filled(head_family):
         g.append(int(worker.target.forward_full(torch.tensor([toks + g]))[0][0, -1].argmax()))
     drafts = [(g[0] + 1) % 32] * len(TREE)
     drafts[1], drafts[4] = g[0], g[1]  # branch 1 -> 4: slots of nodes 1, 4 move to L, L+1
-    set_drafts(worker, drafts)
+    set_drafts(worker, req, drafts)
     res = worker.execute("verify", verify_msg(req, blocks))
     assert res.accepted.tolist() == [2] and res.tokens[0, :3].tolist() == g
     # target KV of positions 0..L+1 equals a plain prefill of the accepted sequence

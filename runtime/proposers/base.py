@@ -2,9 +2,11 @@
 picks one is runtime/proposers/factory.py, so this module imports no proposer).
 
 A proposer lives inside the worker next to the target. It answers four calls:
-  draft(msg)            make up to D tokens per row into SeqState.drafts (one launch)
+  draft(msg)            make up to D tokens per row, after its last token in the worker's
+                        token buffer (`ModelWorker.set_drafts`; one launch)
   fill(msg)             extend its own KV over tokens it has not seen; carry logits
-  draft_probs(rows, D)  [B, D, V] distributions the drafts were sampled from, or None (one-hot)
+  draft_probs(rows, slots, starts, D)  [B, D, V] distributions the drafts were sampled from,
+                        or None (one-hot)
   agreement(p, o)       teacher-forced greedy agreement with an output (for trace replay)
 """
 from __future__ import annotations
@@ -45,7 +47,8 @@ class NoProposer:
     def fill(self, msg: "FillMessage") -> None:
         raise RuntimeError("no proposer configured: nothing to fill")
 
-    def draft_probs(self, rows: list["SeqState"], slots: list[int], num: int) -> torch.Tensor | None:
+    def draft_probs(self, rows: list["SeqState"], slots: list[int], starts: np.ndarray, num: int
+                    ) -> torch.Tensor | None:
         return None
 
     def agreement(self, prompt: list[int], output: list[int]) -> list[int]:
@@ -91,14 +94,13 @@ class NgramDrafter(NoProposer):
         self._catch_up()
         w = self.worker
         slots = msg.slots.tolist()
-        width = max(1, int(msg.num_draft.max(initial=0)))
-        out = np.zeros((len(slots), width), dtype=np.int64)
+        out = np.zeros((len(slots), w.draft_width), dtype=np.int64)
         counts = []
         for i, (slot, d) in enumerate(zip(slots, msg.num_draft.tolist())):
             drafts = self.lookup.propose(self.seqs[slot], d) if d > 0 else []
             out[i, : len(drafts)] = drafts
             counts.append(len(drafts))
-        w.set_drafts(slots, torch.as_tensor(out, device=w.device), counts)
+        w.set_drafts(slots, msg.start, torch.as_tensor(out, device=w.device), counts)
         return np.asarray(counts, dtype=np.int64)
 
     def agreement(self, prompt: list[int], output: list[int]) -> list[int]:
@@ -125,13 +127,14 @@ class DraftCollector:
     """One draft launch's tokens, sampled step by step into a [B, D] device tensor, and the
     distributions q they were drawn from, stacked into `SeqState.draft_q` by `finish`."""
 
-    def __init__(self, worker: "ModelWorker", slots: list[int], rows: list["SeqState"], num_draft: list[int]):
+    def __init__(self, worker: "ModelWorker", slots: list[int], starts: np.ndarray, rows: list["SeqState"],
+                 num_draft: list[int]):
         self.worker = worker
         self.slots = slots
+        self.starts = starts
         self.rows = rows
         self.num_draft = num_draft
-        width = max(num_draft, default=0)
-        self.tokens = torch.zeros((len(rows), max(width, 1)), dtype=torch.int64, device=worker.device)
+        self.tokens = torch.zeros((len(rows), worker.draft_width), dtype=torch.int64, device=worker.device)
         self.qs: list[list[torch.Tensor]] = [[] for _ in rows]
 
     def first(self, logits: torch.Tensor) -> None:
@@ -158,19 +161,19 @@ class DraftCollector:
         """Store the drafts in the worker's draft buffer and sampled rows' draft_q [n, V];
         returns the draft counts (what each row was asked for: a model always drafts them)."""
         counts = [d if d > 0 else 0 for d in self.num_draft]
-        self.worker.set_drafts(self.slots, self.tokens, counts)
+        self.worker.set_drafts(self.slots, self.starts, self.tokens, counts)
         for i, st in enumerate(self.rows):
             st.draft_q = torch.stack(self.qs[i][: counts[i]]) if (self.qs[i] and counts[i] and not st.greedy) else None
         return np.asarray(counts, dtype=np.int64)
 
 
-def one_hot_or(worker: "ModelWorker", rows: list["SeqState"], slots: list[int], num: int, vocab: int
-               ) -> torch.Tensor | None:
+def one_hot_or(worker: "ModelWorker", rows: list["SeqState"], slots: list[int], starts: np.ndarray, num: int,
+               vocab: int) -> torch.Tensor | None:
     """Stack rows' draft distributions [B, num, V]; rows drafted greedily get one-hot rows of
-    their drafts (from the draft buffer, on the device)."""
+    their drafts (from the token buffer, on the device)."""
     if all(st.draft_q is None for st in rows):
         return None
-    drafts = worker.get_drafts(slots, num)
+    drafts = worker.get_drafts(slots, starts, num)
     out = torch.zeros(len(rows), num, vocab, device=worker.device)
     out.scatter_(2, drafts.unsqueeze(-1), 1.0)  # one-hot everywhere; sampled rows overwritten
     for i, st in enumerate(rows):

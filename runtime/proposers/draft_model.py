@@ -35,7 +35,7 @@ class DraftModelProposer(NoProposer):
         num_draft = msg.num_draft.tolist()
         tables, table_lens = msg.page_tables, msg.table_lens
         L = (msg.start + 1).tolist()  # tokens per row (the last emitted one at start)
-        drafts = DraftCollector(w, slots, rows, num_draft)
+        drafts = DraftCollector(w, slots, msg.start, rows, num_draft)
         drafts.first(torch.stack([st.carried for st in rows]))
         for k in range(1, max(num_draft, default=0)):
             active = [i for i in range(len(rows)) if num_draft[i] > k]
@@ -56,8 +56,8 @@ class DraftModelProposer(NoProposer):
         for i, st in enumerate(rows):
             st.carried = out.logits[i]
 
-    def draft_probs(self, rows, slots, num: int) -> torch.Tensor | None:
-        return one_hot_or(self.worker, rows, slots, num, self.worker.target.config.vocab_size)
+    def draft_probs(self, rows, slots, starts, num: int) -> torch.Tensor | None:
+        return one_hot_or(self.worker, rows, slots, starts, num, self.worker.target.config.vocab_size)
 
     def agreement(self, prompt: list[int], output: list[int]) -> list[int]:
         if not output:

@@ -111,7 +111,7 @@ class HeadProposer(NoProposer):
         rows = [w.states[s] for s in slots]
         num_draft = msg.num_draft.tolist()
         L = (msg.start + 1).tolist()  # tokens per row
-        drafts = DraftCollector(w, slots, rows, num_draft)
+        drafts = DraftCollector(w, slots, msg.start, rows, num_draft)
         drafts.first(torch.stack([st.carried for st in rows]))
         hidden = torch.stack([st.extra["hidden"] for st in rows])  # [B, H]
         for k in range(2, max(num_draft, default=0) + 1):
@@ -123,8 +123,8 @@ class HeadProposer(NoProposer):
             drafts.extend(active, k - 1, out.logits)
         return drafts.finish()
 
-    def draft_probs(self, rows, slots, num: int) -> torch.Tensor | None:
-        return one_hot_or(self.worker, rows, slots, num, self.worker.target.config.vocab_size)
+    def draft_probs(self, rows, slots, starts, num: int) -> torch.Tensor | None:
+        return one_hot_or(self.worker, rows, slots, starts, num, self.worker.target.config.vocab_size)
 
     # -- teacher-forced agreement ---------------------------------------------------------------
     def agreement(self, prompt: list[int], output: list[int]) -> list[int]:
@@ -193,7 +193,7 @@ class EagleProposer(HeadProposer):
                 node_hidden[n] = hs[:, r]
                 self._expand(n, logits[:, r], tokens)
         counts = [t if d > 0 else 0 for d in msg.num_draft.tolist()]
-        w.set_drafts(slots, tokens, counts)
+        w.set_drafts(slots, msg.start, tokens, counts)
         for st in rows:
             st.draft_q = None
         return np.asarray(counts, dtype=np.int64)
