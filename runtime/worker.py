@@ -88,6 +88,8 @@ class TokenBuffer:
     def ranges(self, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> torch.Tensor:
         """Tokens [starts[i], ends[i]) of each row, concatenated (host arrays in, device out)."""
         lens = ends - starts
+        if lens.size and lens.min() == 1 and lens.max() == 1:  # decode rows: one token each
+            return self.at(slots, starts)
         rows = np.repeat(slots, lens)
         pos = np.arange(int(lens.sum())) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
         return self.at(rows, pos)
@@ -107,7 +109,8 @@ class TokenBuffer:
                                                                                       device=self.device)
             return (s * self.max_len + p).reshape(-1)
         flat = np.asarray(slots, dtype=np.int64) * self.max_len + np.asarray(positions, dtype=np.int64)
-        return torch.as_tensor(flat.reshape(-1), device=self.device)
+        flat = torch.from_numpy(np.ascontiguousarray(flat.reshape(-1)))
+        return flat if self.device.type == "cpu" else flat.to(self.device)
 
 
 class ModelWorker:
