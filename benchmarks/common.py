@@ -3,7 +3,12 @@ workload and return its metrics and trace; put another checkout's code on the pa
 subprocess, for side-by-side runs."""
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import anyio
@@ -52,3 +57,21 @@ def specsched_path(checkout: Path, workdir: Path) -> str:
         if not (pkg / name).exists():
             (pkg / name).symlink_to(checkout.resolve() / name)
     return str(workdir)
+
+
+def side_by_side(cmd: list[str], baseline: Path, rounds: int) -> dict[str, list]:
+    """Run `cmd` (a script's `--json` mode, printing one JSON value on its last line) in
+    alternating processes -- this checkout, then `baseline`'s code, then the other way round --
+    for `rounds` rounds: {"this": [value per round], "baseline": [...]}. A failing run exits
+    with its error output."""
+    runs: dict[str, list] = {"this": [], "baseline": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        envs = {"this": dict(os.environ),
+                "baseline": {**os.environ, "PYTHONPATH": specsched_path(baseline, Path(tmp))}}
+        for r in range(rounds):
+            for name in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
+                res = subprocess.run(cmd, env=envs[name], capture_output=True, text=True)
+                if res.returncode:
+                    sys.exit(f"the {name} run failed:\n{res.stderr[-4000:]}")
+                runs[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
+    return runs

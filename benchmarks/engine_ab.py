@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bundled_items, run, specsched_path  # noqa: E402
+from common import bundled_items, run, side_by_side  # noqa: E402
 
 CONFIGS = {  # name -> EngineConfig fields
     "none/sync": {"proposer": "none", "schedule": "sync"},
@@ -52,17 +49,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(measure(args.concurrency, args.num_requests, args.max_tokens, args.configs)))
         return
-    runs: dict[str, list[dict]] = {"this": [], "baseline": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        envs = {"this": dict(os.environ),
-                "baseline": {**os.environ, "PYTHONPATH": specsched_path(args.baseline, Path(tmp))}}
-        cmd = [sys.executable, __file__, "--json", "--baseline", str(args.baseline), "--num-requests",
+    cmd = [sys.executable, __file__, "--json", "--baseline", str(args.baseline), "--num-requests",
                str(args.num_requests), "--max-tokens", str(args.max_tokens), "--concurrency",
                *map(str, args.concurrency), "--configs", *args.configs]
-        for r in range(args.rounds):
-            for name in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
-                out = subprocess.run(cmd, env=envs[name], capture_output=True, text=True, check=True).stdout
-                runs[name].append(json.loads(out.strip().splitlines()[-1]))
+    runs = side_by_side(cmd, args.baseline, args.rounds)
     print(f"median of {args.rounds} alternating rounds, output tokens/s ({args.num_requests} requests x "
           f"{args.max_tokens} tokens, bundled model)")
     print(f"{'config':>16} {'batch':>6} {'baseline':>9} {'this':>9} {'ratio':>7}")

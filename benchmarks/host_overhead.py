@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import specsched_path  # noqa: E402
+from common import side_by_side  # noqa: E402
 
 from specsched.scheduler import messages  # noqa: E402
 from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig  # noqa: E402
@@ -155,16 +152,9 @@ def main() -> None:
             print(f"{n:>8} {kind:>10} {m['schedule']:>9.3f} {m['kv_alloc']:>9.3f} {m['plan']:>9.3f} "
                   f"{m['accept']:>9.3f} {m['total']:>9.3f}")
         return
-    runs: dict[str, list[list[dict]]] = {"this": [], "baseline": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        envs = {"this": dict(os.environ),
-                "baseline": {**os.environ, "PYTHONPATH": specsched_path(args.baseline, Path(tmp))}}
-        cmd = [sys.executable, __file__, "--json", "--steps", str(args.steps), "--requests",
+    cmd = [sys.executable, __file__, "--json", "--steps", str(args.steps), "--requests",
                *map(str, args.requests)]
-        for r in range(args.rounds):
-            for name in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
-                out = subprocess.run(cmd, env=envs[name], capture_output=True, text=True, check=True).stdout
-                runs[name].append(json.loads(out))
+    runs = side_by_side(cmd, args.baseline, args.rounds)
     print(f"median of {args.rounds} alternating rounds, ms per step (schedule + kv_alloc + plan + accept)")
     print(f"{'running':>8} {'step':>10} {'stage':>9} {'baseline':>9} {'this':>9} {'ratio':>7}")
     for i, (n, _, kind) in enumerate(cases):

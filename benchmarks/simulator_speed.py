@@ -22,17 +22,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import specsched_path  # noqa: E402
+from common import side_by_side  # noqa: E402
 
 from specsched.simulator.fit import fit_profile  # noqa: E402
 from specsched.simulator.replay import ReplayConfig, replay  # noqa: E402
@@ -113,18 +110,9 @@ def main() -> None:
             print(f"{m['concurrency']:>11} {m['requests']:>8} {m['steps']:>6} {m['cpu_ms_per_step']:>11.3f} "
                   f"{m['realtime_x']:>9.1f}x")
         return
-    runs: dict[str, list[list[dict]]] = {"this": [], "baseline": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        envs = {"this": dict(os.environ),
-                "baseline": {**os.environ, "PYTHONPATH": specsched_path(args.baseline, Path(tmp))}}
-        cmd = [sys.executable, __file__, "--json", "--repeats", str(args.repeats),
+    cmd = [sys.executable, __file__, "--json", "--repeats", str(args.repeats),
                "--min-seconds", str(args.min_seconds), "--concurrency", *map(str, args.concurrency)]
-        for r in range(args.rounds):
-            for name in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
-                res = subprocess.run(cmd, env=envs[name], capture_output=True, text=True)
-                if res.returncode:
-                    sys.exit(f"the {name} run failed:\n{res.stderr[-4000:]}")
-                runs[name].append(json.loads(res.stdout))
+    runs = side_by_side(cmd, args.baseline, args.rounds)
     print(f"median of {args.rounds} alternating rounds, each row the best of >= {args.repeats} replays and "
           f">= {args.min_seconds:g} s CPU; draft / overlap, D=4; ratio = this / baseline")
     print(f"{'concurrency':>11} {'steps':>7} {'base ms':>8} {'this ms':>8} {'ratio':>6} "

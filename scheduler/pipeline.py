@@ -188,12 +188,10 @@ class Pipeline:
     def _attrs(self, batch: StepBatch, computed: np.ndarray | None = None) -> dict:
         """The step's shape as span attributes; with `computed` (the rows' computed tokens
         after the step's bookkeeping) the output stage's."""
-        if computed is None:
-            return messages.batch_shape(batch, 1 + self.spec.num_candidates).attrs()
-        n = len(batch)
-        width = 1 + self.spec.num_candidates
-        return {"requests": n, "tokens": n * width if batch.is_spec else batch.num_tokens,
-                "kv_tokens": int((computed + batch.num_new + batch.num_draft).sum())}
+        attrs = messages.batch_shape(batch, 1 + self.spec.num_candidates).attrs()
+        if computed is not None:
+            attrs["kv_tokens"] = int((computed + batch.num_new + batch.num_draft).sum())
+        return attrs
 
     def _charge(self, name: str, attrs: dict) -> None:
         """Simulator: a host stage's modelled cost passes as busy time -- the virtual clock

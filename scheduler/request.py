@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import enum
 
-import numpy as np
-
 from specsched.scheduler.sampling_params import SamplingParams
 from specsched.scheduler.slot_state import SlotTable, own_counters, per_pos
 
@@ -125,49 +123,31 @@ class Request:
     def remaining_tokens(self) -> int:
         return self.params.max_tokens - self.num_output_tokens - self.num_pending_tokens
 
-    @property
-    def drafted_per_pos(self) -> list[int]:
-        """[D] drafts with >= k+1 tokens."""
+    def per_pos(self) -> tuple[list[int], list[int]]:
+        """([D] drafts with >= k+1 tokens, [D] of those accepted at >= k+1); the scheduler
+        records them (`SlotTable.record_spec`)."""
         t = self._table
         if t is None:
-            return per_pos(self._own["drafted_hist"], self._own["accepted_hist"])[0]
-        return t.per_pos(self._row)[0]
+            return per_pos(self._own["drafted_hist"], self._own["accepted_hist"])
+        return t.per_pos(self._row)
+
+    @property
+    def drafted_per_pos(self) -> list[int]:
+        return self.per_pos()[0]
 
     @property
     def accepted_per_pos(self) -> list[int]:
-        """[D] drafts accepted at >= k+1 tokens."""
-        t = self._table
-        if t is None:
-            return per_pos(self._own["drafted_hist"], self._own["accepted_hist"])[1]
-        return t.per_pos(self._row)[1]
-
-    def record_spec(self, num_drafted: int, num_accepted: int) -> None:
-        if self._table is not None:
-            self._table.record_spec(np.array([self._row]), np.array([num_drafted]), np.array([num_accepted]))
-            return
-        if num_drafted <= 0:
-            return
-        own = self._own
-        own["num_drafts"] += 1
-        own["drafted_tokens"] += num_drafted
-        own["accepted_tokens"] += num_accepted
-        for name, value in (("drafted_hist", num_drafted), ("accepted_hist", min(num_accepted, num_drafted))):
-            h = own[name]
-            if h is None or h.shape[0] <= num_drafted:
-                grown = np.zeros(num_drafted + 1, dtype=np.int64)
-                if h is not None:
-                    grown[: h.shape[0]] = h
-                own[name] = h = grown
-            h[value] += 1
+        return self.per_pos()[1]
 
     def spec_stats(self) -> dict:
         drafts, accepted = self.num_drafts, self.num_accepted_tokens
+        drafted_pos, accepted_pos = self.per_pos()
         return {
             "drafts": drafts,
             "drafted_tokens": self.num_drafted_tokens,
             "accepted_tokens": accepted,
             "mean_accept_len": (1.0 + accepted / drafts) if drafts else None,
             "accept_rate_per_pos": [
-                a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)
+                a / d if d else 0.0 for a, d in zip(accepted_pos, drafted_pos)
             ],
         }

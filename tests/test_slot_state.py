@@ -171,7 +171,7 @@ def test_a_handle_keeps_its_counters_after_its_slot_is_reused():
     a = Request("a", [1, 2, 3], SamplingParams(max_tokens=4), 0)
     a.num_computed_tokens = 5
     slot = table.attach(a)
-    a.record_spec(3, 2)
+    table.record_spec(np.array([slot]), np.array([3]), np.array([2]))
     table.detach(a)
     b = Request("b", [9], SamplingParams(max_tokens=2), 0)
     assert table.attach(b) == slot  # the freed slot goes to the next request

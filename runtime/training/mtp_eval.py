@@ -131,11 +131,12 @@ class AcceptanceSummary:
 def summarize(requests: list[Request]) -> AcceptanceSummary:
     drafts = sum(r.num_drafts for r in requests)
     accepted = sum(r.num_accepted_tokens for r in requests)
-    width = max((len(r.drafted_per_pos) for r in requests), default=0)
+    counts = [r.per_pos() for r in requests]  # (drafted, accepted) per position, once per request
+    width = max((len(d) for d, _ in counts), default=0)
     per_pos = []
     for k in range(width):
-        d = sum(r.drafted_per_pos[k] for r in requests if k < len(r.drafted_per_pos))
-        a = sum(r.accepted_per_pos[k] for r in requests if k < len(r.accepted_per_pos))
+        d = sum(dr[k] for dr, _ in counts if k < len(dr))
+        a = sum(ac[k] for _, ac in counts if k < len(ac))
         per_pos.append(a / d if d else 0.0)
     return AcceptanceSummary(len(requests), sum(r.num_output_tokens for r in requests), drafts,
                              1.0 + accepted / drafts if drafts else 1.0, tuple(per_pos))
