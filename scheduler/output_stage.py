@@ -1,0 +1,113 @@
+"""The pipeline's output stage: each request gets its new token ids, cut at max_tokens and
+EOS, and finishes when it is done.
+
+Why a module of its own: the step logic (scheduler/pipeline.py) reads as the schedule it
+implements; what happens to a step's emitted tokens -- whole-array counts and length
+finishes, the requests' consumers handed their tokens (they detokenize and apply stop
+strings, finishing a request through `Pipeline.stop_request`), aborts and stops that arrived
+meanwhile -- is this mixin's. It works on the pipeline's state: its slot table, sink, EOS
+ids, pending aborts and `_finish`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from specsched.scheduler.batch_builder import StepBatch
+from specsched.scheduler.request import Request
+
+SMALL_BATCH = 8  # rows up to which the output stage takes them one by one
+
+
+class OutputStage:
+    def _output(self, batch: StepBatch, rows: np.ndarray, tokens: list,
+                lens: np.ndarray | None = None) -> list[int]:
+        """The output stage: rows[j] of the batch gets tokens[j] (its first lens[j] when
+        given), cut at max_tokens and EOS; returns [B] tokens kept per row. Counts and finishes by length are whole-array; what
+        is left per row is handing the request its tokens. Rows with an abort or a stop
+        pending, or an EOS among their tokens, take `_emit` one by one."""
+        out = [0] * len(batch)
+        if not rows.size:
+            return out
+        t, reqs = self.table, batch.requests
+        if lens is not None:
+            tokens = [tk[:n] for tk, n in zip(tokens, lens.tolist())]
+        if rows.size <= SMALL_BATCH:  # a handful of rows: the array calls would cost more
+            for i, tk in zip(rows.tolist(), tokens):
+                out[i] = self._emit(reqs[i], tk)
+            return out
+        slots = batch.slots[rows]
+        live = t.gen[slots] == batch.gen[rows]  # a finished row keeps nothing
+        lens = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+        room = t.max_tokens[slots] - t.num_output[slots]
+        keep = np.where(live, np.minimum(lens, room), 0)
+        index = rows.tolist()
+        one_by_one = np.zeros(len(index), dtype=bool)
+        if self._aborts:
+            one_by_one |= np.fromiter((reqs[i].request_id in self._aborts for i in index), dtype=bool,
+                                      count=len(index))
+        if self.eos:
+            eos = self.eos
+            one_by_one |= np.fromiter((not eos.isdisjoint(tk) and not reqs[i].params.ignore_eos
+                                       for i, tk in zip(index, tokens)), dtype=bool, count=len(index))
+        bulk = (keep > 0) & ~one_by_one
+        now = self._now()
+        sink = self.sink.on_tokens
+        keep_l = keep.tolist()
+        for j in np.flatnonzero(bulk).tolist():
+            r, tk, k = reqs[index[j]], tokens[j], keep_l[j]
+            if k < len(tk):
+                tk = tk[:k]
+            r.output_token_ids.extend(tk)
+            if r.first_token_ns is None:
+                r.first_token_ns = now
+            sink(r, tk)
+            out[index[j]] = k
+        t.num_output[slots[bulk]] += keep[bulk]
+        for j in np.flatnonzero(bulk & (keep >= room)).tolist():
+            self._finish(reqs[index[j]], "length")
+        for j in np.flatnonzero(one_by_one & live).tolist():
+            out[index[j]] = self._emit(reqs[index[j]], tokens[j])
+        return out
+
+    def _emit(self, req: Request, tokens: list[int]) -> int:
+        """Append new tokens, applying max_tokens and EOS; the sink gets the tokens kept
+        (the request's consumer detokenizes them and applies stop strings)."""
+        if req.is_finished:
+            return 0
+        if req.abort_requested:
+            self._finish(req, "abort")
+            return 0
+        if req.stop_at is not None:
+            self._finish_stopped(req)
+            return 0
+        params = req.params
+        room = params.max_tokens - len(req.output_token_ids)
+        if len(tokens) > room:
+            tokens = tokens[:room]
+        reason = None
+        eos = self.eos
+        if eos and not params.ignore_eos and not eos.isdisjoint(tokens):
+            for j, tok in enumerate(tokens):
+                if tok in eos:
+                    tokens = tokens[: j + 1]
+                    reason = "stop"
+                    break
+        if not tokens:
+            return 0
+        if req.first_token_ns is None:
+            req.first_token_ns = self._now()
+        req.extend_output(tokens)
+        self.sink.on_tokens(req, tokens)
+        if reason is None and len(req.output_token_ids) >= params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self._finish(req, reason)
+        return len(tokens)
+
+
+    def _finish_stopped(self, req: Request) -> None:
+        """A stop string the consumer found: the output ends after `stop_at` tokens."""
+        if req.stop_at < req.num_output_tokens:
+            del req.output_token_ids[req.stop_at:]
+            req.extend_output([])
+        self._finish(req, "stop")
