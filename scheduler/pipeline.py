@@ -29,8 +29,8 @@ import numpy as np
 
 from specsched.scheduler import messages
 from specsched.scheduler.batch_builder import BatchBuilder, StepBatch
-from specsched.scheduler.protocols import Clock, Device, DeviceError, OutputSink
 from specsched.scheduler.output_stage import OutputStage
+from specsched.scheduler.protocols import Clock, Device, DeviceError, OutputSink
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.request import Request, RequestState
 from specsched.scheduler.step_trace import Launch, StepTrace
