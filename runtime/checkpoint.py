@@ -5,6 +5,12 @@ checked against the config -- and for NaN/inf, which would otherwise load silent
 generate token 0 forever -- before any is used, and each failure names the file and tensor
 so a broken checkpoint is fixed in one look. Sharded checkpoints
 (`model.safetensors.index.json`) are read shard by shard.
+
+Tensor parallel loading (`tp`): each rank reads only its slices of the sharded tensors
+(`safe_open(...).get_slice(name)[rows]`), so no rank ever holds a full copy of a sharded
+weight. Every tensor's full shape is checked from the file's header before any slice is read;
+the NaN/inf check covers what a rank reads, and a rank's failure fails the load on all ranks
+(a rank left behind would otherwise hang in the first forward's collective).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from specsched.runtime.config import ConfigError, ModelConfig
 from specsched.runtime.model import LlamaModel
+from specsched.runtime.parallel import TPGroup, check_tp_config
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -70,15 +77,38 @@ def load_config(path: str | Path) -> ModelConfig:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> LlamaModel:
-    """Read config and weights from a model directory; returns a frozen, eval-mode model."""
+               device: torch.device | str = "cpu", tp: TPGroup | None = None) -> LlamaModel:
+    """Read config and weights from a model directory; returns a frozen, eval-mode model.
+    With `tp`, this rank's shard of it (every rank of the group must call this)."""
     path = _model_dir(path)
     config = load_config(path)
-    tensors = _read_tensors(path)
-    _check_tensors(config, tensors, path)
-    model = LlamaModel(config, device=device, dtype=dtype)
+    if tp is None:
+        tensors = _read_tensors(path, config)
+    else:
+        try:
+            check_tp_config(config, tp.size)
+        except ValueError as exc:
+            raise CheckpointError(f"{path / CONFIG_FILE}: {exc}") from None
+        shards = LlamaModel.hf_shards(config, tp)
+        tensors = _agree(tp, device, path, lambda: _read_tensors(path, config, shards))
+    model = LlamaModel(config, device=device, dtype=dtype, tp=tp)
     model.load_hf(tensors)
     return model.requires_grad_(False).eval()
+
+
+def _agree(tp: TPGroup, device, path: Path, read):
+    """read() on every rank; if it failed on any rank, fail on all of them."""
+    try:
+        result, error = read(), None
+    except CheckpointError as exc:
+        result, error = None, exc
+    failed = tp.all_reduce(torch.tensor([error is not None], dtype=torch.int64, device=device))
+    if error is not None:
+        raise error
+    if int(failed.item()):
+        raise CheckpointError(f"cannot load {path}: it failed on another tensor-parallel rank "
+                              "(that rank's error names the problem)")
+    return result
 
 
 def _model_dir(path: str | Path) -> Path:
@@ -112,7 +142,12 @@ def _weight_files(path: Path) -> dict[Path, list[str] | None]:
     raise CheckpointError(f"missing weights: neither {WEIGHTS_FILE} nor {INDEX_FILE} in {path}{hint}")
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(path: Path, config: ModelConfig,
+                  shards: dict[str, tuple[int, slice]] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, each checked (name, full shape from the file header,
+    NaN/inf); with `shards` (name -> (dim, slice), see `LlamaModel.hf_shards`) only those
+    slices of the named tensors are read."""
+    expected = LlamaModel.hf_shapes(config)
     tensors: dict[str, torch.Tensor] = {}
     for file, names in _weight_files(path).items():
         try:
@@ -125,31 +160,36 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
                             f"missing tensor {absent[0]!r} in shard {file.name} (listed in {INDEX_FILE})"
                         )
                     keys = names
-                shard = {name: f.get_tensor(name) for name in keys}
+                shard = {}
+                for name in keys:
+                    part = f.get_slice(name)
+                    _check_shape(name, tuple(part.get_shape()), expected, path)
+                    spec = shards.get(name) if shards else None
+                    if spec is None:
+                        shard[name] = f.get_tensor(name)
+                    else:
+                        shard[name] = part[spec[1]] if spec[0] == 0 else part[:, spec[1]]
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"cannot read {file}: {exc}") from None
         check_finite(shard, file)
         tensors.update(shard)
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    for name, shape in expected.items():
+        if name not in tensors and name not in optional:
+            raise CheckpointError(f"missing tensor {name!r} in {path} (expected shape {shape})")
     return tensors
 
 
-def _check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], path: Path) -> None:
-    expected = LlamaModel.hf_shapes(config)
-    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    for name, shape in expected.items():
-        if name not in tensors:
-            if name in optional:
-                continue
-            raise CheckpointError(f"missing tensor {name!r} in {path} (expected shape {shape})")
-        got = tuple(tensors[name].shape)
-        if got != shape:
-            raise CheckpointError(
-                f"shape mismatch for tensor {name!r} in {path}: checkpoint has {got}, "
-                f"config.json implies {shape}"
-            )
-    for name in tensors:
-        if name not in expected and not name.endswith(IGNORED_SUFFIXES):
-            raise CheckpointError(f"unexpected tensor {name!r} in {path} (not part of a Llama model)")
+def _check_shape(name: str, got: tuple[int, ...], expected: dict[str, tuple[int, ...]], path: Path) -> None:
+    if name not in expected:
+        if name.endswith(IGNORED_SUFFIXES):
+            return
+        raise CheckpointError(f"unexpected tensor {name!r} in {path} (not part of a Llama model)")
+    if got != expected[name]:
+        raise CheckpointError(
+            f"shape mismatch for tensor {name!r} in {path}: checkpoint has {got}, "
+            f"config.json implies {expected[name]}"
+        )
 
 
 def save_llama(model, out_dir) -> None:

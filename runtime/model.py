@@ -9,6 +9,17 @@ attention backend's per-step state (`StepAttention`) is built once, not per laye
 Weights load from Hugging Face names through `DecoderLayer.load_hf` / `LlamaModel.load_hf`
 and go back out through `hf_state_dict`, so other modules (an MTP head is one DecoderLayer)
 can reuse these classes with their own checkpoints.
+
+Tensor parallelism (`tp`, a `specsched.runtime.parallel.TPGroup` of N ranks; None: no
+sharding and not one extra op): each layer is split Megatron style, so a layer costs two
+all-reduces and no other communication. Rank r holds query heads [r*Hq/N, (r+1)*Hq/N) and KV
+heads [r*Hkv/N, (r+1)*Hkv/N) -- query head groups map onto consecutive KV heads, so GQA stays
+rank-local -- as the rows of a column-parallel qkv_proj (its q, then k, then v rows) and the
+columns of a row-parallel o_proj, whose partial sums are all-reduced; the MLP likewise
+(gate_up: the rank's gate rows then its up rows; down_proj: its columns, all-reduced). The KV
+cache is sharded by KV heads, so page ids and plans are the same on every rank. Embedding,
+final norm and lm_head are replicated: the vocabulary is small and every rank (the leader
+above all, which samples and accepts) gets full logits with no gather.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from specsched.runtime.attention import StepAttention, get_backend
 from specsched.runtime.attention.torch_backend import CausalAttention
 from specsched.runtime.config import ModelConfig
 from specsched.runtime.kv_cache import PagedKVCache
+from specsched.runtime.parallel import TPGroup, shard_range
 
 
 @dataclass
@@ -138,24 +150,30 @@ class DecoderLayer(nn.Module):
     [P, 2, ps, Hkv, D] cache; None with CausalAttention), layer_idx (index passed to
     `step.attend`)) -> x after the block, same shape.
 
-    Weights start uninitialised: fill them with `load_hf` or `init_weights`.
+    Weights start uninitialised: fill them with `load_hf` or `init_weights`. With `tp` the
+    layer holds this rank's shard (module docstring) and num_heads, num_kv_heads and
+    intermediate_size are the rank's counts.
     """
 
-    def __init__(self, config: ModelConfig, device=None, dtype=None) -> None:
+    def __init__(self, config: ModelConfig, device=None, dtype=None, tp: TPGroup | None = None) -> None:
         super().__init__()
         h, d = config.hidden_size, config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        n = 1 if tp is None else tp.size
+        if tp is not None:  # what `load_hf` slices full tensors by (and names a field that does not split)
+            self._full_shapes, self._shards = self.hf_shapes(config), self.hf_shards(config, tp)
+        self.tp = tp
+        self.num_heads = config.num_attention_heads // n
+        self.num_kv_heads = config.num_key_value_heads // n
         self.head_dim = d
-        self.intermediate_size = config.intermediate_size
+        self.intermediate_size = config.intermediate_size // n
         self.eps = config.rms_norm_eps
         dd = dict(device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, **dd)
         self.qkv_proj = column_major_linear(h, (self.num_heads + 2 * self.num_kv_heads) * d, **dd)
         self.o_proj = column_major_linear(self.num_heads * d, h, **dd)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, **dd)
-        self.gate_up_proj = column_major_linear(h, 2 * config.intermediate_size, **dd)
-        self.down_proj = column_major_linear(config.intermediate_size, h, **dd)
+        self.gate_up_proj = column_major_linear(h, 2 * self.intermediate_size, **dd)
+        self.down_proj = column_major_linear(self.intermediate_size, h, **dd)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
@@ -175,11 +193,17 @@ class DecoderLayer(nn.Module):
         qk = apply_rope(qkv[..., : hq + hkv, :], cos, sin)
         attn = step.attend(layer_idx, qk[..., :hq, :], qk[..., hq:, :], qkv[..., hq + hkv :, :],
                            kv_layer)
-        x = x + F.linear(attn.reshape(*lead, hq * d), self.o_proj.weight)
+        o = F.linear(attn.reshape(*lead, hq * d), self.o_proj.weight)
+        if self.tp is not None:
+            self.tp.all_reduce(o)
+        x = x + o
         h = rms_norm(x, self.post_attention_layernorm.weight, self.eps)
         gate_up = F.linear(h, self.gate_up_proj.weight)
         i = self.intermediate_size
-        return x + F.linear(F.silu(gate_up[..., :i]) * gate_up[..., i:], self.down_proj.weight)
+        o = F.linear(F.silu(gate_up[..., :i]) * gate_up[..., i:], self.down_proj.weight)
+        if self.tp is not None:
+            self.tp.all_reduce(o)
+        return x + o
 
     HF_NAMES = (
         "input_layernorm.weight", "post_attention_layernorm.weight",
@@ -201,11 +225,38 @@ class DecoderLayer(nn.Module):
             "mlp.down_proj.weight": (h, i),
         }
 
+    @staticmethod
+    def hf_shards(config: ModelConfig, tp: TPGroup) -> dict[str, tuple[int, slice]]:
+        """Rank `tp.rank`'s part of each sharded Hugging Face tensor of a layer (names relative
+        to the layer) as (dim, slice): rows of q/k/v/gate/up, columns of o/down. The norms are
+        replicated, so absent. ValueError naming the field if the config does not split."""
+        d = config.head_dim
+        q, kv, i = (shard_range(getattr(config, f), tp.rank, tp.size, f) for f in
+                    ("num_attention_heads", "num_key_value_heads", "intermediate_size"))
+        q, kv = slice(q.start * d, q.stop * d), slice(kv.start * d, kv.stop * d)
+        return {
+            "self_attn.q_proj.weight": (0, q), "self_attn.k_proj.weight": (0, kv),
+            "self_attn.v_proj.weight": (0, kv), "self_attn.o_proj.weight": (1, q),
+            "mlp.gate_proj.weight": (0, i), "mlp.up_proj.weight": (0, i),
+            "mlp.down_proj.weight": (1, i),
+        }
+
+    def _local(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of `w`: sliced if `w` is the full tensor, as given otherwise."""
+        spec = self._shards.get(name)
+        if spec is None or tuple(w.shape) != self._full_shapes[name]:
+            return w
+        dim, s = spec
+        return w[s] if dim == 0 else w[:, s]
+
     @torch.no_grad()
     def load_hf(self, tensors: dict[str, torch.Tensor], prefix: str = "") -> None:
         """Copy weights given under Hugging Face names (`prefix + 'self_attn.q_proj.weight'`...),
-        fusing q/k/v and gate/up."""
+        fusing q/k/v and gate/up. A sharded layer takes full tensors (and slices its shard) or
+        this rank's shards as `hf_shards` cuts them (what a sharded `load_model` reads)."""
         t = {n: tensors[prefix + n] for n in self.HF_NAMES}
+        if self.tp is not None:
+            t = {n: self._local(n, w) for n, w in t.items()}
         self.input_layernorm.weight.copy_(t["input_layernorm.weight"])
         self.post_attention_layernorm.weight.copy_(t["post_attention_layernorm.weight"])
         self.qkv_proj.weight.copy_(torch.cat(
@@ -216,7 +267,8 @@ class DecoderLayer(nn.Module):
         self.down_proj.weight.copy_(t["mlp.down_proj.weight"])
 
     def hf_state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
-        """This layer's weights under Hugging Face names (unfused), for saving."""
+        """This layer's weights under Hugging Face names (unfused), for saving. A sharded layer
+        gathers the full tensors from all ranks: a collective, every rank must call it."""
         hq, hkv, d, i = self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
         q, k, v = self.qkv_proj.weight.detach().split([hq * d, hkv * d, hkv * d])
         gate, up = self.gate_up_proj.weight.detach().split([i, i])
@@ -228,6 +280,9 @@ class DecoderLayer(nn.Module):
             "mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up,
             "mlp.down_proj.weight": self.down_proj.weight.detach(),
         }
+        if self.tp is not None:
+            out = {n: self.tp.all_gather(w, self._shards[n][0]) if n in self._shards else w
+                   for n, w in out.items()}
         return {prefix + n: w.contiguous() for n, w in out.items()}
 
 
@@ -235,11 +290,14 @@ class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head (tied to the embedding if the
     config says so). `LlamaModel(config)` allocates uninitialised weights; use
     `specsched.runtime.checkpoint.load_model` to load a checkpoint or `LlamaModel.random` for a
-    randomly initialised one."""
+    randomly initialised one. With `tp` the decoder layers hold this rank's shards and the
+    rest is replicated (module docstring); every rank then runs every forward, with the same
+    inputs, and gets the same full logits."""
 
-    def __init__(self, config: ModelConfig, device=None, dtype=None) -> None:
+    def __init__(self, config: ModelConfig, device=None, dtype=None, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         dd = dict(device=device, dtype=dtype)
         # column-major like the Linear layers, since it may serve as the (tied) LM head
         self.embed_tokens = nn.Embedding(
@@ -247,7 +305,7 @@ class LlamaModel(nn.Module):
             _weight=column_major_weight(config.vocab_size, config.hidden_size, **dd).data,
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, **dd) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, tp=tp, **dd) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **dd)
         self.lm_head = column_major_linear(config.hidden_size, config.vocab_size, **dd)
@@ -271,10 +329,15 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, std: float = 0.02,
-               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "LlamaModel":
-        """A randomly initialised, frozen model (N(0, std) weights, unit norms)."""
+               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               tp: TPGroup | None = None) -> "LlamaModel":
+        """A randomly initialised, frozen model (N(0, std) weights, unit norms). With `tp`, this
+        rank's shard of the very model `tp=None` gives (the full one is built, then sliced)."""
         model = cls(config, device=device, dtype=dtype)
         model.init_weights(std, torch.Generator().manual_seed(seed))
+        if tp is not None:
+            full, model = model, cls(config, device=device, dtype=dtype, tp=tp)
+            model.load_hf(full.hf_state_dict())
         return model.requires_grad_(False).eval()
 
     @property
@@ -287,16 +350,25 @@ class LlamaModel(nn.Module):
 
     def make_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None,
                       device: torch.device | str | None = None) -> PagedKVCache:
+        """This rank's KV cache: all layers, its KV heads only."""
         c = self.config
-        return PagedKVCache(c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads,
+        return PagedKVCache(c.num_hidden_layers, num_pages, page_size, self.num_kv_heads,
                             c.head_dim, dtype or self.dtype, device or self.device)
 
     def attention_backend(self, name: str = "torch"):
-        """A backend configured with this model's head counts and dtype."""
-        c = self.config
-        return get_backend(name, num_qo_heads=c.num_attention_heads,
-                           num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                           dtype=self.dtype)
+        """A backend configured with this rank's head counts and the model's dtype."""
+        return get_backend(name, num_qo_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                           head_dim=self.config.head_dim, dtype=self.dtype)
+
+    @property
+    def num_heads(self) -> int:
+        """Query heads this rank computes (all of them without tp)."""
+        return self.config.num_attention_heads // (1 if self.tp is None else self.tp.size)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank caches (all of them without tp)."""
+        return self.config.num_key_value_heads // (1 if self.tp is None else self.tp.size)
 
     def compute_logits(self, hidden_normed: torch.Tensor) -> torch.Tensor:
         """[..., H] final-normed hidden states -> [..., V] float32 logits."""
@@ -352,8 +424,18 @@ class LlamaModel(nn.Module):
                 shapes[f"model.layers.{i}.{name}"] = shape
         return shapes
 
+    @staticmethod
+    def hf_shards(config: ModelConfig, tp: TPGroup) -> dict[str, tuple[int, slice]]:
+        """Rank `tp.rank`'s (dim, slice) of every sharded checkpoint tensor (the tensors not
+        named are replicated); see `DecoderLayer.hf_shards`."""
+        layer = DecoderLayer.hf_shards(config, tp)
+        return {f"model.layers.{i}.{name}": spec for i in range(config.num_hidden_layers)
+                for name, spec in layer.items()}
+
     @torch.no_grad()
     def load_hf(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy weights given under Hugging Face names; a sharded model takes full tensors or
+        this rank's shards of the layer weights (see `DecoderLayer.load_hf`)."""
         self.embed_tokens.weight.copy_(tensors["model.embed_tokens.weight"])
         self.norm.weight.copy_(tensors["model.norm.weight"])
         if not self.config.tie_word_embeddings:
@@ -362,6 +444,8 @@ class LlamaModel(nn.Module):
             layer.load_hf(tensors, f"model.layers.{i}.")
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight under Hugging Face names, full size: a sharded model gathers its layers'
+        shards (a collective, every rank must call it; each rank then holds a full copy)."""
         out = {"model.embed_tokens.weight": self.embed_tokens.weight.detach().contiguous(),
                "model.norm.weight": self.norm.weight.detach().contiguous()}
         if not self.config.tie_word_embeddings:

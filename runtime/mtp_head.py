@@ -12,6 +12,11 @@ lm_head give logits for t_{i+2}. The layer's output before that norm is the head
 A checkpoint is a directory: config.json (`architectures: ["SpecschedMTPHead"]`, the layer's
 shape, `norms`, `target_fingerprint`) and model.safetensors with the head's own weights
 only. Loading checks every field and tensor and names the file and the problem.
+
+On a tensor-parallel target (`target.tp`) the head follows it: its decoder layer is sharded
+like the target's (and so is its KV cache), while enorm/hnorm, eh_proj and the final norm stay
+replicated -- they are small, and every rank needs the full [N, H] input to the layer. The
+head's file is read whole and each rank keeps its slices (one layer: no memory worth saving).
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from specsched.runtime.checkpoint import CheckpointError, check_finite, read_con
 from specsched.runtime.config import ModelConfig
 from specsched.runtime.kv_cache import PagedKVCache
 from specsched.runtime.model import DecoderLayer, LlamaModel, RMSNorm, RotaryEmbedding
+from specsched.runtime.parallel import TPGroup
 
 ARCHITECTURE = "SpecschedMTPHead"
 CONFIG_FILE = "config.json"
@@ -47,9 +53,10 @@ class HeadOutput:
 
 class MTPHead(nn.Module):
     """The head's own weights; `bind(target)` attaches the shared embedding and lm_head
-    (kept outside the module's parameters, so they are never trained or saved)."""
+    (kept outside the module's parameters, so they are never trained or saved). With `tp`
+    the decoder layer holds this rank's shard (module docstring)."""
 
-    def __init__(self, config: ModelConfig, norms: bool = True) -> None:
+    def __init__(self, config: ModelConfig, norms: bool = True, tp: TPGroup | None = None) -> None:
         super().__init__()
         if config.num_hidden_layers != 1:
             raise ValueError(f"an MTP head has one decoder layer, config says {config.num_hidden_layers}")
@@ -59,7 +66,8 @@ class MTPHead(nn.Module):
         self.enorm = RMSNorm(h, config.rms_norm_eps) if norms else None
         self.hnorm = RMSNorm(h, config.rms_norm_eps) if norms else None
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.layer = DecoderLayer(config)
+        self.tp = tp
+        self.layer = DecoderLayer(config, tp=tp)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self._shared: tuple[torch.Tensor, torch.Tensor] | None = None  # (embed, lm_head)
@@ -78,6 +86,9 @@ class MTPHead(nn.Module):
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
+        if target.tp is not None:  # this rank's shard of the head an unsharded target gets
+            full, head = head, cls(config, norms, tp=target.tp)
+            head.load_tensors(full.state_for_save())
         head = head.to(device=target.device, dtype=target.dtype).requires_grad_(False).eval()
         return head.bind(target)
 
@@ -96,7 +107,7 @@ class MTPHead(nn.Module):
 
     def make_kv_cache(self, num_pages: int, page_size: int, device: torch.device | str | None = None) -> PagedKVCache:
         c = self.config
-        return PagedKVCache(1, num_pages, page_size, c.num_key_value_heads, c.head_dim, self.dtype,
+        return PagedKVCache(1, num_pages, page_size, self.layer.num_kv_heads, c.head_dim, self.dtype,
                             device or self.eh_proj.weight.device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -146,6 +157,7 @@ class MTPHead(nn.Module):
     # --- weights under checkpoint names ----------------------------------------------------
 
     def state_for_save(self) -> dict[str, torch.Tensor]:
+        """The head's weights under checkpoint names, full size (sharded: a collective)."""
         out = {"eh_proj.weight": self.eh_proj.weight.detach(), "norm.weight": self.norm.weight.detach()}
         if self.norms:
             out["enorm.weight"] = self.enorm.weight.detach()
@@ -175,17 +187,36 @@ class MTPHead(nn.Module):
 
 def target_fingerprint(target: LlamaModel) -> str:
     """A cheap identity of a target's weights: shapes plus a strided sample of every tensor,
-    rounded to bf16 so a float32 and a bfloat16 load of one checkpoint agree."""
+    rounded to bf16 so a float32 and a bfloat16 load of one checkpoint agree. A sharded target
+    gives its full model's fingerprint (its layers' shards are gathered: a collective)."""
     h = hashlib.sha256()
     c = target.config
     h.update(json.dumps([c.vocab_size, c.hidden_size, c.num_hidden_layers, c.intermediate_size,
                          c.num_attention_heads, c.num_key_value_heads, c.head_dim]).encode())
-    for name, p in sorted(target.named_parameters()):
+    for name, p in sorted(_full_parameters(target).items()):
         flat = p.detach().reshape(-1)
         sample = flat[:: max(1, flat.numel() // 1024)][:1024]
         h.update(name.encode())
         h.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
     return "sha256:" + h.hexdigest()[:16]
+
+
+def _full_parameters(target: LlamaModel) -> dict[str, torch.Tensor]:
+    """`target.named_parameters()`, with a sharded target's layer weights gathered and fused."""
+    params = dict(target.named_parameters())
+    if target.tp is None:
+        return params
+    for i, layer in enumerate(target.layers):
+        t = layer.hf_state_dict()
+        a, m = "self_attn.", "mlp."
+        params.update({
+            f"layers.{i}.qkv_proj.weight": torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"],
+                                                      t[a + "v_proj.weight"]]),
+            f"layers.{i}.o_proj.weight": t[a + "o_proj.weight"],
+            f"layers.{i}.gate_up_proj.weight": torch.cat([t[m + "gate_proj.weight"], t[m + "up_proj.weight"]]),
+            f"layers.{i}.down_proj.weight": t[m + "down_proj.weight"],
+        })
+    return params
 
 
 def save_head(head: MTPHead, out_dir: str | Path, target: LlamaModel, **card_fields) -> Path:
@@ -277,7 +308,7 @@ def load_head(path: str | Path, target: LlamaModel, *, check_target: bool = True
         if name not in expected:
             why = " (norms is false in config.json)" if name in ("enorm.weight", "hnorm.weight") else ""
             raise CheckpointError(f"unexpected tensor {name!r} in {weights}{why}")
-    head = MTPHead(config, norms)
+    head = MTPHead(config, norms, tp=target.tp)
     head.load_tensors(tensors)
     head = head.to(device=target.device, dtype=target.dtype).requires_grad_(False).eval()
     return head.bind(target)
