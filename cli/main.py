@@ -34,6 +34,8 @@ def generate(
     draft: Optional[str] = typer.Option(None, help="draft checkpoint dir"),
     mtp_head: Optional[str] = typer.Option(None, "--mtp-head", help="MTP/EAGLE head dir"),
     schedule: Optional[str] = typer.Option(None),
+    tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel size: shard the target over N "
+                                     "worker processes (default 1)"),
     config_file: Optional[Path] = typer.Option(None, "--config", help="EngineConfig JSON/YAML"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -45,7 +47,7 @@ def generate(
     from specsched.scheduler.sampling_params import SamplingParams
 
     cfg = engine_config(model=model, proposer=spec, draft_len=draft_len, draft=draft, mtp_head=mtp_head,
-                        schedule=schedule, config_file=config_file)
+                        schedule=schedule, tensor_parallel_size=tp, config_file=config_file)
     try:
         params = SamplingParams.make(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, stop=list(stop))
@@ -161,6 +163,8 @@ def bench(
                                        "--config file's, else none)"),
     draft_len: Optional[int] = typer.Option(None, "--draft-len"),
     schedule: Optional[str] = typer.Option(None),
+    tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel size: shard the target over N "
+                                     "worker processes (default 1)"),
     warmup: int = typer.Option(1),
     trace: Optional[Path] = typer.Option(None, help="write the run's trace (JSONL)"),
     compare_plain: bool = typer.Option(False, "--compare-plain", help="also run plain decoding; add speedup_vs_plain"),
@@ -192,7 +196,7 @@ def bench(
         except ValueError as e:
             _fail(f"--otlp: {e}")
     cfg = engine_config(model=model, draft=draft, mtp_head=mtp_head, proposer=spec, draft_len=draft_len,
-                        schedule=schedule, config_file=config_file)
+                        schedule=schedule, tensor_parallel_size=tp, config_file=config_file)
     items = _workload(workload, num_requests, max_tokens, temperature)
     from specsched.runtime.engine import AsyncEngine
     from specsched.runtime.workload import check_workload

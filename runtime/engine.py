@@ -200,6 +200,7 @@ class AsyncEngine:
         self._check_tokenizers()
         self.max_model_len = self._max_model_len()
         self._check_smallest_request_fits()
+        self._check_tensor_parallel()
 
     # -- setup --------------------------------------------------------------------------------
     def _proposer_dir(self) -> str | None:
@@ -239,6 +240,20 @@ class AsyncEngine:
                 f"draft {d} and target {self.model_dir} use different tokenizers; speculative "
                 "decoding needs the same vocabulary"
             )
+
+    def _check_tensor_parallel(self) -> None:
+        """A target (or head) whose heads or MLP do not split over the ranks is named here,
+        before any rank starts."""
+        n = self.config.tensor_parallel_size
+        if n == 1:
+            return
+        from specsched.runtime.checkpoint import load_config
+        from specsched.runtime.parallel import check_tp_config
+
+        try:
+            check_tp_config(load_config(self.model_dir), n)
+        except ValueError as e:
+            raise ConfigurationError(f"model {self.model_dir}: {e}") from None
 
     def _max_model_len(self) -> int:
         from specsched.runtime.checkpoint import load_config
@@ -291,6 +306,8 @@ class AsyncEngine:
             "num_threads": c.worker_threads,
             "sync_guard": c.sync_guard,
             "verify_micro_batches": c.verify_micro_batches,
+            "tensor_parallel_size": c.tensor_parallel_size,
+            "tp_channel": c.tp_channel,
         })
 
     async def __aenter__(self) -> "AsyncEngine":

@@ -45,6 +45,10 @@ class EngineConfig(BaseModel):
     worker_threads: int = 1
     verify_micro_batches: int = Field(1, description="run a verify's rows as this many target forwards "
                                       "back to back (1 or 2)")
+    tensor_parallel_size: int = Field(1, description="shard the target (and an MTP/EAGLE head) over this "
+                                      "many worker processes (torch.distributed, gloo); 1 = no sharding")
+    tp_channel: Literal["shm", "dist"] = Field("shm", description="how the leader rank broadcasts each "
+                                               "launch: a shared-memory ring or torch.distributed.broadcast")
     sync_guard: bool = Field(False, description="fail any device op that reads a device value on the host "
                              "(HostSyncError; on CUDA also torch.cuda.set_sync_debug_mode('error'))")
 
@@ -56,7 +60,11 @@ class EngineConfig(BaseModel):
             self.schedule = NATURAL_SCHEDULE[self.proposer]
         if self.verify_micro_batches not in (1, 2):
             raise ValueError(f"verify_micro_batches must be 1 or 2, got {self.verify_micro_batches}")
-        for name in ("page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens", "worker_threads"):
+        if self.tensor_parallel_size > 1 and self.device != "host":
+            raise ValueError("tensor_parallel_size > 1 runs on the host device (CPU ranks over gloo); "
+                             f"device {self.device!r} needs tensor_parallel_size 1")
+        for name in ("page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens", "worker_threads",
+                     "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.proposer == "ngram" and not (1 <= self.ngram_min <= self.ngram_max):

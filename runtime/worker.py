@@ -18,7 +18,7 @@ Ops (scheduler/messages.py defines their typed messages and results):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -130,6 +130,8 @@ class ModelWorker:
         num_threads: int | None = None,
         sync_guard: bool = False,
         verify_micro_batches: int = 1,
+        tensor_parallel_size: int = 1,
+        tp_channel: str = "shm",
     ):
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -137,7 +139,28 @@ class ModelWorker:
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
         self.page_size = page_size
-        self.target = load_model(model_dir, dtype=self.dtype, device=self.device)
+        # tensor parallelism: this worker is rank 0 of the group; the sharded modules' calls
+        # run on every rank (runtime/tp/ranks.py), everything else only here
+        self.tp_leader = None
+        if tensor_parallel_size > 1:
+            from specsched.runtime.tp.ranks import Leader
+
+            head_dir = proposer_dir if proposer["kind"] in ("mtp", "eagle") else None
+            self.tp_leader = Leader(tensor_parallel_size, model_dir=model_dir, head_dir=head_dir, dtype=dtype,
+                                    device=device, attention=attention, num_pages=num_pages, page_size=page_size,
+                                    num_threads=num_threads or 1, channel=tp_channel)
+        try:
+            self._build(model_dir, proposer, proposer_dir, num_pages, attention, acceptance, threshold, ngram,
+                        sync_guard, verify_micro_batches)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, model_dir, proposer, proposer_dir, num_pages, attention, acceptance, threshold, ngram,
+               sync_guard, verify_micro_batches) -> None:
+        page_size = self.page_size
+        tp = self.tp_leader.tp if self.tp_leader is not None else None
+        self.target = load_model(model_dir, dtype=self.dtype, device=self.device, tp=tp)
         self.kv = self.target.make_kv_cache(num_pages, page_size)
         self.backend = self.target.attention_backend(attention)
         self.spec = ProposerSpec(proposer["kind"], proposer["draft_len"], tuple(proposer.get("tree_parents", ())))
@@ -155,6 +178,18 @@ class ModelWorker:
         # a verify's rows as this many target forwards back to back (on a tensor-parallel
         # target one half's compute would overlap the other's communication)
         self.verify_micro_batches = verify_micro_batches
+        if self.tp_leader is not None:  # the sharded modules, as every rank must run them
+            self.target = self.tp_leader.wrap(self.target, "target")
+            self.kv = self.tp_leader.wrap_kv(self.kv, "target")
+            head = getattr(self.proposer, "head", None)
+            if head is not None:
+                self.proposer.head = self.tp_leader.wrap(head, "head")
+            self.tp_leader.started()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (the worker process calls this as it exits)."""
+        if self.tp_leader is not None:
+            self.tp_leader.close()
 
     # -- dispatch -------------------------------------------------------------------------------
     def execute(self, op: str, batch: Any) -> Any:
@@ -186,6 +221,13 @@ class ModelWorker:
 
     def op_ping(self, batch: dict) -> dict:
         return {"ok": True, "num_states": len(self.states)}
+
+    def op_tp_stats(self, batch: Any) -> dict:
+        """Tensor parallelism's communication so far: the size, and the leader's broadcasts
+        (count, bytes, ns) and all-reduces (count, ns)."""
+        if self.tp_leader is None:
+            return {"size": 1}
+        return {"size": self.tp_leader.size, **asdict(self.tp_leader.stats)}
 
     def _register(self, msg: ForwardMessage) -> None:
         for r in msg.register:

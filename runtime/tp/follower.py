@@ -1,0 +1,102 @@
+"""A follower rank (1..N-1): its shards of the target and head, replaying the leader's calls.
+
+Why so little here: a follower holds no request state. Each message names a sharded module
+and a method with the call's plan and flags; the tensors follow as broadcasts; the follower
+plans the attention step on its own KV shard and runs the call, meeting the leader at every
+all-reduce. Its outputs are dropped (it asked for no logits). See runtime/tp/ranks.py.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from specsched.runtime.tp.ranks import RankConfig, attach_shm, form_group, make_channel
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _die_with_leader(leader_pid: int) -> None:
+    """PR_SET_PDEATHSIG: the kernel kills this process when the leader dies (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != leader_pid:  # the leader died before the prctl took effect
+        os._exit(1)
+
+
+def entry() -> None:
+    """`python -c "...; entry()" CONFIG_JSON` (started by `ranks.Leader`)."""
+    cfg = RankConfig(**json.loads(sys.argv[1]))
+    _die_with_leader(cfg.leader_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the leader decides when ranks stop
+    try:
+        serve(cfg)
+    except Exception:  # noqa: BLE001 - reported on stderr; the leader's watchdog sees the exit
+        sys.stderr.write(f"specsched: tensor-parallel rank {cfg.rank} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def serve(cfg: RankConfig) -> None:
+    from specsched.runtime.checkpoint import load_model
+    from specsched.runtime.mtp_head import load_head
+
+    torch.set_num_threads(cfg.num_threads)
+    torch.set_grad_enabled(False)
+    shm = attach_shm(cfg)
+    tp = form_group(cfg)
+    channel = make_channel(tp.group, shm)
+    device = torch.device(cfg.device)
+    # the same loads in the same order as the leader's worker (loading is collective)
+    target = load_model(cfg.model_dir, dtype=_DTYPES[cfg.dtype], device=device, tp=tp)
+    modules: dict[str, tuple[Any, Any]] = {"target": (target, target.make_kv_cache(cfg.num_pages, cfg.page_size))}
+    if cfg.head_dir is not None:
+        head = load_head(cfg.head_dir, target)
+        modules["head"] = (head, head.make_kv_cache(cfg.num_pages, cfg.page_size))
+    backend = target.attention_backend(cfg.attention)
+    no_logits = torch.zeros(0, dtype=torch.int64, device=device)
+    with torch.inference_mode():
+        while True:
+            msg = channel.recv()
+            if msg[0] == "stop":
+                break
+            if msg[0] == "copy_slots":
+                _, name, shape = msg
+                src, dst = (_receive(shape, "int64", tp.group, device) for _ in range(2))
+                modules[name][1].copy_slots(src, dst)
+                continue
+            _, name, method, args, kwargs = msg
+            module, kv = modules[name]
+
+            def unpack(p: tuple) -> Any:
+                kind = p[0]
+                if kind == "tensor":
+                    return _receive(p[1], p[2], tp.group, device)
+                if kind == "kv":
+                    return kv
+                if kind == "step":
+                    return backend.prepare(p[1], device)
+                if kind == "no_logits":
+                    return no_logits
+                return p[1]
+
+            call_args = [unpack(a) for a in args]  # tensors arrive in the leader's packing order
+            call_kwargs = {k: unpack(v) for k, v in kwargs.items()}
+            getattr(module, method)(*call_args, **call_kwargs)
+    channel.close()
+    dist.destroy_process_group()
+
+
+def _receive(shape: tuple, dtype: str, group: Any, device: torch.device) -> torch.Tensor:
+    t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+    dist.broadcast(t, 0, group=group)
+    return t
