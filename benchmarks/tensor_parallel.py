@@ -3,8 +3,9 @@
 1. Engine output tokens/s at TP=1 and TP=2 (gloo ranks on this machine's CPUs), alternating
    rounds in one run, medians; per proposer (none, mtp) at the given concurrencies.
 2. Where TP=2's time goes, from the leader's counters (`ModelWorker.op_tp_stats`) over one
-   served workload: per sharded call the broadcast (message + its tensors), per target
-   forward the all-reduces (two per layer), and both as a share of the run's wall time.
+   served workload: per sharded call the broadcast (message + its tensors), per all-reduce
+   (two per layer per call) its time -- mostly waiting for the other rank to reach it -- and
+   both as a share of the run's wall time.
 3. One message from rank 0 to rank 1 by size, over the shared-memory ring and over
    `torch.distributed.broadcast`: median microseconds from the send call to the message
    unpickled on the reader.
@@ -57,8 +58,8 @@ def where_time_goes(items, configs, channel: str) -> None:
 
     torch.set_num_threads(1)
     print(f"\n2. TP=2 communication on the leader ({channel} channel), {len(items)} requests at once")
-    print(f"{'proposer':<9} {'calls':>6} {'bcast us':>9} {'KiB/call':>9} {'fwds':>5} {'allred us/fwd':>14} "
-          f"{'bcast %':>8} {'allred %':>9}")
+    print(f"{'proposer':<9} {'calls':>6} {'bcast us':>9} {'KiB/call':>9} {'all-reduces':>11} {'us each':>8} "
+          f"{'bcast %':>8} {'allred %':>9}   (%: of the run's wall time)")
     tok = None
     prompts = []
     for it in items:
@@ -82,11 +83,9 @@ def where_time_goes(items, configs, channel: str) -> None:
             s = {k: v - before[k] for k, v in w.op_tp_stats(None).items() if k != "size"}
         finally:
             w.close()
-        layers = 6 if kw["proposer"] == "none" else 7  # the head is one more layer per call
-        fwds = s["all_reduces"] / (2 * layers)
         print(f"{name:<9} {s['broadcasts']:>6} {s['broadcast_ns'] / s['broadcasts'] / 1e3:>9.1f} "
-              f"{s['broadcast_bytes'] / s['broadcasts'] / 1024:>9.1f} {fwds:>5.0f} "
-              f"{s['all_reduce_ns'] / max(fwds, 1) / 1e3:>14.1f} {100 * s['broadcast_ns'] / wall_ns:>7.1f}% "
+              f"{s['broadcast_bytes'] / s['broadcasts'] / 1024:>9.1f} {s['all_reduces']:>11} "
+              f"{s['all_reduce_ns'] / s['all_reduces'] / 1e3:>8.1f} {100 * s['broadcast_ns'] / wall_ns:>7.1f}% "
               f"{100 * s['all_reduce_ns'] / wall_ns:>8.1f}%")
 
 

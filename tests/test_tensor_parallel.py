@@ -229,3 +229,31 @@ def test_the_shm_ring_delivers_in_order_past_wraparound_to_every_reader(tmp_path
     assert got[0] == sent and got[1] == sent
     with pytest.raises(ValueError, match="exceeds the shared-memory slot"):
         writer.send(b"x" * 1000)  # no fallback channel given
+
+
+def test_the_shm_all_reduce_sums_in_rank_order_on_every_rank_and_declines_what_does_not_fit(tmp_path):
+    from specsched.runtime.tp.channel import ShmAllReduce
+
+    path = str(tmp_path / "reduce")
+    ranks = [ShmAllReduce(path, 0, 3, create=True, slot_bytes=4096)]
+    ranks += [ShmAllReduce(path, r, 3, slot_bytes=4096) for r in (1, 2)]
+    gen = torch.Generator().manual_seed(0)
+    inputs = [[torch.randn(7, 9, generator=gen) for _ in range(3)] for _ in range(5)]  # 5 rounds x 3 ranks
+    got: dict[int, list[torch.Tensor]] = {0: [], 1: [], 2: []}
+
+    def rank(r: int) -> None:
+        for round_ in inputs:  # more rounds than the two slot generations
+            t = round_[r].clone()
+            assert ranks[r].all_reduce(t)
+            got[r].append(t)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    for i, round_ in enumerate(inputs):
+        want = (round_[0] + round_[1]) + round_[2]
+        for r in range(3):
+            assert torch.equal(got[r][i], want)
+    assert not ranks[0].all_reduce(torch.zeros(2048))  # 8 KiB > a 4 KiB slot: the caller uses gloo

@@ -126,3 +126,70 @@ class ShmChannel:
             self._map.close()
         except BufferError:
             pass  # a view is still alive; the mapping goes with the process
+
+
+class ShmAllReduce:
+    """All-reduce (sum) of a tensor over `size` ranks on one machine through a shared-memory
+    file: each rank copies its tensor into its own slot, marks it written, waits for every
+    rank's mark, and sums the slots in rank order (so every rank gets bit-identical sums).
+
+    Why: a gloo all-reduce of a [tokens, hidden] activation costs a couple of hundred
+    microseconds over loopback TCP even for a few kilobytes, two of them per layer; the
+    shared-memory path is a copy and a poll. Two generations of slots alternate, so a rank
+    may write the next all-reduce while another still reads this one (it can only get two
+    ahead once every rank has written the one in between, i.e. finished reading this one). A
+    tensor larger than a slot returns False: the caller uses torch.distributed instead (every
+    rank sees the same size, so all take the same path)."""
+
+    def __init__(self, path: str, rank: int, size: int, *, create: bool = False, slot_bytes: int = 8 << 20):
+        self.rank, self.size, self.slot_bytes = rank, size, slot_bytes
+        self._data_at = size * _COUNTER_STRIDE * 8
+        total = self._data_at + 2 * size * slot_bytes
+        if create:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, total)
+        else:
+            fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, total)
+        finally:
+            os.close(fd)
+        self._marks = np.frombuffer(self._map, dtype=np.int64, count=size * _COUNTER_STRIDE)[::_COUNTER_STRIDE]
+        self._views: dict[torch.dtype, torch.Tensor] = {}
+        self._seq = 0
+
+    def _slot(self, dtype: torch.dtype, generation: int, rank: int, numel: int) -> torch.Tensor:
+        whole = self._views.get(dtype)
+        if whole is None:
+            whole = self._views[dtype] = torch.frombuffer(self._map, dtype=dtype, offset=self._data_at)
+        per = self.slot_bytes // whole.element_size()
+        at = (generation * self.size + rank) * per
+        return whole[at : at + numel]
+
+    def all_reduce(self, t: torch.Tensor) -> bool:
+        numel = t.numel()
+        if numel * t.element_size() > self.slot_bytes or t.device.type != "cpu" or not t.is_contiguous():
+            return False
+        seq = self._seq
+        gen = seq % 2
+        flat = t.view(-1)
+        self._slot(t.dtype, gen, self.rank, numel).copy_(flat)
+        self._marks[self.rank] = seq + 1
+        marks = self._marks
+        polls = 0
+        while int(marks.min()) <= seq:
+            polls += 1
+            time.sleep(0 if polls < 256 else 20e-6)
+        flat.copy_(self._slot(t.dtype, gen, 0, numel))
+        for r in range(1, self.size):
+            flat.add_(self._slot(t.dtype, gen, r, numel))
+        self._seq = seq + 1
+        return True
+
+    def close(self) -> None:
+        self._views.clear()
+        self._marks = None
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still alive; the mapping goes with the process

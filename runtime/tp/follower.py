@@ -53,7 +53,7 @@ def serve(cfg: RankConfig) -> None:
     torch.set_num_threads(cfg.num_threads)
     torch.set_grad_enabled(False)
     shm = attach_shm(cfg)
-    tp = form_group(cfg)
+    tp = form_group(cfg, shm)
     channel = make_channel(tp.group, shm)
     device = torch.device(cfg.device)
     # the same loads in the same order as the leader's worker (loading is collective)
@@ -62,6 +62,8 @@ def serve(cfg: RankConfig) -> None:
     if cfg.head_dir is not None:
         head = load_head(cfg.head_dir, target)
         modules["head"] = (head, head.make_kv_cache(cfg.num_pages, cfg.page_size))
+    for name, (_, kv) in list(modules.items()):  # a cache's own calls (EAGLE's slot copies)
+        modules[f"{name}.kv"] = (kv, kv)
     backend = target.attention_backend(cfg.attention)
     no_logits = torch.zeros(0, dtype=torch.int64, device=device)
     with torch.inference_mode():
@@ -69,11 +71,6 @@ def serve(cfg: RankConfig) -> None:
             msg = channel.recv()
             if msg[0] == "stop":
                 break
-            if msg[0] == "copy_slots":
-                _, name, shape = msg
-                src, dst = (_receive(shape, "int64", tp.group, device) for _ in range(2))
-                modules[name][1].copy_slots(src, dst)
-                continue
             _, name, method, args, kwargs = msg
             module, kv = modules[name]
 
@@ -81,6 +78,8 @@ def serve(cfg: RankConfig) -> None:
                 kind = p[0]
                 if kind == "tensor":
                     return _receive(p[1], p[2], tp.group, device)
+                if kind == "array":
+                    return torch.from_numpy(p[1]).to(device)
                 if kind == "kv":
                     return kv
                 if kind == "step":

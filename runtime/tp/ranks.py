@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from specsched.runtime.kv_cache import PagedKVCache
 from specsched.runtime.parallel import TPGroup
-from specsched.runtime.tp.channel import DistChannel, ShmChannel
+from specsched.runtime.sync_guard import host_side
+from specsched.runtime.tp.channel import DistChannel, ShmAllReduce, ShmChannel
 
 _ENTRY = "from specsched.runtime.tp.follower import entry; entry()"
 CHANNELS = ("shm", "dist")
@@ -84,41 +85,45 @@ class MeteredGroup(TPGroup):
     """A TPGroup that counts its all-reduces' time into `stats`."""
 
     stats: CommStats = field(default_factory=CommStats, compare=False)
+    shm: ShmAllReduce | None = field(default=None, compare=False)  # the "shm" channel's all-reduce
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter_ns()
-        dist.all_reduce(t, group=self.group)
+        if self.shm is None or not self.shm.all_reduce(t):
+            dist.all_reduce(t, group=self.group)
         self.stats.all_reduce_ns += time.perf_counter_ns() - t0
         self.stats.all_reduces += 1
         return t
 
 
-def form_group(cfg: RankConfig) -> MeteredGroup:
+def form_group(cfg: RankConfig, shm: tuple | None = None) -> MeteredGroup:
     """Join the ranks' gloo group (every rank calls this). The rendezvous is bounded by the
-    start timeout; the group the model uses waits as long as the engine idles."""
+    start timeout; the group the model uses waits as long as the engine idles. `shm`: what
+    `attach_shm` mapped (its all-reduce replaces gloo's for tensors that fit)."""
     dist.init_process_group("gloo", init_method=cfg.init_method, rank=cfg.rank, world_size=cfg.size,
                             timeout=timedelta(seconds=cfg.start_timeout_s))
     group = dist.new_group(list(range(cfg.size)), timeout=_IDLE_TIMEOUT)
-    return MeteredGroup(cfg.rank, cfg.size, group)
+    return MeteredGroup(cfg.rank, cfg.size, group, shm=shm[1] if shm is not None else None)
 
 
-def attach_shm(cfg: RankConfig, create: bool = False) -> ShmChannel | None:
-    """The shared-memory ring of a "shm" group (None for "dist"); mapped before the group
-    forms, so that the leader can unlink its file once it has."""
+def attach_shm(cfg: RankConfig, create: bool = False) -> tuple[ShmChannel, ShmAllReduce] | None:
+    """A "shm" group's launch ring and all-reduce buffers (None for "dist"); mapped before
+    the group forms, so that the leader can unlink their files once it has."""
     if cfg.channel != "shm":
         return None
     reader = None if cfg.rank == 0 else cfg.rank - 1
-    return ShmChannel(cfg.shm_path, cfg.size - 1, reader=reader, create=create)
+    return (ShmChannel(cfg.shm_path, cfg.size - 1, reader=reader, create=create),
+            ShmAllReduce(cfg.shm_path + ".reduce", cfg.rank, cfg.size, create=create))
 
 
-def make_channel(group: Any, shm: ShmChannel | None) -> ShmChannel | DistChannel:
+def make_channel(group: Any, shm: tuple | None) -> ShmChannel | DistChannel:
     """The group's launch channel: the ring (oversized messages over `torch.distributed`),
     or `torch.distributed` alone."""
     dist_channel = DistChannel(group)
     if shm is None:
         return dist_channel
-    shm.fallback = dist_channel
-    return shm
+    shm[0].fallback = dist_channel
+    return shm[0]
 
 
 def _free_port() -> int:
@@ -164,16 +169,15 @@ class Leader:
                                                        stdin=subprocess.DEVNULL))
             self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
             self._watchdog.start()
-            self.tp = form_group(base)
+            self.tp = form_group(base, shm)
             self.stats = self.tp.stats
             self.channel = make_channel(self.tp.group, shm)
         except BaseException:
             self.close()
             raise
         if self._shm_file is not None:
-            # every follower mapped it before the group could form; nothing else may open it
-            os.unlink(self._shm_file)
-            self._shm_file = None
+            # every follower mapped them before the group could form; nothing else may open them
+            self._unlink_shm()
 
     # -- launching work on every rank -----------------------------------------------------------
     def wrap(self, module: Any, name: str) -> "Replicated":
@@ -195,9 +199,11 @@ class Leader:
         s.broadcast_bytes += n
 
     def call(self, name: str, method: str, args: tuple, kwargs: dict) -> None:
-        tensors: list[torch.Tensor] = []
+        # over the ring, CPU tensors travel inside the message (a pickled array costs ~10 us,
+        # a gloo broadcast a few hundred); over torch.distributed, as broadcasts of their own
+        tensors: list[torch.Tensor] | None = None if isinstance(self.channel, ShmChannel) else []
         packed = ([_pack(a, None, tensors) for a in args], {k: _pack(v, k, tensors) for k, v in kwargs.items()})
-        self.broadcast(("call", name, method, *packed), tensors)
+        self.broadcast(("call", name, method, *packed), tensors or ())
 
     # -- lifetime -------------------------------------------------------------------------------
     def started(self) -> None:
@@ -244,17 +250,27 @@ class Leader:
             dist.destroy_process_group()
         if self.channel is not None:
             self.channel.close()
-        if self._shm_file is not None and os.path.exists(self._shm_file):
-            os.unlink(self._shm_file)
+        if self._shm_file is not None:
+            self._unlink_shm()
+
+    def _unlink_shm(self) -> None:
+        for path in (self._shm_file, self._shm_file + ".reduce"):
+            if os.path.exists(path):
+                os.unlink(path)
+        self._shm_file = None
 
 
-def _pack(v: Any, key: str | None, tensors: list[torch.Tensor]) -> tuple:
-    """A call argument as the followers rebuild it; tensors travel as broadcasts."""
+def _pack(v: Any, key: str | None, tensors: list[torch.Tensor] | None) -> tuple:
+    """A call argument as the followers rebuild it; tensors travel as broadcasts appended to
+    `tensors`, or (None) in the message as arrays."""
     if key == "logits_indices":
         return ("no_logits",)  # followers skip the LM head
     if key == "return_hidden":
         return ("value", False)
     if isinstance(v, torch.Tensor):
+        if tensors is None:  # CPU ranks: the values are in host memory already (no device to wait for)
+            view = host_side(v.detach().view(v.shape))
+            return ("array", view.numpy())
         tensors.append(v)
         return ("tensor", tuple(v.shape), str(v.dtype).removeprefix("torch."))
     if isinstance(v, (PagedKVCache, ReplicatedKV)):
@@ -293,5 +309,5 @@ class ReplicatedKV:
         return getattr(self._kv, attr)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self._leader.broadcast(("copy_slots", self._name, tuple(src.shape)), [src.to(torch.int64), dst.to(torch.int64)])
+        self._leader.call(f"{self._name}.kv", "copy_slots", (src, dst), {})
         self._kv.copy_slots(src, dst)
