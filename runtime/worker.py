@@ -33,6 +33,7 @@ from specsched.scheduler.messages import (AgreementMessage, AgreementResult, Dra
 from specsched.runtime.sync_guard import host_side, no_host_sync
 from specsched.scheduler.plan import AttentionPlan
 from specsched.scheduler.proposer import ProposerSpec
+from specsched.scheduler.step_trace import device_span_name
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -200,6 +201,11 @@ class ModelWorker:
         fn = getattr(self, f"op_{op}", None)
         if fn is None:
             raise ValueError(f"unknown op {op!r}")
+        tp = self.tp_leader
+        if tp is not None:  # the followers' intervals are named after the op that made the call
+            shape = getattr(batch, "shape", None)
+            tp.current = (device_span_name(op, shape.attrs()) if shape is not None else op, getattr(batch, "step", None))
+            comm0 = (tp.stats.broadcast_ns, tp.stats.all_reduce_ns)
         with torch.inference_mode():
             if not (self.sync_guard and hasattr(batch, "shape")):  # the pipeline's ops are guarded
                 result = fn(batch)
@@ -214,6 +220,9 @@ class ModelWorker:
                 finally:
                     if cuda:
                         torch.cuda.set_sync_debug_mode(mode)
+        if tp is not None and hasattr(result, "ranks"):  # a new result: set in place (see _as_numpy)
+            object.__setattr__(result, "ranks", tp.collect())
+            object.__setattr__(result, "comm", (tp.stats.broadcast_ns - comm0[0], tp.stats.all_reduce_ns - comm0[1]))
         # On the CPU an op has finished when it returns: its host-side tensors go to the host
         # as numpy arrays (the engine's process needs no torch to read them). On CUDA they are
         # read after the op's event, by whoever waits on it.

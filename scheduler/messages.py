@@ -17,6 +17,9 @@ Every message carries its `LaunchShape` (what traces and cost models read: a vir
 paced device times the launch by it) and the slots whose device state is to be `release`d
 before the op runs. Results are typed the same way (`ForwardResult`, `DraftResult`,
 `VerifyResult`, `FillResult`); `substages` are device-side (name, start_ns, end_ns) stamps.
+On a tensor-parallel device a result also carries `ranks`, the other ranks' intervals that
+completed since the previous result, as (rank, span name, step, start_ns, end_ns), and
+`comm`, the op's (broadcast ns, all-reduce ns) on the leader.
 """
 from __future__ import annotations
 
@@ -137,12 +140,16 @@ class AgreementResult:
 class ForwardResult:
     tokens: np.ndarray  # [B] sampled token per row (-1 where the row does not sample)
     substages: tuple[tuple[str, int, int], ...] = ()
+    ranks: tuple[tuple[int, str, int, int, int], ...] = ()
+    comm: tuple[int, int] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class DraftResult:
     num_drafts: np.ndarray  # [B] tokens drafted per row
     substages: tuple[tuple[str, int, int], ...] = ()
+    ranks: tuple[tuple[int, str, int, int, int], ...] = ()
+    comm: tuple[int, int] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,11 +158,15 @@ class VerifyResult:
     tokens: np.ndarray  # [B, W] emitted tokens (accepted, then the bonus): row i's first accepted[i] + 1
     num_drafts: np.ndarray  # [B] drafts each row was scored on
     substages: tuple[tuple[str, int, int], ...] = ()
+    ranks: tuple[tuple[int, str, int, int, int], ...] = ()
+    comm: tuple[int, int] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class FillResult:
     substages: tuple[tuple[str, int, int], ...] = field(default=())
+    ranks: tuple[tuple[int, str, int, int, int], ...] = ()
+    comm: tuple[int, int] = ()
 
 
 def shape(qo_lens: np.ndarray, kv_lens: np.ndarray, **extra: Any) -> LaunchShape:

@@ -16,6 +16,7 @@ import numpy as np
 
 from specsched.scheduler.batch_builder import StepBatch
 from specsched.scheduler.protocols import Event
+from specsched.traces.schema import RANK_TRACK_PREFIX
 
 
 @dataclass
@@ -99,6 +100,11 @@ class StepTrace:
                 result = ev.synchronize(0)
             except Exception:  # noqa: BLE001 - failed work still occupied the device
                 result = None
+            comm = getattr(result, "comm", None)
+            if comm:  # tensor parallelism: the leader's communication inside the op
+                attrs = {**attrs, "tp_broadcast_us": comm[0] / 1e3, "tp_allreduce_us": comm[1] / 1e3}
+            for rank, name, step, s0, s1 in getattr(result, "ranks", None) or ():
+                self.tracer.span(f"{RANK_TRACK_PREFIX}{rank}", name or "call", step, s0, s1, rank=rank)
             sub = getattr(result, "substages", None)
             if sub:
                 for sname, s0, s1 in sub:

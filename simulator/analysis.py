@@ -77,6 +77,8 @@ def _stage_totals_ms(trace) -> dict[str, float]:
     and plan per op, as fitted), syncs by the op they wait for."""
     out: dict[str, float] = {}
     for s in trace.spans:
+        if s.on_rank_lane:
+            continue  # a follower rank's intervals: inside the leader's, which are compared
         if s.track == "host":
             key = f"sync:{s.attrs.get('op', '')}" if s.name == "sync" else host_key(s.name, s.attrs)
             key = f"host:{key}"

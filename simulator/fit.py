@@ -187,10 +187,11 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
                     all_rows.setdefault(s.name, []).append(row)
                 if s.name == "launch" and "launch_id" in s.attrs:
                     launches[s.attrs["launch_id"]] = s
-            else:
+            elif not s.on_rank_lane:  # a follower rank's lane: the leader's spans already wait for it
                 _features(prof, tr, s)  # checked here: a shape attribute that is not a number
                 dev_rows.setdefault(s.name, []).append((s.attrs, dur))
-        dev_spans = sorted((s for s in tr.spans if s.track != "host"), key=lambda s: s.start_ns)
+        dev_spans = sorted((s for s in tr.spans if s.track != "host" and not s.on_rank_lane),
+                           key=lambda s: s.start_ns)
         gaps += _op_gaps(_device_ops(dev_spans), launches)
         launch_lead += _launch_leads(dev_spans, launches)
         wakeups += _wakeups(tr.spans, dev_spans)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from specsched.traces.schema import DEVICE_TRACK_PREFIX, HOST_TRACK, Trace, stage_order
+from specsched.traces.schema import DEVICE_TRACK_PREFIX, HOST_TRACK, RANK_TRACK_PREFIX, Trace, stage_order
 
 PERCENTILES = (50, 90, 99)
 
@@ -90,7 +90,7 @@ class MetricsAccumulator:
         if kind == "span":
             if rec.track == HOST_TRACK:
                 self.host_ns[rec.name] = self.host_ns.get(rec.name, 0) + (rec.end_ns - rec.start_ns)
-            elif rec.track.startswith(DEVICE_TRACK_PREFIX):
+            elif rec.track.startswith(DEVICE_TRACK_PREFIX) and not rec.track.startswith(RANK_TRACK_PREFIX):
                 self.device_starts.append(rec.start_ns)
                 self.device_ends.append(rec.end_ns)
             self._seen(rec.start_ns, rec.end_ns)

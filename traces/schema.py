@@ -38,6 +38,10 @@ Ns = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 HOST_TRACK = "host"
 DEVICE_TRACK_PREFIX = "device:"
+# another tensor-parallel rank's intervals, `device:rank<r>.<stream>`: shown as lanes of their
+# own; the leader's `device:<stream>` spans (which include its waits on the other ranks) are
+# the ones metrics and cost models read
+RANK_TRACK_PREFIX = "device:rank"
 TRACK_PATTERN = r"^(host|device:[A-Za-z0-9_.\-]+)$"
 # Known stage (span) names in pipeline order; tools list and color stages in this order.
 STAGES = ("schedule", "kv_alloc", "plan", "prefill", "decode", "draft", "mtp", "verify",
@@ -128,6 +132,11 @@ class SpanRecord(_Record):
     @property
     def on_device(self) -> bool:
         return self.track.startswith(DEVICE_TRACK_PREFIX)
+
+    @property
+    def on_rank_lane(self) -> bool:
+        """A tensor-parallel follower rank's interval (not the leader's device lane)."""
+        return self.track.startswith(RANK_TRACK_PREFIX)
 
 
 class StepRecord(_Record):

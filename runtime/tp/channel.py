@@ -193,3 +193,48 @@ class ShmAllReduce:
             self._map.close()
         except BufferError:
             pass  # a view is still alive; the mapping goes with the process
+
+
+class Stamps:
+    """A follower's (call, start_ns, end_ns) per sharded call, in a shared-memory ring of
+    `capacity` entries that the leader reads (an entry is written before the count that
+    publishes it). The leader reads often (after every op), so the ring never laps it."""
+
+    def __init__(self, path: str, *, create: bool = False, capacity: int = 4096):
+        self.capacity = capacity
+        size = 8 * (_COUNTER_STRIDE + 3 * capacity)
+        if create:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, size)
+        else:
+            fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._a = np.frombuffer(self._map, dtype=np.int64)
+        self._read = 0
+
+    def add(self, call: int, start_ns: int, end_ns: int) -> None:
+        n = int(self._a[0])
+        at = _COUNTER_STRIDE + 3 * (n % self.capacity)
+        self._a[at : at + 3] = (call, start_ns, end_ns)
+        self._a[0] = n + 1
+
+    def new(self) -> list[tuple[int, int, int]]:
+        """Entries added since the last call (the newest `capacity` if more)."""
+        n = int(self._a[0])
+        first = max(self._read, n - self.capacity)
+        out = []
+        for i in range(first, n):
+            at = _COUNTER_STRIDE + 3 * (i % self.capacity)
+            out.append(tuple(int(v) for v in self._a[at : at + 3]))
+        self._read = n
+        return out
+
+    def close(self) -> None:
+        self._a = None
+        try:
+            self._map.close()
+        except BufferError:
+            pass

@@ -12,13 +12,15 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from specsched.runtime.tp.ranks import RankConfig, attach_shm, form_group, make_channel
+from specsched.runtime.tp.channel import Stamps
+from specsched.runtime.tp.ranks import RankConfig, attach_shm, form_group, make_channel, stamps_path
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -53,6 +55,7 @@ def serve(cfg: RankConfig) -> None:
     torch.set_num_threads(cfg.num_threads)
     torch.set_grad_enabled(False)
     shm = attach_shm(cfg)
+    stamps = Stamps(stamps_path(cfg, cfg.rank))
     tp = form_group(cfg, shm)
     channel = make_channel(tp.group, shm)
     device = torch.device(cfg.device)
@@ -71,7 +74,8 @@ def serve(cfg: RankConfig) -> None:
             msg = channel.recv()
             if msg[0] == "stop":
                 break
-            _, name, method, args, kwargs = msg
+            _, call, name, method, args, kwargs = msg
+            t0 = time.monotonic_ns()
             module, kv = modules[name]
 
             def unpack(p: tuple) -> Any:
@@ -91,6 +95,7 @@ def serve(cfg: RankConfig) -> None:
             call_args = [unpack(a) for a in args]  # tensors arrive in the leader's packing order
             call_kwargs = {k: unpack(v) for k, v in kwargs.items()}
             getattr(module, method)(*call_args, **call_kwargs)
+            stamps.add(call, t0, time.monotonic_ns())  # the host's clock base, as the leader's stamps
     channel.close()
     dist.destroy_process_group()
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from specsched.runtime.kv_cache import PagedKVCache
 from specsched.runtime.parallel import TPGroup
 from specsched.runtime.sync_guard import host_side
-from specsched.runtime.tp.channel import DistChannel, ShmAllReduce, ShmChannel
+from specsched.runtime.tp.channel import DistChannel, ShmAllReduce, ShmChannel, Stamps
 
 _ENTRY = "from specsched.runtime.tp.follower import entry; entry()"
 CHANNELS = ("shm", "dist")
@@ -126,6 +126,10 @@ def make_channel(group: Any, shm: tuple | None) -> ShmChannel | DistChannel:
     return shm[0]
 
 
+def stamps_path(cfg: RankConfig, rank: int) -> str:
+    return f"{cfg.shm_path}.stamps{rank}"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -153,16 +157,21 @@ class Leader:
         self.channel = None
         self._closing = False
         self._started = False
+        self._stamps: list[Stamps] = []
+        self._seq = 0  # sharded calls so far (the followers stamp each by this number)
+        self._calls: dict[int, tuple[str, int | None]] = {}  # call -> (span name, step), until stamped
+        self.current: tuple[str, int | None] = ("", None)  # the op being run: its span name and step
         shm_path = os.path.join(_shm_dir(), f"specsched-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         base = RankConfig(0, size, f"tcp://127.0.0.1:{_free_port()}", channel, shm_path, model_dir, head_dir,
                           dtype, device, attention, num_pages, page_size, num_threads, os.getpid(), start_timeout_s)
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        self._shm_file = shm_path if channel == "shm" else None
+        self._shm_file = shm_path  # the ring's, the all-reduce's and the stamps' files start with it
         self.followers: list[subprocess.Popen] = []
         try:
             shm = attach_shm(base, create=True)  # before the followers, which map it at start
+            self._stamps = [Stamps(stamps_path(base, r), create=True) for r in range(1, size)]
             for rank in range(1, size):
                 cfg = json.dumps(asdict(base) | {"rank": rank})
                 self.followers.append(subprocess.Popen([sys.executable, "-c", _ENTRY, cfg], env=env,
@@ -198,12 +207,28 @@ class Leader:
         s.broadcasts += 1
         s.broadcast_bytes += n
 
+    def collect(self) -> tuple[tuple[int, str, int | None, int, int], ...]:
+        """The followers' call intervals stamped since the last collect, as (rank, span name,
+        step, start_ns, end_ns) (a call still running on a follower comes with a later one)."""
+        out = []
+        for rank, stamps in enumerate(self._stamps, start=1):
+            for call, t0, t1 in stamps.new():
+                name, step = self._calls.get(call, ("", None))
+                out.append((rank, name, step, t0, t1))
+        if out and len(self._calls) > 1024:  # stamped by every rank long ago
+            for call in [c for c in self._calls if c < self._seq - 1024]:
+                del self._calls[call]
+        return tuple(out)
+
     def call(self, name: str, method: str, args: tuple, kwargs: dict) -> None:
         # over the ring, CPU tensors travel inside the message (a pickled array costs ~10 us,
         # a gloo broadcast a few hundred); over torch.distributed, as broadcasts of their own
         tensors: list[torch.Tensor] | None = None if isinstance(self.channel, ShmChannel) else []
         packed = ([_pack(a, None, tensors) for a in args], {k: _pack(v, k, tensors) for k, v in kwargs.items()})
-        self.broadcast(("call", name, method, *packed), tensors or ())
+        seq = self._seq
+        self._seq += 1
+        self._calls[seq] = self.current
+        self.broadcast(("call", seq, name, method, *packed), tensors or ())
 
     # -- lifetime -------------------------------------------------------------------------------
     def started(self) -> None:
@@ -250,11 +275,14 @@ class Leader:
             dist.destroy_process_group()
         if self.channel is not None:
             self.channel.close()
+        for stamps in self._stamps:
+            stamps.close()
         if self._shm_file is not None:
             self._unlink_shm()
 
     def _unlink_shm(self) -> None:
-        for path in (self._shm_file, self._shm_file + ".reduce"):
+        for path in (self._shm_file, self._shm_file + ".reduce",
+                     *(f"{self._shm_file}.stamps{r}" for r in range(1, self.size))):
             if os.path.exists(path):
                 os.unlink(path)
         self._shm_file = None
