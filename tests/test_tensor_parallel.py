@@ -11,6 +11,7 @@ NEAR_TIE; any other difference fails.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -196,8 +197,7 @@ def test_a_killed_leader_takes_its_ranks_along(tmp_path):
         " tensor_parallel_size=2)\n"
         "print(w.tp_leader.followers[0].pid, flush=True)\n"
         "time.sleep(60)\n")
-    leader = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    leader = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         follower = int(leader.stdout.readline())
         assert not _gone(follower, 0.2)
@@ -279,3 +279,41 @@ def test_a_tp2_trace_has_a_lane_per_rank_the_communication_and_replays_within_a_
     v = validate(trace, replicates=1)
     assert abs(v["makespan_err_pct"]) < 5.0, v["makespan_err_pct"]
     assert "device:rank1" not in str(sorted(v["stages"]))  # priced by the leader's spans only
+
+
+def test_generate_with_tp2_on_the_command_line_prints_the_tp1_text():
+    from typer.testing import CliRunner
+
+    from specsched.cli.main import app
+
+    def text(*extra: str) -> list[int]:
+        res = CliRunner().invoke(app, ["generate", "Once upon a time", "--spec", "mtp", "--max-tokens", "12",
+                                       "--json", *extra])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout)["token_ids"]
+
+    assert text("--tp", "2") == text()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_no_rank_outlives_a_killed_engine_process(tmp_path):
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import anyio, os, time\n"
+        "from specsched.runtime.engine import AsyncEngine\n"
+        "from specsched.runtime.engine_config import EngineConfig\n"
+        "async def main():\n"
+        "    async with AsyncEngine(EngineConfig.make(tensor_parallel_size=2)) as e:\n"
+        "        print(e.device.pid, flush=True)\n"
+        "        await anyio.sleep(60)\n"
+        "anyio.run(main)\n")
+    engine = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        leader = int(engine.stdout.readline())
+        ranks = [leader, *_children(leader)]
+        assert len(ranks) == 2
+        engine.kill()
+        engine.wait()
+        assert all(_gone(p) for p in ranks)
+    finally:
+        engine.kill()
