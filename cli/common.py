@@ -91,6 +91,19 @@ def check_output_path(path: Path | None, option: str) -> None:
         _fail(f"{option} {path}: folder {parent} does not exist")
 
 
+def parse_draft_len(value: str | None) -> int | str | None:
+    """--draft-len: a non-negative integer or 'auto'."""
+    if value is None or value == "auto":
+        return value
+    try:
+        d = int(value)
+    except ValueError:
+        d = -1
+    if d < 0:
+        _fail(f"--draft-len must be a non-negative integer or 'auto', got {value!r}")
+    return d
+
+
 def engine_config(**kw):
     from specsched.runtime.engine_config import EngineConfig
     from specsched.scheduler.errors import ConfigurationError
@@ -142,6 +155,12 @@ def _metrics_table(title: str, rows: list[tuple[str, dict]]) -> None:
                   f"{m['host_ms_per_step'].get('total', 0):.2f}",
                   f"{m['speedup_vs_plain']:.2f}x" if m.get("speedup_vs_plain") else "-")
     Console().print(t)
+    for name, m in rows:
+        counts = m.get("draft_len_counts")
+        if counts:  # the adaptive draft length's choices
+            total = sum(counts.values())
+            shares = ", ".join(f"D={d}: {n} ({100 * n / total:.0f}%)" for d, n in counts.items())
+            Console().print(f"{name}: steps by chosen draft length: {shares}")
 
 
 def _num(value, fmt: str) -> str:

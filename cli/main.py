@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 
 from specsched.cli.common import (_fail, _metrics_table, _print_json, app, check_output_path, console, engine_config,
-                                  fail_if_requests_failed, user_errors)
+                                  fail_if_requests_failed, parse_draft_len, user_errors)
 
 
 @app.command()
@@ -30,7 +30,8 @@ def generate(
     stop: list[str] = typer.Option([], help="stop string (repeatable)"),
     spec: Optional[str] = typer.Option(None, help="proposer: none|draft|mtp|eagle|ngram (default: the "
                                        "--config file's, else none)"),
-    draft_len: Optional[int] = typer.Option(None, "--draft-len"),
+    draft_len: Optional[str] = typer.Option(None, "--draft-len", help="D, or 'auto': chosen per step "
+                                            "(up to --max-draft-len, default 4)"),
     draft: Optional[str] = typer.Option(None, help="draft checkpoint dir"),
     mtp_head: Optional[str] = typer.Option(None, "--mtp-head", help="MTP/EAGLE head dir"),
     schedule: Optional[str] = typer.Option(None),
@@ -46,8 +47,8 @@ def generate(
     from specsched.scheduler.errors import InvalidRequestError
     from specsched.scheduler.sampling_params import SamplingParams
 
-    cfg = engine_config(model=model, proposer=spec, draft_len=draft_len, draft=draft, mtp_head=mtp_head,
-                        schedule=schedule, tensor_parallel_size=tp, config_file=config_file)
+    cfg = engine_config(model=model, proposer=spec, draft_len=parse_draft_len(draft_len), draft=draft,
+                        mtp_head=mtp_head, schedule=schedule, tensor_parallel_size=tp, config_file=config_file)
     try:
         params = SamplingParams.make(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, stop=list(stop))
@@ -161,7 +162,11 @@ def bench(
     rate: Optional[float] = typer.Option(None, help="open loop: requests per second"),
     spec: Optional[str] = typer.Option(None, help="proposer: none|draft|mtp|eagle|ngram (default: the "
                                        "--config file's, else none)"),
-    draft_len: Optional[int] = typer.Option(None, "--draft-len"),
+    draft_len: Optional[str] = typer.Option(None, "--draft-len", help="D, or 'auto': chosen per step "
+                                            "(up to --max-draft-len, default 4)"),
+    max_draft_len: Optional[int] = typer.Option(None, "--max-draft-len", help="with --draft-len auto"),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="with --draft-len auto: a cost profile "
+                                           "(fit-profile's JSON) seeding its step-time models"),
     schedule: Optional[str] = typer.Option(None),
     tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel size: shard the target over N "
                                      "worker processes (default 1)"),
@@ -195,8 +200,10 @@ def bench(
             check_otlp_url(otlp)
         except ValueError as e:
             _fail(f"--otlp: {e}")
-    cfg = engine_config(model=model, draft=draft, mtp_head=mtp_head, proposer=spec, draft_len=draft_len,
-                        schedule=schedule, tensor_parallel_size=tp, config_file=config_file)
+    cfg = engine_config(model=model, draft=draft, mtp_head=mtp_head, proposer=spec,
+                        draft_len=parse_draft_len(draft_len), max_draft_len=max_draft_len,
+                        draft_profile=str(profile) if profile else None, schedule=schedule,
+                        tensor_parallel_size=tp, config_file=config_file)
     items = _workload(workload, num_requests, max_tokens, temperature)
     from specsched.runtime.engine import AsyncEngine
     from specsched.runtime.workload import check_workload

@@ -7,14 +7,17 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from specsched.cli.common import _fail, _metrics_table, _print_json, _read_trace, app, check_output_path, console, user_errors
+from specsched.cli.common import (_fail, _metrics_table, _print_json, _read_trace, app, check_output_path, console,
+                                  parse_draft_len, user_errors)
 
 
-def _replay_config(schedule, spec, draft_len, acceptance, rate_scale, concurrency, seed=0, engine=None):
+def _replay_config(schedule, spec, draft_len, acceptance, rate_scale, concurrency, seed=0, engine=None,
+                   max_draft_len=None):
     from specsched.simulator.replay import ReplayConfig
 
     return ReplayConfig(schedule=schedule, proposer=spec, draft_len=draft_len, acceptance=acceptance,
-                        rate_scale=rate_scale, concurrency=concurrency, seed=seed, engine_overrides=engine or {})
+                        rate_scale=rate_scale, concurrency=concurrency, seed=seed, engine_overrides=engine or {},
+                        max_draft_len=max_draft_len)
 
 
 def _engine_setting(item: str) -> tuple[str, int]:
@@ -65,7 +68,9 @@ def replay_cmd(
     trace: Path,
     schedule: Optional[str] = typer.Option(None),
     spec: Optional[str] = typer.Option(None),
-    draft_len: Optional[int] = typer.Option(None, "--draft-len"),
+    draft_len: Optional[str] = typer.Option(None, "--draft-len", help="D, or 'auto': chosen per step "
+                                            "(up to --max-draft-len: the trace's, else 4)"),
+    max_draft_len: Optional[int] = typer.Option(None, "--max-draft-len", help="with --draft-len auto"),
     rate_scale: float = typer.Option(1.0, "--rate-scale"),
     concurrency: Optional[int] = typer.Option(None),
     acceptance: str = typer.Option("trace", help="trace | rates | bernoulli:ALPHA"),
@@ -87,8 +92,10 @@ def replay_cmd(
                       + (" and takes its acceptance from that proposer's agreement" if acceptance in ("trace", "rates") else "")
                       + f"; capture a trace with {spec!r} (or pass --profile) for its own")
     try:
-        m, sim = replay(tr, _profile(tr, profile), _replay_config(schedule, spec, draft_len, acceptance, rate_scale,
-                                                                  concurrency, engine=dict(map(_engine_setting, settings))))
+        m, sim = replay(tr, _profile(tr, profile), _replay_config(schedule, spec, parse_draft_len(draft_len), acceptance,
+                                                                  rate_scale, concurrency,
+                                                                  engine=dict(map(_engine_setting, settings)),
+                                                                  max_draft_len=max_draft_len))
     except (ValueError, KeyError) as e:
         _fail(str(e))
     _note_stand_ins(sim.header.extra["stand_ins"], "the replay")
@@ -184,10 +191,14 @@ def ab(
             if k in ENGINE_KNOBS:
                 engine.update([_engine_setting(part)])
                 continue
-            if k not in ("schedule", "proposer", "draft_len", "acceptance", "rate_scale", "concurrency"):
+            if k not in ("schedule", "proposer", "draft_len", "max_draft_len", "acceptance", "rate_scale", "concurrency"):
                 _fail(f"{option}: unknown A/B field {k!r}")
             try:
-                kw[k] = int(v) if k in ("draft_len", "concurrency") else float(v) if k == "rate_scale" else v
+                if k == "draft_len" and v == "auto":
+                    kw[k] = v
+                    continue
+                kw[k] = int(v) if k in ("draft_len", "max_draft_len", "concurrency") else \
+                    float(v) if k == "rate_scale" else v
             except ValueError:
                 _fail(f"{option}: {k} takes {'an integer' if k != 'rate_scale' else 'a number'}, got {v!r}")
         try:
@@ -261,11 +272,12 @@ def tune(
     t = Table(title="draft length sweep on " + ", ".join(p.name for p in traces))
     for col in ("concurrency", "proposer", "D", "mean AL", "sim speedup", "formula speedup"):
         t.add_column(col, justify="right")
-    for r in sorted(res["rows"], key=lambda r: (r["concurrency"], r["proposer"], r["draft_len"])):
+    for r in sorted(res["rows"], key=lambda r: (r["concurrency"], r["proposer"],
+                                                 r["draft_len"] if r["draft_len"] != "auto" else 1 << 30)):
         if "error" in r:
             continue
         t.add_row(str(r["concurrency"]) + ("*" if r["extrapolated"] else ""), r["proposer"], str(r["draft_len"]),
-                  f"{r['mean_accept_len']:.2f}",
+                  f"{r['mean_accept_len']:.2f}" if r["mean_accept_len"] else "-",
                   f"{r['sim_speedup']:.2f}x", f"{r['formula_speedup']:.2f}x" if r["formula_speedup"] else "-")
     Console().print(t)
     if any(r.get("extrapolated") for r in res["rows"]):

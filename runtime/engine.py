@@ -21,6 +21,7 @@ from typing import AsyncIterator
 
 import anyio
 import numpy as np
+import orjson
 
 from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.tokenizer import Tokenizer
@@ -201,6 +202,7 @@ class AsyncEngine:
         self.max_model_len = self._max_model_len()
         self._check_smallest_request_fits()
         self._check_tensor_parallel()
+        self._seed_costs = self._draft_profile()
 
     # -- setup --------------------------------------------------------------------------------
     def _proposer_dir(self) -> str | None:
@@ -241,6 +243,20 @@ class AsyncEngine:
                 "decoding needs the same vocabulary"
             )
 
+    def _draft_profile(self) -> dict | None:
+        """The adaptive draft length's seed: a cost profile's JSON, checked here (a bad file is
+        the user's input error, named before anything starts)."""
+        path = self.config.draft_profile
+        if path is None:
+            return None
+        try:
+            data = orjson.loads(Path(path).read_bytes())
+        except (OSError, orjson.JSONDecodeError) as e:
+            raise ConfigurationError(f"draft_profile {path}: not a readable cost profile: {e}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("device"), dict):
+            raise ConfigurationError(f"draft_profile {path}: not a cost profile (no 'device' models)")
+        return data
+
     def _check_tensor_parallel(self) -> None:
         """A target (or head) whose heads or MLP do not split over the ranks is named here,
         before any rank starts."""
@@ -267,7 +283,7 @@ class AsyncEngine:
         c = self.config
         spec = c.proposer_spec()
         n = spec.num_candidates
-        what = f"the eagle tree's {n} nodes" if c.proposer == "eagle" else f"draft_len {c.draft_len}"
+        what = f"the eagle tree's {n} nodes" if c.proposer == "eagle" else f"draft_len {c.spec_draft_len}"
         need = 1 + 1 + n + 1
         if need > self.max_model_len:
             raise ConfigurationError(
@@ -331,7 +347,7 @@ class AsyncEngine:
                 c.proposer_spec(), c.schedule, num_pages=c.num_pages, page_size=c.page_size,
                 max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                 device=self.device, clock=MonotonicClock(), sink=_Sink(self), tracer=self.tracer,
-                eos_token_ids=self.tokenizer.eos_token_ids)
+                eos_token_ids=self.tokenizer.eos_token_ids, adaptive=c.adaptive, seed_costs=self._seed_costs)
         except BaseException:
             # `async with` never calls __aexit__ when __aenter__ raises: without this the
             # worker process (holding the model's weights) would outlive the failed start

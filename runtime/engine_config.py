@@ -25,7 +25,12 @@ class EngineConfig(BaseModel):
     draft: str | None = Field(None, description="draft checkpoint dir; None = bundled draft")
     mtp_head: str | None = Field(None, description="MTP/EAGLE head dir; None = bundled head")
     proposer: Literal["none", "draft", "mtp", "eagle", "ngram"] = "none"
-    draft_len: int | None = Field(None, description="D (tree depth for eagle); None = proposer default")
+    draft_len: int | Literal["auto"] | None = Field(
+        None, description="D (tree depth for eagle); 'auto': chosen per step up to max_draft_len "
+        "(scheduler/adaptive.py); None = proposer default")
+    max_draft_len: int = Field(4, description="with draft_len 'auto': the longest D it may choose")
+    draft_profile: str | None = Field(None, description="with draft_len 'auto': a cost profile (JSON, "
+                                      "`specsched fit-profile`) seeding its step-time models")
     schedule: Literal["sync", "overlap", "mtp", "plain_overlap"] | None = Field(
         None, description="None = the proposer's natural schedule"
     )
@@ -56,6 +61,14 @@ class EngineConfig(BaseModel):
     def _check(self) -> "EngineConfig":
         if self.draft_len is None:
             self.draft_len = DEFAULT_DRAFT_LEN[self.proposer]
+        if self.draft_len == "auto":
+            if self.proposer in ("none", "eagle"):
+                raise ValueError(f"draft_len 'auto' needs a linear proposer (draft, mtp, ngram), not "
+                                 f"{self.proposer!r}")
+            if self.max_draft_len < 1:
+                raise ValueError(f"max_draft_len must be >= 1, got {self.max_draft_len}")
+        elif self.draft_profile is not None:
+            raise ValueError("draft_profile seeds the adaptive draft length: it needs draft_len 'auto'")
         if self.schedule is None:
             self.schedule = NATURAL_SCHEDULE[self.proposer]
         if self.verify_micro_batches not in (1, 2):
@@ -73,22 +86,31 @@ class EngineConfig(BaseModel):
             raise ValueError("threshold must be in (0, 1)")
         if self.attention == "flashinfer" and self.device != "cuda":
             raise ValueError("attention 'flashinfer' needs device 'cuda'")
-        validate_combination(self.proposer, self.schedule, self.draft_len)
+        validate_combination(self.proposer, self.schedule, self.spec_draft_len)
         spec = self.proposer_spec()  # validates the draft length
         # a step must hold at least one verification row (the last token + the candidates),
         # or no speculative request could ever be scheduled
         width = 1 + spec.num_candidates
         if self.max_num_batched_tokens < width:
             what = (f"1 + the eagle tree's {spec.num_candidates} nodes" if self.proposer == "eagle"
-                    else f"1 + draft_len ({self.draft_len})")
+                    else f"1 + draft_len ({self.spec_draft_len})")
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) cannot hold one "
                 f"verification of {what} = {width} tokens; raise it to at least {width}"
             )
         return self
 
+    @property
+    def adaptive(self) -> bool:
+        return self.draft_len == "auto"
+
+    @property
+    def spec_draft_len(self) -> int:
+        """The proposer's D: the fixed one, or the longest the adaptive one may choose."""
+        return self.max_draft_len if self.draft_len == "auto" else self.draft_len
+
     def proposer_spec(self) -> ProposerSpec:
-        return proposer_spec(self.proposer, self.draft_len, tree_top_k=self.tree_top_k,
+        return proposer_spec(self.proposer, self.spec_draft_len, tree_top_k=self.tree_top_k,
                              tree_max_nodes=self.tree_max_nodes)
 
     @classmethod

@@ -77,6 +77,8 @@ class StepBatch:
     prefill: np.ndarray  # [B] bool: the request was in prefill when scheduled
     gen: np.ndarray  # [B] int64: the slots' generations when scheduled (see `live`)
     preempted: list[Request] = field(default_factory=list)
+    width: int = 1  # a speculative step's verify positions per row: 1 + the step's D
+    decision: object = None  # the adaptive draft length's `Decision` for this step, if one chose D
 
     # A batch's rows and draft counts are fixed once `schedule` returns it, so whether it
     # speculates and its kind are computed once, there (the pipeline asks several times per
@@ -122,6 +124,8 @@ class BatchBuilder:
         self._running_slots: np.ndarray | None = None  # slots of `running`, in order
         self._ids: set[str] = set()  # ids queued or running
         self._step = 0
+        # chooses each decode-only step's D (scheduler/adaptive.py); None: always config.draft_len
+        self.draft_policy = None
 
     # -- queue management ---------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -139,6 +143,8 @@ class BatchBuilder:
             )
         slot = self.table.attach(request)
         self.blocks.bind(rid, slot)
+        if self.draft_policy is not None:
+            self.draft_policy.start(slot)
         self._ids.add(rid)
         request.state = RequestState.WAITING
         self.waiting.append(request)
@@ -196,11 +202,12 @@ class BatchBuilder:
         self.waiting.appendleft(victim)
 
     def _batch(self, reqs: list[Request], slots: np.ndarray, start: np.ndarray, num_new: np.ndarray,
-               num_draft: np.ndarray, prefill: np.ndarray, preempted: list[Request]) -> StepBatch:
+               num_draft: np.ndarray, prefill: np.ndarray, preempted: list[Request], draft: int = 0,
+               decision: object = None) -> StepBatch:
         t = self.table
         total = t.prompt_len[slots] + t.num_output[slots] + t.pending[slots]
         batch = StepBatch(self._step, reqs, slots, start, num_new, num_draft, start + num_new >= total,
-                          prefill, t.gen[slots], preempted)
+                          prefill, t.gen[slots], preempted, 1 + draft, decision)
         self._step += 1
         return batch
 
@@ -225,10 +232,18 @@ class BatchBuilder:
         todo = prompt + emitted - computed
         if (todo > 1).any() or (computed < prompt).any():
             return None  # a prefill or recompute in the batch: no speculation, the general path
-        draft = cfg.draft_len
         active = np.flatnonzero(todo == 1)
+        policy, decision = self.draft_policy, None
+        if policy is not None:  # D for this step, and how many rows its budget then holds
+            a_slots = slots[active]
+            decision = policy.choose(a_slots, t.max_tokens[a_slots] - emitted[active], computed[active],
+                                     cfg.max_num_batched_tokens)
+            draft, n_take = decision.draft_len, decision.rows
+        else:
+            draft = cfg.draft_len
+            n_take = cfg.max_num_batched_tokens // (1 + draft)
         # rows in order while the token budget holds their verification (1 + D each)
-        take = active[: min(active.size, cfg.max_num_batched_tokens // (1 + draft))]
+        take = active[: min(active.size, n_take)]
         n = take.size
         if n == 0:
             return None
@@ -240,10 +255,13 @@ class BatchBuilder:
         cols = blocks.shortfall(rows, self._slots(computed + 1 + draft))
         if sum(int(c.sum()) for c in cols.values()) > blocks.num_free_pages:
             return None  # someone is preempted: the general path chooses whom
-        remaining = t.max_tokens[rows] - emitted  # `Request.remaining_tokens`
-        num_draft = np.minimum(draft, np.maximum(0, remaining - 1))
+        if decision is not None:
+            num_draft = decision.num_draft
+        else:
+            remaining = t.max_tokens[rows] - emitted  # `Request.remaining_tokens`
+            num_draft = np.minimum(draft, np.maximum(0, remaining - 1))
         one = np.ones(n, dtype=np.int64)
-        batch = self._batch(reqs, rows, computed, one, num_draft, np.zeros(n, dtype=bool), [])
+        batch = self._batch(reqs, rows, computed, one, num_draft, np.zeros(n, dtype=bool), [], draft, decision)
         batch.shortfall = (blocks.version, cols)  # what `allocate` reserves: 1 + D slots per row
         return batch
 
@@ -285,7 +303,8 @@ class BatchBuilder:
         # Speculate only on a decode-only batch: every running request decodes and no waiting
         # one can be admitted (none waits, or every seat is taken).
         decode_only = (not self.waiting or len(self.running) >= cfg.max_num_seqs) and not in_prefill.any()
-        draft = cfg.draft_len if decode_only else 0
+        draft = (cfg.draft_len if self.draft_policy is None or self.draft_policy.last is None
+                 else self.draft_policy.last.draft_len) if decode_only else 0
         planned = 0  # pages already promised to earlier seqs this step
         fast = self._running_rows(budget) if (vectorized and not draft and self.running) else None
 
@@ -369,7 +388,7 @@ class BatchBuilder:
             num_draft[:] = 0
         slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
         return self._batch(reqs, slots, self.table.computed[slots], np.array(new_l, dtype=np.int64),
-                           num_draft, prefill, preempted)
+                           num_draft, prefill, preempted, draft)
 
     # -- the kv_alloc stage ---------------------------------------------------------------
     def allocate(self, batch: StepBatch) -> None:
@@ -380,7 +399,7 @@ class BatchBuilder:
         if batch.shortfall is not None and batch.shortfall[0] == self.blocks.version:
             self.blocks.allocate_many(batch.slots, shortfall=batch.shortfall[1])
             return
-        extra = np.where(batch.num_new == 1, self.config.draft_len, batch.num_draft) if batch.is_spec \
+        extra = np.where(batch.num_new == 1, batch.width - 1, batch.num_draft) if batch.is_spec \
             else batch.num_draft
         self.blocks.allocate_many(batch.slots, self._slots(batch.start + batch.num_new + extra))
 
@@ -421,6 +440,8 @@ class BatchBuilder:
         its tokens are appended: a request that finishes on them keeps its counts)."""
         t, slots = self.table, batch.slots
         t.record_spec(slots, num_drafts, accepted)
+        if self.draft_policy is not None:
+            self.draft_policy.observe_verify(slots, num_drafts, accepted)
         # draft model: every emitted token after its fill; heads: up to the new last token
         t.proposer_computed[slots] = before + accepted + kv_ahead
 

@@ -213,8 +213,8 @@ def forward_message(batch: StepBatch, blocks: BlockManager, with_plan: bool = Tr
 
 def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
                    with_plan: bool = True) -> VerifyMessage:
-    """Target over [last token, candidates]: W = 1 + num_candidates tokens per row."""
-    width = 1 + spec.num_candidates
+    """Target over [last token, candidates]: W = 1 + the step's D (a tree: its nodes) per row."""
+    width = batch.width
     start = batch.start
     n = len(batch)
     plan = None
@@ -233,7 +233,7 @@ def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
     page tables (multi-step work that belongs together is one launch). Without plans (a
     device that only models time) no page tables are sent."""
     nd = batch.num_draft
-    s = batch_shape(batch, 1 + spec.num_candidates)
+    s = batch_shape(batch, batch.width)
     shape_ = LaunchShape(s.requests, s.tokens, s.kv_tokens, num_draft=int(nd.max()) if nd.size else 0,
                          draft_tokens=int(nd.sum()), draft_forwards=int(np.maximum(nd - 1, 0).sum()))
     tables = counts = None
@@ -283,7 +283,7 @@ def verify_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSp
                         with_plan: bool = True) -> FillMessage:
     """An MTP head's fill over exactly the verify batch's positions (it consumes the target's
     hidden states of that launch), so it can be packed before acceptance."""
-    width = 1 + spec.num_candidates
+    width = batch.width
     return fill_message(batch.step, batch.slots, batch.start, batch.start + width, blocks, spec,
                         after="verify", with_plan=with_plan)
 

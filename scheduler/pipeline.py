@@ -81,6 +81,7 @@ class Pipeline(OutputStage):
         self._stopping = False
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        self._costed: list[Launch] = []  # launches whose device time the draft-length policy awaits
         # Simulator hook: virtual nanoseconds a host stage costs, given its attributes; the
         # pipeline passes them on the clock's `advance_ns` (busy time). The engine leaves it
         # None: real host work takes real time.
@@ -179,7 +180,7 @@ class Pipeline(OutputStage):
     def _attrs(self, batch: StepBatch, computed: np.ndarray | None = None) -> dict:
         """The step's shape as span attributes; with `computed` (the rows' computed tokens
         after the step's bookkeeping) the output stage's."""
-        attrs = messages.batch_shape(batch, 1 + self.spec.num_candidates).attrs()
+        attrs = messages.batch_shape(batch, batch.width).attrs()
         if computed is not None:
             attrs["kv_tokens"] = int((computed + batch.num_new + batch.num_draft).sum())
         return attrs
@@ -211,7 +212,20 @@ class Pipeline(OutputStage):
         self._charge("launch:" + msg.op, attrs)
         if self.tracer.enabled:
             self.trace.launched(launch, t0)
+        if self.builder.draft_policy is not None:
+            self._costed.append(launch)
         return launch
+
+    def _feed_policy(self) -> None:
+        """Completed launches' device intervals to the adaptive draft length's cost models."""
+        policy, keep = self.builder.draft_policy, []
+        for launch in self._costed:
+            ev = launch.event
+            if not ev.query():
+                keep.append(launch)
+            elif ev.start_ns is not None and ev.end_ns is not None:
+                policy.observe_launch(launch.op, launch.attrs, ev.end_ns - ev.start_ns)
+        self._costed = keep
 
     async def _sync(self, launch: Launch) -> Any:
         t0 = self._now()
@@ -267,6 +281,8 @@ class Pipeline(OutputStage):
         if self._inflight is not None and self.blocks.num_free_pages < len(self.builder.running) + 1:
             await self._drain()  # preemption may be needed: never preempt a request in flight
         self._charge("step_gap", {})  # host work between steps that no stage span covers
+        if self._costed:
+            self._feed_policy()
         t_step = self._now()
         t0 = t_step
         batch = self.builder.schedule()
@@ -285,6 +301,8 @@ class Pipeline(OutputStage):
         else:
             await self._forward_step(batch, t_step, shape)
         self.num_steps += 1
+        if batch.decision is not None:
+            self.builder.draft_policy.observe_step(self._now() - t_step)
         self.trace.flush_steps()
         # no pause between steps: the real pipeline goes from one step's output straight into
         # the next step's schedule (a request submitted meanwhile waits for the step after)

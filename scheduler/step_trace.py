@@ -125,6 +125,7 @@ class StepTrace:
         end = self.now()
         for batch, t_step, out_counts, drafted, accepted in self._steps_done:
             kv_lens = self.computed_now(batch)  # the rows' target KV as the step ends
+            dec = batch.decision
             self.tracer.step(
                 step=batch.step, kind=batch.kind, start_ns=t_step, end_ns=max(end, t_step),
                 request_ids=[r.request_id for r in batch.requests],
@@ -132,5 +133,7 @@ class StepTrace:
                 kv_lens=np.asarray(kv_lens).tolist(),
                 num_drafted=np.asarray(drafted).tolist(), num_accepted=np.asarray(accepted).tolist(),
                 num_output=list(out_counts),
+                draft_len=None if dec is None else dec.draft_len,
+                predicted_gain=None if dec is None else dec.gain,
             )
         self._steps_done.clear()

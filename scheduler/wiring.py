@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from specsched.scheduler.adaptive import DraftLenPolicy
 from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
 from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.pipeline import Pipeline, PipelineConfig
@@ -37,14 +38,27 @@ def scheduler_config(spec: ProposerSpec, *, max_num_seqs: int, max_num_batched_t
     return SchedulerConfig(max_num_seqs, max_num_batched_tokens, spec.num_candidates, spec.kv_model)
 
 
+def draft_len_policy(spec: ProposerSpec, *, seed_costs: dict | None = None, slots: int = 64) -> DraftLenPolicy:
+    """The adaptive draft length for `spec`, whose `draft_len` is the longest it may choose;
+    ValueError for a proposer it cannot drive (none; a tree's shape is fixed)."""
+    if not spec.speculative or spec.is_tree:
+        raise ValueError(f"draft_len 'auto' needs a linear proposer (draft, mtp, ngram), not {spec.kind!r}")
+    return DraftLenPolicy(spec.draft_len, has_fill=spec.kv_model is not None, kv_ahead=spec.kv_ahead,
+                          fill_same_batch=spec.fill_same_batch, seed_costs=seed_costs, slots=slots)
+
+
 def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_size: int,
                    max_num_seqs: int, max_num_batched_tokens: int, device: Any, clock: Any,
-                   sink: Any, tracer: Any = NULL_TRACER,
-                   eos_token_ids: Sequence[int] = ()) -> Pipeline:
+                   sink: Any, tracer: Any = NULL_TRACER, eos_token_ids: Sequence[int] = (),
+                   adaptive: bool = False, seed_costs: dict | None = None) -> Pipeline:
     """A Pipeline over one KV page pool (a page table for the target and, when the proposer
-    has a KV cache, one for it), serving on `device` with time from `clock`."""
+    has a KV cache, one for it), serving on `device` with time from `clock`. `adaptive`: each
+    decode step's D is chosen up to `spec.draft_len` (scheduler/adaptive.py), its cost models
+    seeded from `seed_costs` (a cost profile's JSON) if given."""
     blocks = BlockManager(num_pages, page_size, ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
     builder = BatchBuilder(scheduler_config(spec, max_num_seqs=max_num_seqs,
                                             max_num_batched_tokens=max_num_batched_tokens), blocks)
+    if adaptive:
+        builder.draft_policy = draft_len_policy(spec, seed_costs=seed_costs, slots=max(8, max_num_seqs))
     return Pipeline(PipelineConfig(schedule, spec), builder, device, clock, sink, tracer,
                     eos_token_ids=tuple(eos_token_ids))

@@ -44,9 +44,13 @@ class AcceptanceModel:
         self._tables: tuple[np.ndarray, ...] | None = None  # `outcomes`' lookups, built on first use
 
     @classmethod
-    def parse(cls, spec: str, trace, seed: int = 0, captured_config: bool = False) -> "AcceptanceModel":
+    def parse(cls, spec: str, trace, seed: int = 0, captured_config: bool = False,
+              any_length: bool = False) -> "AcceptanceModel":
         """'trace' | 'rates' | 'bernoulli:ALPHA' against a trace's data. `captured_config`:
-        the replay drafts with the trace's own proposer and draft length."""
+        the replay drafts with the trace's own proposer and draft length. `any_length`: the
+        draft length varies by step (an adaptive one, in the capture or the replay), so a
+        recorded outcome replays a step that drafts another count only where it still
+        decides it (see `_recorded_holds`)."""
         if spec.startswith("bernoulli:"):
             try:
                 alpha = float(spec.split(":", 1)[1])
@@ -65,8 +69,21 @@ class AcceptanceModel:
                     if f.agreement_kind == "first_token":
                         exact = 1
         recorded = recorded_acceptance(trace) if (spec == "trace" and captured_config) else None
-        return cls(spec, agreement=agreement, rates=step_rates(trace), exact_max_d=exact, seed=seed,
-                   recorded=recorded, draft_rate=draft_rate(trace))
+        model = cls(spec, agreement=agreement, rates=step_rates(trace), exact_max_d=exact, seed=seed,
+                    recorded=recorded, draft_rate=draft_rate(trace))
+        model.any_length = any_length
+        return model
+
+    any_length = False
+
+    def _recorded_holds(self, rec_acc, rec_drafted, num_drafts):
+        """Whether a recorded (accepted, drafted) decides a row drafting `num_drafts` now: at
+        a fixed draft length always (as captured); with varying lengths when the row drafts no
+        more than was recorded, or the recorded drafts met a rejection (acceptance stops at
+        the first one, whatever follows)."""
+        if not self.any_length:
+            return True
+        return (num_drafts <= rec_drafted) | (rec_acc < rec_drafted)
 
     def outcome(self, request_index: int, out_pos: int, num_drafts: int) -> tuple[int, int]:
         """(accepted, drafted) for a row that may draft `num_drafts` tokens at this output
@@ -79,7 +96,7 @@ class AcceptanceModel:
             return (int(np.argmax(fails)) if fails.any() else num_drafts), num_drafts
         if self.mode == "trace":
             rec = self.recorded.get(request_index, {}).get(out_pos)
-            if rec is not None:
+            if rec is not None and self._recorded_holds(rec[0], rec[1], num_drafts):
                 return min(rec[0], num_drafts), min(rec[1], num_drafts)
         agree = self.agreement.get(request_index) if self.mode == "trace" else None
         if agree is not None and (self.exact_max_d is None or num_drafts <= self.exact_max_d):
@@ -115,9 +132,10 @@ class AcceptanceModel:
             inside = (index < rec_acc.shape[0]) & (out_pos >= 0) & (out_pos < rec_acc.shape[1])
             if inside.any():
                 i, p = np.where(inside, index, 0), np.where(inside, out_pos, 0)
-                hit = todo & inside & (rec_acc[i, p] >= 0)
-                accepted[hit] = np.minimum(rec_acc[i, p], num_drafts)[hit]
-                drafted[hit] = np.minimum(rec_drafted[i, p], num_drafts)[hit]
+                ra, rd = rec_acc[i, p], rec_drafted[i, p]
+                hit = todo & inside & (ra >= 0) & self._recorded_holds(ra, rd, num_drafts)
+                accepted[hit] = np.minimum(ra, num_drafts)[hit]
+                drafted[hit] = np.minimum(rd, num_drafts)[hit]
                 todo &= ~hit
             if has_agree.size and runs.shape[1]:
                 known = index < has_agree.shape[0]

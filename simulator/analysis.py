@@ -204,9 +204,11 @@ def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draf
         raise ValueError(f"tune needs concurrencies >= 1 and draft lengths >= 1 (got {concurrencies}, {draft_lens})")
     lens = [draft_lens or list(range(1, max(1, min(8, tr.header.max_agreement_len or 8)) + 1)) for tr in traces]
     profiles = [prof or fit_profile([tr]) for tr, prof in zip(traces, profiles)]
-    # every replay of the sweep: per trace and concurrency, plain decoding, then each D
-    tasks = [(i, c, d) for i, ds in enumerate(lens) for c in concurrencies for d in [0, *ds]]
-    results = dict(zip(tasks, fan_out(_tune_replay, (traces, profiles), tasks, jobs=jobs, on_done=on_replay)))
+    # every replay of the sweep: per trace and concurrency, plain decoding, then each D, then
+    # the adaptive draft length up to the longest D (linear proposers: a tree's shape is fixed)
+    tasks = [(i, c, d) for i, ds in enumerate(lens) for c in concurrencies
+             for d in [0, *ds, *(["auto"] if traces[i].header.proposer != "eagle" else [])]]
+    results = dict(zip(tasks, fan_out(_tune_replay, (traces, profiles, lens), tasks, jobs=jobs, on_done=on_replay)))
     rows = []
     for i, (tr, prof, ds) in enumerate(zip(traces, profiles, lens)):
         rows += _tune_rows(tr, prof, ds, concurrencies, lambda c, d: results[(i, c, d)])
@@ -218,16 +220,18 @@ def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draf
     return {"rows": rows, "best": best}
 
 
-def _tune_replay(shared: tuple, task: tuple[int, int, int]) -> dict:
+def _tune_replay(shared: tuple, task: tuple[int, int, int | str]) -> dict:
     """Metrics of one replay of tune's sweep: trace i at concurrency c, plain decoding for
-    d = 0; a configuration the replay rejects comes back as {"error": message}."""
-    traces, profiles = shared
+    d = 0, the adaptive draft length (up to the sweep's longest D) for d = "auto"; a
+    configuration the replay rejects comes back as {"error": message}."""
+    traces, profiles, lens = shared
     i, c, d = task
     if d == 0:
         cfg = ReplayConfig(proposer="none", schedule="sync", draft_len=0, concurrency=c)
         return replay(traces[i], profiles[i], cfg)[0]  # the baseline: errors propagate
     try:
-        return replay(traces[i], profiles[i], ReplayConfig(draft_len=d, concurrency=c))[0]
+        cfg = ReplayConfig(draft_len=d, concurrency=c, max_draft_len=max(lens[i]) if d == "auto" else None)
+        return replay(traces[i], profiles[i], cfg)[0]
     except (KeyError, ValueError) as e:
         return {"error": str(e)}
 
@@ -241,6 +245,15 @@ def _tune_rows(trace, profile: CostProfile, draft_lens: list[int], concurrencies
     rows = []
     for c in concurrencies:
         plain = metrics(c, 0)
+        if h.proposer != "eagle":
+            m = metrics(c, "auto")
+            row = {"proposer": h.proposer, "schedule": h.schedule, "concurrency": c, "draft_len": "auto",
+                   "extrapolated": c > captured}
+            rows.append(row | m if "error" in m else row | {
+                "sim_tokens_per_s": m["output_tokens_per_s"],
+                "sim_speedup": m["output_tokens_per_s"] / plain["output_tokens_per_s"],
+                "mean_accept_len": m["mean_accept_len"], "formula_speedup": None,
+                "draft_len_counts": m["draft_len_counts"]})
         for d in draft_lens:
             # beyond the largest captured batch the cost models extrapolate: flagged
             row = {"proposer": h.proposer, "schedule": h.schedule, "concurrency": c, "draft_len": d,

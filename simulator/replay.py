@@ -38,7 +38,8 @@ ENGINE_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "num_pages", "page_siz
 class ReplayConfig:
     schedule: str | None = None  # None = the trace's
     proposer: str | None = None
-    draft_len: int | None = None
+    draft_len: int | str | None = None  # a fixed D, "auto" (chosen per step), None = the trace's
+    max_draft_len: int | None = None  # with "auto": the longest D (None: the trace's, else 4)
     acceptance: str = "trace"  # trace | rates | bernoulli:ALPHA
     rate_scale: float = 1.0  # open loop: arrival rate multiplier
     concurrency: int | None = None  # closed loop; None = the trace's
@@ -50,8 +51,11 @@ class ReplayConfig:
             raise ValueError(f"rate_scale must be a finite number > 0, got {self.rate_scale}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
-        if self.draft_len is not None and self.draft_len < 0:
-            raise ValueError(f"draft_len must be >= 0, got {self.draft_len}")
+        if self.draft_len is not None and self.draft_len != "auto" and (
+                not isinstance(self.draft_len, int) or self.draft_len < 0):
+            raise ValueError(f"draft_len must be an integer >= 0 or 'auto', got {self.draft_len!r}")
+        if self.max_draft_len is not None and self.max_draft_len < 1:
+            raise ValueError(f"max_draft_len must be >= 1, got {self.max_draft_len}")
         if self.proposer is not None and self.proposer not in NATURAL_SCHEDULE:
             raise ValueError(f"unknown proposer {self.proposer!r}; choose one of {tuple(NATURAL_SCHEDULE)}")
         for k, v in self.engine_overrides.items():
@@ -147,9 +151,16 @@ class _Sink:
 
 
 def resolve(trace: Trace, cfg: ReplayConfig) -> tuple[str, str, int, dict]:
+    """(proposer, schedule, D, engine settings) of the replay. An adaptive draft length -- asked
+    for, or the captured run's when the replay keeps its proposer and D -- shows as engine
+    setting `draft_len: "auto"`, D then being the longest it may choose."""
     h = trace.header
     proposer = cfg.proposer or h.proposer
-    if cfg.draft_len is not None:
+    captured_auto = h.engine_config.get("draft_len") == "auto" and proposer == h.proposer
+    auto = cfg.draft_len == "auto" or (cfg.draft_len is None and captured_auto)
+    if auto:
+        draft_len = cfg.max_draft_len or int(h.engine_config.get("max_draft_len") or 0) or max(h.draft_len, 0) or 4
+    elif cfg.draft_len is not None:
         draft_len = cfg.draft_len
     elif proposer == "none":
         draft_len = 0
@@ -163,6 +174,11 @@ def resolve(trace: Trace, cfg: ReplayConfig) -> tuple[str, str, int, dict]:
     validate_combination(proposer, schedule, draft_len)
     engine = dict(h.engine_config)
     engine.update(cfg.engine_overrides)
+    engine["draft_len"] = "auto" if auto else draft_len
+    if auto:
+        engine["max_draft_len"] = draft_len
+        if not captured_auto:
+            engine["draft_profile"] = None  # a what-if: the policy learns the costs as the engine would
     return proposer, schedule, draft_len, engine
 
 
@@ -176,7 +192,7 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
     header = Header.create(source="simulator", clock="virtual_ns", model=trace.header.model,
                            draft_model=trace.header.draft_model, proposer=proposer, schedule=schedule,
                            draft_len=spec.draft_len, device={"kind": "virtual", "name": "replay"},
-                           engine_config=engine | {"proposer": proposer, "schedule": schedule, "draft_len": spec.draft_len},
+                           engine_config=engine | {"proposer": proposer, "schedule": schedule},
                            extra={"replayed_from": trace.path, "acceptance": cfg.acceptance,
                                   "workload": trace.header.extra.get("workload", {})})
     rec = MemoryRecorder(header)
@@ -184,7 +200,9 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
     pipe = build_pipeline(spec, schedule, num_pages=int(engine.get("num_pages", 4096)), page_size=page_size,
                           max_num_seqs=int(engine.get("max_num_seqs", 64)),
                           max_num_batched_tokens=int(engine.get("max_num_batched_tokens", 2048)),
-                          device=device, clock=clock, sink=sink, tracer=rec)
+                          device=device, clock=clock, sink=sink, tracer=rec, adaptive=engine["draft_len"] == "auto",
+                          # seeded as the captured run was: with a profile if it had one (this one)
+                          seed_costs=profile.to_json() if engine.get("draft_profile") else None)
 
     models: dict[str, StageModel | None] = {}  # stage -> its model, looked up once
 
@@ -266,7 +284,9 @@ def replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig | None = None) 
     spec = proposer_spec(resolved)
     check_profile(profile, spec)
     same = proposer == trace.header.proposer and draft_len == trace.header.draft_len
-    acceptance = AcceptanceModel.parse(cfg.acceptance, trace, seed=cfg.seed, captured_config=same)
+    varying = resolved[3]["draft_len"] == "auto" or trace.header.engine_config.get("draft_len") == "auto"
+    acceptance = AcceptanceModel.parse(cfg.acceptance, trace, seed=cfg.seed, captured_config=same,
+                                       any_length=varying)
     # The cyclic garbage collector is paused for the run: a replay allocates many short-lived
     # objects, and with a large trace in memory the collections it triggers scan that trace
     # again and again. The rest is collected later.

@@ -159,7 +159,7 @@ def test_tune_and_fit_profile(tmp_path):
     code, out = run("tune", SAMPLE, SAMPLE, "--json")
     assert code == 2 and "one trace per proposer" in out
     chosen = run_json("tune", SAMPLE, "--draft-lens", "1,3", "--concurrencies", "2")
-    assert {(r["concurrency"], r["draft_len"]) for r in chosen["rows"]} == {(2, 1), (2, 3)}
+    assert {(r["concurrency"], r["draft_len"]) for r in chosen["rows"]} == {(2, 1), (2, 3), (2, "auto")}
     code, out = run("tune", SAMPLE, "--draft-lens", "0", "--json")
     assert code == 2 and "--draft-lens" in out
     prof = tmp_path / "profile.json"

@@ -16,7 +16,7 @@ MS = 1_000_000  # ns
 
 KEYS = ["requests", "requests_failed", "requests_aborted", "output_tokens", "duration_s", "output_tokens_per_s", "ttft_ms", "tpot_ms",
         "steps", "mean_accept_len", "accept_rate_per_pos", "device_busy_fraction",
-        "bubble_fraction", "host_ms_per_step"]
+        "bubble_fraction", "host_ms_per_step", "draft_len_counts"]
 
 
 def header() -> Header:

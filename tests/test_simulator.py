@@ -392,7 +392,7 @@ def test_ab_and_tune_on_a_synthetic_workload():
                 ReplayConfig(acceptance="bernoulli:0.9"), profile=prof, replicates=3)
     assert better["diff_b_minus_a"]["output_tokens_per_s"]["verdict"] == "B better"
     res = tune(tr, profile=prof, draft_lens=[1, 2], concurrencies=[1])
-    assert {r["draft_len"] for r in res["rows"]} == {1, 2}
+    assert {r["draft_len"] for r in res["rows"]} == {1, 2, "auto"}  # the adaptive one next to the fixed
 
 
 def test_tune_compares_proposers_one_trace_each():
@@ -402,8 +402,9 @@ def test_tune_compares_proposers_one_trace_each():
     ticks = []
     res = tune([cheap, dear], profile=[analytic_profile(5_000_000, 0.05), analytic_profile(5_000_000, 0.6)],
                draft_lens=[1, 3], concurrencies=[1], on_replay=lambda done, total: ticks.append((done, total)))
-    assert ticks == [(i, 6) for i in range(1, 7)]  # per trace: plain + 2 draft lengths
-    assert {(r["proposer"], r["draft_len"]) for r in res["rows"]} == {("mtp", 1), ("mtp", 3), ("draft", 1), ("draft", 3)}
+    assert ticks == [(i, 8) for i in range(1, 9)]  # per trace: plain + 2 draft lengths + auto
+    assert {(r["proposer"], r["draft_len"]) for r in res["rows"]} == {
+        (p, d) for p in ("mtp", "draft") for d in (1, 3, "auto")}
     by = {(r["proposer"], r["draft_len"]): r["sim_speedup"] for r in res["rows"]}
     assert by[("mtp", 3)] > by[("draft", 3)]  # same acceptance, cheaper drafts
     assert res["best"]["1"]["proposer"] == "mtp"

@@ -317,3 +317,27 @@ def test_no_rank_outlives_a_killed_engine_process(tmp_path):
         assert all(_gone(p) for p in ranks)
     finally:
         engine.kill()
+
+
+def test_a_rank_that_cannot_load_its_shard_fails_the_start_with_the_reason(tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specsched.runtime.devices import DeviceStartError
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+
+    bad = tmp_path / "target"
+    shutil.copytree(bundled.target_dir(), bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    q = tensors["model.layers.0.self_attn.q_proj.weight"]
+    q[q.shape[0] // 2 :] = float("nan")  # rank 1's query heads only
+    save_file(tensors, str(bad / "model.safetensors"))
+
+    async def main() -> None:
+        async with AsyncEngine(EngineConfig.make(model=str(bad), tensor_parallel_size=2)):
+            pass
+
+    with pytest.raises(DeviceStartError, match="another tensor-parallel rank|NaN|nan"):
+        anyio.run(main)

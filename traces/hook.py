@@ -33,7 +33,8 @@ class Tracer(Protocol):
              request_ids: Sequence[str], num_new_tokens: Sequence[int],
              kv_lens: Sequence[int], num_drafted: Sequence[int] | None = None,
              num_accepted: Sequence[int] | None = None,
-             num_output: Sequence[int] | None = None) -> None: ...
+             num_output: Sequence[int] | None = None, draft_len: int | None = None,
+             predicted_gain: float | None = None) -> None: ...
 
     def finish(self, request_id: str, finish_ns: int, finish_reason: str, output_len: int,
                first_token_ns: int | None, ttft_ns: int | None = None,
@@ -131,7 +132,7 @@ def feed(records: Iterable[Any], tracer: Tracer) -> None:
         elif kind == "step":
             tracer.step(rec.step, rec.kind, rec.start_ns, rec.end_ns, rec.request_ids,
                         rec.num_new_tokens, rec.kv_lens, rec.num_drafted, rec.num_accepted,
-                        rec.num_output)
+                        rec.num_output, rec.draft_len, rec.predicted_gain)
         elif kind == "request":
             tracer.request(rec.request_id, rec.arrival_ns, rec.prompt_len, rec.max_tokens,
                            rec.temperature, rec.top_p, rec.top_k, rec.seed)

@@ -48,6 +48,9 @@ def compute_metrics(trace: Trace) -> dict[str, Any]:
     - `host_ms_per_step`: {stage: total duration of `host` spans with that name / number of
       step records, in ms}, stages in pipeline order, plus "total": the sum over stages
       (only "total" = 0.0 without step records).
+    - `draft_len_counts`: {D: number of steps} over the steps whose D the adaptive draft length
+      chose (`draft_len="auto"`; D = 0 is a plain decode step), keys as strings in increasing D;
+      empty for a fixed draft length.
     """
     return _accumulated(trace).metrics()
 
@@ -76,6 +79,7 @@ class MetricsAccumulator:
         self.host_ns: dict[str, int] = {}
         self.num_steps = 0
         self.drafted, self.accepted = array("q"), array("q")  # rows that drafted (num_drafted > 0)
+        self.draft_lens: dict[int, int] = {}  # adaptive D -> steps
         self.start_ns: int | None = None  # `Trace.start_ns` / `end_ns` of what was added
         self.end_ns: int | None = None
 
@@ -96,6 +100,8 @@ class MetricsAccumulator:
             self._seen(rec.start_ns, rec.end_ns)
         elif kind == "step":
             self.num_steps += 1
+            if rec.draft_len is not None:
+                self.draft_lens[rec.draft_len] = self.draft_lens.get(rec.draft_len, 0) + 1
             for d, a in zip(rec.num_drafted, rec.num_accepted):
                 if d > 0:
                     self.drafted.append(d)
@@ -169,6 +175,7 @@ class MetricsAccumulator:
             "device_busy_fraction": busy_ns / duration_ns if duration_ns > 0 else None,
             "bubble_fraction": bubble_ns / pending_ns if pending_ns > 0 else None,
             "host_ms_per_step": _host_ms_per_step(self.host_ns, self.num_steps),
+            "draft_len_counts": {str(d): n for d, n in sorted(self.draft_lens.items())},
         }
 
     def _acceptance(self) -> tuple[float | None, list[float]]:

@@ -76,12 +76,13 @@ class OtelTracer(SpanMapper):
              request_ids: Sequence[str], num_new_tokens: Sequence[int],
              kv_lens: Sequence[int], num_drafted: Sequence[int] | None = None,
              num_accepted: Sequence[int] | None = None,
-             num_output: Sequence[int] | None = None) -> None:
+             num_output: Sequence[int] | None = None, draft_len: int | None = None,
+             predicted_gain: float | None = None) -> None:
         self._last_ns = max(self._last_ns, end_ns)
         drafted, accepted, contexts = self._tally(request_ids, num_drafted, num_accepted)
         links = [Link(ctx) for ctx in contexts]
         attrs = step_attributes(step, kind, len(request_ids), num_new_tokens, kv_lens, drafted, accepted,
-                                num_output)
+                                num_output, draft_len, predicted_gain)
         span = self._tracer.start_span("step", attributes=attrs, links=links,
                                        start_time=self._ns(start_ns))
         span.end(end_time=self._ns(end_ns))

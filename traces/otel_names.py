@@ -122,12 +122,17 @@ def request_attributes(model: str | None, request_id: str, prompt_len: int, max_
 
 def step_attributes(step: int, kind: str, num_requests: int, num_new_tokens: Sequence[int],
                     kv_lens: Sequence[int], drafted: Sequence[int], accepted: Sequence[int],
-                    num_output: Sequence[int] | None) -> dict[str, Any]:
+                    num_output: Sequence[int] | None, draft_len: int | None = None,
+                    predicted_gain: float | None = None) -> dict[str, Any]:
     attrs = {"specsched.step": step, "specsched.step.kind": kind, "specsched.batch_size": num_requests,
              "specsched.num_new_tokens": sum(num_new_tokens), "specsched.kv_tokens": sum(kv_lens),
              "specsched.num_drafted": sum(drafted), "specsched.num_accepted": sum(accepted)}
     if num_output is not None:
         attrs["specsched.num_output"] = sum(num_output)
+    if draft_len is not None:  # chosen by the adaptive draft length
+        attrs["specsched.draft_len"] = draft_len
+    if predicted_gain is not None:
+        attrs["specsched.predicted_gain"] = predicted_gain
     return attrs
 
 

@@ -129,12 +129,13 @@ class OtlpJsonTracer(SpanMapper):
              request_ids: Sequence[str], num_new_tokens: Sequence[int],
              kv_lens: Sequence[int], num_drafted: Sequence[int] | None = None,
              num_accepted: Sequence[int] | None = None,
-             num_output: Sequence[int] | None = None) -> None:
+             num_output: Sequence[int] | None = None, draft_len: int | None = None,
+             predicted_gain: float | None = None) -> None:
         self._last_ns = max(self._last_ns, end_ns)
         drafted, accepted, contexts = self._tally(request_ids, num_drafted, num_accepted)
         links = [{"traceId": c[0], "spanId": c[1], "flags": _FLAGS} for c in contexts]
         attrs = step_attributes(step, kind, len(request_ids), num_new_tokens, kv_lens, drafted, accepted,
-                                num_output)
+                                num_output, draft_len, predicted_gain)
         ctx = (_trace_id(), _span_id())
         self._end(ctx, None, "step", start_ns, end_ns, attrs, links=links)
         self._step_known(step, ctx)

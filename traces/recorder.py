@@ -73,7 +73,8 @@ class _RecordBuilder:
              request_ids: Sequence[str], num_new_tokens: Sequence[int],
              kv_lens: Sequence[int], num_drafted: Sequence[int] | None = None,
              num_accepted: Sequence[int] | None = None,
-             num_output: Sequence[int] | None = None) -> None:
+             num_output: Sequence[int] | None = None, draft_len: int | None = None,
+             predicted_gain: float | None = None) -> None:
         num_requests = len(request_ids)
         zeros = [0] * num_requests
         record = {"type": "step", "step": step, "kind": kind, "start_ns": start_ns,
@@ -82,6 +83,9 @@ class _RecordBuilder:
                   "num_drafted": zeros if num_drafted is None else num_drafted,
                   "num_accepted": zeros if num_accepted is None else num_accepted,
                   "num_output": zeros if num_output is None else num_output}
+        if draft_len is not None:  # chosen by the adaptive draft length
+            record["draft_len"] = draft_len
+            record["predicted_gain"] = predicted_gain
         if kind not in _STEP_KINDS:
             raise ValueError(f"step {step}: kind {kind!r} is not one of {sorted(_STEP_KINDS)}")
         if end_ns < start_ns:

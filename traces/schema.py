@@ -157,6 +157,10 @@ class StepRecord(_Record):
     num_drafted: list[int]  # [B]
     num_accepted: list[int]  # [B] <= num_drafted
     num_output: list[int]  # [B]
+    # a step whose D the adaptive draft length chose (`draft_len="auto"`): that D (0: a plain
+    # decode step) and its predicted tokens/s over D = 0 (None before any cost was known)
+    draft_len: int | None = Field(None, ge=0)
+    predicted_gain: float | None = None
 
     @field_validator("end_ns")
     @classmethod

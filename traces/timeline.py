@@ -159,7 +159,9 @@ def _draw(inputs: TimelineInputs, steps: tuple[int, int] | None,
     if len(in_window) <= MAX_STEP_LABELS:
         for s in in_window:
             if s.start_ns >= start_ns:
-                ax.text(ms(s.start_ns) + width_ms * 0.002, len(lanes) - 0.45, f"{s.step}",
+                # an adaptive draft length's choice marks its step: "12 D=3"
+                label = f"{s.step}" if s.draft_len is None else f"{s.step} D={s.draft_len}"
+                ax.text(ms(s.start_ns) + width_ms * 0.002, len(lanes) - 0.45, label,
                         fontsize=7, color="0.35", ha="left", va="bottom", clip_on=True)
 
     ax.set_yticks([y_of[lane] for lane in lanes])
@@ -168,7 +170,9 @@ def _draw(inputs: TimelineInputs, steps: tuple[int, int] | None,
     ax.set_ylim(-0.6, len(lanes) - 0.1)
     ax.set_xlim(ms(start_ns), ms(end_ns))
     ax.set_xlabel("time since trace start (ms)" + ("   (dotted lines: step starts, "
-                                                  "numbered on top)" if in_window else ""))
+                                                  "numbered on top" + (", D: the step's chosen draft length" if any(
+                                                      s.draft_len is not None for s in in_window) else "")
+                                                  + ")" if in_window else ""))
     ax.grid(axis="x", color="0.9", linewidth=0.6, zorder=-1)
     ax.set_axisbelow(True)
     ax.set_title(_title(inputs.header, inputs.metrics, steps), fontsize=10, loc="left")

@@ -93,17 +93,18 @@ class _Sink:
 
 def run_requests(worker, prompts: list[list[int]], params: SamplingParams, *,
                  schedule: str | None = None, num_pages: int = 512, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048) -> list[Request]:
+                 max_num_batched_tokens: int = 2048, adaptive: bool = False) -> list[Request]:
     """Serve `prompts` (token ids) to completion through a Pipeline on an InlineDevice running
     `worker` (a ModelWorker whose proposer defines the spec); returns the finished requests
-    in prompt order. `num_pages` must not exceed the worker's KV pages."""
+    in prompt order. `num_pages` must not exceed the worker's KV pages; `adaptive`: the step's
+    D is chosen up to the worker's draft length (scheduler/adaptive.py)."""
     spec = worker.spec
     sink = _Sink()
     eos = tuple(worker.target.config.eos_token_ids) if not params.ignore_eos else ()
     pipe = build_pipeline(spec, schedule or NATURAL_SCHEDULE[spec.kind], num_pages=num_pages,
                           page_size=worker.page_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, device=InlineDevice(worker),
-                          clock=MonotonicClock(), sink=sink, eos_token_ids=eos)
+                          clock=MonotonicClock(), sink=sink, eos_token_ids=eos, adaptive=adaptive)
     sink.expected = len(prompts)
 
     async def main() -> None:
