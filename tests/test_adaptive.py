@@ -1,0 +1,164 @@
+"""The adaptive draft length: its policy's choices on known acceptance and costs, its
+estimates' recovery after a change of workload, and, end to end, that `draft_len="auto"`
+stays lossless in the engine's pipeline and replays in the simulator."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specsched.scheduler.adaptive import DraftLenPolicy, OnlineCost
+from specsched.simulator.replay import ReplayConfig, replay
+
+SAMPLES = __import__("pathlib").Path(__file__).resolve().parents[1] / "traces" / "samples"
+
+
+def _teach(policy: DraftLenPolicy, *, verify_ns_per_token: float, draft_ns_per_forward: float,
+           const_ns: float = 1e6, rows=(1, 4, 16), widths=(1, 3, 5)) -> None:
+    """Feed device intervals from a known linear cost: target forward c + t·tokens, draft
+    c + f·row-forwards (varied shapes, so every coefficient is identifiable)."""
+    for b in rows:
+        for w in widths:
+            kv = b * 50
+            policy.observe_launch("verify", {"tokens": b * w, "requests": b, "kv_tokens": kv},
+                                  int(const_ns + verify_ns_per_token * b * w))
+            nd = w - 1
+            policy.observe_launch("draft", {"num_draft": nd, "draft_forwards": b * max(nd - 1, 0), "requests": b,
+                                            "kv_tokens": kv}, int(const_ns / 10 + draft_ns_per_forward * b * max(nd - 1, 0)))
+
+
+def _choose(policy: DraftLenPolicy, rows: int, remaining: int = 100):
+    slots = np.arange(rows)
+    return policy.choose(slots, np.full(rows, remaining), np.full(rows, 50), budget=4096)
+
+
+def test_online_cost_recovers_a_linear_cost_and_stays_non_negative():
+    m = OnlineCost(("const", "tokens", "requests", "kv_tokens"), lam=1e-6)
+    rng = np.random.default_rng(0)
+    for _ in range(64):
+        x = np.array([1.0, rng.integers(1, 200), rng.integers(1, 32), rng.integers(0, 4000)])
+        m.add(x, float(2e5 + 3e3 * x[1] + 5e2 * x[3]))
+    assert m.coef is not None and (m.coef >= 0).all()
+    assert m.predict(np.array([1.0, 100, 8, 1000])) == pytest.approx(2e5 + 3e5 + 5e5, rel=1e-3)
+
+
+def test_free_drafting_and_certain_acceptance_pick_the_longest_draft():
+    policy = DraftLenPolicy(4, has_fill=False, prior=1.0, explore_every=1000)
+    _teach(policy, verify_ns_per_token=1.0, draft_ns_per_forward=0.0, const_ns=1e6)  # verify ~ flat
+    d = _choose(policy, 8)
+    assert d.draft_len == 4 and (d.num_draft == 4).all()
+    assert d.gain is not None and d.gain > 4  # ~5 tokens a step instead of 1, at the same cost
+
+
+def test_a_verify_priced_too_high_for_the_acceptance_turns_speculation_off():
+    policy = DraftLenPolicy(4, has_fill=False, prior=0.2, explore_every=1000)
+    # the step's cost is all per token (no fixed cost to amortize): wider verifies cost in proportion
+    _teach(policy, verify_ns_per_token=1e6, draft_ns_per_forward=5e5, const_ns=0.0)
+    d = _choose(policy, 16)
+    assert d.draft_len == 0 and not d.num_draft.any()
+
+
+def test_speculation_pays_at_batch_1_and_stops_paying_as_the_batch_grows():
+    policy = DraftLenPolicy(4, has_fill=False, prior=0.7, explore_every=1000)
+    # a fixed cost per forward (weights streamed once) plus a per-token cost
+    _teach(policy, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6, rows=(1, 8, 64))
+    small, large = _choose(policy, 1), _choose(policy, 64)
+    assert small.draft_len >= 2
+    assert large.draft_len < small.draft_len
+
+
+def test_the_estimates_recover_after_a_change_of_workload():
+    policy = DraftLenPolicy(4, has_fill=False, prior=0.8, explore_every=8)
+    _teach(policy, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
+    slots = np.arange(4)
+    assert _choose(policy, 4).draft_len >= 2
+    chosen = []
+    for _ in range(30):  # every draft rejected at once: speculation turns off
+        d = _choose(policy, 4)
+        chosen.append((d.draft_len, d.explored))
+        policy.observe_verify(slots[: d.rows], d.num_draft, np.zeros(d.rows, dtype=np.int64))
+    assert [dl for dl, explored in chosen[-10:] if not explored] == [0] * sum(not e for _, e in chosen[-10:])
+    assert any(explored and dl == 1 for dl, explored in chosen[-10:])  # it keeps probing D = 1
+    seen = []
+    for _ in range(80):  # now every draft is accepted: exploration finds it out again
+        d = _choose(policy, 4)
+        seen.append(d.draft_len)
+        policy.observe_verify(slots[: d.rows], d.num_draft, d.num_draft)
+    assert seen[-1] >= 2 and max(seen[-10:]) >= 3
+
+
+def test_a_request_whose_drafts_keep_failing_drafts_less_than_the_others():
+    policy = DraftLenPolicy(4, has_fill=False, prior=0.9, explore_every=1000)
+    _teach(policy, verify_ns_per_token=1e4, draft_ns_per_forward=2e5, const_ns=4e6)
+    slots = np.arange(4)
+    for _ in range(20):
+        d = _choose(policy, 4)
+        acc = d.num_draft.copy()
+        acc[0] = 0  # request 0 never gets a draft accepted
+        policy.observe_verify(slots[: d.rows], d.num_draft, acc)
+    d = _choose(policy, 4)
+    assert d.draft_len >= 2
+    assert d.num_draft[0] < d.num_draft[1:].min()
+
+
+def test_new_requests_start_from_the_engine_wide_estimate():
+    policy = DraftLenPolicy(3, has_fill=False, prior=0.5)
+    for _ in range(200):
+        policy.observe_verify(np.array([0]), np.array([3]), np.array([3]))
+    policy.start(5)
+    assert (policy.accept[5] > 0.9).all()
+    assert (policy.global_accept > 0.9).all()
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="max_draft_len >= 1"):
+        DraftLenPolicy(0, has_fill=False)
+    with pytest.raises(ValueError, match="prior"):
+        DraftLenPolicy(2, has_fill=False, prior=1.5)
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.scheduler.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="linear proposer"):
+        EngineConfig.make(proposer="eagle", draft_len="auto")
+    with pytest.raises(ConfigurationError, match="needs draft_len 'auto'"):
+        EngineConfig.make(proposer="draft", draft_len=3, draft_profile="p.json")
+    assert EngineConfig.make(proposer="mtp", draft_len="auto", max_draft_len=3).proposer_spec().draft_len == 3
+
+
+@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("mtp", "mtp"), ("ngram", "sync"), ("mtp", "sync")])
+def test_auto_serves_the_tokens_of_plain_greedy_decoding(kind, schedule):
+    from specsched.runtime import bundled
+    from specsched.runtime.training.mtp_eval import run_requests
+    from specsched.runtime.worker import ModelWorker
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(12 + 3 * i)] for i in range(5)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = run_requests(ModelWorker(str(bundled.target_dir()), {"kind": "none", "draft_len": 0}, num_pages=256),
+                         prompts, params)
+    pdir = {"draft": bundled.draft_dir(), "mtp": bundled.mtp_dir()}.get(kind)
+    worker = ModelWorker(str(bundled.target_dir()), {"kind": kind, "draft_len": 4},
+                         proposer_dir=str(pdir) if pdir else None, num_pages=256)
+    for batch in (prompts[:1], prompts):  # batch 1, then 5 at once
+        got = run_requests(worker, batch, params, schedule=schedule, adaptive=True)
+        assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain[: len(batch)]]
+        assert all(r.error is None for r in got)
+
+
+def test_replay_auto_on_a_captured_trace_records_its_choices_and_keeps_tokens():
+    from specsched.simulator.fit import fit_profile
+    from specsched.traces.reader import read_trace
+
+    tr = read_trace(SAMPLES / "draft_overlap.jsonl")
+    prof = fit_profile([tr])
+    fixed, _ = replay(tr, prof, ReplayConfig())
+    m, sim = replay(tr, prof, ReplayConfig(draft_len="auto", max_draft_len=4))
+    assert m["output_tokens"] == fixed["output_tokens"]
+    counts = m["draft_len_counts"]
+    assert counts and sum(counts.values()) == sum(1 for s in sim.steps if s.draft_len is not None)
+    assert set(counts) <= {"0", "1", "2", "3", "4"}
+    assert sim.header.engine_config["draft_len"] == "auto"
+    # replaying the simulated auto trace again follows it: the captured run was adaptive
+    again, _ = replay(sim, prof, ReplayConfig())
+    assert again["draft_len_counts"]
+    with pytest.raises(ValueError, match="linear proposer"):
+        replay(tr, prof, ReplayConfig(proposer="eagle", draft_len="auto"))
