@@ -28,14 +28,30 @@ def _engine_setting(item: str) -> tuple[str, int]:
     return k.strip(), int(v)
 
 
-_JOBS_HELP = "processes the replays fan out over (0: one per available CPU; results do not depend on it)"
+_JOBS_HELP = ("processes the replays fan out over (0: one per available CPU), or 'ray': Ray tasks "
+              "(the ray extra; results do not depend on it)")
+_RAY_HELP = "with --jobs ray: the Ray cluster to join (default: RAY_ADDRESS, else a local instance)"
 
 
-def _jobs(n: int) -> int:
-    from specsched.simulator.sweep import available_cpus
+def _jobs(value: str, ray_address: str | None = None) -> int | str:
+    import os
 
+    from specsched.simulator.sweep import available_cpus, ray_available
+
+    if value == "ray":
+        if not ray_available():
+            _fail("--jobs ray needs Ray: pip install 'specsched[ray]'")
+        if ray_address:
+            os.environ["RAY_ADDRESS"] = ray_address
+        return "ray"
+    if ray_address:
+        _fail("--ray-address goes with --jobs ray")
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
     if n < 0:
-        _fail(f"--jobs must be >= 0 (0: one per available CPU), got {n}")
+        _fail(f"--jobs must be >= 0 (0: one per available CPU) or 'ray', got {value!r}")
     return n or available_cpus()
 
 
@@ -113,7 +129,8 @@ def validate(
     trace: Path,
     profile: Optional[Path] = typer.Option(None),
     replicates: int = typer.Option(5, help="noisy replays pooled for the step-time distribution"),
-    jobs: int = typer.Option(0, "--jobs", help=_JOBS_HELP),
+    jobs: str = typer.Option("0", "--jobs", help=_JOBS_HELP),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help=_RAY_HELP),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Replay a trace under its own configuration; error against the measured run."""
@@ -123,7 +140,7 @@ def validate(
     if replicates < 1:
         _fail("--replicates must be >= 1")
     try:
-        res = run_validate(tr, _profile(tr, profile), replicates=replicates, jobs=_jobs(jobs))
+        res = run_validate(tr, _profile(tr, profile), replicates=replicates, jobs=_jobs(jobs, ray_address))
     except (ValueError, KeyError) as e:
         _fail(str(e))
     _note_stand_ins(res["stand_ins"], "the replay")
@@ -172,7 +189,8 @@ def ab(
     b: str = typer.Option(..., "--b", help="variant B"),
     replicates: int = typer.Option(10),
     profile: Optional[Path] = typer.Option(None),
-    jobs: int = typer.Option(0, "--jobs", help=_JOBS_HELP),
+    jobs: str = typer.Option("0", "--jobs", help=_JOBS_HELP),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help=_RAY_HELP),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """A/B two configurations on the same workload and acceptance draws, with bootstrap CIs."""
@@ -212,7 +230,7 @@ def ab(
     try:
         with Progress(console=console, transient=True, disable=json_out) as progress:
             task = progress.add_task("replicates", total=replicates)
-            res = run_ab(tr, parse(a, "--a"), parse(b, "--b"), profile=_profile(tr, profile), replicates=replicates, jobs=_jobs(jobs),
+            res = run_ab(tr, parse(a, "--a"), parse(b, "--b"), profile=_profile(tr, profile), replicates=replicates, jobs=_jobs(jobs, ray_address),
                          on_replicate=lambda done, total: progress.update(task, completed=done))
     except (ValueError, KeyError) as e:
         _fail(str(e))
@@ -242,7 +260,8 @@ def tune(
     draft_lens: Optional[str] = typer.Option(
         None, "--draft-lens", help="draft lengths to sweep, e.g. 1,2,4 (default: 1 .. the captured agreement length, <= 8)"),
     concurrencies: str = typer.Option("1,4,16", help="batch-size regimes (concurrent requests), e.g. 1,8,32"),
-    jobs: int = typer.Option(0, "--jobs", help=_JOBS_HELP),
+    jobs: str = typer.Option("0", "--jobs", help=_JOBS_HELP),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help=_RAY_HELP),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Sweep draft length (and proposer, one trace each) per batch-size regime; simulated
@@ -260,7 +279,7 @@ def tune(
         with Progress(console=console, transient=True, disable=json_out) as progress:
             task = progress.add_task("replaying", total=None)
             res = run_tune(trs, profile=_profile(trs[0], profile) if len(trs) == 1 else None,
-                           draft_lens=lens, concurrencies=concs, jobs=_jobs(jobs),
+                           draft_lens=lens, concurrencies=concs, jobs=_jobs(jobs, ray_address),
                            on_replay=lambda done, total: progress.update(task, completed=done, total=total))
     except (ValueError, KeyError) as e:
         _fail(str(e))

@@ -31,8 +31,6 @@ the pipeline), and its inputs are what the pipeline already has:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
 import numpy as np
 
 # features of each op's cost model, read from its launch shape (span attributes)
@@ -56,12 +54,16 @@ def _features(model: str, attrs: dict) -> np.ndarray:
 @dataclass
 class OnlineCost:
     """Non-negative linear cost (ns) of one op, refitted on its last `window` samples by
-    ridge regression toward `prior` (the seed, or zeros): (X'X + lam I) c = X'y + lam prior."""
+    ridge regression toward `prior` (the seed, or zeros): (X'X + lam P) c = X'y + lam P prior,
+    P = diag(0, 1, 1, ...): the constant is not pulled (an op's fixed cost is what few samples
+    of one shape show best; pulling it would hand it to the per-row terms, which then
+    extrapolate to large batches as a cost per row that is not there)."""
 
     features: tuple[str, ...]
     prior: np.ndarray | None = None
     window: int = 256
     lam: float = 1.0
+    half_life: float = 32.0  # samples: the fit follows the current load (batch size drifts)
     coef: np.ndarray | None = None
     _x: list = field(default_factory=list)
     _y: list = field(default_factory=list)
@@ -77,7 +79,7 @@ class OnlineCost:
         if len(self._x) > self.window:
             del self._x[0], self._y[0]
         self._since_fit += 1
-        if self.coef is None or self._since_fit >= 8:
+        if self.coef is None or len(self._x) < 64 or self._since_fit >= 8:  # early samples count most
             self.fit()
 
     def fit(self) -> None:
@@ -85,14 +87,29 @@ class OnlineCost:
         # scale each feature to unit size so one ridge weight suits tokens and constants alike
         scale = np.maximum(np.abs(x).max(axis=0), 1.0)
         xs = x / scale
+        # recent samples weigh most: a cost is linear only locally (a large batch's per-token
+        # cost is not a small one's), and the policy compares lengths at the current load
+        w = 0.5 ** (np.arange(len(y))[::-1] / self.half_life)
         prior = (self.prior * scale) if self.prior is not None else np.zeros(x.shape[1])
-        a = xs.T @ xs + self.lam * np.eye(x.shape[1])
-        c = np.linalg.solve(a, xs.T @ y + self.lam * prior)
+        pen = np.ones(x.shape[1])
+        pen[0] = 0.0  # the constant (FEATURES put it first)
+        pen = self.lam * np.diag(pen) + 1e-9 * np.eye(x.shape[1])
+        c = np.linalg.solve(xs.T @ (xs * w[:, None]) + pen, xs.T @ (w * y) + pen @ prior)
         self.coef = np.maximum(c, 0.0) / scale
         self._since_fit = 0
 
     def predict(self, x: np.ndarray) -> float | None:
         return None if self.coef is None else float(max(self.coef @ x, 0.0))
+
+    def at(self, a: float, b: float, c: float) -> float | None:
+        """`predict` of (1, a, b, c) in plain floats: the policy prices every D each step."""
+        k = self.__dict__.get("_k")
+        if k is None or k[0] is not self.coef:
+            if self.coef is None:
+                return None
+            k = self.__dict__["_k"] = (self.coef, *map(float, self.coef))
+        v = k[1] + k[2] * a + k[3] * b + k[4] * c
+        return v if v > 0.0 else 0.0
 
 
 @dataclass
@@ -176,30 +193,24 @@ class DraftLenPolicy:
         resid = max(wall_ns - last.device_ns, 0.0)
         self.overhead_ns = 0.8 * self.overhead_ns + 0.2 * resid
 
-    def _cost(self, model: str, **attrs: Any) -> float | None:
-        return self.costs[model].predict(_features(model, attrs))
-
-    def step_ns(self, rows: int, d: int, num_draft: np.ndarray, kv_tokens: int) -> float | None:
-        """Predicted device time of a step of `rows` at D = d (None while a needed model is
-        unknown)."""
+    def step_ns(self, rows: int, d: int, forwards: int, kv_tokens: int) -> float | None:
+        """Predicted device time of a step of `rows` at D = d whose rows make `forwards`
+        proposer row-forwards in all (None while a needed model is unknown)."""
+        c = self.costs
         if d == 0:
-            parts = [self._cost("target", tokens=rows, requests=rows, kv_tokens=kv_tokens + rows)]
-            if self.has_fill:
-                parts.append(self._cost("fill", tokens=rows * (1 + self.kv_ahead), requests=rows,
-                                        kv_tokens=kv_tokens + rows))
-        else:
-            width = 1 + d
-            parts = [self._cost("draft", num_draft=d, draft_forwards=int(np.maximum(num_draft - 1, 0).sum()),
-                                requests=rows, kv_tokens=kv_tokens),
-                     self._cost("target", tokens=rows * width, requests=rows, kv_tokens=kv_tokens + rows * width)]
-            if self.has_fill:
-                # a head's fill covers the verify batch; a draft model's the last accepted
-                # token and the bonus (it wrote its drafts' KV while drafting)
-                fill = rows * width if self.fill_same_batch else rows * (1 + self.kv_ahead)
-                parts.append(self._cost("fill", tokens=fill, requests=rows, kv_tokens=kv_tokens + rows * width))
-        if any(p is None for p in parts):
-            return None
-        return float(sum(parts))
+            t = c["target"].at(rows, rows, kv_tokens + rows)
+            f = c["fill"].at(rows * (1 + self.kv_ahead), rows, kv_tokens + rows) if self.has_fill else 0.0
+            return None if t is None or f is None else t + f
+        width = 1 + d
+        dr = c["draft"].at(d - 1, forwards, kv_tokens)
+        t = c["target"].at(rows * width, rows, kv_tokens + rows * width)
+        f = 0.0
+        if self.has_fill:
+            # a head's fill covers the verify batch; a draft model's the last accepted token
+            # and the bonus (it wrote its drafts' KV while drafting)
+            fill = rows * width if self.fill_same_batch else rows * (1 + self.kv_ahead)
+            f = c["fill"].at(fill, rows, kv_tokens + rows * width)
+        return None if dr is None or t is None or f is None else dr + t + f
 
     # -- the decision ---------------------------------------------------------------------
     def choose(self, slots: np.ndarray, remaining: np.ndarray, computed: np.ndarray, budget: int) -> Decision:
@@ -208,33 +219,36 @@ class DraftLenPolicy:
         B·(1 + D) verify tokens; and how many tokens each served row drafts."""
         self.decisions += 1
         n = len(slots)
-        p = self.accept[slots]  # [n, Dmax]
-        reach = np.cumprod(p, axis=1)  # P(draft j accepted), j = 1..Dmax
-        gain = np.cumsum(reach, axis=1)
-        cap = np.clip(remaining - 1, 0, self.max_draft_len)  # drafts a row may still use
+        dmax = self.max_draft_len
+        reach = np.cumprod(self.accept[slots], axis=1)  # [n, Dmax] P(draft j reached and accepted)
+        gain = np.zeros((n, dmax + 1))
+        np.cumsum(reach, axis=1, out=gain[:, 1:])  # [n, 1 + Dmax]: expected accepted drafts at D
+        cap = np.clip(remaining - 1, 0, dmax)  # drafts a row may still use
+        ds = np.arange(dmax + 1)
+        use = np.minimum(cap[None, :], ds[:, None])  # [1 + Dmax, n] drafts per row at each D
+        rows_d = np.minimum(n, budget // (1 + ds))  # rows the budget holds at each D
+        served = np.arange(n)[None, :] < rows_d[:, None]
+        expected = rows_d + (np.take_along_axis(gain.T, use, 0) * served).sum(axis=1)
+        forwards = (np.maximum(use - 1, 0) * served).sum(axis=1)
+        kv = np.concatenate([[0], np.cumsum(computed)])[rows_d]
         best = None
         rates: dict[int, float] = {}
-        for d in range(self.max_draft_len + 1):
-            rows = min(n, budget // (1 + d))
-            if rows == 0:
+        for d in range(dmax + 1):
+            if rows_d[d] == 0:
                 continue
-            use = np.minimum(cap[:rows], d)
-            expected = rows + float(np.take_along_axis(gain[:rows], np.maximum(use - 1, 0)[:, None], 1)[:, 0]
-                                    @ (use > 0))
-            t = self.step_ns(rows, d, use, int(computed[:rows].sum()))
+            t = self.step_ns(int(rows_d[d]), d, int(forwards[d]), int(kv[d]))
             if t is None:
                 continue
-            rate = expected / (self.overhead_ns + t)
-            rates[d] = rate
-            if best is None or rate > rates[best]:
+            rates[d] = float(expected[d]) / (self.overhead_ns + t)
+            if best is None or rates[d] > rates[best]:
                 best = d
         explored = False
         if best is None:  # no cost model yet: speculate fully, which teaches every model
-            best = self.max_draft_len
-        elif self.decisions % self.explore_every == 0 and best < self.max_draft_len:
+            best = dmax
+        elif self.decisions % self.explore_every == 0 and best < dmax:
             best, explored = best + 1, True
-        rows = min(n, budget // (1 + best))
-        num_draft = np.minimum(cap[:rows], best)
+        rows = int(rows_d[best])
+        num_draft = use[best, :rows]
         if best >= 1 and rates.get(best) is not None:
             num_draft = self._per_row(num_draft, reach[:rows], rates[best])
         if best >= 1 and not num_draft.any():
@@ -243,7 +257,8 @@ class DraftLenPolicy:
             num_draft = np.zeros(rows, dtype=np.int64)
         gain_over_plain = rates[best] / rates[0] if best in rates and rates.get(0) else None
         dec = Decision(best, num_draft.astype(np.int64), rows, gain_over_plain, explored,
-                       self.step_ns(rows, best, num_draft, int(computed[:rows].sum())))
+                       self.step_ns(rows, best, int(np.maximum(num_draft - 1, 0).sum()), int(kv[best]) if
+                                    rows == rows_d[best] else int(computed[:rows].sum())))
         self.last = dec
         return dec
 

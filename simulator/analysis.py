@@ -39,8 +39,8 @@ def _noisy_step_times(shared: tuple, r: int) -> list[int]:
     return [s.end_ns - s.start_ns for s in sim.steps]
 
 
-def validate(trace, profile: CostProfile | None = None, *, replicates: int = 5, jobs: int = 1) -> dict:
-    """`jobs`: processes the noisy replicates fan out over (results do not depend on it)."""
+def validate(trace, profile: CostProfile | None = None, *, replicates: int = 5, jobs: int | str = 1) -> dict:
+    """`jobs`: processes the noisy replicates fan out over, or "ray" (results do not depend on it)."""
     profile = profile or fit_profile([trace])
     real = compute_metrics(trace)
     sim_m, sim = replay(trace, profile, ReplayConfig())
@@ -127,9 +127,9 @@ def _ab_pair(shared: tuple, r_seed: int) -> tuple:
 
 
 def ab(trace, a: ReplayConfig, b: ReplayConfig, *, profile: CostProfile | None = None,
-       replicates: int = 10, seed: int = 0, on_replicate=None, jobs: int = 1) -> dict:
+       replicates: int = 10, seed: int = 0, on_replicate=None, jobs: int | str = 1) -> dict:
     """`on_replicate(done, total)` is called after each replicate pair (progress bars);
-    `jobs`: processes the replicates fan out over (results do not depend on it)."""
+    `jobs`: processes the replicates fan out over, or "ray" (results do not depend on it)."""
     if replicates < 1:
         raise ValueError(f"replicates must be >= 1, got {replicates}")
     profile = profile or fit_profile([trace])
@@ -174,13 +174,13 @@ def accept_len(trace, d: int) -> float | None:
 
 
 def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draft_lens: list[int] | None = None,
-         concurrencies: list[int] | None = None, on_replay=None, jobs: int = 1) -> dict:
+         concurrencies: list[int] | None = None, on_replay=None, jobs: int | str = 1) -> dict:
     """Sweep the draft length of each trace's proposer per concurrency (one trace per
     proposer: the sweep covers every proposer a trace exists for). Each trace replays with
     its own costs -- fitted on itself unless `profile` gives one per trace (a "draft" op
     costs what *its* proposer costs) -- and speedups are over plain decoding replayed from
     that trace. `on_replay(done, total)` is called after every replay (progress bars);
-    `jobs`: processes the replays fan out over (results do not depend on it)."""
+    `jobs`: processes the replays fan out over, or "ray" (results do not depend on it)."""
     traces = list(traces) if isinstance(traces, (list, tuple)) else [traces]
     if not traces:
         raise ValueError("tune needs at least one trace")

@@ -11,6 +11,12 @@ are forked (Linux), pickled once per worker elsewhere -- and each task sends bac
 its caller reduces (metrics, per-request latencies, step times), never a simulated trace.
 For the sweep, what is alive at its start -- the loaded traces above all -- is frozen out of
 the cyclic garbage collector's reach (`gc.freeze`, see `_frozen_heap`).
+
+Across machines: `jobs="ray"` runs the same tasks as Ray tasks (the `ray` extra, imported
+only then): the shared input goes into Ray's object store once (`ray.put`), each task gets
+it by reference, and results come back in task order -- identical to the process pool's, as
+every replay is seeded on its own. Ray connects where `RAY_ADDRESS` points (`--ray-address`),
+else it starts a local instance.
 """
 from __future__ import annotations
 
@@ -83,15 +89,18 @@ def _default_start_method() -> str | None:
     return "fork"
 
 
-def fan_out(fn: Callable[[Any, Any], Any], shared: Any, tasks: Sequence[Any], *, jobs: int = 1,
+def fan_out(fn: Callable[[Any, Any], Any], shared: Any, tasks: Sequence[Any], *, jobs: int | str = 1,
             on_done: Callable[[int, int], None] | None = None, start_method: str | None = None) -> list:
     """`[fn(shared, t) for t in tasks]`, over up to `jobs` worker processes (1: in this
-    process). `fn` must be a module-level function (workers import it by name); results
-    come back in task order, and `on_done(done, total)` is called as each one arrives.
-    `start_method`: how workers start (default: fork on Linux, else the platform's
-    default; with spawn or forkserver `shared` is pickled once per worker)."""
-    if jobs < 1:
-        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    process), or as Ray tasks (`jobs="ray"`). `fn` must be a module-level function (workers
+    import it by name); results come back in task order, and `on_done(done, total)` is
+    called as each one arrives. `start_method`: how workers start (default: fork on Linux,
+    else the platform's default; with spawn or forkserver `shared` is pickled once per
+    worker)."""
+    if jobs == "ray":
+        return _fan_out_ray(fn, shared, tasks, on_done)
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an integer >= 1 or 'ray', got {jobs!r}")
     with _frozen_heap():
         return _fan_out(fn, shared, tasks, jobs, on_done, start_method)
 
@@ -115,3 +124,40 @@ def _fan_out(fn, shared, tasks, jobs, on_done, start_method) -> list:
             if on_done is not None:
                 on_done(i + 1, total)
     return out
+
+
+def ray_available() -> bool:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _fan_out_ray(fn, shared, tasks, on_done) -> list:
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("jobs 'ray' needs Ray: pip install 'specsched[ray]'") from None
+    if not ray.is_initialized():
+        # RAY_ADDRESS (if set) names the cluster; otherwise a local instance starts
+        ray.init(include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    remote = ray.remote(_ray_task)
+    ref = ray.put(shared)
+    pending = [remote.remote(fn, ref, t) for t in tasks]
+    index = {r: i for i, r in enumerate(pending)}
+    out: list = [None] * len(pending)
+    done = 0
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        for r in ready:
+            out[index[r]] = ray.get(r)
+            done += 1
+            if on_done is not None:
+                on_done(done, len(out))
+    return out
+
+
+def _ray_task(fn, shared, task):
+    """One task on a Ray worker (`shared` arrives resolved from the object store)."""
+    return fn(shared, task)

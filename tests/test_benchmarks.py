@@ -27,6 +27,8 @@ TINY = {
                          "--capture-len", "2", "--draft-lens", "1", "2"],
     "schedules.py": ["--num-requests", "1", "--max-tokens", "3", "--sections", "1"],
     "trace_tools.py": ["--sizes", "0.3", "--window", "5:8"],
+    "adaptive.py": ["--concurrency", "2", "--rounds", "1", "--max-tokens", "4", "--min-requests", "2",
+                    "--max-draft-len", "2", "--proposers", "mtp"],
     "tensor_parallel.py": ["--rounds", "1", "--concurrency", "1", "--num-requests", "1", "--max-tokens", "3",
                            "--configs", "none", "--sizes", "1024", "--repeats", "5"],
     "sweep_fanout.py": ["--replicates", "2", "--rounds", "1", "--draft-lens", "1", "--concurrencies", "1"],

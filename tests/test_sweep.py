@@ -96,3 +96,25 @@ def test_workers_may_print_and_warn():
     # forked workers get stdio objects of their own (a parent thread may hold the inherited
     # ones' locks at the fork); printing and warning there must neither hang nor fail
     assert fan_out(_warns, None, list(range(3)), jobs=2) == [0, 1, 2]
+
+
+@pytest.mark.skipif(not __import__("specsched.simulator.sweep", fromlist=["ray_available"]).ray_available(),
+                    reason="the ray extra is not installed")
+def test_ray_fan_out_gives_the_process_pool_results():
+    import ray
+
+    tr = workload_trace(4, 16, 120, draft_len=3, concurrency=2)
+    prof = analytic_profile(5_000_000, 0.1)
+    a, b = ReplayConfig(schedule="sync"), ReplayConfig(acceptance="bernoulli:0.8")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        ticks = []
+        assert fan_out(_pid, None, [0, 1, 2], jobs="ray", on_done=lambda d, t: ticks.append((d, t))) != [os.getpid()] * 3
+        assert ticks == [(1, 3), (2, 3), (3, 3)]
+        assert ab(tr, a, b, profile=prof, replicates=3, jobs="ray") == ab(tr, a, b, profile=prof, replicates=3, jobs=2)
+        kw = dict(profile=prof, draft_lens=[1, 3], concurrencies=[1, 2])
+        assert tune(tr, jobs="ray", **kw) == tune(tr, jobs=2, **kw)
+        with pytest.raises(ValueError, match="task 2 failed"):
+            fan_out(_fails_on, 2, list(range(4)), jobs="ray")
+    finally:
+        ray.shutdown()

@@ -1,0 +1,110 @@
+"""The adaptive draft length against every fixed one, on the bundled models and workload.
+
+For each proposer (draft model under `overlap`, MTP head under `mtp`) and each concurrency
+(closed loop; output lengths spread around `--max-tokens`, see `lengths`), engine output tokens/s of `draft_len="auto"` (up to `--max-draft-len`) and of
+every fixed D in 0..max (D = 0: plain decoding), in interleaved rounds (each round runs every
+configuration once, in a rotated order), medians. Per proposer it prints auto's ratio to the
+best fixed D at each concurrency and the geometric mean over the concurrencies of auto and of
+each fixed D. Then, per proposer and concurrency, one more auto run with its trace, replayed by
+the simulator (`validate`: the trace's own fitted costs): the makespan error.
+
+    python benchmarks/adaptive.py [--concurrency 1 4 16 64] [--rounds 3] [--max-tokens 32]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import replace
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import bundled_items, run  # noqa: E402
+
+PROPOSERS = {"draft": "overlap", "mtp": "mtp"}
+
+
+def lengths(max_tokens: int, n: int) -> list[int]:
+    """Request i's output length: lo + (37 i mod (hi - lo + 1)) with lo = max_tokens / 2 and
+    hi = 3 max_tokens / 2 -- spread around max_tokens, so that requests finish and are admitted
+    at different steps as in a served workload (with equal lengths every configuration but
+    plain decoding would admit its next requests in a trickle of mixed steps)."""
+    lo = max(2, max_tokens // 2)
+    hi = max(lo, 3 * max_tokens // 2)
+    return [lo + (37 * i) % (hi - lo + 1) for i in range(n)]
+
+
+def workload(concurrency: int, max_tokens: int, min_requests: int):
+    """max(min_requests, 2 x concurrency) requests: the bundled prompts in order (repeated),
+    with `lengths`."""
+    items = bundled_items(64, max_tokens)
+    n = max(min_requests, 2 * concurrency)
+    return [replace(items[i % len(items)], params=items[i % len(items)].params.model_copy(update={"max_tokens": t}))
+            for i, t in enumerate(lengths(max_tokens, n))]
+
+
+def configs(proposer: str, max_d: int) -> dict[str, dict]:
+    out = {"D=0": {"proposer": "none", "schedule": "sync"}}
+    for d in range(1, max_d + 1):
+        out[f"D={d}"] = {"proposer": proposer, "schedule": PROPOSERS[proposer], "draft_len": d}
+    out["auto"] = {"proposer": proposer, "schedule": PROPOSERS[proposer], "draft_len": "auto", "max_draft_len": max_d}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--min-requests", type=int, default=16)
+    ap.add_argument("--max-draft-len", type=int, default=4)
+    ap.add_argument("--proposers", nargs="+", choices=list(PROPOSERS), default=list(PROPOSERS))
+    ap.add_argument("--no-replay", action="store_true", help="skip the simulator's replay of the auto traces")
+    args = ap.parse_args()
+    if min(args.concurrency) < 1 or args.rounds < 1 or args.max_draft_len < 1 or args.max_tokens < 2:
+        ap.error("--concurrency, --rounds and --max-draft-len must be >= 1, --max-tokens >= 2")
+    from specsched.simulator.analysis import validate
+
+    spread = lengths(args.max_tokens, 1 + 2 * args.max_tokens)
+    print(f"output tokens/s, median of {args.rounds} interleaved rounds; output lengths {min(spread)}..{max(spread)} "
+          "tokens (see `lengths`)")
+    for proposer in args.proposers:
+        cfgs = configs(proposer, args.max_draft_len)
+        names = list(cfgs)
+        table: dict[int, dict[str, float]] = {}
+        for c in args.concurrency:
+            items = workload(c, args.max_tokens, args.min_requests)
+            got: dict[str, list[float]] = {n: [] for n in names}
+            for r in range(args.rounds):
+                order = names[r % len(names):] + names[: r % len(names)]
+                for name in order:
+                    m, _ = run(items, concurrency=c, warmup=1, trace=False, **cfgs[name])
+                    got[name].append(m["output_tokens_per_s"])
+            table[c] = {n: statistics.median(v) for n, v in got.items()}
+        print(f"\n{proposer} ({PROPOSERS[proposer]}):")
+        print(f"{'concurrency':>11} " + " ".join(f"{n:>8}" for n in names) + f" {'auto/best':>10} {'best':>6}")
+        for c, row in table.items():
+            fixed = {n: v for n, v in row.items() if n != "auto"}
+            best = max(fixed, key=fixed.get)
+            print(f"{c:>11} " + " ".join(f"{row[n]:>8.1f}" for n in names)
+                  + f" {row['auto'] / fixed[best]:>9.3f}x {best:>6}")
+        geo = {n: math.exp(statistics.mean(math.log(table[c][n]) for c in table)) for n in names}
+        print(f"{'geomean':>11} " + " ".join(f"{geo[n]:>8.1f}" for n in names)
+              + f"   auto / best fixed geomean: {geo['auto'] / max(v for n, v in geo.items() if n != 'auto'):.3f}x")
+        if args.no_replay:
+            continue
+        errs = []
+        for c in args.concurrency:
+            items = workload(c, args.max_tokens, args.min_requests)
+            _, trace = run(items, concurrency=c, warmup=1, trace=True, **cfgs["auto"])
+            v = validate(trace, replicates=1)
+            counts = v["real"]["draft_len_counts"]
+            errs.append(f"c={c}: makespan {v['makespan_err_pct']:+.2f}% (steps by D: "
+                        + ", ".join(f"{d}:{n}" for d, n in counts.items()) + ")")
+        print("  simulator replaying the auto traces: " + "; ".join(errs))
+
+
+if __name__ == "__main__":
+    main()
