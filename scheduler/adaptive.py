@@ -128,7 +128,7 @@ class DraftLenPolicy:
     batch (an MTP head), else the accepted tokens (a draft model); `has_fill`: it has one."""
 
     def __init__(self, max_draft_len: int, *, has_fill: bool, kv_ahead: int = 0, fill_same_batch: bool = False,
-                 prior: float = 0.7, smoothing: float = 0.3, global_smoothing: float = 0.05,
+                 prior: float = 0.7, smoothing: float = 0.15, global_smoothing: float = 0.02,
                  explore_every: int = 16, seed_costs: dict | None = None, slots: int = 64):
         if max_draft_len < 1:
             raise ValueError(f"an adaptive draft length needs max_draft_len >= 1, got {max_draft_len}")
@@ -199,7 +199,8 @@ class DraftLenPolicy:
         c = self.costs
         if d == 0:
             t = c["target"].at(rows, rows, kv_tokens + rows)
-            f = c["fill"].at(rows * (1 + self.kv_ahead), rows, kv_tokens + rows) if self.has_fill else 0.0
+            # a head fills after every forward; a draft model skips it (it catches up later)
+            f = c["fill"].at(rows, rows, kv_tokens + rows) if self.has_fill and self.fill_same_batch else 0.0
             return None if t is None or f is None else t + f
         width = 1 + d
         dr = c["draft"].at(d - 1, forwards, kv_tokens)
@@ -243,7 +244,8 @@ class DraftLenPolicy:
             if best is None or rates[d] > rates[best]:
                 best = d
         explored = False
-        if best is None:  # no cost model yet: speculate fully, which teaches every model
+        if best is None or len(rates) < int((rows_d > 0).sum()):
+            # a cost not known yet (no sample of the op): speculate fully, which teaches them all
             best = dmax
         elif self.decisions % self.explore_every == 0 and best < dmax:
             best, explored = best + 1, True

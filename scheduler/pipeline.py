@@ -314,13 +314,18 @@ class Pipeline(OutputStage):
         t0 = self._now()
         msg = messages.forward_message(batch, self.blocks, self.with_plan)
         fill_msg = None
-        if spec.kv_model is not None:
+        # speculation off for this step (the adaptive draft length chose D = 0): a draft model
+        # skips its fill and catches up in one fill when drafting resumes (`_catch_up`); a
+        # head cannot (it reads this forward's hidden states) and fills as always
+        lazy = batch.decision is not None and spec.kv_model is not None and not spec.fill_same_batch \
+            and spec.kv_ahead > 0
+        if spec.kv_model is not None and not lazy:
             fill_msg = messages.prefill_fill_message(batch, self.blocks, spec, t.proposer_computed[slots],
                                                      self.with_plan)
         self._host("plan", batch.step, t0, **shape)
         launch = self._launch(self.main, msg)
         launch.t_step = t_step
-        self.builder.advance_forward(batch, spec.kv_ahead if spec.kv_model is not None else None)
+        self.builder.advance_forward(batch, spec.kv_ahead if spec.kv_model is not None and not lazy else None)
         s_fill = None
         if fill_msg is not None:
             self.aux.wait_event(launch.event)
@@ -364,6 +369,8 @@ class Pipeline(OutputStage):
     # -- speculative steps --------------------------------------------------------------------
     async def _spec_step(self, batch: StepBatch, t_step: int, shape: dict) -> None:
         spec, sched, t, slots = self.spec, self.config.schedule, self.table, batch.slots
+        if spec.kv_ahead > 0:
+            self._catch_up(batch)
         t0 = self._now()
         vmsg = messages.verify_message(batch, self.blocks, spec, self.with_plan)
         dmsg = messages.draft_message(batch, self.blocks, spec, self.with_plan)
@@ -415,6 +422,23 @@ class Pipeline(OutputStage):
                 await self._await_fill(f_launch, batch)
             else:
                 self._pending_fill = f_launch
+
+    def _catch_up(self, batch: StepBatch) -> None:
+        """A draft model that skipped fills (plain decode steps of an adaptive draft length)
+        reads the tokens it missed, in one fill launched ahead of the draft on its stream
+        (which carries the logits the first draft token comes from)."""
+        t, slots = self.table, batch.slots
+        have, known = t.proposer_computed[slots], batch.start + 1  # tokens it has read, tokens there are
+        behind = np.flatnonzero(have < known)
+        if not behind.size:
+            return
+        t0 = self._now()
+        msg = messages.fill_message(batch.step, slots[behind], have[behind], known[behind], self.blocks, self.spec,
+                                    after="forward", with_plan=self.with_plan)
+        fs = msg.shape
+        self._host("plan", batch.step, t0, kind="fill", requests=fs.requests, tokens=fs.tokens, kv_tokens=fs.kv_tokens)
+        self._pending_fill = self._launch(self.aux, msg)
+        t.proposer_computed[slots[behind]] = known[behind]
 
     # -- failures ------------------------------------------------------------------------------
     def _fail_batch(self, batch: StepBatch, err: Exception) -> None:

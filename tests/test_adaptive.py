@@ -162,3 +162,38 @@ def test_replay_auto_on_a_captured_trace_records_its_choices_and_keeps_tokens():
     assert again["draft_len_counts"]
     with pytest.raises(ValueError, match="linear proposer"):
         replay(tr, prof, ReplayConfig(proposer="eagle", draft_len="auto"))
+
+
+def test_speculation_switched_off_and_on_again_stays_lossless(monkeypatch):
+    """Every other step plain (a draft model skips its fill then), the others drafting: the
+    draft model catches up on the tokens it missed before it drafts again."""
+    from specsched.runtime import bundled
+    from specsched.runtime.training.mtp_eval import run_requests
+    from specsched.runtime.worker import ModelWorker
+    from specsched.scheduler import adaptive
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    orig = adaptive.DraftLenPolicy.choose
+    chosen = []
+
+    def alternate(self, slots, remaining, computed, budget):
+        dec = orig(self, slots, remaining, computed, budget)
+        if self.decisions % 3:  # two plain steps, then one that drafts
+            rows = min(len(slots), budget)
+            dec = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
+        self.last = dec
+        chosen.append(dec.draft_len)
+        return dec
+
+    monkeypatch.setattr(adaptive.DraftLenPolicy, "choose", alternate)
+    prompts = [[(11 * i + j) % 400 + 5 for j in range(10 + 4 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain = run_requests(ModelWorker(str(bundled.target_dir()), {"kind": "none", "draft_len": 0}, num_pages=256),
+                         prompts, params)
+    for kind, pdir, schedule in (("draft", bundled.draft_dir(), "overlap"), ("draft", bundled.draft_dir(), "sync"),
+                                 ("mtp", bundled.mtp_dir(), "mtp")):
+        worker = ModelWorker(str(bundled.target_dir()), {"kind": kind, "draft_len": 3}, proposer_dir=str(pdir),
+                             num_pages=256)
+        got = run_requests(worker, prompts, params, schedule=schedule, adaptive=True)
+        assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain], (kind, schedule)
+    assert 0 in chosen and any(d > 0 for d in chosen)
