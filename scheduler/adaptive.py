@@ -24,9 +24,9 @@ the pipeline), and its inputs are what the pipeline already has:
   (`seed_costs`, the simulator's JSON format) or none -- so a few samples cannot swing it.
   h is the smoothed residual of the steps' measured wall time over their predicted device
   time (host work a schedule does not hide).
-- **Exploration**: every `explore_every`-th decision tries one length above the best (D = 1
-  when speculation is off), so a stale estimate cannot keep speculation off, or short,
-  forever.
+- **Exploration**: every `explore_every`-th decision tries a neighbour of the best length, one
+  above and one below on alternate probes (D = 1 when speculation is off), so a stale estimate
+  cannot keep speculation off, or short, forever, and the cost of other lengths stays known.
 """
 from __future__ import annotations
 
@@ -55,15 +55,19 @@ def _features(model: str, attrs: dict) -> np.ndarray:
 class OnlineCost:
     """Non-negative linear cost (ns) of one op, refitted on its last `window` samples by
     ridge regression toward `prior` (the seed, or zeros): (X'X + lam P) c = X'y + lam P prior,
-    P = diag(0, 1, 1, ...): the constant is not pulled (an op's fixed cost is what few samples
-    of one shape show best; pulling it would hand it to the per-row terms, which then
-    extrapolate to large batches as a cost per row that is not there)."""
+    P = diag(0, 1, 1, ...): the constant is not pulled (a forward's fixed cost -- the weights
+    read once -- is what few samples of one shape show best; pulling it would hand it to the
+    per-row terms, which then extrapolate to large batches as a cost per row that is not
+    there). The draft's constant is pulled (`free_const=False`): its cost is per draft step
+    and row-forward, and a run at one D must not book those steps as a fixed cost that every
+    other D would pay too."""
 
     features: tuple[str, ...]
     prior: np.ndarray | None = None
     window: int = 256
     lam: float = 1.0
     half_life: float = 32.0  # samples: the fit follows the current load (batch size drifts)
+    free_const: bool = True  # the constant is not pulled toward the prior (see the class docstring)
     coef: np.ndarray | None = None
     _x: list = field(default_factory=list)
     _y: list = field(default_factory=list)
@@ -92,7 +96,8 @@ class OnlineCost:
         w = 0.5 ** (np.arange(len(y))[::-1] / self.half_life)
         prior = (self.prior * scale) if self.prior is not None else np.zeros(x.shape[1])
         pen = np.ones(x.shape[1])
-        pen[0] = 0.0  # the constant (FEATURES put it first)
+        if self.free_const:
+            pen[0] = 0.0  # the constant (FEATURES put it first)
         pen = self.lam * np.diag(pen) + 1e-9 * np.eye(x.shape[1])
         c = np.linalg.solve(xs.T @ (xs * w[:, None]) + pen, xs.T @ (w * y) + pen @ prior)
         self.coef = np.maximum(c, 0.0) / scale
@@ -142,7 +147,7 @@ class DraftLenPolicy:
         self.explore_every = explore_every
         self.global_accept = np.full(max_draft_len, prior)  # engine-wide p[k]
         self.accept = np.tile(self.global_accept, (slots, 1))  # [slots, Dmax] per request
-        self.costs = {m: OnlineCost(f, prior=_seed(seed_costs, m)) for m, f in FEATURES.items()}
+        self.costs = {m: OnlineCost(f, prior=_seed(seed_costs, m), free_const=m != "draft") for m, f in FEATURES.items()}
         self.overhead_ns = 0.0  # h
         self.decisions = 0
         self.last: Decision | None = None
@@ -247,8 +252,11 @@ class DraftLenPolicy:
         if best is None or len(rates) < int((rows_d > 0).sum()):
             # a cost not known yet (no sample of the op): speculate fully, which teaches them all
             best = dmax
-        elif self.decisions % self.explore_every == 0 and best < dmax:
-            best, explored = best + 1, True
+        elif self.decisions % self.explore_every == 0:
+            # one length up, or down on alternate probes (and at the top): the costs and
+            # acceptance of the neighbours stay known, whichever way the best moves
+            up = best < dmax and (best == 0 or (self.decisions // self.explore_every) % 2 == 0)
+            best, explored = (best + 1 if up else max(best - 1, 0)), True
         rows = int(rows_d[best])
         num_draft = use[best, :rows]
         if best >= 1 and rates.get(best) is not None:
