@@ -214,7 +214,7 @@ def forward_message(batch: StepBatch, blocks: BlockManager, with_plan: bool = Tr
 def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
                    with_plan: bool = True) -> VerifyMessage:
     """Target over [last token, candidates]: W = 1 + the step's D (a tree: its nodes) per row."""
-    width = batch.width
+    width = 1 + spec.num_candidates if spec.is_tree else batch.width
     start = batch.start
     n = len(batch)
     plan = None

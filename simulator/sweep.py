@@ -100,7 +100,7 @@ def fan_out(fn: Callable[[Any, Any], Any], shared: Any, tasks: Sequence[Any], *,
     if jobs == "ray":
         return _fan_out_ray(fn, shared, tasks, on_done)
     if not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"jobs must be an integer >= 1 or 'ray', got {jobs!r}")
+        raise ValueError(f"jobs must be >= 1 (or 'ray'), got {jobs!r}")
     with _frozen_heap():
         return _fan_out(fn, shared, tasks, jobs, on_done, start_method)
 
