@@ -91,17 +91,23 @@ def check_output_path(path: Path | None, option: str) -> None:
         _fail(f"{option} {path}: folder {parent} does not exist")
 
 
-def parse_draft_len(value: str | None) -> int | str | None:
-    """--draft-len: a non-negative integer or 'auto'."""
-    if value is None or value == "auto":
+def int_or_word(option: str, value: str | None, word: str, what: str = "a non-negative integer") -> int | str | None:
+    """An option that takes a non-negative integer or one word ('auto', 'ray'); a clear error
+    naming the option otherwise."""
+    if value is None or value == word:
         return value
     try:
-        d = int(value)
+        n = int(value)
     except ValueError:
-        d = -1
-    if d < 0:
-        _fail(f"--draft-len must be a non-negative integer or 'auto', got {value!r}")
-    return d
+        n = -1
+    if n < 0:
+        _fail(f"{option} must be {what} or {word!r}, got {value!r}")
+    return n
+
+
+def parse_draft_len(value: str | None) -> int | str | None:
+    """--draft-len: a non-negative integer or 'auto'."""
+    return int_or_word("--draft-len", value, "auto")
 
 
 def engine_config(**kw):

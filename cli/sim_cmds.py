@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 
 from specsched.cli.common import (_fail, _metrics_table, _print_json, _read_trace, app, check_output_path, console,
-                                  parse_draft_len, user_errors)
+                                  int_or_word, parse_draft_len, user_errors)
 
 
 def _replay_config(schedule, spec, draft_len, acceptance, rate_scale, concurrency, seed=0, engine=None,
@@ -46,13 +46,7 @@ def _jobs(value: str, ray_address: str | None = None) -> int | str:
         return "ray"
     if ray_address:
         _fail("--ray-address goes with --jobs ray")
-    try:
-        n = int(value)
-    except ValueError:
-        n = -1
-    if n < 0:
-        _fail(f"--jobs must be >= 0 (0: one per available CPU) or 'ray', got {value!r}")
-    return n or available_cpus()
+    return int_or_word("--jobs", value, "ray", ">= 0 (0: one per available CPU)") or available_cpus()
 
 
 def _profile(trace_obj, profile_path: Optional[Path]):

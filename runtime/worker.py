@@ -150,42 +150,36 @@ class ModelWorker:
             self.tp_leader = Leader(tensor_parallel_size, model_dir=model_dir, head_dir=head_dir, dtype=dtype,
                                     device=device, attention=attention, num_pages=num_pages, page_size=page_size,
                                     num_threads=num_threads or 1, channel=tp_channel)
-        try:
-            self._build(model_dir, proposer, proposer_dir, num_pages, attention, acceptance, threshold, ngram,
-                        sync_guard, verify_micro_batches)
+        try:  # a failed start stops the ranks it started
+            tp = self.tp_leader.tp if self.tp_leader is not None else None
+            self.target = load_model(model_dir, dtype=self.dtype, device=self.device, tp=tp)
+            self.kv = self.target.make_kv_cache(num_pages, page_size)
+            self.backend = self.target.attention_backend(attention)
+            self.spec = ProposerSpec(proposer["kind"], proposer["draft_len"], tuple(proposer.get("tree_parents", ())))
+            self.acceptance = acceptance
+            self.threshold = threshold
+            self.states: dict[int, SeqState] = {}
+            # request tokens live on the device, indexed by slot; a step's drafts sit right after
+            # each row's last token, where the verify reads them with it in one gather
+            self.tokens = TokenBuffer(self.target.config.max_position_embeddings + 1, self.device)
+            self.draft_width = max(1, self.spec.num_candidates)
+            self.proposer = make_proposer(self, self.spec, proposer_dir, num_pages, ngram)
+            self.last_hidden: dict | None = None  # target hidden states of the latest target launch
+            # ops enqueue device work only; with the guard a host read of a device value fails the op
+            self.sync_guard = sync_guard
+            # a verify's rows as this many target forwards back to back (on a tensor-parallel
+            # target one half's compute would overlap the other's communication)
+            self.verify_micro_batches = verify_micro_batches
+            if self.tp_leader is not None:  # the sharded modules, as every rank must run them
+                self.target = self.tp_leader.wrap(self.target, "target")
+                self.kv = self.tp_leader.wrap_kv(self.kv, "target")
+                head = getattr(self.proposer, "head", None)
+                if head is not None:
+                    self.proposer.head = self.tp_leader.wrap(head, "head")
+                self.tp_leader.started()
         except BaseException:
             self.close()
             raise
-
-    def _build(self, model_dir, proposer, proposer_dir, num_pages, attention, acceptance, threshold, ngram,
-               sync_guard, verify_micro_batches) -> None:
-        page_size = self.page_size
-        tp = self.tp_leader.tp if self.tp_leader is not None else None
-        self.target = load_model(model_dir, dtype=self.dtype, device=self.device, tp=tp)
-        self.kv = self.target.make_kv_cache(num_pages, page_size)
-        self.backend = self.target.attention_backend(attention)
-        self.spec = ProposerSpec(proposer["kind"], proposer["draft_len"], tuple(proposer.get("tree_parents", ())))
-        self.acceptance = acceptance
-        self.threshold = threshold
-        self.states: dict[int, SeqState] = {}
-        # request tokens live on the device, indexed by slot; a step's drafts sit right after
-        # each row's last token, where the verify reads them with it in one gather
-        self.tokens = TokenBuffer(self.target.config.max_position_embeddings + 1, self.device)
-        self.draft_width = max(1, self.spec.num_candidates)
-        self.proposer = make_proposer(self, self.spec, proposer_dir, num_pages, ngram)
-        self.last_hidden: dict | None = None  # target hidden states of the latest target launch
-        # ops enqueue device work only; with the guard a host read of a device value fails the op
-        self.sync_guard = sync_guard
-        # a verify's rows as this many target forwards back to back (on a tensor-parallel
-        # target one half's compute would overlap the other's communication)
-        self.verify_micro_batches = verify_micro_batches
-        if self.tp_leader is not None:  # the sharded modules, as every rank must run them
-            self.target = self.tp_leader.wrap(self.target, "target")
-            self.kv = self.tp_leader.wrap_kv(self.kv, "target")
-            head = getattr(self.proposer, "head", None)
-            if head is not None:
-                self.proposer.head = self.tp_leader.wrap(head, "head")
-            self.tp_leader.started()
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (the worker process calls this as it exits)."""

@@ -236,7 +236,8 @@ class DraftLenPolicy:
         served = np.arange(n)[None, :] < rows_d[:, None]
         expected = rows_d + (np.take_along_axis(gain.T, use, 0) * served).sum(axis=1)
         forwards = (np.maximum(use - 1, 0) * served).sum(axis=1)
-        kv = np.concatenate([[0], np.cumsum(computed)])[rows_d]
+        kv_upto = np.concatenate([[0], np.cumsum(computed)])  # KV tokens of the first r rows
+        kv = kv_upto[rows_d]
         best = None
         rates: dict[int, float] = {}
         for d in range(dmax + 1):
@@ -267,8 +268,7 @@ class DraftLenPolicy:
             num_draft = np.zeros(rows, dtype=np.int64)
         gain_over_plain = rates[best] / rates[0] if best in rates and rates.get(0) else None
         dec = Decision(best, num_draft.astype(np.int64), rows, gain_over_plain, explored,
-                       self.step_ns(rows, best, int(np.maximum(num_draft - 1, 0).sum()), int(kv[best]) if
-                                    rows == rows_d[best] else int(computed[:rows].sum())))
+                       self.step_ns(rows, best, int(np.maximum(num_draft - 1, 0).sum()), int(kv_upto[rows])))
         self.last = dec
         return dec
 

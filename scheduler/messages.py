@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from specsched.scheduler.batch_builder import StepBatch
+from specsched.scheduler.step_batch import StepBatch
 from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.plan import AttentionPlan, build_plan
 from specsched.scheduler.proposer import ProposerSpec

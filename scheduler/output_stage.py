@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from specsched.scheduler.batch_builder import StepBatch
 from specsched.scheduler.request import Request
+from specsched.scheduler.step_batch import StepBatch
 
 SMALL_BATCH = 8  # rows up to which the output stage takes them one by one
 

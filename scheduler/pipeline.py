@@ -28,11 +28,13 @@ import anyio
 import numpy as np
 
 from specsched.scheduler import messages
-from specsched.scheduler.batch_builder import BatchBuilder, StepBatch
+from specsched.scheduler.batch_builder import BatchBuilder
 from specsched.scheduler.output_stage import OutputStage
-from specsched.scheduler.protocols import Clock, Device, DeviceError, OutputSink
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
+from specsched.scheduler.protocols import Clock, Device, DeviceError, OutputSink
 from specsched.scheduler.request import Request, RequestState
+from specsched.scheduler.spec_step import SpeculativeStep
+from specsched.scheduler.step_batch import StepBatch
 from specsched.scheduler.step_trace import Launch, StepTrace
 from specsched.traces.hook import NULL_TRACER
 
@@ -46,7 +48,7 @@ class PipelineConfig:
         validate_combination(self.proposer.kind, self.schedule, self.proposer.draft_len)
 
 
-class Pipeline(OutputStage):
+class Pipeline(OutputStage, SpeculativeStep):
     def __init__(
         self,
         config: PipelineConfig,
@@ -365,80 +367,6 @@ class Pipeline(OutputStage):
                    emitted=sum(out_counts))
         zeros = np.zeros(len(batch), dtype=np.int64)
         self.trace.step_done(batch, launch.t_step if launch.t_step is not None else t0, out_counts, zeros, zeros)
-
-    # -- speculative steps --------------------------------------------------------------------
-    async def _spec_step(self, batch: StepBatch, t_step: int, shape: dict) -> None:
-        spec, sched, t, slots = self.spec, self.config.schedule, self.table, batch.slots
-        if spec.kv_ahead > 0:
-            self._catch_up(batch)
-        t0 = self._now()
-        vmsg = messages.verify_message(batch, self.blocks, spec, self.with_plan)
-        dmsg = messages.draft_message(batch, self.blocks, spec, self.with_plan)
-        fmsg = messages.verify_fill_message(batch, self.blocks, spec, self.with_plan) if spec.fill_same_batch else None
-        self._host("plan", batch.step, t0, **shape)
-        # rows stop drafting at their own count; the first token of each comes from logits
-        # the fill computed, every further one is a proposer forward (what the cost follows)
-        d_launch = self._launch(self.aux, dmsg)
-        self._pending_fill = None  # the draft queues behind any pending fill on its stream
-        if sched == "sync":
-            try:
-                await self._sync(d_launch)
-            except DeviceError as e:
-                self._fail_batch(batch, e)
-                return
-        self.main.wait_event(d_launch.event)
-        v_launch = self._launch(self.main, vmsg)
-        f_launch = None
-        if fmsg is not None and sched == "mtp":
-            self.aux.wait_event(v_launch.event)
-            f_launch = self._launch(self.aux, fmsg)
-        try:
-            result = await self._sync(v_launch)
-        except DeviceError as e:
-            self._fail_batch(batch, e)
-            return
-        accepted = np.asarray(result.accepted, dtype=np.int64)
-        num_drafts = np.asarray(result.num_drafts, dtype=np.int64)
-        starts_before = self.builder.advance_verify(batch, accepted)
-        if spec.kv_model is not None and f_launch is None:
-            t0 = self._now()
-            fm = fmsg if spec.fill_same_batch else messages.accept_fill_message(
-                batch, starts_before, accepted, t.proposer_computed[slots], self.blocks, spec, self.with_plan)
-            fs = fm.shape
-            self._host("plan", batch.step, t0, kind="fill", requests=fs.requests, tokens=fs.tokens,
-                       kv_tokens=fs.kv_tokens)
-            self.aux.wait_event(v_launch.event)
-            f_launch = self._launch(self.aux, fm)
-        t0 = self._now()
-        self.builder.record_verify(batch, starts_before, accepted, num_drafts, spec.kv_ahead)
-        # [B, W] emitted tokens, row i's first accepted[i] + 1 valid
-        out_counts = self._output(batch, np.arange(len(batch)), np.asarray(result.tokens).tolist(), accepted + 1)
-        self.builder.trim_rejected(batch)
-        self._host("output", batch.step, t0, **self._attrs(batch, self._computed_now(batch)),
-                   emitted=sum(out_counts))
-        self.trace.step_done(batch, t_step, out_counts, num_drafts, accepted)
-        if f_launch is not None:
-            if sched == "sync":
-                await self._await_fill(f_launch, batch)
-            else:
-                self._pending_fill = f_launch
-
-    def _catch_up(self, batch: StepBatch) -> None:
-        """A draft model that skipped fills (plain decode steps of an adaptive draft length)
-        reads the tokens it missed, in one fill launched ahead of the draft on its stream
-        (which carries the logits the first draft token comes from)."""
-        t, slots = self.table, batch.slots
-        have, known = t.proposer_computed[slots], batch.start + 1  # tokens it has read, tokens there are
-        behind = np.flatnonzero(have < known)
-        if not behind.size:
-            return
-        t0 = self._now()
-        msg = messages.fill_message(batch.step, slots[behind], have[behind], known[behind], self.blocks, self.spec,
-                                    after="forward", with_plan=self.with_plan)
-        fs = msg.shape
-        self._host("plan", batch.step, t0, kind="fill", requests=fs.requests, tokens=fs.tokens, kv_tokens=fs.kv_tokens)
-        self._pending_fill = self._launch(self.aux, msg)
-        t.proposer_computed[slots[behind]] = known[behind]
 
     # -- failures ------------------------------------------------------------------------------
     def _fail_batch(self, batch: StepBatch, err: Exception) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from specsched.scheduler.batch_builder import StepBatch
+from specsched.scheduler.step_batch import StepBatch
 from specsched.scheduler.protocols import Event
 from specsched.traces.schema import RANK_TRACK_PREFIX
 

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specsched.scheduler import messages
-from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig, StepBatch
+from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
+from specsched.scheduler.step_batch import StepBatch
 from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.errors import InvalidRequestError
 from specsched.scheduler.proposer import ProposerSpec

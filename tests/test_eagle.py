@@ -11,7 +11,7 @@ from specsched.runtime.training.mtp_eval import run_requests, summarize
 from specsched.runtime.verify import greedy_verify
 from specsched.runtime.worker import ModelWorker
 from specsched.scheduler.block_manager import BlockManager
-from specsched.scheduler.batch_builder import StepBatch
+from specsched.scheduler.step_batch import StepBatch
 from specsched.scheduler.errors import InvalidRequestError
 from specsched.scheduler.messages import verify_message
 from specsched.scheduler.plan import build_plan

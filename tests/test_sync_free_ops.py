@@ -9,29 +9,15 @@ import torch
 from specsched.runtime import bundled
 from specsched.runtime.training.mtp_eval import run_requests
 from specsched.runtime.worker import ModelWorker
-from specsched.scheduler import wiring
 from specsched.scheduler.sampling_params import SamplingParams
+from tests.proposer_cases import CASES, PROMPTS, case_worker
 
 pytestmark = pytest.mark.skipif(not (bundled.mtp_dir() / "config.json").exists(), reason="bundled head missing")
 
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 40, 41, 40, 41], [3, 1, 4, 1, 5, 9, 2, 6, 5]]
-CASES = {  # proposer -> (draft length, checkpoint, schedules)
-    "none": (0, None, ("sync", "plain_overlap")),
-    "draft": (3, "draft", ("sync", "overlap")),
-    "mtp": (2, "mtp", ("sync", "mtp")),
-    "ngram": (3, None, ("sync",)),
-    "eagle": (3, "mtp", ("sync", "overlap")),
-}
 
 
 def _worker(kind: str, guard: bool) -> ModelWorker:
-    d, ckpt, _ = CASES[kind]
-    spec = wiring.proposer_spec(kind, d)
-    proposer_dir = {"draft": bundled.draft_dir, "mtp": bundled.mtp_dir}[ckpt]() if ckpt else None
-    return ModelWorker(str(bundled.target_dir()), {"kind": kind, "draft_len": d,
-                                                   "tree_parents": list(spec.tree_parents)},
-                       proposer_dir=str(proposer_dir) if proposer_dir else None, num_pages=256, page_size=16,
-                       sync_guard=guard)
+    return case_worker(kind, sync_guard=guard)
 
 
 def _serve(worker, schedule: str, temperature: float) -> list[list[int]]:
@@ -88,12 +74,8 @@ def test_the_engine_runs_its_worker_process_under_the_guard_when_asked(plain):
 
 @pytest.mark.parametrize("kind", ["mtp", "draft", "eagle"])
 def test_a_verify_in_two_micro_batches_emits_the_same_tokens(kind, plain):
-    d, ckpt, schedules = CASES[kind]
-    spec = wiring.proposer_spec(kind, d)
-    proposer_dir = {"draft": bundled.draft_dir, "mtp": bundled.mtp_dir}[ckpt]()
-    two = ModelWorker(str(bundled.target_dir()), {"kind": kind, "draft_len": d, "tree_parents": list(spec.tree_parents)},
-                      proposer_dir=str(proposer_dir), num_pages=256, page_size=16, sync_guard=True,
-                      verify_micro_batches=2)
+    schedules = CASES[kind][2]
+    two = case_worker(kind, sync_guard=True, verify_micro_batches=2)
     one = _worker(kind, False)
     for schedule in schedules:
         for temperature in (0.0,) if kind == "eagle" else (0.0, 0.8):

@@ -11,6 +11,7 @@ NEAR_TIE; any other difference fails.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,30 +32,16 @@ from specsched.runtime.model import LlamaModel
 from specsched.runtime.tp.channel import ShmChannel
 from specsched.runtime.training.mtp_eval import run_requests
 from specsched.runtime.worker import ModelWorker
-from specsched.scheduler import wiring
 from specsched.scheduler.sampling_params import SamplingParams
+from tests.proposer_cases import CASES, PROMPTS, case_worker
 
 pytestmark = pytest.mark.skipif(not (bundled.mtp_dir() / "config.json").exists(), reason="bundled head missing")
 
 NEAR_TIE = 1e-4
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 40, 41, 40, 41], [3, 1, 4, 1, 5, 9, 2, 6, 5]]
-CASES = {  # proposer -> (draft length, checkpoint, schedules)
-    "none": (0, None, ("sync", "plain_overlap")),
-    "draft": (3, "draft", ("sync", "overlap")),
-    "mtp": (2, "mtp", ("sync", "mtp")),
-    "ngram": (3, None, ("sync",)),
-    "eagle": (3, "mtp", ("sync", "overlap")),
-}
 
 
 def _worker(kind: str, tp: int, target: str | None = None, draft: str | None = None, **kw) -> ModelWorker:
-    d, ckpt, _ = CASES[kind]
-    spec = wiring.proposer_spec(kind, d)
-    proposer_dir = draft or ({"draft": bundled.draft_dir, "mtp": bundled.mtp_dir}[ckpt]() if ckpt else None)
-    return ModelWorker(target or str(bundled.target_dir()),
-                       {"kind": kind, "draft_len": d, "tree_parents": list(spec.tree_parents)},
-                       proposer_dir=str(proposer_dir) if proposer_dir else None, num_pages=256, page_size=16,
-                       num_threads=1, tensor_parallel_size=tp, **kw)
+    return case_worker(kind, target=target, proposer_dir=draft, num_threads=1, tensor_parallel_size=tp, **kw)
 
 
 def _serve(worker, schedule: str, prompts=PROMPTS, max_tokens: int = 12) -> list[list[int]]:
@@ -141,6 +128,17 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+@contextlib.contextmanager
+def _running(script: Path):
+    """A Python process running `script`, with the first line it prints; killed at the end."""
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        yield proc, proc.stdout.readline()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def _gone(pid: int, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -197,15 +195,12 @@ def test_a_killed_leader_takes_its_ranks_along(tmp_path):
         " tensor_parallel_size=2)\n"
         "print(w.tp_leader.followers[0].pid, flush=True)\n"
         "time.sleep(60)\n")
-    leader = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    try:
-        follower = int(leader.stdout.readline())
+    with _running(script) as (leader, line):
+        follower = int(line)
         assert not _gone(follower, 0.2)
         leader.kill()
         leader.wait()
         assert _gone(follower)
-    finally:
-        leader.kill()
 
 
 def test_the_shm_ring_delivers_in_order_past_wraparound_to_every_reader(tmp_path):
@@ -307,16 +302,13 @@ def test_no_rank_outlives_a_killed_engine_process(tmp_path):
         "        print(e.device.pid, flush=True)\n"
         "        await anyio.sleep(60)\n"
         "anyio.run(main)\n")
-    engine = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    try:
-        leader = int(engine.stdout.readline())
+    with _running(script) as (engine, line):
+        leader = int(line)
         ranks = [leader, *_children(leader)]
         assert len(ranks) == 2
         engine.kill()
         engine.wait()
         assert all(_gone(p) for p in ranks)
-    finally:
-        engine.kill()
 
 
 def test_a_rank_that_cannot_load_its_shard_fails_the_start_with_the_reason(tmp_path):

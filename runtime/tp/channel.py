@@ -29,6 +29,36 @@ _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _COUNTER_STRIDE = 8  # int64s between counters: one 64-byte cache line each
 
 
+def _map_file(path: str, size: int, create: bool) -> mmap.mmap:
+    """`size` bytes of the file at `path`, mapped shared: created (it must not exist yet) by the
+    leader, opened by the followers."""
+    if create:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, size)
+    else:
+        fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _wait_until(ready, yields: int = 64, nap_s: float = 50e-6) -> None:
+    """Poll `ready()`, yielding the CPU between polls, then napping `nap_s` between them (a
+    spinning reader would take the core the rank it waits for needs)."""
+    polls = 0
+    while not ready():
+        polls += 1
+        time.sleep(0 if polls < yields else nap_s)
+
+
+def _unmap(m: mmap.mmap) -> None:
+    try:
+        m.close()
+    except BufferError:
+        pass  # a view is still alive; the mapping goes with the process
+
+
 class DistChannel:
     """Pickled messages over `torch.distributed.broadcast` from rank `src` of `group`."""
 
@@ -70,32 +100,18 @@ class ShmChannel:
         self.fallback = fallback
         self._head = (1 + num_readers) * _COUNTER_STRIDE * 8
         size = self._head + slots * (8 + slot_bytes)
-        if create:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, size)
-        else:
-            fd = os.open(path, os.O_RDWR)
-        try:
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        self._map = _map_file(path, size, create)
         self._counters = np.frombuffer(self._map, dtype=np.int64, count=(1 + num_readers) * _COUNTER_STRIDE)
         self._seq = 0
 
     def _slot(self, seq: int) -> int:
         return self._head + (seq % self.slots) * (8 + self.slot_bytes)
 
-    def _wait(self, ready) -> None:
-        polls = 0
-        while not ready():
-            polls += 1
-            time.sleep(0 if polls < 64 else 50e-6)
-
     def send(self, obj: Any) -> int:
         payload = pickle.dumps(obj, _PROTOCOL)
         seq, c = self._seq, self._counters
         readers = c[_COUNTER_STRIDE::_COUNTER_STRIDE]
-        self._wait(lambda: int(readers.min()) > seq - self.slots)  # the slot's last message was read
+        _wait_until(lambda: int(readers.min()) > seq - self.slots)  # the slot's last message was read
         at = self._slot(seq)
         n = len(payload)
         big = n > self.slot_bytes
@@ -112,7 +128,7 @@ class ShmChannel:
 
     def recv(self) -> Any:
         seq, c = self._seq, self._counters
-        self._wait(lambda: int(c[0]) > seq)
+        _wait_until(lambda: int(c[0]) > seq)
         at = self._slot(seq)
         n = int.from_bytes(self._map[at : at + 8], "little", signed=True)
         obj = None if n < 0 else pickle.loads(self._map[at + 8 : at + 8 + n])
@@ -122,10 +138,7 @@ class ShmChannel:
 
     def close(self) -> None:
         self._counters = None
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a view is still alive; the mapping goes with the process
+        _unmap(self._map)
 
 
 class ShmAllReduce:
@@ -145,15 +158,7 @@ class ShmAllReduce:
         self.rank, self.size, self.slot_bytes = rank, size, slot_bytes
         self._data_at = size * _COUNTER_STRIDE * 8
         total = self._data_at + 2 * size * slot_bytes
-        if create:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, total)
-        else:
-            fd = os.open(path, os.O_RDWR)
-        try:
-            self._map = mmap.mmap(fd, total)
-        finally:
-            os.close(fd)
+        self._map = _map_file(path, total, create)
         self._marks = np.frombuffer(self._map, dtype=np.int64, count=size * _COUNTER_STRIDE)[::_COUNTER_STRIDE]
         self._views: dict[torch.dtype, torch.Tensor] = {}
         self._seq = 0
@@ -176,10 +181,8 @@ class ShmAllReduce:
         self._slot(t.dtype, gen, self.rank, numel).copy_(flat)
         self._marks[self.rank] = seq + 1
         marks = self._marks
-        polls = 0
-        while int(marks.min()) <= seq:
-            polls += 1
-            time.sleep(0 if polls < 256 else 20e-6)
+        # a layer's all-reduce waits for the other rank's matmul: poll longer before napping
+        _wait_until(lambda: int(marks.min()) > seq, yields=256, nap_s=20e-6)
         flat.copy_(self._slot(t.dtype, gen, 0, numel))
         for r in range(1, self.size):
             flat.add_(self._slot(t.dtype, gen, r, numel))
@@ -189,10 +192,7 @@ class ShmAllReduce:
     def close(self) -> None:
         self._views.clear()
         self._marks = None
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a view is still alive; the mapping goes with the process
+        _unmap(self._map)
 
 
 class Stamps:
@@ -203,15 +203,7 @@ class Stamps:
     def __init__(self, path: str, *, create: bool = False, capacity: int = 4096):
         self.capacity = capacity
         size = 8 * (_COUNTER_STRIDE + 3 * capacity)
-        if create:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, size)
-        else:
-            fd = os.open(path, os.O_RDWR)
-        try:
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        self._map = _map_file(path, size, create)
         self._a = np.frombuffer(self._map, dtype=np.int64)
         self._read = 0
 
@@ -234,7 +226,4 @@ class Stamps:
 
     def close(self) -> None:
         self._a = None
-        try:
-            self._map.close()
-        except BufferError:
-            pass
+        _unmap(self._map)

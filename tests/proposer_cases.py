@@ -1,0 +1,27 @@
+"""Every proposer under every schedule it runs with, on the bundled models: the cases the
+device-level tests sweep (sync-free ops, tensor parallelism), and a worker for one."""
+from __future__ import annotations
+
+from specsched.runtime import bundled
+from specsched.runtime.worker import ModelWorker
+from specsched.scheduler import wiring
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 40, 41, 40, 41], [3, 1, 4, 1, 5, 9, 2, 6, 5]]
+CASES = {  # proposer -> (draft length, checkpoint, schedules)
+    "none": (0, None, ("sync", "plain_overlap")),
+    "draft": (3, "draft", ("sync", "overlap")),
+    "mtp": (2, "mtp", ("sync", "mtp")),
+    "ngram": (3, None, ("sync",)),
+    "eagle": (3, "mtp", ("sync", "overlap")),
+}
+
+
+def case_worker(kind: str, *, target: str | None = None, proposer_dir: str | None = None, **kw) -> ModelWorker:
+    """A ModelWorker for `kind` at its case's draft length (the bundled target and checkpoint
+    unless given); kw go to ModelWorker."""
+    d, ckpt, _ = CASES[kind]
+    spec = wiring.proposer_spec(kind, d)
+    proposer_dir = proposer_dir or ({"draft": bundled.draft_dir, "mtp": bundled.mtp_dir}[ckpt]() if ckpt else None)
+    return ModelWorker(target or str(bundled.target_dir()),
+                       {"kind": kind, "draft_len": d, "tree_parents": list(spec.tree_parents)},
+                       proposer_dir=str(proposer_dir) if proposer_dir else None, num_pages=256, page_size=16, **kw)
