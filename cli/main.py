@@ -107,14 +107,30 @@ def demo(
 @app.command("train-models")
 def train_models(
     out: Path = typer.Option(Path("runtime/bundled"), help="output dir"),
-    target_minutes: float = typer.Option(14.0),
-    draft_minutes: float = typer.Option(6.0),
+    target_steps: Optional[int] = typer.Option(None, help="fixed target steps (default: --target-minutes)"),
+    draft_steps: Optional[int] = typer.Option(None, help="fixed draft steps (default: --draft-minutes)"),
+    mtp_steps: Optional[int] = typer.Option(None, help="fixed MTP-head steps (default: --mtp-minutes)"),
+    target_minutes: float = typer.Option(60.0),
+    draft_minutes: float = typer.Option(15.0),
+    mtp_minutes: float = typer.Option(15.0),
+    mtp_windows: int = typer.Option(4800, help="precomputed training windows for the MTP head"),
+    state: Optional[Path] = typer.Option(None, help="checkpoint dir: a rerun continues where the last stopped"),
+    tokenizer: Optional[Path] = typer.Option(None, help="reuse this tokenizer.json instead of training one"),
+    threads: int = typer.Option(2),
+    batch_size: int = typer.Option(16, help="target/draft windows per step"),
+    bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast (default: where the "
+                                        "CPU has native bf16)"),
     seed: int = typer.Option(0),
 ) -> None:
-    """Retrain the bundled tokenizer, target and draft (needs the dev extra: transformers)."""
+    """Retrain the bundled family: tokenizer, target, draft, MTP head (needs the dev extra)."""
     from specsched.runtime.training.bundled import main as train_main
+    from specsched.runtime.training.mtp import train_mtp
 
-    train_main(out_dir=str(out), target_minutes=target_minutes, draft_minutes=draft_minutes, seed=seed)
+    train_main(out_dir=str(out), target_minutes=target_minutes, draft_minutes=draft_minutes, seed=seed,
+               target_steps=target_steps, draft_steps=draft_steps, num_threads=threads, state_dir=state,
+               tokenizer=tokenizer, bf16=bf16, batch_size=batch_size)
+    train_mtp(out / "target", out / "mtp", mtp_steps, minutes=mtp_minutes, ablation=True, seed=seed,
+              num_windows=mtp_windows, num_threads=threads, bf16=bf16)
 
 
 @app.command("train-mtp")
@@ -123,16 +139,19 @@ def train_mtp_cmd(
     out: Path = typer.Option(..., help="output dir for the head"),
     steps: Optional[int] = typer.Option(None, help="fixed optimizer steps (default: a time budget)"),
     minutes: float = typer.Option(6.0, help="time budget when --steps is not given"),
+    windows: int = typer.Option(2400, help="precomputed training windows (target hidden states)"),
     no_norms: bool = typer.Option(False, "--no-norms", help="EAGLE-style head without the restored RMSNorms"),
     ablation: bool = typer.Option(False, help="also train the other variant and record both in the card"),
     threads: int = typer.Option(1, help="torch threads (1 is fastest on a shared 2-core machine)"),
+    bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast (default: where the "
+                                        "CPU has native bf16)"),
     seed: int = typer.Option(0),
 ) -> None:
     """Train an MTP head on a target's hidden states (computed with specsched's own forward)."""
     from specsched.runtime.training.mtp import train_mtp
 
     report = train_mtp(target, out, steps, minutes=minutes, norms=not no_norms, ablation=ablation,
-                       seed=seed, num_threads=threads)
+                       seed=seed, num_windows=windows, num_threads=threads, bf16=bf16)
     _print_json(report)
 
 

@@ -99,3 +99,45 @@ def test_train_tokenizer_small():
     assert tok.token_to_id("<|bos|>") == 0 and tok.token_to_id("<|eos|>") == 1
     with pytest.raises(ValueError, match="vocab_size"):
         train_tokenizer(["x"], vocab_size=100)
+
+
+def test_training_loop_resumes_exactly(tmp_path, monkeypatch):
+    """A run killed mid-way and restarted from its checkpoint ends with the same weights, step
+    count and losses as one that was never stopped (data order and lr schedule by step)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    import torch.nn.functional as F
+
+    from specsched.runtime.training import bundled as tb
+
+    monkeypatch.setattr(tb, "CHECKPOINT_EVERY_S", 0.0)  # checkpoint after every step
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                                   max_position_embeddings=512, tie_word_embeddings=True)
+    stream = torch.randint(0, 64, (4000,), generator=torch.Generator().manual_seed(0))
+
+    def run(state, stop_at=None):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg)
+        calls = []
+
+        def ce(w):
+            calls.append(1)
+            if stop_at is not None and len(calls) == stop_at:
+                raise KeyboardInterrupt
+            return F.cross_entropy(model(input_ids=w[:, :-1]).logits.flatten(0, 1), w[:, 1:].flatten())
+
+        loop = tb.LoopConfig(peak_lr=1e-2, seed=3, steps=6, batch_size=2, state=state)
+        return model, tb.run_loop("t", model, ce, stream, stream[:2000], loop)
+
+    whole, whole_stats = run(tmp_path / "a.pt")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "b.pt", stop_at=4)
+    assert torch.load(tmp_path / "b.pt", weights_only=False)["step"] == 3
+    resumed, resumed_stats = run(tmp_path / "b.pt")
+    assert resumed_stats.steps == whole_stats.steps == 6
+    assert resumed_stats.train_loss == pytest.approx(whole_stats.train_loss, rel=1e-6)
+    for (k, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=k)
+    again, again_stats = run(tmp_path / "b.pt")  # a finished state returns its result without training
+    assert again_stats.steps == 6 and again_stats.heldout_ce == pytest.approx(resumed_stats.heldout_ce)

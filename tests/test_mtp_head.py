@@ -245,3 +245,25 @@ def test_save_llama_roundtrip(tmp_path):
     loaded = load_model(tmp_path / "m")
     ids = torch.randint(0, 40, (1, 5))
     torch.testing.assert_close(loaded.forward_full(ids)[0], model.forward_full(ids)[0])
+
+
+def test_validate_head_and_draft_report_acceptance_through_the_pipeline(head_family, head_prompts, tiny_family,
+                                                                      one_thread):
+    """The model cards' acceptance figures: served through Pipeline + ModelWorker, lossless, and
+    consistent with the per-position rates (AL = 1 + sum of per-position acceptance)."""
+    from specsched.runtime.training.mtp_eval import validate_draft, validate_head
+
+    windows = torch.randint(0, 32, (2, 24), generator=torch.Generator().manual_seed(2))
+    head = validate_head(head_family.target, head_family.head, windows, head_prompts, max_tokens=12,
+                         draft_lens=(2,), eagle=(2, 2, 4), log=lambda *_: None)
+    assert 0.0 <= head["paged_agreement"] <= 1.0
+    assert head["mtp D=2"]["identical_to_greedy"] and head["eagle(depth=2,top_k=2,nodes=4)"]["identical_to_greedy"]
+    draft = validate_draft(tiny_family["target"], tiny_family["draft"], [[5, 6, 7], [9] * 11], max_tokens=12,
+                           draft_lens=(1, 3), log=lambda *_: None)
+    for key, d in (("draft D=1", 1), ("draft D=3", 3)):
+        run = draft[key]
+        assert run["identical_to_greedy"] and len(run["acceptance_per_position"]) == d
+        assert 1.0 <= run["mean_acceptance_length"] <= 1 + d
+    # one draft per step: the mean acceptance length is one plus the acceptance rate
+    assert draft["draft D=1"]["mean_acceptance_length"] == pytest.approx(
+        1.0 + draft["draft D=1"]["acceptance_per_position"][0], abs=2e-3)

@@ -31,25 +31,51 @@ from specsched.runtime.training.corpus import Corpus, SourceFile, function_promp
 from specsched.runtime.training.tokenizer_train import special_ids, train_tokenizer
 
 SEQ_LEN = 256
-BATCH_SIZE = 8
+BATCH_SIZE = 16
 NUM_WORKLOAD_PROMPTS = 64
 WORKLOAD_MAX_TOKENS = 64
-WARMUP_STEPS = 20
-EVAL_EVERY = 50
+WARMUP_STEPS = 100
+EVAL_EVERY = 200  # steps between held-out probes (the best probe's weights are what is saved)
+NUM_PROBE_WINDOWS = 32
 NUM_EVAL_WINDOWS = 64  # held-out windows for the final numbers
-# bf16 autocast is several times slower than fp32 for the backward pass on a CPU without native bf16
-# matmul, so training runs in fp32; flip this on CPUs with AVX512-BF16/AMX.
-USE_BF16_AUTOCAST = False
+CHECKPOINT_EVERY_S = 180.0
+
+
+def bf16_supported() -> bool:
+    """bf16 autocast pays only where the CPU multiplies bf16 natively (AVX512-BF16 / AMX):
+    measured by benchmarks/train_throughput.py at 1.46x fp32 on one such core; elsewhere the
+    emulated kernels are several times slower than fp32."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @dataclass
 class RunStats:
     steps: int  # optimizer steps taken
     tokens_seen: int  # training tokens (steps * batch * seq_len)
-    wall_s: float  # wall time of the training loop, evals included
+    wall_s: float  # wall time of the training loop, evals included (summed over resumed runs)
     train_loss: float  # mean loss over the last 20 steps (CE for target, KL for draft)
     heldout_ce: float  # next-token cross-entropy on held-out windows, nats/token
     agreement: float | None = None  # draft only: teacher-forced greedy agreement with target
+    best_step: int = 0  # step of the saved weights: the best held-out probe
+    batch_size: int = BATCH_SIZE
+    threads: int = 1
+    precision: str = "fp32"
+
+
+@dataclass
+class LoopConfig:
+    """One training loop's knobs. `steps` fixes the step count (lr schedule by step, data order
+    fixed by `seed`: deterministic and resumable exactly); otherwise the run lasts `budget_s` of
+    wall time. `state` is a checkpoint file: saved every CHECKPOINT_EVERY_S and at the end, and
+    a run started with an existing one continues from it (same step, optimizer, data order)."""
+
+    peak_lr: float
+    seed: int
+    steps: int | None = None
+    budget_s: float | None = None
+    batch_size: int = BATCH_SIZE
+    bf16: bool = False
+    state: Path | None = None
 
 
 def llama_config(vocab_size: int, bos_id: int, eos_id: int, num_layers: int):
@@ -74,8 +100,8 @@ def token_stream(tok, files: tuple[SourceFile, ...]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def random_windows(stream: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    starts = torch.randint(0, stream.numel() - SEQ_LEN - 1, (BATCH_SIZE,), generator=gen)
+def random_windows(stream: torch.Tensor, gen: torch.Generator, batch_size: int = BATCH_SIZE) -> torch.Tensor:
+    starts = torch.randint(0, stream.numel() - SEQ_LEN - 1, (batch_size,), generator=gen)
     return torch.stack([stream[s : s + SEQ_LEN + 1] for s in starts.tolist()])  # [B, T+1]
 
 
@@ -91,13 +117,14 @@ def lr_at(step: int, progress: float, peak: float) -> float:
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=USE_BF16_AUTOCAST):
+def logits_of(model, ids: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         return model(input_ids=ids).logits.float()  # [B, T, V]
 
 
 @torch.no_grad()
 def heldout_ce(model, windows: torch.Tensor, batch: int = 16) -> float:
+    """fp32, whatever the training precision: the number a card reports is the shipped model's."""
     model.eval()
     total = 0.0
     for i in range(0, len(windows), batch):
@@ -110,7 +137,7 @@ def heldout_ce(model, windows: torch.Tensor, batch: int = 16) -> float:
 
 @torch.no_grad()
 def greedy_agreement(draft, target, windows: torch.Tensor, batch: int = 16) -> float:
-    """Fraction of positions where draft argmax == target argmax (teacher-forced)."""
+    """Fraction of positions where draft argmax == target argmax (teacher-forced, fp32)."""
     draft.eval()
     same = 0
     for i in range(0, len(windows), batch):
@@ -120,52 +147,96 @@ def greedy_agreement(draft, target, windows: torch.Tensor, batch: int = 16) -> f
     return same / (windows.shape[0] * SEQ_LEN)
 
 
-def run_loop(name, model, loss_fn, stream, heldout, budget_s, fixed_steps, seed, peak_lr) -> RunStats:
-    """AdamW + warmup/cosine over `fixed_steps` steps, or over `budget_s` of wall time."""
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
-    probe = eval_windows(heldout, 8)
+def _save_state(path: Path, state: dict) -> None:
+    """Write-then-rename, so a run killed while saving keeps the previous checkpoint."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def run_loop(name, model, loss_fn, stream, heldout, cfg: LoopConfig, probe_fn=None) -> RunStats:
+    """AdamW + warmup/cosine over `cfg.steps` steps or `cfg.budget_s` of wall time; the saved
+    weights are those of the best held-out probe (every EVAL_EVERY steps and at the end):
+    `probe_fn(windows)`, lower is better, held-out cross-entropy by default."""
+    if (cfg.steps is None) == (cfg.budget_s is None):
+        raise ValueError("give exactly one of steps and budget_s")
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    probe = eval_windows(heldout, NUM_PROBE_WINDOWS)
+    probe_fn = probe_fn or (lambda w: heldout_ce(model, w))
     losses: list[float] = []
+    step, prev_s, best = 0, 0.0, (math.inf, 0, None)
+    if cfg.state is not None and cfg.state.exists():
+        st = torch.load(cfg.state, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        gen.set_state(st["gen"])
+        step, prev_s, losses, best = st["step"], st["wall_s"], st["losses"], st["best"]
+        print(f"[{name}] resumed at step {step} ({prev_s:.0f}s trained)", flush=True)
+        if st.get("done"):
+            return _finish(model, heldout, cfg, step, prev_s, losses, best)
+
+    def snapshot(done: bool) -> None:
+        if cfg.state is not None:
+            _save_state(cfg.state, {"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                                    "step": step, "wall_s": elapsed, "losses": losses, "best": best, "done": done})
+
     start = time.perf_counter()
-    step, progress = 0, 0.0
+    last_save = start
+    elapsed = prev_s
+    progress = step / cfg.steps if cfg.steps is not None else elapsed / cfg.budget_s
     while progress < 1.0:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, progress, peak_lr)
-        loss = loss_fn(random_windows(stream, gen))
+            g["lr"] = lr_at(step, progress, cfg.peak_lr)
+        loss = loss_fn(random_windows(stream, gen, cfg.batch_size))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
         step += 1
-        elapsed = time.perf_counter() - start
-        progress = step / fixed_steps if fixed_steps is not None else elapsed / budget_s
+        elapsed = prev_s + time.perf_counter() - start
+        progress = step / cfg.steps if cfg.steps is not None else elapsed / cfg.budget_s
         if step % EVAL_EVERY == 0 or progress >= 1.0:
+            ce = probe_fn(probe)
+            if ce < best[0]:
+                best = (ce, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
             print(f"[{name}] step {step} {elapsed:.0f}s ({elapsed / step:.2f} s/step) "
-                  f"loss {sum(losses[-20:]) / len(losses[-20:]):.3f} heldout_ce {heldout_ce(model, probe):.3f}",
-                  flush=True)
-    wall_s = time.perf_counter() - start
+                  f"loss {sum(losses[-20:]) / len(losses[-20:]):.3f} probe {ce:.4f} (best {best[0]:.4f} "
+                  f"at {best[1]})", flush=True)
+        if time.perf_counter() - last_save >= CHECKPOINT_EVERY_S:
+            snapshot(False)
+            last_save = time.perf_counter()
+    snapshot(True)
+    return _finish(model, heldout, cfg, step, elapsed, losses, best)
+
+
+def _finish(model, heldout, cfg: LoopConfig, step, wall_s, losses, best) -> RunStats:
+    if best[2] is not None:
+        model.load_state_dict(best[2])
     tail = losses[-20:]
-    return RunStats(step, step * BATCH_SIZE * SEQ_LEN, wall_s, sum(tail) / len(tail),
-                    heldout_ce(model, eval_windows(heldout, NUM_EVAL_WINDOWS)))
+    return RunStats(step, step * cfg.batch_size * SEQ_LEN, wall_s, sum(tail) / len(tail),
+                    heldout_ce(model, eval_windows(heldout, NUM_EVAL_WINDOWS)), best_step=best[1],
+                    batch_size=cfg.batch_size, threads=torch.get_num_threads(),
+                    precision="bf16 autocast" if cfg.bf16 else "fp32")
 
 
-def train_target(config, stream, heldout, budget_s, fixed_steps, seed):
+def train_target(config, stream, heldout, cfg: LoopConfig):
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(seed)
+    torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(config)
 
     def ce(w):
-        return F.cross_entropy(logits_of(model, w[:, :-1]).flatten(0, 1), w[:, 1:].flatten())
+        return F.cross_entropy(logits_of(model, w[:, :-1], cfg.bf16).flatten(0, 1), w[:, 1:].flatten())
 
-    return model, run_loop("target", model, ce, stream, heldout, budget_s, fixed_steps, seed, 3e-3)
+    return model, run_loop("target", model, ce, stream, heldout, cfg)
 
 
-def distill_draft(config, target, stream, heldout, budget_s, fixed_steps, seed):
+def distill_draft(config, target, stream, heldout, cfg: LoopConfig):
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(seed + 1)
+    torch.manual_seed(cfg.seed)
     draft = LlamaForCausalLM(config)
     with torch.no_grad():
         draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
@@ -177,11 +248,12 @@ def distill_draft(config, target, stream, heldout, budget_s, fixed_steps, seed):
     def kl(w):
         ids = w[:, :-1]
         with torch.no_grad():
-            t_logp = F.log_softmax(logits_of(target, ids), -1).flatten(0, 1)
-        d_logp = F.log_softmax(logits_of(draft, ids), -1).flatten(0, 1)
+            t_logp = F.log_softmax(logits_of(target, ids, cfg.bf16), -1).flatten(0, 1)
+        d_logp = F.log_softmax(logits_of(draft, ids, cfg.bf16), -1).flatten(0, 1)
         return F.kl_div(d_logp, t_logp, log_target=True, reduction="batchmean")
 
-    stats = run_loop("draft", draft, kl, stream, heldout, budget_s, fixed_steps, seed + 1, 2e-3)
+    # the draft is kept for agreeing with the target, not for its own perplexity
+    stats = run_loop("draft", draft, kl, stream, heldout, cfg, lambda w: 1.0 - greedy_agreement(draft, target, w))
     stats.agreement = greedy_agreement(draft, target, eval_windows(heldout, NUM_EVAL_WINDOWS))
     return draft, stats
 
@@ -199,7 +271,8 @@ def save_model(model, tokenizer_path: Path, out: Path) -> None:
         f.chmod(0o644)
 
 
-def write_card(path: Path, role: str, corpus: Corpus, stats: RunStats, steps_flags: str, extra: str) -> None:
+def write_card(path: Path, role: str, corpus: Corpus, stats: RunStats, steps_flags: str, extra: str,
+               acceptance: dict | None = None) -> None:
     lines = [
         f"# specsched bundled {role}", "",
         f"Llama-family decoder ({extra}), trained offline by `runtime/training/bundled.py`.", "",
@@ -207,23 +280,52 @@ def write_card(path: Path, role: str, corpus: Corpus, stats: RunStats, steps_fla
         f" excluded; {len(corpus.train)} train files ({corpus.num_bytes('train') / 1e6:.1f} MB),"
         f" {len(corpus.heldout)} held-out files ({corpus.num_bytes('heldout') / 1e6:.2f} MB), split by path hash",
         "- tokenizer: byte-level BPE, 4096 tokens, `<|bos|>`=0, `<|eos|>`=1 (`<|bos|> file <|eos|>` per file)",
-        f"- steps: {stats.steps} x {BATCH_SIZE} x {SEQ_LEN} tokens = {stats.tokens_seen:,} tokens seen",
-        f"- wall time: {stats.wall_s / 60:.1f} min on {torch.get_num_threads()} CPU thread(s), fp32",
+        f"- steps: {stats.steps} x {stats.batch_size} x {SEQ_LEN} tokens = {stats.tokens_seen:,} tokens seen;"
+        f" AdamW, {WARMUP_STEPS} warm-up steps then cosine to 10% of the peak learning rate",
+        f"- saved weights: step {stats.best_step}, the best of the held-out probes ({NUM_PROBE_WINDOWS} windows"
+        f" every {EVAL_EVERY} steps; " + ("greedy agreement" if role == "draft" else "cross-entropy") + ")",
+        f"- wall time: {stats.wall_s / 60:.1f} min on {stats.threads} CPU thread(s), {stats.precision}",
         f"- train loss (last 20 steps): {stats.train_loss:.3f}"
         + (" (KL to target, nats/token)" if role == "draft" else " (CE, nats/token)"),
-        f"- held-out CE: {stats.heldout_ce:.3f} nats/token on {NUM_EVAL_WINDOWS} x {SEQ_LEN} held-out tokens",
+        f"- held-out CE: {stats.heldout_ce:.3f} nats/token on {NUM_EVAL_WINDOWS} x {SEQ_LEN} held-out tokens (fp32)",
     ]
     if stats.agreement is not None:
-        lines.append(f"- greedy agreement with the target (teacher-forced, held-out): {stats.agreement:.1%}")
+        lines.append(f"- greedy agreement with the target (teacher-forced, held-out, fp32): {stats.agreement:.1%}")
+    if acceptance:
+        lines += _acceptance_lines(acceptance)
     lines += [
-        "", "Reproduce (needs the `dev` extra for transformers):", "",
-        f"    python -m specsched.runtime.training.bundled --out runtime/bundled {steps_flags}", "",
-        "Budgets are wall-clock minutes by default (lr schedule by elapsed time), so a plain rerun is",
-        "approximately, not bit-, reproducible. The step flags above fix this run's step counts and",
-        "data order with a step-based schedule: deterministic, close to but not identical to this run.",
-        "A different Python version changes the corpus.", "",
+        "", "Reproduce (needs the `dev` extra for transformers; `OMP_WAIT_POLICY=PASSIVE` keeps two",
+        "threads from spinning when the machine is shared):", "",
+        f"    OMP_WAIT_POLICY=PASSIVE python -m specsched.runtime.training.bundled --out runtime/bundled {steps_flags}",
+        "",
+        "The step flags fix the step counts, data order and learning-rate schedule; `--state DIR` makes",
+        "a stopped run resumable from its last checkpoint. Without step flags the budgets are",
+        "wall-clock minutes (schedule by elapsed time), approximately, not bit-, reproducible. A",
+        "different Python version changes the corpus.", "",
     ]
     path.write_text("\n".join(lines))
+
+
+def _acceptance_lines(report: dict) -> list[str]:
+    runs = {k: v for k, v in report.items() if k.startswith("draft D=")}
+    lines = ["", "## Acceptance along the decode path", "",
+             f"Greedy generation through the engine's pipeline and worker (`--spec draft`) on"
+             f" {report['num_prompts']} held-out function prompts x {report['max_tokens']} tokens, outputs"
+             " checked identical to plain greedy decoding; AL = 1 + accepted / drafts.", "",
+             "| D | AL | acceptance per draft position | identical to greedy |", "|---|---|---|---|"]
+    for k, v in runs.items():
+        lines.append(f"| {k.split('=')[1]} | {v['mean_acceptance_length']:.2f} | {v['acceptance_per_position']} |"
+                     f" {'yes' if v['identical_to_greedy'] else 'NO'} |")
+    return lines
+
+
+def draft_acceptance(out: Path, corpus: Corpus, tok, seed: int, num_prompts: int = 24) -> dict:
+    """The draft's acceptance at D = 1..4 through the inference path (runtime/training/mtp_eval.py)."""
+    from specsched.runtime.training.mtp_eval import validate_draft
+
+    prompts = [tok.encode(p).ids for p in
+               function_prompts(corpus.heldout, lambda x: len(tok.encode(x).ids), num_prompts, seed + 1)]
+    return validate_draft(str(out / "target"), str(out / "draft"), prompts)
 
 
 def write_workload(corpus: Corpus, tok, path: Path, seed: int) -> None:
@@ -232,43 +334,66 @@ def write_workload(corpus: Corpus, tok, path: Path, seed: int) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def main(out_dir: str | Path, target_minutes: float = 14.0, draft_minutes: float = 6.0, seed: int = 0,
-         target_steps: int | None = None, draft_steps: int | None = None,
-         num_threads: int = 1) -> tuple[RunStats, RunStats]:
+def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float = 15.0, seed: int = 0,
+         target_steps: int | None = None, draft_steps: int | None = None, num_threads: int = 2,
+         state_dir: str | Path | None = None, tokenizer: str | Path | None = None,
+         bf16: bool | None = None, batch_size: int = BATCH_SIZE) -> tuple[RunStats, RunStats]:
     """Train tokenizer, target and draft into `out_dir`; returns (target_stats, draft_stats).
 
-    `num_threads` defaults to 1: on a shared 2-core machine two OpenMP threads spin at every
-    barrier while the other core is busy; measured here 7-11 s/step with 2 threads vs 1.7-1.8
-    s/step with 1.
+    `state_dir`: checkpoints (and the tokenizer) live there, and a rerun with the same
+    arguments continues where the last one stopped. `tokenizer`: a tokenizer.json to reuse
+    instead of training one. `bf16`: autocast (default: where the CPU has native bf16). Two
+    threads are fastest on an idle 2-core machine (benchmarks/train_throughput.py); with
+    OMP_WAIT_POLICY=PASSIVE they also degrade gracefully when another job takes a core.
     """
-    if min(target_minutes, draft_minutes) <= 0 or num_threads < 1:
-        raise ValueError("target_minutes, draft_minutes and num_threads must be positive")
+    if min(target_minutes, draft_minutes) <= 0 or num_threads < 1 or batch_size < 1:
+        raise ValueError("target_minutes, draft_minutes, num_threads and batch_size must be positive")
     torch.set_num_threads(num_threads)
+    bf16 = bf16_supported() if bf16 is None else bf16
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    state = Path(state_dir) if state_dir is not None else None
+    if state is not None:
+        state.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus()
-    tok = train_tokenizer(f.text for f in corpus.train)
-    bos, eos = special_ids(tok)
     tok_path = out / "tokenizer.json"
+    saved_tok = state / "tokenizer.json" if state is not None else None
+    if tokenizer is not None or (saved_tok is not None and saved_tok.exists()):
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tokenizer if tokenizer is not None else saved_tok))
+    else:
+        tok = train_tokenizer(f.text for f in corpus.train)
+    bos, eos = special_ids(tok)
     tok.save(str(tok_path))
+    if saved_tok is not None:
+        tok.save(str(saved_tok))
     write_workload(corpus, tok, out / "workload.jsonl", seed)
     train, heldout = token_stream(tok, corpus.train), token_stream(tok, corpus.heldout)
     print(f"corpus: {len(corpus.train)} train files ({train.numel()} tokens), "
-          f"{len(corpus.heldout)} held-out files ({heldout.numel()} tokens)", flush=True)
+          f"{len(corpus.heldout)} held-out files ({heldout.numel()} tokens); bf16 autocast {bf16}, "
+          f"{num_threads} thread(s), batch {batch_size}", flush=True)
     vocab = tok.get_vocab_size()
+
+    def loop(name: str, lr: float, s: int, minutes: float, steps: int | None) -> LoopConfig:
+        return LoopConfig(peak_lr=lr, seed=s, steps=steps, budget_s=None if steps is not None else minutes * 60,
+                          batch_size=batch_size, bf16=bf16, state=state / f"{name}.pt" if state is not None else None)
+
     target, t_stats = train_target(llama_config(vocab, bos, eos, 6), train, heldout,
-                                   target_minutes * 60, target_steps, seed)
+                                   loop("target", 3e-3, seed, target_minutes, target_steps))
     save_model(target, tok_path, out / "target")
     print(f"target: {t_stats}", flush=True)
     draft, d_stats = distill_draft(llama_config(vocab, bos, eos, 1), target, train, heldout,
-                                   draft_minutes * 60, draft_steps, seed)
+                                   loop("draft", 2e-3, seed + 1, draft_minutes, draft_steps))
     save_model(draft, tok_path, out / "draft")
-    flags = f"--seed {seed} --threads {num_threads} --target-steps {t_stats.steps} --draft-steps {d_stats.steps}"
+    acceptance = draft_acceptance(out, corpus, tok, seed)
+    flags = (f"--seed {seed} --threads {num_threads} --batch-size {batch_size} --target-steps {t_stats.steps}"
+             f" --draft-steps {d_stats.steps}" + ("" if bf16 else " --no-bf16"))
     write_card(out / "target" / "README.md", "target", corpus, t_stats, flags,
                "6 layers, hidden 256, 8 query / 4 key-value heads, SwiGLU 688, tied embeddings")
     write_card(out / "draft" / "README.md", "draft", corpus, d_stats, flags,
                "1 layer, same width, heads and tokenizer as the target; embeddings initialised from"
-               " the target, then distilled with pure KL to the target's logits")
+               " the target, then distilled with pure KL to the target's logits", acceptance)
     print(f"draft: {d_stats}", flush=True)
     tok_path.unlink()
     return t_stats, d_stats
@@ -277,11 +402,17 @@ def main(out_dir: str | Path, target_minutes: float = 14.0, draft_minutes: float
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runtime/bundled", help="output directory")
-    p.add_argument("--target-minutes", type=float, default=14.0)
-    p.add_argument("--draft-minutes", type=float, default=6.0)
+    p.add_argument("--target-minutes", type=float, default=60.0)
+    p.add_argument("--draft-minutes", type=float, default=15.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target-steps", type=int, default=None, help="fixed step count (overrides minutes)")
     p.add_argument("--draft-steps", type=int, default=None, help="fixed step count (overrides minutes)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="windows per step")
+    p.add_argument("--state", default=None, help="checkpoint dir: a rerun continues from it")
+    p.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 autocast (default: where the CPU has native bf16)")
     a = p.parse_args()
-    main(a.out, a.target_minutes, a.draft_minutes, a.seed, a.target_steps, a.draft_steps, a.threads)
+    main(a.out, a.target_minutes, a.draft_minutes, a.seed, a.target_steps, a.draft_steps, a.threads,
+         a.state, a.tokenizer, a.bf16, a.batch_size)

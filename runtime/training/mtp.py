@@ -224,7 +224,8 @@ def corpus_windows(tokenizer_file: Path, seq_len: int, num_train: int, num_heldo
 def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = None, *,
               minutes: float = 6.0, norms: bool = True, ablation: bool = False, seed: int = 0,
               num_windows: int = 2400, seq_len: int = 128, batch_size: int = 8, lr: float = 2e-3,
-              num_threads: int = 2, validate: bool = True, num_prompts: int = 24, log=print) -> dict:
+              num_threads: int = 2, validate: bool = True, num_prompts: int = 24, bf16: bool | None = None,
+              log=print) -> dict:
     """Train an MTP head for the target in `target_dir` (HF layout with tokenizer.json) and
     save it, with a model card, to `out_dir`.
 
@@ -233,7 +234,8 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
     same precomputed data for the same number of steps (not saved) and records both in the card. validate:
     measure acceptance through the inference implementation (`num_prompts` held-out function
     prompts x 64 greedy tokens, 48 held-out windows for agreement). Returns the report (also in
-    the card): training stats per variant and their validation numbers.
+    the card): training stats per variant and their validation numbers. bf16: autocast in the
+    training loop (default: where the CPU multiplies bf16 natively).
     """
     import tempfile
 
@@ -242,11 +244,15 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
     from specsched.runtime.training.corpus import function_prompts
     from specsched.runtime.training.mtp_eval import validate_head
 
+    from specsched.runtime.training.bundled import bf16_supported
+
     torch.set_num_threads(num_threads)
+    bf16 = bf16_supported() if bf16 is None else bf16
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     target = load_model(target_dir)
     tok = Tokenizer(target_dir)
-    cfg = TrainConfig(seq_len=seq_len, batch_size=batch_size, lr=lr, budget_s=minutes * 60, steps=steps, seed=seed)
+    cfg = TrainConfig(seq_len=seq_len, batch_size=batch_size, lr=lr, budget_s=minutes * 60, steps=steps, seed=seed,
+                      bf16=bf16)
     train_w, heldout_w, corpus = corpus_windows(target_dir / "tokenizer.json", seq_len, num_windows, 48, seed)
     t0 = time.perf_counter()
     hidden = precompute_hidden(target, train_w)
@@ -284,7 +290,8 @@ def write_card(path: Path, report: dict, shipped: str) -> None:
     main = variants[shipped]
     t, v = main["train"], main.get("validation") or {}
     steps_flag = f"--steps {t['steps']}"
-    flags = f"{steps_flag} --seed {cfg['seed']} --threads {report['num_threads']}"
+    flags = f"{steps_flag} --seed {cfg['seed']} --threads {report['num_threads']} --windows {report['corpus']['train_windows']}"
+    flags += " --bf16" if cfg.get("bf16") else " --no-bf16"
     flags += " --no-norms" if shipped == "no_norms" else ""
     if len(variants) > 1:
         flags += " --ablation"
@@ -306,7 +313,7 @@ def write_card(path: Path, report: dict, shipped: str) -> None:
         f" {report['precompute_s']:.0f} s",
         f"- training: {t['steps']} AdamW steps x {cfg['batch_size']} windows x {cfg['seq_len']} head positions"
         f" ({t['tokens_seen']:,} positions), lr {cfg['lr']} warmup + cosine, {t['train_s'] / 60:.1f} min on"
-        f" {report['num_threads']} CPU threads, fp32",
+        f" {report['num_threads']} CPU threads, " + ("bf16 autocast" if cfg.get("bf16") else "fp32"),
         f"- loss = KL(target || head) + {cfg['ce_weight']} CE + {cfg['hidden_weight']} relative hidden MSE;"
         f" first 10 steps: {_fmt(t['first_loss'])}; last 20 steps: {_fmt(t['final_loss'])}",
         "",

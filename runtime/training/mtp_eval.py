@@ -177,8 +177,38 @@ def validate_head(target_dir: str, head_dir: str, heldout_windows: torch.Tensor,
     first-token agreement on held-out windows, then greedy Pipeline runs on `prompts` with
     the MTP proposer at each D (and an EAGLE tree (depth, top_k, max_nodes)), each checked
     token for token against plain greedy decoding."""
-    from specsched.runtime.worker import ModelWorker
     from specsched.scheduler.wiring import proposer_spec
+
+    runs = [(f"mtp D={d}", d, {"kind": "mtp", "draft_len": d}) for d in draft_lens]
+    if eagle is not None:
+        depth, top_k, max_nodes = eagle
+        parents = list(proposer_spec("eagle", depth, tree_top_k=top_k, tree_max_nodes=max_nodes).tree_parents)
+        runs.append((f"eagle(depth={depth},top_k={top_k},nodes={len(parents)})", depth,
+                     {"kind": "eagle", "draft_len": depth, "tree_parents": parents}))
+
+    def agreement(worker, report: dict) -> None:
+        report["paged_agreement"] = paged_agreement(worker.target, worker.proposer.head, heldout_windows)
+        log(f"[validate] paged first-token agreement {report['paged_agreement']:.3f} "
+            f"on {heldout_windows.numel():,} held-out tokens")
+
+    return acceptance_runs(target_dir, head_dir, prompts, runs, max_tokens=max_tokens, first=agreement, log=log)
+
+
+def validate_draft(target_dir: str, draft_dir: str, prompts: list[list[int]], *, max_tokens: int = 64,
+                   draft_lens: tuple[int, ...] = (1, 2, 3, 4), log=print) -> dict:
+    """Acceptance of the draft model in `draft_dir` along the decode path: greedy Pipeline runs
+    on `prompts` with the draft proposer at each D, checked against plain greedy decoding."""
+    runs = [(f"draft D={d}", d, {"kind": "draft", "draft_len": d}) for d in draft_lens]
+    return acceptance_runs(target_dir, draft_dir, prompts, runs, max_tokens=max_tokens, log=log)
+
+
+def acceptance_runs(target_dir: str, proposer_dir: str, prompts: list[list[int]], runs, *, max_tokens: int,
+                    first=None, log=print) -> dict:
+    """Plain greedy reference, then each (key, D, proposer config) in `runs` served through the
+    pipeline: its mean acceptance length, per-position acceptance, token identity with the
+    reference and wall time relative to it. `first(worker, report)` runs once on the first
+    proposer's worker (e.g. a teacher-forced agreement through its model)."""
+    from specsched.runtime.worker import ModelWorker
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     num_pages = 4 * len(prompts) * ((max(len(p) for p in prompts) + max_tokens + 32) // 16 + 2)
@@ -188,23 +218,15 @@ def validate_head(target_dir: str, head_dir: str, heldout_windows: torch.Tensor,
     reference = [r.output_token_ids for r in run_requests(plain, prompts, params, num_pages=num_pages)]
     plain_s = time.perf_counter() - t0
     report: dict = {"num_prompts": len(prompts), "max_tokens": max_tokens}
-    runs = [("mtp", d, {"kind": "mtp", "draft_len": d}) for d in draft_lens]
-    if eagle is not None:
-        depth, top_k, max_nodes = eagle
-        parents = list(proposer_spec("eagle", depth, tree_top_k=top_k, tree_max_nodes=max_nodes).tree_parents)
-        runs.append((f"eagle(depth={depth},top_k={top_k},nodes={len(parents)})", depth,
-                     {"kind": "eagle", "draft_len": depth, "tree_parents": parents}))
-    for name, d, prop in runs:
-        worker = ModelWorker(target_dir, prop, proposer_dir=head_dir, **kw)
-        if not report.get("paged_agreement"):
-            report["paged_agreement"] = paged_agreement(worker.target, worker.proposer.head, heldout_windows)
-            log(f"[validate] paged first-token agreement {report['paged_agreement']:.3f} "
-                f"on {heldout_windows.numel():,} held-out tokens")
+    for key, d, prop in runs:
+        worker = ModelWorker(target_dir, prop, proposer_dir=proposer_dir, **kw)
+        if first is not None:
+            first(worker, report)
+            first = None
         t0 = time.perf_counter()
         reqs = run_requests(worker, prompts, params, num_pages=num_pages)
         s = summarize(reqs)
         same = [r.output_token_ids for r in reqs] == reference
-        key = f"mtp D={d}" if name == "mtp" else name
         report[key] = {"mean_acceptance_length": round(s.mean_acceptance_length, 3),
                        "acceptance_per_position": [round(x, 3) for x in s.acceptance_per_position[:d]],
                        "identical_to_greedy": same,
