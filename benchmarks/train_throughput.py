@@ -4,7 +4,7 @@ Each configuration runs in its own process (thread count and oneDNN state are pe
 a few warm-up steps, then timed AdamW steps (forward, backward, clip, step) of the bundled
 target's architecture on random token windows of the training length. Rounds are
 interleaved and the median per configuration is printed with its ratio to the first
-configuration (1 thread, fp32, batch 8: the recipe's old default).
+configuration (by default 1 thread, fp32, batch 8).
 
     python benchmarks/train_throughput.py --steps 8 --rounds 2
 
@@ -60,19 +60,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="timed steps per configuration and round")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--configs", nargs="*", default=None, metavar="THREADS:PRECISION:BATCH",
+                    help="configurations to measure (default: all six, e.g. 2:bf16:16)")
     ap.add_argument("--child", nargs=3, metavar=("THREADS", "PRECISION", "BATCH"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(_measure(int(a.child[0]), a.child[1], int(a.child[2]), a.steps)))
         return
-    runs: dict[tuple, list[float]] = {c: [] for c in CONFIGS}
+    configs = CONFIGS if a.configs is None else [(int(t), p, int(b)) for t, p, b in
+                                                 (c.split(":") for c in a.configs)]
+    runs: dict[tuple, list[float]] = {c: [] for c in configs}
     for _ in range(a.rounds):
-        for c in CONFIGS:
+        for c in configs:
             out = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--child", *map(str, c)],
                                  check=True, capture_output=True, text=True).stdout
             runs[c].append(json.loads(out.strip().splitlines()[-1]))
-    base = statistics.median(runs[CONFIGS[0]])
-    print("| threads | precision | batch | tokens/s (median) | vs 1 thread fp32 batch 8 |")
+    base = statistics.median(runs[configs[0]])
+    print(f"| threads | precision | batch | tokens/s (median) | vs {configs[0][0]} thread(s) {configs[0][1]} batch"
+          f" {configs[0][2]} |")
     print("|---|---|---|---|---|")
     for c, v in runs.items():
         m = statistics.median(v)
