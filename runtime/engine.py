@@ -16,18 +16,17 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import AsyncIterator
 
 import anyio
 import numpy as np
-import orjson
 
+from specsched.runtime.detokenize import Detokenizer
+from specsched.runtime.engine_checks import check_engine
 from specsched.runtime.engine_config import EngineConfig
-from specsched.runtime.tokenizer import Tokenizer
 from specsched.scheduler.batch_builder import SchedulerConfig, max_pages_needed
 from specsched.scheduler.block_manager import KVPoolStats
-from specsched.scheduler.errors import ConfigurationError, EngineClosedError, InvalidRequestError
+from specsched.scheduler.errors import EngineClosedError, InvalidRequestError
 from specsched.scheduler.pipeline import Pipeline
 from specsched.scheduler.proposer import RULES
 from specsched.scheduler.request import Request
@@ -101,66 +100,6 @@ class _Sink:
             st.push(_Finished(req.finish_reason, req.error, req.num_output_tokens, req.spec_stats()))
 
 
-class _Detokenizer:
-    """A request's streamed text, with its stop strings applied.
-
-    Why: re-decoding the whole output for every new token made streaming O(n^2) in the output
-    length. `IncrementalDecoder` decodes a window of a few ids per token and never emits an
-    incomplete UTF-8 character, so this class only adds the stop strings on top. A stop string
-    may span tokens, so text that could be its start is held back (`_pending`) until it is
-    resolved; the token that completes a stop string is the last one kept, and the text is cut
-    before the stop string (never streamed). Stop strings are also looked for in the text the
-    decoder holds back (bar its incomplete last character), so a token that completes a stop
-    string and starts a multi-byte character still ends the request at that token.
-    """
-
-    def __init__(self, tok: Tokenizer):
-        # the text is that of the output ids alone, as `decode` gives it
-        self._dec = tok.incremental_decoder()
-        self._ids: list[int] = []
-        self._pending = ""  # final text not streamed yet: it could be the start of a stop string
-        self._stopped = False
-
-    def add(self, token_ids: list[int], stops: list[str]) -> tuple[int, str | None, str]:
-        """Returns (tokens to keep, "stop" or None, text to stream now)."""
-        out: list[str] = []
-        for j, t in enumerate(token_ids):
-            self._ids.append(t)
-            self._pending += self._dec.push(self._ids)
-            if not stops:
-                out.append(self._pending)
-                self._pending = ""
-                continue
-            text = self._pending + self._dec.held.rstrip("\ufffd")  # bar the incomplete char
-            hits = [k for k in (text.find(s) for s in stops) if k >= 0]
-            if hits:
-                out.append(text[: min(hits)])
-                self._pending = ""
-                self._stopped = True
-                return j + 1, "stop", "".join(out)
-            cut = min(_stop_start(text, stops), len(self._pending))
-            out.append(self._pending[:cut])
-            self._pending = self._pending[cut:]
-        return len(token_ids), None, "".join(out)
-
-    def flush(self) -> str:
-        """The held-back text at the end of the request (nothing after a stop string)."""
-        if self._stopped:
-            return ""
-        tail, self._pending = self._pending + self._dec.flush(), ""
-        return tail
-
-
-def _stop_start(text: str, stops: list[str]) -> int:
-    """Start of the longest suffix of `text` that some stop string begins with (len(text) if
-    none); `text` holds no whole stop string."""
-    longest = max(map(len, stops))
-    for p in range(max(0, len(text) - longest + 1), len(text)):
-        if any(s.startswith(text[p:]) for s in stops):
-            return p
-    return len(text)
-
-
 def _token_ids(prompt: object) -> list[int]:
     """A prompt given as token ids, as a list of ints; InvalidRequestError naming the first
     element that is not an integer id. No coercion: int() would run 5.9 as 5, and True as 1.
@@ -196,13 +135,8 @@ class AsyncEngine:
             from specsched.runtime import bundled
 
             self.model_dir = str(bundled.target_dir())
-        self._check_inputs()
-        self.tokenizer = Tokenizer(self.model_dir)
-        self._check_tokenizers()
-        self.max_model_len = self._max_model_len()
-        self._check_smallest_request_fits()
-        self._check_tensor_parallel()
-        self._seed_costs = self._draft_profile()
+        setup = check_engine(self.config, self.model_dir, self._proposer_dir(), self._scheduler_config())
+        self.tokenizer, self.max_model_len, self._seed_costs = setup
 
     # -- setup --------------------------------------------------------------------------------
     def _proposer_dir(self) -> str | None:
@@ -215,88 +149,6 @@ class AsyncEngine:
         if option == "mtp_head":
             return c.mtp_head or str(bundled.mtp_dir())
         return None
-
-    def _check_inputs(self) -> None:
-        """Checkpoint folders that are not there and a device this machine lacks are the
-        user's input errors, named before anything loads or starts."""
-        c = self.config
-        for option, path in (("model", self.model_dir), (RULES[c.proposer].checkpoint, self._proposer_dir())):
-            if path is not None and not Path(path).is_dir():
-                what = "not a folder" if Path(path).exists() else "folder not found"
-                raise ConfigurationError(f"{option} {path}: {what} (expected a checkpoint folder "
-                                         "with config.json and model.safetensors)")
-        if c.device == "cuda":
-            from specsched.runtime.devices import cuda_available
-
-            if not cuda_available():
-                raise ConfigurationError("device 'cuda': this machine has no usable CUDA device "
-                                         "(torch.cuda.is_available() is False); use device 'host'")
-
-    def _check_tokenizers(self) -> None:
-        if RULES[self.config.proposer].checkpoint != "draft":
-            return  # only a draft model has a vocabulary of its own
-        d = self._proposer_dir()
-        other = Tokenizer(d)
-        if other.fingerprint() != self.tokenizer.fingerprint():
-            raise ConfigurationError(
-                f"draft {d} and target {self.model_dir} use different tokenizers; speculative "
-                "decoding needs the same vocabulary"
-            )
-
-    def _draft_profile(self) -> dict | None:
-        """The adaptive draft length's seed: a cost profile's JSON, checked here (a bad file is
-        the user's input error, named before anything starts)."""
-        path = self.config.draft_profile
-        if path is None:
-            return None
-        try:
-            data = orjson.loads(Path(path).read_bytes())
-        except (OSError, orjson.JSONDecodeError) as e:
-            raise ConfigurationError(f"draft_profile {path}: not a readable cost profile: {e}") from None
-        if not isinstance(data, dict) or not isinstance(data.get("device"), dict):
-            raise ConfigurationError(f"draft_profile {path}: not a cost profile (no 'device' models)")
-        return data
-
-    def _check_tensor_parallel(self) -> None:
-        """A target (or head) whose heads or MLP do not split over the ranks is named here,
-        before any rank starts."""
-        n = self.config.tensor_parallel_size
-        if n == 1:
-            return
-        from specsched.runtime.checkpoint import load_config
-        from specsched.runtime.parallel import check_tp_config
-
-        try:
-            check_tp_config(load_config(self.model_dir), n)
-        except ValueError as e:
-            raise ConfigurationError(f"model {self.model_dir}: {e}") from None
-
-    def _max_model_len(self) -> int:
-        from specsched.runtime.checkpoint import load_config
-
-        return load_config(self.model_dir).max_position_embeddings
-
-    def _check_smallest_request_fits(self) -> None:
-        """Reject a config under which no request at all could be served (e.g. a draft length
-        near the model's context), instead of rejecting every request with a request error.
-        The smallest request has one prompt and one output token; `validate` sizes it."""
-        c = self.config
-        spec = c.proposer_spec()
-        n = spec.num_candidates
-        what = f"the eagle tree's {n} nodes" if c.proposer == "eagle" else f"draft_len {c.spec_draft_len}"
-        need = 1 + 1 + n + 1
-        if need > self.max_model_len:
-            raise ConfigurationError(
-                f"{what} is too long for the model: even a 1-token prompt with max_tokens 1 needs "
-                f"{need} positions, and {self.model_dir} has max_position_embeddings "
-                f"{self.max_model_len}"
-            )
-        pages = max_pages_needed(self._scheduler_config(), c.page_size, 1, 1)
-        if pages > c.num_pages:
-            raise ConfigurationError(
-                f"num_pages ({c.num_pages}) cannot hold even the smallest request, which needs "
-                f"{pages} pages of {c.page_size} tokens with {what}"
-            )
 
     def _scheduler_config(self) -> SchedulerConfig:
         c = self.config
@@ -446,7 +298,7 @@ class AsyncEngine:
         req = Request(rid, ids, params, arrival_ns=time.monotonic_ns())
         self._pipeline.add_request(req)
         # This consumer detokenizes and applies the stop strings, off the pipeline's step loop.
-        detok = _Detokenizer(self.tokenizer)
+        detok = Detokenizer(self.tokenizer)
         kept = 0  # output tokens streamed so far
         stopped = False
         try:

@@ -11,7 +11,8 @@ import anyio
 import pytest
 
 from specsched.runtime import bundled
-from specsched.runtime.engine import AsyncEngine, _Detokenizer, _Sink
+from specsched.runtime.detokenize import Detokenizer
+from specsched.runtime.engine import AsyncEngine, _Sink
 from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.tokenizer import Tokenizer
 from specsched.scheduler.errors import ConfigurationError, InvalidRequestError
@@ -362,7 +363,7 @@ def test_detok_streamed_text_equals_full_decode(btok, stops):
     ids = btok.encode(UNICODE * 20)
     assert len(ids) > 1000 and sum("\ufffd" in btok.decode([i]) for i in ids) > 500
     for sizes in ((1,), (1, 3, 2, 5)):
-        detok = _Detokenizer(btok)
+        detok = Detokenizer(btok)
         pieces, kept, reason = _stream(detok, ids, stops, sizes)
         assert reason is None and kept == len(ids)
         assert all("\ufffd" not in p for p in pieces)  # no half characters, ever
@@ -374,7 +375,7 @@ def test_detok_random_ids_equal_full_decode(btok):
     """Invalid byte sequences too: the stream is exactly the full decode."""
     rng = random.Random(0)
     ids = [rng.randrange(2, btok.vocab_size) for _ in range(600)]  # 0, 1: bos, eos
-    detok = _Detokenizer(btok)
+    detok = Detokenizer(btok)
     pieces, kept, reason = _stream(detok, ids, ["\x00\x00"])
     assert reason is None and kept == len(ids)
     assert "".join(pieces) + detok.flush() == btok.decode(ids)
@@ -394,7 +395,7 @@ def test_detok_stop_string_across_tokens(btok, text, stop, why):
     assert stop not in btok.decode(ids[n - 1:n]), why  # the last kept token alone lacks it
     stops = [stop, "never seen"]
     # one token at a time: nothing of the stop string is streamed while it is unresolved
-    detok, streamed = _Detokenizer(btok), ""
+    detok, streamed = Detokenizer(btok), ""
     for i, t in enumerate(ids):
         keep, reason, piece = detok.add([t], stops)
         streamed += piece
@@ -405,7 +406,7 @@ def test_detok_stop_string_across_tokens(btok, text, stop, why):
     assert detok.flush() == ""
     # in chunks, as speculative steps deliver tokens: the stop string may end mid-chunk
     for sizes in ((2,), (1, 3, 2, 5), (len(ids),)):
-        detok = _Detokenizer(btok)
+        detok = Detokenizer(btok)
         pieces, kept, reason = _stream(detok, ids, stops, sizes)
         assert (kept, reason, "".join(pieces)) == (n, "stop", want), why
         assert detok.flush() == ""
@@ -414,7 +415,7 @@ def test_detok_stop_string_across_tokens(btok, text, stop, why):
 def test_detok_earliest_stop_string_wins(btok):
     ids = btok.encode("    return json")
     assert btok.decode(ids[1:2]) == " return"  # completes both stop strings
-    keep, reason, text = _Detokenizer(btok).add(ids, ["rn", "et"])
+    keep, reason, text = Detokenizer(btok).add(ids, ["rn", "et"])
     assert (keep, reason, text) == (2, "stop", "    r")
 
 
@@ -425,7 +426,7 @@ def test_detok_decodes_a_bounded_window_per_token(monkeypatch):
     seen = []
     real = tok.decode
     monkeypatch.setattr(tok, "decode", lambda ids, **kw: seen.append(len(ids)) or real(ids, **kw))
-    detok = _Detokenizer(tok)
+    detok = Detokenizer(tok)
     pieces, _, _ = _stream(detok, ids, ["日本X"])
     assert "".join(pieces) + detok.flush() == UNICODE * 30
     assert len(seen) <= 2 * len(ids) + 2
