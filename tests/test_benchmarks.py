@@ -31,7 +31,7 @@ TINY = {
                     "--max-draft-len", "2", "--proposers", "mtp"],
     "tensor_parallel.py": ["--rounds", "1", "--concurrency", "1", "--num-requests", "1", "--max-tokens", "3",
                            "--configs", "none", "--sizes", "1024", "--repeats", "5"],
-    "train_throughput.py": ["--steps", "1", "--rounds", "1", "--configs", "1:fp32:2", "1:bf16:2"],
+    "train_throughput.py": ["--steps", "1", "--rounds", "1", "--configs", "1:fp32:2", "1:bf16:2:passive"],
     "sweep_fanout.py": ["--replicates", "2", "--rounds", "1", "--draft-lens", "1", "--concurrencies", "1"],
 }
 
