@@ -4,11 +4,12 @@ analytic bound AL / (c_verify(D) + D * c_draft) from the costs measured in the s
 (c_verify(D) = verify time / plain decode time; c_draft = proposer device time per drafted
 token / plain decode time).
 
-    python benchmarks/proposers.py [--num-requests 6] [--max-tokens 64]
+    python benchmarks/proposers.py [--num-requests 6] [--max-tokens 64] [--rounds 3] [--baseline-family DIR]
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -20,28 +21,72 @@ PROPOSERS = [("draft", "overlap", 3), ("draft", "overlap", 4), ("mtp", "mtp", 1)
              ("eagle", "sync", 3), ("ngram", "sync", 4)]
 
 
+def family_kw(family: Path | None, proposer: str) -> dict:
+    """EngineConfig checkpoint options for a model family folder laid out like runtime/bundled
+    (target/, draft/, mtp/); None: the bundled family."""
+    if family is None:
+        return {}
+    kw = {"model": str(family / "target")}
+    if proposer == "draft":
+        kw["draft"] = str(family / "draft")
+    if proposer in ("mtp", "eagle"):
+        kw["mtp_head"] = str(family / "mtp")
+    return kw
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="proposer names to run")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (plain, then each proposer); "
+                    "every figure is the median over rounds")
+    ap.add_argument("--baseline-family", type=Path, default=None,
+                    help="another model family (target/, draft/, mtp/ as in runtime/bundled) measured in the "
+                    "same rounds, side by side")
     args, items = parse_workload(ap, 6, 64)
-    plain, ptrace = run(items, proposer="none", schedule="sync")
-    t_decode = median_span_ms(ptrace, "decode")
-    print(f"plain: {plain['output_tokens_per_s']:.1f} tok/s, target decode {t_decode:.2f} ms")
+    configs = [c for c in PROPOSERS if not args.only or c[0] in args.only]
+    families = {"bundled": None} | ({"baseline": args.baseline_family} if args.baseline_family else {})
+    runs: dict = {(f, c): [] for f in families for c in [("none", "sync", 0), *configs]}
+    for _ in range(args.rounds):
+        for f, c in runs:
+            m, tr = run(items, proposer=c[0], schedule=c[1], draft_len=c[2] or None, **family_kw(families[f], c[0]))
+            runs[f, c].append((m, tr))
+    speedups = {f: table(f, runs, configs, args.rounds) for f in families}
+    if len(families) > 1:
+        print("\nspeedup over plain decoding, side by side (medians of per-round ratios):")
+        for c in configs:
+            name = f"{c[0]}/{c[1]} D={c[2]}"
+            print(f"{name:<22} bundled {speedups['bundled'][c]:.2f}x  baseline {speedups['baseline'][c]:.2f}x")
+
+
+def table(family: str, runs: dict, configs: list, rounds: int) -> dict:
+    """Print one family's table; returns its speedup per configuration."""
+    plain_runs = runs[family, ("none", "sync", 0)]
+    plain = [m["output_tokens_per_s"] for m, _ in plain_runs]
+    t_decode = med(median_span_ms(tr, "decode") for _, tr in plain_runs)
+    print(f"[{family}] plain: {med(plain):.1f} tok/s, target decode {t_decode:.2f} ms (median of {rounds} round(s))")
     print(f"{'proposer':<22} {'AL':>5} {'per-position acceptance':<28} {'tok/s':>7} {'speedup':>8} {'bound':>7}")
-    for proposer, schedule, d in PROPOSERS:
-        if args.only and proposer not in args.only:
-            continue
-        m, tr = run(items, proposer=proposer, schedule=schedule, draft_len=d)
-        t_verify = median_span_ms(tr, "verify") or 0.0
-        t_prop = sum(v for v in (median_span_ms(tr, "draft"), median_span_ms(tr, "draft_fill")) if v)
+    out = {}
+    for c in configs:
+        proposer, schedule, d = c
+        rs = runs[family, c]
+        t_verify = med(median_span_ms(tr, "verify") or 0.0 for _, tr in rs)
+        t_prop = med(sum(v for v in (median_span_ms(tr, "draft"), median_span_ms(tr, "draft_fill")) if v)
+                     for _, tr in rs)
         c_verify = t_verify / t_decode
         c_draft = t_prop / max(d, 1) / t_decode
-        al = m["mean_accept_len"] or 1.0
+        al = med(m["mean_accept_len"] or 1.0 for m, _ in rs)
         bound = al / (c_verify + d * c_draft)
-        per_pos = ", ".join(f"{x:.2f}" for x in m["accept_rate_per_pos"][:6])
+        per_pos = ", ".join(f"{med(m['accept_rate_per_pos'][k] for m, _ in rs):.2f}"
+                            for k in range(min(6, len(rs[0][0]["accept_rate_per_pos"]))))
+        # each round's speedup against that round's plain run, then the median
+        out[c] = med(m["output_tokens_per_s"] / p for (m, _), p in zip(rs, plain))
         print(f"{proposer + '/' + schedule + ' D=' + str(d):<22} {al:>5.2f} {per_pos:<28} "
-              f"{m['output_tokens_per_s']:>7.1f} {m['output_tokens_per_s'] / plain['output_tokens_per_s']:>7.2f}x "
-              f"{bound:>6.2f}x")
+              f"{med(m['output_tokens_per_s'] for m, _ in rs):>7.1f} {out[c]:>7.2f}x {bound:>6.2f}x")
+    return out
+
+
+def med(values) -> float:
+    return statistics.median(list(values))
 
 
 if __name__ == "__main__":

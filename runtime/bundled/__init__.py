@@ -1,8 +1,9 @@
 """Where the bundled tiny model family lives, so the default runs anywhere with no download.
 
 The files (HF layout: config.json, model.safetensors, tokenizer.json, model card README.md)
-are produced by `python -m specsched.runtime.training.bundled --out runtime/bundled`; the MTP head in
-`mtp/` is trained separately on top of the target.
+are produced by `specsched train-models` (the tokenizer, target and draft by
+runtime/training/bundled.py, the MTP head in `mtp/` by runtime/training/mtp.py on top of the
+target); each card gives the exact command of the shipped run.
 """
 
 from __future__ import annotations

@@ -173,13 +173,14 @@ def run_loop(name, model, loss_fn, stream, heldout, cfg: LoopConfig, probe_fn=No
         gen.set_state(st["gen"])
         step, prev_s, losses, best = st["step"], st["wall_s"], st["losses"], st["best"]
         print(f"[{name}] resumed at step {step} ({prev_s:.0f}s trained)", flush=True)
-        if st.get("done"):
-            return _finish(model, heldout, cfg, step, prev_s, losses, best)
+        if st.get("done"):  # the card reports the threads it was trained with
+            return _finish(model, heldout, cfg, step, prev_s, losses, best, st.get("threads"))
 
     def snapshot(done: bool) -> None:
         if cfg.state is not None:
             _save_state(cfg.state, {"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                                    "step": step, "wall_s": elapsed, "losses": losses, "best": best, "done": done})
+                                    "step": step, "wall_s": elapsed, "losses": losses, "best": best, "done": done,
+                                    "threads": torch.get_num_threads()})
 
     start = time.perf_counter()
     last_save = start
@@ -188,9 +189,10 @@ def run_loop(name, model, loss_fn, stream, heldout, cfg: LoopConfig, probe_fn=No
     while progress < 1.0:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, progress, cfg.peak_lr)
-        loss = loss_fn(random_windows(stream, gen, cfg.batch_size))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        with torch.enable_grad():  # grad mode is global, and a ModelWorker in this process turns it off
+            loss = loss_fn(random_windows(stream, gen, cfg.batch_size))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
@@ -211,13 +213,13 @@ def run_loop(name, model, loss_fn, stream, heldout, cfg: LoopConfig, probe_fn=No
     return _finish(model, heldout, cfg, step, elapsed, losses, best)
 
 
-def _finish(model, heldout, cfg: LoopConfig, step, wall_s, losses, best) -> RunStats:
+def _finish(model, heldout, cfg: LoopConfig, step, wall_s, losses, best, threads: int | None = None) -> RunStats:
     if best[2] is not None:
         model.load_state_dict(best[2])
     tail = losses[-20:]
     return RunStats(step, step * cfg.batch_size * SEQ_LEN, wall_s, sum(tail) / len(tail),
                     heldout_ce(model, eval_windows(heldout, NUM_EVAL_WINDOWS)), best_step=best[1],
-                    batch_size=cfg.batch_size, threads=torch.get_num_threads(),
+                    batch_size=cfg.batch_size, threads=threads or torch.get_num_threads(),
                     precision="bf16 autocast" if cfg.bf16 else "fp32")
 
 
