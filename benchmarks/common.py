@@ -44,6 +44,19 @@ def run(items, *, concurrency: int = 1, warmup: int = 1, trace: bool = True, eng
     return metrics, tr
 
 
+def family_kw(family: Path | None, proposer: str) -> dict:
+    """EngineConfig checkpoint options for a model family folder laid out like runtime/bundled
+    (target/, draft/, mtp/); None: the bundled family."""
+    if family is None:
+        return {}
+    kw = {"model": str(family / "target")}
+    if proposer == "draft":
+        kw["draft"] = str(family / "draft")
+    if proposer in ("mtp", "eagle"):
+        kw["mtp_head"] = str(family / "mtp")
+    return kw
+
+
 def median_span_ms(trace, name: str, track_prefix: str = "device:") -> float | None:
     vals = [(s.end_ns - s.start_ns) / 1e6 for s in trace.spans if s.name == name and s.track.startswith(track_prefix)]
     return statistics.median(vals) if vals else None

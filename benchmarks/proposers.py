@@ -15,23 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import median_span_ms, parse_workload, run  # noqa: E402
+from common import family_kw, median_span_ms, parse_workload, run  # noqa: E402
 
 PROPOSERS = [("draft", "overlap", 3), ("draft", "overlap", 4), ("mtp", "mtp", 1), ("mtp", "sync", 2),
              ("eagle", "sync", 3), ("ngram", "sync", 4)]
-
-
-def family_kw(family: Path | None, proposer: str) -> dict:
-    """EngineConfig checkpoint options for a model family folder laid out like runtime/bundled
-    (target/, draft/, mtp/); None: the bundled family."""
-    if family is None:
-        return {}
-    kw = {"model": str(family / "target")}
-    if proposer == "draft":
-        kw["draft"] = str(family / "draft")
-    if proposer in ("mtp", "eagle"):
-        kw["mtp_head"] = str(family / "mtp")
-    return kw
 
 
 def main() -> None:
