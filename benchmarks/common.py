@@ -57,6 +57,11 @@ def family_kw(family: Path | None, proposer: str) -> dict:
     return kw
 
 
+def med(values) -> float:
+    """The median of an iterable (rounds of a benchmark)."""
+    return statistics.median(list(values))
+
+
 def median_span_ms(trace, name: str, track_prefix: str = "device:") -> float | None:
     vals = [(s.end_ns - s.start_ns) / 1e6 for s in trace.spans if s.name == name and s.track.startswith(track_prefix)]
     return statistics.median(vals) if vals else None

@@ -9,13 +9,12 @@ token / plain decode time).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import family_kw, median_span_ms, parse_workload, run  # noqa: E402
+from common import family_kw, med, median_span_ms, parse_workload, run  # noqa: E402
 
 PROPOSERS = [("draft", "overlap", 3), ("draft", "overlap", 4), ("mtp", "mtp", 1), ("mtp", "sync", 2),
              ("eagle", "sync", 3), ("ngram", "sync", 4)]
@@ -71,9 +70,6 @@ def table(family: str, runs: dict, configs: list, rounds: int) -> dict:
               f"{med(m['output_tokens_per_s'] for m, _ in rs):>7.1f} {out[c]:>7.2f}x {bound:>6.2f}x")
     return out
 
-
-def med(values) -> float:
-    return statistics.median(list(values))
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import family_kw, parse_workload, run  # noqa: E402
+from common import family_kw, med, parse_workload, run  # noqa: E402
 
 
 def main() -> None:
@@ -36,9 +35,6 @@ def main() -> None:
     if "3" in args.sections:
         tracing_overhead(items)
 
-
-def med(values) -> float:
-    return statistics.median(list(values))
 
 
 def schedules_vs_sync(items, rounds: int, families: dict) -> None:

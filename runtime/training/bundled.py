@@ -110,10 +110,11 @@ def eval_windows(stream: torch.Tensor, num: int) -> torch.Tensor:
     return stream[: num * (SEQ_LEN + 1)].view(num, SEQ_LEN + 1)  # [N, T+1]
 
 
-def lr_at(step: int, progress: float, peak: float) -> float:
-    """Linear warmup by step, then cosine to 10% of peak over `progress` in [0, 1]."""
-    if step < WARMUP_STEPS:
-        return peak * (step + 1) / WARMUP_STEPS
+def lr_at(step: int, progress: float, peak: float, warmup: int = WARMUP_STEPS) -> float:
+    """Linear warmup over `warmup` steps, then cosine to 10% of peak over `progress` in [0, 1]
+    (the schedule of every bundled model: target, draft and MTP head)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
@@ -294,7 +295,9 @@ def write_card(path: Path, role: str, corpus: Corpus, stats: RunStats, steps_fla
     if stats.agreement is not None:
         lines.append(f"- greedy agreement with the target (teacher-forced, held-out, fp32): {stats.agreement:.1%}")
     if acceptance:
-        lines += _acceptance_lines(acceptance)
+        from specsched.runtime.training.mtp_eval import acceptance_table
+
+        lines += acceptance_table(acceptance)
     lines += [
         "", "Reproduce (needs the `dev` extra for transformers; `OMP_WAIT_POLICY=PASSIVE` keeps two",
         "threads from spinning when the machine is shared):", "",
@@ -306,28 +309,6 @@ def write_card(path: Path, role: str, corpus: Corpus, stats: RunStats, steps_fla
         "different Python version changes the corpus.", "",
     ]
     path.write_text("\n".join(lines))
-
-
-def _acceptance_lines(report: dict) -> list[str]:
-    runs = {k: v for k, v in report.items() if k.startswith("draft D=")}
-    lines = ["", "## Acceptance along the decode path", "",
-             f"Greedy generation through the engine's pipeline and worker (`--spec draft`) on"
-             f" {report['num_prompts']} held-out function prompts x {report['max_tokens']} tokens, outputs"
-             " checked identical to plain greedy decoding; AL = 1 + accepted / drafts.", "",
-             "| D | AL | acceptance per draft position | identical to greedy |", "|---|---|---|---|"]
-    for k, v in runs.items():
-        lines.append(f"| {k.split('=')[1]} | {v['mean_acceptance_length']:.2f} | {v['acceptance_per_position']} |"
-                     f" {'yes' if v['identical_to_greedy'] else 'NO'} |")
-    return lines
-
-
-def draft_acceptance(out: Path, corpus: Corpus, tok, seed: int, num_prompts: int = 24) -> dict:
-    """The draft's acceptance at D = 1..4 through the inference path (runtime/training/mtp_eval.py)."""
-    from specsched.runtime.training.mtp_eval import validate_draft
-
-    prompts = [tok.encode(p).ids for p in
-               function_prompts(corpus.heldout, lambda x: len(tok.encode(x).ids), num_prompts, seed + 1)]
-    return validate_draft(str(out / "target"), str(out / "draft"), prompts)
 
 
 def write_workload(corpus: Corpus, tok, path: Path, seed: int) -> None:
@@ -388,7 +369,9 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
     draft, d_stats = distill_draft(llama_config(vocab, bos, eos, 1), target, train, heldout,
                                    loop("draft", 2e-3, seed + 1, draft_minutes, draft_steps))
     save_model(draft, tok_path, out / "draft")
-    acceptance = draft_acceptance(out, corpus, tok, seed)
+    from specsched.runtime.training.mtp_eval import draft_acceptance
+
+    acceptance = draft_acceptance(str(out / "target"), str(out / "draft"), corpus, lambda x: tok.encode(x).ids, seed)
     flags = (f"--seed {seed} --threads {num_threads} --batch-size {batch_size} --target-steps {t_stats.steps}"
              f" --draft-steps {d_stats.steps}" + ("" if bf16 else " --no-bf16"))
     write_card(out / "target" / "README.md", "target", corpus, t_stats, flags,

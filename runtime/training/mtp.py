@@ -22,7 +22,6 @@ library versions and thread count. The CLI (`specsched train-mtp`) calls `train_
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 from specsched.runtime.attention.torch_backend import CausalAttention
 from specsched.runtime.checkpoint import load_model
 from specsched.runtime.model import LlamaModel
+from specsched.runtime.training.bundled import lr_at
 from specsched.runtime.mtp_head import MTPHead
 
 WARMUP_STEPS = 20
@@ -148,13 +148,6 @@ def head_loss(head: MTPHead, target: LlamaModel, ids: torch.Tensor, hidden: torc
     return loss, {"loss": loss.item(), **parts}
 
 
-def lr_at(step: int, progress: float, peak: float) -> float:
-    """Linear warmup by step, then cosine to 10% of peak over `progress` in [0, 1]."""
-    if step < WARMUP_STEPS:
-        return peak * (step + 1) / WARMUP_STEPS
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
 def train_head(target: LlamaModel, ids: torch.Tensor, hidden: torch.Tensor, *, norms: bool = True,
                cfg: TrainConfig = TrainConfig(), log=print) -> tuple[MTPHead, TrainStats]:
     """Train a fresh head on precomputed windows ids [N, S] / hidden [N, S, H].
@@ -172,7 +165,7 @@ def train_head(target: LlamaModel, ids: torch.Tensor, hidden: torch.Tensor, *, n
     progress = 0.0
     while progress < 1.0:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, progress, cfg.lr)
+            g["lr"] = lr_at(step, progress, cfg.lr, WARMUP_STEPS)
         pick = torch.randint(0, ids.shape[0], (cfg.batch_size,), generator=gen)
         # grad mode is global and a ModelWorker switches it off: enable it here explicitly
         with torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):

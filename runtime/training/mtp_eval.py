@@ -234,3 +234,26 @@ def acceptance_runs(target_dir: str, proposer_dir: str, prompts: list[list[int]]
         log(f"[validate] {key}: AL {s.mean_acceptance_length:.3f} per-position "
             f"{report[key]['acceptance_per_position']} identical={same}")
     return report
+
+
+def acceptance_table(report: dict) -> list[str]:
+    """A model card's section for `validate_draft`'s report."""
+    runs = {k: v for k, v in report.items() if k.startswith("draft D=")}
+    lines = ["", "## Acceptance along the decode path", "",
+             f"Greedy generation through the engine's pipeline and worker (`--spec draft`) on"
+             f" {report['num_prompts']} held-out function prompts x {report['max_tokens']} tokens, outputs"
+             " checked identical to plain greedy decoding; AL = 1 + accepted / drafts.", "",
+             "| D | AL | acceptance per draft position | identical to greedy |", "|---|---|---|---|"]
+    for k, v in runs.items():
+        lines.append(f"| {k.split('=')[1]} | {v['mean_acceptance_length']:.2f} | {v['acceptance_per_position']} |"
+                     f" {'yes' if v['identical_to_greedy'] else 'NO'} |")
+    return lines
+
+
+def draft_acceptance(target_dir: str, draft_dir: str, corpus, encode, seed: int, num_prompts: int = 24) -> dict:
+    """`validate_draft` at D = 1..4 on `num_prompts` held-out function prompts of `corpus`
+    (`encode`: text -> token ids; the prompts the MTP head's card uses, seed + 1)."""
+    from specsched.runtime.training.corpus import function_prompts
+
+    prompts = [encode(p) for p in function_prompts(corpus.heldout, lambda x: len(encode(x)), num_prompts, seed + 1)]
+    return validate_draft(target_dir, draft_dir, prompts)
