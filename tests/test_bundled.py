@@ -141,3 +141,41 @@ def test_training_loop_resumes_exactly(tmp_path, monkeypatch):
         torch.testing.assert_close(a, b, msg=k)
     again, again_stats = run(tmp_path / "b.pt")  # a finished state returns its result without training
     assert again_stats.steps == 6 and again_stats.heldout_ce == pytest.approx(resumed_stats.heldout_ce)
+
+
+def test_onpolicy_windows_are_the_targets_greedy_continuations():
+    """Each window is its corpus prompt followed by the target's argmax tokens (checked against
+    a plain full-recompute greedy loop), and the sampler mixes pool and corpus windows."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from specsched.runtime.training import bundled as tb
+    from specsched.runtime.training.onpolicy import greedy_windows, mixed_sampler
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                                   max_position_embeddings=512, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    stream = torch.randint(0, 64, (3000,), generator=torch.Generator().manual_seed(1))
+    w = greedy_windows(model, stream, 5, 24, 10, seed=2, batch=2, eos_id=1, log=lambda *_: None)
+    assert w.shape == (5, 24)
+    again = greedy_windows(model, stream, 5, 24, 10, seed=2, batch=5, eos_id=1, log=lambda *_: None)
+    assert torch.equal(w, again)  # batching does not change the continuations
+    for row in w:
+        ids = row[:10].tolist()
+        with torch.no_grad():
+            while len(ids) < 24:
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+                logits[1] = -float("inf")  # end-of-sequence suppressed, as greedy_windows does
+                ids.append(int(logits.argmax()))
+        assert row.tolist() == ids
+        assert any(row[:10].tolist() == stream[s : s + 10].tolist() for s in range(len(stream) - 10))
+    pool = torch.full((7, tb.SEQ_LEN + 1), 63)
+    batch = mixed_sampler(stream % 63, pool, 0.75)(torch.Generator().manual_seed(0), 8)
+    assert batch.shape == (8, tb.SEQ_LEN + 1)
+    assert (batch == 63).all(dim=1).sum() == 6
+    with pytest.raises(ValueError, match="pool windows"):
+        mixed_sampler(stream, pool[:, :5], 0.5)
+    with pytest.raises(ValueError, match="prompt_len"):
+        greedy_windows(model, stream, 1, 24, 24, seed=0)

@@ -39,6 +39,9 @@ EVAL_EVERY = 200  # steps between held-out probes (the best probe's weights are 
 NUM_PROBE_WINDOWS = 32
 NUM_EVAL_WINDOWS = 64  # held-out windows for the final numbers
 CHECKPOINT_EVERY_S = 180.0
+ONPOLICY_WINDOWS = 4096  # the target's greedy continuations the draft is distilled on (onpolicy.py)
+ONPOLICY_PROMPT = 128  # corpus tokens before each continuation
+ONPOLICY_FRAC = 0.75  # share of each draft batch drawn from them
 
 
 def bf16_supported() -> bool:
@@ -56,6 +59,7 @@ class RunStats:
     train_loss: float  # mean loss over the last 20 steps (CE for target, KL for draft)
     heldout_ce: float  # next-token cross-entropy on held-out windows, nats/token
     agreement: float | None = None  # draft only: teacher-forced greedy agreement with target
+    onpolicy_agreement: float | None = None  # draft only: the same on held-out greedy continuations
     best_step: int = 0  # step of the saved weights: the best held-out probe
     batch_size: int = BATCH_SIZE
     threads: int = 1
@@ -155,10 +159,11 @@ def _save_state(path: Path, state: dict) -> None:
     tmp.replace(path)
 
 
-def run_loop(name, model, loss_fn, stream, heldout, cfg: LoopConfig, probe_fn=None) -> RunStats:
+def run_loop(name, model, loss_fn, stream, heldout, cfg: LoopConfig, probe_fn=None, sampler=None) -> RunStats:
     """AdamW + warmup/cosine over `cfg.steps` steps or `cfg.budget_s` of wall time; the saved
     weights are those of the best held-out probe (every EVAL_EVERY steps and at the end):
-    `probe_fn(windows)`, lower is better, held-out cross-entropy by default."""
+    `probe_fn(windows)`, lower is better, held-out cross-entropy by default. `sampler(gen,
+    batch_size)` draws the training batches (random windows of `stream` by default)."""
     if (cfg.steps is None) == (cfg.budget_s is None):
         raise ValueError("give exactly one of steps and budget_s")
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -191,7 +196,7 @@ def run_loop(name, model, loss_fn, stream, heldout, cfg: LoopConfig, probe_fn=No
         for g in opt.param_groups:
             g["lr"] = lr_at(step, progress, cfg.peak_lr)
         with torch.enable_grad():  # grad mode is global, and a ModelWorker in this process turns it off
-            loss = loss_fn(random_windows(stream, gen, cfg.batch_size))
+            loss = loss_fn(sampler(gen, cfg.batch_size) if sampler else random_windows(stream, gen, cfg.batch_size))
             opt.zero_grad(set_to_none=True)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -236,7 +241,9 @@ def train_target(config, stream, heldout, cfg: LoopConfig):
     return model, run_loop("target", model, ce, stream, heldout, cfg)
 
 
-def distill_draft(config, target, stream, heldout, cfg: LoopConfig):
+def distill_draft(config, target, stream, heldout, cfg: LoopConfig, sampler=None, onpolicy_heldout=None):
+    """KL-distil a draft; `sampler` draws its batches, `onpolicy_heldout` (held-out greedy
+    continuations, onpolicy.py) replaces corpus windows as the probe and is measured too."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(cfg.seed)
@@ -256,8 +263,13 @@ def distill_draft(config, target, stream, heldout, cfg: LoopConfig):
         return F.kl_div(d_logp, t_logp, log_target=True, reduction="batchmean")
 
     # the draft is kept for agreeing with the target, not for its own perplexity
-    stats = run_loop("draft", draft, kl, stream, heldout, cfg, lambda w: 1.0 - greedy_agreement(draft, target, w))
+    def probe(w):
+        return 1.0 - greedy_agreement(draft, target, w if onpolicy_heldout is None else onpolicy_heldout[:NUM_PROBE_WINDOWS])
+
+    stats = run_loop("draft", draft, kl, stream, heldout, cfg, probe, sampler)
     stats.agreement = greedy_agreement(draft, target, eval_windows(heldout, NUM_EVAL_WINDOWS))
+    if onpolicy_heldout is not None:
+        stats.onpolicy_agreement = greedy_agreement(draft, target, onpolicy_heldout)
     return draft, stats
 
 
@@ -294,6 +306,9 @@ def write_card(path: Path, role: str, corpus: Corpus, stats: RunStats, steps_fla
     ]
     if stats.agreement is not None:
         lines.append(f"- greedy agreement with the target (teacher-forced, held-out, fp32): {stats.agreement:.1%}")
+    if stats.onpolicy_agreement is not None:
+        lines.append(f"- the same on {NUM_EVAL_WINDOWS} held-out windows of {ONPOLICY_PROMPT} corpus tokens and the"
+                     f" target's greedy continuation: {stats.onpolicy_agreement:.1%}")
     if acceptance:
         from specsched.runtime.training.mtp_eval import acceptance_table
 
@@ -320,7 +335,8 @@ def write_workload(corpus: Corpus, tok, path: Path, seed: int) -> None:
 def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float = 15.0, seed: int = 0,
          target_steps: int | None = None, draft_steps: int | None = None, num_threads: int = 2,
          state_dir: str | Path | None = None, tokenizer: str | Path | None = None,
-         bf16: bool | None = None, batch_size: int = BATCH_SIZE) -> tuple[RunStats, RunStats]:
+         bf16: bool | None = None, batch_size: int = BATCH_SIZE, target_from: str | Path | None = None,
+         onpolicy_windows: int = ONPOLICY_WINDOWS) -> tuple[RunStats, RunStats]:
     """Train tokenizer, target and draft into `out_dir`; returns (target_stats, draft_stats).
 
     `state_dir`: checkpoints (and the tokenizer) live there, and a rerun with the same
@@ -328,6 +344,9 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
     instead of training one. `bf16`: autocast (default: where the CPU has native bf16). Two
     threads are fastest on an idle 2-core machine (benchmarks/train_throughput.py); with
     OMP_WAIT_POLICY=PASSIVE they also degrade gracefully when another job takes a core.
+    `target_from`: load the target from this directory instead of training it (the draft
+    stage alone). `onpolicy_windows`: how many of the target's greedy continuations the draft
+    is distilled on (onpolicy.py; 0: corpus windows only).
     """
     if min(target_minutes, draft_minutes) <= 0 or num_threads < 1 or batch_size < 1:
         raise ValueError("target_minutes, draft_minutes, num_threads and batch_size must be positive")
@@ -362,23 +381,45 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
         return LoopConfig(peak_lr=lr, seed=s, steps=steps, budget_s=None if steps is not None else minutes * 60,
                           batch_size=batch_size, bf16=bf16, state=state / f"{name}.pt" if state is not None else None)
 
-    target, t_stats = train_target(llama_config(vocab, bos, eos, 6), train, heldout,
-                                   loop("target", 3e-3, seed, target_minutes, target_steps))
-    save_model(target, tok_path, out / "target")
-    print(f"target: {t_stats}", flush=True)
+    if target_from is not None:
+        from transformers import LlamaForCausalLM
+
+        target = LlamaForCausalLM.from_pretrained(target_from)
+        t_stats = None
+    else:
+        target, t_stats = train_target(llama_config(vocab, bos, eos, 6), train, heldout,
+                                       loop("target", 3e-3, seed, target_minutes, target_steps))
+        save_model(target, tok_path, out / "target")
+        print(f"target: {t_stats}", flush=True)
+    sampler = None
+    if onpolicy_windows > 0:
+        from specsched.runtime.training.onpolicy import greedy_windows, mixed_sampler
+
+        pool = greedy_windows(target, train, onpolicy_windows, SEQ_LEN + 1, ONPOLICY_PROMPT, seed + 2, eos_id=eos)
+        sampler = mixed_sampler(train, pool, ONPOLICY_FRAC)
+        onpolicy_heldout = greedy_windows(target, heldout, NUM_EVAL_WINDOWS, SEQ_LEN + 1, ONPOLICY_PROMPT,
+                                          seed + 3, eos_id=eos)
     draft, d_stats = distill_draft(llama_config(vocab, bos, eos, 1), target, train, heldout,
-                                   loop("draft", 2e-3, seed + 1, draft_minutes, draft_steps))
+                                   loop("draft", 2e-3, seed + 1, draft_minutes, draft_steps), sampler,
+                                   onpolicy_heldout if onpolicy_windows > 0 else None)
     save_model(draft, tok_path, out / "draft")
     from specsched.runtime.training.mtp_eval import draft_acceptance
 
+    if target_from is not None and Path(target_from).resolve() != (out / "target").resolve():
+        shutil.copytree(target_from, out / "target", dirs_exist_ok=True)
     acceptance = draft_acceptance(str(out / "target"), str(out / "draft"), corpus, lambda x: tok.encode(x).ids, seed)
-    flags = (f"--seed {seed} --threads {num_threads} --batch-size {batch_size} --target-steps {t_stats.steps}"
-             f" --draft-steps {d_stats.steps}" + ("" if bf16 else " --no-bf16"))
-    write_card(out / "target" / "README.md", "target", corpus, t_stats, flags,
-               "6 layers, hidden 256, 8 query / 4 key-value heads, SwiGLU 688, tied embeddings")
+    first = f"--target-from {target_from}" if t_stats is None else f"--target-steps {t_stats.steps}"
+    flags = (f"--seed {seed} --threads {num_threads} --batch-size {batch_size} {first}"
+             f" --draft-steps {d_stats.steps} --onpolicy-windows {onpolicy_windows}" + ("" if bf16 else " --no-bf16"))
+    if t_stats is not None:
+        write_card(out / "target" / "README.md", "target", corpus, t_stats, flags,
+                   "6 layers, hidden 256, 8 query / 4 key-value heads, SwiGLU 688, tied embeddings")
+    data = ("" if onpolicy_windows <= 0 else
+            f"; {ONPOLICY_FRAC:.0%} of each batch from {onpolicy_windows} windows of {ONPOLICY_PROMPT} train-corpus"
+            " tokens and the target's greedy continuation (on-policy data), the rest corpus windows")
     write_card(out / "draft" / "README.md", "draft", corpus, d_stats, flags,
                "1 layer, same width, heads and tokenizer as the target; embeddings initialised from"
-               " the target, then distilled with pure KL to the target's logits", acceptance)
+               " the target, then distilled with pure KL to the target's logits" + data, acceptance)
     print(f"draft: {d_stats}", flush=True)
     tok_path.unlink()
     return t_stats, d_stats
@@ -398,6 +439,9 @@ if __name__ == "__main__":
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 autocast (default: where the CPU has native bf16)")
+    p.add_argument("--target-from", default=None, help="load the target from this directory instead of training it")
+    p.add_argument("--onpolicy-windows", type=int, default=ONPOLICY_WINDOWS,
+                   help="target greedy continuations to distil the draft on (0: corpus only)")
     a = p.parse_args()
     main(a.out, a.target_minutes, a.draft_minutes, a.seed, a.target_steps, a.draft_steps, a.threads,
-         a.state, a.tokenizer, a.bf16, a.batch_size)
+         a.state, a.tokenizer, a.bf16, a.batch_size, a.target_from, a.onpolicy_windows)
