@@ -114,6 +114,7 @@ def train_models(
     draft_minutes: float = typer.Option(15.0),
     mtp_minutes: float = typer.Option(15.0),
     mtp_windows: int = typer.Option(4800, help="precomputed training windows for the MTP head"),
+    mtp_onpolicy_frac: float = typer.Option(0.75, help="share of the head's windows continued by the target"),
     state: Optional[Path] = typer.Option(None, help="checkpoint dir: a rerun continues where the last stopped"),
     tokenizer: Optional[Path] = typer.Option(None, help="reuse this tokenizer.json instead of training one"),
     threads: int = typer.Option(2),
@@ -130,7 +131,7 @@ def train_models(
                target_steps=target_steps, draft_steps=draft_steps, num_threads=threads, state_dir=state,
                tokenizer=tokenizer, bf16=bf16, batch_size=batch_size)
     train_mtp(out / "target", out / "mtp", mtp_steps, minutes=mtp_minutes, ablation=True, seed=seed,
-              num_windows=mtp_windows, num_threads=threads, bf16=bf16)
+              num_windows=mtp_windows, num_threads=threads, bf16=bf16, onpolicy_frac=mtp_onpolicy_frac)
 
 
 @app.command("train-mtp")
@@ -145,13 +146,14 @@ def train_mtp_cmd(
     threads: int = typer.Option(1, help="torch threads (1 is fastest on a shared 2-core machine)"),
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast (default: where the "
                                         "CPU has native bf16)"),
+    onpolicy_frac: float = typer.Option(0.0, help="share of windows continued by the target's greedy tokens"),
     seed: int = typer.Option(0),
 ) -> None:
     """Train an MTP head on a target's hidden states (computed with specsched's own forward)."""
     from specsched.runtime.training.mtp import train_mtp
 
     report = train_mtp(target, out, steps, minutes=minutes, norms=not no_norms, ablation=ablation,
-                       seed=seed, num_windows=windows, num_threads=threads, bf16=bf16)
+                       seed=seed, num_windows=windows, num_threads=threads, bf16=bf16, onpolicy_frac=onpolicy_frac)
     _print_json(report)
 
 

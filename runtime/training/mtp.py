@@ -218,7 +218,7 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
               minutes: float = 6.0, norms: bool = True, ablation: bool = False, seed: int = 0,
               num_windows: int = 2400, seq_len: int = 128, batch_size: int = 8, lr: float = 2e-3,
               num_threads: int = 2, validate: bool = True, num_prompts: int = 24, bf16: bool | None = None,
-              log=print) -> dict:
+              onpolicy_frac: float = 0.0, onpolicy_prompt: int = 64, log=print) -> dict:
     """Train an MTP head for the target in `target_dir` (HF layout with tokenizer.json) and
     save it, with a model card, to `out_dir`.
 
@@ -228,7 +228,9 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
     measure acceptance through the inference implementation (`num_prompts` held-out function
     prompts x 64 greedy tokens, 48 held-out windows for agreement). Returns the report (also in
     the card): training stats per variant and their validation numbers. bf16: autocast in the
-    training loop (default: where the CPU multiplies bf16 natively).
+    training loop (default: where the CPU multiplies bf16 natively). onpolicy_frac: share of the
+    training windows whose tokens after the first `onpolicy_prompt` are the target's greedy
+    continuation instead of corpus text (on-policy data, onpolicy.py).
     """
     import tempfile
 
@@ -247,6 +249,18 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
     cfg = TrainConfig(seq_len=seq_len, batch_size=batch_size, lr=lr, budget_s=minutes * 60, steps=steps, seed=seed,
                       bf16=bf16)
     train_w, heldout_w, corpus = corpus_windows(target_dir / "tokenizer.json", seq_len, num_windows, 48, seed)
+    num_onpolicy = round(num_windows * onpolicy_frac)
+    if num_onpolicy:  # on-policy data: the target's own continuations (onpolicy.py)
+        from transformers import LlamaForCausalLM
+
+        from specsched.runtime.training.onpolicy import greedy_continue
+
+        t0 = time.perf_counter()
+        hf = LlamaForCausalLM.from_pretrained(target_dir)
+        train_w[:num_onpolicy] = greedy_continue(hf, train_w[:num_onpolicy, :onpolicy_prompt], train_w.shape[1],
+                                                 eos_id=tok.eos_token_id, log=log)
+        del hf
+        log(f"[mtp] {num_onpolicy} greedy continuations in {time.perf_counter() - t0:.0f}s")
     t0 = time.perf_counter()
     hidden = precompute_hidden(target, train_w)
     pre_s = time.perf_counter() - t0
@@ -255,7 +269,8 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
                function_prompts(corpus.heldout, lambda x: len(tok.encode(x)), num_prompts, seed + 1)]
     report: dict = {"target": str(target_dir), "target_fingerprint": target_fingerprint(target), "corpus": {
         "train_files": len(corpus.train), "heldout_files": len(corpus.heldout),
-        "train_windows": int(train_w.shape[0]), "window_tokens": int(train_w.shape[1])},
+        "train_windows": int(train_w.shape[0]), "window_tokens": int(train_w.shape[1]),
+        "onpolicy_windows": num_onpolicy, "onpolicy_prompt": onpolicy_prompt},
         "config": asdict(cfg), "num_threads": num_threads, "precompute_s": round(pre_s, 1), "variants": {}}
     variants = [norms, not norms] if ablation else [norms]
     with tempfile.TemporaryDirectory() as tmp:
@@ -285,6 +300,8 @@ def write_card(path: Path, report: dict, shipped: str) -> None:
     steps_flag = f"--steps {t['steps']}"
     flags = f"{steps_flag} --seed {cfg['seed']} --threads {report['num_threads']} --windows {report['corpus']['train_windows']}"
     flags += " --bf16" if cfg.get("bf16") else " --no-bf16"
+    if report["corpus"].get("onpolicy_windows"):
+        flags += f" --onpolicy-frac {report['corpus']['onpolicy_windows'] / report['corpus']['train_windows']:g}"
     flags += " --no-norms" if shipped == "no_norms" else ""
     if len(variants) > 1:
         flags += " --ablation"
@@ -301,7 +318,10 @@ def write_card(path: Path, report: dict, shipped: str) -> None:
         " (loading refuses a head trained for another target)",
         f"- corpus: the interpreter's standard library (as for the target): {report['corpus']['train_files']}"
         f" train / {report['corpus']['heldout_files']} held-out files; {report['corpus']['train_windows']} random"
-        f" train windows of {report['corpus']['window_tokens']} tokens",
+        f" train windows of {report['corpus']['window_tokens']} tokens"
+        + (f", {report['corpus']['onpolicy_windows']} of them continued by the target's greedy tokens after their"
+           f" first {report['corpus']['onpolicy_prompt']} (on-policy data)" if report['corpus'].get('onpolicy_windows')
+           else ""),
         f"- target hidden states precomputed with the runtime's `LlamaModel.forward_full` in"
         f" {report['precompute_s']:.0f} s",
         f"- training: {t['steps']} AdamW steps x {cfg['batch_size']} windows x {cfg['seq_len']} head positions"

@@ -28,7 +28,18 @@ def greedy_windows(target, stream: torch.Tensor, num: int, window: int, prompt_l
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, stream.numel() - prompt_len, (num,), generator=gen)
     prompts = torch.stack([stream[s : s + prompt_len] for s in starts.tolist()])
+    return greedy_continue(target, prompts, window, batch, eos_id, log)
+
+
+@torch.no_grad()
+def greedy_continue(target, prompts: torch.Tensor, window: int, batch: int = 64, eos_id: int | None = None,
+                    log=print) -> torch.Tensor:
+    """Each row of `prompts` [N, P] continued by the target's greedy tokens to `window` tokens
+    (fp32, KV cache, end-of-sequence suppressed)."""
+    num, prompt_len = prompts.shape
     new = window - prompt_len
+    if new <= 0:
+        raise ValueError(f"window {window} leaves no room after {prompt_len}-token prompts")
     was_training = target.training
     target.eval()
     out = torch.empty(num, window, dtype=torch.long)
