@@ -19,15 +19,20 @@ SMALL_BATCH = 8  # rows up to which the output stage takes them one by one
 
 
 class OutputStage:
-    def _output(self, batch: StepBatch, rows: np.ndarray, tokens: list,
-                lens: np.ndarray | None = None) -> list[int]:
+    def _output(self, batch: StepBatch, rows: np.ndarray, tokens, lens: np.ndarray | None = None) -> list[int]:
         """The output stage: rows[j] of the batch gets tokens[j] (its first lens[j] when
-        given), cut at max_tokens and EOS; returns [B] tokens kept per row. Counts and finishes by length are whole-array; what
+        given), cut at max_tokens and EOS; returns [B] tokens kept per row. `tokens`: a list
+        per row, or a [len(rows), W] array. Counts and finishes by length are whole-array; what
         is left per row is handing the request its tokens. Rows with an abort or a stop
         pending, or an EOS among their tokens, take `_emit` one by one."""
         out = [0] * len(batch)
         if not rows.size:
             return out
+        if not self.keep_ids and not self.eos and not self._aborts:
+            return self._output_counts(batch, rows, lens if lens is not None else
+                                       np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens)))
+        if isinstance(tokens, np.ndarray):
+            tokens = tokens.tolist()
         t, reqs = self.table, batch.requests
         if lens is not None:
             tokens = [tk[:n] for tk, n in zip(tokens, lens.tolist())]
@@ -69,6 +74,28 @@ class OutputStage:
             out[index[j]] = self._emit(reqs[index[j]], tokens[j])
         return out
 
+    def _output_counts(self, batch: StepBatch, rows: np.ndarray, lens: np.ndarray) -> list[int]:
+        """`_output` for a sink that wants no token ids, with no EOS, abort or stop to
+        apply: counts, first-token times and finishes by length, whole-array but for the rows
+        that get their first token or finish."""
+        t, reqs = self.table, batch.requests
+        slots = batch.slots[rows]
+        have = t.num_output[slots]
+        room = t.max_tokens[slots] - have
+        keep = np.where(t.gen[slots] == batch.gen[rows], np.minimum(lens, room), 0)  # a finished row keeps nothing
+        got = keep > 0
+        firsts = np.flatnonzero(got & (have == 0))
+        if firsts.size:
+            now = self._now()
+            for i in rows[firsts].tolist():
+                reqs[i].first_token_ns = now
+        t.num_output[slots[got]] += keep[got]
+        out = np.zeros(len(batch), dtype=np.int64)
+        out[rows] = keep
+        for i in rows[np.flatnonzero(got & (keep >= room))].tolist():
+            self._finish(reqs[i], "length")
+        return out.tolist()
+
     def _emit(self, req: Request, tokens: list[int]) -> int:
         """Append new tokens, applying max_tokens and EOS; the sink gets the tokens kept
         (the request's consumer detokenizes them and applies stop strings)."""
@@ -81,7 +108,7 @@ class OutputStage:
             self._finish_stopped(req)
             return 0
         params = req.params
-        room = params.max_tokens - len(req.output_token_ids)
+        room = params.max_tokens - req.num_output_tokens
         if len(tokens) > room:
             tokens = tokens[:room]
         reason = None
@@ -96,9 +123,12 @@ class OutputStage:
             return 0
         if req.first_token_ns is None:
             req.first_token_ns = self._now()
-        req.extend_output(tokens)
-        self.sink.on_tokens(req, tokens)
-        if reason is None and len(req.output_token_ids) >= params.max_tokens:
+        if self.keep_ids:
+            req.extend_output(tokens)
+            self.sink.on_tokens(req, tokens)
+        else:
+            req.num_output = req.num_output + len(tokens)
+        if reason is None and req.num_output_tokens >= params.max_tokens:
             reason = "length"
         if reason is not None:
             self._finish(req, reason)

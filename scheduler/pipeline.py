@@ -70,6 +70,9 @@ class Pipeline(OutputStage, SpeculativeStep):
         self._now = clock.now_ns
         self.trace = StepTrace(tracer if tracer is not None else NULL_TRACER, self._now, self._computed_now)
         self.eos = set(eos_token_ids)
+        # a sink that needs no token ids (the simulator's) gets counts only: the output stage
+        # then keeps no per-request token lists (scheduler/output_stage.py)
+        self.keep_ids = getattr(sink, "wants_token_ids", True)
         # a device that only models time (the simulator's) needs no attention metadata
         self.with_plan = getattr(device, "needs_plans", True)
         self.main = device.stream("main")
@@ -361,8 +364,7 @@ class Pipeline(OutputStage, SpeculativeStep):
         # left alone: their slot may hold a new request by now
         self.builder.complete_forward(batch)
         rows = np.flatnonzero(batch.samples)
-        tokens = np.asarray(result.tokens)[rows].tolist()
-        out_counts = self._output(batch, rows, [[tok] for tok in tokens])
+        out_counts = self._output(batch, rows, np.asarray(result.tokens)[rows, None])
         self._host("output", batch.step, t0, **self._attrs(batch, self._computed_now(batch)),
                    emitted=sum(out_counts))
         zeros = np.zeros(len(batch), dtype=np.int64)

@@ -109,7 +109,9 @@ class Worker(Protocol):
 class OutputSink(Protocol):
     """Host-side output handling: hands each request its new token ids; detokenizing and stop
     strings run in the request's consumer (off the step loop), which ends a request on a stop
-    string through `Pipeline.stop_request`."""
+    string through `Pipeline.stop_request`. A sink whose `wants_token_ids` is False (the
+    simulator's) gets no `on_tokens` calls, and its requests keep counts only: their
+    `output_token_ids` stay empty while `num_output_tokens` counts."""
 
     def on_tokens(self, req: "Request", token_ids: list[int]) -> None:
         """The new token ids the pipeline appended to `req.output_token_ids` (already cut at

@@ -89,19 +89,21 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        """Tokens the host has seen: len(output_token_ids), or its count alone where the
+        pipeline's sink wants no token ids (the simulator's)."""
+        return self.num_output
 
     def extend_output(self, token_ids: list[int]) -> None:
         """Append tokens the host has seen (the output list and its count in the arrays)."""
         self.output_token_ids.extend(token_ids)
         self.num_output = len(self.output_token_ids)
 
-    num_output = _counter("num_output", "len(output_token_ids), as the arrays hold it")
+    num_output = _counter("num_output", "output tokens the host has seen (len(output_token_ids) where kept)")
 
     @property
     def num_tokens(self) -> int:
         """Tokens of the sequence, including ones sampled on the device but not yet seen."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+        return len(self.prompt_token_ids) + self.num_output + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -117,7 +119,7 @@ class Request:
         recompute). A token sampled on the device but not yet seen counts as emitted."""
         c = self.num_computed_tokens
         n = len(self.prompt_token_ids)
-        return c < n or c < n + len(self.output_token_ids) + self.num_pending_tokens - 1
+        return c < n or c < n + self.num_output + self.num_pending_tokens - 1
 
     @property
     def remaining_tokens(self) -> int:

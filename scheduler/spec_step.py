@@ -61,7 +61,7 @@ class SpeculativeStep:
         t0 = self._now()
         self.builder.record_verify(batch, starts_before, accepted, num_drafts, spec.kv_ahead)
         # [B, W] emitted tokens, row i's first accepted[i] + 1 valid
-        out_counts = self._output(batch, np.arange(len(batch)), np.asarray(result.tokens).tolist(), accepted + 1)
+        out_counts = self._output(batch, np.arange(len(batch)), np.asarray(result.tokens), accepted + 1)
         self.builder.trim_rejected(batch)
         self._host("output", batch.step, t0, **self._attrs(batch, self._computed_now(batch)),
                    emitted=sum(out_counts))

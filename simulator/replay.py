@@ -7,6 +7,7 @@ and the result is a trace in the same format, so `stats`, `timeline` and `export
 """
 from __future__ import annotations
 
+import asyncio
 import gc
 import math
 from dataclasses import dataclass, field
@@ -138,16 +139,29 @@ class TraceResponder:
 
 
 class _Sink:
+    """Where finishes go: an open-loop request's own waiter, or the closed loop's list of freed
+    seats (in finish order) and its driver's wake-up. The replay's tokens are stand-ins, so the
+    pipeline keeps counts, not token lists (`wants_token_ids`)."""
+
+    wants_token_ids = False
+
     def __init__(self) -> None:
         self.done: dict[str, anyio.Event] = {}
+        self.freed: list = []
+        self.wake: asyncio.Future | None = None
 
     def on_tokens(self, req, token_ids) -> None:
         pass
 
     def on_finish(self, req) -> None:
-        ev = self.done.get(req.request_id)
+        ev = self.done.pop(req.request_id, None)
         if ev is not None:
             ev.set()
+            return
+        self.freed.append(req)
+        wake = self.wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
 
 
 def resolve(trace: Trace, cfg: ReplayConfig) -> tuple[str, str, int, dict]:
@@ -228,13 +242,31 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
         pipe.add_request(Request(rid, [i] * it.prompt_len, it.params, arrival_ns=clock.now_ns()))
         await ev.wait()
 
-    async def seat(queue) -> None:
-        """Closed loop: one client per seat, submitting the next item when its request
-        finishes (items go to seats in order, as they free up)."""
-        for i, it in queue:
-            if i >= concurrency:
-                clock.advance_ns(int(profile.client_latency_ns))  # a seat freed: resubmitting
-            await submit(i, it)
+    def add(i: int, it: WorkloadItem) -> None:
+        pipe.add_request(Request(f"r{i}", [i] * it.prompt_len, it.params, arrival_ns=clock.now_ns()))
+
+    async def closed_loop() -> None:
+        """One client per seat, submitting the next item when its request finishes (items go
+        to seats in order, as they free up). One task drives every seat: it wakes where the
+        first of a step's finished seats would, and resubmits them in finish order, each after
+        the client latency, as one task per seat would one after another."""
+        loop = asyncio.get_running_loop()
+        latency = int(profile.client_latency_ns)
+        first = min(concurrency, len(items))
+        for i in range(first):
+            add(i, items[i])
+        nxt, live = first, first
+        while live:
+            if not sink.freed:
+                sink.wake = loop.create_future()
+                await sink.wake
+            freed, sink.freed = sink.freed, []
+            live -= len(freed)
+            for _ in freed:
+                if nxt < len(items):
+                    clock.advance_ns(latency)  # a seat freed: resubmitting
+                    add(nxt, items[nxt])
+                    nxt, live = nxt + 1, live + 1
 
     async def arrival(i: int, it: WorkloadItem) -> None:
         await clock.sleep_ns(int(start + it.arrival_ns / cfg.rate_scale - clock.now_ns()))
@@ -247,9 +279,7 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
                 for i, it in enumerate(items):
                     clients.start_soon(arrival, i, it)
             else:
-                queue = iter(enumerate(items))
-                for _ in range(min(concurrency, len(items))):
-                    clients.start_soon(seat, queue)
+                clients.start_soon(closed_loop)
         pipe.stop()
     rec.header.extra["stand_ins"] = device.stand_ins()
     return rec.to_trace(validate=False)

@@ -444,7 +444,7 @@ class _ScriptedPipeline:
 
     def add_request(self, req):
         for ids in self.chunks:
-            req.output_token_ids.extend(ids)
+            req.extend_output(ids)
             self.sink.on_tokens(req, ids)
         if self.finish is not None:
             req.finish_reason = self.finish
