@@ -213,12 +213,13 @@ def _lookup_tables(recorded: dict[int, dict[int, tuple[int, int]]], agreement: d
             rec_acc[i, pos], rec_drafted[i, pos] = vals[:, 0], vals[:, 1]
     m = max(agreement, default=-1) + 1
     length = max((len(a) for a in agreement.values()), default=0)
-    runs = np.zeros((m, length), dtype=np.int64)
+    agree = np.zeros((m, length), dtype=bool)  # padded with disagreement
     has = np.zeros(m, dtype=bool)
-    for i, agree in agreement.items():
+    for i, a in agreement.items():
         has[i] = True
-        run = 0
-        for p in range(len(agree) - 1, -1, -1):  # ones in a row from p on
-            run = run + 1 if agree[p] else 0
-            runs[i, p] = run
-    return rec_acc, rec_drafted, runs, has
+        agree[i, : len(a)] = a
+    # ones in a row from p on: the distance from p to the first disagreement at or after it
+    pos = np.arange(length)
+    stops = np.where(agree, length, pos[None, :])
+    runs = np.minimum.accumulate(stops[:, ::-1], axis=1)[:, ::-1] - pos[None, :]
+    return rec_acc, rec_drafted, runs.astype(np.int64), has

@@ -494,3 +494,22 @@ def test_a_verify_s_outcomes_at_once_equal_row_by_row(data):
     acc, drafted = a.outcomes(index, pos, nd)
     want = [b.outcome(int(i), int(p), int(d)) for i, p, d in zip(index, pos, nd)]
     assert list(zip(acc.tolist(), drafted.tolist())) == want
+
+
+@pytest.mark.parametrize("concurrency", [3, 24])  # the output stage's row-by-row and whole-array sizes
+def test_counts_only_output_replays_as_the_token_path(monkeypatch, concurrency):
+    """The replay's sink wants no token ids, so the output stage keeps counts only; a sink
+    that wants them (the engine's path: token lists, `_emit`, the per-row handoff) gives the
+    very same replay: metrics, steps and finish records."""
+    from specsched.simulator import replay as replay_mod
+
+    tr = workload_trace(2 * concurrency, 16, 40, draft_len=3, concurrency=concurrency)
+    prof = analytic_profile(5_000_000, 0.1)
+    cfg = ReplayConfig(acceptance="bernoulli:0.6", concurrency=concurrency)
+    counts_m, counts_t = replay(tr, prof, cfg)
+    monkeypatch.setattr(replay_mod._Sink, "wants_token_ids", True)
+    ids_m, ids_t = replay(tr, prof, cfg)
+    assert counts_m == ids_m
+    assert counts_m["output_tokens"] == 2 * concurrency * 40
+    assert [s.model_dump() for s in counts_t.steps] == [s.model_dump() for s in ids_t.steps]
+    assert [f.model_dump() for f in counts_t.finishes] == [f.model_dump() for f in ids_t.finishes]

@@ -78,7 +78,9 @@ class MetricsAccumulator:
         self.device_starts, self.device_ends = array("q"), array("q")
         self.host_ns: dict[str, int] = {}
         self.num_steps = 0
-        self.drafted, self.accepted = array("q"), array("q")  # rows that drafted (num_drafted > 0)
+        # per step record its rows' (num_drafted, num_accepted), joined when the metrics are asked
+        self._drafted: list[list[int]] = []
+        self._accepted: list[list[int]] = []
         self.draft_lens: dict[int, int] = {}  # adaptive D -> steps
         self.start_ns: int | None = None  # `Trace.start_ns` / `end_ns` of what was added
         self.end_ns: int | None = None
@@ -102,10 +104,12 @@ class MetricsAccumulator:
             self.num_steps += 1
             if rec.draft_len is not None:
                 self.draft_lens[rec.draft_len] = self.draft_lens.get(rec.draft_len, 0) + 1
-            for d, a in zip(rec.num_drafted, rec.num_accepted):
-                if d > 0:
-                    self.drafted.append(d)
-                    self.accepted.append(a)
+            d, a = rec.num_drafted, rec.num_accepted
+            if d:
+                if len(a) != len(d):  # as zip pairs them
+                    d, a = d[: len(a)], a[: len(d)]
+                self._drafted.append(d)
+                self._accepted.append(a)
             self._seen(rec.start_ns, rec.end_ns)
         elif kind == "request":
             self.requests.append((rec.request_id, rec.arrival_ns))
@@ -178,9 +182,17 @@ class MetricsAccumulator:
             "draft_len_counts": {str(d): n for d, n in sorted(self.draft_lens.items())},
         }
 
+    def drafts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(num_drafted, num_accepted) of every row that drafted (num_drafted > 0), in record order."""
+        if not self._drafted:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        drafted = np.fromiter(itertools.chain.from_iterable(self._drafted), dtype=np.int64)
+        accepted = np.fromiter(itertools.chain.from_iterable(self._accepted), dtype=np.int64)
+        keep = drafted > 0
+        return drafted[keep], accepted[keep]
+
     def _acceptance(self) -> tuple[float | None, list[float]]:
-        drafted = np.frombuffer(self.drafted, dtype=np.int64)
-        accepted = np.frombuffer(self.accepted, dtype=np.int64)
+        drafted, accepted = self.drafts()
         if drafted.size == 0:
             return None, []
         mean_accept_len = 1.0 + int(accepted.sum()) / int(drafted.size)
