@@ -49,8 +49,8 @@ class SlotTable:
     def __init__(self, capacity: int = 8, width: int = 4):
         self._capacity = max(1, capacity)
         self._width = max(1, width)
-        for name in COUNTERS:
-            setattr(self, name, np.zeros(self._capacity, dtype=np.int64))
+        self._counters = np.zeros((self._capacity, len(COUNTERS)), dtype=np.int64)
+        self._views()
         # bumped whenever a slot changes hands: rows of a batch whose request finished while
         # it was in flight are told apart from a new request in the same slot
         self.gen = np.zeros(self._capacity, dtype=np.int64)
@@ -79,8 +79,7 @@ class SlotTable:
             if slot >= self._capacity:
                 self._grow(rows=2 * self._capacity)
         own = req._own
-        for name in COUNTERS:
-            getattr(self, name)[slot] = own[name]
+        self._counters[slot] = [own[name] for name in COUNTERS]
         if own["drafted_hist"] is not None:
             width = own["drafted_hist"].shape[0] - 1
             if width > self._width:
@@ -94,15 +93,15 @@ class SlotTable:
     def detach(self, req) -> None:
         """Move `req`'s counters back to the handle and free its slot."""
         slot = req._row
-        own = {name: int(getattr(self, name)[slot]) for name in COUNTERS}
+        row = self._counters[slot]
+        own = dict(zip(COUNTERS, row.tolist()))
         if own["num_drafts"]:
             own["drafted_hist"], own["accepted_hist"] = self.drafted_hist[slot].copy(), self.accepted_hist[slot].copy()
             self.drafted_hist[slot] = 0
             self.accepted_hist[slot] = 0
         else:
             own["drafted_hist"] = own["accepted_hist"] = None
-        for name in COUNTERS:
-            getattr(self, name)[slot] = 0
+        row[:] = 0
         self.gen[slot] += 1
         req._table, req._row, req._own = None, -1, own
         self._free.append(slot)
@@ -135,14 +134,24 @@ class SlotTable:
         return per_pos(self.drafted_hist[slot], self.accepted_hist[slot])
 
     # -- internals --------------------------------------------------------------------------
+    def _views(self) -> None:
+        """Each counter is a column of one [slots, counters] array: a whole-array update
+        reads and writes its column, and attaching or detaching a request moves its row in
+        one operation."""
+        for j, name in enumerate(COUNTERS):
+            setattr(self, name, self._counters[:, j])
+
     def _grow(self, rows: int | None = None, width: int | None = None) -> None:
         rows = max(rows or 0, self._capacity)
         width = max(width or 0, self._width)
-        for name in (*COUNTERS, "gen"):
-            old = getattr(self, name)
-            new = np.zeros(rows, dtype=np.int64)
-            new[: old.shape[0]] = old
-            setattr(self, name, new)
+        if rows > self._counters.shape[0]:
+            counters = np.zeros((rows, len(COUNTERS)), dtype=np.int64)
+            counters[: self._counters.shape[0]] = self._counters
+            self._counters = counters
+            self._views()
+            gen = np.zeros(rows, dtype=np.int64)
+            gen[: self.gen.shape[0]] = self.gen
+            self.gen = gen
         for name in ("drafted_hist", "accepted_hist"):
             old = getattr(self, name)
             new = np.zeros((rows, width + 1), dtype=np.int64)
