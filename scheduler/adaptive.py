@@ -23,7 +23,9 @@ the pipeline), and its inputs are what the pipeline already has:
   refitted as samples arrive, ridge-regularized toward its seed -- a fitted cost profile
   (`seed_costs`, the simulator's JSON format) or none -- so a few samples cannot swing it.
   h is the smoothed residual of the steps' measured wall time over their predicted device
-  time (host work a schedule does not hide).
+  time (host work a schedule does not hide), per D: a plain decode step launches one op, a
+  speculative one three, and how much of their host work a schedule hides differs too. A D
+  with fewer than `MIN_OVERHEAD_SAMPLES` steps seen takes the residual over every D.
 - **Exploration**: every `explore_every`-th decision tries a neighbour of the best length, one
   above and one below on alternate probes (D = 1 when speculation is off), so a stale estimate
   cannot keep speculation off, or short, forever, and the cost of other lengths stays known.
@@ -41,6 +43,7 @@ FEATURES = {
 }
 # a profile's device models that seed them (span names, see scheduler/step_trace.py)
 PROFILE_NAMES = {"target": ("verify", "decode"), "draft": ("draft",), "fill": ("draft_fill",)}
+MIN_OVERHEAD_SAMPLES = 4  # steps at a D before its own overhead estimate replaces the pooled one
 
 
 def _features(model: str, attrs: dict) -> np.ndarray:
@@ -148,7 +151,9 @@ class DraftLenPolicy:
         self.global_accept = np.full(max_draft_len, prior)  # engine-wide p[k]
         self.accept = np.tile(self.global_accept, (slots, 1))  # [slots, Dmax] per request
         self.costs = {m: OnlineCost(f, prior=_seed(seed_costs, m), free_const=m != "draft") for m, f in FEATURES.items()}
-        self.overhead_ns = 0.0  # h
+        self.overhead_ns = 0.0  # h over every D
+        self.overhead_by_d = np.zeros(max_draft_len + 1)  # h per D (see `overhead`)
+        self.overhead_samples = np.zeros(max_draft_len + 1, dtype=np.int64)
         self.decisions = 0
         self.last: Decision | None = None
 
@@ -197,6 +202,18 @@ class DraftLenPolicy:
             return
         resid = max(wall_ns - last.device_ns, 0.0)
         self.overhead_ns = 0.8 * self.overhead_ns + 0.2 * resid
+        d = last.draft_len
+        n = self.overhead_samples[d]
+        # the first samples average, later ones smooth: the estimate follows the load
+        w = 1.0 / (n + 1) if n < 5 else 0.2
+        self.overhead_by_d[d] = (1 - w) * self.overhead_by_d[d] + w * resid
+        self.overhead_samples[d] = n + 1
+
+    def overhead(self, d: int) -> float:
+        """h at D = d: its own estimate once it has `MIN_OVERHEAD_SAMPLES` steps, else the pooled one."""
+        if self.overhead_samples[d] >= MIN_OVERHEAD_SAMPLES:
+            return float(self.overhead_by_d[d])
+        return self.overhead_ns
 
     def step_ns(self, rows: int, d: int, forwards: int, kv_tokens: int) -> float | None:
         """Predicted device time of a step of `rows` at D = d whose rows make `forwards`
@@ -246,7 +263,7 @@ class DraftLenPolicy:
             t = self.step_ns(int(rows_d[d]), d, int(forwards[d]), int(kv[d]))
             if t is None:
                 continue
-            rates[d] = float(expected[d]) / (self.overhead_ns + t)
+            rates[d] = float(expected[d]) / (self.overhead(d) + t)
             if best is None or rates[d] > rates[best]:
                 best = d
         explored = False

@@ -86,6 +86,33 @@ def test_the_estimates_recover_after_a_change_of_workload():
     assert seen[-1] >= 2 and max(seen[-10:]) >= 3
 
 
+@pytest.mark.parametrize("per_d", [True, False])
+def test_host_overhead_is_learned_per_draft_length(monkeypatch, per_d):
+    """Speculative steps carry host work plain ones do not (three launches, not one): measured
+    per D, that overhead turns speculation off where device time alone would keep it on;
+    pooled over every D (the same policy with per-D estimates disabled) it would not."""
+    from specsched.scheduler import adaptive
+
+    if not per_d:
+        monkeypatch.setattr(adaptive, "MIN_OVERHEAD_SAMPLES", 10**9)
+    policy = DraftLenPolicy(4, has_fill=False, prior=0.7, explore_every=4)
+    _teach(policy, verify_ns_per_token=1e4, draft_ns_per_forward=1e4, const_ns=1e7)  # device: D nearly free
+    slots = np.arange(4)
+    host_ns = {0: 0.0, 1: 3e7, 2: 3e7, 3: 3e7, 4: 3e7}  # 30 ms more host work in any speculative step
+    chosen = []
+    for _ in range(120):
+        d = _choose(policy, 4)
+        chosen.append(d.draft_len)
+        if d.draft_len:
+            policy.observe_verify(slots[: d.rows], d.num_draft, np.minimum(d.num_draft, 1))
+        policy.observe_step(int(d.device_ns + host_ns[d.draft_len]))
+    settled = [c for i, c in enumerate(chosen[-40:]) if (len(chosen) - 40 + i + 1) % 4]  # not a probe
+    if per_d:
+        assert settled.count(0) == len(settled)
+    else:
+        assert settled.count(0) < len(settled) / 2
+
+
 def test_a_request_whose_drafts_keep_failing_drafts_less_than_the_others():
     policy = DraftLenPolicy(4, has_fill=False, prior=0.9, explore_every=1000)
     _teach(policy, verify_ns_per_token=1e4, draft_ns_per_forward=2e5, const_ns=4e6)
