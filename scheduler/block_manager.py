@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+SMALL_BATCH = 8  # rows up to which `allocate_many` takes them one by one
+
 
 class OutOfPagesError(RuntimeError):
     pass
@@ -186,6 +188,9 @@ class BlockManager:
             raise OutOfPagesError(f"a batch of {len(rows)} rows needs {total} pages, {self._top} free")
         if not total:
             return
+        if len(rows) <= SMALL_BATCH:  # a handful of rows: the array calls would cost more
+            self._allocate_rows(rows.tolist(), list(zip(models, (c.tolist() for c in cols))))
+            return
         short = np.stack(cols, axis=1)  # [B, M]
         taken = self._stack[self._top - total : self._top][::-1]
         first = (np.cumsum(short.ravel()) - short.ravel()).reshape(short.shape)  # offset into `taken`
@@ -204,6 +209,21 @@ class BlockManager:
                 taken[np.repeat(first[picked, j], reps) + within]
             counts[rows] = have + s
         self._top -= total
+        self.version += 1
+
+    def _allocate_rows(self, rows: list[int], shortfall: list[tuple[str, list[int]]]) -> None:
+        """`allocate_many` row by row, model by model (the order it reproduces)."""
+        stack = self._stack
+        for i, row in enumerate(rows):
+            for model, short in shortfall:
+                k = short[i]
+                if k:
+                    counts = self._counts[model]
+                    have = int(counts[row])
+                    table = self._table_with_room(model, have + k)
+                    table[row, have : have + k] = stack[self._top - k : self._top][::-1]
+                    self._top -= k
+                    counts[row] = have + k
         self.version += 1
 
     def trim(self, request_id: str, model: str, num_slots: int) -> int:

@@ -265,12 +265,13 @@ TestBlockManagerMachine.settings = settings(
 
 # -- whole-batch operations against the one-row ones -------------------------------------------
 
-batches = st.lists(st.tuples(st.integers(0, 11), st.integers(0, 30), st.integers(0, 30)),
-                   min_size=1, max_size=8, unique_by=lambda t: t[0])
+# up to 20 rows: both the row-by-row (up to SMALL_BATCH rows) and the whole-array paths
+batches = st.lists(st.tuples(st.integers(0, 23), st.integers(0, 30), st.integers(0, 30)),
+                   min_size=1, max_size=20, unique_by=lambda t: t[0])
 
 
 @settings(max_examples=200, deadline=None, database=None)
-@given(history=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 20)), max_size=10), batch=batches,
+@given(history=st.lists(st.tuples(st.integers(0, 23), st.integers(0, 20)), max_size=10), batch=batches,
        num_pages=st.integers(4, 40))
 def test_allocate_many_gives_the_pages_of_row_by_row_allocation(history, batch, num_pages) -> None:
     one, many = BlockManager(num_pages, 4, MODELS), BlockManager(num_pages, 4, MODELS)
