@@ -28,7 +28,8 @@ class OutputStage:
         out = [0] * len(batch)
         if not rows.size:
             return out
-        if not self.keep_ids and not self.eos and not self._aborts:
+        small = rows.size <= SMALL_BATCH  # a handful of rows: the array calls would cost more
+        if not small and not self.keep_ids and not self.eos and not self._aborts:
             return self._output_counts(batch, rows, lens if lens is not None else
                                        np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens)))
         if isinstance(tokens, np.ndarray):
@@ -36,7 +37,7 @@ class OutputStage:
         t, reqs = self.table, batch.requests
         if lens is not None:
             tokens = [tk[:n] for tk, n in zip(tokens, lens.tolist())]
-        if rows.size <= SMALL_BATCH:  # a handful of rows: the array calls would cost more
+        if small:
             for i, tk in zip(rows.tolist(), tokens):
                 out[i] = self._emit(reqs[i], tk)
             return out
