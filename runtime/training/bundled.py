@@ -414,7 +414,8 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
     if target_from is not None and Path(target_from).resolve() != (out / "target").resolve():
         shutil.copytree(target_from, out / "target", dirs_exist_ok=True)
     acceptance = draft_acceptance(str(out / "target"), str(out / "draft"), corpus, lambda x: tok.encode(x).ids, seed)
-    first = f"--target-from {target_from}" if t_stats is None else f"--target-steps {t_stats.steps}"
+    first = (f"--target-from {target_from} --tokenizer {Path(target_from) / 'tokenizer.json'}" if t_stats is None
+             else f"--target-steps {t_stats.steps}")
     flags = (f"--seed {seed} --threads {num_threads} --batch-size {batch_size} {first}"
              f" --draft-steps {d_stats.steps} --onpolicy-windows {onpolicy_windows}" + ("" if bf16 else " --no-bf16"))
     if t_stats is not None:
