@@ -47,9 +47,8 @@ ONPOLICY_FRAC = 0.75  # share of each draft batch drawn from them
 def bf16_supported() -> bool:
     """bf16 autocast pays only where the CPU multiplies bf16 natively (AVX512-BF16 / AMX):
     measured by benchmarks/train_throughput.py at 1.46x fp32 on one such core; elsewhere the
-    emulated kernels are several times slower than fp32 (3.8x for a 2048x256x688 matmul on an
-    AVX512 core without BF16). oneDNN reports bf16 support wherever it can emulate it, so the
-    CPU's own flags decide."""
+    emulated kernels are several times slower than fp32. oneDNN reports bf16 support wherever it
+    can emulate it, so the CPU's own flags decide."""
     cpu = torch.cpu
     native = [getattr(cpu, f, None) for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     if any(f is not None for f in native):
