@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import shutil
 import time
 from dataclasses import dataclass
@@ -291,46 +290,6 @@ def save_model(model, tokenizer_path: Path, out: Path) -> None:
         f.chmod(0o644)
 
 
-def write_card(path: Path, role: str, corpus: Corpus, stats: RunStats, steps_flags: str, extra: str,
-               acceptance: dict | None = None) -> None:
-    lines = [
-        f"# specsched bundled {role}", "",
-        f"Llama-family decoder ({extra}), trained offline by `runtime/training/bundled.py`.", "",
-        f"- corpus: CPython {platform.python_version()} standard-library `.py` sources, test folders"
-        f" excluded; {len(corpus.train)} train files ({corpus.num_bytes('train') / 1e6:.1f} MB),"
-        f" {len(corpus.heldout)} held-out files ({corpus.num_bytes('heldout') / 1e6:.2f} MB), split by path hash",
-        "- tokenizer: byte-level BPE, 4096 tokens, `<|bos|>`=0, `<|eos|>`=1 (`<|bos|> file <|eos|>` per file)",
-        f"- steps: {stats.steps} x {stats.batch_size} x {SEQ_LEN} tokens = {stats.tokens_seen:,} tokens seen;"
-        f" AdamW, {WARMUP_STEPS} warm-up steps then cosine to 10% of the peak learning rate",
-        f"- saved weights: step {stats.best_step}, the best of the held-out probes ({NUM_PROBE_WINDOWS} windows"
-        f" every {EVAL_EVERY} steps; " + ("greedy agreement" if role == "draft" else "cross-entropy") + ")",
-        f"- wall time: {stats.wall_s / 60:.1f} min on {stats.threads} CPU thread(s), {stats.precision}",
-        f"- train loss (last 20 steps): {stats.train_loss:.3f}"
-        + (" (KL to target, nats/token)" if role == "draft" else " (CE, nats/token)"),
-        f"- held-out CE: {stats.heldout_ce:.3f} nats/token on {NUM_EVAL_WINDOWS} x {SEQ_LEN} held-out tokens (fp32)",
-    ]
-    if stats.agreement is not None:
-        lines.append(f"- greedy agreement with the target (teacher-forced, held-out, fp32): {stats.agreement:.1%}")
-    if stats.onpolicy_agreement is not None:
-        lines.append(f"- the same on {NUM_EVAL_WINDOWS} held-out windows of {ONPOLICY_PROMPT} corpus tokens and the"
-                     f" target's greedy continuation: {stats.onpolicy_agreement:.1%}")
-    if acceptance:
-        from specsched.runtime.training.mtp_eval import acceptance_table
-
-        lines += acceptance_table(acceptance)
-    lines += [
-        "", "Reproduce (needs the `dev` extra for transformers; `OMP_WAIT_POLICY=PASSIVE` keeps two",
-        "threads from spinning when the machine is shared):", "",
-        f"    OMP_WAIT_POLICY=PASSIVE python -m specsched.runtime.training.bundled --out runtime/bundled {steps_flags}",
-        "",
-        "The step flags fix the step counts, data order and learning-rate schedule; `--state DIR` makes",
-        "a stopped run resumable from its last checkpoint. Without step flags the budgets are",
-        "wall-clock minutes (schedule by elapsed time), approximately, not bit-, reproducible. A",
-        "different Python version changes the corpus.", "",
-    ]
-    path.write_text("\n".join(lines))
-
-
 def write_workload(corpus: Corpus, tok, path: Path, seed: int) -> None:
     prompts = function_prompts(corpus.heldout, lambda s: len(tok.encode(s).ids), NUM_WORKLOAD_PROMPTS, seed)
     lines = [json.dumps({"prompt": p, "max_tokens": WORKLOAD_MAX_TOKENS}) for p in prompts]
@@ -417,6 +376,8 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
              else f"--target-steps {t_stats.steps}")
     flags = (f"--seed {seed} --threads {num_threads} --batch-size {batch_size} {first}"
              f" --draft-steps {d_stats.steps} --onpolicy-windows {onpolicy_windows}" + ("" if bf16 else " --no-bf16"))
+    from specsched.runtime.training.cards import write_card
+
     if t_stats is not None:
         write_card(out / "target" / "README.md", "target", corpus, t_stats, flags,
                    "6 layers, hidden 256, 8 query / 4 key-value heads, SwiGLU 688, tied embeddings")
