@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SMALL_BATCH = 8  # rows up to which `allocate_many` takes them one by one
+from specsched.scheduler.step_batch import SMALL_BATCH
 
 
 class OutOfPagesError(RuntimeError):

@@ -13,9 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from specsched.scheduler.request import Request
-from specsched.scheduler.step_batch import StepBatch
+from specsched.scheduler.step_batch import SMALL_BATCH, StepBatch
 
-SMALL_BATCH = 8  # rows up to which the output stage takes them one by one
 
 
 class OutputStage:

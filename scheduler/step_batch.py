@@ -12,6 +12,10 @@ import numpy as np
 
 from specsched.scheduler.request import Request
 
+# rows up to which the per-step stages (output, KV allocation, the simulator's acceptance
+# lookups) take them one by one: below it a whole-array call costs more than a Python loop
+SMALL_BATCH = 8
+
 
 @dataclass(eq=False)
 class StepBatch:

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-SMALL_BATCH = 8  # rows up to which `outcomes` takes them one by one
+from specsched.scheduler.step_batch import SMALL_BATCH  # `outcomes` takes up to this many rows one by one
 
 
 class AcceptanceModel:

@@ -139,15 +139,15 @@ class TraceResponder:
 
 
 class _Sink:
-    """Where finishes go: an open-loop request's own waiter, or the closed loop's list of freed
-    seats (in finish order) and its driver's wake-up. The replay's tokens are stand-ins, so the
+    """Where finishes go: an open-loop request's own waiter, or the closed loop's count of freed
+    seats and its driver's wake-up. The replay's tokens are stand-ins, so the
     pipeline keeps counts, not token lists (`wants_token_ids`)."""
 
     wants_token_ids = False
 
     def __init__(self) -> None:
         self.done: dict[str, anyio.Event] = {}
-        self.freed: list = []
+        self.freed = 0  # closed-loop seats freed since the driver last woke
         self.wake: asyncio.Future | None = None
 
     def on_tokens(self, req, token_ids) -> None:
@@ -158,7 +158,7 @@ class _Sink:
         if ev is not None:
             ev.set()
             return
-        self.freed.append(req)
+        self.freed += 1
         wake = self.wake
         if wake is not None and not wake.done():
             wake.set_result(None)
@@ -236,10 +236,8 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
     start = clock.now_ns()
 
     async def submit(i: int, it: WorkloadItem) -> None:
-        rid = f"r{i}"
-        ev = anyio.Event()
-        sink.done[rid] = ev
-        pipe.add_request(Request(rid, [i] * it.prompt_len, it.params, arrival_ns=clock.now_ns()))
+        ev = sink.done[f"r{i}"] = anyio.Event()
+        add(i, it)
         await ev.wait()
 
     def add(i: int, it: WorkloadItem) -> None:
@@ -260,9 +258,9 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
             if not sink.freed:
                 sink.wake = loop.create_future()
                 await sink.wake
-            freed, sink.freed = sink.freed, []
-            live -= len(freed)
-            for _ in freed:
+            freed, sink.freed = sink.freed, 0
+            live -= freed
+            for _ in range(freed):
                 if nxt < len(items):
                     clock.advance_ns(latency)  # a seat freed: resubmitting
                     add(nxt, items[nxt])
