@@ -203,7 +203,7 @@ class Pipeline(OutputStage, SpeculativeStep):
         self._span(name, step, start_ns, **attrs)
 
     def _span(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
-        self.tracer.span("host", name, step, start_ns, self._now(), **attrs)
+        self.trace.tracer.span("host", name, step, start_ns, self._now(), **attrs)
 
     def _launch(self, stream: Any, msg: messages.Message) -> Launch:
         if self._release:

@@ -45,12 +45,15 @@ class VirtualEvent:
     async def wait(self) -> Any:
         dev = self._device
         clock = dev.clock
-        delay = self.end_ns + int(dev.profile.wakeup_for(self.op)) - clock.now_ns()
+        wakeup, stand_in = dev.wakeup(self.op)
+        delay = self.end_ns + wakeup - clock.now_ns()
         if delay > 0:
-            if dev.profile.stand_in("wake-up", self.op):
+            if stand_in:
                 dev.note_stand_in("wake-up", self.op)
             await clock.sleep_ns(delay)
-        return self._outcome()
+        if self._error:
+            raise DeviceError(self.op, self._error)
+        return self._result
 
     def _outcome(self) -> Any:
         if self._error:
@@ -67,20 +70,26 @@ class VirtualStream:
 
     def launch(self, op: str, batch: Any) -> VirtualEvent:
         dev = self.device
+        profile = dev.profile
         now = dev.clock.now_ns()
-        ready = now + int(dev.profile.launch_lead_for(op))
+        lead, lead_stand_in = dev.op_latency(op)
+        ready = now + lead
         shape = getattr(batch, "shape", None)
         attrs = shape.attrs() if shape is not None else {}
         name = device_span_name(op, attrs)
         # launched while the queue is busy, an op starts the device's per-op gap after the
         # op ahead of it; launched onto an idle device, its launch lead after the launch (how
         # the two are fitted: gaps from queued ops, leads from launches onto an idle device)
-        busy = dev.busy_until_ns if dev.profile.serialize_streams else self.busy_until_ns
-        queue_free = busy + int(dev.profile.gap_ns(name)) if busy > now else 0
+        busy = dev.busy_until_ns if profile.serialize_streams else self.busy_until_ns
+        if busy > now:
+            gap, gap_stand_in = dev.queue_gap(name)
+            queue_free = busy + gap
+        else:
+            queue_free, gap_stand_in = 0, False
         start = max(ready, queue_free, self._after_ns)
-        if start == ready and dev.profile.stand_in("launch lead", op):
+        if start == ready and lead_stand_in:
             dev.note_stand_in("launch lead", op)
-        elif start == queue_free and dev.profile.stand_in("queue gap", name):
+        elif start == queue_free and gap_stand_in:
             dev.note_stand_in("queue gap", name)
         error = None
         try:
@@ -88,20 +97,20 @@ class VirtualStream:
         except Exception as e:  # noqa: BLE001 - surfaces at the waiter, like real devices
             result, subs, error = None, [], str(e)
         if not subs:
-            subs = [(name, int(dev.profile.device_ns(name, attrs)))]
-        for sub, _ in subs:
-            dev.check_cost_model(sub)
+            subs = [(name, int(profile.device_ns(name, attrs)))]
         t = start
         stamps = []
-        for name, dur in subs:
-            stamps.append((name, t, t + int(dur)))
+        for sub, dur in subs:
+            dev.check_cost_model(sub)
+            stamps.append((sub, t, t + int(dur)))
             t += int(dur)
         if len(stamps) > 1 and hasattr(result, "substages"):
             # the result is new and nobody holds it yet: its stamps are set in place
             # (dataclasses.replace would cost more than the rest of the launch)
             object.__setattr__(result, "substages", tuple(stamps))
         self.busy_until_ns = t
-        dev.busy_until_ns = max(dev.busy_until_ns, t)
+        if t > dev.busy_until_ns:
+            dev.busy_until_ns = t
         self._after_ns = 0
         dev.num_launches += 1
         return VirtualEvent(op, self.name, start, t, result, dev, error)
@@ -125,7 +134,10 @@ class VirtualDevice:
         self._streams: dict[str, VirtualStream] = {}
         # what the profile priced with a stand-in, "latency: op" -> times (see `stand_ins`)
         self.stand_in_counts: dict[str, int] = {}
-        self._priced_as: dict[str, str | None] = {}
+        self._priced_as: dict[str, str | None] = {}  # op -> its stand-in count key, if priced as another
+        self._leads: dict[str, tuple[int, bool]] = {}
+        self._gaps: dict[str, tuple[int, bool]] = {}
+        self._wakeups: dict[str, tuple[int, bool]] = {}
 
     def note_stand_in(self, latency: str, key: str) -> None:
         k = f"{latency}: {key}"
@@ -133,11 +145,42 @@ class VirtualDevice:
 
     def check_cost_model(self, name: str) -> None:
         """Count a device op priced by another op's model (a trace without that op)."""
-        if name not in self._priced_as:
-            self._priced_as[name] = self.profile.priced_as(name)
-        alt = self._priced_as[name]
-        if alt is not None and alt != name:
-            self.note_stand_in("cost model", f"{name} (priced as {alt})")
+        try:
+            key = self._priced_as[name]
+        except KeyError:
+            alt = self.profile.priced_as(name)
+            key = self._priced_as[name] = f"{name} (priced as {alt})" if alt is not None and alt != name else None
+        if key is not None:
+            self.note_stand_in("cost model", key)
+
+    # The profile's latencies by op, looked up once: every launch asks (the profile does not
+    # change during a run).
+    def op_latency(self, op: str) -> tuple[int, bool]:
+        """(launch lead ns, whether it is a stand-in) of launch op `op`."""
+        try:
+            return self._leads[op]
+        except KeyError:
+            p = self.profile
+            out = self._leads[op] = (int(p.launch_lead_for(op)), p.stand_in("launch lead", op))
+            return out
+
+    def queue_gap(self, name: str) -> tuple[int, bool]:
+        """(device idle ns before op `name` queued behind another, whether it is a stand-in)."""
+        try:
+            return self._gaps[name]
+        except KeyError:
+            p = self.profile
+            out = self._gaps[name] = (int(p.gap_ns(name)), p.stand_in("queue gap", name))
+            return out
+
+    def wakeup(self, op: str) -> tuple[int, bool]:
+        """(wake-up ns after op `op`'s end, whether it is a stand-in)."""
+        try:
+            return self._wakeups[op]
+        except KeyError:
+            p = self.profile
+            out = self._wakeups[op] = (int(p.wakeup_for(op)), p.stand_in("wake-up", op))
+            return out
 
     def stand_ins(self, min_share: float = 0.05) -> dict[str, int]:
         """The stand-ins that priced at least `min_share` of the launches (and 3 or more):

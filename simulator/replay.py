@@ -219,16 +219,22 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
                           seed_costs=profile.to_json() if engine.get("draft_profile") else None)
 
     models: dict[str, StageModel | None] = {}  # stage -> its model, looked up once
+    step_gap = profile.step_overhead_ns
+    noisy = profile.noise_seed is not None
 
     def host_cost(name: str, attrs: dict) -> float:
+        # the simulator prices ~10 host stages a step: the stage's model is looked up once,
+        # and `host_ns` (which adds the replicate noise) runs only when there is noise
         if name == "step_gap":
-            return profile.step_overhead_ns
-        key = host_key(name, attrs)
+            return step_gap
+        key = host_key(name, attrs) if name == "plan" or name == "launch" else name
         try:
             m = models[key]
         except KeyError:
             m = models[key] = profile.host_model(key)
-        return profile.host_ns(key, attrs, m)
+        if m is None:
+            return 0.0
+        return profile.host_ns(key, attrs, m) if noisy else m.price(attrs)
 
     pipe.host_cost = host_cost
     workload = trace.header.extra.get("workload", {})

@@ -119,6 +119,23 @@ class MetricsAccumulator:
                                   rec.ttft_ns, rec.finish_reason))
             self._seen(None, rec.finish_ns)
 
+    def add_spans(self, spans) -> None:
+        """`add` for many span records (most of a trace's records), in one loop."""
+        host, starts, ends = self.host_ns, self.device_starts, self.device_ends
+        lo, hi = self.start_ns, self.end_ns
+        for rec in spans:
+            track, s, e = rec.track, rec.start_ns, rec.end_ns
+            if track == HOST_TRACK:
+                host[rec.name] = host.get(rec.name, 0) + (e - s)
+            elif track.startswith(DEVICE_TRACK_PREFIX) and not track.startswith(RANK_TRACK_PREFIX):
+                starts.append(s)
+                ends.append(e)
+            if lo is None or s < lo:
+                lo = s
+            if hi is None or e > hi:
+                hi = e
+        self.start_ns, self.end_ns = lo, hi
+
     def device_intervals(self) -> tuple[np.ndarray, np.ndarray]:
         """Merged device-busy intervals."""
         return merge_intervals(np.frombuffer(self.device_starts, dtype=np.int64),
@@ -242,7 +259,10 @@ def bubble_intervals(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
 
 def _accumulated(trace: Trace) -> MetricsAccumulator:
     acc = MetricsAccumulator()
-    for records in (trace.requests, trace.spans, trace.steps, trace.finishes):
+    for rec in trace.requests:
+        acc.add(rec)
+    acc.add_spans(trace.spans)
+    for records in (trace.steps, trace.finishes):
         for rec in records:
             acc.add(rec)
     return acc

@@ -139,13 +139,30 @@ def _fields_of(cls: type) -> set:
     return fields
 
 
+_NONE_DEFAULTS: dict[type, frozenset] = {}
+
+
+def _none_defaults(cls: type) -> frozenset:
+    """The fields of `cls` that default to None (optional fields a record may leave out)."""
+    names = _NONE_DEFAULTS.get(cls)
+    if names is None:
+        names = _NONE_DEFAULTS[cls] = frozenset(
+            k for k, f in cls.model_fields.items() if not f.is_required() and f.default is None
+            and f.default_factory is None)
+    return names
+
+
 def _construct(cls: type, d: dict) -> Any:
-    """`cls.model_construct(**d)` for a dict that sets every field: the same object, built in
-    a fifth of the time (pydantic's own construct also resolves defaults and extras). Every
-    such record shares one fields-set (all fields; setting a field adds nothing to it)."""
+    """`cls.model_construct(**d)` for a dict that sets every field, or leaves out only fields
+    that default to None: the same object, built in a fifth of the time (pydantic's own
+    construct also resolves defaults and extras). Every such record shares one fields-set
+    (all fields; setting a field adds nothing to it)."""
     fields = _fields_of(cls)
     if d.keys() != fields:
-        return cls.model_construct(**d)
+        missing = fields - d.keys()
+        if d.keys() - fields or not missing <= _none_defaults(cls):
+            return cls.model_construct(**d)
+        d = {k: d.get(k) for k in cls.model_fields}  # in field order, as model_construct
     return _new_record(cls, d, fields)
 
 
