@@ -18,6 +18,7 @@ fewer near max_tokens), but its verification always covers 1 + D positions
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -179,7 +180,7 @@ class BatchBuilder:
         todo = prompt + emitted - computed
         if (todo > 1).any() or (computed < prompt).any():
             return None  # a prefill or recompute in the batch: no speculation, the general path
-        active = np.flatnonzero(todo == 1)
+        active = (todo == 1).nonzero()[0]
         policy, decision = self.draft_policy, None
         if policy is not None:  # D for this step, and how many rows its budget then holds
             a_slots = slots[active]
@@ -223,7 +224,7 @@ class BatchBuilder:
         todo = t.prompt_len[slots] + t.num_output[slots] + t.pending[slots] - computed
         before = np.cumsum(todo) - todo  # budget the rows ahead of each take
         n = np.clip(budget - before, 0, todo)
-        rows = np.flatnonzero(n > 0)
+        rows = (n > 0).nonzero()[0]
         n = n[rows]
         need = self.blocks.pages_needed_many(slots[rows], self._slots(computed[rows] + n))
         pages = int(need.sum())
@@ -232,8 +233,9 @@ class BatchBuilder:
         return rows, n, pages
 
     def _schedule_general(self, vectorized: bool = True) -> StepBatch:
-        """Any step: running requests first (whole-array unless someone must be preempted,
-        or with `vectorized=False`), then admission of waiting ones, one by one."""
+        """Any step: running requests first (whole-array unless someone must be preempted),
+        then admission of waiting ones (whole-array, `_admissions`); with `vectorized=False`
+        both one request at a time (the reference the whole-array paths are tested against)."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         reqs: list[Request] = []
@@ -306,7 +308,14 @@ class BatchBuilder:
                 break
 
         # Admit waiting requests (prefill) while budget, seats and pages allow.
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
+        if vectorized and self.waiting and not preempted:
+            adm, n, pre, budget, planned = self._admissions(budget, planned, draft)
+            reqs.extend(adm)
+            new_l.extend(n)
+            draft_l.extend([0] * len(adm))
+            prefill_l.extend(pre)
+        while not vectorized and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs \
+                and not preempted:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             pages = need(req, n)
@@ -336,6 +345,48 @@ class BatchBuilder:
         slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
         return self._batch(reqs, slots, self.table.computed[slots], np.array(new_l, dtype=np.int64),
                            num_draft, prefill, preempted, draft)
+
+    def _admissions(self, budget: int, planned: int, draft: int
+                    ) -> tuple[list[Request], list[int], list[bool], int, int]:
+        """Admission of waiting requests, whole-array: first come first served while the
+        token budget, the seats and the pool (beyond the `planned` pages) hold them -- the
+        requests the one-by-one loop of `_schedule_general` admits, moved to `running`.
+        Returns (requests, tokens each computes, whether each is in prefill, budget left,
+        pages planned)."""
+        waiting = self.waiting
+        m = min(len(waiting), self.config.max_num_seqs - len(self.running))
+        if m <= 0 or budget <= 0:
+            return [], [], [], budget, planned
+        cand = list(itertools.islice(waiting, m))
+        t = self.table
+        slots = np.fromiter((r.slot for r in cand), dtype=np.int64, count=m)
+        computed = t.computed[slots]
+        prompt = t.prompt_len[slots]
+        total = prompt + t.num_output[slots] + t.pending[slots]
+        todo = total - computed
+        before = np.cumsum(todo) - todo  # the budget the requests ahead of each take
+        k = int(np.count_nonzero(before < budget))  # a prefix: the budget left is > 0 for them
+        n = np.minimum(todo[:k], budget - before[:k])
+        # a verification reserves 1 + D slots per decoding row (`need` in `_schedule_general`)
+        pages = self.blocks.pages_needed_many(slots[:k], self._slots(computed[:k] + n + np.where(n == 1, draft, 0)))
+        fits = planned + np.cumsum(pages) <= self.blocks.num_free_pages
+        a = k if fits.all() else int(np.argmin(fits))  # up to the first that does not fit
+        if a == 0:
+            if k and not self.running:
+                raise RuntimeError(
+                    f"request {cand[0].request_id} does not fit in the KV pool even alone "
+                    f"({int(pages[0])} pages needed, {self.blocks.num_free_pages} free)"
+                )
+            return [], [], [], budget, planned
+        admitted = cand[:a]
+        for r in admitted:
+            waiting.popleft()
+            r.state = RequestState.RUNNING
+        self.running.extend(admitted)
+        self._running_slots = None
+        in_prefill = (computed[:a] < prompt[:a]) | (computed[:a] < total[:a] - 1)  # `Request.in_prefill`
+        return (admitted, n[:a].tolist(), in_prefill.tolist(), budget - int(n[:a].sum()),
+                planned + int(pages[:a].sum()))
 
     # -- the kv_alloc stage ---------------------------------------------------------------
     def allocate(self, batch: StepBatch) -> None:

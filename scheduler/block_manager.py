@@ -201,7 +201,7 @@ class BlockManager:
                 continue
             counts = self._counts[model]
             have = counts[rows]
-            picked = np.flatnonzero(s)
+            picked = s.nonzero()[0]
             reps = s[picked]
             within = np.arange(k) - np.repeat(np.cumsum(reps) - reps, reps)
             table = self._table_with_room(model, int((have[picked] + reps).max()))
@@ -249,7 +249,7 @@ class BlockManager:
         keep = (np.asarray(num_slots, dtype=np.int64) + ps - 1) // ps
         have = counts[rows]
         extra = have - keep
-        picked = np.flatnonzero(extra > 0)
+        picked = (extra > 0).nonzero()[0]
         if not picked.size:
             return 0
         reps = extra[picked]

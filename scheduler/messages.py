@@ -195,7 +195,7 @@ def _tables(blocks: BlockManager, slots: np.ndarray, model: str = "target") -> d
 def registrations(batch: StepBatch) -> tuple[Registration, ...]:
     """Rows the device has no state for yet (nothing computed): prefill rows only."""
     out = []
-    for i in np.flatnonzero(batch.start == 0).tolist():
+    for i in (batch.start == 0).nonzero()[0].tolist():
         r = batch.requests[i]
         p = r.params
         out.append(Registration(r.slot, r.all_token_ids, p.temperature, p.top_k, p.top_p, p.seed))
@@ -270,7 +270,7 @@ def prefill_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerS
     else:  # a model of its own: from what it has read up to the sampled token
         a = proposer_computed
         b = batch.start + batch.num_new + spec.kv_ahead * batch.samples
-    rows = np.flatnonzero(b > a)
+    rows = (b > a).nonzero()[0]
     if not rows.size:
         return None
     if rows.size < len(batch):

@@ -58,7 +58,7 @@ class OutputStage:
         now = self._now()
         sink = self.sink.on_tokens
         keep_l = keep.tolist()
-        for j in np.flatnonzero(bulk).tolist():
+        for j in bulk.nonzero()[0].tolist():
             r, tk, k = reqs[index[j]], tokens[j], keep_l[j]
             if k < len(tk):
                 tk = tk[:k]
@@ -68,9 +68,9 @@ class OutputStage:
             sink(r, tk)
             out[index[j]] = k
         t.num_output[slots[bulk]] += keep[bulk]
-        for j in np.flatnonzero(bulk & (keep >= room)).tolist():
+        for j in (bulk & (keep >= room)).nonzero()[0].tolist():
             self._finish(reqs[index[j]], "length")
-        for j in np.flatnonzero(one_by_one & live).tolist():
+        for j in (one_by_one & live).nonzero()[0].tolist():
             out[index[j]] = self._emit(reqs[index[j]], tokens[j])
         return out
 
@@ -84,7 +84,7 @@ class OutputStage:
         room = t.max_tokens[slots] - have
         keep = np.where(t.gen[slots] == batch.gen[rows], np.minimum(lens, room), 0)  # a finished row keeps nothing
         got = keep > 0
-        firsts = np.flatnonzero(got & (have == 0))
+        firsts = (got & (have == 0)).nonzero()[0]
         if firsts.size:
             now = self._now()
             for i in rows[firsts].tolist():
@@ -92,7 +92,7 @@ class OutputStage:
         t.num_output[slots[got]] += keep[got]
         out = np.zeros(len(batch), dtype=np.int64)
         out[rows] = keep
-        for i in rows[np.flatnonzero(got & (keep >= room))].tolist():
+        for i in rows[(got & (keep >= room)).nonzero()[0]].tolist():
             self._finish(reqs[i], "length")
         return out.tolist()
 

@@ -105,7 +105,7 @@ class Pipeline(OutputStage, SpeculativeStep):
         self.builder.add(req)  # gives it a slot; raises InvalidRequestError before anything is held
         self.requests[req.request_id] = req
         p = req.params
-        self.tracer.request(
+        self.trace.tracer.request(
             request_id=req.request_id, arrival_ns=req.arrival_ns, prompt_len=req.num_prompt_tokens,
             max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
             seed=p.seed,
@@ -146,7 +146,7 @@ class Pipeline(OutputStage, SpeculativeStep):
         self.builder.remove(req)  # frees its pages and its slot
         self.requests.pop(req.request_id, None)
         self._aborts.discard(req.request_id)
-        self.tracer.finish(
+        self.trace.tracer.finish(
             request_id=req.request_id, finish_ns=req.finish_ns, finish_reason=reason,
             output_len=req.num_output_tokens, first_token_ns=req.first_token_ns,
             ttft_ns=(req.first_token_ns - req.arrival_ns) if req.first_token_ns else None,
@@ -177,7 +177,7 @@ class Pipeline(OutputStage, SpeculativeStep):
         computed = t.computed[batch.slots]
         gone = t.gen[batch.slots] != batch.gen
         if gone.any():
-            for i in np.flatnonzero(gone).tolist():
+            for i in gone.nonzero()[0].tolist():
                 computed[i] = batch.requests[i].num_computed_tokens
         return computed
 
@@ -199,8 +199,9 @@ class Pipeline(OutputStage, SpeculativeStep):
 
     def _host(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
         """End of a host stage: charge its modelled cost (simulator), then record its span."""
-        self._charge(name, attrs)
-        self._span(name, step, start_ns, **attrs)
+        if self.host_cost is not None:
+            self.clock.advance_ns(int(self.host_cost(name, attrs)))
+        self.trace.tracer.span("host", name, step, start_ns, self._now(), **attrs)
 
     def _span(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
         self.trace.tracer.span("host", name, step, start_ns, self._now(), **attrs)
@@ -215,7 +216,7 @@ class Pipeline(OutputStage, SpeculativeStep):
         # simulator: the host's launch work is charged after the virtual device took the
         # launch, whose lead (launch start -> device start) covers the packing already
         self._charge("launch:" + msg.op, attrs)
-        if self.tracer.enabled:
+        if self.trace.tracer.enabled:
             self.trace.launched(launch, t0)
         if self.builder.draft_policy is not None:
             self._costed.append(launch)
@@ -363,7 +364,7 @@ class Pipeline(OutputStage, SpeculativeStep):
         # rows whose request finished while this step was in flight (plain_overlap) are
         # left alone: their slot may hold a new request by now
         self.builder.complete_forward(batch)
-        rows = np.flatnonzero(batch.samples)
+        rows = batch.samples.nonzero()[0]
         out_counts = self._output(batch, rows, np.asarray(result.tokens)[rows, None])
         self._host("output", batch.step, t0, **self._attrs(batch, self._computed_now(batch)),
                    emitted=sum(out_counts))

@@ -78,7 +78,7 @@ class SpeculativeStep:
         (which carries the logits the first draft token comes from)."""
         t, slots = self.table, batch.slots
         have, known = t.proposer_computed[slots], batch.start + 1  # tokens it has read, tokens there are
-        behind = np.flatnonzero(have < known)
+        behind = (have < known).nonzero()[0]
         if not behind.size:
             return
         t0 = self._now()

@@ -147,7 +147,7 @@ class AcceptanceModel:
                 accepted[agree] = np.minimum(run, num_drafts)[agree]
                 drafted[agree] = num_drafts[agree]
                 todo &= ~agree
-        for r in np.flatnonzero(todo).tolist():
+        for r in todo.nonzero()[0].tolist():
             accepted[r], drafted[r] = self.outcome(int(index[r]), int(out_pos[r]), int(num_drafts[r]))
         return accepted, drafted
 
