@@ -116,6 +116,28 @@ class BatchBuilder:
         self.table.detach(request)
         self._ids.discard(request.request_id)
 
+    def remove_many(self, requests: list[Request]) -> None:
+        """`remove` for many requests at once: each queue filtered once, pages and slots
+        freed whole-array (the same pages and slots, in the same order, as one by one)."""
+        ids = self._ids
+        reqs = [r for r in requests if r.request_id in ids]
+        if not reqs:
+            return
+        gone = set(reqs)
+        running = [r for r in self.running if r not in gone]
+        found = len(self.running) - len(running)
+        if found:
+            self.running[:] = running
+            self._running_slots = None
+        if found < len(reqs) and self.waiting:
+            left = [r for r in self.waiting if r not in gone]
+            if len(left) != len(self.waiting):
+                self.waiting.clear()
+                self.waiting.extend(left)
+        self.blocks.free_many([r.request_id for r in reqs])
+        self.table.detach_many(reqs)
+        ids.difference_update(r.request_id for r in reqs)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

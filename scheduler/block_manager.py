@@ -192,6 +192,10 @@ class BlockManager:
             self._allocate_rows(rows.tolist(), list(zip(models, (c.tolist() for c in cols))))
             return
         short = np.stack(cols, axis=1)  # [B, M]
+        needy = short.any(axis=1).nonzero()[0]
+        if needy.size <= SMALL_BATCH:  # a decode step: most rows' last page has room
+            self._allocate_rows(rows[needy].tolist(), [(m, c[needy].tolist()) for m, c in zip(models, cols)])
+            return
         taken = self._stack[self._top - total : self._top][::-1]
         first = (np.cumsum(short.ravel()) - short.ravel()).reshape(short.shape)  # offset into `taken`
         for j, model in enumerate(models):
@@ -252,6 +256,13 @@ class BlockManager:
         picked = (extra > 0).nonzero()[0]
         if not picked.size:
             return 0
+        if picked.size <= SMALL_BATCH:  # a few rows: row by row costs less than the array calls
+            table, freed = self._tables[model], 0
+            for row, kp, ex in zip(rows[picked].tolist(), keep[picked].tolist(), extra[picked].tolist()):
+                self._push(table[row, kp : kp + ex])
+                counts[row] = kp
+                freed += ex
+            return freed
         reps = extra[picked]
         k = int(reps.sum())
         # each row's pages from its last kept page on, in table order, row after row
@@ -292,6 +303,40 @@ class BlockManager:
             else:
                 self._free_rows.append(row)
         return n
+
+    def free_many(self, request_ids: Sequence[str]) -> int:
+        """`free` for many requests at once: the same pages back on the stack, in the same
+        order, as freeing them one after another (request by request, each in model order,
+        each row's pages reversed). Returns pages freed."""
+        rows = [self._row_of.get(rid) for rid in request_ids]
+        if None in rows:  # an unknown id frees nothing, and some row was never bound
+            return sum(self.free(rid) for rid in request_ids)
+        r = np.asarray(rows, dtype=np.int64)
+        have = np.stack([self._counts[m][r] for m in self.models], axis=1)  # [n, models]
+        total = int(have.sum())
+        if total:
+            reps = have.ravel()  # (request, model) pairs in the order `free` visits them
+            pair = np.repeat(np.arange(reps.size), reps)
+            within = np.arange(total) - np.repeat(np.cumsum(reps) - reps, reps)
+            pos = reps[pair] - 1 - within  # each pair's pages reversed
+            which, row = pair % len(self.models), r[pair // len(self.models)]
+            pages = np.empty(total, dtype=np.int32)
+            for k, m in enumerate(self.models):
+                sel = which == k
+                pages[sel] = self._tables[m][row[sel], pos[sel]]
+            self._stack[self._top : self._top + total] = pages
+            self._top += total
+            self.version += 1
+            for m in self.models:
+                self._counts[m][r] = 0
+        for rid, row in zip(request_ids, rows):
+            del self._row_of[rid]
+            del self._owner[row]
+            if row in self._bound:
+                self._bound.discard(row)
+            else:
+                self._free_rows.append(row)
+        return total
 
     def stats(self) -> KVPoolStats:
         by_request: dict[str, dict[str, int]] = {}

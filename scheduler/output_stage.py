@@ -6,7 +6,7 @@ implements; what happens to a step's emitted tokens -- whole-array counts and le
 finishes, the requests' consumers handed their tokens (they detokenize and apply stop
 strings, finishing a request through `Pipeline.stop_request`), aborts and stops that arrived
 meanwhile -- is this mixin's. It works on the pipeline's state: its slot table, sink, EOS
-ids, pending aborts and `_finish`.
+ids, pending aborts, `_finish` and `_finish_many`.
 """
 from __future__ import annotations
 
@@ -68,8 +68,7 @@ class OutputStage:
             sink(r, tk)
             out[index[j]] = k
         t.num_output[slots[bulk]] += keep[bulk]
-        for j in (bulk & (keep >= room)).nonzero()[0].tolist():
-            self._finish(reqs[index[j]], "length")
+        self._finish_many([reqs[index[j]] for j in (bulk & (keep >= room)).nonzero()[0].tolist()], "length")
         for j in (one_by_one & live).nonzero()[0].tolist():
             out[index[j]] = self._emit(reqs[index[j]], tokens[j])
         return out
@@ -92,8 +91,7 @@ class OutputStage:
         t.num_output[slots[got]] += keep[got]
         out = np.zeros(len(batch), dtype=np.int64)
         out[rows] = keep
-        for i in rows[(got & (keep >= room)).nonzero()[0]].tolist():
-            self._finish(reqs[i], "length")
+        self._finish_many([reqs[i] for i in rows[(got & (keep >= room)).nonzero()[0]].tolist()], "length")
         return out.tolist()
 
     def _emit(self, req: Request, tokens: list[int]) -> int:

@@ -154,6 +154,31 @@ class Pipeline(OutputStage, SpeculativeStep):
         )
         self.sink.on_finish(req)
 
+    def _finish_many(self, reqs: list[Request], reason: str) -> None:
+        """`_finish` for many requests at once (the output stage's finishes by length): the
+        queues, pages and slots are freed in one pass each, then every finish is recorded
+        and handed to the sink, in the order given."""
+        reqs = [r for r in reqs if not r.is_finished]
+        if len(reqs) <= 1:
+            for r in reqs:
+                self._finish(r, reason)
+            return
+        now = self._now()
+        state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
+        for r in reqs:
+            r.state, r.finish_reason, r.error, r.finish_ns = state, reason, None, now
+        self._release.extend([r.slot for r in reqs])
+        self.builder.remove_many(reqs)
+        finish, on_finish = self.trace.tracer.finish, self.sink.on_finish
+        for r in reqs:
+            rid = r.request_id
+            self.requests.pop(rid, None)
+            self._aborts.discard(rid)
+            first = r.first_token_ns
+            finish(request_id=rid, finish_ns=now, finish_reason=reason, output_len=r.num_output_tokens,
+                   first_token_ns=first, ttft_ns=(first - r.arrival_ns) if first else None, error=None)
+            on_finish(r)
+
     def _process_aborts(self) -> None:
         if not self._aborts:
             return

@@ -106,6 +106,25 @@ class SlotTable:
         req._table, req._row, req._own = None, -1, own
         self._free.append(slot)
 
+    def detach_many(self, reqs) -> None:
+        """`detach` for many requests at once (distinct slots), in their order."""
+        slots = np.fromiter((r._row for r in reqs), dtype=np.int64, count=len(reqs))
+        rows = self._counters[slots]
+        drafted, accepted = self.drafted_hist[slots], self.accepted_hist[slots]  # copies
+        has = (rows[:, COUNTERS.index("num_drafts")] != 0).tolist()
+        for i, (req, row) in enumerate(zip(reqs, rows.tolist())):
+            own = dict(zip(COUNTERS, row))
+            if has[i]:
+                own["drafted_hist"], own["accepted_hist"] = drafted[i], accepted[i]
+            else:
+                own["drafted_hist"] = own["accepted_hist"] = None
+            req._table, req._row, req._own = None, -1, own
+        self._counters[slots] = 0
+        self.drafted_hist[slots] = 0
+        self.accepted_hist[slots] = 0
+        self.gen[slots] += 1
+        self._free.extend(slots.tolist())
+
     # -- whole-array updates ----------------------------------------------------------------
     def record_spec(self, slots: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> None:
         """A verification's outcome for distinct `slots`: `drafted[i]` tokens drafted,

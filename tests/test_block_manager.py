@@ -302,3 +302,45 @@ def test_allocate_many_gives_the_pages_of_row_by_row_allocation(history, batch, 
     assert [tables[i, : counts[i]].tolist() for i in range(len(rids))] == [one.page_table(r) for r in rids]
     assert many.num_free_pages == one.num_free_pages
     many.check_invariants()
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(sizes=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 30)), min_size=1, max_size=20),
+       picks=st.lists(st.integers(0, 19), min_size=1, max_size=20, unique=True))
+def test_free_many_frees_what_freeing_one_by_one_frees(sizes, picks) -> None:
+    one, many = BlockManager(400, 3, MODELS), BlockManager(400, 3, MODELS)
+    for bm in (one, many):
+        for i, (t, d) in enumerate(sizes):
+            bm.bind(f"r{i}", (7 * i) % 20)
+            bm.allocate(f"r{i}", {"target": t, "draft": d})
+    rids = [f"r{i}" for i in picks if i < len(sizes)]
+    if not rids:
+        return
+    assert many.free_many(rids) == sum(one.free(rid) for rid in rids)
+    assert many._stack[: many.num_free_pages].tolist() == one._stack[: one.num_free_pages].tolist()
+    for i in range(len(sizes)):
+        for m in MODELS:
+            assert many.page_table(f"r{i}", m) == one.page_table(f"r{i}", m)
+    many.check_invariants()
+    assert many.free_many(rids + ["never-seen"]) == 0  # idempotent, an unknown id frees nothing
+
+
+@pytest.mark.parametrize("num_rows", [6, 20])
+@pytest.mark.parametrize("model", ["target", "draft"])
+def test_trim_many_on_few_and_many_rows_frees_what_row_by_row_trims_free(model, num_rows) -> None:
+    rng = np.random.default_rng(num_rows)
+    sizes = [int(n) for n in rng.integers(10, 40, 24)]
+    keep = [int(n) for n in rng.integers(0, 9, 24)]  # most rows give pages back
+    one, many = (BlockManager(1000, 3, MODELS) for _ in range(2))
+    for bm in (one, many):
+        for i in (5 * np.arange(24) % 24).tolist():  # rows bound out of order
+            bm.bind(f"r{i}", i)
+        for i in range(24):
+            bm.allocate(f"r{i}", {"target": sizes[i], "draft": sizes[i] + 1})
+    rows = np.array(rng.permutation(24)[:num_rows])
+    freed = sum(one.trim(f"r{i}", model, keep[i]) for i in rows.tolist())
+    assert many.trim_many(rows, model, np.array([keep[i] for i in rows.tolist()])) == freed
+    for i in range(24):
+        assert many.page_table(f"r{i}", model) == one.page_table(f"r{i}", model)
+    assert many._stack[: many.num_free_pages].tolist() == one._stack[: one.num_free_pages].tolist()
+    many.check_invariants()

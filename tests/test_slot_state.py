@@ -68,6 +68,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.live)))
         self._finish(self.live[rid], RequestState.ABORTED)
 
+    @rule(data=st.data())
+    def abort_several(self, data):
+        """Several requests at once, waiting or running (`remove_many`, as the pipeline's
+        finishes by length take them)."""
+        if not self.live:
+            return
+        rids = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, unique=True))
+        reqs = [self.live.pop(rid) for rid in rids]
+        for r in reqs:
+            r.state = RequestState.ABORTED
+        self.b.remove_many(reqs)
+        self.done.extend(reqs)
+
     @rule()
     def step(self):
         if not self.b.has_work:
@@ -209,3 +222,28 @@ def test_trim_many_frees_what_row_by_row_trims_free(model):
         assert many.page_table(f"r{i}", model) == one.page_table(f"r{i}", model)
     assert many._stack[: many.num_free_pages].tolist() == one._stack[: one.num_free_pages].tolist()
     many.check_invariants()
+
+
+def test_detach_many_leaves_what_detaching_one_by_one_leaves():
+    tables = SlotTable(4, width=2), SlotTable(4, width=2)
+    handles = []
+    for table in tables:
+        reqs = [Request(f"r{i}", [i] * (i + 1), SamplingParams(max_tokens=9), 0) for i in range(6)]
+        for i, r in enumerate(reqs):
+            table.attach(r)
+            r.num_computed_tokens = 10 + i
+        table.record_spec(np.array([reqs[1].slot, reqs[4].slot]), np.array([2, 1]), np.array([1, 0]))
+        handles.append(reqs)
+    order = [4, 0, 5, 1]
+    for i in order:
+        tables[0].detach(handles[0][i])
+    tables[1].detach_many([handles[1][i] for i in order])
+    for a, b in zip(*handles):
+        assert (a.slot, a.num_computed_tokens, a.num_prompt_tokens, a.drafted_per_pos, a.accepted_per_pos) == \
+            (b.slot, b.num_computed_tokens, b.num_prompt_tokens, b.drafted_per_pos, b.accepted_per_pos)
+    assert tables[0]._free == tables[1]._free  # slots come back in the same order
+    assert np.array_equal(tables[0].gen, tables[1].gen)
+    assert np.array_equal(tables[0]._counters, tables[1]._counters)
+    assert np.array_equal(tables[0].drafted_hist, tables[1].drafted_hist)
+    again = [Request(f"n{i}", [1], SamplingParams(max_tokens=2), 0) for i in range(2)]
+    assert [tables[1].attach(r) for r in again] == [handles[1][1].slot, handles[1][5].slot]
