@@ -28,6 +28,7 @@ from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.errors import InvalidRequestError
 from specsched.scheduler.request import Request, RequestState
 from specsched.scheduler.slot_state import SlotTable
+from specsched.scheduler.small_arrays import every, some, total
 from specsched.scheduler.step_batch import StepBatch, empty_batch
 
 
@@ -200,7 +201,7 @@ class BatchBuilder:
         prompt = t.prompt_len[slots]
         emitted = t.num_output[slots] + t.pending[slots]
         todo = prompt + emitted - computed
-        if (todo > 1).any() or (computed < prompt).any():
+        if some(todo > 1) or some(computed < prompt):
             return None  # a prefill or recompute in the batch: no speculation, the general path
         active = (todo == 1).nonzero()[0]
         policy, decision = self.draft_policy, None
@@ -223,7 +224,7 @@ class BatchBuilder:
             reqs, rows, computed, emitted = [running[i] for i in take.tolist()], slots[take], computed[take], emitted[take]
         blocks = self.blocks
         cols = blocks.shortfall(rows, self._slots(computed + 1 + draft))
-        if sum(int(c.sum()) for c in cols.values()) > blocks.num_free_pages:
+        if sum(total(c) for c in cols.values()) > blocks.num_free_pages:
             return None  # someone is preempted: the general path chooses whom
         if decision is not None:
             num_draft = decision.num_draft
@@ -470,5 +471,5 @@ class BatchBuilder:
         back, for rows still running (a finished row's pages went with it). Returns pages freed."""
         t, slots = self.table, batch.slots
         live = self.live(batch)
-        rows = slots if live.all() else slots[live]
+        rows = slots if every(live) else slots[live]
         return self.blocks.trim_many(rows, "target", t.prompt_len[rows] + t.num_output[rows] + t.pending[rows])

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specsched.scheduler.step_batch import SMALL_BATCH
+from specsched.scheduler.small_arrays import SMALL_BATCH
+from specsched.scheduler.small_arrays import total as array_total
 
 
 class OutOfPagesError(RuntimeError):
@@ -183,7 +184,7 @@ class BlockManager:
         if shortfall is None:
             shortfall = self.shortfall(rows, slots)
         models, cols = list(shortfall), list(shortfall.values())
-        total = sum(int(c.sum()) for c in cols)
+        total = sum(map(array_total, cols))
         if total > self._top:
             raise OutOfPagesError(f"a batch of {len(rows)} rows needs {total} pages, {self._top} free")
         if not total:

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from specsched.scheduler.small_arrays import largest, total
 from specsched.scheduler.step_batch import StepBatch
 from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.plan import AttentionPlan, build_plan
@@ -171,7 +172,7 @@ class FillResult:
 
 def shape(qo_lens: np.ndarray, kv_lens: np.ndarray, **extra: Any) -> LaunchShape:
     """A launch's shape from its rows' computed and KV tokens."""
-    return LaunchShape(len(qo_lens), int(qo_lens.sum()), int(kv_lens.sum()), **extra)
+    return LaunchShape(len(qo_lens), total(qo_lens), total(kv_lens), **extra)
 
 
 def batch_shape(batch: StepBatch, width: int = 0, **extra: Any) -> LaunchShape:
@@ -181,7 +182,7 @@ def batch_shape(batch: StepBatch, width: int = 0, **extra: Any) -> LaunchShape:
     tokens = n * width if (width and batch.is_spec) else batch.num_tokens
     kv = batch.shape_cache.get("kv_tokens")
     if kv is None:  # asked for by several stages of the step
-        kv = batch.shape_cache["kv_tokens"] = int((batch.start + batch.num_new + batch.num_draft).sum())
+        kv = batch.shape_cache["kv_tokens"] = total(batch.start + batch.num_new + batch.num_draft)
     return LaunchShape(n, tokens, kv, **extra)
 
 
@@ -234,8 +235,8 @@ def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
     device that only models time) no page tables are sent."""
     nd = batch.num_draft
     s = batch_shape(batch, batch.width)
-    shape_ = LaunchShape(s.requests, s.tokens, s.kv_tokens, num_draft=int(nd.max()) if nd.size else 0,
-                         draft_tokens=int(nd.sum()), draft_forwards=int(np.maximum(nd - 1, 0).sum()))
+    shape_ = LaunchShape(s.requests, s.tokens, s.kv_tokens, num_draft=largest(nd) if nd.size else 0,
+                         draft_tokens=total(nd), draft_forwards=total(np.maximum(nd - 1, 0)))
     tables = counts = None
     if spec.kv_model is not None and with_plan:
         tables, counts = blocks.tables(spec.kv_model, batch.slots)

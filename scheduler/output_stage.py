@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from specsched.scheduler.request import Request
-from specsched.scheduler.step_batch import SMALL_BATCH, StepBatch
+from specsched.scheduler.small_arrays import SMALL_BATCH
+from specsched.scheduler.step_batch import StepBatch
 
 
 

@@ -34,6 +34,7 @@ from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.protocols import Clock, Device, DeviceError, OutputSink
 from specsched.scheduler.request import Request, RequestState
 from specsched.scheduler.spec_step import SpeculativeStep
+from specsched.scheduler.small_arrays import some, total
 from specsched.scheduler.step_batch import StepBatch
 from specsched.scheduler.step_trace import Launch, StepTrace
 from specsched.traces.hook import NULL_TRACER
@@ -201,7 +202,7 @@ class Pipeline(OutputStage, SpeculativeStep):
         t = self.table
         computed = t.computed[batch.slots]
         gone = t.gen[batch.slots] != batch.gen
-        if gone.any():
+        if some(gone):
             for i in gone.nonzero()[0].tolist():
                 computed[i] = batch.requests[i].num_computed_tokens
         return computed
@@ -212,7 +213,7 @@ class Pipeline(OutputStage, SpeculativeStep):
         after the step's bookkeeping) the output stage's."""
         attrs = messages.batch_shape(batch, batch.width).attrs()
         if computed is not None:
-            attrs["kv_tokens"] = int((computed + batch.num_new + batch.num_draft).sum())
+            attrs["kv_tokens"] = total(computed + batch.num_new + batch.num_draft)
         return attrs
 
     def _charge(self, name: str, attrs: dict) -> None:

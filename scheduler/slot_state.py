@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from specsched.scheduler.small_arrays import largest, smallest
+
 # per-slot int64 counters, in the order `attach` / `detach` copy them
 COUNTERS = (
     "prompt_len",  # prompt tokens (fixed)
@@ -133,12 +135,12 @@ class SlotTable:
         accepted = np.asarray(accepted, dtype=np.int64)
         if not drafted.size:
             return
-        if int(drafted.min()) <= 0:
+        if smallest(drafted) <= 0:
             keep = drafted > 0
             slots, drafted, accepted = slots[keep], drafted[keep], accepted[keep]
             if not slots.size:
                 return
-        widest = int(drafted.max())
+        widest = largest(drafted)
         if widest > self._width:
             self._grow(width=widest)
         self.num_drafts[slots] += 1

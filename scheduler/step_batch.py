@@ -11,10 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specsched.scheduler.request import Request
-
-# rows up to which the per-step stages (output, KV allocation, the simulator's acceptance
-# lookups) take them one by one: below it a whole-array call costs more than a Python loop
-SMALL_BATCH = 8
+from specsched.scheduler.small_arrays import some, total
 
 
 @dataclass(eq=False)
@@ -49,8 +46,8 @@ class StepBatch:
     shortfall: tuple[int, dict[str, np.ndarray]] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.is_spec = bool(self.num_draft.any())
-        num_prefill = int(self.prefill.sum())
+        self.is_spec = some(self.num_draft)
+        num_prefill = total(self.prefill)
         if self.is_spec:
             self.kind = "spec"
         elif not num_prefill:
@@ -60,7 +57,7 @@ class StepBatch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.num_new.sum() + self.num_draft.sum())
+        return total(self.num_new) + total(self.num_draft)
 
     def __len__(self) -> int:
         return len(self.requests)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specsched.scheduler.step_batch import SMALL_BATCH  # `outcomes` takes up to this many rows one by one
+from specsched.scheduler.small_arrays import SMALL_BATCH  # `outcomes` takes up to this many rows one by one
 
 
 class AcceptanceModel:

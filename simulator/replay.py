@@ -17,6 +17,7 @@ import numpy as np
 
 from specsched.scheduler import wiring
 from specsched.scheduler.errors import InvalidRequestError
+from specsched.scheduler.small_arrays import largest
 from specsched.scheduler.messages import DraftResult, FillResult, ForwardResult, VerifyResult
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.wiring import NATURAL_SCHEDULE, build_pipeline
@@ -131,7 +132,7 @@ class TraceResponder:
             attrs = msg.shape.attrs()
             subs = [("verify", int(self.profile.device_ns("verify", attrs))),
                     ("accept", int(self.profile.device_ns("accept", attrs)) if "accept" in self.profile.device else 0)]
-            tokens = np.full((len(slots), int(accepted.max(initial=0)) + 1), _DUMMY_TOKEN, dtype=np.int64)
+            tokens = np.full((len(slots), (largest(accepted) if len(accepted) else 0) + 1), _DUMMY_TOKEN, dtype=np.int64)
             return VerifyResult(accepted, tokens, drafted), subs
         if op == "fill":
             return FillResult(), []
