@@ -178,12 +178,20 @@ def shape(qo_lens: np.ndarray, kv_lens: np.ndarray, **extra: Any) -> LaunchShape
 def batch_shape(batch: StepBatch, width: int = 0, **extra: Any) -> LaunchShape:
     """Shape of a step for traces and cost models: requests, tokens, KV tokens. A speculative
     step computes a fixed `width` (1 + candidates) tokens per row, whatever was drafted."""
+    cache = batch.shape_cache  # asked for by several stages of the step
+    if not extra:
+        got = cache.get(width)
+        if got is not None:
+            return got
     n = len(batch)
     tokens = n * width if (width and batch.is_spec) else batch.num_tokens
-    kv = batch.shape_cache.get("kv_tokens")
-    if kv is None:  # asked for by several stages of the step
-        kv = batch.shape_cache["kv_tokens"] = total(batch.start + batch.num_new + batch.num_draft)
-    return LaunchShape(n, tokens, kv, **extra)
+    kv = cache.get("kv_tokens")
+    if kv is None:
+        kv = cache["kv_tokens"] = total(batch.start + batch.num_new + batch.num_draft)
+    if extra:
+        return LaunchShape(n, tokens, kv, **extra)
+    got = cache[width] = LaunchShape(n, tokens, kv)
+    return got
 
 
 def _tables(blocks: BlockManager, slots: np.ndarray, model: str = "target") -> dict:

@@ -33,6 +33,9 @@ COUNTERS = (
     "accepted_tokens",
 )
 
+_DRAFT_COLUMNS = slice(COUNTERS.index("num_drafts"), COUNTERS.index("accepted_tokens") + 1)
+assert COUNTERS[_DRAFT_COLUMNS] == ("num_drafts", "drafted_tokens", "accepted_tokens")
+
 
 def own_counters(prompt_len: int, max_tokens: int) -> dict:
     """A request's counters while it holds no slot: `COUNTERS` as ints, and its draft-length
@@ -143,9 +146,8 @@ class SlotTable:
         widest = largest(drafted)
         if widest > self._width:
             self._grow(width=widest)
-        self.num_drafts[slots] += 1
-        self.drafted_tokens[slots] += drafted
-        self.accepted_tokens[slots] += accepted
+        # num_drafts, drafted_tokens, accepted_tokens: adjacent columns, one update
+        self._counters[slots, _DRAFT_COLUMNS] += np.stack((np.ones_like(drafted), drafted, accepted), axis=1)
         self.drafted_hist[slots, drafted] += 1  # slots are distinct
         self.accepted_hist[slots, np.minimum(accepted, drafted)] += 1
 

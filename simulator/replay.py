@@ -105,6 +105,17 @@ class TraceResponder:
         self.prompt_lens = np.asarray(prompt_lens, dtype=np.int64)
         self.index = np.zeros(64, dtype=np.int64)  # slot -> request index (its prompt's token)
         self.known = np.zeros(64, dtype=np.int64)  # slot -> tokens known
+        self._models: dict = {}  # op -> the model that prices it
+
+    def _device_ns(self, op: str, attrs: dict) -> float:
+        """`profile.device_ns(op, attrs)` with the op's model looked up once per replay."""
+        try:
+            m = self._models[op]
+        except KeyError:
+            m = self._models[op] = self.profile.model_for(op)
+        if m is None:
+            return self.profile.device_ns(op, attrs)  # its error, or 0 for "accept"
+        return self.profile._noisy(m, m.price(attrs, self.profile.tile))
 
     def _register(self, regs) -> None:
         for r in regs:
@@ -130,8 +141,8 @@ class TraceResponder:
                                                          msg.num_draft)
             self.known[slots] += accepted + 1
             attrs = msg.shape.attrs()
-            subs = [("verify", int(self.profile.device_ns("verify", attrs))),
-                    ("accept", int(self.profile.device_ns("accept", attrs)) if "accept" in self.profile.device else 0)]
+            subs = [("verify", int(self._device_ns("verify", attrs))),
+                    ("accept", int(self._device_ns("accept", attrs)) if "accept" in self.profile.device else 0)]
             tokens = np.full((len(slots), (largest(accepted) if len(accepted) else 0) + 1), _DUMMY_TOKEN, dtype=np.int64)
             return VerifyResult(accepted, tokens, drafted), subs
         if op == "fill":

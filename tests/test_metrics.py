@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specsched.traces import MemoryRecorder, SpanRecord, StepRecord, Trace, compute_metrics
-from specsched.traces.metrics import merge_intervals, subtract_intervals
+from specsched.traces.metrics import PERCENTILES, merge_intervals, percentiles, subtract_intervals
 from specsched.traces.schema import Header
 
 MS = 1_000_000  # ns
@@ -168,3 +168,12 @@ def test_fast_on_100k_spans():
     elapsed = time.perf_counter() - started
     assert m["steps"] == n_steps and len(m["host_ms_per_step"]) == 6
     assert elapsed < 5.0, f"compute_metrics took {elapsed:.2f}s on 100k spans"
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(values=st.lists(st.one_of(st.integers(0, 10**12), st.floats(0, 1e12)), min_size=1, max_size=60),
+       qs=st.lists(st.floats(0, 100), max_size=4))
+def test_percentiles_equal_numpy_bit_for_bit(values, qs):
+    qs = tuple(PERCENTILES) + tuple(qs)
+    expected = np.percentile(np.asarray(values, dtype=np.float64), qs).tolist()
+    assert percentiles(values, qs) == expected

@@ -7,6 +7,7 @@ arithmetic is vectorized, so 100k spans take well under a second.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from array import array
 from typing import Any
@@ -278,8 +279,27 @@ def _member(s: np.ndarray, e: np.ndarray, points: np.ndarray) -> np.ndarray:
 def _percentiles_ms(values_ns: list[float]) -> dict[str, float | None]:
     if not values_ns:
         return {f"p{p}": None for p in PERCENTILES}
-    qs = np.percentile(np.asarray(values_ns, dtype=np.float64), PERCENTILES)
-    return {f"p{p}": float(q) / 1e6 for p, q in zip(PERCENTILES, qs)}
+    qs = percentiles(values_ns, PERCENTILES)
+    return {f"p{p}": q / 1e6 for p, q in zip(PERCENTILES, qs)}
+
+
+def percentiles(values: list[float], qs: tuple[float, ...]) -> list[float]:
+    """`np.percentile(values, qs)` (linear interpolation), bit for bit, in plain Python:
+    the numpy call costs ~25 us, a tenth of a small replay's metrics. Finite values only."""
+    v = sorted(map(float, values))
+    last = len(v) - 1
+    out = []
+    for q in qs:
+        at = last * (q / 100)  # numpy's virtual index for "linear"
+        if at >= last:
+            out.append(v[last])
+            continue
+        i = max(math.floor(at), 0)
+        gamma, a, b = at - i, v[i], v[i + 1]
+        diff = b - a
+        # numpy's `_lerp`: from the nearer end, so that gamma = 1 gives b exactly
+        out.append(b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma)
+    return out
 
 
 def _host_ms_per_step(total_ns: dict[str, int], num_steps: int) -> dict[str, float]:
