@@ -19,7 +19,6 @@ import heapq
 import selectors
 from typing import Any, Awaitable, Callable
 
-import anyio
 
 
 class SimulationDeadlock(RuntimeError):
@@ -115,5 +114,8 @@ class VirtualClock:
 
 
 def run_virtual(fn: Callable[[], Awaitable[Any]]) -> Any:
-    """Run `fn()` under anyio on a fresh virtual-time loop; returns its result."""
-    return anyio.run(fn, backend="asyncio", backend_options={"loop_factory": VirtualTimeLoop})
+    """Run `fn()` on a fresh virtual-time loop; returns its result. anyio's primitives run on
+    any asyncio loop, so this is asyncio's own runner: `anyio.run` would add ~0.13 ms of set-up
+    per run, a few percent of a small replay."""
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        return runner.run(fn())
