@@ -298,15 +298,19 @@ class BlockManager:
         n = self.release_pages(request_id)
         row = self._row_of.pop(request_id, None)
         if row is not None:
-            del self._owner[row]
-            if row in self._bound:
-                self._bound.discard(row)
-            else:
-                self._free_rows.append(row)
+            self._drop_row(row)
         return n
 
+    def _drop_row(self, row: int) -> None:
+        """A freed request's row: unowned, and back to the pool of rows unless `bind` gave it."""
+        del self._owner[row]
+        if row in self._bound:
+            self._bound.discard(row)
+        else:
+            self._free_rows.append(row)
+
     def free_many(self, request_ids: Sequence[str]) -> int:
-        """`free` for many requests at once: the same pages back on the stack, in the same
+        """`free` for many (distinct) requests at once: the same pages back on the stack, in the same
         order, as freeing them one after another (request by request, each in model order,
         each row's pages reversed). Returns pages freed."""
         rows = [self._row_of.get(rid) for rid in request_ids]
@@ -332,11 +336,7 @@ class BlockManager:
                 self._counts[m][r] = 0
         for rid, row in zip(request_ids, rows):
             del self._row_of[rid]
-            del self._owner[row]
-            if row in self._bound:
-                self._bound.discard(row)
-            else:
-                self._free_rows.append(row)
+            self._drop_row(row)
         return total
 
     def stats(self) -> KVPoolStats:

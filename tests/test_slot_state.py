@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import numpy as np
-import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -203,25 +202,6 @@ def test_the_table_grows_past_its_capacity_and_width():
     assert [r.num_computed_tokens for r in reqs] == [0, 1, 2, 3, 4]
     assert reqs[0].accepted_per_pos == [1, 1, 1, 1] and reqs[1].drafted_per_pos == []
     assert reqs[4].drafted_per_pos == [1, 1, 1] and reqs[4].accepted_per_pos == [1, 0, 0]
-
-
-@pytest.mark.parametrize("model", ["target", "draft"])
-def test_trim_many_frees_what_row_by_row_trims_free(model):
-    rng = np.random.default_rng(0)
-    sizes = [int(n) for n in rng.integers(1, 40, 12)]
-    keep = [int(n) for n in rng.integers(0, 40, 12)]
-    one, many = (BlockManager(200, 3, ("target", "draft")) for _ in range(2))
-    for bm in (one, many):
-        for i in (7, 2, 9, 0, 11, 4, 1, 10, 3, 8, 6, 5):  # rows bound out of order
-            bm.bind(f"r{i}", i)
-            bm.allocate(f"r{i}", {"target": sizes[i], "draft": sizes[i] + 1})
-    rows = np.array([3, 0, 11, 5, 8, 1])
-    freed = sum(one.trim(f"r{i}", model, keep[i]) for i in rows.tolist())
-    assert many.trim_many(rows, model, np.array([keep[i] for i in rows.tolist()])) == freed
-    for i in range(12):
-        assert many.page_table(f"r{i}", model) == one.page_table(f"r{i}", model)
-    assert many._stack[: many.num_free_pages].tolist() == one._stack[: one.num_free_pages].tolist()
-    many.check_invariants()
 
 
 def test_detach_many_leaves_what_detaching_one_by_one_leaves():
