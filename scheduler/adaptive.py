@@ -25,10 +25,20 @@ the pipeline), and its inputs are what the pipeline already has:
   h is the smoothed residual of the steps' measured wall time over their predicted device
   time (host work a schedule does not hide), per D: a plain decode step launches one op, a
   speculative one three, and how much of their host work a schedule hides differs too. A D
-  with fewer than `MIN_OVERHEAD_SAMPLES` steps seen takes the residual over every D.
+  with fewer than `MIN_OVERHEAD_SAMPLES` steps seen takes the smaller of its own residual so
+  far and the residual over every D.
+- **A draft model's catch-up**: while speculation is off a draft model reads nothing (the
+  pipeline skips its fills, prompts included) and catches up in one fill when a row drafts
+  again. A step that drafts is charged, per row, the fill of the tokens its draft model is
+  behind (`lag`) spread over the steps the row is expected to draft for the rest of its output
+  (remaining tokens / expected tokens per step): resuming pays for a long output, not for the
+  last few tokens.
 - **Exploration**: every `explore_every`-th decision tries a neighbour of the best length, one
   above and one below on alternate probes (D = 1 when speculation is off), so a stale estimate
   cannot keep speculation off, or short, forever, and the cost of other lengths stays known.
+  A probe that finds the same best length as the one before it doubles the interval to the
+  next (up to `MAX_EXPLORE_BACKOFF` x `explore_every`); a change of the best resets it: probing
+  a settled choice costs a draft pass (and a catch-up) each time.
 """
 from __future__ import annotations
 
@@ -44,6 +54,7 @@ FEATURES = {
 # a profile's device models that seed them (span names, see scheduler/step_trace.py)
 PROFILE_NAMES = {"target": ("verify", "decode"), "draft": ("draft",), "fill": ("draft_fill",)}
 MIN_OVERHEAD_SAMPLES = 4  # steps at a D before its own overhead estimate replaces the pooled one
+MAX_EXPLORE_BACKOFF = 8  # a settled choice is probed at most this many times less often
 
 
 def _features(model: str, attrs: dict) -> np.ndarray:
@@ -156,6 +167,15 @@ class DraftLenPolicy:
         self.overhead_samples = np.zeros(max_draft_len + 1, dtype=np.int64)
         self.decisions = 0
         self.last: Decision | None = None
+        self._explore_gap = explore_every  # decisions between probes (see the module docstring)
+        self._next_explore = explore_every
+        self._probed_best: int | None = None  # the best length the last probe started from
+        self._probes = 0  # up on odd probes, down on even ones
+
+    @property
+    def speculation_off(self) -> bool:
+        """The last decision was a plain decode step (none yet: speculation is on)."""
+        return self.last is not None and self.last.draft_len == 0
 
     # -- acceptance -----------------------------------------------------------------------
     def start(self, slot: int) -> None:
@@ -210,14 +230,19 @@ class DraftLenPolicy:
         self.overhead_samples[d] = n + 1
 
     def overhead(self, d: int) -> float:
-        """h at D = d: its own estimate once it has `MIN_OVERHEAD_SAMPLES` steps, else the pooled one."""
-        if self.overhead_samples[d] >= MIN_OVERHEAD_SAMPLES:
+        """h at D = d: its own estimate once it has `MIN_OVERHEAD_SAMPLES` steps, else the
+        smaller of the pooled one and its own so far -- optimistic while a length is barely
+        tried, so that it is tried until its own estimate holds (the pooled one mixes in the
+        other lengths' host work, which a plain step does not have)."""
+        n = self.overhead_samples[d]
+        if n >= MIN_OVERHEAD_SAMPLES:
             return float(self.overhead_by_d[d])
-        return self.overhead_ns
+        return min(self.overhead_ns, float(self.overhead_by_d[d])) if n else self.overhead_ns
 
-    def step_ns(self, rows: int, d: int, forwards: int, kv_tokens: int) -> float | None:
+    def step_ns(self, rows: int, d: int, forwards: int, kv_tokens: int, catch_up: float = 0.0) -> float | None:
         """Predicted device time of a step of `rows` at D = d whose rows make `forwards`
-        proposer row-forwards in all (None while a needed model is unknown)."""
+        proposer row-forwards in all, a draft model's fill covering `catch_up` more tokens
+        (None while a needed model is unknown)."""
         c = self.costs
         if d == 0:
             t = c["target"].at(rows, rows, kv_tokens + rows)
@@ -231,15 +256,17 @@ class DraftLenPolicy:
         if self.has_fill:
             # a head's fill covers the verify batch; a draft model's the last accepted token
             # and the bonus (it wrote its drafts' KV while drafting)
-            fill = rows * width if self.fill_same_batch else rows * (1 + self.kv_ahead)
+            fill = rows * width if self.fill_same_batch else rows * (1 + self.kv_ahead) + catch_up
             f = c["fill"].at(fill, rows, kv_tokens + rows * width)
         return None if dr is None or t is None or f is None else dr + t + f
 
     # -- the decision ---------------------------------------------------------------------
-    def choose(self, slots: np.ndarray, remaining: np.ndarray, computed: np.ndarray, budget: int) -> Decision:
+    def choose(self, slots: np.ndarray, remaining: np.ndarray, computed: np.ndarray, budget: int,
+               lag: np.ndarray | None = None) -> Decision:
         """D for a decode-only step over the rows `slots` (in order; `remaining`: output
-        tokens each has left, `computed`: its KV tokens), within a token budget that holds
-        B·(1 + D) verify tokens; and how many tokens each served row drafts."""
+        tokens each has left, `computed`: its KV tokens, `lag`: tokens its draft model has not
+        read), within a token budget that holds B·(1 + D) verify tokens; and how many tokens
+        each served row drafts."""
         self.decisions += 1
         n = len(slots)
         dmax = self.max_draft_len
@@ -255,12 +282,17 @@ class DraftLenPolicy:
         forwards = (np.maximum(use - 1, 0) * served).sum(axis=1)
         kv_upto = np.concatenate([[0], np.cumsum(computed)])  # KV tokens of the first r rows
         kv = kv_upto[rows_d]
+        catch_up = np.zeros(dmax + 1)
+        if lag is not None and self.has_fill and not self.fill_same_batch and lag.any():
+            # the row's catch-up spread over its drafting steps left: E[tokens/step] / remaining
+            per_step = (1.0 + np.take_along_axis(gain.T, use, 0)) / np.maximum(remaining, 1)[None, :]
+            catch_up = (np.minimum(per_step, 1.0) * lag[None, :] * served * (use > 0)).sum(axis=1)
         best = None
         rates: dict[int, float] = {}
         for d in range(dmax + 1):
             if rows_d[d] == 0:
                 continue
-            t = self.step_ns(int(rows_d[d]), d, int(forwards[d]), int(kv[d]))
+            t = self.step_ns(int(rows_d[d]), d, int(forwards[d]), int(kv[d]), float(catch_up[d]))
             if t is None:
                 continue
             rates[d] = float(expected[d]) / (self.overhead(d) + t)
@@ -270,10 +302,16 @@ class DraftLenPolicy:
         if best is None or len(rates) < int((rows_d > 0).sum()):
             # a cost not known yet (no sample of the op): speculate fully, which teaches them all
             best = dmax
-        elif self.decisions % self.explore_every == 0:
+        elif self.decisions >= self._next_explore:
             # one length up, or down on alternate probes (and at the top): the costs and
             # acceptance of the neighbours stay known, whichever way the best moves
-            up = best < dmax and (best == 0 or (self.decisions // self.explore_every) % 2 == 0)
+            settled = best == self._probed_best
+            self._explore_gap = (min(2 * self._explore_gap, MAX_EXPLORE_BACKOFF * self.explore_every)
+                                 if settled else self.explore_every)
+            self._next_explore = self.decisions + self._explore_gap
+            self._probed_best = best
+            self._probes += 1
+            up = best < dmax and (best == 0 or self._probes % 2 == 1)
             best, explored = (best + 1 if up else max(best - 1, 0)), True
         rows = int(rows_d[best])
         num_draft = use[best, :rows]
@@ -284,8 +322,9 @@ class DraftLenPolicy:
             rows = min(n, budget)
             num_draft = np.zeros(rows, dtype=np.int64)
         gain_over_plain = rates[best] / rates[0] if best in rates and rates.get(0) else None
+        behind = float(lag[:rows].sum()) if best and lag is not None and self.has_fill and not self.fill_same_batch else 0.0
         dec = Decision(best, num_draft.astype(np.int64), rows, gain_over_plain, explored,
-                       self.step_ns(rows, best, int(np.maximum(num_draft - 1, 0).sum()), int(kv_upto[rows])))
+                       self.step_ns(rows, best, int(np.maximum(num_draft - 1, 0).sum()), int(kv_upto[rows]), behind))
         self.last = dec
         return dec
 

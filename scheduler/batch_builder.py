@@ -208,7 +208,8 @@ class BatchBuilder:
         if policy is not None:  # D for this step, and how many rows its budget then holds
             a_slots = slots[active]
             decision = policy.choose(a_slots, t.max_tokens[a_slots] - emitted[active], computed[active],
-                                     cfg.max_num_batched_tokens)
+                                     cfg.max_num_batched_tokens,
+                                     np.maximum(computed[active] + 1 - t.proposer_computed[a_slots], 0))
             draft, n_take = decision.draft_len, decision.rows
         else:
             draft = cfg.draft_len

@@ -86,6 +86,36 @@ def test_the_estimates_recover_after_a_change_of_workload():
     assert seen[-1] >= 2 and max(seen[-10:]) >= 3
 
 
+def test_a_settled_choice_is_probed_less_and_less_often():
+    policy = DraftLenPolicy(4, has_fill=False, prior=0.05, explore_every=4)
+    _teach(policy, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
+    slots = np.arange(4)
+    probes = []
+    for i in range(1, 200):
+        d = _choose(policy, 4)
+        if d.explored:
+            probes.append(i)
+        policy.observe_verify(slots[: d.rows], d.num_draft, np.zeros(d.rows, dtype=np.int64))
+    gaps = np.diff(probes).tolist()
+    assert gaps[:4] == [4, 8, 16, 32] and set(gaps[4:]) == {32}  # doubling, capped at 8 x explore_every
+
+
+def test_a_draft_model_far_behind_resumes_drafting_only_for_a_long_output():
+    """A draft model that skipped fills must read the tokens it missed before it drafts: that
+    catch-up is priced over the rows' remaining output, so it is paid for a long one only."""
+    def policy():
+        p = DraftLenPolicy(4, has_fill=True, kv_ahead=1, prior=0.8, explore_every=1000)
+        _teach(p, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
+        for tokens in (2, 8, 64, 512) * 16:  # the fill: 1e5 ns per token it reads
+            p.observe_launch("fill", {"tokens": tokens, "requests": 1, "kv_tokens": 50}, int(1e6 + 1e5 * tokens))
+        return p
+
+    slots, computed = np.arange(1), np.full(1, 50)
+    for remaining, lag, on in ((200, 0, True), (4, 0, True), (200, 400, True), (4, 400, False)):
+        d = policy().choose(slots, np.full(1, remaining), computed, 4096, np.full(1, lag))
+        assert (d.draft_len > 0) == on, (remaining, lag, d.draft_len)
+
+
 @pytest.mark.parametrize("per_d", [True, False])
 def test_host_overhead_is_learned_per_draft_length(monkeypatch, per_d):
     """Speculative steps carry host work plain ones do not (three launches, not one): measured
@@ -94,7 +124,7 @@ def test_host_overhead_is_learned_per_draft_length(monkeypatch, per_d):
     from specsched.scheduler import adaptive
 
     if not per_d:
-        monkeypatch.setattr(adaptive, "MIN_OVERHEAD_SAMPLES", 10**9)
+        monkeypatch.setattr(adaptive.DraftLenPolicy, "overhead", lambda self, d: self.overhead_ns)
     policy = DraftLenPolicy(4, has_fill=False, prior=0.7, explore_every=4)
     _teach(policy, verify_ns_per_token=1e4, draft_ns_per_forward=1e4, const_ns=1e7)  # device: D nearly free
     slots = np.arange(4)
@@ -102,11 +132,11 @@ def test_host_overhead_is_learned_per_draft_length(monkeypatch, per_d):
     chosen = []
     for _ in range(120):
         d = _choose(policy, 4)
-        chosen.append(d.draft_len)
+        chosen.append((d.draft_len, d.explored))
         if d.draft_len:
             policy.observe_verify(slots[: d.rows], d.num_draft, np.minimum(d.num_draft, 1))
         policy.observe_step(int(d.device_ns + host_ns[d.draft_len]))
-    settled = [c for i, c in enumerate(chosen[-40:]) if (len(chosen) - 40 + i + 1) % 4]  # not a probe
+    settled = [c for c, explored in chosen[-40:] if not explored]
     if per_d:
         assert settled.count(0) == len(settled)
     else:
@@ -203,8 +233,8 @@ def test_speculation_switched_off_and_on_again_stays_lossless(monkeypatch):
     orig = adaptive.DraftLenPolicy.choose
     chosen = []
 
-    def alternate(self, slots, remaining, computed, budget):
-        dec = orig(self, slots, remaining, computed, budget)
+    def alternate(self, slots, remaining, computed, budget, lag=None):
+        dec = orig(self, slots, remaining, computed, budget, lag)
         if self.decisions % 3:  # two plain steps, then one that drafts
             rows = min(len(slots), budget)
             dec = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
@@ -224,3 +254,50 @@ def test_speculation_switched_off_and_on_again_stays_lossless(monkeypatch):
         got = run_requests(worker, prompts, params, schedule=schedule, adaptive=True)
         assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain], (kind, schedule)
     assert 0 in chosen and any(d > 0 for d in chosen)
+
+
+def test_prompts_admitted_while_speculation_is_off_are_caught_up_before_drafting(monkeypatch):
+    """With speculation off a draft model skips the fills of new prompts too; when drafting
+    resumes its one catch-up fill covers the whole prompt, so the late requests' drafts are
+    accepted as often as under a fixed D (their tokens are plain greedy decoding's)."""
+    from specsched.runtime import bundled
+    from specsched.runtime.training.mtp_eval import run_requests
+    from specsched.runtime.worker import ModelWorker
+    from specsched.scheduler import adaptive
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    from specsched.runtime.tokenizer import Tokenizer
+    from specsched.runtime.workload import load_workload
+
+    tok = Tokenizer(bundled.target_dir())
+    prompts = [tok.encode(item.prompt) for item in load_workload(bundled.workload_path(), limit=4)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def worker(kind="draft"):
+        return ModelWorker(str(bundled.target_dir()), {"kind": kind, "draft_len": 3 if kind == "draft" else 0},
+                           proposer_dir=str(bundled.draft_dir()) if kind == "draft" else None, num_pages=256)
+
+    plain = run_requests(worker("none"), prompts, params, max_num_seqs=2)
+    fixed = run_requests(worker(), prompts, params, schedule="overlap", max_num_seqs=2)
+    orig = adaptive.DraftLenPolicy.choose
+    fills = []
+
+    def off_then_on(self, slots, remaining, computed, budget, lag=None):
+        dec = orig(self, slots, remaining, computed, budget, lag)
+        if self.decisions <= 30:  # off until the first two requests are done (24 steps) and two more arrived
+            rows = min(len(slots), budget)
+            dec = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
+        else:
+            fills.append(int(lag.max()))
+            dec = adaptive.Decision(3, np.minimum(3, np.maximum(remaining - 1, 0)).astype(np.int64), len(slots), None)
+        self.last = dec
+        return dec
+
+    monkeypatch.setattr(adaptive.DraftLenPolicy, "choose", off_then_on)
+    got = run_requests(worker(), prompts, params, schedule="overlap", max_num_seqs=2, adaptive=True)
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]
+    assert max(fills) >= len(prompts[2])  # a late request's draft model had read none of its prompt
+    for late_got, late_fixed in zip(got[2:], fixed[2:]):
+        assert late_got.num_drafts > 0
+        rate = late_got.num_accepted_tokens / late_got.num_drafted_tokens
+        assert rate >= 0.8 * late_fixed.num_accepted_tokens / late_fixed.num_drafted_tokens
