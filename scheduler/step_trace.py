@@ -70,6 +70,7 @@ class StepTrace:
         self.computed_now = computed_now  # [B] a batch's rows' num_computed_tokens now
         self._unrecorded: list[Launch] = []
         self._steps_done: list[tuple] = []
+        self._first_step: int | None = None  # the first step whose launches were recorded
 
     @property
     def enabled(self) -> bool:
@@ -82,6 +83,8 @@ class StepTrace:
                          launch_id=launch_id, **launch.attrs)
         launch.attrs["launch_id"] = launch_id
         self._unrecorded.append(launch)
+        if self._first_step is None:
+            self._first_step = launch.step
 
     def record_device_spans(self, force: bool = False) -> None:
         """Device intervals become `device:<stream>` spans once their events are done."""
@@ -104,6 +107,8 @@ class StepTrace:
             if comm:  # tensor parallelism: the leader's communication inside the op
                 attrs = {**attrs, "tp_broadcast_us": comm[0] / 1e3, "tp_allreduce_us": comm[1] / 1e3}
             for rank, name, step, s0, s1 in getattr(result, "ranks", None) or ():
+                if step is not None and step < self._first_step:
+                    continue  # a follower's call from before the tracer was on (a warm-up's)
                 self.tracer.span(f"{RANK_TRACK_PREFIX}{rank}", name or "call", step, s0, s1, rank=rank)
             sub = getattr(result, "substages", None)
             if sub:
