@@ -157,6 +157,9 @@ class DraftLenPolicy:
             raise ValueError(f"explore_every must be >= 2, got {explore_every}")
         self.max_draft_len = max_draft_len
         self.has_fill, self.kv_ahead, self.fill_same_batch = has_fill, kv_ahead, fill_same_batch
+        # a draft model (KV of its own, read ahead of the target's) skips its fills while
+        # speculation is off and catches up when it drafts again; a head cannot
+        self.catches_up = has_fill and not fill_same_batch and kv_ahead > 0
         self.smoothing, self.global_smoothing = smoothing, global_smoothing
         self.explore_every = explore_every
         self.global_accept = np.full(max_draft_len, prior)  # engine-wide p[k]
@@ -172,10 +175,11 @@ class DraftLenPolicy:
         self._probed_best: int | None = None  # the best length the last probe started from
         self._probes = 0  # up on odd probes, down on even ones
 
-    @property
-    def speculation_off(self) -> bool:
-        """The last decision was a plain decode step (none yet: speculation is on)."""
-        return self.last is not None and self.last.draft_len == 0
+    def skips_fill(self, decided: bool) -> bool:
+        """Whether a forward step leaves the proposer's fill for a catch-up: it is a draft
+        model's, and speculation is off -- this step is a plain decode the policy chose
+        (`decided`), or it prefills after one."""
+        return self.catches_up and (decided or (self.last is not None and self.last.draft_len == 0))
 
     # -- acceptance -----------------------------------------------------------------------
     def start(self, slot: int) -> None:
@@ -283,7 +287,7 @@ class DraftLenPolicy:
         kv_upto = np.concatenate([[0], np.cumsum(computed)])  # KV tokens of the first r rows
         kv = kv_upto[rows_d]
         catch_up = np.zeros(dmax + 1)
-        if lag is not None and self.has_fill and not self.fill_same_batch and lag.any():
+        if lag is not None and self.catches_up and lag.any():
             # the row's catch-up spread over its drafting steps left: E[tokens/step] / remaining
             per_step = (1.0 + np.take_along_axis(gain.T, use, 0)) / np.maximum(remaining, 1)[None, :]
             catch_up = (np.minimum(per_step, 1.0) * lag[None, :] * served * (use > 0)).sum(axis=1)
@@ -322,7 +326,7 @@ class DraftLenPolicy:
             rows = min(n, budget)
             num_draft = np.zeros(rows, dtype=np.int64)
         gain_over_plain = rates[best] / rates[0] if best in rates and rates.get(0) else None
-        behind = float(lag[:rows].sum()) if best and lag is not None and self.has_fill and not self.fill_same_batch else 0.0
+        behind = float(lag[:rows].sum()) if best and lag is not None and self.catches_up else 0.0
         dec = Decision(best, num_draft.astype(np.int64), rows, gain_over_plain, explored,
                        self.step_ns(rows, best, int(np.maximum(num_draft - 1, 0).sum()), int(kv_upto[rows]), behind))
         self.last = dec

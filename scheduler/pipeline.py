@@ -346,14 +346,11 @@ class Pipeline(OutputStage, SpeculativeStep):
         t0 = self._now()
         msg = messages.forward_message(batch, self.blocks, self.with_plan)
         fill_msg = None
-        # speculation off (the adaptive draft length chose D = 0 for this step, or for the
-        # last decode step when this one prefills): a draft model skips its fill, prompts
-        # included, and catches up in one fill when drafting resumes (`_catch_up`) -- a load at
-        # which speculation does not pay then costs what plain decoding does. A head cannot
-        # (it reads this forward's hidden states) and fills as always.
+        # speculation off: a draft model skips its fill, prompts included, and catches up in
+        # one fill when drafting resumes (`_catch_up`), so a load at which speculation does not
+        # pay costs what plain decoding does
         policy = self.builder.draft_policy
-        lazy = policy is not None and spec.kv_model is not None and not spec.fill_same_batch \
-            and spec.kv_ahead > 0 and (batch.decision is not None or policy.speculation_off)
+        lazy = policy is not None and policy.skips_fill(batch.decision is not None)
         if spec.kv_model is not None and not lazy:
             fill_msg = messages.prefill_fill_message(batch, self.blocks, spec, t.proposer_computed[slots],
                                                      self.with_plan)
