@@ -431,6 +431,17 @@ class BatchBuilder:
         in flight gave it back; a new request may hold it now)."""
         return self.table.gen[batch.slots] == batch.gen
 
+    def computed_now(self, batch: StepBatch) -> np.ndarray:
+        """[B] num_computed_tokens of the batch's rows now (a finished row's own, kept in its
+        handle once its slot went back)."""
+        t = self.table
+        computed = t.computed[batch.slots]
+        gone = t.gen[batch.slots] != batch.gen
+        if some(gone):
+            for i in gone.nonzero()[0].tolist():
+                computed[i] = batch.requests[i].num_computed_tokens
+        return computed
+
     def advance_forward(self, batch: StepBatch, kv_ahead: int | None) -> None:
         """A forward step launched: its positions are computed, sampling rows have a token
         pending on the device; a proposer with KV (`kv_ahead` not None) has read them too (a

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specsched.scheduler.small_arrays import SMALL_BATCH
+from specsched.scheduler.small_arrays import SMALL_BATCH, largest
 from specsched.scheduler.small_arrays import total as array_total
 
 
@@ -198,7 +198,21 @@ class BlockManager:
             self._allocate_rows(rows[needy].tolist(), [(m, c[needy].tolist()) for m, c in zip(models, cols)])
             return
         taken = self._stack[self._top - total : self._top][::-1]
-        first = (np.cumsum(short.ravel()) - short.ravel()).reshape(short.shape)  # offset into `taken`
+        flat = short.ravel()
+        first = (np.cumsum(flat) - flat).reshape(short.shape)  # offset into `taken`
+        if largest(flat) == 1:  # a decode step: a needy row takes one page per model
+            for j, model in enumerate(models):
+                picked = short[:, j].nonzero()[0]
+                if not picked.size:
+                    continue
+                counts, r = self._counts[model], rows[picked]
+                have = counts[r]
+                table = self._table_with_room(model, largest(have) + 1)
+                table[r, have] = taken[first[picked, j]]
+                counts[r] = have + 1
+            self._top -= total
+            self.version += 1
+            return
         for j, model in enumerate(models):
             s = short[:, j]
             k = int(s.sum())
@@ -373,7 +387,8 @@ class BlockManager:
         cols = []
         for model, n in slots.items():
             counts = self._model_counts(model)
-            short = (np.asarray(n, dtype=np.int64) + ps - 1) // ps - counts[rows]
+            short = -(-np.asarray(n, dtype=np.int64) // ps)  # pages that cover n (one op fewer)
+            short -= counts[rows]
             np.maximum(short, 0, out=short)
             cols.append(short)
         return cols

@@ -49,9 +49,14 @@ class LaunchShape:
     num_draft: int | None = None  # a draft: the longest row's draft count
     draft_tokens: int | None = None
     draft_forwards: int | None = None
+    # `attrs()` built once: a launch's pipeline, trace, device and cost model each ask for it
+    _attrs: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     def attrs(self) -> dict[str, Any]:
-        """The shape as span attributes (fields that are set)."""
+        """The shape as span attributes (fields that are set): a new dict the caller may change."""
+        got = self._attrs
+        if got is not None:
+            return got.copy()
         out: dict[str, Any] = {"requests": self.requests, "tokens": self.tokens, "kv_tokens": self.kv_tokens}
         if self.kind is not None:
             out["kind"] = self.kind
@@ -61,7 +66,8 @@ class LaunchShape:
             out["num_draft"] = self.num_draft
             out["draft_tokens"] = self.draft_tokens
             out["draft_forwards"] = self.draft_forwards
-        return out
+        object.__setattr__(self, "_attrs", out)
+        return out.copy()
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.protocols import Clock, Device, DeviceError, OutputSink
 from specsched.scheduler.request import Request, RequestState
 from specsched.scheduler.spec_step import SpeculativeStep
-from specsched.scheduler.small_arrays import some, total
+from specsched.scheduler.small_arrays import total
 from specsched.scheduler.step_batch import StepBatch
 from specsched.scheduler.step_trace import Launch, StepTrace
 from specsched.traces.hook import NULL_TRACER
@@ -69,7 +69,7 @@ class Pipeline(OutputStage, SpeculativeStep):
         self.sink = sink
         # the clock's reading, bound once (the pipeline reads it ~40 times a step)
         self._now = clock.now_ns
-        self.trace = StepTrace(tracer if tracer is not None else NULL_TRACER, self._now, self._computed_now)
+        self.trace = StepTrace(tracer if tracer is not None else NULL_TRACER, self._now, builder.computed_now)
         self.eos = set(eos_token_ids)
         # a sink that needs no token ids (the simulator's) gets counts only: the output stage
         # then keeps no per-request token lists (scheduler/output_stage.py)
@@ -195,17 +195,6 @@ class Pipeline(OutputStage, SpeculativeStep):
 
     def _in_flight(self, req: Request) -> bool:
         return self._inflight is not None and any(r is req for r in self._inflight[0].requests)
-
-    def _computed_now(self, batch: StepBatch) -> np.ndarray:
-        """[B] num_computed_tokens of the batch's rows now (a finished row's own, kept in its
-        handle once its slot went back)."""
-        t = self.table
-        computed = t.computed[batch.slots]
-        gone = t.gen[batch.slots] != batch.gen
-        if some(gone):
-            for i in gone.nonzero()[0].tolist():
-                computed[i] = batch.requests[i].num_computed_tokens
-        return computed
 
     # -- tracing helpers --------------------------------------------------------------------
     def _attrs(self, batch: StepBatch, computed: np.ndarray | None = None) -> dict:
@@ -392,7 +381,7 @@ class Pipeline(OutputStage, SpeculativeStep):
         self.builder.complete_forward(batch)
         rows = batch.samples.nonzero()[0]
         out_counts = self._output(batch, rows, np.asarray(result.tokens)[rows, None])
-        self._host("output", batch.step, t0, **self._attrs(batch, self._computed_now(batch)),
+        self._host("output", batch.step, t0, **self._attrs(batch, self.builder.computed_now(batch)),
                    emitted=sum(out_counts))
         zeros = np.zeros(len(batch), dtype=np.int64)
         self.trace.step_done(batch, launch.t_step if launch.t_step is not None else t0, out_counts, zeros, zeros)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 
 from specsched.scheduler.sampling_params import SamplingParams
-from specsched.scheduler.slot_state import SlotTable, own_counters, per_pos
+from specsched.scheduler.slot_state import SlotTable, own_counters, per_pos, spec_totals
 
 
 class RequestState(enum.Enum):
@@ -79,9 +79,27 @@ class Request:
     num_computed_tokens = _counter("computed", "tokens with KV in the target cache")
     num_pending_tokens = _counter("pending", "sampled on the device, not yet seen by the host")
     num_proposer_computed = _counter("proposer_computed", "tokens with KV in the proposer's cache")
-    num_drafts = _counter("num_drafts", "steps in which this request was drafted for")
-    num_drafted_tokens = _counter("drafted_tokens", "tokens drafted for this request")
-    num_accepted_tokens = _counter("accepted_tokens", "drafted tokens accepted")
+
+    def spec_totals(self) -> tuple[int, int, int]:
+        """(drafts, drafted tokens, accepted tokens), summed from the request's histograms."""
+        t = self._table
+        if t is None:
+            return spec_totals(self._own["drafted_hist"], self._own["accepted_hist"])
+        return t.spec_totals(self._row)
+
+    @property
+    def num_drafts(self) -> int:
+        """Steps in which this request was drafted for."""
+        return self.spec_totals()[0]
+
+    @property
+    def num_drafted_tokens(self) -> int:
+        return self.spec_totals()[1]
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Drafted tokens accepted."""
+        return self.spec_totals()[2]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -142,11 +160,11 @@ class Request:
         return self.per_pos()[1]
 
     def spec_stats(self) -> dict:
-        drafts, accepted = self.num_drafts, self.num_accepted_tokens
+        drafts, drafted, accepted = self.spec_totals()
         drafted_pos, accepted_pos = self.per_pos()
         return {
             "drafts": drafts,
-            "drafted_tokens": self.num_drafted_tokens,
+            "drafted_tokens": drafted,
             "accepted_tokens": accepted,
             "mean_accept_len": (1.0 + accepted / drafts) if drafts else None,
             "accept_rate_per_pos": [

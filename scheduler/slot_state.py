@@ -28,13 +28,9 @@ COUNTERS = (
     "computed",  # tokens with KV in the target cache
     "pending",  # sampled on the device, not yet seen by the host
     "proposer_computed",  # tokens with KV in the proposer's cache (draft model / head)
-    "num_drafts",  # speculative steps this request was drafted for
-    "drafted_tokens",
-    "accepted_tokens",
 )
-
-_DRAFT_COLUMNS = slice(COUNTERS.index("num_drafts"), COUNTERS.index("accepted_tokens") + 1)
-assert COUNTERS[_DRAFT_COLUMNS] == ("num_drafts", "drafted_tokens", "accepted_tokens")
+# The speculation totals (drafts, drafted and accepted tokens) are not counters of their own:
+# they are sums over the histograms (`spec_totals`), so a verification updates two arrays.
 
 
 def own_counters(prompt_len: int, max_tokens: int) -> dict:
@@ -100,7 +96,7 @@ class SlotTable:
         slot = req._row
         row = self._counters[slot]
         own = dict(zip(COUNTERS, row.tolist()))
-        if own["num_drafts"]:
+        if self.drafted_hist[slot].any():
             own["drafted_hist"], own["accepted_hist"] = self.drafted_hist[slot].copy(), self.accepted_hist[slot].copy()
             self.drafted_hist[slot] = 0
             self.accepted_hist[slot] = 0
@@ -116,7 +112,7 @@ class SlotTable:
         slots = np.fromiter((r._row for r in reqs), dtype=np.int64, count=len(reqs))
         rows = self._counters[slots]
         drafted, accepted = self.drafted_hist[slots], self.accepted_hist[slots]  # copies
-        has = (rows[:, COUNTERS.index("num_drafts")] != 0).tolist()
+        has = drafted.any(axis=1).tolist()
         for i, (req, row) in enumerate(zip(reqs, rows.tolist())):
             own = dict(zip(COUNTERS, row))
             if has[i]:
@@ -146,10 +142,12 @@ class SlotTable:
         widest = largest(drafted)
         if widest > self._width:
             self._grow(width=widest)
-        # num_drafts, drafted_tokens, accepted_tokens: adjacent columns, one update
-        self._counters[slots, _DRAFT_COLUMNS] += np.stack((np.ones_like(drafted), drafted, accepted), axis=1)
         self.drafted_hist[slots, drafted] += 1  # slots are distinct
-        self.accepted_hist[slots, np.minimum(accepted, drafted)] += 1
+        self.accepted_hist[slots, np.minimum(accepted, drafted)] += 1  # <= drafted, as verify guarantees
+
+    def spec_totals(self, slot: int) -> tuple[int, int, int]:
+        """(drafts, drafted tokens, accepted tokens) of the slot's request, from its histograms."""
+        return spec_totals(self.drafted_hist[slot], self.accepted_hist[slot])
 
     def per_pos(self, slot: int) -> tuple[list[int], list[int]]:
         """([D] drafts with >= k+1 tokens, [D] drafts accepted at >= k+1), D the longest
@@ -182,6 +180,15 @@ class SlotTable:
             setattr(self, name, new)
         self._capacity, self._width = rows, width
 
+
+
+def spec_totals(drafted_hist: np.ndarray | None, accepted_hist: np.ndarray | None) -> tuple[int, int, int]:
+    """Histograms of exact draft lengths and accepted counts -> (drafts, drafted tokens,
+    accepted tokens)."""
+    if drafted_hist is None:
+        return 0, 0, 0
+    d, a = drafted_hist.tolist(), accepted_hist.tolist()
+    return sum(d), sum(k * n for k, n in enumerate(d)), sum(k * n for k, n in enumerate(a))
 
 
 def per_pos(drafted_hist: np.ndarray | None, accepted_hist: np.ndarray | None) -> tuple[list[int], list[int]]:

@@ -63,7 +63,7 @@ class SpeculativeStep:
         # [B, W] emitted tokens, row i's first accepted[i] + 1 valid
         out_counts = self._output(batch, np.arange(len(batch)), np.asarray(result.tokens), accepted + 1)
         self.builder.trim_rejected(batch)
-        self._host("output", batch.step, t0, **self._attrs(batch, self._computed_now(batch)),
+        self._host("output", batch.step, t0, **self._attrs(batch, self.builder.computed_now(batch)),
                    emitted=sum(out_counts))
         self.trace.step_done(batch, t_step, out_counts, num_drafts, accepted)
         if f_launch is not None:

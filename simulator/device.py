@@ -194,4 +194,6 @@ class VirtualDevice:
         return self._streams[name]
 
     def close(self) -> None:
-        pass
+        # streams and device refer to each other: dropping the streams frees a finished
+        # replay's device (and what its events hold) without a garbage collection
+        self._streams.clear()

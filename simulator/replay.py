@@ -106,6 +106,7 @@ class TraceResponder:
         self.index = np.zeros(64, dtype=np.int64)  # slot -> request index (its prompt's token)
         self.known = np.zeros(64, dtype=np.int64)  # slot -> tokens known
         self._models: dict = {}  # op -> the model that prices it
+        self._dummy = np.zeros((0, 0), dtype=np.int64)  # `_tokens`' block
 
     def _device_ns(self, op: str, attrs: dict) -> float:
         """`profile.device_ns(op, attrs)` with the op's model looked up once per replay."""
@@ -126,6 +127,16 @@ class TraceResponder:
             self.index[r.slot] = r.token_ids[0]
             self.known[r.slot] = len(r.token_ids)
 
+    def _tokens(self, rows: int, width: int) -> np.ndarray:
+        """[rows, width] stand-in tokens: a read-only view of one block (nobody writes a
+        result's tokens; a new array per verify would cost more than the lookups)."""
+        block = self._dummy
+        if rows > block.shape[0] or width > block.shape[1]:
+            block = self._dummy = np.full((max(rows, 2 * block.shape[0]), max(width, block.shape[1])),
+                                          _DUMMY_TOKEN, dtype=np.int64)
+            block.flags.writeable = False
+        return block[:rows, :width]
+
     def respond(self, op: str, msg, start_ns: int):
         if op == "forward":
             if msg.register:
@@ -143,7 +154,7 @@ class TraceResponder:
             attrs = msg.shape.attrs()
             subs = [("verify", int(self._device_ns("verify", attrs))),
                     ("accept", int(self._device_ns("accept", attrs)) if "accept" in self.profile.device else 0)]
-            tokens = np.full((len(slots), (largest(accepted) if len(accepted) else 0) + 1), _DUMMY_TOKEN, dtype=np.int64)
+            tokens = self._tokens(len(slots), (largest(accepted) if len(accepted) else 0) + 1)
             return VerifyResult(accepted, tokens, drafted), subs
         if op == "fill":
             return FillResult(), []
@@ -298,6 +309,7 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
                 clients.start_soon(closed_loop)
         pipe.stop()
     rec.header.extra["stand_ins"] = device.stand_ins()
+    device.close()
     return rec.to_trace(validate=False)
 
 

@@ -304,6 +304,29 @@ def test_allocate_many_gives_the_pages_of_row_by_row_allocation(history, batch, 
     many.check_invariants()
 
 
+@settings(max_examples=100, deadline=None, database=None)
+@given(sizes=st.lists(st.integers(0, 30), min_size=9, max_size=30), grow=st.data())
+def test_a_decode_steps_one_page_growth_gives_the_pages_of_row_by_row_allocation(sizes, grow) -> None:
+    """The steady state's path: more than a handful of rows, each short of at most one page
+    per model (a decode step's few new slots)."""
+    one, many = BlockManager(400, 4, MODELS), BlockManager(400, 4, MODELS)
+    for bm in (one, many):
+        for i, n in enumerate(sizes):
+            bm.allocate(f"r{i}", {"target": n, "draft": n + 1})
+    # each row grows by up to 4 slots (at most one page of 4), the draft model one slot ahead
+    ends = [n + grow.draw(st.integers(0, 4)) for n in sizes]
+    rids = [f"r{i}" for i in range(len(sizes))]
+    rows = many.rows(rids)
+    many.allocate_many(rows, {"target": np.array(ends), "draft": np.array(ends) + 1})
+    for r, e in zip(rids, ends):
+        one.allocate(r, {"target": e, "draft": e + 1})
+    for r in rids:
+        for m in MODELS:
+            assert many.page_table(r, m) == one.page_table(r, m)
+    assert many.num_free_pages == one.num_free_pages
+    many.check_invariants()
+
+
 @settings(max_examples=200, deadline=None, database=None)
 @given(sizes=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 30)), min_size=1, max_size=20),
        picks=st.lists(st.integers(0, 19), min_size=1, max_size=20, unique=True))

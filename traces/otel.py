@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-import orjson
 from opentelemetry import trace as otel_trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
