@@ -174,10 +174,12 @@ class BatchBuilder:
 
     def _batch(self, reqs: list[Request], slots: np.ndarray, start: np.ndarray, num_new: np.ndarray,
                num_draft: np.ndarray, prefill: np.ndarray, preempted: list[Request], draft: int = 0,
-               decision: object = None) -> StepBatch:
+               decision: object = None, samples: np.ndarray | None = None) -> StepBatch:
+        """The step's batch; `samples` (rows that reach their last token) unless given."""
         t = self.table
-        total = t.prompt_len[slots] + t.num_output[slots] + t.pending[slots]
-        batch = StepBatch(self._step, reqs, slots, start, num_new, num_draft, start + num_new >= total,
+        if samples is None:
+            samples = start + num_new >= t.prompt_len[slots] + t.num_output[slots] + t.pending[slots]
+        batch = StepBatch(self._step, reqs, slots, start, num_new, num_draft, samples,
                           prefill, t.gen[slots], preempted, 1 + draft, decision)
         self._step += 1
         return batch
@@ -233,7 +235,9 @@ class BatchBuilder:
             remaining = t.max_tokens[rows] - emitted  # `Request.remaining_tokens`
             num_draft = np.minimum(draft, np.maximum(0, remaining - 1))
         one = np.ones(n, dtype=np.int64)
-        batch = self._batch(reqs, rows, computed, one, num_draft, np.zeros(n, dtype=bool), [], draft, decision)
+        # every row computes its one last token: every row samples
+        batch = self._batch(reqs, rows, computed, one, num_draft, np.zeros(n, dtype=bool), [], draft, decision,
+                            samples=np.ones(n, dtype=bool))
         batch.shortfall = (blocks.version, cols)  # what `allocate` reserves: 1 + D slots per row
         return batch
 

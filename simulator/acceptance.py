@@ -17,6 +17,8 @@ Modes:
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from specsched.scheduler.small_arrays import SMALL_BATCH  # `outcomes` takes up to this many rows one by one
@@ -205,18 +207,28 @@ def _lookup_tables(recorded: dict[int, dict[int, tuple[int, int]]], agreement: d
     width = max((max(d) + 1 for d in recorded.values() if d), default=0)
     rec_acc = np.full((n, width), -1, dtype=np.int64)
     rec_drafted = np.full((n, width), -1, dtype=np.int64)
-    for i, by_pos in recorded.items():
-        if by_pos:
-            pos = np.fromiter(by_pos, dtype=np.int64, count=len(by_pos))
-            vals = np.array(list(by_pos.values()), dtype=np.int64).reshape(-1, 2)
-            rec_acc[i, pos], rec_drafted[i, pos] = vals[:, 0], vals[:, 1]
+    # every (request, position) entry in four flat lists, then one assignment per table: a
+    # large workload has hundreds of requests, too many for array calls per request
+    rows = [i for i, by_pos in recorded.items() for _ in range(len(by_pos))]
+    pos = [p for by_pos in recorded.values() for p in by_pos]
+    vals = [v for by_pos in recorded.values() for v in by_pos.values()]
+    if rows:
+        rv = np.array(vals, dtype=np.int64).reshape(-1, 2)
+        rec_acc[rows, pos], rec_drafted[rows, pos] = rv[:, 0], rv[:, 1]
     m = max(agreement, default=-1) + 1
     length = max((len(a) for a in agreement.values()), default=0)
     agree = np.zeros((m, length), dtype=bool)  # padded with disagreement
     has = np.zeros(m, dtype=bool)
-    for i, a in agreement.items():
-        has[i] = True
-        agree[i, : len(a)] = a
+    if agreement:
+        idx = list(agreement)
+        has[idx] = True
+        lists = list(agreement.values())
+        if all(len(a) == length for a in lists):  # one length (the usual): one conversion of 0/1s
+            flat = np.frombuffer(bytes(itertools.chain.from_iterable(lists)), dtype=np.uint8)
+            agree[idx] = (flat != 0).reshape(len(idx), length)
+        else:
+            for i, a in agreement.items():
+                agree[i, : len(a)] = a
     # ones in a row from p on: the distance from p to the first disagreement at or after it
     pos = np.arange(length)
     stops = np.where(agree, length, pos[None, :])

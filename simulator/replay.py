@@ -11,6 +11,7 @@ import asyncio
 import gc
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import anyio
 import numpy as np
@@ -67,8 +68,9 @@ class ReplayConfig:
                 raise ValueError(f"engine setting {k} must be a positive integer, got {v!r}")
 
 
-@dataclass(frozen=True)
-class WorkloadItem:
+class WorkloadItem(NamedTuple):
+    """One request of a replayed workload (a tuple: a large workload has many)."""
+
     prompt_len: int
     output_len: int
     arrival_ns: int  # offset from the first arrival
