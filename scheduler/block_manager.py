@@ -192,11 +192,11 @@ class BlockManager:
         if len(rows) <= SMALL_BATCH:  # a handful of rows: the array calls would cost more
             self._allocate_rows(rows.tolist(), list(zip(models, (c.tolist() for c in cols))))
             return
-        short = np.stack(cols, axis=1)  # [B, M]
-        needy = short.any(axis=1).nonzero()[0]
+        needy = sum(cols[1:], cols[0]).nonzero()[0]  # rows short in some model (counts are >= 0)
         if needy.size <= SMALL_BATCH:  # a decode step: most rows' last page has room
             self._allocate_rows(rows[needy].tolist(), [(m, c[needy].tolist()) for m, c in zip(models, cols)])
             return
+        short = np.stack(cols, axis=1)  # [B, M]
         taken = self._stack[self._top - total : self._top][::-1]
         flat = short.ravel()
         first = (np.cumsum(flat) - flat).reshape(short.shape)  # offset into `taken`

@@ -89,9 +89,12 @@ class OutputStage:
             now = self._now()
             for i in rows[firsts].tolist():
                 reqs[i].first_token_ns = now
-        t.num_output[slots[got]] += keep[got]
-        out = np.zeros(len(batch), dtype=np.int64)
-        out[rows] = keep
+        t.num_output[slots] += keep  # distinct slots; rows that keep nothing add 0
+        if rows.size == len(batch):  # every row (rows in order)
+            out = keep
+        else:
+            out = np.zeros(len(batch), dtype=np.int64)
+            out[rows] = keep
         self._finish_many([reqs[i] for i in rows[(got & (keep >= room)).nonzero()[0]].tolist()], "length")
         return out.tolist()
 
