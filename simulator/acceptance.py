@@ -41,7 +41,8 @@ class AcceptanceModel:
         self.exact_max_d = exact_max_d
         self.recorded = recorded or {}  # request index -> {output position: (accepted, drafted)}
         self.draft_rate = draft_rate  # share of speculative rows that drafted anything
-        self.rng = np.random.default_rng(seed)
+        self._seed = seed
+        self._rng: np.random.Generator | None = None  # made on first draw: most replays draw nothing
         self._tables: tuple[np.ndarray, ...] | None = None  # `outcomes`' lookups, built on first use
 
     @classmethod
@@ -76,6 +77,13 @@ class AcceptanceModel:
         return model
 
     any_length = False
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """The model's random draws (rates, Bernoulli, n-gram misses), seeded by `seed`."""
+        if self._rng is None:
+            self._rng = np.random.default_rng(self._seed)
+        return self._rng
 
     def _recorded_holds(self, rec_acc, rec_drafted, num_drafts):
         """Whether a recorded (accepted, drafted) decides a row drafting `num_drafts` now: at
