@@ -27,8 +27,9 @@ import numpy as np
 from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.errors import InvalidRequestError
 from specsched.scheduler.request import Request, RequestState
+from specsched.scheduler.row_bookkeeping import RowBookkeeping
 from specsched.scheduler.slot_state import SlotTable
-from specsched.scheduler.small_arrays import every, some, total
+from specsched.scheduler.small_arrays import some, total
 from specsched.scheduler.step_batch import StepBatch, empty_batch
 
 
@@ -62,7 +63,7 @@ def max_pages_needed(config: SchedulerConfig, page_size: int, num_prompt_tokens:
     return pages
 
 
-class BatchBuilder:
+class BatchBuilder(RowBookkeeping):
     def __init__(self, config: SchedulerConfig, blocks: BlockManager):
         self.config = config
         self.blocks = blocks
@@ -428,64 +429,3 @@ class BatchBuilder:
         extra = np.where(batch.num_new == 1, batch.width - 1, batch.num_draft) if batch.is_spec \
             else batch.num_draft
         self.blocks.allocate_many(batch.slots, self._slots(batch.start + batch.num_new + extra))
-
-    # -- bookkeeping: the rows' counters after their launches, whole-array ---------------------
-    def live(self, batch: StepBatch) -> np.ndarray:
-        """[B] rows whose request still holds its slot (one that finished while the batch was
-        in flight gave it back; a new request may hold it now)."""
-        return self.table.gen[batch.slots] == batch.gen
-
-    def computed_now(self, batch: StepBatch) -> np.ndarray:
-        """[B] num_computed_tokens of the batch's rows now (a finished row's own, kept in its
-        handle once its slot went back)."""
-        t = self.table
-        computed = t.computed[batch.slots]
-        gone = t.gen[batch.slots] != batch.gen
-        if some(gone):
-            for i in gone.nonzero()[0].tolist():
-                computed[i] = batch.requests[i].num_computed_tokens
-        return computed
-
-    def advance_forward(self, batch: StepBatch, kv_ahead: int | None) -> None:
-        """A forward step launched: its positions are computed, sampling rows have a token
-        pending on the device; a proposer with KV (`kv_ahead` not None) has read them too (a
-        draft model also the sampled token)."""
-        t, slots = self.table, batch.slots
-        computed = batch.start + batch.num_new
-        t.computed[slots] = computed
-        t.pending[slots] += batch.samples
-        if kv_ahead is not None:
-            t.proposer_computed[slots] = computed + kv_ahead * batch.samples
-
-    def complete_forward(self, batch: StepBatch) -> None:
-        """A forward step's tokens reached the host: they are no longer pending (the pipeline
-        then appends them to the outputs)."""
-        t = self.table
-        t.pending[batch.slots[batch.samples & self.live(batch)]] -= 1
-
-    def advance_verify(self, batch: StepBatch, accepted: np.ndarray) -> np.ndarray:
-        """A verification's accepted lengths arrived: each row's KV now covers its last token
-        and `accepted[i]` drafts. Returns [B] each row's token count before the step."""
-        t, slots = self.table, batch.slots
-        before = t.prompt_len[slots] + t.num_output[slots] + t.pending[slots]
-        t.computed[slots] += 1 + accepted
-        return before
-
-    def record_verify(self, batch: StepBatch, before: np.ndarray, accepted: np.ndarray,
-                      num_drafts: np.ndarray, kv_ahead: int) -> None:
-        """Speculation counters and the proposer's KV extent after a verification (before
-        its tokens are appended: a request that finishes on them keeps its counts)."""
-        t, slots = self.table, batch.slots
-        t.record_spec(slots, num_drafts, accepted)
-        if self.draft_policy is not None:
-            self.draft_policy.observe_verify(slots, num_drafts, accepted)
-        # draft model: every emitted token after its fill; heads: up to the new last token
-        t.proposer_computed[slots] = before + accepted + kv_ahead
-
-    def trim_rejected(self, batch: StepBatch) -> int:
-        """After a verification's tokens were appended: the pages of rejected candidates go
-        back, for rows still running (a finished row's pages went with it). Returns pages freed."""
-        t, slots = self.table, batch.slots
-        live = self.live(batch)
-        rows = slots if every(live) else slots[live]
-        return self.blocks.trim_many(rows, "target", t.prompt_len[rows] + t.num_output[rows] + t.pending[rows])
