@@ -49,6 +49,8 @@ class LaunchShape:
     num_draft: int | None = None  # a draft: the longest row's draft count
     draft_tokens: int | None = None
     draft_forwards: int | None = None
+    # requests x longest query x longest KV: the cells of an attention padded to the longest row
+    padded_attn: int | None = None
     # `attrs()` built once: a launch's pipeline, trace, device and cost model each ask for it
     _attrs: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -66,6 +68,8 @@ class LaunchShape:
             out["num_draft"] = self.num_draft
             out["draft_tokens"] = self.draft_tokens
             out["draft_forwards"] = self.draft_forwards
+        if self.padded_attn is not None:
+            out["padded_attn"] = self.padded_attn
         object.__setattr__(self, "_attrs", out)
         return out.copy()
 
@@ -178,7 +182,16 @@ class FillResult:
 
 def shape(qo_lens: np.ndarray, kv_lens: np.ndarray, **extra: Any) -> LaunchShape:
     """A launch's shape from its rows' computed and KV tokens."""
-    return LaunchShape(len(qo_lens), total(qo_lens), total(kv_lens), **extra)
+    n = len(qo_lens)
+    return LaunchShape(n, total(qo_lens), total(kv_lens), padded_attn=_padded(n, qo_lens, kv_lens), **extra)
+
+
+def _padded(n: int, qo_lens: np.ndarray | int, kv_lens: np.ndarray) -> int:
+    """`LaunchShape.padded_attn` of rows computing `qo_lens` tokens (an int: every row) with KV `kv_lens`."""
+    if not n:
+        return 0
+    q = qo_lens if isinstance(qo_lens, int) else largest(qo_lens)
+    return n * q * largest(kv_lens)
 
 
 def batch_shape(batch: StepBatch, width: int = 0, **extra: Any) -> LaunchShape:
@@ -190,13 +203,16 @@ def batch_shape(batch: StepBatch, width: int = 0, **extra: Any) -> LaunchShape:
         if got is not None:
             return got
     n = len(batch)
-    tokens = n * width if (width and batch.is_spec) else batch.num_tokens
+    spec = width and batch.is_spec
+    tokens = n * width if spec else batch.num_tokens
     kv = cache.get("kv_tokens")
     if kv is None:
-        kv = cache["kv_tokens"] = total(batch.start + batch.num_new + batch.num_draft)
+        ends = cache["ends"] = batch.start + batch.num_new + batch.num_draft
+        kv = cache["kv_tokens"] = total(ends)
+    padded = _padded(n, width if spec else batch.num_new + batch.num_draft, cache["ends"])
     if extra:
-        return LaunchShape(n, tokens, kv, **extra)
-    got = cache[width] = LaunchShape(n, tokens, kv)
+        return LaunchShape(n, tokens, kv, padded_attn=padded, **extra)
+    got = cache[width] = LaunchShape(n, tokens, kv, padded_attn=padded)
     return got
 
 

@@ -29,8 +29,10 @@ class Launch:
     # the launch completes: a step later under plain_overlap)
 
 
-LAUNCH_FEATURES = ("const", "tokens", "requests", "kv_tokens", "draft_steps", "draft_forwards", "draft_tokens")
-SHAPE_KEYS = ("tokens", "requests", "kv_tokens", "num_draft", "draft_tokens", "draft_forwards")  # what they read
+LAUNCH_FEATURES = ("const", "tokens", "requests", "kv_tokens", "draft_steps", "draft_forwards", "draft_tokens",
+                   "padded_attn")
+SHAPE_KEYS = ("tokens", "requests", "kv_tokens", "num_draft", "draft_tokens", "draft_forwards",
+              "padded_attn")  # what they read
 
 
 def draft_counts(attrs: dict) -> tuple[int, int, int]:
@@ -49,7 +51,8 @@ def launch_features(attrs: dict) -> dict[str, float]:
     steps, forwards, drafted = draft_counts(attrs)
     return {"const": 1.0, "tokens": float(attrs.get("tokens", 0)), "requests": float(attrs.get("requests", 0)),
             "kv_tokens": float(attrs.get("kv_tokens", 0)), "draft_steps": float(steps),
-            "draft_forwards": float(forwards), "draft_tokens": float(drafted)}
+            "draft_forwards": float(forwards), "draft_tokens": float(drafted),
+            "padded_attn": float(attrs.get("padded_attn", 0))}
 
 
 def device_span_name(op: str, attrs: dict) -> str:

@@ -5,8 +5,12 @@ small non-negative linear model of the step's shape (fitted from traces by
 `specsched.simulator.fit`):
 
     duration_ns = c0 + c_tok * padded(tokens) + c_req * requests + c_kv * kv_tokens
+                  + c_attn * padded_attn
 
-and for the draft op, which samples each row's first draft token from logits the fill
+(`padded_attn` = requests x the longest row's query tokens x the longest row's KV: the work of
+an attention that pads every row to the longest, as the torch backend does; a chunked
+prefill among decodes costs that, not its tokens. Host stages leave it out; a device whose
+attention does not pad fits it near zero), and for the draft op, which samples each row's first draft token from logits the fill
 already computed and then runs one proposer forward per further token,
 
     duration_ns = c0 + c_step * draft_steps + c_fwd * draft_forwards + c_kv * kv_tokens
@@ -37,14 +41,16 @@ from specsched.scheduler.step_trace import LAUNCH_FEATURES, draft_counts, launch
 
 FEATURES = LAUNCH_FEATURES
 DRAFT_FEATURES = ("const", "draft_steps", "draft_forwards", "kv_tokens")  # fitted for the draft op
-SHAPE_FEATURES = FEATURES[:4]  # every other device op and host stage
+SHAPE_FEATURES = FEATURES[:4]  # host stages
+# every other device op: the shape, and the padded attention's query x key cells
+OP_FEATURES = SHAPE_FEATURES + ("padded_attn",)
 HOST_STAGES = ("schedule", "kv_alloc", "plan", "launch", "output")
 _PER_OP_LATENCIES = {"launch lead": "launch_leads", "wake-up": "wakeups", "queue gap": "op_gaps"}
 
 
 def device_features(op: str) -> tuple[str, ...]:
     """The features a device op's model is fitted on."""
-    return DRAFT_FEATURES if op == "draft" else SHAPE_FEATURES
+    return DRAFT_FEATURES if op == "draft" else OP_FEATURES
 
 
 @dataclass
@@ -78,6 +84,8 @@ class StageModel:
         if c[4] or c[5] or c[6]:
             steps, forwards, drafted = draft_counts(attrs)
             total += c[4] * steps + c[5] * forwards + c[6] * drafted
+        if c[7]:
+            total += c[7] * attrs.get("padded_attn", 0)
         return total if total > 0.0 else 0.0
 
 

@@ -162,6 +162,38 @@ def test_cost_fit_recovers_a_linear_model_and_roundtrips(tmp_path):
         CostProfile.load(tmp_path / "bad.json")
 
 
+def test_forward_launches_record_their_padded_attention_and_profiles_price_it():
+    """A forward's attention pads every row to the longest query and the longest KV (the torch
+    backend): each launch records requests x longest query x longest KV, a fit recovers its
+    coefficient where it varies apart from the tokens, and a profile prices it."""
+    tr = workload_trace(4, 40, 12, proposer="none", draft_len=0, concurrency=None, interarrival_ns=30_000_000)
+    _, sim = replay(tr, analytic_profile(5_000_000, 0.1), ReplayConfig())
+    steps = {s.step: s for s in sim.steps}
+    forwards = [s for s in sim.spans if s.track.startswith("device:") and s.name in ("prefill", "decode", "mixed")]
+    assert {s.name for s in forwards} == {"prefill", "decode", "mixed"}
+    for s in forwards:
+        st = steps[s.step]
+        assert s.attrs["padded_attn"] == len(st.request_ids) * max(st.num_new_tokens) * max(st.kv_lens), s
+    rng = np.random.default_rng(1)
+    rows, ys = [], []
+    for _ in range(100):
+        b, q, kv = int(rng.integers(2, 64)), int(rng.integers(1, 40)), int(rng.integers(50, 400))
+        tokens = b - 1 + q  # one row prefilling a chunk of q among b - 1 decodes
+        r = {"const": 1.0, "tokens": float(tokens), "requests": float(b), "kv_tokens": float(b * kv),
+             "padded_attn": float(b * q * kv)}
+        rows.append(r)
+        ys.append(1e6 + 2e4 * tokens + 30 * r["padded_attn"])
+    m = fit_stage(rows, ys, ("const", "tokens", "requests", "kv_tokens", "padded_attn"))
+    assert m.coef["padded_attn"] == pytest.approx(30, rel=1e-6) and m.mape < 1e-6
+    prof = CostProfile()
+    prof.device["mixed"] = m
+    attrs = {"requests": 10, "tokens": 29, "kv_tokens": 1000, "padded_attn": 10 * 20 * 100}
+    assert prof.device_ns("mixed", attrs) == pytest.approx(1e6 + 2e4 * 29 + 30 * 20_000)
+    assert prof.device["mixed"].predict(prof.features(attrs)) == pytest.approx(prof.device_ns("mixed", attrs))
+    older = {k: v for k, v in attrs.items() if k != "padded_attn"}  # a trace from before the attribute
+    assert prof.device_ns("mixed", older) == pytest.approx(1e6 + 2e4 * 29)
+
+
 def test_draft_cost_follows_the_proposer_forwards_really_run():
     """A draft launch samples each row's first token from carried logits and runs one proposer
     forward per further token, and rows stop drafting at their own count (near max_tokens):
