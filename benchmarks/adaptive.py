@@ -9,6 +9,7 @@ each fixed D. Then, per proposer and concurrency, one more auto run with its tra
 the simulator (`validate`: the trace's own fitted costs): the makespan error.
 
     python benchmarks/adaptive.py [--concurrency 1 4 16 64] [--rounds 3] [--max-tokens 32]
+    python benchmarks/adaptive.py --replay-only --save-traces DIR   # the replays alone, traces kept
 """
 from __future__ import annotations
 
@@ -62,19 +63,27 @@ def main() -> None:
     ap.add_argument("--max-draft-len", type=int, default=4)
     ap.add_argument("--proposers", nargs="+", choices=list(PROPOSERS), default=list(PROPOSERS))
     ap.add_argument("--no-replay", action="store_true", help="skip the simulator's replay of the auto traces")
+    ap.add_argument("--replay-only", action="store_true", help="skip the tokens/s table: only the auto runs "
+                    "with their traces and the simulator's replays of them")
+    ap.add_argument("--save-traces", type=Path, help="write the auto traces to this folder "
+                    "(auto_<proposer>_c<concurrency>.jsonl), e.g. to validate them with another checkout")
     args = ap.parse_args()
     if min(args.concurrency) < 1 or args.rounds < 1 or args.max_draft_len < 1 or args.max_tokens < 2:
         ap.error("--concurrency, --rounds and --max-draft-len must be >= 1, --max-tokens >= 2")
+    if args.replay_only and args.no_replay:
+        ap.error("--replay-only and --no-replay leave nothing to run")
     from specsched.simulator.analysis import validate
+    from specsched.traces.recorder import write_trace
 
     spread = lengths(args.max_tokens, 1 + 2 * args.max_tokens)
-    print(f"output tokens/s, median of {args.rounds} interleaved rounds; output lengths {min(spread)}..{max(spread)} "
-          "tokens (see `lengths`)")
+    print(("the auto runs' replays alone" if args.replay_only else
+           f"output tokens/s, median of {args.rounds} interleaved rounds")
+          + f"; output lengths {min(spread)}..{max(spread)} tokens (see `lengths`)")
     for proposer in args.proposers:
         cfgs = configs(proposer, args.max_draft_len)
         names = list(cfgs)
         table: dict[int, dict[str, float]] = {}
-        for c in args.concurrency:
+        for c in [] if args.replay_only else args.concurrency:
             items = workload(c, args.max_tokens, args.min_requests)
             got: dict[str, list[float]] = {n: [] for n in names}
             for r in range(args.rounds):
@@ -84,26 +93,35 @@ def main() -> None:
                     got[name].append(m["output_tokens_per_s"])
             table[c] = {n: statistics.median(v) for n, v in got.items()}
         print(f"\n{proposer} ({PROPOSERS[proposer]}):")
-        print(f"{'concurrency':>11} " + " ".join(f"{n:>8}" for n in names) + f" {'auto/best':>10} {'best':>6}")
-        for c, row in table.items():
-            fixed = {n: v for n, v in row.items() if n != "auto"}
-            best = max(fixed, key=fixed.get)
-            print(f"{c:>11} " + " ".join(f"{row[n]:>8.1f}" for n in names)
-                  + f" {row['auto'] / fixed[best]:>9.3f}x {best:>6}")
-        geo = {n: math.exp(statistics.mean(math.log(table[c][n]) for c in table)) for n in names}
-        print(f"{'geomean':>11} " + " ".join(f"{geo[n]:>8.1f}" for n in names)
-              + f"   auto / best fixed geomean: {geo['auto'] / max(v for n, v in geo.items() if n != 'auto'):.3f}x")
+        if table:
+            print_table(table, names)
         if args.no_replay:
             continue
         errs = []
         for c in args.concurrency:
             items = workload(c, args.max_tokens, args.min_requests)
             _, trace = run(items, concurrency=c, warmup=1, trace=True, **cfgs["auto"])
+            if args.save_traces is not None:
+                args.save_traces.mkdir(parents=True, exist_ok=True)
+                write_trace(trace, args.save_traces / f"auto_{proposer}_c{c}.jsonl")
             v = validate(trace, replicates=1)
             counts = v["real"]["draft_len_counts"]
             errs.append(f"c={c}: makespan {v['makespan_err_pct']:+.2f}% (steps by D: "
                         + ", ".join(f"{d}:{n}" for d, n in counts.items()) + ")")
         print("  simulator replaying the auto traces: " + "; ".join(errs))
+
+
+def print_table(table: dict[int, dict[str, float]], names: list[str]) -> None:
+    """Tokens/s per concurrency and configuration, auto against the best fixed D, geomeans."""
+    print(f"{'concurrency':>11} " + " ".join(f"{n:>8}" for n in names) + f" {'auto/best':>10} {'best':>6}")
+    for c, row in table.items():
+        fixed = {n: v for n, v in row.items() if n != "auto"}
+        best = max(fixed, key=fixed.get)
+        print(f"{c:>11} " + " ".join(f"{row[n]:>8.1f}" for n in names)
+              + f" {row['auto'] / fixed[best]:>9.3f}x {best:>6}")
+    geo = {n: math.exp(statistics.mean(math.log(table[c][n]) for c in table)) for n in names}
+    print(f"{'geomean':>11} " + " ".join(f"{geo[n]:>8.1f}" for n in names)
+          + f"   auto / best fixed geomean: {geo['auto'] / max(v for n, v in geo.items() if n != 'auto'):.3f}x")
 
 
 if __name__ == "__main__":
