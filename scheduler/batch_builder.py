@@ -179,7 +179,7 @@ class BatchBuilder(RowBookkeeping):
         """The step's batch; `samples` (rows that reach their last token) unless given."""
         t = self.table
         if samples is None:
-            samples = start + num_new >= t.prompt_len[slots] + t.num_output[slots] + t.pending[slots]
+            samples = start + num_new >= t.num_tokens(slots)
         batch = StepBatch(self._step, reqs, slots, start, num_new, num_draft, samples,
                           prefill, t.gen[slots], preempted, 1 + draft, decision)
         self._step += 1
@@ -250,7 +250,7 @@ class BatchBuilder(RowBookkeeping):
         t = self.table
         slots = self.running_slots()
         computed = t.computed[slots]
-        todo = t.prompt_len[slots] + t.num_output[slots] + t.pending[slots] - computed
+        todo = t.num_tokens(slots) - computed
         before = np.cumsum(todo) - todo  # budget the rows ahead of each take
         n = np.clip(budget - before, 0, todo)
         rows = (n > 0).nonzero()[0]
@@ -276,7 +276,7 @@ class BatchBuilder(RowBookkeeping):
         slots = self.running_slots()
         computed = t.computed[slots]
         prompt = t.prompt_len[slots]
-        total = prompt + t.num_output[slots] + t.pending[slots]
+        total = t.num_tokens(slots)
         in_prefill = (computed < prompt) | (computed < total - 1)  # `Request.in_prefill`
         # Speculate only on a decode-only batch: every running request decodes and no waiting
         # one can be admitted (none waits, or every seat is taken).
@@ -391,7 +391,7 @@ class BatchBuilder(RowBookkeeping):
         slots = np.fromiter((r.slot for r in cand), dtype=np.int64, count=m)
         computed = t.computed[slots]
         prompt = t.prompt_len[slots]
-        total = prompt + t.num_output[slots] + t.pending[slots]
+        total = t.num_tokens(slots)
         todo = total - computed
         before = np.cumsum(todo) - todo  # the budget the requests ahead of each take
         k = int(np.count_nonzero(before < budget))  # a prefix: the budget left is > 0 for them

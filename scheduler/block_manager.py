@@ -9,7 +9,8 @@ Check/act pairs: `can_allocate` / `allocate` grow tables to cover a number of KV
 length (rejected drafts); `free` releases everything of a request (finish, abort, preempt).
 
 State is arrays, so that a step over hundreds of rows is a few whole-array operations
-(`pages_needed_many`, `allocate_many`, `trim_many`, `tables`): per model a page table
+(`tables`; `pages_needed_many`, `allocate_many`, `trim_many`, `free_many` in
+scheduler/block_batch_ops.py): per model a page table
 `[rows, max_pages]` (int32) with a page count per row, and the free pages as an array stack
 (LIFO: recently freed pages are reused first, which keeps a cache warm). A request's row is
 its slot: the batch builder `bind`s it when the request is added (rows are then the same
@@ -24,12 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specsched.scheduler.small_arrays import SMALL_BATCH, largest
-from specsched.scheduler.small_arrays import total as array_total
-
-
-class OutOfPagesError(RuntimeError):
-    pass
+from specsched.scheduler.block_batch_ops import BatchPageOps
+from specsched.scheduler.errors import OutOfPagesError
 
 
 @dataclass(frozen=True)
@@ -44,7 +41,7 @@ class KVPoolStats:
     pages_by_request: dict[str, dict[str, int]]  # request id -> model -> pages it holds
 
 
-class BlockManager:
+class BlockManager(BatchPageOps):
     def __init__(self, num_pages: int, page_size: int, models: tuple[str, ...] = ("target",)):
         if num_pages < 1 or page_size < 1:
             raise ValueError("num_pages and page_size must be >= 1")
@@ -138,11 +135,6 @@ class BlockManager:
         written to."""
         return self._tables[model], self._model_counts(model)
 
-    def pages_needed_many(self, rows: np.ndarray, slots: Mapping[str, np.ndarray]) -> np.ndarray:
-        """[B] pages each row is short of to cover slots[model][b] KV slots."""
-        cols = self._shortfall(rows, slots)
-        return sum(cols[1:], cols[0]) if cols else np.zeros(len(rows), dtype=np.int64)
-
     # -- check / act -----------------------------------------------------------------------
     def can_allocate(self, request_id: str, slots: Mapping[str, int], *, reserve_pages: int = 0) -> bool:
         """Could every model's table of `request_id` cover slots[model] KV slots?"""
@@ -171,80 +163,6 @@ class BlockManager:
                 self.version += 1
                 counts[row] = have + short
 
-    def shortfall(self, rows: np.ndarray, slots: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Model -> [B] pages each row is short of to cover slots[model] (what
-        `allocate_many` takes as `shortfall` while `version` is unchanged)."""
-        return dict(zip(slots, self._shortfall(rows, slots)))
-
-    def allocate_many(self, rows: np.ndarray, slots: Mapping[str, np.ndarray] | None = None,
-                      shortfall: Mapping[str, np.ndarray] | None = None) -> None:
-        """`allocate` for every row of a batch at once (rows distinct), all or nothing: the
-        same pages as allocating row by row, model by model, in order. `shortfall` instead of
-        `slots`: what `shortfall(rows, slots)` returned, if no pages changed hands since."""
-        if shortfall is None:
-            shortfall = self.shortfall(rows, slots)
-        models, cols = list(shortfall), list(shortfall.values())
-        total = sum(map(array_total, cols))
-        if total > self._top:
-            raise OutOfPagesError(f"a batch of {len(rows)} rows needs {total} pages, {self._top} free")
-        if not total:
-            return
-        if len(rows) <= SMALL_BATCH:  # a handful of rows: the array calls would cost more
-            self._allocate_rows(rows.tolist(), list(zip(models, (c.tolist() for c in cols))))
-            return
-        needy = sum(cols[1:], cols[0]).nonzero()[0]  # rows short in some model (counts are >= 0)
-        if needy.size <= SMALL_BATCH:  # a decode step: most rows' last page has room
-            self._allocate_rows(rows[needy].tolist(), [(m, c[needy].tolist()) for m, c in zip(models, cols)])
-            return
-        short = np.stack(cols, axis=1)  # [B, M]
-        taken = self._stack[self._top - total : self._top][::-1]
-        flat = short.ravel()
-        first = (np.cumsum(flat) - flat).reshape(short.shape)  # offset into `taken`
-        if largest(flat) == 1:  # a decode step: a needy row takes one page per model
-            for j, model in enumerate(models):
-                picked = short[:, j].nonzero()[0]
-                if not picked.size:
-                    continue
-                counts, r = self._counts[model], rows[picked]
-                have = counts[r]
-                table = self._table_with_room(model, largest(have) + 1)
-                table[r, have] = taken[first[picked, j]]
-                counts[r] = have + 1
-            self._top -= total
-            self.version += 1
-            return
-        for j, model in enumerate(models):
-            s = short[:, j]
-            k = int(s.sum())
-            if not k:
-                continue
-            counts = self._counts[model]
-            have = counts[rows]
-            picked = s.nonzero()[0]
-            reps = s[picked]
-            within = np.arange(k) - np.repeat(np.cumsum(reps) - reps, reps)
-            table = self._table_with_room(model, int((have[picked] + reps).max()))
-            table[np.repeat(rows[picked], reps), np.repeat(have[picked], reps) + within] = \
-                taken[np.repeat(first[picked, j], reps) + within]
-            counts[rows] = have + s
-        self._top -= total
-        self.version += 1
-
-    def _allocate_rows(self, rows: list[int], shortfall: list[tuple[str, list[int]]]) -> None:
-        """`allocate_many` row by row, model by model (the order it reproduces)."""
-        stack = self._stack
-        for i, row in enumerate(rows):
-            for model, short in shortfall:
-                k = short[i]
-                if k:
-                    counts = self._counts[model]
-                    have = int(counts[row])
-                    table = self._table_with_room(model, have + k)
-                    table[row, have : have + k] = stack[self._top - k : self._top][::-1]
-                    self._top -= k
-                    counts[row] = have + k
-        self.version += 1
-
     def trim(self, request_id: str, model: str, num_slots: int) -> int:
         """Release pages wholly beyond `num_slots` (rejected draft slots). Returns pages freed."""
         if num_slots < 0:
@@ -259,38 +177,6 @@ class BlockManager:
         self._push(self._tables[model][row, keep:have])
         counts[row] = keep
         return have - keep
-
-    def trim_many(self, rows: np.ndarray, model: str, num_slots: np.ndarray) -> int:
-        """`trim` for every row of a batch at once (rows distinct): the same pages freed, in
-        the same order, as trimming row by row. Returns pages freed."""
-        counts = self._model_counts(model)
-        ps = self.page_size
-        keep = (np.asarray(num_slots, dtype=np.int64) + ps - 1) // ps
-        have = counts[rows]
-        extra = have - keep
-        picked = (extra > 0).nonzero()[0]
-        if not picked.size:
-            return 0
-        if picked.size <= SMALL_BATCH:  # a few rows: row by row costs less than the array calls
-            table, freed = self._tables[model], 0
-            for row, kp, ex in zip(rows[picked].tolist(), keep[picked].tolist(), extra[picked].tolist()):
-                self._push(table[row, kp : kp + ex])
-                counts[row] = kp
-                freed += ex
-            return freed
-        reps = extra[picked]
-        k = int(reps.sum())
-        # each row's pages from its last kept page on, in table order, row after row
-        first = np.repeat(np.cumsum(reps) - reps, reps)
-        within = np.arange(k) - first
-        r = rows[picked]
-        pages = self._tables[model][np.repeat(r, reps), np.repeat(keep[picked], reps) + within]
-        # the stack as `_push` row by row leaves it: each row's pages reversed, rows in order
-        self._stack[self._top : self._top + k] = pages[first + np.repeat(reps, reps) - 1 - within]
-        self._top += k
-        self.version += 1
-        counts[r] = keep[picked]
-        return k
 
     def release_pages(self, request_id: str) -> int:
         """Release every page of the request in every model, keeping its row (preemption:
@@ -323,38 +209,6 @@ class BlockManager:
         else:
             self._free_rows.append(row)
 
-    def free_many(self, request_ids: Sequence[str]) -> int:
-        """`free` for many (distinct) requests at once: the same pages back on the stack, in the same
-        order, as freeing them one after another (request by request, each in model order,
-        each row's pages reversed). Returns pages freed."""
-        rows = [self._row_of.get(rid) for rid in request_ids]
-        # an unknown id frees nothing, and some row was never bound; a handful of requests
-        # (a step's finishes) cost less one by one than in array calls
-        if len(rows) <= SMALL_BATCH or None in rows:
-            return sum(self.free(rid) for rid in request_ids)
-        r = np.asarray(rows, dtype=np.int64)
-        have = np.stack([self._counts[m][r] for m in self.models], axis=1)  # [n, models]
-        total = int(have.sum())
-        if total:
-            reps = have.ravel()  # (request, model) pairs in the order `free` visits them
-            pair = np.repeat(np.arange(reps.size), reps)
-            within = np.arange(total) - np.repeat(np.cumsum(reps) - reps, reps)
-            pos = reps[pair] - 1 - within  # each pair's pages reversed
-            which, row = pair % len(self.models), r[pair // len(self.models)]
-            pages = np.empty(total, dtype=np.int32)
-            for k, m in enumerate(self.models):
-                sel = which == k
-                pages[sel] = self._tables[m][row[sel], pos[sel]]
-            self._stack[self._top : self._top + total] = pages
-            self._top += total
-            self.version += 1
-            for m in self.models:
-                self._counts[m][r] = 0
-        for rid, row in zip(request_ids, rows):
-            del self._row_of[rid]
-            self._drop_row(row)
-        return total
-
     def stats(self) -> KVPoolStats:
         by_request: dict[str, dict[str, int]] = {}
         for rid, row in self._row_of.items():
@@ -383,18 +237,6 @@ class BlockManager:
             raise AssertionError(f"page leak or double free: {pages.size} refs, {np.unique(pages).size} unique")
 
     # -- internals -----------------------------------------------------------------------------
-    def _shortfall(self, rows: np.ndarray, slots: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        """Per model in `slots` order, [B] pages each row is short of."""
-        ps = self.page_size
-        cols = []
-        for model, n in slots.items():
-            counts = self._model_counts(model)
-            short = -(-np.asarray(n, dtype=np.int64) // ps)  # pages that cover n (one op fewer)
-            short -= counts[rows]
-            np.maximum(short, 0, out=short)
-            cols.append(short)
-        return cols
-
     def _new_row(self, request_id: str) -> int:
         if self._free_rows:
             row = self._free_rows.pop()

@@ -1,4 +1,4 @@
-"""Typed errors the engine raises before anything is queued."""
+"""Typed errors: what the engine raises before anything is queued, and the KV pool's."""
 from __future__ import annotations
 
 
@@ -12,3 +12,7 @@ class ConfigurationError(ValueError):
 
 class EngineClosedError(RuntimeError):
     """The engine is shut down (or shutting down) and takes no new requests."""
+
+
+class OutOfPagesError(RuntimeError):
+    """An allocation the KV pool's free pages cannot cover (callers check before they act)."""

@@ -54,7 +54,7 @@ class RowBookkeeping:
         """A verification's accepted lengths arrived: each row's KV now covers its last token
         and `accepted[i]` drafts. Returns [B] each row's token count before the step."""
         t, slots = self.table, batch.slots
-        before = t.prompt_len[slots] + t.num_output[slots] + t.pending[slots]
+        before = t.num_tokens(slots)
         t.computed[slots] += 1 + accepted
         return before
 
@@ -75,4 +75,4 @@ class RowBookkeeping:
         t, slots = self.table, batch.slots
         live = self.live(batch)
         rows = slots if every(live) else slots[live]
-        return self.blocks.trim_many(rows, "target", t.prompt_len[rows] + t.num_output[rows] + t.pending[rows])
+        return self.blocks.trim_many(rows, "target", t.num_tokens(rows))

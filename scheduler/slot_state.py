@@ -148,6 +148,11 @@ class SlotTable:
         self.drafted_hist[slots, drafted] += 1  # slots are distinct
         self.accepted_hist[slots, np.minimum(accepted, drafted)] += 1  # <= drafted, as verify guarantees
 
+    def num_tokens(self, slots: np.ndarray) -> np.ndarray:
+        """[B] tokens of each slot's sequence: prompt, output seen, and sampled on the device
+        but not yet seen (`Request.num_tokens`)."""
+        return self.prompt_len[slots] + self.num_output[slots] + self.pending[slots]
+
     def spec_totals(self, slot: int) -> tuple[int, int, int]:
         """(drafts, drafted tokens, accepted tokens) of the slot's request, from its histograms."""
         return spec_totals(self.drafted_hist[slot], self.accepted_hist[slot])
