@@ -10,8 +10,9 @@ small non-negative linear model of the step's shape (fitted from traces by
 (`padded_attn` = requests x the longest row's query tokens x the longest row's KV: the work of
 an attention that pads every row to the longest, as the torch backend does; a chunked
 prefill among decodes costs that, not its tokens. Host stages leave it out; a device whose
-attention does not pad fits it near zero), and for the draft op, which samples each row's first draft token from logits the fill
-already computed and then runs one proposer forward per further token,
+attention does not pad fits it near zero), and for the draft op, which samples each row's
+first draft token from logits the fill already computed and then runs one proposer forward
+per further token,
 
     duration_ns = c0 + c_step * draft_steps + c_fwd * draft_forwards + c_kv * kv_tokens
 
