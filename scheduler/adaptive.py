@@ -20,8 +20,9 @@ the pipeline), and its inputs are what the pipeline already has:
 - **Step time**, from the device events' start/end stamps of the launches the pipeline makes:
   a small non-negative linear model per op (a target forward over (tokens, requests, KV
   tokens); the draft over (draft steps, row-forwards, KV tokens); the proposer's fill),
-  refitted as samples arrive, ridge-regularized toward its seed -- a fitted cost profile
-  (`seed_costs`, the simulator's JSON format) or none -- so a few samples cannot swing it.
+  refitted as samples arrive (running weighted sums: O(1) per sample), ridge-regularized
+  toward its seed -- a fitted cost profile (`seed_costs`, the simulator's JSON format) or
+  none -- so a few samples cannot swing it.
   h is the smoothed residual of the steps' measured wall time over their predicted device
   time (host work a schedule does not hide), per D: a plain decode step launches one op, a
   speculative one three, and how much of their host work a schedule hides differs too. A D
@@ -39,6 +40,9 @@ the pipeline), and its inputs are what the pipeline already has:
   A probe that finds the same best length as the one before it doubles the interval to the
   next (up to `MAX_EXPLORE_BACKOFF` x `explore_every`); a change of the best resets it: probing
   a settled choice costs a draft pass (and a catch-up) each time.
+- **Host cost**: the policy runs on the host between device steps, where a plain decode step
+  leaves least room, so a choice of D = 0 stands for up to `HOLD_STEPS` decisions over an
+  unchanged batch (see `choose`).
 """
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ FEATURES = {
 PROFILE_NAMES = {"target": ("verify", "decode"), "draft": ("draft",), "fill": ("draft_fill",)}
 MIN_OVERHEAD_SAMPLES = 4  # steps at a D before its own overhead estimate replaces the pooled one
 MAX_EXPLORE_BACKOFF = 8  # a settled choice is probed at most this many times less often
+HOLD_STEPS = 8  # decode steps a choice of D = 0 stands for over an unchanged batch (see `choose`)
 
 
 def _features(model: str, attrs: dict) -> np.ndarray:
@@ -67,54 +72,62 @@ def _features(model: str, attrs: dict) -> np.ndarray:
 
 @dataclass
 class OnlineCost:
-    """Non-negative linear cost (ns) of one op, refitted on its last `window` samples by
-    ridge regression toward `prior` (the seed, or zeros): (X'X + lam P) c = X'y + lam P prior,
-    P = diag(0, 1, 1, ...): the constant is not pulled (a forward's fixed cost -- the weights
-    read once -- is what few samples of one shape show best; pulling it would hand it to the
-    per-row terms, which then extrapolate to large batches as a cost per row that is not
-    there). The draft's constant is pulled (`free_const=False`): its cost is per draft step
-    and row-forward, and a run at one D must not book those steps as a fixed cost that every
-    other D would pay too."""
+    """Non-negative linear cost (ns) of one op, fitted by exponentially weighted ridge
+    regression toward `prior` (the seed, or zeros). Each feature is scaled to unit size (its
+    largest value seen) so that one ridge weight suits tokens and constants alike: with
+    S = diag(scale), A = sum w x x', b = sum w x y, the fit solves
+    (A + lam S P S) c = b + lam S P S prior, P = diag(0, 1, 1, ...): the constant is not pulled (a
+    forward's fixed cost -- the weights read once -- is what few samples of one shape show best;
+    pulling it would hand it to the per-row terms, which then extrapolate to large batches as
+    a cost per row that is not there). The draft's constant is pulled (`free_const=False`):
+    its cost is per draft step and row-forward, and a run at one D must not book those steps as
+    a fixed cost that every other D would pay too.
+
+    A and b are kept as running sums (each sample's weight halves every `half_life` samples),
+    so a sample costs two small array updates and a refit one 4 x 4 solve, whatever the
+    history: the policy runs on the host between device steps."""
 
     features: tuple[str, ...]
     prior: np.ndarray | None = None
-    window: int = 256
     lam: float = 1.0
     half_life: float = 32.0  # samples: the fit follows the current load (batch size drifts)
     free_const: bool = True  # the constant is not pulled toward the prior (see the class docstring)
     coef: np.ndarray | None = None
-    _x: list = field(default_factory=list)
-    _y: list = field(default_factory=list)
+    _a: np.ndarray | None = None
+    _b: np.ndarray | None = None
+    _scale: np.ndarray | None = None
+    _n: int = 0
     _since_fit: int = 0
 
     def __post_init__(self) -> None:
         if self.coef is None and self.prior is not None:
             self.coef = self.prior.copy()
+        k = len(self.features)
+        self._a, self._b, self._scale = np.zeros((k, k)), np.zeros(k), np.ones(k)
+        self._decay = 0.5 ** (1.0 / self.half_life)
+        pen = np.full(k, self.lam)
+        if self.free_const:
+            pen[0] = 0.0  # the constant (FEATURES put it first)
+        self._pen = pen
 
     def add(self, x: np.ndarray, y: float) -> None:
-        self._x.append(x)
-        self._y.append(y)
-        if len(self._x) > self.window:
-            del self._x[0], self._y[0]
+        a, b = self._a, self._b
+        a *= self._decay
+        a += np.outer(x, x)
+        b *= self._decay
+        b += x * y
+        np.maximum(self._scale, np.abs(x), out=self._scale)
+        self._n += 1
         self._since_fit += 1
-        if self.coef is None or len(self._x) < 64 or self._since_fit >= 8:  # early samples count most
+        if self.coef is None or self._n < 64 or self._since_fit >= 8:  # early samples count most
             self.fit()
 
     def fit(self) -> None:
-        x, y = np.array(self._x), np.array(self._y)
-        # scale each feature to unit size so one ridge weight suits tokens and constants alike
-        scale = np.maximum(np.abs(x).max(axis=0), 1.0)
-        xs = x / scale
-        # recent samples weigh most: a cost is linear only locally (a large batch's per-token
-        # cost is not a small one's), and the policy compares lengths at the current load
-        w = 0.5 ** (np.arange(len(y))[::-1] / self.half_life)
-        prior = (self.prior * scale) if self.prior is not None else np.zeros(x.shape[1])
-        pen = np.ones(x.shape[1])
-        if self.free_const:
-            pen[0] = 0.0  # the constant (FEATURES put it first)
-        pen = self.lam * np.diag(pen) + 1e-9 * np.eye(x.shape[1])
-        c = np.linalg.solve(xs.T @ (xs * w[:, None]) + pen, xs.T @ (w * y) + pen @ prior)
-        self.coef = np.maximum(c, 0.0) / scale
+        s2 = self._scale * self._scale
+        pen = self._pen * s2 + 1e-9 * s2  # lam S P S, and a tiny ridge on every term (solvable)
+        prior = self.prior if self.prior is not None else 0.0
+        c = np.linalg.solve(self._a + np.diag(pen), self._b + pen * prior)
+        self.coef = np.maximum(c, 0.0)
         self._since_fit = 0
 
     def predict(self, x: np.ndarray) -> float | None:
@@ -147,7 +160,7 @@ class DraftLenPolicy:
     batch (an MTP head), else the accepted tokens (a draft model); `has_fill`: it has one."""
 
     def __init__(self, max_draft_len: int, *, has_fill: bool, kv_ahead: int = 0, fill_same_batch: bool = False,
-                 prior: float = 0.7, smoothing: float = 0.15, global_smoothing: float = 0.02,
+                 prior: float = 0.7, smoothing: float = 0.15, global_smoothing: float = 0.02, prior_weight: float = 8.0,
                  explore_every: int = 16, seed_costs: dict | None = None, slots: int = 64):
         if max_draft_len < 1:
             raise ValueError(f"an adaptive draft length needs max_draft_len >= 1, got {max_draft_len}")
@@ -156,6 +169,7 @@ class DraftLenPolicy:
         if explore_every < 2:
             raise ValueError(f"explore_every must be >= 2, got {explore_every}")
         self.max_draft_len = max_draft_len
+        self._ds = np.arange(max_draft_len + 1)
         self.has_fill, self.kv_ahead, self.fill_same_batch = has_fill, kv_ahead, fill_same_batch
         # a draft model (KV of its own, read ahead of the target's) skips its fills while
         # speculation is off and catches up when it drafts again; a head cannot
@@ -163,6 +177,8 @@ class DraftLenPolicy:
         self.smoothing, self.global_smoothing = smoothing, global_smoothing
         self.explore_every = explore_every
         self.global_accept = np.full(max_draft_len, prior)  # engine-wide p[k]
+        self.prior_weight = prior_weight  # observations the prior counts as (see `observe_verify`)
+        self._global_seen = np.zeros(max_draft_len)  # observations of each position so far
         self.accept = np.tile(self.global_accept, (slots, 1))  # [slots, Dmax] per request
         self.costs = {m: OnlineCost(f, prior=_seed(seed_costs, m), free_const=m != "draft") for m, f in FEATURES.items()}
         self.overhead_ns = 0.0  # h over every D
@@ -174,6 +190,8 @@ class DraftLenPolicy:
         self._next_explore = explore_every
         self._probed_best: int | None = None  # the best length the last probe started from
         self._probes = 0  # up on odd probes, down on even ones
+        self._held_slots: np.ndarray | None = None  # the batch a standing D = 0 was chosen for
+        self._held_budget, self._held = 0, 0
 
     def skips_fill(self, decided: bool) -> bool:
         """Whether a forward step leaves the proposer's fill for a catch-up: it is a draft
@@ -195,15 +213,21 @@ class DraftLenPolicy:
         a = np.minimum(np.asarray(accepted, dtype=np.int64), d)
         if not d.size or not d.any():
             return
-        k = np.arange(1, self.max_draft_len + 1)
+        self._held_slots = None  # new acceptance evidence: the next step decides afresh
+        k = self._ds[1:]
         seen = k[None, :] <= np.minimum(a + 1, d)[:, None]  # [B, Dmax]
-        hit = (k[None, :] <= a[:, None]).astype(float)
+        hit = k[None, :] <= a[:, None]  # accepted positions (seen, since a <= d)
         p = self.accept[slots]
-        self.accept[slots] = np.where(seen, (1 - self.smoothing) * p + self.smoothing * hit, p)
+        self.accept[slots] = np.where(seen, p + self.smoothing * (hit - p), p)
         n = seen.sum(axis=0)
-        mean = np.where(n > 0, (hit * seen).sum(axis=0) / np.maximum(n, 1), self.global_accept)
-        self.global_accept = np.where(n > 0, (1 - self.global_smoothing) * self.global_accept
-                                      + self.global_smoothing * mean, self.global_accept)
+        mean = np.where(n > 0, hit.sum(axis=0) / np.maximum(n, 1), self.global_accept)
+        # the running mean of every observation (and the prior as `prior_weight` of them) until
+        # that weighs a step less than `global_smoothing`, then an EWMA over steps: a position
+        # seen rarely (a deep draft) is learned from its first samples, not from the prior
+        self._global_seen += n
+        w = np.maximum(n / (self._global_seen + self.prior_weight), self.global_smoothing)
+        self.global_accept = np.where(n > 0, self.global_accept + w * (mean - self.global_accept),
+                                      self.global_accept)
 
     # -- costs ----------------------------------------------------------------------------
     def observe_launch(self, op: str, attrs: dict, duration_ns: int) -> None:
@@ -270,40 +294,63 @@ class DraftLenPolicy:
         """D for a decode-only step over the rows `slots` (in order; `remaining`: output
         tokens each has left, `computed`: its KV tokens, `lag`: tokens its draft model has not
         read), within a token budget that holds B·(1 + D) verify tokens; and how many tokens
-        each served row drafts."""
+        each served row drafts.
+
+        A choice of D = 0 (not a probe) stands for up to `HOLD_STEPS` decisions while the batch
+        is the same rows and no verify brings new acceptance: nothing it depends on then moves
+        but by a token per row, and a plain decode step is the one whose host time counts most."""
         self.decisions += 1
+        held = self._held_slots
+        if (held is not None and self._held < HOLD_STEPS and self.decisions < self._next_explore
+                and budget == self._held_budget and held.shape == slots.shape and (held == slots).all()):
+            self._held += 1
+            rows = self.last.rows
+            dec = Decision(0, np.zeros(rows, dtype=np.int64), rows, self.last.gain, False,
+                           self.step_ns(rows, 0, 0, int(computed[:rows].sum())))
+            self.last = dec
+            return dec
         n = len(slots)
         dmax = self.max_draft_len
         reach = np.cumprod(self.accept[slots], axis=1)  # [n, Dmax] P(draft j reached and accepted)
         gain = np.zeros((n, dmax + 1))
         np.cumsum(reach, axis=1, out=gain[:, 1:])  # [n, 1 + Dmax]: expected accepted drafts at D
-        cap = np.clip(remaining - 1, 0, dmax)  # drafts a row may still use
-        ds = np.arange(dmax + 1)
+        cap = np.minimum(np.maximum(remaining - 1, 0), dmax)  # drafts a row may still use
+        ds = self._ds
         use = np.minimum(cap[None, :], ds[:, None])  # [1 + Dmax, n] drafts per row at each D
-        rows_d = np.minimum(n, budget // (1 + ds))  # rows the budget holds at each D
-        served = np.arange(n)[None, :] < rows_d[:, None]
-        expected = rows_d + (np.take_along_axis(gain.T, use, 0) * served).sum(axis=1)
-        forwards = (np.maximum(use - 1, 0) * served).sum(axis=1)
-        kv_upto = np.concatenate([[0], np.cumsum(computed)])  # KV tokens of the first r rows
-        kv = kv_upto[rows_d]
-        catch_up = np.zeros(dmax + 1)
+        accepted = gain[np.arange(n)[None, :], use]  # [1 + Dmax, n] expected accepted drafts
+        if n * (1 + dmax) <= budget:  # the budget holds every row at every D (the usual case)
+            rows_d = np.full(dmax + 1, n)
+            served = None
+            expected = n + accepted.sum(axis=1)
+            forwards = np.maximum(use - 1, 0).sum(axis=1)
+            kv = np.full(dmax + 1, int(computed.sum()))
+        else:
+            rows_d = np.minimum(n, budget // (1 + ds))  # rows the budget holds at each D
+            served = np.arange(n)[None, :] < rows_d[:, None]
+            expected = rows_d + (accepted * served).sum(axis=1)
+            forwards = (np.maximum(use - 1, 0) * served).sum(axis=1)
+            kv = np.concatenate([[0], np.cumsum(computed)])[rows_d]  # KV tokens of the first r rows
+        catch_up = None
         if lag is not None and self.catches_up and lag.any():
             # the row's catch-up spread over its drafting steps left: E[tokens/step] / remaining
-            per_step = (1.0 + np.take_along_axis(gain.T, use, 0)) / np.maximum(remaining, 1)[None, :]
-            catch_up = (np.minimum(per_step, 1.0) * lag[None, :] * served * (use > 0)).sum(axis=1)
+            per_step = np.minimum((1.0 + accepted) / np.maximum(remaining, 1)[None, :], 1.0) * (use > 0)
+            catch_up = ((per_step * served) if served is not None else per_step) @ lag
         best = None
         rates: dict[int, float] = {}
+        rows_l, forwards_l, kv_l = rows_d.tolist(), forwards.tolist(), kv.tolist()
+        expected_l = expected.tolist()
+        catch_l = catch_up.tolist() if catch_up is not None else [0.0] * (dmax + 1)
         for d in range(dmax + 1):
-            if rows_d[d] == 0:
+            if rows_l[d] == 0:
                 continue
-            t = self.step_ns(int(rows_d[d]), d, int(forwards[d]), int(kv[d]), float(catch_up[d]))
+            t = self.step_ns(rows_l[d], d, forwards_l[d], kv_l[d], catch_l[d])
             if t is None:
                 continue
-            rates[d] = float(expected[d]) / (self.overhead(d) + t)
+            rates[d] = expected_l[d] / (self.overhead(d) + t)
             if best is None or rates[d] > rates[best]:
                 best = d
         explored = False
-        if best is None or len(rates) < int((rows_d > 0).sum()):
+        if best is None or len(rates) < sum(r > 0 for r in rows_l):
             # a cost not known yet (no sample of the op): speculate fully, which teaches them all
             best = dmax
         elif self.decisions >= self._next_explore:
@@ -327,9 +374,14 @@ class DraftLenPolicy:
             num_draft = np.zeros(rows, dtype=np.int64)
         gain_over_plain = rates[best] / rates[0] if best in rates and rates.get(0) else None
         behind = float(lag[:rows].sum()) if best and lag is not None and self.catches_up else 0.0
+        kv_rows = kv_l[best] if rows == rows_l[best] else int(computed[:rows].sum())
         dec = Decision(best, num_draft.astype(np.int64), rows, gain_over_plain, explored,
-                       self.step_ns(rows, best, int(np.maximum(num_draft - 1, 0).sum()), int(kv_upto[rows]), behind))
+                       self.step_ns(rows, best, int(np.maximum(num_draft - 1, 0).sum()), kv_rows, behind))
         self.last = dec
+        if best == 0 and not explored:
+            self._held_slots, self._held_budget, self._held = slots.copy(), budget, 0
+        else:
+            self._held_slots = None
         return dec
 
     def _per_row(self, num_draft: np.ndarray, reach: np.ndarray, rate: float) -> np.ndarray:
