@@ -46,12 +46,14 @@ the pipeline), and its inputs are what the pipeline already has:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 import numpy as np
 
 # features of each op's cost model, read from its launch shape (span attributes)
 FEATURES = {
-    "target": ("const", "tokens", "requests", "kv_tokens"),  # decode / verify forwards
+    # decode and verify forwards; `verify` (1 for a verify) is the fixed cost a verify adds
+    # (its logits at every position, the acceptance's inputs), its slopes shared with a decode
+    "target": ("const", "tokens", "requests", "kv_tokens", "verify"),
     "draft": ("const", "draft_steps", "draft_forwards", "kv_tokens"),
     "fill": ("const", "tokens", "requests", "kv_tokens"),
 }
@@ -62,11 +64,11 @@ MAX_EXPLORE_BACKOFF = 8  # a settled choice is probed at most this many times le
 HOLD_STEPS = 8  # decode steps a choice of D = 0 stands for over an unchanged batch (see `choose`)
 
 
-def _features(model: str, attrs: dict) -> np.ndarray:
+def _features(model: str, attrs: dict, op: str = "") -> np.ndarray:
     nd = attrs.get("num_draft", 0)
     values = {"const": 1.0, "tokens": attrs.get("tokens", 0), "requests": attrs.get("requests", 0),
               "kv_tokens": attrs.get("kv_tokens", 0), "draft_steps": max(nd - 1, 0),
-              "draft_forwards": attrs.get("draft_forwards", 0)}
+              "draft_forwards": attrs.get("draft_forwards", 0), "verify": float(op == "verify")}
     return np.array([float(values[f]) for f in FEATURES[model]])
 
 
@@ -89,7 +91,7 @@ class OnlineCost:
 
     features: tuple[str, ...]
     prior: np.ndarray | None = None
-    lam: float = 1.0
+    lam: float = 0.1
     half_life: float = 32.0  # samples: the fit follows the current load (batch size drifts)
     free_const: bool = True  # the constant is not pulled toward the prior (see the class docstring)
     coef: np.ndarray | None = None
@@ -133,14 +135,14 @@ class OnlineCost:
     def predict(self, x: np.ndarray) -> float | None:
         return None if self.coef is None else float(max(self.coef @ x, 0.0))
 
-    def at(self, a: float, b: float, c: float) -> float | None:
-        """`predict` of (1, a, b, c) in plain floats: the policy prices every D each step."""
+    def at(self, a: float, b: float, c: float, e: float = 0.0) -> float | None:
+        """`predict` of (1, a, b, c[, e]) in plain floats: the policy prices every D each step."""
         k = self.__dict__.get("_k")
         if k is None or k[0] is not self.coef:
             if self.coef is None:
                 return None
-            k = self.__dict__["_k"] = (self.coef, *map(float, self.coef))
-        v = k[1] + k[2] * a + k[3] * b + k[4] * c
+            k = self.__dict__["_k"] = (self.coef, *map(float, self.coef), 0.0)
+        v = k[1] + k[2] * a + k[3] * b + k[4] * c + k[5] * e
         return v if v > 0.0 else 0.0
 
 
@@ -161,6 +163,7 @@ class DraftLenPolicy:
 
     def __init__(self, max_draft_len: int, *, has_fill: bool, kv_ahead: int = 0, fill_same_batch: bool = False,
                  prior: float = 0.7, smoothing: float = 0.15, global_smoothing: float = 0.02, prior_weight: float = 8.0,
+                 request_weight: float = 4.0, probe_margin: float = 0.1, first_draft_len: int = 2,
                  explore_every: int = 16, seed_costs: dict | None = None, slots: int = 64):
         if max_draft_len < 1:
             raise ValueError(f"an adaptive draft length needs max_draft_len >= 1, got {max_draft_len}")
@@ -178,8 +181,14 @@ class DraftLenPolicy:
         self.explore_every = explore_every
         self.global_accept = np.full(max_draft_len, prior)  # engine-wide p[k]
         self.prior_weight = prior_weight  # observations the prior counts as (see `observe_verify`)
+        self.probe_margin = probe_margin  # a probe's length predicted this far behind the best is skipped
+        self.first_draft_len = min(first_draft_len, max_draft_len)  # D while a cost is unknown
         self._global_seen = np.zeros(max_draft_len)  # observations of each position so far
-        self.accept = np.tile(self.global_accept, (slots, 1))  # [slots, Dmax] per request
+        # per request and position: acceptances and observations seen, decayed by 1 - smoothing
+        # per observation (see `accept`)
+        self._hits = np.zeros((slots, max_draft_len))
+        self._seen = np.zeros((slots, max_draft_len))
+        self.request_weight = request_weight  # observations the engine-wide estimate counts as, per request
         self.costs = {m: OnlineCost(f, prior=_seed(seed_costs, m), free_const=m != "draft") for m, f in FEATURES.items()}
         self.overhead_ns = 0.0  # h over every D
         self.overhead_by_d = np.zeros(max_draft_len + 1)  # h per D (see `overhead`)
@@ -202,9 +211,24 @@ class DraftLenPolicy:
     # -- acceptance -----------------------------------------------------------------------
     def start(self, slot: int) -> None:
         """A request took `slot`: its estimates start from the engine-wide ones."""
-        if slot >= self.accept.shape[0]:
-            self.accept = np.concatenate([self.accept, np.tile(self.global_accept, (slot + 1, 1))])
-        self.accept[slot] = self.global_accept
+        if slot >= self._hits.shape[0]:
+            grow = np.zeros((slot + 1 - self._hits.shape[0], self.max_draft_len))
+            self._hits, self._seen = np.concatenate([self._hits, grow]), np.concatenate([self._seen, grow])
+        self._hits[slot] = 0.0
+        self._seen[slot] = 0.0
+
+    def acceptance(self, slots: np.ndarray) -> np.ndarray:
+        """[len(slots), Dmax] p[i, k]: the request's own (decayed) acceptance count at position k
+        over its observations there, with the engine-wide estimate counted as `request_weight`
+        more -- a request seen little follows the engine-wide rate as that is learned, one seen
+        often its own."""
+        m = self.request_weight
+        return (m * self.global_accept + self._hits[slots]) / (m + self._seen[slots])
+
+    @property
+    def accept(self) -> np.ndarray:
+        """p[i, k] of every slot (`acceptance`)."""
+        return self.acceptance(np.arange(self._hits.shape[0]))
 
     def observe_verify(self, slots: np.ndarray, num_draft: np.ndarray, accepted: np.ndarray) -> None:
         """Each row drafted num_draft and had `accepted` accepted: positions 1..accepted were
@@ -217,8 +241,9 @@ class DraftLenPolicy:
         k = self._ds[1:]
         seen = k[None, :] <= np.minimum(a + 1, d)[:, None]  # [B, Dmax]
         hit = k[None, :] <= a[:, None]  # accepted positions (seen, since a <= d)
-        p = self.accept[slots]
-        self.accept[slots] = np.where(seen, p + self.smoothing * (hit - p), p)
+        keep = np.where(seen, 1.0 - self.smoothing, 1.0)  # older observations fade, per position
+        self._hits[slots] = self._hits[slots] * keep + hit
+        self._seen[slots] = self._seen[slots] * keep + seen
         n = seen.sum(axis=0)
         mean = np.where(n > 0, hit.sum(axis=0) / np.maximum(n, 1), self.global_accept)
         # the running mean of every observation (and the prior as `prior_weight` of them) until
@@ -240,7 +265,7 @@ class DraftLenPolicy:
             model = op
         else:
             return
-        self.costs[model].add(_features(model, attrs), float(duration_ns))
+        self.costs[model].add(_features(model, attrs, op), float(duration_ns))
 
     def observe_step(self, wall_ns: int) -> None:
         """The last decided step took `wall_ns` (schedule to output): h follows the part of it
@@ -248,7 +273,7 @@ class DraftLenPolicy:
         last = self.last
         if last is None or last.rows == 0 or last.device_ns is None:
             return
-        resid = max(wall_ns - last.device_ns, 0.0)
+        resid = wall_ns - last.device_ns  # negative where the device models overprice this D
         self.overhead_ns = 0.8 * self.overhead_ns + 0.2 * resid
         d = last.draft_len
         n = self.overhead_samples[d]
@@ -279,7 +304,7 @@ class DraftLenPolicy:
             return None if t is None or f is None else t + f
         width = 1 + d
         dr = c["draft"].at(d - 1, forwards, kv_tokens)
-        t = c["target"].at(rows * width, rows, kv_tokens + rows * width)
+        t = c["target"].at(rows * width, rows, kv_tokens + rows * width, 1.0)
         f = 0.0
         if self.has_fill:
             # a head's fill covers the verify batch; a draft model's the last accepted token
@@ -311,7 +336,7 @@ class DraftLenPolicy:
             return dec
         n = len(slots)
         dmax = self.max_draft_len
-        reach = np.cumprod(self.accept[slots], axis=1)  # [n, Dmax] P(draft j reached and accepted)
+        reach = np.cumprod(self.acceptance(slots), axis=1)  # [n, Dmax] P(draft j reached and accepted)
         gain = np.zeros((n, dmax + 1))
         np.cumsum(reach, axis=1, out=gain[:, 1:])  # [n, 1 + Dmax]: expected accepted drafts at D
         cap = np.minimum(np.maximum(remaining - 1, 0), dmax)  # drafts a row may still use
@@ -346,24 +371,34 @@ class DraftLenPolicy:
             t = self.step_ns(rows_l[d], d, forwards_l[d], kv_l[d], catch_l[d])
             if t is None:
                 continue
-            rates[d] = expected_l[d] / (self.overhead(d) + t)
+            # h may be negative (it corrects a device model that overprices this D), not below -3/4 of it
+            rates[d] = expected_l[d] / max(self.overhead(d) + t, 0.25 * t, 1.0)
             if best is None or rates[d] > rates[best]:
                 best = d
         explored = False
         if best is None or len(rates) < sum(r > 0 for r in rows_l):
-            # a cost not known yet (no sample of the op): speculate fully, which teaches them all
-            best = dmax
+            # a cost not known yet (no sample of the op): speculate, which teaches them all
+            best = self.first_draft_len
         elif self.decisions >= self._next_explore:
             # one length up, or down on alternate probes (and at the top): the costs and
             # acceptance of the neighbours stay known, whichever way the best moves
             settled = best == self._probed_best
+            up = best < dmax and (best == 0 or (self._probes + 1) % 2 == 1)
+            probe = best + 1 if up else max(best - 1, 0)
+            if not up and not self.overhead_samples[0]:
+                probe = 0  # down to a plain step if none has run: its host overhead is borrowed
+            # a neighbour far behind is not worth the probe, and counts as settled -- but the
+            # longest interval always ends in one, so no estimate stays stale for ever, and a
+            # length never run is probed (its host overhead is borrowed from the others)
+            far = (self._explore_gap < MAX_EXPLORE_BACKOFF * self.explore_every and probe in rates
+                   and self.overhead_samples[probe] > 0 and rates[probe] < (1.0 - self.probe_margin) * rates[best])
             self._explore_gap = (min(2 * self._explore_gap, MAX_EXPLORE_BACKOFF * self.explore_every)
-                                 if settled else self.explore_every)
+                                 if settled or far else self.explore_every)
             self._next_explore = self.decisions + self._explore_gap
             self._probed_best = best
-            self._probes += 1
-            up = best < dmax and (best == 0 or self._probes % 2 == 1)
-            best, explored = (best + 1 if up else max(best - 1, 0)), True
+            if not far:
+                self._probes += 1
+                best, explored = probe, True
         rows = int(rows_d[best])
         num_draft = use[best, :rows]
         if best >= 1 and rates.get(best) is not None:

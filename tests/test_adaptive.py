@@ -77,7 +77,7 @@ def test_the_estimates_recover_after_a_change_of_workload():
         chosen.append((d.draft_len, d.explored))
         policy.observe_verify(slots[: d.rows], d.num_draft, np.zeros(d.rows, dtype=np.int64))
     assert [dl for dl, explored in chosen[-10:] if not explored] == [0] * sum(not e for _, e in chosen[-10:])
-    assert any(explored and dl == 1 for dl, explored in chosen[-10:])  # it keeps probing D = 1
+    assert any(explored and dl == 1 for dl, explored in chosen[5:])  # it probes D = 1 while off
     seen = []
     for _ in range(80):  # now every draft is accepted: exploration finds it out again
         d = _choose(policy, 4)
@@ -98,6 +98,79 @@ def test_a_settled_choice_is_probed_less_and_less_often():
         policy.observe_verify(slots[: d.rows], d.num_draft, np.zeros(d.rows, dtype=np.int64))
     gaps = np.diff(probes).tolist()
     assert gaps[:4] == [4, 8, 16, 32] and set(gaps[4:]) == {32}  # doubling, capped at 8 x explore_every
+
+
+def test_a_probe_far_behind_the_best_is_skipped_until_the_longest_interval():
+    """Once a length has run, a probe of a neighbour predicted far behind the best (here: every
+    draft rejected, D = 0 about twice as fast) is skipped and the interval still doubles, up to
+    the longest, which always ends in a probe; with `probe_margin=1` (never far) every probe runs."""
+    def probes(margin: float) -> list[int]:
+        policy = DraftLenPolicy(4, has_fill=False, prior=0.05, explore_every=4, probe_margin=margin)
+        _teach(policy, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
+        slots, out = np.arange(4), []
+        for i in range(1, 200):
+            d = _choose(policy, 4, remaining=100 + i)  # a changed batch each step: nothing held
+            if d.explored:
+                out.append(i)
+            policy.observe_verify(slots[: d.rows], d.num_draft, np.zeros(d.rows, dtype=np.int64))
+            policy.observe_step(int(d.device_ns))
+        return out
+
+    every, skipping = probes(1.0), probes(0.1)
+    assert np.diff(every).tolist()[:4] == [4, 8, 16, 32]
+    assert len(skipping) < len(every) and set(np.diff(skipping).tolist()[2:]) == {32}
+
+
+def test_a_plain_step_choice_stands_over_an_unchanged_batch():
+    """D = 0 over the same rows is not re-evaluated for `HOLD_STEPS` decisions (nothing it
+    depends on moves then but by a token per row): costs that now favour speculating change the
+    choice only after the hold, at once for another batch, and after any verify."""
+    from specsched.scheduler.adaptive import HOLD_STEPS
+
+    policy = DraftLenPolicy(4, has_fill=False, prior=0.05, explore_every=1000)
+    _teach(policy, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
+    assert _choose(policy, 4).draft_len == 0
+    policy.global_accept[:] = 1.0  # certain acceptance: speculating pays from here on
+    held = [_choose(policy, 4).draft_len for _ in range(HOLD_STEPS + 1)]
+    assert held[:HOLD_STEPS] == [0] * HOLD_STEPS and held[HOLD_STEPS] > 0
+    policy2 = DraftLenPolicy(4, has_fill=False, prior=0.05, explore_every=1000)
+    _teach(policy2, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
+    assert _choose(policy2, 4).draft_len == 0
+    policy2.global_accept[:] = 1.0
+    assert _choose(policy2, 3).draft_len > 0  # another batch: decided afresh
+
+
+def test_a_request_seen_little_follows_the_engine_wide_estimate_as_it_is_learned():
+    """p[i, k] counts the engine-wide estimate as `request_weight` observations: a request
+    admitted before the engine learned its rate follows that rate as it is learned, one
+    observed often keeps mostly its own."""
+    policy = DraftLenPolicy(2, has_fill=False, prior=0.9, request_weight=4.0)
+    for slot in range(10):
+        policy.start(slot)  # all admitted while the estimate is still the prior
+    rows = np.array([0] + list(range(2, 10)))  # row 1 is never verified
+    for _ in range(30):  # row 0 accepts both drafts every time, the other rows never
+        policy.observe_verify(rows, np.full(9, 2), np.array([2] + [0] * 8))
+    p = policy.acceptance(np.array([0, 1]))
+    assert policy.global_accept[0] < 0.2  # the engine-wide rate, learned from the first samples
+    assert p[1, 0] == pytest.approx(policy.global_accept[0])  # follows it, not the prior it started at
+    assert p[0, 0] > 0.6 and p[0, 1] > 0.6  # its own evidence outweighs it
+
+
+def test_a_verify_costing_more_than_a_decode_of_its_tokens_is_priced_apart():
+    """The target model's `verify` term: a verify's fixed extra cost over a decode forward of
+    as many tokens (its logits at every position) does not inflate the price of a plain step."""
+    policy = DraftLenPolicy(4, has_fill=False, prior=0.7)
+    for b in (1, 2, 4, 8):
+        for w in (1, 2, 3, 5):
+            attrs = {"tokens": b * w, "requests": b, "kv_tokens": 100 * b}
+            if w == 1:
+                policy.observe_launch("forward", {**attrs, "kind": "decode"}, int(3e6 + 1e5 * b))
+            else:
+                policy.observe_launch("verify", attrs, int(5e6 + 1e5 * b * w))
+    plain = policy.step_ns(4, 0, 0, 400)
+    wide = policy.costs["target"].at(12, 4, 412, 1.0)
+    assert plain == pytest.approx(3e6 + 4e5, rel=0.05)
+    assert wide == pytest.approx(5e6 + 12e5, rel=0.05)
 
 
 def test_a_draft_model_far_behind_resumes_drafting_only_for_a_long_output():
