@@ -104,7 +104,13 @@ def main() -> None:
             if args.save_traces is not None:
                 args.save_traces.mkdir(parents=True, exist_ok=True)
                 write_trace(trace, args.save_traces / f"auto_{proposer}_c{c}.jsonl")
-            v = validate(trace, replicates=1)
+            try:
+                v = validate(trace, replicates=1)
+            except ValueError as exc:
+                # e.g. a run whose policy, having learned its costs in the warm-up pass, never
+                # drafted in the measured one: no draft launch to fit the replay's costs from
+                errs.append(f"c={c}: not replayable ({exc})")
+                continue
             counts = v["real"]["draft_len_counts"]
             errs.append(f"c={c}: makespan {v['makespan_err_pct']:+.2f}% (steps by D: "
                         + ", ".join(f"{d}:{n}" for d, n in counts.items()) + ")")

@@ -13,21 +13,30 @@ off. It is pure numpy, so the same object runs in the engine and in the simulato
 the pipeline), and its inputs are what the pipeline already has:
 
 - **Acceptance**, per request and draft position: p[i, k] = P(draft k accepted | k-1 were),
-  smoothed (EWMA) from each verify's (drafted, accepted); a new request starts from the
-  engine-wide estimate (itself an EWMA over all rows, starting at `prior`). Then
+  from each verify's (drafted, accepted) -- positions up to the accepted count accepted, the
+  next one rejected, later ones unobserved. Per request, acceptances and observations are
+  counted with older ones fading (weight 1 - `smoothing` per later observation) and the
+  engine-wide estimate counts as `request_weight` more observations, so a request seen little
+  follows the engine-wide rate as that is learned and one seen often its own. The engine-wide
+  estimate starts at `prior`, counted as `prior_weight` observations, is the running mean of
+  all rows until that weighs a step less than `global_smoothing`, then an EWMA. Then
   E_i[emitted | D] = 1 + sum_{j<=D} prod_{k<=j} p[i, k], capped by the tokens the request has
   left. A request whose drafts keep failing drafts less (see `choose`).
 - **Step time**, from the device events' start/end stamps of the launches the pipeline makes:
   a small non-negative linear model per op (a target forward over (tokens, requests, KV
-  tokens); the draft over (draft steps, row-forwards, KV tokens); the proposer's fill),
+  tokens, verify) -- decode and verify forwards share their slopes, and a verify's fixed extra
+  cost (its logits at every position) is a term of its own, so it does not inflate the price
+  of a plain step; the draft over (draft steps, row-forwards, KV tokens); the proposer's fill),
   refitted as samples arrive (running weighted sums: O(1) per sample), ridge-regularized
   toward its seed -- a fitted cost profile (`seed_costs`, the simulator's JSON format) or
-  none -- so a few samples cannot swing it.
+  none -- so a few samples cannot swing it. While an op has no sample the policy drafts
+  `first_draft_len` tokens, which teaches every model.
   h is the smoothed residual of the steps' measured wall time over their predicted device
-  time (host work a schedule does not hide), per D: a plain decode step launches one op, a
-  speculative one three, and how much of their host work a schedule hides differs too. A D
-  with fewer than `MIN_OVERHEAD_SAMPLES` steps seen takes the smaller of its own residual so
-  far and the residual over every D.
+  time, per D: host work a schedule does not hide (a plain decode step launches one op, a
+  speculative one three, and how much of their host work a schedule hides differs too), and,
+  signed, the bias of the device models at that D. A D with fewer than
+  `MIN_OVERHEAD_SAMPLES` steps seen takes the smaller of its own residual so far and the
+  residual over every D.
 - **A draft model's catch-up**: while speculation is off a draft model reads nothing (the
   pipeline skips its fills, prompts included) and catches up in one fill when a row drafts
   again. A step that drafts is charged, per row, the fill of the tokens its draft model is
@@ -35,11 +44,14 @@ the pipeline), and its inputs are what the pipeline already has:
   (remaining tokens / expected tokens per step): resuming pays for a long output, not for the
   last few tokens.
 - **Exploration**: every `explore_every`-th decision tries a neighbour of the best length, one
-  above and one below on alternate probes (D = 1 when speculation is off), so a stale estimate
-  cannot keep speculation off, or short, forever, and the cost of other lengths stays known.
-  A probe that finds the same best length as the one before it doubles the interval to the
-  next (up to `MAX_EXPLORE_BACKOFF` x `explore_every`); a change of the best resets it: probing
-  a settled choice costs a draft pass (and a catch-up) each time.
+  above and one below on alternate probes (D = 1 when speculation is off; D = 0 going down if
+  no plain step has run yet), so a stale estimate cannot keep speculation off, or short,
+  forever, and the cost of other lengths stays known. A probe that finds the same best length
+  as the one before it doubles the interval to the next (up to `MAX_EXPLORE_BACKOFF` x
+  `explore_every`); a change of the best resets it. A neighbour that has run and is predicted
+  more than `probe_margin` behind the best is not probed (the interval doubles all the same),
+  except at the longest interval: probing a settled choice costs a draft pass (and, from
+  D = 0, a catch-up) each time.
 - **Host cost**: the policy runs on the host between device steps, where a plain decode step
   leaves least room, so a choice of D = 0 stands for up to `HOLD_STEPS` decisions over an
   unchanged batch (see `choose`).

@@ -43,7 +43,7 @@ def test_a_second_async_with_on_an_open_engine_raises_before_starting_a_worker(t
             assert len(out.token_ids) == 3  # the inner attempt did not close the outer block's engine
         return eng
 
-    eng = anyio.run(main)
+    anyio.run(main)
     assert len(made_devices) == 1 and not made_devices[0].is_alive()
 
 

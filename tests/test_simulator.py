@@ -2,7 +2,6 @@
 its agreement with measured runs and with Leviathan et al.'s formula."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from types import SimpleNamespace
@@ -469,10 +468,10 @@ def _capture(fam, proposer, schedule, d, n=6, max_tokens=24, concurrency=1):
 
 def _accepted_per_request(trace):
     out: dict[str, list[int]] = {}
-    for st in sorted(trace.steps, key=lambda s: s.step):
-        if st.kind != "spec":
+    for rec in sorted(trace.steps, key=lambda s: s.step):
+        if rec.kind != "spec":
             continue
-        for rid, a in zip(st.request_ids, st.num_accepted):
+        for rid, a in zip(rec.request_ids, rec.num_accepted):
             out.setdefault(rid, []).append(a)
     return out
 
