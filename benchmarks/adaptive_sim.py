@@ -1,0 +1,103 @@
+"""The adaptive draft length against every fixed one in the simulator: noise-free scenarios.
+
+On a shared machine one engine run moves by 10-20%, more than the few percent a change to the
+draft-length policy makes. This benchmark measures the engine once and then compares in
+virtual time: per proposer (draft model under `overlap`, MTP head under `mtp`) and capture
+concurrency, it runs the engine at every fixed D in 0..max (D = 0: plain decoding) with traces
+on the bundled workload of `benchmarks/adaptive.py`, fits one cost profile from all of them (so
+every D's shapes are in it), and replays the D = max trace -- whose drafts carry the acceptance
+of every shorter length -- at each replay concurrency, fixed D = 0..max and `auto` alike, on the
+same profile and acceptance. It prints auto / best fixed D per scenario, their geometric mean
+and the worst. The policy is the same object the engine runs, so two checkouts' policies can be
+compared on the same saved traces (`--traces DIR`).
+
+    python benchmarks/adaptive_sim.py [--traces DIR] [--capture 1 4] [--replay-at 1:1,2,3 4:3,4,5,6,7,8,10,12]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from adaptive import configs, workload  # noqa: E402
+from common import run  # noqa: E402
+
+
+def capture(proposer: str, c: int, max_d: int, max_tokens: int, min_requests: int, folder: Path) -> list[Path]:
+    """The fixed-D traces of one proposer at concurrency c (captured unless already in `folder`)."""
+    from specsched.traces.recorder import write_trace
+
+    paths = []
+    for name, cfg in configs(proposer, max_d).items():
+        if name == "auto":
+            continue
+        path = folder / f"{proposer}_c{c}_{name.replace('=', '')}.jsonl"
+        if not path.exists():
+            _, trace = run(workload(c, max_tokens, min_requests), concurrency=c, warmup=1, trace=True, **cfg)
+            write_trace(trace, path)
+        paths.append(path)
+    return paths
+
+
+def scenarios(spec: list[str]) -> dict[int, list[int]]:
+    """['1:1,2,3', '4:3,4'] -> {1: [1, 2, 3], 4: [3, 4]}: replay concurrencies per capture."""
+    out = {}
+    for item in spec:
+        c, _, at = item.partition(":")
+        out[int(c)] = [int(x) for x in at.split(",")] if at else [int(c)]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--traces", type=Path, help="folder for the fixed-D traces (reused when present)")
+    ap.add_argument("--replay-at", nargs="+", default=["1:1,2,3", "4:3,4,5,6,7,8,10,12"],
+                    help="CAPTURE:REPLAY,REPLAY...: capture concurrency and the concurrencies it is replayed at")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--min-requests", type=int, default=16)
+    ap.add_argument("--max-draft-len", type=int, default=4)
+    ap.add_argument("--proposers", nargs="+", choices=["draft", "mtp"], default=["draft", "mtp"])
+    args = ap.parse_args()
+    if args.max_draft_len < 1 or args.max_tokens < 2:
+        ap.error("--max-draft-len must be >= 1 and --max-tokens >= 2")
+    from tempfile import mkdtemp
+
+    from specsched.simulator.fit import fit_profile
+    from specsched.simulator.replay import ReplayConfig, replay
+    from specsched.traces.reader import read_trace
+
+    folder = args.traces or Path(mkdtemp(prefix="adaptive_sim_"))
+    folder.mkdir(parents=True, exist_ok=True)
+    plan, dmax = scenarios(args.replay_at), args.max_draft_len
+    names = [f"D={d}" for d in range(dmax + 1)]
+    print(f"simulated output tokens/s; traces in {folder}")
+    print(f"{'scenario':>16} " + " ".join(f"{n:>8}" for n in names) + f" {'auto':>8} {'auto/best':>10} {'best':>6}")
+    ratios = []
+    for proposer in args.proposers:
+        for c, at in plan.items():
+            paths = capture(proposer, c, dmax, args.max_tokens, args.min_requests, folder)
+            traces = [read_trace(p) for p in paths]
+            profile = fit_profile(traces)
+            longest = traces[-1]  # D = max: its drafts carry every shorter length's acceptance
+            for cc in at:
+                row = {}
+                for d in range(dmax + 1):
+                    cfg = (ReplayConfig(proposer="none", schedule="sync", draft_len=0, concurrency=cc) if d == 0
+                           else ReplayConfig(draft_len=d, concurrency=cc))
+                    row[f"D={d}"] = replay(longest, profile, cfg)[0]["output_tokens_per_s"]
+                auto = replay(longest, profile, ReplayConfig(draft_len="auto", max_draft_len=dmax,
+                                                             concurrency=cc))[0]["output_tokens_per_s"]
+                best = max(row, key=row.get)
+                ratios.append(auto / row[best])
+                print(f"{proposer + ' ' + str(c) + '->' + str(cc):>16} " + " ".join(f"{row[n]:>8.1f}" for n in names)
+                      + f" {auto:>8.1f} {auto / row[best]:>9.3f}x {best:>6}")
+    geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    print(f"auto / best fixed D over {len(ratios)} scenarios: geomean {geo:.3f}x, worst {min(ratios):.3f}x, "
+          f"{sum(r < 0.97 for r in ratios)} below 0.97x")
+
+
+if __name__ == "__main__":
+    main()
