@@ -61,6 +61,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 import numpy as np
 
+from specsched.scheduler.online_cost import OnlineCost
+from specsched.scheduler.step_trace import launch_features
+
 # features of each op's cost model, read from its launch shape (span attributes)
 FEATURES = {
     # decode and verify forwards; `verify` (1 for a verify) is the fixed cost a verify adds
@@ -77,85 +80,9 @@ HOLD_STEPS = 8  # decode steps a choice of D = 0 stands for over an unchanged ba
 
 
 def _features(model: str, attrs: dict, op: str = "") -> np.ndarray:
-    nd = attrs.get("num_draft", 0)
-    values = {"const": 1.0, "tokens": attrs.get("tokens", 0), "requests": attrs.get("requests", 0),
-              "kv_tokens": attrs.get("kv_tokens", 0), "draft_steps": max(nd - 1, 0),
-              "draft_forwards": attrs.get("draft_forwards", 0), "verify": float(op == "verify")}
-    return np.array([float(values[f]) for f in FEATURES[model]])
-
-
-@dataclass
-class OnlineCost:
-    """Non-negative linear cost (ns) of one op, fitted by exponentially weighted ridge
-    regression toward `prior` (the seed, or zeros). Each feature is scaled to unit size (its
-    largest value seen) so that one ridge weight suits tokens and constants alike: with
-    S = diag(scale), A = sum w x x', b = sum w x y, the fit solves
-    (A + lam S P S) c = b + lam S P S prior, P = diag(0, 1, 1, ...): the constant is not pulled (a
-    forward's fixed cost -- the weights read once -- is what few samples of one shape show best;
-    pulling it would hand it to the per-row terms, which then extrapolate to large batches as
-    a cost per row that is not there). The draft's constant is pulled (`free_const=False`):
-    its cost is per draft step and row-forward, and a run at one D must not book those steps as
-    a fixed cost that every other D would pay too.
-
-    A and b are kept as running sums (each sample's weight halves every `half_life` samples),
-    so a sample costs two small array updates and a refit one 4 x 4 solve, whatever the
-    history: the policy runs on the host between device steps."""
-
-    features: tuple[str, ...]
-    prior: np.ndarray | None = None
-    lam: float = 0.1
-    half_life: float = 32.0  # samples: the fit follows the current load (batch size drifts)
-    free_const: bool = True  # the constant is not pulled toward the prior (see the class docstring)
-    coef: np.ndarray | None = None
-    _a: np.ndarray | None = None
-    _b: np.ndarray | None = None
-    _scale: np.ndarray | None = None
-    _n: int = 0
-    _since_fit: int = 0
-
-    def __post_init__(self) -> None:
-        if self.coef is None and self.prior is not None:
-            self.coef = self.prior.copy()
-        k = len(self.features)
-        self._a, self._b, self._scale = np.zeros((k, k)), np.zeros(k), np.ones(k)
-        self._decay = 0.5 ** (1.0 / self.half_life)
-        pen = np.full(k, self.lam)
-        if self.free_const:
-            pen[0] = 0.0  # the constant (FEATURES put it first)
-        self._pen = pen
-
-    def add(self, x: np.ndarray, y: float) -> None:
-        a, b = self._a, self._b
-        a *= self._decay
-        a += np.outer(x, x)
-        b *= self._decay
-        b += x * y
-        np.maximum(self._scale, np.abs(x), out=self._scale)
-        self._n += 1
-        self._since_fit += 1
-        if self.coef is None or self._n < 64 or self._since_fit >= 8:  # early samples count most
-            self.fit()
-
-    def fit(self) -> None:
-        s2 = self._scale * self._scale
-        pen = self._pen * s2 + 1e-9 * s2  # lam S P S, and a tiny ridge on every term (solvable)
-        prior = self.prior if self.prior is not None else 0.0
-        c = np.linalg.solve(self._a + np.diag(pen), self._b + pen * prior)
-        self.coef = np.maximum(c, 0.0)
-        self._since_fit = 0
-
-    def predict(self, x: np.ndarray) -> float | None:
-        return None if self.coef is None else float(max(self.coef @ x, 0.0))
-
-    def at(self, a: float, b: float, c: float, e: float = 0.0) -> float | None:
-        """`predict` of (1, a, b, c[, e]) in plain floats: the policy prices every D each step."""
-        k = self.__dict__.get("_k")
-        if k is None or k[0] is not self.coef:
-            if self.coef is None:
-                return None
-            k = self.__dict__["_k"] = (self.coef, *map(float, self.coef), 0.0)
-        v = k[1] + k[2] * a + k[3] * b + k[4] * c + k[5] * e
-        return v if v > 0.0 else 0.0
+    values = launch_features(attrs)
+    values["verify"] = float(op == "verify")
+    return np.array([values[f] for f in FEATURES[model]])
 
 
 @dataclass
@@ -355,23 +282,23 @@ class DraftLenPolicy:
         ds = self._ds
         use = np.minimum(cap[None, :], ds[:, None])  # [1 + Dmax, n] drafts per row at each D
         accepted = gain[np.arange(n)[None, :], use]  # [1 + Dmax, n] expected accepted drafts
-        if n * (1 + dmax) <= budget:  # the budget holds every row at every D (the usual case)
-            rows_d = np.full(dmax + 1, n)
-            served = None
-            expected = n + accepted.sum(axis=1)
-            forwards = np.maximum(use - 1, 0).sum(axis=1)
-            kv = np.full(dmax + 1, int(computed.sum()))
-        else:
-            rows_d = np.minimum(n, budget // (1 + ds))  # rows the budget holds at each D
-            served = np.arange(n)[None, :] < rows_d[:, None]
-            expected = rows_d + (accepted * served).sum(axis=1)
-            forwards = (np.maximum(use - 1, 0) * served).sum(axis=1)
-            kv = np.concatenate([[0], np.cumsum(computed)])[rows_d]  # KV tokens of the first r rows
+        rows_d = np.minimum(n, budget // (1 + ds))  # rows the budget holds at each D
+        # [1 + Dmax, n] per row -> [1 + Dmax] over the rows served at each D (the usual case:
+        # the budget holds every row at every D, and no mask is needed)
+        served = None if rows_d[-1] == n else np.arange(n)[None, :] < rows_d[:, None]
+
+        def over_served(per_row: np.ndarray) -> np.ndarray:
+            return (per_row if served is None else per_row * served).sum(axis=1)
+
+        expected = rows_d + over_served(accepted)
+        forwards = over_served(np.maximum(use - 1, 0))
+        kv = (np.full(dmax + 1, int(computed.sum())) if served is None  # KV tokens of the first r rows
+              else np.concatenate([[0], np.cumsum(computed)])[rows_d])
         catch_up = None
         if lag is not None and self.catches_up and lag.any():
             # the row's catch-up spread over its drafting steps left: E[tokens/step] / remaining
             per_step = np.minimum((1.0 + accepted) / np.maximum(remaining, 1)[None, :], 1.0) * (use > 0)
-            catch_up = ((per_step * served) if served is not None else per_step) @ lag
+            catch_up = over_served(per_step * lag[None, :])
         best = None
         rates: dict[int, float] = {}
         rows_l, forwards_l, kv_l = rows_d.tolist(), forwards.tolist(), kv.tolist()

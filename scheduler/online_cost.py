@@ -1,0 +1,84 @@
+"""The draft-length policy's cost model of one device op: a non-negative linear cost learned
+online from device intervals (see `OnlineCost`; `scheduler/adaptive.py` keeps one per op)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class OnlineCost:
+    """Non-negative linear cost (ns) of one op, fitted by exponentially weighted ridge
+    regression toward `prior` (the seed, or zeros). Each feature is scaled to unit size (its
+    largest value seen) so that one ridge weight suits tokens and constants alike: with
+    S = diag(scale), A = sum w x x', b = sum w x y, the fit solves
+    (A + lam S P S) c = b + lam S P S prior, P = diag(0, 1, 1, ...): the constant is not pulled (a
+    forward's fixed cost -- the weights read once -- is what few samples of one shape show best;
+    pulling it would hand it to the per-row terms, which then extrapolate to large batches as
+    a cost per row that is not there). The draft's constant is pulled (`free_const=False`):
+    its cost is per draft step and row-forward, and a run at one D must not book those steps as
+    a fixed cost that every other D would pay too.
+
+    A and b are kept as running sums (each sample's weight halves every `half_life` samples),
+    so a sample costs two small array updates and a refit one 4 x 4 solve, whatever the
+    history: the policy runs on the host between device steps."""
+
+    features: tuple[str, ...]
+    prior: np.ndarray | None = None
+    lam: float = 0.1
+    half_life: float = 32.0  # samples: the fit follows the current load (batch size drifts)
+    free_const: bool = True  # the constant is not pulled toward the prior (see the class docstring)
+    coef: np.ndarray | None = None
+    # the running sums and their bookkeeping (`__post_init__`), not arguments
+    _a: np.ndarray = field(init=False, repr=False)
+    _b: np.ndarray = field(init=False, repr=False)
+    _scale: np.ndarray = field(init=False, repr=False)
+    _decay: float = field(init=False, repr=False)
+    _pen: np.ndarray = field(init=False, repr=False)
+    _n: int = field(default=0, init=False, repr=False)
+    _since_fit: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.coef is None and self.prior is not None:
+            self.coef = self.prior.copy()
+        k = len(self.features)
+        self._a, self._b, self._scale = np.zeros((k, k)), np.zeros(k), np.ones(k)
+        self._decay = 0.5 ** (1.0 / self.half_life)
+        pen = np.full(k, self.lam)
+        if self.free_const:
+            pen[0] = 0.0  # the constant (FEATURES put it first)
+        self._pen = pen
+
+    def add(self, x: np.ndarray, y: float) -> None:
+        a, b = self._a, self._b
+        a *= self._decay
+        a += np.outer(x, x)
+        b *= self._decay
+        b += x * y
+        np.maximum(self._scale, np.abs(x), out=self._scale)
+        self._n += 1
+        self._since_fit += 1
+        if self.coef is None or self._n < 64 or self._since_fit >= 8:  # early samples count most
+            self.fit()
+
+    def fit(self) -> None:
+        s2 = self._scale * self._scale
+        pen = self._pen * s2 + 1e-9 * s2  # lam S P S, and a tiny ridge on every term (solvable)
+        prior = self.prior if self.prior is not None else 0.0
+        c = np.linalg.solve(self._a + np.diag(pen), self._b + pen * prior)
+        self.coef = np.maximum(c, 0.0)
+        self._since_fit = 0
+
+    def predict(self, x: np.ndarray) -> float | None:
+        return None if self.coef is None else float(max(self.coef @ x, 0.0))
+
+    def at(self, a: float, b: float, c: float, e: float = 0.0) -> float | None:
+        """`predict` of (1, a, b, c[, e]) in plain floats: the policy prices every D each step."""
+        k = self.__dict__.get("_k")
+        if k is None or k[0] is not self.coef:
+            if self.coef is None:
+                return None
+            k = self.__dict__["_k"] = (self.coef, *map(float, self.coef), 0.0)
+        v = k[1] + k[2] * a + k[3] * b + k[4] * c + k[5] * e
+        return v if v > 0.0 else 0.0
