@@ -12,12 +12,12 @@ from specsched.cli.common import (_fail, _metrics_table, _print_json, _read_trac
 
 
 def _replay_config(schedule, spec, draft_len, acceptance, rate_scale, concurrency, seed=0, engine=None,
-                   max_draft_len=None):
+                   max_draft_len=None, policy_state=True):
     from specsched.simulator.replay import ReplayConfig
 
     return ReplayConfig(schedule=schedule, proposer=spec, draft_len=draft_len, acceptance=acceptance,
                         rate_scale=rate_scale, concurrency=concurrency, seed=seed, engine_overrides=engine or {},
-                        max_draft_len=max_draft_len)
+                        max_draft_len=max_draft_len, policy_state=policy_state)
 
 
 def _engine_setting(item: str) -> tuple[str, int]:
@@ -81,6 +81,8 @@ def replay_cmd(
     draft_len: Optional[str] = typer.Option(None, "--draft-len", help="D, or 'auto': chosen per step "
                                             "(up to --max-draft-len: the trace's, else 4)"),
     max_draft_len: Optional[int] = typer.Option(None, "--max-draft-len", help="with --draft-len auto"),
+    cold_policy: bool = typer.Option(False, "--cold-policy", help="an adaptive draft length starts from "
+                                     "nothing, not from what the captured run's had learned (its trace header)"),
     rate_scale: float = typer.Option(1.0, "--rate-scale"),
     concurrency: Optional[int] = typer.Option(None),
     acceptance: str = typer.Option("trace", help="trace | rates | bernoulli:ALPHA"),
@@ -105,7 +107,8 @@ def replay_cmd(
         m, sim = replay(tr, _profile(tr, profile), _replay_config(schedule, spec, parse_draft_len(draft_len), acceptance,
                                                                   rate_scale, concurrency,
                                                                   engine=dict(map(_engine_setting, settings)),
-                                                                  max_draft_len=max_draft_len))
+                                                                  max_draft_len=max_draft_len,
+                                                                  policy_state=not cold_policy))
     except (ValueError, KeyError) as e:
         _fail(str(e))
     _note_stand_ins(sim.header.extra["stand_ins"], "the replay")

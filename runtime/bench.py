@@ -41,11 +41,17 @@ def model_label(path: str | None) -> str | None:
 
 def make_header(config: EngineConfig, engine: AsyncEngine, device_name: str | None = None,
                 workload: dict | None = None) -> Header:
+    extra: dict = {"workload": workload or {}}
+    policy = engine._pipeline.builder.draft_policy if engine._pipeline is not None else None
+    if policy is not None:
+        # what the adaptive draft length has learned (e.g. in a warm-up) when recording
+        # starts: a replay of the trace starts its policy from it
+        extra["draft_policy"] = policy.state()
     return Header.create(
         source="engine", clock="monotonic_ns", model=model_label(engine.model_dir),
         draft_model=model_label(engine._proposer_dir()), proposer=config.proposer, schedule=config.schedule,
         draft_len=config.spec_draft_len, device={"kind": config.device, "name": device_name or config.device},
-        engine_config=config.model_dump(mode="json"), extra={"workload": workload or {}},
+        engine_config=config.model_dump(mode="json"), extra=extra,
     )
 
 

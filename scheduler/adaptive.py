@@ -43,15 +43,22 @@ the pipeline), and its inputs are what the pipeline already has:
   behind (`lag`) spread over the steps the row is expected to draft for the rest of its output
   (remaining tokens / expected tokens per step): resuming pays for a long output, not for the
   last few tokens.
-- **Exploration**: every `explore_every`-th decision tries a neighbour of the best length, one
-  above and one below on alternate probes (D = 1 when speculation is off; D = 0 going down if
-  no plain step has run yet), so a stale estimate cannot keep speculation off, or short,
-  forever, and the cost of other lengths stays known. A probe that finds the same best length
-  as the one before it doubles the interval to the next (up to `MAX_EXPLORE_BACKOFF` x
-  `explore_every`); a change of the best resets it. A neighbour that has run and is predicted
-  more than `probe_margin` behind the best is not probed (the interval doubles all the same),
-  except at the longest interval: probing a settled choice costs a draft pass (and, from
-  D = 0, a catch-up) each time.
+- **Exploration** (`scheduler/probe_schedule.py`): every `explore_every`-th decision tries a
+  neighbour of the best length, one above and one below on alternate probes (D = 1 when
+  speculation is off; D = 0 going down if no plain step has run yet), so a stale estimate
+  cannot keep speculation off, or short, forever, and the cost of other lengths stays known.
+  A probe that finds the same best length as the one before it doubles the interval to the
+  next (up to `MAX_EXPLORE_BACKOFF` x `explore_every`); a change of the best resets it. A
+  neighbour that has run and is predicted more than `probe_margin` behind the best is not
+  probed (the interval doubles all the same), except at the longest interval. What a probe
+  loses against the best (its predicted step time over the best's time for as many tokens;
+  from D = 0 with a draft model, every row's whole catch-up) is paid from a budget that grows
+  by `explore_cost` of each decided step's predicted time: a probe costing more waits, so
+  exploration costs at most that share of the run, and one probe more or less (a replay on
+  slightly different costs) moves a run's makespan by little.
+- **State**: `state()` is what the policy has learned (engine-wide acceptance, cost models,
+  overheads, probe schedule) as JSON values; a trace's header carries it and a replay of the
+  trace `restore`s it, so that the replay starts where the captured run's policy stood.
 - **Host cost**: the policy runs on the host between device steps, where a plain decode step
   leaves least room, so a choice of D = 0 stands for up to `HOLD_STEPS` decisions over an
   unchanged batch (see `choose`).
@@ -61,7 +68,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 import numpy as np
 
-from specsched.scheduler.online_cost import OnlineCost
+from specsched.scheduler.acceptance_estimate import AcceptanceEstimate
+from specsched.scheduler.online_cost import OnlineCost, seed_coef
+from specsched.scheduler.probe_schedule import ProbeSchedule
 from specsched.scheduler.step_trace import launch_features
 
 # features of each op's cost model, read from its launch shape (span attributes)
@@ -75,7 +84,6 @@ FEATURES = {
 # a profile's device models that seed them (span names, see scheduler/step_trace.py)
 PROFILE_NAMES = {"target": ("verify", "decode"), "draft": ("draft",), "fill": ("draft_fill",)}
 MIN_OVERHEAD_SAMPLES = 4  # steps at a D before its own overhead estimate replaces the pooled one
-MAX_EXPLORE_BACKOFF = 8  # a settled choice is probed at most this many times less often
 HOLD_STEPS = 8  # decode steps a choice of D = 0 stands for over an unchanged batch (see `choose`)
 
 
@@ -103,41 +111,30 @@ class DraftLenPolicy:
     def __init__(self, max_draft_len: int, *, has_fill: bool, kv_ahead: int = 0, fill_same_batch: bool = False,
                  prior: float = 0.7, smoothing: float = 0.15, global_smoothing: float = 0.02, prior_weight: float = 8.0,
                  request_weight: float = 4.0, probe_margin: float = 0.1, first_draft_len: int = 2,
-                 explore_every: int = 16, seed_costs: dict | None = None, slots: int = 64):
+                 explore_every: int = 16, explore_cost: float = 0.05, seed_costs: dict | None = None,
+                 slots: int = 64):
         if max_draft_len < 1:
             raise ValueError(f"an adaptive draft length needs max_draft_len >= 1, got {max_draft_len}")
         if not 0.0 <= prior <= 1.0:
             raise ValueError(f"prior acceptance must be in [0, 1], got {prior}")
-        if explore_every < 2:
-            raise ValueError(f"explore_every must be >= 2, got {explore_every}")
         self.max_draft_len = max_draft_len
         self._ds = np.arange(max_draft_len + 1)
         self.has_fill, self.kv_ahead, self.fill_same_batch = has_fill, kv_ahead, fill_same_batch
         # a draft model (KV of its own, read ahead of the target's) skips its fills while
         # speculation is off and catches up when it drafts again; a head cannot
         self.catches_up = has_fill and not fill_same_batch and kv_ahead > 0
-        self.smoothing, self.global_smoothing = smoothing, global_smoothing
-        self.explore_every = explore_every
-        self.global_accept = np.full(max_draft_len, prior)  # engine-wide p[k]
-        self.prior_weight = prior_weight  # observations the prior counts as (see `observe_verify`)
+        self.probes = ProbeSchedule(explore_every, explore_cost)
         self.probe_margin = probe_margin  # a probe's length predicted this far behind the best is skipped
         self.first_draft_len = min(first_draft_len, max_draft_len)  # D while a cost is unknown
-        self._global_seen = np.zeros(max_draft_len)  # observations of each position so far
-        # per request and position: acceptances and observations seen, decayed by 1 - smoothing
-        # per observation (see `accept`)
-        self._hits = np.zeros((slots, max_draft_len))
-        self._seen = np.zeros((slots, max_draft_len))
-        self.request_weight = request_weight  # observations the engine-wide estimate counts as, per request
-        self.costs = {m: OnlineCost(f, prior=_seed(seed_costs, m), free_const=m != "draft") for m, f in FEATURES.items()}
+        self.estimate = AcceptanceEstimate(max_draft_len, prior=prior, smoothing=smoothing,
+                                           global_smoothing=global_smoothing, prior_weight=prior_weight,
+                                           request_weight=request_weight, slots=slots)
+        self.costs = {m: OnlineCost(f, prior=seed_coef(seed_costs, PROFILE_NAMES[m], f), free_const=m != "draft") for m, f in FEATURES.items()}
         self.overhead_ns = 0.0  # h over every D
         self.overhead_by_d = np.zeros(max_draft_len + 1)  # h per D (see `overhead`)
         self.overhead_samples = np.zeros(max_draft_len + 1, dtype=np.int64)
         self.decisions = 0
         self.last: Decision | None = None
-        self._explore_gap = explore_every  # decisions between probes (see the module docstring)
-        self._next_explore = explore_every
-        self._probed_best: int | None = None  # the best length the last probe started from
-        self._probes = 0  # up on odd probes, down on even ones
         self._held_slots: np.ndarray | None = None  # the batch a standing D = 0 was chosen for
         self._held_budget, self._held = 0, 0
 
@@ -147,51 +144,75 @@ class DraftLenPolicy:
         (`decided`), or it prefills after one."""
         return self.catches_up and (decided or (self.last is not None and self.last.draft_len == 0))
 
-    # -- acceptance -----------------------------------------------------------------------
+    # -- what it has learned ----------------------------------------------------------------
+    # the engine-wide estimates, overheads and probe schedule (per-request estimates are not
+    # part of it: a request's start resets its own)
+    _STATE = {"global_accept": "estimate.global_accept", "global_seen": "estimate.global_seen",
+              "overhead_ns": "overhead_ns", "overhead_by_d": "overhead_by_d", "overhead_samples": "overhead_samples",
+              "decisions": "decisions", "explore_gap": "probes.gap", "next_explore": "probes.next",
+              "probed_best": "probes.probed_best", "probes": "probes.probes", "explore_budget": "probes.budget"}
+
+    def _state_fields(self):
+        """(key in the state, object, attribute) of each `_STATE` entry."""
+        for key, path in self._STATE.items():
+            owner, _, attr = path.rpartition(".")
+            yield key, getattr(self, owner) if owner else self, attr
+
+    def state(self) -> dict:
+        """What the policy has learned, as JSON values, with its cost models and the last
+        step's D. A trace's header carries it (the state when recording began), so that a
+        replay of the trace starts from what the captured run had learned, e.g. in a warm-up."""
+        out = {k: (v.tolist() if isinstance(v := getattr(o, a), np.ndarray) else v) for k, o, a in self._state_fields()}
+        return out | {"max_draft_len": self.max_draft_len, "costs": {m: c.state() for m, c in self.costs.items()},
+                      "last_draft_len": None if self.last is None else self.last.draft_len}
+
+    def restore(self, state: dict) -> None:
+        """Continue from `state` (see `state`); ValueError if it is another policy's."""
+        if state.get("max_draft_len") != self.max_draft_len or set(state.get("costs", {})) != set(self.costs):
+            raise ValueError(f"a draft-length policy state for max_draft_len={state.get('max_draft_len')}, "
+                             f"this policy has {self.max_draft_len}")
+        missing = [k for k in (*(k for k, _, _ in self._state_fields()), "last_draft_len") if k not in state]
+        if missing:
+            raise ValueError(f"a draft-length policy state without {', '.join(missing)}")
+        for k, owner, attr in self._state_fields():
+            v, cur = state[k], getattr(owner, attr)
+            if isinstance(cur, np.ndarray):
+                v = np.asarray(v, dtype=cur.dtype)
+                if v.shape != cur.shape:
+                    raise ValueError(f"a draft-length policy state whose {k} has shape {v.shape}, not {cur.shape}")
+            setattr(owner, attr, v)
+        for m, c in self.costs.items():
+            c.restore(state["costs"][m])
+        d = state["last_draft_len"]
+        # the last step's D (a draft model skips its prefill fills after a plain step); no rows:
+        # no step of it is left to observe
+        self.last = None if d is None else Decision(int(d), np.zeros(0, dtype=np.int64), 0, None)
+        self._held_slots = None
+
+    # -- acceptance (scheduler/acceptance_estimate.py) ------------------------------------
     def start(self, slot: int) -> None:
         """A request took `slot`: its estimates start from the engine-wide ones."""
-        if slot >= self._hits.shape[0]:
-            grow = np.zeros((slot + 1 - self._hits.shape[0], self.max_draft_len))
-            self._hits, self._seen = np.concatenate([self._hits, grow]), np.concatenate([self._seen, grow])
-        self._hits[slot] = 0.0
-        self._seen[slot] = 0.0
+        self.estimate.start(slot)
 
     def acceptance(self, slots: np.ndarray) -> np.ndarray:
-        """[len(slots), Dmax] p[i, k]: the request's own (decayed) acceptance count at position k
-        over its observations there, with the engine-wide estimate counted as `request_weight`
-        more -- a request seen little follows the engine-wide rate as that is learned, one seen
-        often its own."""
-        m = self.request_weight
-        return (m * self.global_accept + self._hits[slots]) / (m + self._seen[slots])
+        """[len(slots), Dmax] p[i, k] (`AcceptanceEstimate.of`)."""
+        return self.estimate.of(slots)
 
     @property
     def accept(self) -> np.ndarray:
-        """p[i, k] of every slot (`acceptance`)."""
-        return self.acceptance(np.arange(self._hits.shape[0]))
+        """p[i, k] of every slot."""
+        return self.estimate.of(np.arange(self.estimate.num_slots))
+
+    @property
+    def global_accept(self) -> np.ndarray:
+        """The engine-wide p[k]."""
+        return self.estimate.global_accept
 
     def observe_verify(self, slots: np.ndarray, num_draft: np.ndarray, accepted: np.ndarray) -> None:
         """Each row drafted num_draft and had `accepted` accepted: positions 1..accepted were
         accepted, position accepted + 1 (if drafted) rejected, later ones unobserved."""
-        d = np.minimum(np.asarray(num_draft, dtype=np.int64), self.max_draft_len)
-        a = np.minimum(np.asarray(accepted, dtype=np.int64), d)
-        if not d.size or not d.any():
-            return
-        self._held_slots = None  # new acceptance evidence: the next step decides afresh
-        k = self._ds[1:]
-        seen = k[None, :] <= np.minimum(a + 1, d)[:, None]  # [B, Dmax]
-        hit = k[None, :] <= a[:, None]  # accepted positions (seen, since a <= d)
-        keep = np.where(seen, 1.0 - self.smoothing, 1.0)  # older observations fade, per position
-        self._hits[slots] = self._hits[slots] * keep + hit
-        self._seen[slots] = self._seen[slots] * keep + seen
-        n = seen.sum(axis=0)
-        mean = np.where(n > 0, hit.sum(axis=0) / np.maximum(n, 1), self.global_accept)
-        # the running mean of every observation (and the prior as `prior_weight` of them) until
-        # that weighs a step less than `global_smoothing`, then an EWMA over steps: a position
-        # seen rarely (a deep draft) is learned from its first samples, not from the prior
-        self._global_seen += n
-        w = np.maximum(n / (self._global_seen + self.prior_weight), self.global_smoothing)
-        self.global_accept = np.where(n > 0, self.global_accept + w * (mean - self.global_accept),
-                                      self.global_accept)
+        if self.estimate.observe(slots, num_draft, accepted):
+            self._held_slots = None  # new acceptance evidence: the next step decides afresh
 
     # -- costs ----------------------------------------------------------------------------
     def observe_launch(self, op: str, attrs: dict, duration_ns: int) -> None:
@@ -265,13 +286,13 @@ class DraftLenPolicy:
         but by a token per row, and a plain decode step is the one whose host time counts most."""
         self.decisions += 1
         held = self._held_slots
-        if (held is not None and self._held < HOLD_STEPS and self.decisions < self._next_explore
+        if (held is not None and self._held < HOLD_STEPS and not self.probes.due(self.decisions)
                 and budget == self._held_budget and held.shape == slots.shape and (held == slots).all()):
             self._held += 1
             rows = self.last.rows
             dec = Decision(0, np.zeros(rows, dtype=np.int64), rows, self.last.gain, False,
                            self.step_ns(rows, 0, 0, int(computed[:rows].sum())))
-            self.last = dec
+            self._accrue(dec)
             return dec
         n = len(slots)
         dmax = self.max_draft_len
@@ -318,25 +339,16 @@ class DraftLenPolicy:
         if best is None or len(rates) < sum(r > 0 for r in rows_l):
             # a cost not known yet (no sample of the op): speculate, which teaches them all
             best = self.first_draft_len
-        elif self.decisions >= self._next_explore:
-            # one length up, or down on alternate probes (and at the top): the costs and
-            # acceptance of the neighbours stay known, whichever way the best moves
-            settled = best == self._probed_best
-            up = best < dmax and (best == 0 or (self._probes + 1) % 2 == 1)
-            probe = best + 1 if up else max(best - 1, 0)
-            if not up and not self.overhead_samples[0]:
-                probe = 0  # down to a plain step if none has run: its host overhead is borrowed
-            # a neighbour far behind is not worth the probe, and counts as settled -- but the
-            # longest interval always ends in one, so no estimate stays stale for ever, and a
-            # length never run is probed (its host overhead is borrowed from the others)
-            far = (self._explore_gap < MAX_EXPLORE_BACKOFF * self.explore_every and probe in rates
-                   and self.overhead_samples[probe] > 0 and rates[probe] < (1.0 - self.probe_margin) * rates[best])
-            self._explore_gap = (min(2 * self._explore_gap, MAX_EXPLORE_BACKOFF * self.explore_every)
-                                 if settled or far else self.explore_every)
-            self._next_explore = self.decisions + self._explore_gap
-            self._probed_best = best
-            if not far:
-                self._probes += 1
+        elif self.probes.due(self.decisions):
+            # a neighbour, so that the costs and acceptance of the lengths around the best stay
+            # known whichever way it moves -- unless it has run and is predicted far behind
+            # (`probe_margin`), which the longest interval probes all the same (no estimate
+            # stays stale for ever), or it costs more than the exploration budget holds
+            probe = self.probes.candidate(best, dmax, bool(self.overhead_samples[0]))
+            far = (not self.probes.at_longest and probe in rates and self.overhead_samples[probe] > 0
+                   and rates[probe] < (1.0 - self.probe_margin) * rates[best])
+            loss = 0.0 if far else self._probe_loss(probe, best, rates, rows_l, forwards_l, kv_l, expected_l, lag)
+            if self.probes.decide(self.decisions, best, far, loss):
                 best, explored = probe, True
         rows = int(rows_d[best])
         num_draft = use[best, :rows]
@@ -351,12 +363,31 @@ class DraftLenPolicy:
         kv_rows = kv_l[best] if rows == rows_l[best] else int(computed[:rows].sum())
         dec = Decision(best, num_draft.astype(np.int64), rows, gain_over_plain, explored,
                        self.step_ns(rows, best, int(np.maximum(num_draft - 1, 0).sum()), kv_rows, behind))
-        self.last = dec
+        self._accrue(dec)
         if best == 0 and not explored:
             self._held_slots, self._held_budget, self._held = slots.copy(), budget, 0
         else:
             self._held_slots = None
         return dec
+
+    def _accrue(self, dec: Decision) -> None:
+        self.last = dec
+        self.probes.accrue(dec.device_ns or 0.0)
+
+    def _probe_loss(self, probe: int, best: int, rates: dict, rows_l: list, forwards_l: list, kv_l: list,
+                    expected_l: list, lag: np.ndarray | None) -> float:
+        """What probing `probe` now costs against the best length: its step's predicted time
+        over the time the best takes for as many tokens. From D = 0 a draft model's whole
+        catch-up counts (not spread over the output, as in the rates): a probe that finds
+        D = 0 still best has wasted it."""
+        if probe not in rates:
+            return 0.0
+        catch = float(lag[:rows_l[probe]].sum()) if probe and lag is not None and self.catches_up else 0.0
+        t = self.step_ns(rows_l[probe], probe, forwards_l[probe], kv_l[probe], catch)
+        if t is None:
+            return 0.0
+        t = max(self.overhead(probe) + t, 0.25 * t, 1.0)
+        return max(t - expected_l[probe] / rates[best], 0.0)
 
     def _per_row(self, num_draft: np.ndarray, reach: np.ndarray, rate: float) -> np.ndarray:
         """A row's j-th draft (j >= 2: one more proposer forward for it) is kept while the
@@ -371,16 +402,3 @@ class DraftLenPolicy:
         keep = np.cumprod(worth, axis=1).sum(axis=1)  # leading positions worth drafting
         return np.minimum(num_draft, keep)
 
-
-def _seed(profile: dict | None, model: str) -> np.ndarray | None:
-    """A model's coefficients from a cost profile's JSON (`CostProfile.to_json()` or the
-    saved file): the first of its device models that prices this op."""
-    if not profile:
-        return None
-    device = profile.get("device", {})
-    for name in PROFILE_NAMES[model]:
-        m = device.get(name)
-        if m is not None:
-            coef = m["coef"] if isinstance(m, dict) else m.coef
-            return np.array([float(coef.get(f, 0.0)) for f in FEATURES[model]])
-    return None

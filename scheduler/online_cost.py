@@ -73,6 +73,22 @@ class OnlineCost:
     def predict(self, x: np.ndarray) -> float | None:
         return None if self.coef is None else float(max(self.coef @ x, 0.0))
 
+    def state(self) -> dict:
+        """What the model has learned, as JSON values (`restore` reads it back): a trace's
+        header carries it, so a replay's policy starts where the captured run's stood."""
+        return {"coef": None if self.coef is None else self.coef.tolist(), "a": self._a.tolist(),
+                "b": self._b.tolist(), "scale": self._scale.tolist(), "n": self._n, "since_fit": self._since_fit}
+
+    def restore(self, state: dict) -> None:
+        k = len(self.features)
+        a, b, scale = (np.asarray(state[key], dtype=float) for key in ("a", "b", "scale"))
+        if a.shape != (k, k) or b.shape != (k,) or scale.shape != (k,):
+            raise ValueError(f"a cost model state over {b.shape[0] if b.ndim == 1 else '?'} features, "
+                             f"this model has {k} ({', '.join(self.features)})")
+        self._a, self._b, self._scale = a, b, scale
+        self.coef = None if state["coef"] is None else np.asarray(state["coef"], dtype=float)
+        self._n, self._since_fit = int(state["n"]), int(state["since_fit"])
+
     def at(self, a: float, b: float, c: float, e: float = 0.0) -> float | None:
         """`predict` of (1, a, b, c[, e]) in plain floats: the policy prices every D each step."""
         k = self.__dict__.get("_k")
@@ -82,3 +98,17 @@ class OnlineCost:
             k = self.__dict__["_k"] = (self.coef, *map(float, self.coef), 0.0)
         v = k[1] + k[2] * a + k[3] * b + k[4] * c + k[5] * e
         return v if v > 0.0 else 0.0
+
+
+def seed_coef(profile: dict | None, names: tuple[str, ...], features: tuple[str, ...]) -> np.ndarray | None:
+    """A cost model's seed from a cost profile's JSON (`CostProfile.to_json()` or the saved
+    file): the coefficients of the first of its device models `names` that it has."""
+    if not profile:
+        return None
+    device = profile.get("device", {})
+    for name in names:
+        m = device.get(name)
+        if m is not None:
+            coef = m["coef"] if isinstance(m, dict) else m.coef
+            return np.array([float(coef.get(f, 0.0)) for f in features])
+    return None

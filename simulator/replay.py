@@ -48,6 +48,9 @@ class ReplayConfig:
     concurrency: int | None = None  # closed loop; None = the trace's
     seed: int = 0
     engine_overrides: dict = field(default_factory=dict)
+    # an adaptive draft length starts where the captured run's stood when recording began
+    # (the trace header's `draft_policy`), if the replay keeps its proposer and longest D
+    policy_state: bool = True
 
     def __post_init__(self) -> None:
         if not (self.rate_scale > 0 and math.isfinite(self.rate_scale)):
@@ -242,6 +245,13 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
                           device=device, clock=clock, sink=sink, tracer=rec, adaptive=engine["draft_len"] == "auto",
                           # seeded as the captured run was: with a profile if it had one (this one)
                           seed_costs=profile.to_json() if engine.get("draft_profile") else None)
+    policy = pipe.builder.draft_policy
+    captured = trace.header.extra.get("draft_policy")
+    if (policy is not None and captured and cfg.policy_state and proposer == trace.header.proposer
+            and captured.get("max_draft_len") == policy.max_draft_len):
+        policy.restore(captured)  # where the captured run's policy stood when recording began
+    if policy is not None:
+        header.extra["draft_policy"] = policy.state()  # as an engine trace records it
 
     models: dict[str, StageModel | None] = {}  # stage -> its model, looked up once
     step_gap = profile.step_overhead_ns

@@ -26,6 +26,16 @@ def _teach(policy: DraftLenPolicy, *, verify_ns_per_token: float, draft_ns_per_f
                                             "kv_tokens": kv}, int(const_ns / 10 + draft_ns_per_forward * b * max(nd - 1, 0)))
 
 
+def _draft_model_policy(prior: float, explore_every: int, **costs) -> DraftLenPolicy:
+    """A draft model's policy (a fill of its own, KV read ahead) taught `_teach`'s costs and a
+    fill of 1e5 ns per token it reads."""
+    p = DraftLenPolicy(4, has_fill=True, kv_ahead=1, prior=prior, explore_every=explore_every)
+    _teach(p, **costs)
+    for tokens in (2, 8, 64, 512) * 16:
+        p.observe_launch("fill", {"tokens": tokens, "requests": 1, "kv_tokens": 50}, int(1e6 + 1e5 * tokens))
+    return p
+
+
 def _choose(policy: DraftLenPolicy, rows: int, remaining: int = 100):
     slots = np.arange(rows)
     return policy.choose(slots, np.full(rows, remaining), np.full(rows, 50), budget=4096)
@@ -177,11 +187,7 @@ def test_a_draft_model_far_behind_resumes_drafting_only_for_a_long_output():
     """A draft model that skipped fills must read the tokens it missed before it drafts: that
     catch-up is priced over the rows' remaining output, so it is paid for a long one only."""
     def policy():
-        p = DraftLenPolicy(4, has_fill=True, kv_ahead=1, prior=0.8, explore_every=1000)
-        _teach(p, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
-        for tokens in (2, 8, 64, 512) * 16:  # the fill: 1e5 ns per token it reads
-            p.observe_launch("fill", {"tokens": tokens, "requests": 1, "kv_tokens": 50}, int(1e6 + 1e5 * tokens))
-        return p
+        return _draft_model_policy(0.8, 1000, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
 
     slots, computed = np.arange(1), np.full(1, 50)
     for remaining, lag, on in ((200, 0, True), (4, 0, True), (200, 400, True), (4, 400, False)):
@@ -374,3 +380,77 @@ def test_prompts_admitted_while_speculation_is_off_are_caught_up_before_drafting
         assert late_got.num_drafts > 0
         rate = late_got.num_accepted_tokens / late_got.num_drafted_tokens
         assert rate >= 0.8 * late_fixed.num_accepted_tokens / late_fixed.num_drafted_tokens
+
+
+def test_a_restored_state_continues_the_policy_it_was_taken_from():
+    """The state goes through JSON (a trace header) and the restored policy then decides and
+    learns as the original does, where a fresh one would not."""
+    import orjson
+
+    learned = DraftLenPolicy(4, has_fill=False, prior=0.2, explore_every=5)
+    _teach(learned, verify_ns_per_token=1e6, draft_ns_per_forward=5e5, const_ns=0.0)
+    for _ in range(7):  # through a probe, so the probe schedule is part of the state
+        d = _choose(learned, 16)
+        learned.observe_step(int(d.device_ns or 0) + 100_000)
+    state = orjson.loads(orjson.dumps(learned.state()))
+    fresh = DraftLenPolicy(4, has_fill=False, prior=0.2, explore_every=5)
+    restored = DraftLenPolicy(4, has_fill=False, prior=0.2, explore_every=5)
+    restored.restore(state)
+    assert _choose(fresh, 16).draft_len == fresh.first_draft_len  # no cost known yet
+    for step in range(12):
+        a, b = _choose(learned, 16), _choose(restored, 16)
+        assert (a.draft_len, a.explored, a.rows) == (b.draft_len, b.explored, b.rows), step
+        assert a.device_ns == pytest.approx(b.device_ns)
+        for p, dec in ((learned, a), (restored, b)):
+            p.observe_launch("verify", {"tokens": 16 * (1 + dec.draft_len), "requests": 16, "kv_tokens": 800},
+                             int(2e6 + 1e6 * 16 * (1 + dec.draft_len)))
+            p.observe_step(int(dec.device_ns or 0) + 100_000)
+    for m, c in learned.costs.items():  # the fill has no sample (no fill): None in both
+        assert (c.coef is None and restored.costs[m].coef is None) or np.allclose(restored.costs[m].coef, c.coef)
+    assert restored.overhead_by_d == pytest.approx(learned.overhead_by_d)
+    with pytest.raises(ValueError, match="max_draft_len=4"):
+        DraftLenPolicy(3, has_fill=False).restore(state)
+
+
+def test_a_replay_starts_the_policy_where_the_captured_run_stood():
+    from specsched.simulator.fit import fit_profile
+    from specsched.traces.reader import read_trace
+
+    tr = read_trace(SAMPLES / "draft_overlap.jsonl")
+    prof = fit_profile([tr])
+    _, sim = replay(tr, prof, ReplayConfig(draft_len="auto", max_draft_len=4))
+    start = sim.header.extra["draft_policy"]
+    assert start["decisions"] == 0  # the captured run was not adaptive: a fresh policy
+    # the simulated run is adaptive and its header says where its policy started; a replay of
+    # it starting elsewhere (as a captured run after a warm-up would) starts there
+    learned = DraftLenPolicy(4, has_fill=True, kv_ahead=1)
+    _teach(learned, verify_ns_per_token=1e5, draft_ns_per_forward=1e5)
+    for _ in range(20):
+        _choose(learned, 4)
+    sim.header.extra["draft_policy"] = learned.state()
+    _, again = replay(sim, prof, ReplayConfig())
+    assert again.header.extra["draft_policy"]["decisions"] == 20
+    assert again.header.extra["draft_policy"]["costs"] == learned.state()["costs"]
+    _, cold = replay(sim, prof, ReplayConfig(policy_state=False))
+    assert cold.header.extra["draft_policy"]["decisions"] == 0
+
+
+def test_a_probe_waits_until_the_exploration_budget_pays_for_its_catch_up():
+    """Speculation off, a draft model far behind: probing D = 1 now would pay every row's whole
+    catch-up, far more than `explore_cost` of the steps so far -- the probe waits; with the
+    draft model caught up the same policy probes on schedule."""
+    def policy():
+        return _draft_model_policy(0.3, 16, verify_ns_per_token=4e5, draft_ns_per_forward=2e5, const_ns=2e6)
+
+    rows = 16
+    slots, remaining, computed = np.arange(rows), np.full(rows, 200), np.full(rows, 300)
+    for lag, probes in ((300, False), (0, True)):
+        p = policy()
+        explored = []
+        for _ in range(160):
+            d = p.choose(slots, remaining, computed, 4096, np.full(rows, lag))
+            assert d.explored or d.draft_len == 0  # plain decoding is the best here
+            explored.append(d.explored)
+            p._held_slots = None  # each step decides afresh (as after a change of batch)
+        assert any(explored[:32]) == probes, lag  # caught up: the first probes (at 16, 32) run
+        assert any(explored) == probes, lag  # 300 behind: ~60 steps' worth, never affordable

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -49,6 +50,29 @@ def test_replay_writes_a_trace_that_stats_reads(tmp_path):
     tr = read_trace(out)
     assert tr.header.draft_len == 2 and tr.header.source == "simulator"
     assert run_json("stats", out)["requests"] == run_json("stats", SAMPLE)["requests"]
+
+
+def test_replay_of_an_adaptive_trace_starts_where_its_policy_stood_unless_cold(tmp_path):
+    from specsched.scheduler.adaptive import DraftLenPolicy
+    from specsched.traces.recorder import write_trace
+
+    auto = tmp_path / "auto.jsonl"
+    assert run("replay", SAMPLE, "--draft-len", "auto", "--trace", auto)[0] == 0
+    tr = read_trace(auto)
+    learned = DraftLenPolicy(4, has_fill=True, kv_ahead=1)
+    for _ in range(30):  # 30 decisions in: the header says so
+        learned.choose(np.arange(2), np.full(2, 50), np.full(2, 40), 4096)
+    tr.header.extra["draft_policy"] = learned.state()
+    write_trace(tr, auto)
+    for flags, decisions in (((), 30), (("--cold-policy",), 0)):
+        out = tmp_path / f"again{decisions}.jsonl"
+        code, text = run("replay", auto, *flags, "--trace", out)
+        assert code == 0, text
+        assert read_trace(out).header.extra["draft_policy"]["decisions"] == decisions
+    tr.header.extra["draft_policy"] = {**learned.state(), "overhead_by_d": [0.0]}  # a damaged header
+    write_trace(tr, auto)
+    code, text = run("replay", auto)
+    assert code == 2 and "overhead_by_d has shape (1,)" in text
 
 
 def test_validate_reports_step_makespan_and_distribution_errors():

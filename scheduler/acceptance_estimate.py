@@ -1,0 +1,70 @@
+"""The draft-length policy's acceptance estimates: per request and draft position, shrunk
+toward an engine-wide estimate (see `AcceptanceEstimate`; `scheduler/adaptive.py` keeps one)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class AcceptanceEstimate:
+    """p[i, k] = P(draft k of request i accepted | drafts 1..k-1 were), from each verify's
+    (drafted, accepted): positions up to the accepted count accepted, the next one rejected,
+    later ones unobserved. Per request (by slot), acceptances and observations are counted with
+    older ones fading (weight 1 - `smoothing` per later observation) and the engine-wide
+    estimate counts as `request_weight` more observations. The engine-wide estimate starts at
+    `prior`, counted as `prior_weight` observations, is the running mean of all rows until
+    that weighs a step less than `global_smoothing`, then an EWMA over steps."""
+
+    def __init__(self, max_draft_len: int, *, prior: float, smoothing: float, global_smoothing: float,
+                 prior_weight: float, request_weight: float, slots: int):
+        self.max_draft_len = max_draft_len
+        self.smoothing, self.global_smoothing = smoothing, global_smoothing
+        self.prior_weight, self.request_weight = prior_weight, request_weight
+        self.global_accept = np.full(max_draft_len, prior)  # engine-wide p[k]
+        self.global_seen = np.zeros(max_draft_len)  # observations of each position so far
+        # per slot and position: acceptances and observations seen, decayed by 1 - smoothing
+        self._hits = np.zeros((slots, max_draft_len))
+        self._seen = np.zeros((slots, max_draft_len))
+        self._k = np.arange(1, max_draft_len + 1)
+
+    def start(self, slot: int) -> None:
+        """A request took `slot`: its estimates start from the engine-wide ones."""
+        if slot >= self._hits.shape[0]:
+            grow = np.zeros((slot + 1 - self._hits.shape[0], self.max_draft_len))
+            self._hits, self._seen = np.concatenate([self._hits, grow]), np.concatenate([self._seen, grow])
+        self._hits[slot] = 0.0
+        self._seen[slot] = 0.0
+
+    def of(self, slots: np.ndarray) -> np.ndarray:
+        """[len(slots), Dmax] p[i, k]: the request's own (decayed) acceptance count at position k
+        over its observations there, with the engine-wide estimate counted as `request_weight`
+        more -- a request seen little follows the engine-wide rate as that is learned, one seen
+        often its own."""
+        m = self.request_weight
+        return (m * self.global_accept + self._hits[slots]) / (m + self._seen[slots])
+
+    @property
+    def num_slots(self) -> int:
+        return self._hits.shape[0]
+
+    def observe(self, slots: np.ndarray, num_draft: np.ndarray, accepted: np.ndarray) -> bool:
+        """Each row drafted num_draft and had `accepted` accepted; False if no row drafted."""
+        d = np.minimum(np.asarray(num_draft, dtype=np.int64), self.max_draft_len)
+        a = np.minimum(np.asarray(accepted, dtype=np.int64), d)
+        if not d.size or not d.any():
+            return False
+        k = self._k
+        seen = k[None, :] <= np.minimum(a + 1, d)[:, None]  # [B, Dmax]
+        hit = k[None, :] <= a[:, None]  # accepted positions (seen, since a <= d)
+        keep = np.where(seen, 1.0 - self.smoothing, 1.0)  # older observations fade, per position
+        self._hits[slots] = self._hits[slots] * keep + hit
+        self._seen[slots] = self._seen[slots] * keep + seen
+        n = seen.sum(axis=0)
+        mean = np.where(n > 0, hit.sum(axis=0) / np.maximum(n, 1), self.global_accept)
+        # the running mean of every observation (and the prior as `prior_weight` of them) until
+        # that weighs a step less than `global_smoothing`, then an EWMA over steps: a position
+        # seen rarely (a deep draft) is learned from its first samples, not from the prior
+        self.global_seen += n
+        w = np.maximum(n / (self.global_seen + self.prior_weight), self.global_smoothing)
+        self.global_accept = np.where(n > 0, self.global_accept + w * (mean - self.global_accept),
+                                      self.global_accept)
+        return True
