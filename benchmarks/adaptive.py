@@ -6,7 +6,8 @@ every fixed D in 0..max (D = 0: plain decoding), in interleaved rounds (each rou
 configuration once, in a rotated order), medians. Per proposer it prints auto's ratio to the
 best fixed D at each concurrency and the geometric mean over the concurrencies of auto and of
 each fixed D. Then, per proposer and concurrency, one more auto run with its trace, replayed by
-the simulator (`validate`: the trace's own fitted costs): the makespan error.
+the simulator (`validate`: the trace's own fitted costs): the makespan error, with the policy
+deciding in the replay and with each step's D taken from the run (simulator/follow.py).
 
     python benchmarks/adaptive.py [--concurrency 1 4 16 64] [--rounds 3] [--max-tokens 32]
     python benchmarks/adaptive.py --replay-only --save-traces DIR   # the replays alone, traces kept
@@ -112,7 +113,8 @@ def main() -> None:
                 errs.append(f"c={c}: not replayable ({exc})")
                 continue
             counts = v["real"]["draft_len_counts"]
-            errs.append(f"c={c}: makespan {v['makespan_err_pct']:+.2f}% (steps by D: "
+            errs.append(f"c={c}: makespan {v['makespan_err_pct']:+.2f}%, each step's D as captured "
+                        f"{v['makespan_err_followed_pct']:+.2f}% (steps by D: "
                         + ", ".join(f"{d}:{n}" for d, n in counts.items()) + ")")
         print("  simulator replaying the auto traces: " + "; ".join(errs))
 

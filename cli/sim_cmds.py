@@ -157,6 +157,8 @@ def validate(
     for k, label in (("p50", "median"), ("p90", "p90")):
         t.add_row(f"step time {label} (distribution)", pct(res["step_time_dist_err_pct"][k]))
     t.add_row("makespan", pct(res["makespan_err_pct"]))
+    if res["makespan_err_followed_pct"] is not None:  # an adaptive trace
+        t.add_row("makespan, each step's D as captured", pct(res["makespan_err_followed_pct"]))
     t.add_row("output tokens/s", pct(res["output_tokens_per_s_err_pct"]))
     for k in ("p50", "p99"):
         t.add_row(f"TTFT {k}", pct(res["ttft_err_pct"][k]))

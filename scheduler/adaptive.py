@@ -26,15 +26,17 @@ the pipeline), and its inputs are what the pipeline already has:
   a small non-negative linear model per op (a target forward over (tokens, requests, KV
   tokens, verify) -- decode and verify forwards share their slopes, and a verify's fixed extra
   cost (its logits at every position) is a term of its own, so it does not inflate the price
-  of a plain step; the draft over (draft steps, row-forwards, KV tokens); the proposer's fill),
+  of a plain step; the draft over (draft steps, row-forwards, KV tokens x draft steps: the
+  first token comes from logits already there, each further one reads the KV); the fill),
   refitted as samples arrive (running weighted sums: O(1) per sample), ridge-regularized
   toward its seed -- a fitted cost profile (`seed_costs`, the simulator's JSON format) or
   none -- so a few samples cannot swing it. While an op has no sample the policy drafts
   `first_draft_len` tokens, which teaches every model.
-  h is the smoothed residual of the steps' measured wall time over their predicted device
-  time, per D: host work a schedule does not hide (a plain decode step launches one op, a
-  speculative one three, and how much of their host work a schedule hides differs too), and,
-  signed, the bias of the device models at that D. A D with fewer than
+  h (`scheduler/step_overhead.py`) is the median of the last 15 steps' residuals of measured
+  wall time over predicted device time, per D: host work a schedule does not hide (a plain
+  decode step launches one op, a speculative one three, and how much of their host work a
+  schedule hides differs too), and, signed, the bias of the device models at that D; a median,
+  so that one step the machine stalled does not swing the choice. A D with fewer than
   `MIN_OVERHEAD_SAMPLES` steps seen takes the smaller of its own residual so far and the
   residual over every D.
 - **A draft model's catch-up**: while speculation is off a draft model reads nothing (the
@@ -71,6 +73,7 @@ import numpy as np
 from specsched.scheduler.acceptance_estimate import AcceptanceEstimate
 from specsched.scheduler.online_cost import OnlineCost, seed_coef
 from specsched.scheduler.probe_schedule import ProbeSchedule
+from specsched.scheduler.step_overhead import StepOverhead
 from specsched.scheduler.step_trace import launch_features
 
 # features of each op's cost model, read from its launch shape (span attributes)
@@ -78,18 +81,22 @@ FEATURES = {
     # decode and verify forwards; `verify` (1 for a verify) is the fixed cost a verify adds
     # (its logits at every position, the acceptance's inputs), its slopes shared with a decode
     "target": ("const", "tokens", "requests", "kv_tokens", "verify"),
-    "draft": ("const", "draft_steps", "draft_forwards", "kv_tokens"),
+    # the draft: its KV is read by each forward after the first token (which comes from logits
+    # already there), so the KV term is KV tokens x draft steps -- a bare KV term, learned
+    # from a warm-up whose one request's KV grew while its D stood, priced a D = 1 draft (no
+    # forward at all) by the context length
+    "draft": ("const", "draft_steps", "draft_forwards", "draft_kv"),
     "fill": ("const", "tokens", "requests", "kv_tokens"),
 }
 # a profile's device models that seed them (span names, see scheduler/step_trace.py)
 PROFILE_NAMES = {"target": ("verify", "decode"), "draft": ("draft",), "fill": ("draft_fill",)}
-MIN_OVERHEAD_SAMPLES = 4  # steps at a D before its own overhead estimate replaces the pooled one
 HOLD_STEPS = 8  # decode steps a choice of D = 0 stands for over an unchanged batch (see `choose`)
 
 
 def _features(model: str, attrs: dict, op: str = "") -> np.ndarray:
     values = launch_features(attrs)
     values["verify"] = float(op == "verify")
+    values["draft_kv"] = values["kv_tokens"] * values["draft_steps"]
     return np.array([values[f] for f in FEATURES[model]])
 
 
@@ -130,9 +137,7 @@ class DraftLenPolicy:
                                            global_smoothing=global_smoothing, prior_weight=prior_weight,
                                            request_weight=request_weight, slots=slots)
         self.costs = {m: OnlineCost(f, prior=seed_coef(seed_costs, PROFILE_NAMES[m], f), free_const=m != "draft") for m, f in FEATURES.items()}
-        self.overhead_ns = 0.0  # h over every D
-        self.overhead_by_d = np.zeros(max_draft_len + 1)  # h per D (see `overhead`)
-        self.overhead_samples = np.zeros(max_draft_len + 1, dtype=np.int64)
+        self.overhead = StepOverhead(max_draft_len)  # h per D (scheduler/step_overhead.py)
         self.decisions = 0
         self.last: Decision | None = None
         self._held_slots: np.ndarray | None = None  # the batch a standing D = 0 was chosen for
@@ -148,7 +153,8 @@ class DraftLenPolicy:
     # the engine-wide estimates, overheads and probe schedule (per-request estimates are not
     # part of it: a request's start resets its own)
     _STATE = {"global_accept": "estimate.global_accept", "global_seen": "estimate.global_seen",
-              "overhead_ns": "overhead_ns", "overhead_by_d": "overhead_by_d", "overhead_samples": "overhead_samples",
+              "overhead_ns": "overhead.pooled", "overhead_by_d": "overhead.by_d", "overhead_samples": "overhead.samples",
+              "residuals_by_d": "overhead.residuals_by_d", "residuals": "overhead.residuals",
               "decisions": "decisions", "explore_gap": "probes.gap", "next_explore": "probes.next",
               "probed_best": "probes.probed_best", "probes": "probes.probes", "explore_budget": "probes.budget"}
 
@@ -176,6 +182,8 @@ class DraftLenPolicy:
             raise ValueError(f"a draft-length policy state without {', '.join(missing)}")
         for k, owner, attr in self._state_fields():
             v, cur = state[k], getattr(owner, attr)
+            if isinstance(cur, list) and (not isinstance(v, list) or (k == "residuals_by_d" and len(v) != len(cur))):
+                raise ValueError(f"a draft-length policy state whose {k} is not a list of {len(cur)}")
             if isinstance(cur, np.ndarray):
                 v = np.asarray(v, dtype=cur.dtype)
                 if v.shape != cur.shape:
@@ -233,24 +241,8 @@ class DraftLenPolicy:
         last = self.last
         if last is None or last.rows == 0 or last.device_ns is None:
             return
-        resid = wall_ns - last.device_ns  # negative where the device models overprice this D
-        self.overhead_ns = 0.8 * self.overhead_ns + 0.2 * resid
-        d = last.draft_len
-        n = self.overhead_samples[d]
-        # the first samples average, later ones smooth: the estimate follows the load
-        w = 1.0 / (n + 1) if n < 5 else 0.2
-        self.overhead_by_d[d] = (1 - w) * self.overhead_by_d[d] + w * resid
-        self.overhead_samples[d] = n + 1
-
-    def overhead(self, d: int) -> float:
-        """h at D = d: its own estimate once it has `MIN_OVERHEAD_SAMPLES` steps, else the
-        smaller of the pooled one and its own so far -- optimistic while a length is barely
-        tried, so that it is tried until its own estimate holds (the pooled one mixes in the
-        other lengths' host work, which a plain step does not have)."""
-        n = self.overhead_samples[d]
-        if n >= MIN_OVERHEAD_SAMPLES:
-            return float(self.overhead_by_d[d])
-        return min(self.overhead_ns, float(self.overhead_by_d[d])) if n else self.overhead_ns
+        # negative where the device models overprice this D
+        self.overhead.observe(last.draft_len, float(wall_ns - last.device_ns))
 
     def step_ns(self, rows: int, d: int, forwards: int, kv_tokens: int, catch_up: float = 0.0) -> float | None:
         """Predicted device time of a step of `rows` at D = d whose rows make `forwards`
@@ -263,7 +255,7 @@ class DraftLenPolicy:
             f = c["fill"].at(rows, rows, kv_tokens + rows) if self.has_fill and self.fill_same_batch else 0.0
             return None if t is None or f is None else t + f
         width = 1 + d
-        dr = c["draft"].at(d - 1, forwards, kv_tokens)
+        dr = c["draft"].at(d - 1, forwards, kv_tokens * (d - 1))
         t = c["target"].at(rows * width, rows, kv_tokens + rows * width, 1.0)
         f = 0.0
         if self.has_fill:
@@ -332,7 +324,7 @@ class DraftLenPolicy:
             if t is None:
                 continue
             # h may be negative (it corrects a device model that overprices this D), not below -3/4 of it
-            rates[d] = expected_l[d] / max(self.overhead(d) + t, 0.25 * t, 1.0)
+            rates[d] = expected_l[d] / max(self.overhead.at(d) + t, 0.25 * t, 1.0)
             if best is None or rates[d] > rates[best]:
                 best = d
         explored = False
@@ -344,8 +336,8 @@ class DraftLenPolicy:
             # known whichever way it moves -- unless it has run and is predicted far behind
             # (`probe_margin`), which the longest interval probes all the same (no estimate
             # stays stale for ever), or it costs more than the exploration budget holds
-            probe = self.probes.candidate(best, dmax, bool(self.overhead_samples[0]))
-            far = (not self.probes.at_longest and probe in rates and self.overhead_samples[probe] > 0
+            probe = self.probes.candidate(best, dmax, bool(self.overhead.samples[0]))
+            far = (not self.probes.at_longest and probe in rates and self.overhead.samples[probe] > 0
                    and rates[probe] < (1.0 - self.probe_margin) * rates[best])
             loss = 0.0 if far else self._probe_loss(probe, best, rates, rows_l, forwards_l, kv_l, expected_l, lag)
             if self.probes.decide(self.decisions, best, far, loss):
@@ -353,7 +345,7 @@ class DraftLenPolicy:
         rows = int(rows_d[best])
         num_draft = use[best, :rows]
         if best >= 1 and rates.get(best) is not None:
-            num_draft = self._per_row(num_draft, reach[:rows], rates[best])
+            num_draft = self._per_row(num_draft, reach[:rows], rates[best], computed[:rows])
         if best >= 1 and not num_draft.any():
             best = 0  # nobody drafts: a plain decode step
             rows = min(n, budget)
@@ -386,18 +378,20 @@ class DraftLenPolicy:
         t = self.step_ns(rows_l[probe], probe, forwards_l[probe], kv_l[probe], catch)
         if t is None:
             return 0.0
-        t = max(self.overhead(probe) + t, 0.25 * t, 1.0)
+        t = max(self.overhead.at(probe) + t, 0.25 * t, 1.0)
         return max(t - expected_l[probe] / rates[best], 0.0)
 
-    def _per_row(self, num_draft: np.ndarray, reach: np.ndarray, rate: float) -> np.ndarray:
+    def _per_row(self, num_draft: np.ndarray, reach: np.ndarray, rate: float, kv_rows: np.ndarray) -> np.ndarray:
         """A row's j-th draft (j >= 2: one more proposer forward for it) is kept while the
         tokens it is expected to add, reach[j], are worth its cost at the step's rate; a
         request whose drafts keep failing thus drafts one token (from logits already there)."""
         m = self.costs["draft"]
         if m.coef is None:
             return num_draft
-        per_forward = float(m.coef[FEATURES["draft"].index("draft_forwards")])
-        worth = reach >= rate * per_forward  # [B, Dmax]
+        names = FEATURES["draft"]
+        # one more forward of a row: its own cost and a read of the row's KV
+        per_forward = m.coef[names.index("draft_forwards")] + m.coef[names.index("draft_kv")] * kv_rows
+        worth = reach >= rate * per_forward[:, None]  # [B, Dmax]
         worth[:, 0] = True
         keep = np.cumprod(worth, axis=1).sum(axis=1)  # leading positions worth drafting
         return np.minimum(num_draft, keep)

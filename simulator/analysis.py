@@ -59,6 +59,11 @@ def validate(trace, profile: CostProfile | None = None, *, replicates: int = 5, 
         "step_time_dist_err_pct": {q: _pct(float(np.percentile(st, p)), float(np.percentile(rt, p))) if n else None
                                    for q, p in (("p50", 50), ("p90", 90))},
         "makespan_err_pct": _pct(sim_m["duration_s"], real["duration_s"]),
+        # an adaptive trace: the replay's draft lengths taken from the run (simulator/follow.py),
+        # which the cost models alone answer for; None for a fixed draft length
+        "makespan_err_followed_pct": (_pct(replay(trace, profile, ReplayConfig(follow_choices=True))[0]["duration_s"],
+                                           real["duration_s"])
+                                      if trace.header.engine_config.get("draft_len") == "auto" else None),
         "output_tokens_per_s_err_pct": _pct(sim_m["output_tokens_per_s"], real["output_tokens_per_s"]),
         "ttft_err_pct": {k: _pct(sim_m["ttft_ms"][k], real["ttft_ms"][k]) for k in ("p50", "p99")},
         "tpot_err_pct": {k: _pct(sim_m["tpot_ms"][k], real["tpot_ms"][k]) for k in ("p50", "p99")},

@@ -22,6 +22,7 @@ from specsched.scheduler.small_arrays import largest
 from specsched.scheduler.messages import DraftResult, FillResult, ForwardResult, VerifyResult
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.wiring import NATURAL_SCHEDULE, build_pipeline
+from specsched.simulator.follow import follow_choices, recorded_choices
 from specsched.scheduler.request import Request
 from specsched.scheduler.sampling_params import SamplingParams
 from specsched.simulator.acceptance import AcceptanceModel
@@ -51,6 +52,8 @@ class ReplayConfig:
     # an adaptive draft length starts where the captured run's stood when recording began
     # (the trace header's `draft_policy`), if the replay keeps its proposer and longest D
     policy_state: bool = True
+    # an adaptive draft length takes each step's D from the captured run (simulator/follow.py)
+    follow_choices: bool = False
 
     def __post_init__(self) -> None:
         if not (self.rate_scale > 0 and math.isfinite(self.rate_scale)):
@@ -252,6 +255,8 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
         policy.restore(captured)  # where the captured run's policy stood when recording began
     if policy is not None:
         header.extra["draft_policy"] = policy.state()  # as an engine trace records it
+        if cfg.follow_choices:
+            follow_choices(policy, pipe.builder, recorded_choices(trace))
 
     models: dict[str, StageModel | None] = {}  # stage -> its model, looked up once
     step_gap = profile.step_overhead_ns

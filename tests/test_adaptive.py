@@ -200,10 +200,10 @@ def test_host_overhead_is_learned_per_draft_length(monkeypatch, per_d):
     """Speculative steps carry host work plain ones do not (three launches, not one): measured
     per D, that overhead turns speculation off where device time alone would keep it on;
     pooled over every D (the same policy with per-D estimates disabled) it would not."""
-    from specsched.scheduler import adaptive
+    from specsched.scheduler.step_overhead import StepOverhead
 
     if not per_d:
-        monkeypatch.setattr(adaptive.DraftLenPolicy, "overhead", lambda self, d: self.overhead_ns)
+        monkeypatch.setattr(StepOverhead, "at", lambda self, d: self.pooled)
     policy = DraftLenPolicy(4, has_fill=False, prior=0.7, explore_every=4)
     _teach(policy, verify_ns_per_token=1e4, draft_ns_per_forward=1e4, const_ns=1e7)  # device: D nearly free
     slots = np.arange(4)
@@ -407,7 +407,7 @@ def test_a_restored_state_continues_the_policy_it_was_taken_from():
             p.observe_step(int(dec.device_ns or 0) + 100_000)
     for m, c in learned.costs.items():  # the fill has no sample (no fill): None in both
         assert (c.coef is None and restored.costs[m].coef is None) or np.allclose(restored.costs[m].coef, c.coef)
-    assert restored.overhead_by_d == pytest.approx(learned.overhead_by_d)
+    assert restored.overhead.by_d == pytest.approx(learned.overhead.by_d)
     with pytest.raises(ValueError, match="max_draft_len=4"):
         DraftLenPolicy(3, has_fill=False).restore(state)
 
@@ -454,3 +454,61 @@ def test_a_probe_waits_until_the_exploration_budget_pays_for_its_catch_up():
             p._held_slots = None  # each step decides afresh (as after a change of batch)
         assert any(explored[:32]) == probes, lag  # caught up: the first probes (at 16, 32) run
         assert any(explored) == probes, lag  # 300 behind: ~60 steps' worth, never affordable
+
+
+def test_a_replay_following_the_captured_choices_keeps_them_where_the_policy_would_not():
+    """Replaying an adaptive run on costs that differ from its own, the live policy chooses
+    other draft lengths; following the captured choices, every step's D is the run's."""
+    from specsched.simulator.costs import CostProfile
+    from specsched.simulator.fit import fit_profile
+    from specsched.simulator.follow import recorded_choices
+    from specsched.traces.reader import read_trace
+
+    tr = read_trace(SAMPLES / "draft_overlap.jsonl")
+    prof = fit_profile([tr])
+    _, run = replay(tr, prof, ReplayConfig(draft_len="auto", max_draft_len=4))  # the "captured" run
+    choices = recorded_choices(run)
+    assert len(choices) == sum(len(s.request_ids) for s in run.steps if s.draft_len is not None)
+    # the verify three times dearer: speculation pays less than the run found
+    j = prof.to_json()
+    j["device"]["verify"]["coef"] = {k: 3 * v for k, v in j["device"]["verify"]["coef"].items()}
+    dear = CostProfile.from_json(j)
+
+    def by_step(t):
+        return [s.draft_len for s in sorted(t.steps, key=lambda s: s.step) if s.draft_len is not None]
+
+    captured = by_step(run)
+    live = by_step(replay(run, dear, ReplayConfig())[1])
+    followed = by_step(replay(run, dear, ReplayConfig(follow_choices=True))[1])
+    assert followed == captured
+    assert live != captured
+
+
+def test_a_warm_up_at_one_draft_length_does_not_price_a_one_token_draft_by_the_context():
+    """One request drafting 4 tokens while its context grows (a warm-up): the draft's cost
+    rises with KV x forwards. A 1-token draft makes no forward (its token comes from logits
+    already there), so a long context must not make it look dear -- with speculation paying
+    (acceptance 0.8, a flat target), D = 0 is not the choice at 10x the warm-up's context."""
+    p = DraftLenPolicy(4, has_fill=False, prior=0.8, explore_every=1000)
+    for kv in range(20, 80, 4):  # draft: 0.3 ms + 0.8 ms a forward step + 2 us per KV token read
+        p.observe_launch("draft", {"num_draft": 4, "draft_forwards": 3, "requests": 1, "kv_tokens": kv},
+                         int(3e5 + 3 * 8e5 + 3 * 2e3 * kv))
+        p.observe_launch("verify", {"tokens": 5, "requests": 1, "kv_tokens": kv + 5}, int(6e6))
+        p.observe_launch("forward", {"kind": "decode", "tokens": 1, "requests": 1, "kv_tokens": kv + 1}, int(6e6))
+    assert p.step_ns(1, 1, 0, 600) - p.step_ns(1, 0, 0, 600) < 1e6  # the D = 1 draft: ~0.3 ms
+    d = p.choose(np.arange(1), np.full(1, 100), np.full(1, 600), 4096)
+    assert d.draft_len >= 1
+
+
+def test_one_stalled_step_does_not_move_the_overhead():
+    """The overhead is the median of recent residuals: a step the machine stalled (10x its
+    usual residual) leaves it where the steps around it put it."""
+    from specsched.scheduler.step_overhead import StepOverhead
+
+    h = StepOverhead(4)
+    for i in range(10):
+        h.observe(2, 1e6 + 1e4 * (i % 3))
+    before = h.at(2)
+    h.observe(2, 5e7)
+    assert h.at(2) == pytest.approx(before, rel=0.02)
+    assert h.at(0) == pytest.approx(h.pooled) and h.at(0) < 2e6  # unseen D: the pooled median
