@@ -33,7 +33,7 @@ the pipeline), and its inputs are what the pipeline already has:
   none -- so a few samples cannot swing it. While an op has no sample the policy drafts
   `first_draft_len` tokens, which teaches every model.
   h (`scheduler/step_overhead.py`) is the median of the last 15 steps' residuals of measured
-  wall time over predicted device time, per D: host work a schedule does not hide (a plain
+  wall time over predicted device time (the models as the step's own launches left them), per D: host work a schedule does not hide (a plain
   decode step launches one op, a speculative one three, and how much of their host work a
   schedule hides differs too), and, signed, the bias of the device models at that D; a median,
   so that one step the machine stalled does not swing the choice. A D with fewer than
@@ -108,6 +108,9 @@ class Decision:
     gain: float | None  # predicted tokens/s at D over D = 0 (None before any cost is known)
     explored: bool = False
     device_ns: float | None = None  # the step's predicted device time
+    # `step_ns`'s arguments for this step: its residual (`observe_step`) is taken against the
+    # device time the cost models predict once the step's own launches have trained them
+    cost_args: tuple | None = None
 
 
 class DraftLenPolicy:
@@ -199,8 +202,10 @@ class DraftLenPolicy:
 
     # -- acceptance (scheduler/acceptance_estimate.py) ------------------------------------
     def start(self, slot: int) -> None:
-        """A request took `slot`: its estimates start from the engine-wide ones."""
+        """A request took `slot`: its estimates start from the engine-wide ones, and a standing
+        D = 0 (see `choose`) no longer stands: the batch has another request in it."""
         self.estimate.start(slot)
+        self._held_slots = None
 
     def acceptance(self, slots: np.ndarray) -> np.ndarray:
         """[len(slots), Dmax] p[i, k] (`AcceptanceEstimate.of`)."""
@@ -241,8 +246,13 @@ class DraftLenPolicy:
         last = self.last
         if last is None or last.rows == 0 or last.device_ns is None:
             return
+        # against the models as the step's launches left them: a residual against the
+        # decision's prediction would count a model's correction twice -- once in the model,
+        # once in h (one plain probe after verifies only moved the plain price by -2 ms and its
+        # h by -2 ms, and D = 0 looked 30% cheaper than it ran)
+        predicted = self.step_ns(*last.cost_args) if last.cost_args is not None else None
         # negative where the device models overprice this D
-        self.overhead.observe(last.draft_len, float(wall_ns - last.device_ns))
+        self.overhead.observe(last.draft_len, float(wall_ns - (last.device_ns if predicted is None else predicted)))
 
     def step_ns(self, rows: int, d: int, forwards: int, kv_tokens: int, catch_up: float = 0.0) -> float | None:
         """Predicted device time of a step of `rows` at D = d whose rows make `forwards`
@@ -282,8 +292,8 @@ class DraftLenPolicy:
                 and budget == self._held_budget and held.shape == slots.shape and (held == slots).all()):
             self._held += 1
             rows = self.last.rows
-            dec = Decision(0, np.zeros(rows, dtype=np.int64), rows, self.last.gain, False,
-                           self.step_ns(rows, 0, 0, int(computed[:rows].sum())))
+            args = (rows, 0, 0, int(computed[:rows].sum()))
+            dec = Decision(0, np.zeros(rows, dtype=np.int64), rows, self.last.gain, False, self.step_ns(*args), args)
             self._accrue(dec)
             return dec
         n = len(slots)
@@ -353,10 +363,12 @@ class DraftLenPolicy:
         gain_over_plain = rates[best] / rates[0] if best in rates and rates.get(0) else None
         behind = float(lag[:rows].sum()) if best and lag is not None and self.catches_up else 0.0
         kv_rows = kv_l[best] if rows == rows_l[best] else int(computed[:rows].sum())
-        dec = Decision(best, num_draft.astype(np.int64), rows, gain_over_plain, explored,
-                       self.step_ns(rows, best, int(np.maximum(num_draft - 1, 0).sum()), kv_rows, behind))
+        args = (rows, best, int(np.maximum(num_draft - 1, 0).sum()), kv_rows, behind)
+        dec = Decision(best, num_draft.astype(np.int64), rows, gain_over_plain, explored, self.step_ns(*args), args)
         self._accrue(dec)
-        if best == 0 and not explored:
+        # a D = 0 the estimates chose stands; not one forced because no row may draft (each
+        # is at its last token): the batch changes with the next step
+        if best == 0 and not explored and cap[:rows].any():
             self._held_slots, self._held_budget, self._held = slots.copy(), budget, 0
         else:
             self._held_slots = None

@@ -512,3 +512,44 @@ def test_one_stalled_step_does_not_move_the_overhead():
     h.observe(2, 5e7)
     assert h.at(2) == pytest.approx(before, rel=0.02)
     assert h.at(0) == pytest.approx(h.pooled) and h.at(0) < 2e6  # unseen D: the pooled median
+
+
+def test_a_plain_step_forced_by_last_tokens_does_not_stand():
+    """A D = 0 that no estimate chose -- every row is at its last token, so none may draft --
+    does not stand over the next steps: a request that takes the freed slot drafts at once
+    (one that kept the slot number used to be held at D = 0 for `HOLD_STEPS` steps)."""
+    policy = DraftLenPolicy(4, has_fill=False, prior=0.9, explore_every=1000)
+    _teach(policy, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
+    assert _choose(policy, 1, remaining=1).draft_len == 0  # the last token: nothing to draft
+    assert _choose(policy, 1, remaining=60).draft_len > 0  # the same slot, a long output left
+
+
+def test_a_new_request_in_a_slot_ends_a_standing_plain_step():
+    """A D = 0 the estimates chose stands over an unchanged batch; a request starting in one of
+    its slots makes it another batch, decided afresh."""
+    policy = DraftLenPolicy(4, has_fill=False, prior=0.05, explore_every=1000)
+    _teach(policy, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
+    assert _choose(policy, 4).draft_len == 0
+    policy.global_accept[:] = 1.0  # certain acceptance: speculating pays from here on
+    assert _choose(policy, 4).draft_len == 0  # the same batch: the choice stands
+    policy.start(2)  # a request finished; a new one took its slot
+    assert _choose(policy, 4).draft_len > 0
+
+
+def test_the_overhead_residual_is_taken_against_the_updated_cost_models():
+    """A step's residual is its wall time over the device time the models predict once its
+    own launches trained them: a decode model first extrapolated from verifies and corrected
+    by the step's sample does not also drag the overhead down (the same correction twice)."""
+    policy = DraftLenPolicy(4, has_fill=False, prior=0.7, explore_every=1000)
+    _teach(policy, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
+    slots = np.arange(1)
+    dec = policy.choose(slots, np.array([100]), np.array([50]), budget=4096)
+    # the step ran as the models now say a step of its shape costs, plus 1 ms of host work
+    for _ in range(3):
+        policy.observe_launch("forward" if dec.draft_len == 0 else "verify",
+                              {"kind": "decode", "tokens": 1 + dec.draft_len, "requests": 1, "kv_tokens": 51},
+                              int(2e6))  # cheaper than the models predicted at the decision
+    actual_device = policy.step_ns(*dec.cost_args)
+    assert actual_device < dec.device_ns - 1e5  # the models moved
+    policy.observe_step(int(actual_device + 1e6))
+    assert policy.overhead.at(dec.draft_len) == pytest.approx(1e6, rel=1e-6)
