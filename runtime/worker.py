@@ -301,6 +301,8 @@ class ModelWorker:
         if self.proposer.needs_hidden:
             self.last_hidden = {"step": msg.step, "op": "forward", "hidden": out.hidden,
                                 "qo_indptr": plan.qo_indptr, "slots": slots}
+            if msg.keep_hidden:  # the head's fill of these rows waits: it reads them later
+                self.proposer.kept.keep(msg.slots, msg.start, plan.qo_indptr, out.hidden)
         host = self.to_host(tokens)
         self.proposer.emitted(slots, host, None)
         return ForwardResult(host)

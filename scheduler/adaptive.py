@@ -115,10 +115,12 @@ class Decision:
 
 class DraftLenPolicy:
     """See the module docstring. `kv_ahead`: the proposer's fill after a plain decode covers
-    1 + kv_ahead tokens per row; `fill_same_batch`: its fill after a verify covers the verify
+    1 + kv_ahead tokens per row; `lazy_fill`: its fills wait while speculation is off (default: a
+    draft model's, which has a KV of its own read ahead of the target's); `fill_same_batch`: its fill after a verify covers the verify
     batch (an MTP head), else the accepted tokens (a draft model); `has_fill`: it has one."""
 
     def __init__(self, max_draft_len: int, *, has_fill: bool, kv_ahead: int = 0, fill_same_batch: bool = False,
+                 lazy_fill: bool | None = None,
                  prior: float = 0.7, smoothing: float = 0.15, global_smoothing: float = 0.02, prior_weight: float = 8.0,
                  request_weight: float = 4.0, probe_margin: float = 0.1, first_draft_len: int = 2,
                  explore_every: int = 16, explore_cost: float = 0.05, seed_costs: dict | None = None,
@@ -130,9 +132,9 @@ class DraftLenPolicy:
         self.max_draft_len = max_draft_len
         self._ds = np.arange(max_draft_len + 1)
         self.has_fill, self.kv_ahead, self.fill_same_batch = has_fill, kv_ahead, fill_same_batch
-        # a draft model (KV of its own, read ahead of the target's) skips its fills while
-        # speculation is off and catches up when it drafts again; a head cannot
-        self.catches_up = has_fill and not fill_same_batch and kv_ahead > 0
+        # a proposer with lazy fills skips them while speculation is off and catches up when it
+        # drafts again (`lag` in `choose`)
+        self.catches_up = has_fill and (lazy_fill if lazy_fill is not None else not fill_same_batch and kv_ahead > 0)
         self.probes = ProbeSchedule(explore_every, explore_cost)
         self.probe_margin = probe_margin  # a probe's length predicted this far behind the best is skipped
         self.first_draft_len = min(first_draft_len, max_draft_len)  # D while a cost is unknown
@@ -261,8 +263,10 @@ class DraftLenPolicy:
         c = self.costs
         if d == 0:
             t = c["target"].at(rows, rows, kv_tokens + rows)
-            # a head fills after every forward; a draft model skips it (it catches up later)
-            f = c["fill"].at(rows, rows, kv_tokens + rows) if self.has_fill and self.fill_same_batch else 0.0
+            # a proposer with lazy fills skips it (it catches up later); a head without, fills
+            # after every forward
+            f = (c["fill"].at(rows, rows, kv_tokens + rows)
+                 if self.has_fill and self.fill_same_batch and not self.catches_up else 0.0)
             return None if t is None or f is None else t + f
         width = 1 + d
         dr = c["draft"].at(d - 1, forwards, kv_tokens * (d - 1))
@@ -270,8 +274,8 @@ class DraftLenPolicy:
         f = 0.0
         if self.has_fill:
             # a head's fill covers the verify batch; a draft model's the last accepted token
-            # and the bonus (it wrote its drafts' KV while drafting)
-            fill = rows * width if self.fill_same_batch else rows * (1 + self.kv_ahead) + catch_up
+            # and the bonus (it wrote its drafts' KV while drafting); either, what it catches up
+            fill = (rows * width if self.fill_same_batch else rows * (1 + self.kv_ahead)) + catch_up
             f = c["fill"].at(fill, rows, kv_tokens + rows * width)
         return None if dr is None or t is None or f is None else dr + t + f
 

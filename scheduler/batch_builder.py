@@ -210,7 +210,8 @@ class BatchBuilder(RowBookkeeping):
         policy, decision = self.draft_policy, None
         if policy is not None:  # D for this step, and how many rows its budget then holds
             a_slots = slots[active]
-            lag = np.maximum(computed[active] + 1 - t.proposer_computed[a_slots], 0) if policy.catches_up else None
+            lag = (np.maximum(computed[active] + policy.kv_ahead - t.proposer_computed[a_slots], 0)
+                   if policy.catches_up else None)
             decision = policy.choose(a_slots, t.max_tokens[a_slots] - emitted[active], computed[active],
                                      cfg.max_num_batched_tokens, lag)
             draft, n_take = decision.draft_len, decision.rows

@@ -103,6 +103,9 @@ class ForwardMessage(Message):
     samples: np.ndarray  # [B] bool: sample a token after the row's last position
     register: tuple[Registration, ...] = ()
     plan: AttentionPlan | None = None  # None for a device that needs no attention metadata
+    # a head's fill of these rows waits (speculation off): the device keeps the target's hidden
+    # states of the forward's positions for the fill that catches the head up (after="catch_up")
+    keep_hidden: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,7 +129,9 @@ class VerifyMessage(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FillMessage(Message):
     op: ClassVar[str] = "fill"
-    after: str  # "forward" / "verify": a head consumes that launch's target hidden states
+    # "forward" / "verify": a head consumes that launch's target hidden states; "catch_up": the
+    # ones the device kept (`ForwardMessage.keep_hidden`) of the positions it missed
+    after: str
     start: np.ndarray  # [B] first position filled
     end: np.ndarray  # [B] end of the fill
     plan: AttentionPlan | None = None
@@ -233,13 +238,14 @@ def registrations(batch: StepBatch) -> tuple[Registration, ...]:
     return tuple(out)
 
 
-def forward_message(batch: StepBatch, blocks: BlockManager, with_plan: bool = True) -> ForwardMessage:
+def forward_message(batch: StepBatch, blocks: BlockManager, with_plan: bool = True,
+                    keep_hidden: bool = False) -> ForwardMessage:
     ends = batch.start + batch.num_new
     plan = build_plan(batch.num_new, ends, page_size=blocks.page_size,
                       **_tables(blocks, batch.slots)) if with_plan else None
     return ForwardMessage(step=batch.step, slots=batch.slots, shape=batch_shape(batch, kind=batch.kind),
                           start=batch.start, num_new=batch.num_new, samples=batch.samples,
-                          register=registrations(batch), plan=plan)
+                          register=registrations(batch), plan=plan, keep_hidden=keep_hidden)
 
 
 def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
@@ -293,11 +299,17 @@ def fill_message(step: int, slots: np.ndarray, starts: np.ndarray, ends: np.ndar
 def prefill_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
                          proposer_computed: np.ndarray, with_plan: bool = True) -> FillMessage | None:
     """The proposer's fill after a forward step (None if no row needs one); computed from the
-    step's rows as scheduled. A head (or EAGLE) fills exactly the target's new positions; a
-    draft model catches up from what it has seen (`proposer_computed`, [B]) to the new last
-    token (including a sampled one: its KV runs one token ahead of the target's)."""
-    if spec.kv_ahead == 0:  # a head: exactly the target's new positions
-        a, b = batch.start, batch.start + batch.num_new
+    step's rows as scheduled. A head (or EAGLE) fills the target's new positions, and a row it
+    is behind on (its fills waited, `ProposerRules.lazy_fill`) from what it has read: then the
+    whole fill reads the hidden states the device kept (after="catch_up"; the forward must keep
+    its own, `forward_message(keep_hidden=True)`). A draft model catches up from what it has
+    seen (`proposer_computed`, [B]) to the new last token (including a sampled one: its KV runs
+    one token ahead of the target's)."""
+    after = "forward"
+    if spec.kv_ahead == 0:  # a head: the target's new positions, and any it missed before them
+        a, b = np.minimum(proposer_computed, batch.start), batch.start + batch.num_new
+        if (a < batch.start).any():
+            after = "catch_up"
     else:  # a model of its own: from what it has read up to the sampled token
         a = proposer_computed
         b = batch.start + batch.num_new + spec.kv_ahead * batch.samples
@@ -306,8 +318,8 @@ def prefill_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerS
         return None
     if rows.size < len(batch):
         return fill_message(batch.step, batch.slots[rows], a[rows], b[rows], blocks, spec,
-                            after="forward", with_plan=with_plan)
-    return fill_message(batch.step, batch.slots, a, b, blocks, spec, after="forward", with_plan=with_plan)
+                            after=after, with_plan=with_plan)
+    return fill_message(batch.step, batch.slots, a, b, blocks, spec, after=after, with_plan=with_plan)
 
 
 def verify_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,

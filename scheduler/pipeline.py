@@ -333,13 +333,16 @@ class Pipeline(OutputStage, SpeculativeStep):
     async def _forward_step(self, batch: StepBatch, t_step: int, shape: dict) -> None:
         spec, t, slots = self.spec, self.table, batch.slots
         t0 = self._now()
-        msg = messages.forward_message(batch, self.blocks, self.with_plan)
         fill_msg = None
-        # speculation off: a draft model skips its fill, prompts included, and catches up in
-        # one fill when drafting resumes (`_catch_up`), so a load at which speculation does not
-        # pay costs what plain decoding does
+        # speculation off: a proposer with lazy fills skips them, prompts included, and catches
+        # up in one fill when drafting resumes (`_catch_up`), so a load at which speculation
+        # does not pay costs what plain decoding does; a head then needs the target's hidden
+        # states of the positions it missed, which the device keeps for it
         policy = self.builder.draft_policy
         lazy = policy is not None and policy.skips_fill(batch.decision is not None)
+        keep = (policy is not None and policy.catches_up and spec.kv_ahead == 0
+                and (lazy or bool((t.proposer_computed[slots] < batch.start).any())))
+        msg = messages.forward_message(batch, self.blocks, self.with_plan, keep_hidden=keep)
         if spec.kv_model is not None and not lazy:
             fill_msg = messages.prefill_fill_message(batch, self.blocks, spec, t.proposer_computed[slots],
                                                      self.with_plan)

@@ -29,14 +29,18 @@ class ProposerRules:
     # what its per-position agreement with an output measures (traces): "teacher_forced" (a
     # model of its own, exact at any draft length) or "first_token" (a head: exact at D = 1)
     agreement: str | None = None
+    # its fills may wait while speculation is off (an adaptive draft length at D = 0) and catch
+    # up in one fill when it drafts again: a draft model re-reads the tokens, a head reads the
+    # target's hidden states the worker kept for it (`ForwardMessage.keep_hidden`)
+    lazy_fill: bool = False
 
 
 RULES = {
     "none": ProposerRules(kv_model=None, kv_ahead=0, fill_same_batch=False, tree=False),
     "draft": ProposerRules(kv_model="draft", kv_ahead=1, fill_same_batch=False, tree=False,
-                           checkpoint="draft", agreement="teacher_forced"),
+                           checkpoint="draft", agreement="teacher_forced", lazy_fill=True),
     "mtp": ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=True, tree=False,
-                         checkpoint="mtp_head", agreement="first_token"),
+                         checkpoint="mtp_head", agreement="first_token", lazy_fill=True),
     "eagle": ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=False, tree=True,
                            checkpoint="mtp_head", greedy_only=True, agreement="first_token"),
     "ngram": ProposerRules(kv_model=None, kv_ahead=0, fill_same_batch=False, tree=False,

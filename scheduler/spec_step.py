@@ -18,7 +18,7 @@ from specsched.scheduler.step_batch import StepBatch
 class SpeculativeStep:
     async def _spec_step(self, batch: StepBatch, t_step: int, shape: dict) -> None:
         spec, sched, t, slots = self.spec, self.config.schedule, self.table, batch.slots
-        if spec.kv_ahead > 0:
+        if spec.rules.lazy_fill:
             self._catch_up(batch)
         t0 = self._now()
         vmsg = messages.verify_message(batch, self.blocks, spec, self.with_plan)
@@ -73,17 +73,19 @@ class SpeculativeStep:
                 self._pending_fill = f_launch
 
     def _catch_up(self, batch: StepBatch) -> None:
-        """A draft model that skipped fills (plain decode steps of an adaptive draft length)
-        reads the tokens it missed, in one fill launched ahead of the draft on its stream
-        (which carries the logits the first draft token comes from)."""
+        """A proposer that skipped fills (plain decode steps of an adaptive draft length) reads
+        what it missed, in one fill launched ahead of the draft on its stream (which carries the
+        logits the first draft token comes from): a draft model the tokens up to the last one,
+        a head the target's hidden states the device kept, up to the last token's position."""
         t, slots = self.table, batch.slots
-        have, known = t.proposer_computed[slots], batch.start + 1  # tokens it has read, tokens there are
+        # positions it has read, positions it needs: a draft model reads the last token too
+        have, known = t.proposer_computed[slots], batch.start + self.spec.kv_ahead
         behind = (have < known).nonzero()[0]
         if not behind.size:
             return
         t0 = self._now()
         msg = messages.fill_message(batch.step, slots[behind], have[behind], known[behind], self.blocks, self.spec,
-                                    after="forward", with_plan=self.with_plan)
+                                    after="catch_up", with_plan=self.with_plan)
         fs = msg.shape
         self._host("plan", batch.step, t0, kind="fill", requests=fs.requests, tokens=fs.tokens, kv_tokens=fs.kv_tokens)
         self._pending_fill = self._launch(self.aux, msg)

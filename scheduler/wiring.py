@@ -44,7 +44,8 @@ def draft_len_policy(spec: ProposerSpec, *, seed_costs: dict | None = None, slot
     if not spec.speculative or spec.is_tree:
         raise ValueError(f"draft_len 'auto' needs a linear proposer (draft, mtp, ngram), not {spec.kind!r}")
     return DraftLenPolicy(spec.draft_len, has_fill=spec.kv_model is not None, kv_ahead=spec.kv_ahead,
-                          fill_same_batch=spec.fill_same_batch, seed_costs=seed_costs, slots=slots)
+                          fill_same_batch=spec.fill_same_batch, lazy_fill=spec.rules.lazy_fill,
+                          seed_costs=seed_costs, slots=slots)
 
 
 def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_size: int,

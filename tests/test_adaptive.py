@@ -335,31 +335,12 @@ def test_speculation_switched_off_and_on_again_stays_lossless(monkeypatch):
     assert 0 in chosen and any(d > 0 for d in chosen)
 
 
-def test_prompts_admitted_while_speculation_is_off_are_caught_up_before_drafting(monkeypatch):
-    """With speculation off a draft model skips the fills of new prompts too; when drafting
-    resumes its one catch-up fill covers the whole prompt, so the late requests' drafts are
-    accepted as often as under a fixed D (their tokens are plain greedy decoding's)."""
-    from specsched.runtime import bundled
-    from specsched.runtime.training.mtp_eval import run_requests
-    from specsched.runtime.worker import ModelWorker
+def _off_then_on(monkeypatch, fills: list) -> None:
+    """The policy's choice replaced: D = 0 for the first 30 decisions, then D = 3 (`fills`
+    gets each drafting step's largest lag)."""
     from specsched.scheduler import adaptive
-    from specsched.scheduler.sampling_params import SamplingParams
 
-    from specsched.runtime.tokenizer import Tokenizer
-    from specsched.runtime.workload import load_workload
-
-    tok = Tokenizer(bundled.target_dir())
-    prompts = [tok.encode(item.prompt) for item in load_workload(bundled.workload_path(), limit=4)]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-
-    def worker(kind="draft"):
-        return ModelWorker(str(bundled.target_dir()), {"kind": kind, "draft_len": 3 if kind == "draft" else 0},
-                           proposer_dir=str(bundled.draft_dir()) if kind == "draft" else None, num_pages=256)
-
-    plain = run_requests(worker("none"), prompts, params, max_num_seqs=2)
-    fixed = run_requests(worker(), prompts, params, schedule="overlap", max_num_seqs=2)
     orig = adaptive.DraftLenPolicy.choose
-    fills = []
 
     def off_then_on(self, slots, remaining, computed, budget, lag=None):
         dec = orig(self, slots, remaining, computed, budget, lag)
@@ -373,11 +354,66 @@ def test_prompts_admitted_while_speculation_is_off_are_caught_up_before_drafting
         return dec
 
     monkeypatch.setattr(adaptive.DraftLenPolicy, "choose", off_then_on)
-    got = run_requests(worker(), prompts, params, schedule="overlap", max_num_seqs=2, adaptive=True)
+
+
+def _workload_prompts(n: int) -> list[list[int]]:
+    from specsched.runtime import bundled
+    from specsched.runtime.tokenizer import Tokenizer
+    from specsched.runtime.workload import load_workload
+
+    tok = Tokenizer(bundled.target_dir())
+    return [tok.encode(item.prompt) for item in load_workload(bundled.workload_path(), limit=n)]
+
+
+@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("mtp", "mtp")])
+def test_prompts_admitted_while_speculation_is_off_are_caught_up_before_drafting(monkeypatch, kind, schedule):
+    """With speculation off a draft model or an MTP head skips the fills of new prompts too
+    (for a head the device keeps the target's hidden states); when drafting resumes one
+    catch-up fill covers the whole prompt. A draft model's late requests then draft as well
+    as under a fixed D; a head's carried logits after the catch-up are those of the head run
+    teacher-forced over the same tokens (a head that caught up on nothing would draft from
+    stale state: lossless, rarely accepted)."""
+    from specsched.runtime import bundled
+    from specsched.runtime.proposers.mtp import HeadProposer
+    from specsched.runtime.training.mtp_eval import run_requests
+    from specsched.runtime.worker import ModelWorker
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    prompts = _workload_prompts(4)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def worker(kind):
+        pdir = {"draft": bundled.draft_dir(), "mtp": bundled.mtp_dir()}.get(kind)
+        return ModelWorker(str(bundled.target_dir()), {"kind": kind, "draft_len": 3 if pdir else 0},
+                           proposer_dir=str(pdir) if pdir else None, num_pages=256)
+
+    plain = run_requests(worker("none"), prompts, params, max_num_seqs=2)
+    fixed = run_requests(worker(kind), prompts, params, schedule=schedule, max_num_seqs=2)
+    fills: list[int] = []
+    _off_then_on(monkeypatch, fills)
+    caught_up = []
+    catch_up = HeadProposer._catch_up
+
+    def checked(self, msg):  # each caught-up row's carried logits against the teacher-forced head
+        catch_up(self, msg)
+        w = self.worker
+        for i, slot in enumerate(msg.slots.tolist()):
+            end = int(msg.end[i])
+            seq = w.tokens.data[slot, : end + 1].unsqueeze(0)
+            _, hidden = w.target.forward_full(seq)
+            ref = self.head.forward_full(seq[:, 1:], hidden[:, :-1]).logits[0, end - 1]
+            caught_up.append((int(msg.start[i]), float((ref - w.states[slot].carried).abs().max())))
+
+    monkeypatch.setattr(HeadProposer, "_catch_up", checked)
+    got = run_requests(worker(kind), prompts, params, schedule=schedule, max_num_seqs=2, adaptive=True)
     assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]
-    assert max(fills) >= len(prompts[2])  # a late request's draft model had read none of its prompt
+    assert max(fills) >= len(prompts[2]) - 1  # a late request's proposer had read none of its prompt
+    assert all(r.num_drafts > 0 for r in got[2:])
+    if kind == "mtp":
+        assert len(caught_up) == 2 and all(start == 0 for start, _ in caught_up)  # whole prompts
+        assert max(err for _, err in caught_up) < 1e-4
+        return
     for late_got, late_fixed in zip(got[2:], fixed[2:]):
-        assert late_got.num_drafts > 0
         rate = late_got.num_accepted_tokens / late_got.num_drafted_tokens
         assert rate >= 0.8 * late_fixed.num_accepted_tokens / late_fixed.num_drafted_tokens
 

@@ -6,6 +6,9 @@ and `SeqState.extra["hidden"]` its output hidden state there (fed back for deepe
 
 - fill after a target forward: the head runs over the forward's rows with the target's
   hidden states H_i and tokens t_{i+1}; carried = logits at each row's last position.
+- fill that catches up (after plain steps of an adaptive draft length, whose fills waited):
+  the positions the head missed, from the target hidden states those forwards kept
+  (`HiddenLog`); carried = logits at each row's last position.
 - fill after an MTP verify (same batch, launched before the host knows the accepted
   lengths): positions [L-1, L+D], tokens t_{i+1} where known (wasted work elsewhere);
   carried = logits at row `accepted` -- picked on the device, no host round trip.
@@ -24,6 +27,7 @@ import torch
 
 from specsched.runtime.mtp_head import load_head
 from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or
+from specsched.runtime.proposers.hidden_log import HiddenLog
 from specsched.runtime.verify import TreeSpec, check_tree_greedy, greedy_tree_verify
 from specsched.scheduler.messages import DraftMessage, FillMessage
 from specsched.scheduler.plan import build_plan
@@ -41,12 +45,19 @@ class HeadProposer(NoProposer):
         self.spec = spec
         self.head = load_head(proposer_dir, worker.target)
         self.kv = self.head.make_kv_cache(num_pages, worker.page_size)
+        self.kept = HiddenLog()  # target hidden states of forwards whose fill waits
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.as_tensor(values, dtype=torch.int64, device=self.worker.device)
 
+    def release(self, slot: int) -> None:
+        self.kept.release(slot)
+
     # -- fill -------------------------------------------------------------------------------
     def fill(self, msg: FillMessage) -> None:
+        if msg.after == "catch_up":
+            self._catch_up(msg)
+            return
         w = self.worker
         lh = w.last_hidden
         after = msg.after
@@ -87,6 +98,23 @@ class HeadProposer(NoProposer):
         hidden = lh["hidden"]
         if len(gather) != hidden.shape[0] or gather != list(range(len(gather))):
             hidden = hidden.index_select(0, self._tensor(gather))
+        self._run_fill(rows, ids, hidden, step, positions, carry_t)
+
+    def _catch_up(self, msg: FillMessage) -> None:
+        """Positions [start, end) of each row from the hidden states the device kept."""
+        w = self.worker
+        plan, step, positions = w.plan(msg.plan)
+        qo = plan.qo_lens
+        pos = np.arange(int(qo.sum())) + np.repeat(msg.start - (np.cumsum(qo) - qo), qo) + 1
+        ids = w.tokens.at(np.repeat(msg.slots, qo), pos)  # the head reads token p + 1 at position p
+        hidden = self.kept.gather(msg.slots, msg.start, msg.end)
+        rows = [w.states[s] for s in msg.slots.tolist()]
+        self._run_fill(rows, ids, hidden, step, positions, self._tensor(plan.qo_indptr[1:] - 1))
+
+    def _run_fill(self, rows, ids: torch.Tensor, hidden: torch.Tensor, step, positions: torch.Tensor,
+                  carry_t: torch.Tensor) -> None:
+        """The head over a fill's positions; each row's logits and hidden state at `carry_t`
+        are carried into its next draft."""
         out = self.head(ids, hidden, step, self.kv, positions, logits_indices=carry_t)
         carried_hidden = out.hidden.index_select(0, carry_t)
         for i, st in enumerate(rows):
