@@ -248,6 +248,12 @@ class DraftLenPolicy:
         last = self.last
         if last is None or last.rows == 0 or last.device_ns is None:
             return
+        if last.cost_args is not None and len(last.cost_args) > 4 and last.cost_args[4] > 0:
+            # the step caught the proposer up after plain steps: its wall time carries that
+            # transition (a fill launch more, priced by `lag` in `choose`), not what a step at
+            # this D costs -- counted, the probes back from D = 0 made D = 1 look 7 ms dearer
+            # and kept an MTP head's policy at D = 0 where D = 2 ran 1.2x faster
+            return
         # against the models as the step's launches left them: a residual against the
         # decision's prediction would count a model's correction twice -- once in the model,
         # once in h (one plain probe after verifies only moved the plain price by -2 ms and its

@@ -589,3 +589,46 @@ def test_the_overhead_residual_is_taken_against_the_updated_cost_models():
     assert actual_device < dec.device_ns - 1e5  # the models moved
     policy.observe_step(int(actual_device + 1e6))
     assert policy.overhead.at(dec.draft_len) == pytest.approx(1e6, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("mtp", "mtp")])
+def test_skipped_fills_and_their_catch_up_read_no_device_value_on_the_host(monkeypatch, kind, schedule):
+    """Under the host-sync guard (runtime/sync_guard.py) a run whose proposer skips its fills
+    and catches up -- a head gathering the hidden states the device kept -- serves plain
+    greedy decoding's tokens with no request failing."""
+    from specsched.runtime import bundled
+    from specsched.runtime.training.mtp_eval import run_requests
+    from specsched.runtime.worker import ModelWorker
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    prompts = _workload_prompts(4)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = run_requests(ModelWorker(str(bundled.target_dir()), {"kind": "none", "draft_len": 0}, num_pages=256),
+                         prompts, params, max_num_seqs=2)
+    fills: list[int] = []
+    _off_then_on(monkeypatch, fills)
+    pdir = {"draft": bundled.draft_dir(), "mtp": bundled.mtp_dir()}[kind]
+    worker = ModelWorker(str(bundled.target_dir()), {"kind": kind, "draft_len": 3}, proposer_dir=str(pdir),
+                         num_pages=256, sync_guard=True)
+    got = run_requests(worker, prompts, params, schedule=schedule, max_num_seqs=2, adaptive=True)
+    assert [r.error for r in got] == [None] * len(got)
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]
+    assert max(fills) > 0  # a catch-up happened
+
+
+def test_a_step_that_catches_the_proposer_up_does_not_move_the_overhead():
+    """A step drafting again after plain steps pays a catch-up fill (priced by its lag): its
+    wall time is a transition, not what a step at its D costs. Where a length is reached only
+    that way (probes back from D = 0), counting those steps would price it a launch dearer
+    (~4 ms measured) and keep speculation off."""
+    policy = _draft_model_policy(prior=0.9, explore_every=1000, verify_ns_per_token=2e5,
+                                 draft_ns_per_forward=1e5, const_ns=4e6)
+    slots = np.arange(2)
+    for _ in range(6):  # each step resumes drafting: 40 tokens to catch up, 9 ms of host time more
+        dec = policy.choose(slots, np.full(2, 200), np.full(2, 50), 4096, np.full(2, 40))
+        assert dec.draft_len > 0
+        policy.observe_step(int(policy.step_ns(*dec.cost_args) + 9e6))
+    assert policy.overhead.samples.sum() == 0 and policy.overhead.at(dec.draft_len) < 1e6
+    dec = policy.choose(slots, np.full(2, 200), np.full(2, 50), 4096, np.zeros(2, dtype=np.int64))
+    policy.observe_step(int(policy.step_ns(*dec.cost_args) + 1e6))  # a step with nothing to catch up counts
+    assert policy.overhead.at(dec.draft_len) == pytest.approx(1e6, rel=1e-6)
