@@ -59,6 +59,29 @@ class AttentionPlan:
             page_size=self.page_size, custom_mask=mask)
 
 
+    def select(self, rows: np.ndarray) -> "AttentionPlan":
+        """The plan of the sequences `rows` alone (sorted indices; no custom mask): e.g. the
+        decode rows of a mixed step, attended apart from its prefill chunks."""
+        if self.custom_mask is not None:
+            raise ValueError("select: a plan with a custom mask is split with rows(lo, hi)")
+        rows = np.asarray(rows, dtype=np.int64)
+        qo = np.diff(self.qo_indptr)[rows]
+        pages = np.diff(self.paged_kv_indptr)[rows]
+        tok = _ranges(self.qo_indptr[rows].astype(np.int64), qo.astype(np.int64))
+        page_at = _ranges(self.paged_kv_indptr[rows].astype(np.int64), pages.astype(np.int64))
+        return AttentionPlan(
+            qo_indptr=np.concatenate([[0], np.cumsum(qo)]).astype(self.qo_indptr.dtype),
+            paged_kv_indptr=np.concatenate([[0], np.cumsum(pages)]).astype(self.paged_kv_indptr.dtype),
+            paged_kv_indices=self.paged_kv_indices[page_at], paged_kv_last_page_len=self.paged_kv_last_page_len[rows],
+            kv_lens=self.kv_lens[rows], positions=self.positions[tok], slot_mapping=self.slot_mapping[tok],
+            page_size=self.page_size)
+
+
+def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenated aranges [starts[i], starts[i] + lens[i])."""
+    return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
+
+
 def build_plan(
     qo_lens: Sequence[int],
     kv_lens: Sequence[int],

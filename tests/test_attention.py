@@ -91,6 +91,21 @@ def test_torch_backend_matches_dense_reference(case, tree):
     torch.testing.assert_close(v_read, v_new)
 
 
+def test_a_mixed_step_attends_its_decode_rows_apart_with_the_same_result():
+    """Decode rows among prefill chunks are attended apart from them (not padded to the
+    longest chunk's queries); the outputs are those of one padded attention over all rows."""
+    from specsched.runtime.attention.torch_backend import SplitStepAttention, TorchStepAttention
+
+    rng = np.random.default_rng(5)
+    specs = [(1, 30), (6, 6), (1, 3), (1, 17), (3, 11)]
+    plan, cache, _, q, k, v, _ = random_case(rng, specs)
+    split = get_backend("torch").prepare(plan, "cpu")
+    assert isinstance(split, SplitStepAttention)
+    padded = TorchStepAttention(plan, torch.device("cpu"))
+    torch.testing.assert_close(split.attend(0, q, k, v, cache.layers[0]), padded.attend(0, q, k, v, cache.layers[1]),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_eager_index_and_mask_match_lazy():
     rng = np.random.default_rng(3)
     plan, cache, _, q, k, v, _ = random_case(rng, CASES["mixed_batch"])

@@ -274,3 +274,21 @@ def test_a_plan_of_some_rows_is_the_plan_of_those_rows_alone(rows, page_size, ma
     for name in AttentionPlan.__slots__:
         a, b = getattr(alone, name), getattr(part, name)
         assert (a is None and b is None) or (np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b), name
+
+
+@given(st.lists(st.tuples(st.integers(1, 5), st.integers(0, 30)), min_size=2, max_size=6), st.integers(1, 4),
+       st.data())
+@settings(max_examples=60, deadline=None, database=None)
+def test_a_plan_of_any_rows_is_the_plan_of_those_rows_alone(rows, page_size, data):
+    """`AttentionPlan.select(rows)` (a mixed step's decode rows, say) equals planning them alone."""
+    qo = [q for q, _ in rows]
+    kv = [q + p for q, p in rows]
+    rng = np.random.default_rng(len(rows))
+    tables = [rng.permutation(300)[: -(-k // page_size)].tolist() for k in kv]
+    pick = sorted(data.draw(st.sets(st.integers(0, len(rows) - 1), min_size=1)))
+    whole = build_plan(qo, kv, tables, page_size)
+    alone = build_plan([qo[i] for i in pick], [kv[i] for i in pick], [tables[i] for i in pick], page_size)
+    part = whole.select(np.array(pick))
+    for name in AttentionPlan.__slots__:
+        a, b = getattr(alone, name), getattr(part, name)
+        assert (a is None and b is None) or (np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b), name

@@ -9,6 +9,11 @@ Gather layout: a layer's cache [P, 2, ps, Hkv, D] is viewed as rows of D values;
 index [B, 2, Hkv, Lmax] picks, for sequence b, K (c=0) or V (c=1), head h and logical
 position l, so the result reshapes for free into SDPA's [B, Hkv, Lmax, D] K and V.
 Sequences shorter than Lmax are padded with row 0 and masked out.
+
+A mixed step (prefill chunks among one-token decode rows) is attended in two parts, the decode
+rows and the longer ones (`SplitStepAttention`): padded together, every decode row would pay
+for the longest chunk's queries -- B x Qmax x Lmax scores where the work is ~Qmax x Lmax --
+which made such steps ~10x a decode step of the same rows and most of a loaded run's time.
 """
 
 from __future__ import annotations
@@ -31,13 +36,47 @@ class TorchBackend:
         self.num_kv_heads = num_kv_heads
         self.dtype = dtype
 
-    def prepare(self, plan: AttentionPlan, device: torch.device | str = "cpu") -> "TorchStepAttention":
+    def prepare(self, plan: AttentionPlan, device: torch.device | str = "cpu"
+                ) -> "TorchStepAttention | SplitStepAttention":
+        qo = np.diff(plan.qo_indptr)
+        if plan.custom_mask is None and qo.size > 1 and qo.max() > 1 and (qo == 1).any():
+            decode = (qo == 1).nonzero()[0]
+            longer = (qo > 1).nonzero()[0]
+            return SplitStepAttention(plan, [(rows, self._step(plan.select(rows), device)) for rows in (decode, longer)],
+                                      torch.device(device))
+        return self._step(plan, device)
+
+    def _step(self, plan: AttentionPlan, device: torch.device | str) -> "TorchStepAttention":
         step = TorchStepAttention(plan, torch.device(device))
         if self.num_kv_heads is not None:
             step._gather_index(self.num_kv_heads)
         if self.dtype is not None:
             step._mask(self.dtype)
         return step
+
+
+class SplitStepAttention:
+    """A step whose sequences are attended in parts (sequence indices, the part's step): each
+    part writes its own new K/V and attends over its own rows; outputs go back to the tokens'
+    places in the step."""
+
+    def __init__(self, plan: AttentionPlan, parts: list[tuple[np.ndarray, "TorchStepAttention"]],
+                 device: torch.device) -> None:
+        self.plan = plan
+        self.parts = []
+        for rows, step in parts:
+            starts = plan.qo_indptr[rows].astype(np.int64)
+            lens = np.diff(plan.qo_indptr)[rows].astype(np.int64)
+            tokens = np.arange(int(lens.sum())) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
+            self.parts.append((torch.from_numpy(tokens).to(device), step))
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_layer: torch.Tensor) -> torch.Tensor:
+        out = q.new_empty(q.shape)
+        for tokens, step in self.parts:
+            out.index_copy_(0, tokens, step.attend(layer_idx, q.index_select(0, tokens), k.index_select(0, tokens),
+                                                   v.index_select(0, tokens), kv_layer))
+        return out
 
 
 class TorchStepAttention:
