@@ -192,10 +192,18 @@ def shape(qo_lens: np.ndarray, kv_lens: np.ndarray, **extra: Any) -> LaunchShape
 
 
 def _padded(n: int, qo_lens: np.ndarray | int, kv_lens: np.ndarray) -> int:
-    """`LaunchShape.padded_attn` of rows computing `qo_lens` tokens (an int: every row) with KV `kv_lens`."""
+    """`LaunchShape.padded_attn` of rows computing `qo_lens` tokens (an int: every row) with KV
+    `kv_lens`: the rows padded to the longest query and KV, as the torch backend attends them --
+    one-token rows among longer ones apart from those (runtime/attention/torch_backend.py)."""
     if not n:
         return 0
-    q = qo_lens if isinstance(qo_lens, int) else largest(qo_lens)
+    if isinstance(qo_lens, int):
+        return n * qo_lens * largest(kv_lens)
+    q = largest(qo_lens)
+    if q > 1 and n > 1:
+        one = qo_lens == 1
+        if one.any():
+            return int(one.sum()) * largest(kv_lens[one]) + int((~one).sum()) * q * largest(kv_lens[~one])
     return n * q * largest(kv_lens)
 
 

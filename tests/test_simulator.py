@@ -162,9 +162,10 @@ def test_cost_fit_recovers_a_linear_model_and_roundtrips(tmp_path):
 
 
 def test_forward_launches_record_their_padded_attention_and_profiles_price_it():
-    """A forward's attention pads every row to the longest query and the longest KV (the torch
-    backend): each launch records requests x longest query x longest KV, a fit recovers its
-    coefficient where it varies apart from the tokens, and a profile prices it."""
+    """A forward's attention pads the rows it attends together to the longest query and the
+    longest KV (the torch backend; one-token rows among longer ones apart): each launch records
+    requests x longest query x longest KV per part, a fit recovers its coefficient where it
+    varies apart from the tokens, and a profile prices it."""
     tr = workload_trace(4, 40, 12, proposer="none", draft_len=0, concurrency=None, interarrival_ns=30_000_000)
     _, sim = replay(tr, analytic_profile(5_000_000, 0.1), ReplayConfig())
     steps = {s.step: s for s in sim.steps}
@@ -172,7 +173,15 @@ def test_forward_launches_record_their_padded_attention_and_profiles_price_it():
     assert {s.name for s in forwards} == {"prefill", "decode", "mixed"}
     for s in forwards:
         st = steps[s.step]
-        assert s.attrs["padded_attn"] == len(st.request_ids) * max(st.num_new_tokens) * max(st.kv_lens), s
+        q, kv = np.array(st.num_new_tokens), np.array(st.kv_lens)
+        one = q == 1
+        if q.max() > 1 and one.any():  # decode rows among prefill chunks: the two parts apart
+            want = one.sum() * kv[one].max() + (~one).sum() * q.max() * kv[~one].max()
+        else:
+            want = len(q) * q.max() * kv.max()
+        assert s.attrs["padded_attn"] == want, s
+    assert any(s.name == "mixed" and s.attrs["padded_attn"] < len(steps[s.step].request_ids)
+               * max(steps[s.step].num_new_tokens) * max(steps[s.step].kv_lens) for s in forwards)
     rng = np.random.default_rng(1)
     rows, ys = [], []
     for _ in range(100):
