@@ -79,8 +79,8 @@ class HiddenLog:
             n = np.maximum(hi - lo, 0)
             if not n.any():
                 continue
-            k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # 0.. within each pair
-            pos = np.repeat(lo, n) + k
+            within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # 0.. within each pair
+            pos = np.repeat(lo, n) + within
             dst = np.repeat(first[i] - starts[i], n) + pos
             src_chunk[dst] = ci  # later chunks overwrite earlier ones: a recompute wins
             src_index[dst] = np.repeat(c.offsets[j] - c.starts[j], n) + pos
