@@ -31,7 +31,7 @@ import numpy as np
 from specsched.scheduler.small_arrays import largest, total
 from specsched.scheduler.step_batch import StepBatch
 from specsched.scheduler.block_manager import BlockManager
-from specsched.scheduler.plan import AttentionPlan, build_plan
+from specsched.scheduler.plan import AttentionPlan, attention_groups, build_plan
 from specsched.scheduler.proposer import ProposerSpec
 
 _NO_SLOTS = np.zeros(0, dtype=np.int64)
@@ -193,17 +193,17 @@ def shape(qo_lens: np.ndarray, kv_lens: np.ndarray, **extra: Any) -> LaunchShape
 
 def _padded(n: int, qo_lens: np.ndarray | int, kv_lens: np.ndarray) -> int:
     """`LaunchShape.padded_attn` of rows computing `qo_lens` tokens (an int: every row) with KV
-    `kv_lens`: the rows padded to the longest query and KV, as the torch backend attends them --
-    one-token rows among longer ones apart from those (runtime/attention/torch_backend.py)."""
+    `kv_lens`: the rows padded to the longest query and KV of the group the torch backend attends
+    them in (`plan.attention_groups`: one-token rows apart, longer ones by length class)."""
     if not n:
         return 0
     if isinstance(qo_lens, int):
         return n * qo_lens * largest(kv_lens)
     q = largest(qo_lens)
-    if q > 1 and n > 1:
-        one = qo_lens == 1
-        if one.any():
-            return int(one.sum()) * largest(kv_lens[one]) + int((~one).sum()) * q * largest(kv_lens[~one])
+    if q > 1 and n > 1:  # the rows in the groups the torch backend attends apart
+        groups = attention_groups(qo_lens)
+        if len(groups) > 1:
+            return sum(len(g) * largest(qo_lens[g]) * largest(kv_lens[g]) for g in groups)
     return n * q * largest(kv_lens)
 
 

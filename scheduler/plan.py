@@ -77,6 +77,18 @@ class AttentionPlan:
             page_size=self.page_size)
 
 
+def attention_groups(qo_lens: np.ndarray) -> list[np.ndarray]:
+    """The rows a padding attention (the torch backend) attends together: one-token rows in
+    one group, longer ones by length class (2-3, 4-7, 8-15, ... query tokens), so that no row is
+    padded to more than twice its queries. One group (every row) when that is all there is."""
+    qo = np.asarray(qo_lens, dtype=np.int64)
+    if qo.size < 2 or qo.max() <= 1:
+        return [np.arange(qo.size)]
+    cls = np.where(qo <= 1, 0, np.floor(np.log2(np.maximum(qo, 1))).astype(np.int64) + 1)
+    groups = [(cls == c).nonzero()[0] for c in np.unique(cls)]
+    return groups if len(groups) > 1 else [np.arange(qo.size)]
+
+
 def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """Concatenated aranges [starts[i], starts[i] + lens[i])."""
     return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)

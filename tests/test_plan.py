@@ -292,3 +292,12 @@ def test_a_plan_of_any_rows_is_the_plan_of_those_rows_alone(rows, page_size, dat
     for name in AttentionPlan.__slots__:
         a, b = getattr(alone, name), getattr(part, name)
         assert (a is None and b is None) or (np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b), name
+
+
+def test_attention_groups_keep_decode_rows_apart_and_longer_rows_by_length_class() -> None:
+    from specsched.scheduler.plan import attention_groups
+
+    groups = attention_groups(np.array([1, 40, 1, 3, 2, 33, 1, 200]))
+    assert [g.tolist() for g in groups] == [[0, 2, 6], [3, 4], [1, 5], [7]]
+    assert [g.tolist() for g in attention_groups(np.array([1, 1, 1]))] == [[0, 1, 2]]
+    assert [g.tolist() for g in attention_groups(np.array([9, 12, 15]))] == [[0, 1, 2]]  # one class

@@ -163,8 +163,8 @@ def test_cost_fit_recovers_a_linear_model_and_roundtrips(tmp_path):
 
 def test_forward_launches_record_their_padded_attention_and_profiles_price_it():
     """A forward's attention pads the rows it attends together to the longest query and the
-    longest KV (the torch backend; one-token rows among longer ones apart): each launch records
-    requests x longest query x longest KV per part, a fit recovers its coefficient where it
+    longest KV (the torch backend; rows grouped by query length class): each launch records
+    requests x longest query x longest KV per group, a fit recovers its coefficient where it
     varies apart from the tokens, and a profile prices it."""
     tr = workload_trace(4, 40, 12, proposer="none", draft_len=0, concurrency=None, interarrival_ns=30_000_000)
     _, sim = replay(tr, analytic_profile(5_000_000, 0.1), ReplayConfig())
@@ -174,11 +174,9 @@ def test_forward_launches_record_their_padded_attention_and_profiles_price_it():
     for s in forwards:
         st = steps[s.step]
         q, kv = np.array(st.num_new_tokens), np.array(st.kv_lens)
-        one = q == 1
-        if q.max() > 1 and one.any():  # decode rows among prefill chunks: the two parts apart
-            want = one.sum() * kv[one].max() + (~one).sum() * q.max() * kv[~one].max()
-        else:
-            want = len(q) * q.max() * kv.max()
+        # rows by query length class, each class padded apart: 1, 2-3, 4-7, 8-15, ...
+        cls = np.where(q <= 1, 0, np.floor(np.log2(q)).astype(int) + 1)
+        want = sum((cls == c).sum() * q[cls == c].max() * kv[cls == c].max() for c in set(cls.tolist()))
         assert s.attrs["padded_attn"] == want, s
     assert any(s.name == "mixed" and s.attrs["padded_attn"] < len(steps[s.step].request_ids)
                * max(steps[s.step].num_new_tokens) * max(steps[s.step].kv_lens) for s in forwards)

@@ -10,10 +10,12 @@ index [B, 2, Hkv, Lmax] picks, for sequence b, K (c=0) or V (c=1), head h and lo
 position l, so the result reshapes for free into SDPA's [B, Hkv, Lmax, D] K and V.
 Sequences shorter than Lmax are padded with row 0 and masked out.
 
-A mixed step (prefill chunks among one-token decode rows) is attended in two parts, the decode
-rows and the longer ones (`SplitStepAttention`): padded together, every decode row would pay
-for the longest chunk's queries -- B x Qmax x Lmax scores where the work is ~Qmax x Lmax --
-which made such steps ~10x a decode step of the same rows and most of a loaded run's time.
+A step whose rows' query lengths differ -- prefill chunks among one-token decode rows, prompts
+of different lengths -- is attended in parts (`SplitStepAttention`, rows grouped by
+`scheduler.plan.attention_groups`: the one-token rows, then longer ones by length class):
+padded together, every decode row would pay for the longest chunk's queries -- B x Qmax x Lmax
+scores where the work is ~Qmax x Lmax -- which made mixed steps ~10x a decode step of the same
+rows and most of a loaded run's time.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specsched.scheduler.plan import AttentionPlan
+from specsched.scheduler.plan import AttentionPlan, attention_groups
 
 
 class TorchBackend:
@@ -38,11 +40,9 @@ class TorchBackend:
 
     def prepare(self, plan: AttentionPlan, device: torch.device | str = "cpu"
                 ) -> "TorchStepAttention | SplitStepAttention":
-        qo = np.diff(plan.qo_indptr)
-        if plan.custom_mask is None and qo.size > 1 and qo.max() > 1 and (qo == 1).any():
-            decode = (qo == 1).nonzero()[0]
-            longer = (qo > 1).nonzero()[0]
-            return SplitStepAttention(plan, [(rows, self._step(plan.select(rows), device)) for rows in (decode, longer)],
+        groups = attention_groups(np.diff(plan.qo_indptr)) if plan.custom_mask is None else []
+        if len(groups) > 1:
+            return SplitStepAttention(plan, [(rows, self._step(plan.select(rows), device)) for rows in groups],
                                       torch.device(device))
         return self._step(plan, device)
 
