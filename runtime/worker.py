@@ -31,7 +31,7 @@ from specsched.runtime.verify import greedy_verify, rejection_verify, threshold_
 from specsched.scheduler.messages import (AgreementMessage, AgreementResult, DraftMessage, DraftResult, FillMessage, FillResult, ForwardMessage,
                                           ForwardResult, VerifyMessage, VerifyResult)
 from specsched.runtime.sync_guard import host_side, no_host_sync
-from specsched.scheduler.plan import AttentionPlan
+from specsched.scheduler.plan import AttentionPlan, concat_ranges
 from specsched.scheduler.proposer import ProposerSpec
 from specsched.scheduler.step_trace import device_span_name
 
@@ -91,9 +91,7 @@ class TokenBuffer:
         lens = ends - starts
         if lens.size and lens.min() == 1 and lens.max() == 1:  # decode rows: one token each
             return self.at(slots, starts)
-        rows = np.repeat(slots, lens)
-        pos = np.arange(int(lens.sum())) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
-        return self.at(rows, pos)
+        return self.at(np.repeat(slots, lens), concat_ranges(starts, lens))
 
     def at(self, slots: Any, positions: Any) -> torch.Tensor:
         """Tokens at (slots[i], positions[i]): index arrays (host or device) in, device out."""
@@ -302,7 +300,7 @@ class ModelWorker:
             self.last_hidden = {"step": msg.step, "op": "forward", "hidden": out.hidden,
                                 "qo_indptr": plan.qo_indptr, "slots": slots}
             if msg.keep_hidden:  # the head's fill of these rows waits: it reads them later
-                self.proposer.kept.keep(msg.slots, msg.start, plan.qo_indptr, out.hidden)
+                self.proposer.keep_hidden(msg.slots, msg.start, plan.qo_indptr, out.hidden)
         host = self.to_host(tokens)
         self.proposer.emitted(slots, host, None)
         return ForwardResult(host)

@@ -39,25 +39,16 @@ the pipeline), and its inputs are what the pipeline already has:
   so that one step the machine stalled does not swing the choice. A D with fewer than
   `MIN_OVERHEAD_SAMPLES` steps seen takes the smaller of its own residual so far and the
   residual over every D.
-- **A draft model's catch-up**: while speculation is off a draft model reads nothing (the
-  pipeline skips its fills, prompts included) and catches up in one fill when a row drafts
-  again. A step that drafts is charged, per row, the fill of the tokens its draft model is
-  behind (`lag`) spread over the steps the row is expected to draft for the rest of its output
-  (remaining tokens / expected tokens per step): resuming pays for a long output, not for the
-  last few tokens.
+- **A catch-up**: while speculation is off a proposer with lazy fills (a draft model, an MTP
+  head) reads nothing and catches up in one fill when a row drafts again. A drafting step is
+  charged, per row, the fill of what it is behind (`lag`) spread over the steps the row is
+  expected to draft for the rest of its output: resuming pays for a long output only.
 - **Exploration** (`scheduler/probe_schedule.py`): every `explore_every`-th decision tries a
-  neighbour of the best length, one above and one below on alternate probes (D = 1 when
-  speculation is off; D = 0 going down if no plain step has run yet), so a stale estimate
-  cannot keep speculation off, or short, forever, and the cost of other lengths stays known.
-  A probe that finds the same best length as the one before it doubles the interval to the
-  next (up to `MAX_EXPLORE_BACKOFF` x `explore_every`); a change of the best resets it. A
-  neighbour that has run and is predicted more than `probe_margin` behind the best is not
-  probed (the interval doubles all the same), except at the longest interval. What a probe
-  loses against the best (its predicted step time over the best's time for as many tokens;
-  from D = 0 with a draft model, every row's whole catch-up) is paid from a budget that grows
-  by `explore_cost` of each decided step's predicted time: a probe costing more waits, so
-  exploration costs at most that share of the run, and one probe more or less (a replay on
-  slightly different costs) moves a run's makespan by little.
+  neighbour of the best length, so a stale estimate cannot keep speculation off, or short,
+  forever; settled choices are probed less and less often, a neighbour predicted more than
+  `probe_margin` behind is skipped but at the longest interval, and what probes lose against
+  the best (from D = 0, every row's whole catch-up) is paid from a budget of `explore_cost` of
+  each decided step's predicted time.
 - **State**: `state()` is what the policy has learned (engine-wide acceptance, cost models,
   overheads, probe schedule) as JSON values; a trace's header carries it and a replay of the
   trace `restore`s it, so that the replay starts where the captured run's policy stood.
@@ -108,19 +99,18 @@ class Decision:
     gain: float | None  # predicted tokens/s at D over D = 0 (None before any cost is known)
     explored: bool = False
     device_ns: float | None = None  # the step's predicted device time
-    # `step_ns`'s arguments for this step: its residual (`observe_step`) is taken against the
-    # device time the cost models predict once the step's own launches have trained them
+    # `step_ns`'s arguments (rows, D, forwards, KV tokens, catch-up tokens), re-priced by `observe_step`
     cost_args: tuple | None = None
 
 
 class DraftLenPolicy:
     """See the module docstring. `kv_ahead`: the proposer's fill after a plain decode covers
-    1 + kv_ahead tokens per row; `lazy_fill`: its fills wait while speculation is off (default: a
-    draft model's, which has a KV of its own read ahead of the target's); `fill_same_batch`: its fill after a verify covers the verify
+    1 + kv_ahead tokens per row; `lazy_fill`: its fills wait while speculation is off
+    (`ProposerRules.lazy_fill`); `fill_same_batch`: its fill after a verify covers the verify
     batch (an MTP head), else the accepted tokens (a draft model); `has_fill`: it has one."""
 
     def __init__(self, max_draft_len: int, *, has_fill: bool, kv_ahead: int = 0, fill_same_batch: bool = False,
-                 lazy_fill: bool | None = None,
+                 lazy_fill: bool = False,
                  prior: float = 0.7, smoothing: float = 0.15, global_smoothing: float = 0.02, prior_weight: float = 8.0,
                  request_weight: float = 4.0, probe_margin: float = 0.1, first_draft_len: int = 2,
                  explore_every: int = 16, explore_cost: float = 0.05, seed_costs: dict | None = None,
@@ -132,9 +122,7 @@ class DraftLenPolicy:
         self.max_draft_len = max_draft_len
         self._ds = np.arange(max_draft_len + 1)
         self.has_fill, self.kv_ahead, self.fill_same_batch = has_fill, kv_ahead, fill_same_batch
-        # a proposer with lazy fills skips them while speculation is off and catches up when it
-        # drafts again (`lag` in `choose`)
-        self.catches_up = has_fill and (lazy_fill if lazy_fill is not None else not fill_same_batch and kv_ahead > 0)
+        self.catches_up = has_fill and lazy_fill  # skips fills at D = 0, catches up (`lag` in `choose`)
         self.probes = ProbeSchedule(explore_every, explore_cost)
         self.probe_margin = probe_margin  # a probe's length predicted this far behind the best is skipped
         self.first_draft_len = min(first_draft_len, max_draft_len)  # D while a cost is unknown
@@ -204,8 +192,7 @@ class DraftLenPolicy:
 
     # -- acceptance (scheduler/acceptance_estimate.py) ------------------------------------
     def start(self, slot: int) -> None:
-        """A request took `slot`: its estimates start from the engine-wide ones, and a standing
-        D = 0 (see `choose`) no longer stands: the batch has another request in it."""
+        """A request took `slot`: its estimates start from the engine-wide ones; a standing D = 0 ends."""
         self.estimate.start(slot)
         self._held_slots = None
 
@@ -248,18 +235,12 @@ class DraftLenPolicy:
         last = self.last
         if last is None or last.rows == 0 or last.device_ns is None:
             return
-        if last.cost_args is not None and len(last.cost_args) > 4 and last.cost_args[4] > 0:
-            # the step caught the proposer up after plain steps: its wall time carries that
-            # transition (a fill launch more, priced by `lag` in `choose`), not what a step at
-            # this D costs -- counted, the probes back from D = 0 made D = 1 look 7 ms dearer
-            # and kept an MTP head's policy at D = 0 where D = 2 ran 1.2x faster
-            return
-        # against the models as the step's launches left them: a residual against the
-        # decision's prediction would count a model's correction twice -- once in the model,
-        # once in h (one plain probe after verifies only moved the plain price by -2 ms and its
-        # h by -2 ms, and D = 0 looked 30% cheaper than it ran)
+        if last.cost_args is not None and last.cost_args[4] > 0:
+            return  # a catch-up step: a transition priced by `lag`, not what a step at its D costs
+        # against the models as the step's launches left them (against the decision's prediction
+        # a model's correction would count twice: in the model and in h); negative where the
+        # device models overprice this D
         predicted = self.step_ns(*last.cost_args) if last.cost_args is not None else None
-        # negative where the device models overprice this D
         self.overhead.observe(last.draft_len, float(wall_ns - (last.device_ns if predicted is None else predicted)))
 
     def step_ns(self, rows: int, d: int, forwards: int, kv_tokens: int, catch_up: float = 0.0) -> float | None:
@@ -269,8 +250,7 @@ class DraftLenPolicy:
         c = self.costs
         if d == 0:
             t = c["target"].at(rows, rows, kv_tokens + rows)
-            # a proposer with lazy fills skips it (it catches up later); a head without, fills
-            # after every forward
+            # a head without lazy fills fills after every forward
             f = (c["fill"].at(rows, rows, kv_tokens + rows)
                  if self.has_fill and self.fill_same_batch and not self.catches_up else 0.0)
             return None if t is None or f is None else t + f
@@ -302,7 +282,7 @@ class DraftLenPolicy:
                 and budget == self._held_budget and held.shape == slots.shape and (held == slots).all()):
             self._held += 1
             rows = self.last.rows
-            args = (rows, 0, 0, int(computed[:rows].sum()))
+            args = (rows, 0, 0, int(computed[:rows].sum()), 0.0)
             dec = Decision(0, np.zeros(rows, dtype=np.int64), rows, self.last.gain, False, self.step_ns(*args), args)
             self._accrue(dec)
             return dec
@@ -376,8 +356,7 @@ class DraftLenPolicy:
         args = (rows, best, int(np.maximum(num_draft - 1, 0).sum()), kv_rows, behind)
         dec = Decision(best, num_draft.astype(np.int64), rows, gain_over_plain, explored, self.step_ns(*args), args)
         self._accrue(dec)
-        # a D = 0 the estimates chose stands; not one forced because no row may draft (each
-        # is at its last token): the batch changes with the next step
+        # a D = 0 the estimates chose stands, not one forced by every row's last token
         if best == 0 and not explored and cap[:rows].any():
             self._held_slots, self._held_budget, self._held = slots.copy(), budget, 0
         else:

@@ -67,8 +67,8 @@ class AttentionPlan:
         rows = np.asarray(rows, dtype=np.int64)
         qo = np.diff(self.qo_indptr)[rows]
         pages = np.diff(self.paged_kv_indptr)[rows]
-        tok = _ranges(self.qo_indptr[rows].astype(np.int64), qo.astype(np.int64))
-        page_at = _ranges(self.paged_kv_indptr[rows].astype(np.int64), pages.astype(np.int64))
+        tok = concat_ranges(self.qo_indptr[rows].astype(np.int64), qo.astype(np.int64))
+        page_at = concat_ranges(self.paged_kv_indptr[rows].astype(np.int64), pages.astype(np.int64))
         return AttentionPlan(
             qo_indptr=np.concatenate([[0], np.cumsum(qo)]).astype(self.qo_indptr.dtype),
             paged_kv_indptr=np.concatenate([[0], np.cumsum(pages)]).astype(self.paged_kv_indptr.dtype),
@@ -89,8 +89,8 @@ def attention_groups(qo_lens: np.ndarray) -> list[np.ndarray]:
     return groups if len(groups) > 1 else [np.arange(qo.size)]
 
 
-def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Concatenated aranges [starts[i], starts[i] + lens[i])."""
+def concat_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenated aranges [starts[i], starts[i] + lens[i]) (int64), without a Python loop."""
     return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
 
 

@@ -29,7 +29,7 @@ def _teach(policy: DraftLenPolicy, *, verify_ns_per_token: float, draft_ns_per_f
 def _draft_model_policy(prior: float, explore_every: int, **costs) -> DraftLenPolicy:
     """A draft model's policy (a fill of its own, KV read ahead) taught `_teach`'s costs and a
     fill of 1e5 ns per token it reads."""
-    p = DraftLenPolicy(4, has_fill=True, kv_ahead=1, prior=prior, explore_every=explore_every)
+    p = DraftLenPolicy(4, has_fill=True, kv_ahead=1, lazy_fill=True, prior=prior, explore_every=explore_every)
     _teach(p, **costs)
     for tokens in (2, 8, 64, 512) * 16:
         p.observe_launch("fill", {"tokens": tokens, "requests": 1, "kv_tokens": 50}, int(1e6 + 1e5 * tokens))

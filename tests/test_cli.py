@@ -59,7 +59,7 @@ def test_replay_of_an_adaptive_trace_starts_where_its_policy_stood_unless_cold(t
     auto = tmp_path / "auto.jsonl"
     assert run("replay", SAMPLE, "--draft-len", "auto", "--trace", auto)[0] == 0
     tr = read_trace(auto)
-    learned = DraftLenPolicy(4, has_fill=True, kv_ahead=1)
+    learned = DraftLenPolicy(4, has_fill=True, kv_ahead=1, lazy_fill=True)
     for _ in range(30):  # 30 decisions in: the header says so
         learned.choose(np.arange(2), np.full(2, 50), np.full(2, 40), 4096)
     tr.header.extra["draft_policy"] = learned.state()

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specsched.scheduler.plan import AttentionPlan, attention_groups
+from specsched.scheduler.plan import AttentionPlan, attention_groups, concat_ranges
 
 
 class TorchBackend:
@@ -65,9 +65,7 @@ class SplitStepAttention:
         self.plan = plan
         self.parts = []
         for rows, step in parts:
-            starts = plan.qo_indptr[rows].astype(np.int64)
-            lens = np.diff(plan.qo_indptr)[rows].astype(np.int64)
-            tokens = np.arange(int(lens.sum())) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
+            tokens = concat_ranges(plan.qo_indptr[rows].astype(np.int64), np.diff(plan.qo_indptr)[rows].astype(np.int64))
             self.parts.append((torch.from_numpy(tokens).to(device), step))
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

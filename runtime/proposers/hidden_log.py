@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specsched.scheduler.plan import concat_ranges
+
 
 @dataclass
 class _Chunk:
@@ -79,8 +81,7 @@ class HiddenLog:
             n = np.maximum(hi - lo, 0)
             if not n.any():
                 continue
-            within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # 0.. within each pair
-            pos = np.repeat(lo, n) + within
+            pos = concat_ranges(lo, n)
             dst = np.repeat(first[i] - starts[i], n) + pos
             src_chunk[dst] = ci  # later chunks overwrite earlier ones: a recompute wins
             src_index[dst] = np.repeat(c.offsets[j] - c.starts[j], n) + pos

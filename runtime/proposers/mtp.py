@@ -53,6 +53,10 @@ class HeadProposer(NoProposer):
     def release(self, slot: int) -> None:
         self.kept.release(slot)
 
+    def keep_hidden(self, slots: np.ndarray, starts: np.ndarray, qo_indptr: np.ndarray, hidden: torch.Tensor) -> None:
+        """A forward whose fill waits: its rows' target hidden states, for the catch-up."""
+        self.kept.keep(slots, starts, qo_indptr, hidden)
+
     # -- fill -------------------------------------------------------------------------------
     def fill(self, msg: FillMessage) -> None:
         if msg.after == "catch_up":
@@ -104,9 +108,7 @@ class HeadProposer(NoProposer):
         """Positions [start, end) of each row from the hidden states the device kept."""
         w = self.worker
         plan, step, positions = w.plan(msg.plan)
-        qo = plan.qo_lens
-        pos = np.arange(int(qo.sum())) + np.repeat(msg.start - (np.cumsum(qo) - qo), qo) + 1
-        ids = w.tokens.at(np.repeat(msg.slots, qo), pos)  # the head reads token p + 1 at position p
+        ids = w.tokens.ranges(msg.slots, msg.start + 1, msg.end + 1)  # the head reads token p + 1 at position p
         hidden = self.kept.gather(msg.slots, msg.start, msg.end)
         rows = [w.states[s] for s in msg.slots.tolist()]
         self._run_fill(rows, ids, hidden, step, positions, self._tensor(plan.qo_indptr[1:] - 1))
