@@ -48,7 +48,9 @@ the pipeline), and its inputs are what the pipeline already has:
   forever; settled choices are probed less and less often, a neighbour predicted more than
   `probe_margin` behind is skipped but at the longest interval, and what probes lose against
   the best (from D = 0, every row's whole catch-up) is paid from a budget of `explore_cost` of
-  each decided step's predicted time.
+  each decided step's predicted time. Resuming speculation with a catch-up that the rates
+  predict within `probe_margin` of plain decoding is taken as such a probe too: a later step
+  that finds D = 0 best after all (its cost at this batch was an extrapolation) wastes it.
 - **State**: `state()` is what the policy has learned (engine-wide acceptance, cost models,
   overheads, probe schedule) as JSON values; a trace's header carries it and a replay of the
   trace `restore`s it, so that the replay starts where the captured run's policy stood.
@@ -135,6 +137,7 @@ class DraftLenPolicy:
         self.last: Decision | None = None
         self._held_slots: np.ndarray | None = None  # the batch a standing D = 0 was chosen for
         self._held_budget, self._held = 0, 0
+        self._plain_decided = False
 
     def skips_fill(self, decided: bool) -> bool:
         """Whether a forward step leaves the proposer's fill for a catch-up: it is a draft
@@ -331,17 +334,29 @@ class DraftLenPolicy:
         if best is None or len(rates) < sum(r > 0 for r in rows_l):
             # a cost not known yet (no sample of the op): speculate, which teaches them all
             best = self.first_draft_len
-        elif self.probes.due(self.decisions):
+        elif self.probes.due(self.decisions, self.plain_seen):
             # a neighbour, so that the costs and acceptance of the lengths around the best stay
             # known whichever way it moves -- unless it has run and is predicted far behind
             # (`probe_margin`), which the longest interval probes all the same (no estimate
             # stays stale for ever), or it costs more than the exploration budget holds
-            probe = self.probes.candidate(best, dmax, bool(self.overhead.samples[0]))
+            probe = self.probes.candidate(best, dmax, self.plain_seen)
             far = (not self.probes.at_longest and probe in rates and self.overhead.samples[probe] > 0
                    and rates[probe] < (1.0 - self.probe_margin) * rates[best])
             loss = 0.0 if far else self._probe_loss(probe, best, rates, rows_l, forwards_l, kv_l, expected_l, lag)
             if self.probes.decide(self.decisions, best, far, loss):
                 best, explored = probe, True
+        elif best and lag is not None and self.catches_up and rates.get(0) and rates[best] < (1.0 + self.probe_margin) * rates[0]:
+            # resuming pays every row's catch-up now, and a later step that finds D = 0 best
+            # after all (its costs at this batch were extrapolated) has wasted it: a resume
+            # predicted within `probe_margin` of plain decoding is a probe, paid from the budget
+            rows_b = rows_l[best]
+            if lag[:rows_b].any():
+                loss = self._probe_loss(best, 0, rates, rows_l, forwards_l, kv_l, expected_l, lag)
+                if loss > self.probes.budget:
+                    best = 0
+                else:
+                    self.probes.budget -= loss
+                    explored = True
         rows = int(rows_d[best])
         num_draft = use[best, :rows]
         if best >= 1 and rates.get(best) is not None:
@@ -363,8 +378,14 @@ class DraftLenPolicy:
             self._held_slots = None
         return dec
 
+    @property
+    def plain_seen(self) -> bool:
+        """Whether a plain step has been decided (or, restored, measured)."""
+        return self._plain_decided or bool(self.overhead.samples[0])
+
     def _accrue(self, dec: Decision) -> None:
         self.last = dec
+        self._plain_decided = self._plain_decided or dec.draft_len == 0
         self.probes.accrue(dec.device_ns or 0.0)
 
     def _probe_loss(self, probe: int, best: int, rates: dict, rows_l: list, forwards_l: list, kv_l: list,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 MAX_EXPLORE_BACKOFF = 8  # a settled choice is probed at most this many times less often
 EXPLORE_BANK = 256  # decisions' worth of exploration budget that may be saved up (see `accrue`)
+PLAIN_PROBE_AT = 4  # the decision from which D = 0 is probed while no plain step has run
 
 
 @dataclass
@@ -32,16 +33,23 @@ class ProbeSchedule:
         self.gap = self.gap or self.explore_every
         self.next = self.next or self.explore_every
 
-    def due(self, decision: int) -> bool:
-        return decision >= self.next
+    def due(self, decision: int, plain_seen: bool = True) -> bool:
+        """Whether a probe is due; while no plain step has run, from the `PLAIN_PROBE_AT`-th
+        decision on (see `candidate`)."""
+        return decision >= (self.next if plain_seen else min(self.next, PLAIN_PROBE_AT))
 
     def candidate(self, best: int, max_len: int, plain_seen: bool) -> int:
-        """The neighbour to probe: one up on odd probes (always from 0), else one down (to 0 if
-        no plain step has run: its host overhead is only borrowed from the others)."""
+        """The neighbour to probe: D = 0 while no plain step has run (its cost is then only an
+        extrapolation from verifies -- whose fixed extra cost is inseparable from a forward's
+        constant without one -- and its host overhead borrowed from the other lengths; a
+        warm-up that only speculates would leave it so), else one up on odd probes (always
+        from 0) and one down on even ones."""
+        if not plain_seen and best > 0:
+            return 0
         up = best < max_len and (best == 0 or (self.probes + 1) % 2 == 1)
         if up:
             return best + 1
-        return 0 if not plain_seen else max(best - 1, 0)
+        return max(best - 1, 0)
 
     @property
     def at_longest(self) -> bool:

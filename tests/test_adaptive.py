@@ -110,6 +110,25 @@ def test_a_settled_choice_is_probed_less_and_less_often():
     assert gaps[:4] == [4, 8, 16, 32] and set(gaps[4:]) == {32}  # doubling, capped at 8 x explore_every
 
 
+def test_plain_decoding_is_probed_early_while_no_plain_step_has_run():
+    """Until a plain step has run, its cost is an extrapolation from verifies (whose fixed cost
+    a forward's constant absorbs) and its host overhead borrowed: the first probe, due from the
+    fourth decision, is D = 0 -- once the exploration budget pays for it (here about half a
+    plain step's tokens lost against ~5% of each D = 4 step) -- and once it has run probing goes
+    back to its schedule (every 1000 decisions here)."""
+    policy = DraftLenPolicy(4, has_fill=False, prior=0.8, explore_every=1000)
+    _teach(policy, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
+    slots = np.arange(4)
+    chosen = []
+    for _ in range(40):
+        d = _choose(policy, 4)
+        chosen.append((d.draft_len, d.explored))
+        policy.observe_verify(slots[: d.rows], d.num_draft, d.num_draft)
+    probes = [i for i, (_, e) in enumerate(chosen) if e]
+    assert len(probes) == 1 and 3 <= probes[0] < 12 and chosen[probes[0]][0] == 0
+    assert all(dl == 4 for i, (dl, _) in enumerate(chosen) if i != probes[0])
+
+
 def test_a_probe_far_behind_the_best_is_skipped_until_the_longest_interval():
     """Once a length has run, a probe of a neighbour predicted far behind the best (here: every
     draft rejected, D = 0 about twice as fast) is skipped and the interval still doubles, up to
@@ -193,6 +212,30 @@ def test_a_draft_model_far_behind_resumes_drafting_only_for_a_long_output():
     for remaining, lag, on in ((200, 0, True), (4, 0, True), (200, 400, True), (4, 400, False)):
         d = policy().choose(slots, np.full(1, remaining), computed, 4096, np.full(1, lag))
         assert (d.draft_len > 0) == on, (remaining, lag, d.draft_len)
+
+
+def test_a_resume_predicted_close_to_plain_decoding_waits_for_the_exploration_budget():
+    """Resuming pays every row's catch-up at once, and a later step that finds plain decoding
+    best after all has wasted it: a resume predicted within `probe_margin` of plain decoding is
+    taken as a probe -- when the exploration budget pays for the whole catch-up, not before.
+    (A margin of 10 makes every resume of this setting such a close call.)"""
+    def policy(margin):
+        p = _draft_model_policy(0.8, 1000, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
+        p.probe_margin = margin
+        return p
+
+    slots, remaining, computed = np.arange(1), np.full(1, 200), np.full(1, 50)
+    assert policy(0.1).choose(slots, remaining, computed, 4096, np.full(1, 400)).draft_len > 0  # a clear gain
+    assert policy(10.0).choose(slots, remaining, computed, 4096, np.zeros(1, dtype=np.int64)).draft_len > 0  # caught up
+    p = policy(10.0)
+    for first in range(400):
+        before = p.probes.budget
+        d = p.choose(slots, remaining, computed, 4096, np.full(1, 400))
+        if d.draft_len > 0:
+            break
+    # the catch-up (400 tokens x 0.1 ms) against 5% of ~4 ms plain steps: ~150 decisions of budget
+    assert 100 < first < 256 and d.explored
+    assert p.probes.budget < before - 20e6  # the catch-up was paid from it
 
 
 @pytest.mark.parametrize("per_d", [True, False])
@@ -624,7 +667,9 @@ def test_a_step_that_catches_the_proposer_up_does_not_move_the_overhead():
     policy = _draft_model_policy(prior=0.9, explore_every=1000, verify_ns_per_token=2e5,
                                  draft_ns_per_forward=1e5, const_ns=4e6)
     slots = np.arange(2)
-    for _ in range(6):  # each step resumes drafting: 40 tokens to catch up, 9 ms of host time more
+    # each step resumes drafting: 40 tokens to catch up, 9 ms of host time more (three steps:
+    # the fourth decision probes D = 0, which has not run)
+    for _ in range(3):
         dec = policy.choose(slots, np.full(2, 200), np.full(2, 50), 4096, np.full(2, 40))
         assert dec.draft_len > 0
         policy.observe_step(int(policy.step_ns(*dec.cost_args) + 9e6))
