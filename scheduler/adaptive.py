@@ -47,8 +47,10 @@ the pipeline), and its inputs are what the pipeline already has:
   neighbour of the best length, so a stale estimate cannot keep speculation off, or short,
   forever; settled choices are probed less and less often, a neighbour predicted more than
   `probe_margin` behind is skipped but at the longest interval, and what probes lose against
-  the best (from D = 0, every row's whole catch-up) is paid from a budget of `explore_cost` of
-  each decided step's predicted time. Resuming speculation with a catch-up that the rates
+  the best (from D = 0, the probing rows' whole catch-up) is paid from a budget of
+  `explore_cost` of each decided step's predicted time. A probe from D = 0 with the proposer
+  behind drafts with the first `PROBE_ROWS` rows only (the others wait a step): what it
+  teaches, acceptance and a verify's cost, does not need every row's catch-up. Resuming speculation with a catch-up that the rates
   predict within `probe_margin` of plain decoding is taken as such a probe too: a later step
   that finds D = 0 best after all (its cost at this batch was an extrapolation) wastes it.
 - **State**: `state()` is what the policy has learned (engine-wide acceptance, cost models,
@@ -84,6 +86,7 @@ FEATURES = {
 # a profile's device models that seed them (span names, see scheduler/step_trace.py)
 PROFILE_NAMES = {"target": ("verify", "decode"), "draft": ("draft",), "fill": ("draft_fill",)}
 HOLD_STEPS = 8  # decode steps a choice of D = 0 stands for over an unchanged batch (see `choose`)
+PROBE_ROWS = 4  # rows a probe from D = 0 drafts with while its proposer is behind (see `choose`)
 
 
 def _features(model: str, attrs: dict, op: str = "") -> np.ndarray:
@@ -115,7 +118,7 @@ class DraftLenPolicy:
                  lazy_fill: bool = False,
                  prior: float = 0.7, smoothing: float = 0.15, global_smoothing: float = 0.02, prior_weight: float = 8.0,
                  request_weight: float = 4.0, probe_margin: float = 0.1, first_draft_len: int = 2,
-                 explore_every: int = 16, explore_cost: float = 0.05, seed_costs: dict | None = None,
+                 explore_every: int = 16, explore_cost: float = 0.02, seed_costs: dict | None = None,
                  slots: int = 64):
         if max_draft_len < 1:
             raise ValueError(f"an adaptive draft length needs max_draft_len >= 1, got {max_draft_len}")
@@ -330,7 +333,7 @@ class DraftLenPolicy:
             rates[d] = expected_l[d] / max(self.overhead.at(d) + t, 0.25 * t, 1.0)
             if best is None or rates[d] > rates[best]:
                 best = d
-        explored = False
+        explored, probe_rows = False, None
         if best is None or len(rates) < sum(r > 0 for r in rows_l):
             # a cost not known yet (no sample of the op): speculate, which teaches them all
             best = self.first_draft_len
@@ -342,22 +345,32 @@ class DraftLenPolicy:
             probe = self.probes.candidate(best, dmax, self.plain_seen)
             far = (not self.probes.at_longest and probe in rates and self.overhead.samples[probe] > 0
                    and rates[probe] < (1.0 - self.probe_margin) * rates[best])
-            loss = 0.0 if far else self._probe_loss(probe, best, rates, rows_l, forwards_l, kv_l, expected_l, lag)
+            k = rows_l[probe]
+            if probe and not best and lag is not None and self.catches_up and lag[:k].any():
+                # from D = 0 behind: the first PROBE_ROWS rows probe, the rest wait a step -- what
+                # it teaches (acceptance, a verify's cost) is had without every row's catch-up
+                k = min(k, PROBE_ROWS)
+            loss = 0.0
+            if not far and probe in rates:
+                loss = self._probe_loss(probe, rates[best], k, int(np.maximum(use[probe, :k] - 1, 0).sum()),
+                                        int(computed[:k].sum()), k + float(accepted[probe, :k].sum()),
+                                        float(lag[:k].sum()) if probe and lag is not None and self.catches_up else 0.0)
             if self.probes.decide(self.decisions, best, far, loss):
-                best, explored = probe, True
+                best, explored, probe_rows = probe, True, k
         elif best and lag is not None and self.catches_up and rates.get(0) and rates[best] < (1.0 + self.probe_margin) * rates[0]:
             # resuming pays every row's catch-up now, and a later step that finds D = 0 best
             # after all (its costs at this batch were extrapolated) has wasted it: a resume
             # predicted within `probe_margin` of plain decoding is a probe, paid from the budget
             rows_b = rows_l[best]
             if lag[:rows_b].any():
-                loss = self._probe_loss(best, 0, rates, rows_l, forwards_l, kv_l, expected_l, lag)
+                loss = self._probe_loss(best, rates[0], rows_b, forwards_l[best], kv_l[best], expected_l[best],
+                                        float(lag[:rows_b].sum()))
                 if loss > self.probes.budget:
                     best = 0
                 else:
                     self.probes.budget -= loss
                     explored = True
-        rows = int(rows_d[best])
+        rows = int(rows_d[best]) if probe_rows is None else probe_rows
         num_draft = use[best, :rows]
         if best >= 1 and rates.get(best) is not None:
             num_draft = self._per_row(num_draft, reach[:rows], rates[best], computed[:rows])
@@ -388,20 +401,18 @@ class DraftLenPolicy:
         self._plain_decided = self._plain_decided or dec.draft_len == 0
         self.probes.accrue(dec.device_ns or 0.0)
 
-    def _probe_loss(self, probe: int, best: int, rates: dict, rows_l: list, forwards_l: list, kv_l: list,
-                    expected_l: list, lag: np.ndarray | None) -> float:
-        """What probing `probe` now costs against the best length: its step's predicted time
-        over the time the best takes for as many tokens. From D = 0 a draft model's whole
-        catch-up counts (not spread over the output, as in the rates): a probe that finds
-        D = 0 still best has wasted it."""
-        if probe not in rates:
-            return 0.0
-        catch = float(lag[:rows_l[probe]].sum()) if probe and lag is not None and self.catches_up else 0.0
-        t = self.step_ns(rows_l[probe], probe, forwards_l[probe], kv_l[probe], catch)
+    def _probe_loss(self, probe: int, best_rate: float, rows: int, forwards: int, kv: int, expected: float,
+                    catch: float) -> float:
+        """What a step of `rows` at D = `probe` (making `forwards` proposer forwards over `kv`
+        KV tokens, `expected` tokens, a catch-up of `catch` tokens) costs against the best
+        length's rate: its predicted time over the time the best takes for as many tokens. The
+        catch-up counts whole (not spread over the output, as in the rates): a probe that
+        finds D = 0 still best has wasted it."""
+        t = self.step_ns(rows, probe, forwards, kv, catch)
         if t is None:
             return 0.0
         t = max(self.overhead.at(probe) + t, 0.25 * t, 1.0)
-        return max(t - expected_l[probe] / rates[best], 0.0)
+        return max(t - expected / best_rate, 0.0)
 
     def _per_row(self, num_draft: np.ndarray, reach: np.ndarray, rate: float, kv_rows: np.ndarray) -> np.ndarray:
         """A row's j-th draft (j >= 2: one more proposer forward for it) is kept while the

@@ -20,7 +20,7 @@ class ProbeSchedule:
     costs more waits (a draft model's catch-up from D = 0 can cost dozens of steps)."""
 
     explore_every: int = 16
-    explore_cost: float = 0.05
+    explore_cost: float = 0.02
     gap: int = 0  # decisions between probes (0: explore_every)
     next: int = 0  # the decision the next probe is due at (0: explore_every)
     probed_best: int | None = None  # the best length the last probe started from

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specsched.scheduler.adaptive import DraftLenPolicy, OnlineCost
+from specsched.scheduler.adaptive import PROBE_ROWS, DraftLenPolicy, OnlineCost
 from specsched.simulator.replay import ReplayConfig, replay
 
 SAMPLES = __import__("pathlib").Path(__file__).resolve().parents[1] / "traces" / "samples"
@@ -97,7 +97,7 @@ def test_the_estimates_recover_after_a_change_of_workload():
 
 
 def test_a_settled_choice_is_probed_less_and_less_often():
-    policy = DraftLenPolicy(4, has_fill=False, prior=0.05, explore_every=4)
+    policy = DraftLenPolicy(4, has_fill=False, prior=0.05, explore_every=4, explore_cost=0.5)  # budget for each
     _teach(policy, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
     slots = np.arange(4)
     probes = []
@@ -114,7 +114,7 @@ def test_plain_decoding_is_probed_early_while_no_plain_step_has_run():
     """Until a plain step has run, its cost is an extrapolation from verifies (whose fixed cost
     a forward's constant absorbs) and its host overhead borrowed: the first probe, due from the
     fourth decision, is D = 0 -- once the exploration budget pays for it (here about half a
-    plain step's tokens lost against ~5% of each D = 4 step) -- and once it has run probing goes
+    plain step's tokens lost against 2% of each D = 4 step) -- and once it has run probing goes
     back to its schedule (every 1000 decisions here)."""
     policy = DraftLenPolicy(4, has_fill=False, prior=0.8, explore_every=1000)
     _teach(policy, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
@@ -125,7 +125,7 @@ def test_plain_decoding_is_probed_early_while_no_plain_step_has_run():
         chosen.append((d.draft_len, d.explored))
         policy.observe_verify(slots[: d.rows], d.num_draft, d.num_draft)
     probes = [i for i, (_, e) in enumerate(chosen) if e]
-    assert len(probes) == 1 and 3 <= probes[0] < 12 and chosen[probes[0]][0] == 0
+    assert len(probes) == 1 and 3 <= probes[0] < 24 and chosen[probes[0]][0] == 0
     assert all(dl == 4 for i, (dl, _) in enumerate(chosen) if i != probes[0])
 
 
@@ -134,7 +134,8 @@ def test_a_probe_far_behind_the_best_is_skipped_until_the_longest_interval():
     draft rejected, D = 0 about twice as fast) is skipped and the interval still doubles, up to
     the longest, which always ends in a probe; with `probe_margin=1` (never far) every probe runs."""
     def probes(margin: float) -> list[int]:
-        policy = DraftLenPolicy(4, has_fill=False, prior=0.05, explore_every=4, probe_margin=margin)
+        # a budget for every probe: the schedule is what is under test
+        policy = DraftLenPolicy(4, has_fill=False, prior=0.05, explore_every=4, probe_margin=margin, explore_cost=0.5)
         _teach(policy, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
         slots, out = np.arange(4), []
         for i in range(1, 200):
@@ -221,7 +222,7 @@ def test_a_resume_predicted_close_to_plain_decoding_waits_for_the_exploration_bu
     (A margin of 10 makes every resume of this setting such a close call.)"""
     def policy(margin):
         p = _draft_model_policy(0.8, 1000, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
-        p.probe_margin = margin
+        p.probe_margin, p.probes.explore_cost = margin, 0.05
         return p
 
     slots, remaining, computed = np.arange(1), np.full(1, 200), np.full(1, 50)
@@ -252,7 +253,7 @@ def test_host_overhead_is_learned_per_draft_length(monkeypatch, per_d):
     slots = np.arange(4)
     host_ns = {0: 0.0, 1: 3e7, 2: 3e7, 3: 3e7, 4: 3e7}  # 30 ms more host work in any speculative step
     chosen = []
-    for _ in range(120):
+    for _ in range(200):  # the first plain step is a probe, waiting ~90 decisions for the budget
         d = _choose(policy, 4)
         chosen.append((d.draft_len, d.explored))
         if d.draft_len:
@@ -514,25 +515,38 @@ def test_a_replay_starts_the_policy_where_the_captured_run_stood():
     assert cold.header.extra["draft_policy"]["decisions"] == 0
 
 
-def test_a_probe_waits_until_the_exploration_budget_pays_for_its_catch_up():
-    """Speculation off, a draft model far behind: probing D = 1 now would pay every row's whole
-    catch-up, far more than `explore_cost` of the steps so far -- the probe waits; with the
-    draft model caught up the same policy probes on schedule."""
+@pytest.mark.parametrize("probe_rows", [PROBE_ROWS, 16])
+def test_a_probe_waits_until_the_exploration_budget_pays_for_its_catch_up(monkeypatch, probe_rows):
+    """Speculation off, a draft model 60 tokens behind on each of 16 rows: a probe of D = 1
+    drafts with the first PROBE_ROWS rows only (the others wait a step) and pays their whole
+    catch-up, more than `explore_cost` of the first steps -- it waits for the budget, then
+    runs on schedule; with every row probing (`probe_rows=16`) the catch-up is four times
+    larger and a single probe is paid for in 400 decisions. Caught up, the same policy
+    probes on schedule from the first, with every row."""
+    import specsched.scheduler.adaptive as adaptive
+
+    monkeypatch.setattr(adaptive, "PROBE_ROWS", probe_rows)
+
     def policy():
         return _draft_model_policy(0.3, 16, verify_ns_per_token=4e5, draft_ns_per_forward=2e5, const_ns=2e6)
 
     rows = 16
     slots, remaining, computed = np.arange(rows), np.full(rows, 200), np.full(rows, 300)
-    for lag, probes in ((300, False), (0, True)):
+    for lag in (60, 0):
         p = policy()
-        explored = []
-        for _ in range(160):
+        probes = []
+        for i in range(400):
             d = p.choose(slots, remaining, computed, 4096, np.full(rows, lag))
             assert d.explored or d.draft_len == 0  # plain decoding is the best here
-            explored.append(d.explored)
+            if d.explored:
+                probes.append((i, d.draft_len, d.rows))
             p._held_slots = None  # each step decides afresh (as after a change of batch)
-        assert any(explored[:32]) == probes, lag  # caught up: the first probes (at 16, 32) run
-        assert any(explored) == probes, lag  # 300 behind: ~60 steps' worth, never affordable
+        if not lag:  # caught up: the first probes (at 16, 32) run, with every row
+            assert [i for i, _, _ in probes[:2]] == [15, 31] and all(r == rows for _, _, r in probes), probes
+        elif probe_rows < rows:  # ~60 decisions' budget for the first, then on the schedule
+            assert len(probes) >= 4 and probes[0][0] > 32 and all(r == probe_rows for _, _, r in probes), probes
+        else:
+            assert len(probes) <= 1 and all(i > 128 for i, _, _ in probes), probes
 
 
 def test_a_replay_following_the_captured_choices_keeps_them_where_the_policy_would_not():
