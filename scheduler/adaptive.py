@@ -50,9 +50,10 @@ the pipeline), and its inputs are what the pipeline already has:
   the best (from D = 0, the probing rows' whole catch-up) is paid from a budget of
   `explore_cost` of each decided step's predicted time. A probe from D = 0 with the proposer
   behind drafts with the first `PROBE_ROWS` rows only (the others wait a step): what it
-  teaches, acceptance and a verify's cost, does not need every row's catch-up. Resuming speculation with a catch-up that the rates
-  predict within `probe_margin` of plain decoding is taken as such a probe too: a later step
-  that finds D = 0 best after all (its cost at this batch was an extrapolation) wastes it.
+  teaches, acceptance and a verify's cost, does not need every row's catch-up. Resuming
+  speculation with a catch-up that the rates predict within `probe_margin` of plain decoding
+  is taken as such a probe too: a later step that finds D = 0 best after all (its cost at this
+  batch was an extrapolation) wastes it. While no plain step has run, the probe is D = 0.
 - **State**: `state()` is what the policy has learned (engine-wide acceptance, cost models,
   overheads, probe schedule) as JSON values; a trace's header carries it and a replay of the
   trace `restore`s it, so that the replay starts where the captured run's policy stood.
