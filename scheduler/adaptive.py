@@ -51,10 +51,9 @@ the pipeline), and its inputs are what the pipeline already has:
   `explore_cost` of each decided step's predicted time. A probe from D = 0 with the proposer
   behind drafts with the first `PROBE_ROWS` rows only (the others wait a step): what it
   teaches, acceptance and a verify's cost, does not need every row's catch-up. Resuming
-  speculation with a catch-up that the rates predict within `probe_margin` of plain decoding,
-  times the catch-up's cost in steps, is taken as such a probe too: a later step that finds
-  D = 0 best after all (its cost at this batch was an extrapolation) wastes it. While no plain
-  step has run, the probe is D = 0.
+  speculation with a catch-up that the rates predict within `probe_margin` of plain decoding
+  is taken as such a probe too: a later step that finds D = 0 best after all (its cost at this
+  batch was an extrapolation) wastes it. While no plain step has run, the probe is D = 0.
 - **State**: `state()` is what the policy has learned (engine-wide acceptance, cost models,
   overheads, probe schedule) as JSON values; a trace's header carries it and a replay of the
   trace `restore`s it, so that the replay starts where the captured run's policy stood.
@@ -359,18 +358,14 @@ class DraftLenPolicy:
                                         float(lag[:k].sum()) if probe and lag is not None and self.catches_up else 0.0)
             if self.probes.decide(self.decisions, best, far, loss):
                 best, explored, probe_rows = probe, True, k
-        elif best and lag is not None and self.catches_up and rates.get(0) and lag[:rows_l[best]].any():
+        elif best and lag is not None and self.catches_up and rates.get(0) and rates[best] < (1.0 + self.probe_margin) * rates[0]:
             # resuming pays every row's catch-up now, and a later step that finds D = 0 best
             # after all (its costs at this batch were extrapolated) has wasted it: a resume
-            # predicted within `probe_margin` of plain decoding -- times the catch-up's cost
-            # in steps, when it is dearer than one: the more a wrong resume wastes, the surer
-            # it must be -- is a probe, paid from the budget
-            rows_b, whole = rows_l[best], float(lag[:rows_l[best]].sum())
-            own = self.step_ns(rows_b, best, forwards_l[best], kv_l[best])
-            stake = 1.0 if not own else max(
-                1.0, (self.step_ns(rows_b, best, forwards_l[best], kv_l[best], whole) - own) / own)
-            if rates[best] < (1.0 + self.probe_margin * stake) * rates[0]:
-                loss = self._probe_loss(best, rates[0], rows_b, forwards_l[best], kv_l[best], expected_l[best], whole)
+            # predicted within `probe_margin` of plain decoding is a probe, paid from the budget
+            rows_b = rows_l[best]
+            if lag[:rows_b].any():
+                loss = self._probe_loss(best, rates[0], rows_b, forwards_l[best], kv_l[best], expected_l[best],
+                                        float(lag[:rows_b].sum()))
                 if loss > self.probes.budget:
                     best = 0
                 else:

@@ -239,26 +239,6 @@ def test_a_resume_predicted_close_to_plain_decoding_waits_for_the_exploration_bu
     assert p.probes.budget < before - 20e6  # the catch-up was paid from it
 
 
-def test_the_surer_a_resume_must_be_the_more_its_catch_up_costs():
-    """The margin a resume must clear to be taken without the exploration budget is
-    `probe_margin` times its catch-up's cost in steps: predicted ~1.5x over plain decoding, 16
-    rows resume when each is 10 tokens behind (a catch-up of ~1.5 steps) and not when each is
-    100 behind (~15 steps' worth: a mispriced resume would waste it), where `probe_margin`
-    alone would let both through."""
-    def policy():
-        return _draft_model_policy(0.9, 1000, verify_ns_per_token=5e4, draft_ns_per_forward=1e4, const_ns=4e6)
-
-    rows = 16
-    args = (np.arange(rows), np.full(rows, 400), np.full(rows, 50), 4096)
-    near, far = policy().choose(*args, np.full(rows, 10)), policy().choose(*args, np.full(rows, 100))
-    assert near.draft_len > 0 and not near.explored
-    assert far.draft_len == 0
-    p = policy()
-    p.probe_margin = 0.0  # priced alone, the far resume is a clear gain
-    d = p.choose(*args, np.full(rows, 100))
-    assert d.draft_len > 0 and d.gain > 1.3
-
-
 @pytest.mark.parametrize("per_d", [True, False])
 def test_host_overhead_is_learned_per_draft_length(monkeypatch, per_d):
     """Speculative steps carry host work plain ones do not (three launches, not one): measured
