@@ -32,13 +32,10 @@ the pipeline), and its inputs are what the pipeline already has:
   toward its seed -- a fitted cost profile (`seed_costs`, the simulator's JSON format) or
   none -- so a few samples cannot swing it. While an op has no sample the policy drafts
   `first_draft_len` tokens, which teaches every model.
-  h (`scheduler/step_overhead.py`) is the median of the last 15 steps' residuals of measured
-  wall time over predicted device time (the models as the step's own launches left them), per D: host work a schedule does not hide (a plain
-  decode step launches one op, a speculative one three, and how much of their host work a
-  schedule hides differs too), and, signed, the bias of the device models at that D; a median,
-  so that one step the machine stalled does not swing the choice. A D with fewer than
-  `MIN_OVERHEAD_SAMPLES` steps seen takes the smaller of its own residual so far and the
-  residual over every D.
+  h per D (`scheduler/step_overhead.py`) is the median of recent steps' measured wall time
+  over predicted device time (the models as the step's own launches left them): host work a
+  schedule does not hide (a plain step launches one op, a speculative one three) and, signed,
+  the device models' bias at that D; a D seen little borrows the residual over every D.
 - **A catch-up**: while speculation is off a proposer with lazy fills (a draft model, an MTP
   head) reads nothing and catches up in one fill when a row drafts again. A drafting step is
   charged, per row, the fill of what it is behind (`lag`) spread over the steps the row is
@@ -48,12 +45,10 @@ the pipeline), and its inputs are what the pipeline already has:
   forever; settled choices are probed less and less often, a neighbour predicted more than
   `probe_margin` behind is skipped but at the longest interval, and what probes lose against
   the best (from D = 0, the probing rows' whole catch-up) is paid from a budget of
-  `explore_cost` of each decided step's predicted time. A probe from D = 0 with the proposer
-  behind drafts with the first `PROBE_ROWS` rows only (the others wait a step): what it
-  teaches, acceptance and a verify's cost, does not need every row's catch-up. Resuming
-  speculation with a catch-up that the rates predict within `probe_margin` of plain decoding
-  is taken as such a probe too: a later step that finds D = 0 best after all (its cost at this
-  batch was an extrapolation) wastes it. While no plain step has run, the probe is D = 0.
+  `explore_cost` of each decided step's predicted time. From D = 0 with the proposer behind,
+  the first `PROBE_ROWS` rows probe (the others wait a step); a resume predicted within
+  `probe_margin` of plain decoding is such a probe too (a step that then finds D = 0 best
+  wastes its catch-up); while no plain step has run, the probe is D = 0.
 - **State**: `state()` is what the policy has learned (engine-wide acceptance, cost models,
   overheads, probe schedule) as JSON values; a trace's header carries it and a replay of the
   trace `restore`s it, so that the replay starts where the captured run's policy stood.
@@ -68,6 +63,7 @@ import numpy as np
 
 from specsched.scheduler.acceptance_estimate import AcceptanceEstimate
 from specsched.scheduler.online_cost import OnlineCost, seed_coef
+from specsched.scheduler.policy_state import policy_state, restore_policy_state
 from specsched.scheduler.probe_schedule import ProbeSchedule
 from specsched.scheduler.step_overhead import StepOverhead
 from specsched.scheduler.step_trace import launch_features
@@ -130,7 +126,9 @@ class DraftLenPolicy:
         self.has_fill, self.kv_ahead, self.fill_same_batch = has_fill, kv_ahead, fill_same_batch
         self.catches_up = has_fill and lazy_fill  # skips fills at D = 0, catches up (`lag` in `choose`)
         self.probes = ProbeSchedule(explore_every, explore_cost)
-        self.probe_margin = probe_margin  # a probe's length predicted this far behind the best is skipped
+        # a probe's length predicted this far behind the best is skipped; a resume predicted
+        # this close to plain decoding is a probe
+        self.probe_margin = probe_margin
         self.first_draft_len = min(first_draft_len, max_draft_len)  # D while a cost is unknown
         self.estimate = AcceptanceEstimate(max_draft_len, prior=prior, smoothing=smoothing,
                                            global_smoothing=global_smoothing, prior_weight=prior_weight,
@@ -149,52 +147,18 @@ class DraftLenPolicy:
         (`decided`), or it prefills after one."""
         return self.catches_up and (decided or (self.last is not None and self.last.draft_len == 0))
 
-    # -- what it has learned ----------------------------------------------------------------
-    # the engine-wide estimates, overheads and probe schedule (per-request estimates are not
-    # part of it: a request's start resets its own)
-    _STATE = {"global_accept": "estimate.global_accept", "global_seen": "estimate.global_seen",
-              "overhead_ns": "overhead.pooled", "overhead_by_d": "overhead.by_d", "overhead_samples": "overhead.samples",
-              "residuals_by_d": "overhead.residuals_by_d", "residuals": "overhead.residuals",
-              "decisions": "decisions", "explore_gap": "probes.gap", "next_explore": "probes.next",
-              "probed_best": "probes.probed_best", "probes": "probes.probes", "explore_budget": "probes.budget"}
-
-    def _state_fields(self):
-        """(key in the state, object, attribute) of each `_STATE` entry."""
-        for key, path in self._STATE.items():
-            owner, _, attr = path.rpartition(".")
-            yield key, getattr(self, owner) if owner else self, attr
-
+    # -- what it has learned (scheduler/policy_state.py) ------------------------------------
     def state(self) -> dict:
-        """What the policy has learned, as JSON values, with its cost models and the last
-        step's D. A trace's header carries it (the state when recording began), so that a
-        replay of the trace starts from what the captured run had learned, e.g. in a warm-up."""
-        out = {k: (v.tolist() if isinstance(v := getattr(o, a), np.ndarray) else v) for k, o, a in self._state_fields()}
-        return out | {"max_draft_len": self.max_draft_len, "costs": {m: c.state() for m, c in self.costs.items()},
-                      "last_draft_len": None if self.last is None else self.last.draft_len}
+        """What the policy has learned, as JSON values: a trace's header carries it, so that a
+        replay starts where the captured run's policy stood (scheduler/policy_state.py)."""
+        return policy_state(self)
 
     def restore(self, state: dict) -> None:
         """Continue from `state` (see `state`); ValueError if it is another policy's."""
-        if state.get("max_draft_len") != self.max_draft_len or set(state.get("costs", {})) != set(self.costs):
-            raise ValueError(f"a draft-length policy state for max_draft_len={state.get('max_draft_len')}, "
-                             f"this policy has {self.max_draft_len}")
-        missing = [k for k in (*(k for k, _, _ in self._state_fields()), "last_draft_len") if k not in state]
-        if missing:
-            raise ValueError(f"a draft-length policy state without {', '.join(missing)}")
-        for k, owner, attr in self._state_fields():
-            v, cur = state[k], getattr(owner, attr)
-            if isinstance(cur, list) and (not isinstance(v, list) or (k == "residuals_by_d" and len(v) != len(cur))):
-                raise ValueError(f"a draft-length policy state whose {k} is not a list of {len(cur)}")
-            if isinstance(cur, np.ndarray):
-                v = np.asarray(v, dtype=cur.dtype)
-                if v.shape != cur.shape:
-                    raise ValueError(f"a draft-length policy state whose {k} has shape {v.shape}, not {cur.shape}")
-            setattr(owner, attr, v)
-        for m, c in self.costs.items():
-            c.restore(state["costs"][m])
-        d = state["last_draft_len"]
+        d = restore_policy_state(self, state)
         # the last step's D (a draft model skips its prefill fills after a plain step); no rows:
         # no step of it is left to observe
-        self.last = None if d is None else Decision(int(d), np.zeros(0, dtype=np.int64), 0, None)
+        self.last = None if d is None else Decision(d, np.zeros(0, dtype=np.int64), 0, None)
         self._held_slots = None
 
     # -- acceptance (scheduler/acceptance_estimate.py) ------------------------------------
@@ -347,7 +311,7 @@ class DraftLenPolicy:
             far = (not self.probes.at_longest and probe in rates and self.overhead.samples[probe] > 0
                    and rates[probe] < (1.0 - self.probe_margin) * rates[best])
             k = rows_l[probe]
-            if probe and not best and lag is not None and self.catches_up and lag[:k].any():
+            if not best and self._behind(lag, probe, k):
                 # from D = 0 behind: the first PROBE_ROWS rows probe, the rest wait a step -- what
                 # it teaches (acceptance, a verify's cost) is had without every row's catch-up
                 k = min(k, PROBE_ROWS)
@@ -355,22 +319,21 @@ class DraftLenPolicy:
             if not far and probe in rates:
                 loss = self._probe_loss(probe, rates[best], k, int(np.maximum(use[probe, :k] - 1, 0).sum()),
                                         int(computed[:k].sum()), k + float(accepted[probe, :k].sum()),
-                                        float(lag[:k].sum()) if probe and lag is not None and self.catches_up else 0.0)
+                                        self._behind(lag, probe, k))
             if self.probes.decide(self.decisions, best, far, loss):
                 best, explored, probe_rows = probe, True, k
-        elif best and lag is not None and self.catches_up and rates.get(0) and rates[best] < (1.0 + self.probe_margin) * rates[0]:
+        elif best and rates.get(0) and rates[best] < (1.0 + self.probe_margin) * rates[0]:
             # resuming pays every row's catch-up now, and a later step that finds D = 0 best
             # after all (its costs at this batch were extrapolated) has wasted it: a resume
             # predicted within `probe_margin` of plain decoding is a probe, paid from the budget
-            rows_b = rows_l[best]
-            if lag[:rows_b].any():
-                loss = self._probe_loss(best, rates[0], rows_b, forwards_l[best], kv_l[best], expected_l[best],
-                                        float(lag[:rows_b].sum()))
-                if loss > self.probes.budget:
-                    best = 0
-                else:
-                    self.probes.budget -= loss
+            behind = self._behind(lag, best, rows_l[best])
+            if behind:
+                loss = self._probe_loss(best, rates[0], rows_l[best], forwards_l[best], kv_l[best], expected_l[best],
+                                        behind)
+                if self.probes.pay(loss):
                     explored = True
+                else:
+                    best = 0
         rows = int(rows_d[best]) if probe_rows is None else probe_rows
         num_draft = use[best, :rows]
         if best >= 1 and rates.get(best) is not None:
@@ -380,7 +343,7 @@ class DraftLenPolicy:
             rows = min(n, budget)
             num_draft = np.zeros(rows, dtype=np.int64)
         gain_over_plain = rates[best] / rates[0] if best in rates and rates.get(0) else None
-        behind = float(lag[:rows].sum()) if best and lag is not None and self.catches_up else 0.0
+        behind = self._behind(lag, best, rows)
         kv_rows = kv_l[best] if rows == rows_l[best] else int(computed[:rows].sum())
         args = (rows, best, int(np.maximum(num_draft - 1, 0).sum()), kv_rows, behind)
         dec = Decision(best, num_draft.astype(np.int64), rows, gain_over_plain, explored, self.step_ns(*args), args)
@@ -401,6 +364,10 @@ class DraftLenPolicy:
         self.last = dec
         self._plain_decided = self._plain_decided or dec.draft_len == 0
         self.probes.accrue(dec.device_ns or 0.0)
+
+    def _behind(self, lag: np.ndarray | None, d: int, rows: int) -> float:
+        """Tokens a step of the first `rows` rows at D = d catches its proposer up on."""
+        return float(lag[:rows].sum()) if d and lag is not None and self.catches_up else 0.0
 
     def _probe_loss(self, probe: int, best_rate: float, rows: int, forwards: int, kv: int, expected: float,
                     catch: float) -> float:

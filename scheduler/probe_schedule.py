@@ -67,8 +67,15 @@ class ProbeSchedule:
         self.probed_best = best
         if far:
             return False
-        self.budget -= loss
+        self.pay(loss)
         self.probes += 1
+        return True
+
+    def pay(self, loss: float) -> bool:
+        """Spend `loss` (ns) from the budget if it holds that much; whether it did."""
+        if loss > self.budget:
+            return False
+        self.budget -= loss
         return True
 
     def accrue(self, step_ns: float) -> None:
