@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,12 +64,13 @@ def cuda_tests(deadline: float, extra_path: str | None) -> dict:
     left = max(30.0, deadline - time.monotonic())
     try:
         res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-                              str(ROOT / "tests")], cwd=ROOT, capture_output=True, text=True, timeout=left, env=env)
+                              "-rs", "--durations=10", str(ROOT / "tests")], cwd=ROOT, capture_output=True, text=True, timeout=left, env=env)
     except subprocess.TimeoutExpired:
         return {"status": "timed out", "tail": ""}
     tail = res.stdout.strip().splitlines()[-1:] if res.stdout.strip() else []
     return {"status": "passed" if res.returncode == 0 else f"failed (exit {res.returncode})",
-            "summary": tail[0] if tail else "", "tail": res.stdout[-3000:] + res.stderr[-2000:]}
+            "summary": tail[0] if tail else "", "tail": res.stdout[-3000:] + res.stderr[-2000:],
+            "log": res.stdout + res.stderr}
 
 
 def schedules(deadline: float, num_requests: int, max_tokens: int, concurrency: int) -> list[dict]:
@@ -82,8 +84,9 @@ def schedules(deadline: float, num_requests: int, max_tokens: int, concurrency: 
             continue
         try:
             m, tr = run(items, concurrency=concurrency, warmup=1, trace=True, proposer=proposer, draft_len=d,
-                        schedule=schedule, device="cuda", attention="flashinfer")
+                        schedule=schedule, device="cuda", attention="flashinfer", dtype="bfloat16")
         except Exception as e:  # noqa: BLE001 - one failing configuration is reported, not fatal
+            traceback.print_exc()
             rows.append({"config": f"{proposer}/{schedule}", "error": f"{type(e).__name__}: {e}"})
             continue
         launches = sorted((s.end_ns - s.start_ns) / 1e3 for s in tr.spans if s.track == "host" and s.name == "launch")
@@ -114,6 +117,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=8.0, help="time for the whole check")
     ap.add_argument("--dry-run", action="store_true", help="skip the CUDA parts even where CUDA is present")
+    ap.add_argument("--skip-tests", action="store_true", help="only the schedules (the CUDA tests run apart)")
     ap.add_argument("--out", type=Path, help="also write the summary as JSON into this folder")
     ap.add_argument("--num-requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -132,8 +136,12 @@ def main() -> int:
             print(f"dry run, {why}: skipping the CUDA tests, the schedules on the GPU and the GPU targets")
             summary["dry_run"] = why
         else:
-            tests = cuda_tests(deadline - 60 * args.minutes / 2, extra)
-            summary["cuda_tests"] = {k: v for k, v in tests.items() if k != "tail"}
+            tests = ({"status": "passed", "summary": "skipped (--skip-tests)"} if args.skip_tests
+                     else cuda_tests(deadline - 60 * args.minutes / 2, extra))
+            summary["cuda_tests"] = {k: v for k, v in tests.items() if k not in ("tail", "log")}
+            if args.out:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "cuda_tests.log").write_text(tests.get("log", ""))
             print(f"cuda tests: {tests['status']} {tests.get('summary', '')}")
             if tests["status"] != "passed":
                 print(tests["tail"])

@@ -86,6 +86,9 @@ class EngineConfig(BaseModel):
             raise ValueError("threshold must be in (0, 1)")
         if self.attention == "flashinfer" and self.device != "cuda":
             raise ValueError("attention 'flashinfer' needs device 'cuda'")
+        if self.attention == "flashinfer" and self.dtype != "bfloat16":
+            # FlashInfer's kernels take 16-bit queries and caches; a float32 model is not cast silently
+            raise ValueError(f"attention 'flashinfer' needs dtype 'bfloat16' (got {self.dtype!r})")
         validate_combination(self.proposer, self.schedule, self.spec_draft_len)
         spec = self.proposer_spec()  # validates the draft length
         # a step must hold at least one verification row (the last token + the candidates),

@@ -349,11 +349,13 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight.device
 
     def make_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None,
-                      device: torch.device | str | None = None) -> PagedKVCache:
-        """This rank's KV cache: all layers, its KV heads only."""
+                      device: torch.device | str | None = None, backend=None) -> PagedKVCache:
+        """This rank's KV cache: all layers, its KV heads only; as wide per head as `backend`
+        (the attention backend that reads it) stores, the model's head size by default."""
         c = self.config
+        head_dim = c.head_dim if backend is None else backend.kv_head_dim(c.head_dim)
         return PagedKVCache(c.num_hidden_layers, num_pages, page_size, self.num_kv_heads,
-                            c.head_dim, dtype or self.dtype, device or self.device)
+                            head_dim, dtype or self.dtype, device or self.device)
 
     def attention_backend(self, name: str = "torch"):
         """A backend configured with this rank's head counts and the model's dtype."""

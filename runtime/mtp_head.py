@@ -105,9 +105,12 @@ class MTPHead(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.eh_proj.weight.dtype
 
-    def make_kv_cache(self, num_pages: int, page_size: int, device: torch.device | str | None = None) -> PagedKVCache:
+    def make_kv_cache(self, num_pages: int, page_size: int, device: torch.device | str | None = None,
+                      backend=None) -> PagedKVCache:
+        """The head's one-layer KV cache, as wide per head as `backend` stores (see the target's)."""
         c = self.config
-        return PagedKVCache(1, num_pages, page_size, self.layer.num_kv_heads, c.head_dim, self.dtype,
+        head_dim = c.head_dim if backend is None else backend.kv_head_dim(c.head_dim)
+        return PagedKVCache(1, num_pages, page_size, self.layer.num_kv_heads, head_dim, self.dtype,
                             device or self.eh_proj.weight.device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

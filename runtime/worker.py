@@ -151,8 +151,8 @@ class ModelWorker:
         try:  # a failed start stops the ranks it started
             tp = self.tp_leader.tp if self.tp_leader is not None else None
             self.target = load_model(model_dir, dtype=self.dtype, device=self.device, tp=tp)
-            self.kv = self.target.make_kv_cache(num_pages, page_size)
             self.backend = self.target.attention_backend(attention)
+            self.kv = self.target.make_kv_cache(num_pages, page_size, backend=self.backend)
             self.spec = ProposerSpec(proposer["kind"], proposer["draft_len"], tuple(proposer.get("tree_parents", ())))
             self.acceptance = acceptance
             self.threshold = threshold

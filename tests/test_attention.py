@@ -170,7 +170,10 @@ def _as_cache(data: torch.Tensor) -> PagedKVCache:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("case", ["decode_batch", "mixed_batch", "prefill_1"])
-def test_flashinfer_matches_torch_backend(case, tree):
+@pytest.mark.parametrize("head_dim", [D, 64])
+def test_flashinfer_matches_torch_backend(case, tree, head_dim):
+    """head_dim 64 is a size FlashInfer's kernels cover (the test data zero-padded to it); the
+    model's own D = 8 is padded by the backend itself into a cache `kv_head_dim` wide."""
     pytest.importorskip("flashinfer")
     dev = torch.device("cuda")
     rng = np.random.default_rng(7)
@@ -178,13 +181,23 @@ def test_flashinfer_matches_torch_backend(case, tree):
     plan, cache, _, q, k, v, _ = random_case(rng, specs, tree=tree)
     dtype = torch.bfloat16
     layer = cache.layers[0].to(dev, dtype)
-    head_dim = 64  # FlashInfer kernels cover the usual head sizes; pad the test data to one
     pad = (0, head_dim - D)
     q, k, v = (torch.nn.functional.pad(t, pad).to(dev, dtype) for t in (q, k, v))
-    layer = torch.nn.functional.pad(layer, pad)
+    ref_layer = torch.nn.functional.pad(layer, pad)
     fi = get_backend("flashinfer", num_qo_heads=HQ, num_kv_heads=HKV, head_dim=head_dim, dtype=dtype)
-    ref_layer = layer.clone()
+    layer = torch.nn.functional.pad(layer, (0, fi.kv_head_dim(head_dim) - D))
     out = fi.prepare(plan, dev).attend(0, q, k, v, layer)
     ref = get_backend("torch").prepare(plan, dev).attend(0, q, k, v, ref_layer)
-    torch.testing.assert_close(layer, ref_layer)
+    torch.testing.assert_close(layer[..., :head_dim], ref_layer)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_flashinfer_head_sizes():
+    """Head sizes FlashInfer lacks are padded to the next one it covers; larger ones are refused."""
+    from specsched.runtime.attention.flashinfer_backend import SUPPORTED_HEAD_DIMS, padded_head_dim
+
+    assert [padded_head_dim(d) for d in (8, 32, 64, 80, 128, 192, 256)] == [64, 64, 64, 128, 128, 256, 256]
+    assert all(padded_head_dim(d) == d for d in SUPPORTED_HEAD_DIMS)
+    with pytest.raises(ValueError, match="up to 256, got 320"):
+        padded_head_dim(320)
+    assert get_backend("torch").kv_head_dim(32) == 32

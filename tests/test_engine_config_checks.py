@@ -37,6 +37,15 @@ def test_batch_token_budget_must_hold_one_verification(kw, msg):
         EngineConfig.make(**kw)
 
 
+@pytest.mark.parametrize("kw,msg", [
+    ({"attention": "flashinfer"}, r"attention 'flashinfer' needs device 'cuda'"),
+    ({"attention": "flashinfer", "device": "cuda"}, r"attention 'flashinfer' needs dtype 'bfloat16' \(got 'float32'\)"),
+])
+def test_flashinfer_needs_cuda_and_bfloat16(kw, msg):
+    with pytest.raises(ConfigurationError, match=msg):
+        EngineConfig.make(**kw)
+
+
 def test_batch_token_budget_boundary_is_accepted():
     assert EngineConfig.make(proposer="draft", draft_len=4, max_num_batched_tokens=5).max_num_batched_tokens == 5
     assert EngineConfig.make(proposer="none", max_num_batched_tokens=1).max_num_batched_tokens == 1

@@ -10,6 +10,10 @@ planned wrapper. The KV layout is the runtime's NHD cache, unchanged.
 A wrapper holds one plan at a time, so the backend keeps `num_slots` wrapper sets (each with
 its own workspace) and rotates through them: up to `num_slots` steps may be prepared before
 the oldest is run (the overlap schedule plans step t+1 while step t runs).
+FlashInfer's kernels cover head sizes 64, 128 and 256 (`SUPPORTED_HEAD_DIMS`). A model with a
+smaller head (the bundled models have 32) runs zero-padded to the next one: its KV caches
+are allocated `kv_head_dim(head_dim)` wide, q/k/v are padded before the kernels and the output
+is cut back. Zeros add nothing to q·k, and the softmax scale stays 1/sqrt(model head size).
 `import flashinfer` happens only when this backend is constructed.
 """
 
@@ -19,6 +23,17 @@ import numpy as np
 import torch
 
 from specsched.scheduler.plan import AttentionPlan
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The smallest head size FlashInfer's kernels cover that holds `head_dim`."""
+    for d in SUPPORTED_HEAD_DIMS:
+        if head_dim <= d:
+            return d
+    raise ValueError(f"the flashinfer backend supports head sizes up to {SUPPORTED_HEAD_DIMS[-1]}, "
+                     f"got {head_dim}")
 
 
 class FlashInferBackend:
@@ -40,11 +55,18 @@ class FlashInferBackend:
             ) from exc
         self._fi = flashinfer
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.padded_dim = padded_head_dim(head_dim)
+        self.sm_scale = head_dim ** -0.5
         self.dtype = dtype
         self.workspace_bytes = workspace_bytes
         self.num_slots = num_slots
         self._slots: list[dict] = []
         self._next = 0
+
+    @staticmethod
+    def kv_head_dim(head_dim: int) -> int:
+        """The head size a KV cache for this backend stores (padded to a supported one)."""
+        return padded_head_dim(head_dim)
 
     def _slot(self, device: torch.device) -> dict:
         if len(self._slots) < self.num_slots:
@@ -73,18 +95,19 @@ class FlashInferBackend:
         seq_of_tok = np.repeat(np.arange(qo.shape[0]), qo)
         pos_in_seq = (kv - qo)[seq_of_tok] + np.arange(seq_of_tok.shape[0]) - plan.qo_indptr[:-1][seq_of_tok]
         slot = self._slot(device)
-        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype)
+        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.sm_scale)
+        dim = self.padded_dim
         if is_decode:
             wrapper = slot["decode"]
             wrapper.plan(kv_indptr_cpu, kv_indices, last_cpu, self.num_qo_heads,
-                         self.num_kv_heads, self.head_dim, plan.page_size, **common)
+                         self.num_kv_heads, dim, plan.page_size, **common)
         else:
             wrapper = slot["prefill"]
             mask = None
             if plan.custom_mask is not None:
                 mask = torch.from_numpy(np.asarray(plan.custom_mask, dtype=bool)).to(device)
             wrapper.plan(cpu(plan.qo_indptr), kv_indptr_cpu, kv_indices, last_cpu,
-                         self.num_qo_heads, self.num_kv_heads, self.head_dim, plan.page_size,
+                         self.num_qo_heads, self.num_kv_heads, dim, plan.page_size,
                          custom_mask=mask, causal=mask is None, **common)
         return FlashInferStepAttention(
             plan=plan, wrapper=wrapper, append=self._fi.page.append_paged_kv_cache,
@@ -93,20 +116,25 @@ class FlashInferBackend:
             kv_indices=kv_indices,
             kv_indptr=kv_indptr_cpu.to(device, non_blocking=True),
             last_page_len=last_cpu.to(device, non_blocking=True),
+            head_pad=self.padded_dim - self.head_dim,
         )
 
 
 class FlashInferStepAttention:
     def __init__(self, *, plan: AttentionPlan, wrapper, append, batch_indices: torch.Tensor,
                  positions: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
-                 last_page_len: torch.Tensor) -> None:
+                 last_page_len: torch.Tensor, head_pad: int = 0) -> None:
         self.plan = plan
         self._wrapper, self._append = wrapper, append
         self._batch_indices, self._positions = batch_indices, positions  # [N] int32 each
         self._kv_indices, self._kv_indptr, self._last = kv_indices, kv_indptr, last_page_len
+        self._pad = head_pad  # zeros appended to each head (a model head size FlashInfer lacks)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_layer: torch.Tensor) -> torch.Tensor:
+        if self._pad:
+            q, k, v = (torch.nn.functional.pad(t, (0, self._pad)) for t in (q, k, v))
         self._append(k.contiguous(), v.contiguous(), self._batch_indices, self._positions,
                      kv_layer, self._kv_indices, self._kv_indptr, self._last, kv_layout="NHD")
-        return self._wrapper.run(q.contiguous(), kv_layer)
+        out = self._wrapper.run(q.contiguous(), kv_layer)
+        return out[..., : out.shape[-1] - self._pad] if self._pad else out

@@ -38,6 +38,11 @@ class TorchBackend:
         self.num_kv_heads = num_kv_heads
         self.dtype = dtype
 
+    @staticmethod
+    def kv_head_dim(head_dim: int) -> int:
+        """The head size a KV cache for this backend stores: the model's."""
+        return head_dim
+
     def prepare(self, plan: AttentionPlan, device: torch.device | str = "cpu"
                 ) -> "TorchStepAttention | SplitStepAttention":
         groups = attention_groups(np.diff(plan.qo_indptr)) if plan.custom_mask is None else []

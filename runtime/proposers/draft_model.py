@@ -26,7 +26,7 @@ class DraftModelProposer(NoProposer):
                 f"draft vocab {self.model.config.vocab_size} != target vocab "
                 f"{worker.target.config.vocab_size}"
             )
-        self.kv = self.model.make_kv_cache(num_pages, worker.page_size)
+        self.kv = self.model.make_kv_cache(num_pages, worker.page_size, backend=worker.backend)
 
     def draft(self, msg: DraftMessage) -> np.ndarray:
         w = self.worker

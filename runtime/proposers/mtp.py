@@ -44,7 +44,7 @@ class HeadProposer(NoProposer):
             raise ValueError(f"proposer {spec.kind!r} needs an MTP head directory")
         self.spec = spec
         self.head = load_head(proposer_dir, worker.target)
-        self.kv = self.head.make_kv_cache(num_pages, worker.page_size)
+        self.kv = self.head.make_kv_cache(num_pages, worker.page_size, backend=worker.backend)
         self.kept = HiddenLog()  # target hidden states of forwards whose fill waits
 
     def _tensor(self, values) -> torch.Tensor:

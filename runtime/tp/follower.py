@@ -61,13 +61,14 @@ def serve(cfg: RankConfig) -> None:
     device = torch.device(cfg.device)
     # the same loads in the same order as the leader's worker (loading is collective)
     target = load_model(cfg.model_dir, dtype=_DTYPES[cfg.dtype], device=device, tp=tp)
-    modules: dict[str, tuple[Any, Any]] = {"target": (target, target.make_kv_cache(cfg.num_pages, cfg.page_size))}
+    backend = target.attention_backend(cfg.attention)
+    modules: dict[str, tuple[Any, Any]] = {
+        "target": (target, target.make_kv_cache(cfg.num_pages, cfg.page_size, backend=backend))}
     if cfg.head_dir is not None:
         head = load_head(cfg.head_dir, target)
-        modules["head"] = (head, head.make_kv_cache(cfg.num_pages, cfg.page_size))
+        modules["head"] = (head, head.make_kv_cache(cfg.num_pages, cfg.page_size, backend=backend))
     for name, (_, kv) in list(modules.items()):  # a cache's own calls (EAGLE's slot copies)
         modules[f"{name}.kv"] = (kv, kv)
-    backend = target.attention_backend(cfg.attention)
     no_logits = torch.zeros(0, dtype=torch.int64, device=device)
     with torch.inference_mode():
         while True:
