@@ -139,9 +139,9 @@ def main() -> int:
             tests = ({"status": "passed", "summary": "skipped (--skip-tests)"} if args.skip_tests
                      else cuda_tests(deadline - 60 * args.minutes / 2, extra))
             summary["cuda_tests"] = {k: v for k, v in tests.items() if k not in ("tail", "log")}
-            if args.out:
+            if args.out and "log" in tests:
                 args.out.mkdir(parents=True, exist_ok=True)
-                (args.out / "cuda_tests.log").write_text(tests.get("log", ""))
+                (args.out / "cuda_tests.log").write_text(tests["log"])
             print(f"cuda tests: {tests['status']} {tests.get('summary', '')}")
             if tests["status"] != "passed":
                 print(tests["tail"])

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from specsched.runtime.sync_guard import to_device
+
 
 class PagedKVCache:
     """KV pages for all layers of one model; page ids are shared across layers."""
@@ -73,8 +75,8 @@ class PagedKVCache:
         Used to compact accepted tree branches into contiguous positions. All sources are
         read before any destination is written, so overlapping ranges are safe.
         """
-        src = torch.as_tensor(src_slots, dtype=torch.long, device=self.device).reshape(-1)
-        dst = torch.as_tensor(dst_slots, dtype=torch.long, device=self.device).reshape(-1)
+        src = to_device(src_slots, self.device, torch.long).reshape(-1)
+        dst = to_device(dst_slots, self.device, torch.long).reshape(-1)
         if src.shape != dst.shape:
             raise ValueError(f"copy_slots: {src.numel()} sources but {dst.numel()} destinations")
         if src.numel() == 0:
@@ -90,7 +92,7 @@ class PagedKVCache:
 
     def read_slots(self, layer_idx: int, slots) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of the given slots of one layer, each [n, Hkv, D] (for tests and debugging)."""
-        s = torch.as_tensor(slots, dtype=torch.long, device=self.device).reshape(-1)
+        s = to_device(slots, self.device, torch.long).reshape(-1)
         kv = self.layers[layer_idx][s // self.page_size, :, s % self.page_size]  # [n, 2, Hkv, D]
         return kv[:, 0], kv[:, 1]
 

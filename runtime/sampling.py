@@ -16,6 +16,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from specsched.runtime.sync_guard import to_device
+
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -91,9 +93,9 @@ class SamplingTensors:
         top_p = [p.top_p for p in params]
         all_greedy = all(t == 0 for t in temperature)
         return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            temperature=to_device(temperature, torch.device(device), torch.float32),
+            top_k=to_device(top_k, torch.device(device), torch.int64),
+            top_p=to_device(top_p, torch.device(device), torch.float32),
             generators=list(generators),
             all_greedy=all_greedy,
             any_greedy=all_greedy or bool((np.asarray(temperature, dtype=np.float32) == 0).any()),

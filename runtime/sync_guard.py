@@ -8,6 +8,11 @@ event loop blocks until the GPU catches up, and `overlap` degrades into `sync` -
 a CPU machine, where there is nothing to wait for. Under `no_host_sync(device)` such a read of
 a tensor on `device` raises `HostSyncError`, so a CPU test sees what a GPU run would suffer.
 
+The other direction counts too: host data made into a device tensor with a blocking copy
+(`torch.as_tensor(array, device=...)`, `torch.tensor(list, device=...)`) synchronizes the
+stream on CUDA (torch copies from pageable memory, then waits). Under the guard those raise
+as well; `to_device` is the copy an op makes instead (pinned staging, non-blocking).
+
 What may be read: tensors on another device (host tensors while the op runs on CUDA), and
 tensors marked with `host_side` -- the result buffers an op fills (with a non-blocking copy
 on CUDA) and the host reads only once the op's completion event is done. On a CPU worker,
@@ -26,10 +31,25 @@ from torch.overrides import TorchFunctionMode
 MATERIALIZE = frozenset({"tolist", "item", "numpy", "__array__", "__int__", "__float__", "__bool__", "__index__",
                          "__complex__"})
 _HOST_SIDE = "_specsched_host_side"
+# factories that copy host data to their `device=` argument with a blocking copy
+BLOCKING_UPLOAD = frozenset({"as_tensor", "tensor"})
 
 
 class HostSyncError(RuntimeError):
     """A device value was read on the host inside an op run under `no_host_sync`."""
+
+
+def to_device(data: Any, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host data (numpy array, list, scalar or CPU tensor) as a tensor on `device`, without a
+    sync: on CUDA staged in pinned memory and copied non-blocking on the current stream (the
+    caching host allocator keeps the staging buffer until the copy is done); on the CPU the
+    data itself, shared where `torch.as_tensor` shares it."""
+    t = data if isinstance(data, torch.Tensor) else torch.as_tensor(data, dtype=dtype)
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    if device.type == "cpu" or t.device == device:
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def host_side(t: torch.Tensor) -> torch.Tensor:
@@ -48,6 +68,14 @@ class _Guard(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = getattr(func, "__name__", "")
+        if name in BLOCKING_UPLOAD and kwargs and kwargs.get("device") is not None and args \
+                and not isinstance(args[0], torch.Tensor) and torch.device(kwargs["device"]).type == self.device.type:
+            if self.record is not None:
+                self.record.append((self.what, f"torch.{name}(device=...)", _caller()))
+                return func(*args, **kwargs)
+            raise HostSyncError(
+                f"{self.what}: torch.{name}(..., device={kwargs['device']!s}) copies host data to the "
+                "device with a blocking copy (a stream sync on CUDA); use sync_guard.to_device")
         if name in MATERIALIZE and args:
             t = args[0]
             if (isinstance(t, torch.Tensor) and t.device.type == self.device.type

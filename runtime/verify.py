@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from specsched.runtime.sampling import sample, uniform_noise
+from specsched.runtime.sync_guard import to_device
 from specsched.scheduler.errors import InvalidRequestError
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -218,7 +219,9 @@ class TreeSpec:
         return cls.from_parents([-1, *range(num_drafts)])
 
     def to(self, device: torch.device | str) -> "TreeSpec":
-        return TreeSpec(self.parents.to(device), self.depths.to(device), self.mask.to(device), self.max_depth)
+        device = torch.device(device)
+        return TreeSpec(to_device(self.parents, device), to_device(self.depths, device), to_device(self.mask, device),
+                        self.max_depth)
 
 
 def tree_attention_mask(tree: TreeSpec) -> torch.Tensor:
@@ -231,7 +234,7 @@ def tree_positions(tree: TreeSpec, base_pos: int | torch.Tensor) -> torch.Tensor
     """Position ids of the nodes: root at base_pos, depth-k nodes at base_pos + k.
     int base_pos -> [T]; base_pos [B] -> [B, T]."""
     if isinstance(base_pos, torch.Tensor):
-        return base_pos.to(torch.int64).unsqueeze(-1) + tree.depths.to(base_pos.device)
+        return base_pos.to(torch.int64).unsqueeze(-1) + to_device(tree.depths, base_pos.device)
     return tree.depths + base_pos
 
 

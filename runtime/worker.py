@@ -30,7 +30,7 @@ from specsched.runtime.sampling import SamplingTensors, logits_to_probs, make_ge
 from specsched.runtime.verify import greedy_verify, rejection_verify, threshold_verify
 from specsched.scheduler.messages import (AgreementMessage, AgreementResult, DraftMessage, DraftResult, FillMessage, FillResult, ForwardMessage,
                                           ForwardResult, VerifyMessage, VerifyResult)
-from specsched.runtime.sync_guard import host_side, no_host_sync
+from specsched.runtime.sync_guard import host_side, no_host_sync, to_device
 from specsched.scheduler.plan import AttentionPlan, concat_ranges
 from specsched.scheduler.proposer import ProposerSpec
 from specsched.scheduler.step_trace import device_span_name
@@ -84,7 +84,7 @@ class TokenBuffer:
             self.data = grown
         if len(token_ids) > self.max_len:
             raise ValueError(f"slot {slot}: {len(token_ids)} tokens exceed the buffer's {self.max_len}")
-        self.data[slot, : len(token_ids)] = torch.tensor(token_ids, dtype=torch.int64).to(self.device)
+        self.data[slot, : len(token_ids)] = to_device(token_ids, self.device, torch.int64)
 
     def ranges(self, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> torch.Tensor:
         """Tokens [starts[i], ends[i]) of each row, concatenated (host arrays in, device out)."""
@@ -103,13 +103,11 @@ class TokenBuffer:
     def _flat(self, slots: Any, positions: Any) -> torch.Tensor:
         """One index into the flattened buffer (one index costs less than two)."""
         if isinstance(slots, torch.Tensor) or isinstance(positions, torch.Tensor):
-            s = slots if isinstance(slots, torch.Tensor) else torch.as_tensor(np.asarray(slots), device=self.device)
-            p = positions if isinstance(positions, torch.Tensor) else torch.as_tensor(np.asarray(positions),
-                                                                                      device=self.device)
+            s = to_device(np.asarray(slots), self.device) if not isinstance(slots, torch.Tensor) else slots
+            p = to_device(np.asarray(positions), self.device) if not isinstance(positions, torch.Tensor) else positions
             return (s * self.max_len + p).reshape(-1)
         flat = np.asarray(slots, dtype=np.int64) * self.max_len + np.asarray(positions, dtype=np.int64)
-        flat = torch.from_numpy(np.ascontiguousarray(flat.reshape(-1)))
-        return flat if self.device.type == "cpu" else flat.to(self.device)
+        return to_device(np.ascontiguousarray(flat.reshape(-1)), self.device)
 
 
 class ModelWorker:
@@ -268,7 +266,7 @@ class ModelWorker:
 
     def plan(self, plan: AttentionPlan) -> tuple[AttentionPlan, Any, torch.Tensor]:
         step = self.backend.prepare(plan, self.device)
-        positions = torch.as_tensor(plan.positions, device=self.device)
+        positions = to_device(plan.positions, self.device)
         return plan, step, positions
 
     # -- target forward (prefill / decode / mixed) ----------------------------------------------
@@ -282,7 +280,7 @@ class ModelWorker:
         sample_rows = np.flatnonzero(msg.samples)
         out = self.target(
             input_ids, step, self.kv, positions,
-            logits_indices=torch.as_tensor(last[sample_rows], dtype=torch.int64, device=self.device),
+            logits_indices=to_device(last[sample_rows], self.device, torch.int64),
             return_hidden=self.proposer.needs_hidden,
         )
         if sample_rows.size:
@@ -293,7 +291,7 @@ class ModelWorker:
                 tokens = new
             else:
                 tokens = torch.full((len(slots),), -1, dtype=torch.int64, device=self.device)
-                tokens[torch.as_tensor(sample_rows, device=self.device)] = new
+                tokens[to_device(sample_rows, self.device)] = new
         else:
             tokens = torch.full((len(slots),), -1, dtype=torch.int64, device=self.device)
         if self.proposer.needs_hidden:
@@ -331,7 +329,7 @@ class ModelWorker:
             res = self.proposer.accept_tree(msg, rows, draft_t, last, logits, plan, hidden)
         else:
             nd = torch.tensor(num_drafts, dtype=torch.int64)  # counts known on the host
-            nd = host_side(nd) if self.device.type == "cpu" else nd.to(self.device)
+            nd = host_side(nd) if self.device.type == "cpu" else to_device(nd, self.device)
             all_greedy = all(st.greedy for st in rows)
             if self.acceptance == "threshold":
                 probs = logits_to_probs(logits.reshape(b * width, -1), self.sampling_tensors(rows, width))

@@ -192,6 +192,23 @@ def test_flashinfer_matches_torch_backend(case, tree, head_dim):
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_flashinfer_packed_mask_reads_back_as_the_kernel_reads_it():
+    """Each sequence's bit (q, k) is read at byte start_i + (q * kv_i + k) // 8, bit (q * kv_i + k) % 8,
+    start_i the number of mask entries before the sequence (the offset `plan` gives the kernel)."""
+    from specsched.runtime.attention.flashinfer_backend import pack_mask
+
+    rng = np.random.default_rng(3)
+    qo, kv = np.array([3, 1, 5, 2]), np.array([7, 4, 13, 9])
+    mask = rng.random(int((qo * kv).sum())) < 0.5
+    packed = pack_mask(mask, qo, kv)
+    start = 0
+    for q_i, k_i in zip(qo, kv):
+        off = np.arange(q_i * k_i)
+        read = (packed[start + off // 8] >> (off % 8)) & 1
+        np.testing.assert_array_equal(read.astype(bool), mask[start:start + q_i * k_i])
+        start += q_i * k_i
+
+
 def test_flashinfer_head_sizes():
     """Head sizes FlashInfer lacks are padded to the next one it covers; larger ones are refused."""
     from specsched.runtime.attention.flashinfer_backend import SUPPORTED_HEAD_DIMS, padded_head_dim

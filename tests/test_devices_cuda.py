@@ -261,9 +261,14 @@ def gpu():
 
 @pytest.fixture(scope="module")
 def cycles_per_ms(gpu):
-    event = gpu.stream("main").launch("gpu_sleep", {"cycles": 10_000_000})
-    event.synchronize()
-    return 10_000_000 / ((event.end_ns - event.start_ns) / MS)
+    """The GPU's clock under load: an idle GPU starts slow (an H200 read 345 MHz idle, 1980 MHz
+    busy), so the first sleeps run at a lower clock; the fastest of a few is the busy rate."""
+    rates = []
+    for _ in range(5):
+        event = gpu.stream("main").launch("gpu_sleep", {"cycles": 10_000_000})
+        event.synchronize()
+        rates.append(10_000_000 / ((event.end_ns - event.start_ns) / MS))
+    return max(rates)
 
 
 @pytest.mark.cuda
@@ -347,8 +352,9 @@ def test_engine_launches_on_the_gpu_return_at_once_and_never_sync(proposer, draf
     items = load_workload(bundled.workload_path(), limit=4, max_tokens=32)
     cfg = EngineConfig(proposer=proposer, draft_len=draft_len, schedule=schedule, device="cuda",
                        sync_guard=True)
-    metrics, trace, _ = anyio.run(lambda: run_workload(cfg, items, concurrency=4, warmup=1, agreement=False,
-                                                       record=True))
+    metrics, trace, outputs = anyio.run(lambda: run_workload(cfg, items, concurrency=4, warmup=1, agreement=False,
+                                                             record=True))
+    assert [o.error for o in outputs] == [None] * len(outputs)
     assert metrics["requests_failed"] == 0
     launches = sorted(s.end_ns - s.start_ns for s in trace.spans if s.track == "host" and s.name == "launch")
     assert launches and launches[len(launches) // 2] < MS

@@ -8,8 +8,12 @@ Each layer then appends K/V with `flashinfer.page.append_paged_kv_cache` and run
 planned wrapper. The KV layout is the runtime's NHD cache, unchanged.
 
 A wrapper holds one plan at a time, so the backend keeps `num_slots` wrapper sets (each with
-its own workspace) and rotates through them: up to `num_slots` steps may be prepared before
-the oldest is run (the overlap schedule plans step t+1 while step t runs).
+its own workspace) and rotates through them: the overlap schedule plans step t+1 while step t
+runs, and a draft launch plans one forward per draft token. A plan overwrites its wrapper's
+pinned host buffer at once and copies it to the device behind the stream's queued work, so a
+slot is taken again only after the kernels of its previous plan ran: each step records an
+event after its attention, and reusing a slot whose event has not completed waits for it (a
+host wait that enough slots make rare).
 FlashInfer's kernels cover head sizes 64, 128 and 256 (`SUPPORTED_HEAD_DIMS`). A model with a
 smaller head (the bundled models have 32) runs zero-padded to the next one: its KV caches
 are allocated `kv_head_dim(head_dim)` wide, q/k/v are padded before the kernels and the output
@@ -22,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specsched.runtime.sync_guard import to_device
 from specsched.scheduler.plan import AttentionPlan
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -36,12 +41,32 @@ def padded_head_dim(head_dim: int) -> int:
                      f"got {head_dim}")
 
 
+def pack_mask(mask: np.ndarray, qo_lens: np.ndarray, kv_lens: np.ndarray) -> np.ndarray:
+    """A step's custom mask (each sequence's [qo_len, kv_len] block, flattened and concatenated)
+    bit-packed on the host as `plan(packed_custom_mask=...)` reads it.
+
+    Why on the host: `plan(custom_mask=...)` packs on the GPU with an indptr it leaves on the
+    host (FlashInfer 0.6.0 fails there: "input_indptr must be a CUDA tensor"). Why this layout:
+    with a packed mask, `plan` takes each sequence's offset into it from the unpacked sizes
+    (the sum of qo_len * kv_len before it), and the kernel reads that offset in bytes; so
+    sequence i's bits (little bit order, as `segment_packbits` writes them) start at byte
+    sum_{j<i} qo_j * kv_j, the bytes between them unused."""
+    sizes = qo_lens.astype(np.int64) * kv_lens.astype(np.int64)
+    starts = np.concatenate(([0], np.cumsum(sizes)))
+    bits = np.flatnonzero(np.asarray(mask, dtype=bool))  # set bits, global index
+    seq = np.searchsorted(starts, bits, side="right") - 1
+    local = bits - starts[seq]
+    out = np.zeros(int(starts[-1]) + 1, dtype=np.uint8)
+    np.add.at(out, starts[seq] + local // 8, (1 << (local % 8)).astype(np.uint8))  # distinct bits: add = or
+    return out
+
+
 class FlashInferBackend:
     name = "flashinfer"
 
     def __init__(self, num_qo_heads: int | None = None, num_kv_heads: int | None = None,
                  head_dim: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                 workspace_bytes: int = 128 << 20, num_slots: int = 2, **_unused) -> None:
+                 workspace_bytes: int = 64 << 20, num_slots: int = 8, **_unused) -> None:
         if None in (num_qo_heads, num_kv_heads, head_dim):
             raise ValueError(
                 "the flashinfer backend needs num_qo_heads, num_kv_heads and head_dim "
@@ -77,6 +102,10 @@ class FlashInferBackend:
             })
         slot = self._slots[self._next % self.num_slots]
         self._next += 1
+        used = slot.get("used")
+        if used is not None and not used.query():
+            used.synchronize()  # its previous plan's kernels have not run yet
+        slot["used"] = torch.cuda.Event()
         return slot
 
     def prepare(self, plan: AttentionPlan, device: torch.device | str) -> "FlashInferStepAttention":
@@ -91,7 +120,7 @@ class FlashInferBackend:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
 
         kv_indptr_cpu, last_cpu = cpu(plan.paged_kv_indptr), cpu(plan.paged_kv_last_page_len)
-        kv_indices = cpu(plan.paged_kv_indices).to(device, non_blocking=True)
+        kv_indices = to_device(cpu(plan.paged_kv_indices), device)
         seq_of_tok = np.repeat(np.arange(qo.shape[0]), qo)
         pos_in_seq = (kv - qo)[seq_of_tok] + np.arange(seq_of_tok.shape[0]) - plan.qo_indptr[:-1][seq_of_tok]
         slot = self._slot(device)
@@ -103,19 +132,19 @@ class FlashInferBackend:
                          self.num_kv_heads, dim, plan.page_size, **common)
         else:
             wrapper = slot["prefill"]
-            mask = None
+            packed = None
             if plan.custom_mask is not None:
-                mask = torch.from_numpy(np.asarray(plan.custom_mask, dtype=bool)).to(device)
+                packed = to_device(pack_mask(plan.custom_mask, qo, kv), device)
             wrapper.plan(cpu(plan.qo_indptr), kv_indptr_cpu, kv_indices, last_cpu,
                          self.num_qo_heads, self.num_kv_heads, dim, plan.page_size,
-                         custom_mask=mask, causal=mask is None, **common)
+                         packed_custom_mask=packed, causal=packed is None, **common)
         return FlashInferStepAttention(
-            plan=plan, wrapper=wrapper, append=self._fi.page.append_paged_kv_cache,
-            batch_indices=cpu(seq_of_tok).to(device, non_blocking=True),
-            positions=cpu(pos_in_seq).to(device, non_blocking=True),
+            plan=plan, wrapper=wrapper, append=self._fi.page.append_paged_kv_cache, used=slot["used"],
+            batch_indices=to_device(cpu(seq_of_tok), device),
+            positions=to_device(cpu(pos_in_seq), device),
             kv_indices=kv_indices,
-            kv_indptr=kv_indptr_cpu.to(device, non_blocking=True),
-            last_page_len=last_cpu.to(device, non_blocking=True),
+            kv_indptr=to_device(kv_indptr_cpu, device),
+            last_page_len=to_device(last_cpu, device),
             head_pad=self.padded_dim - self.head_dim,
         )
 
@@ -123,8 +152,9 @@ class FlashInferBackend:
 class FlashInferStepAttention:
     def __init__(self, *, plan: AttentionPlan, wrapper, append, batch_indices: torch.Tensor,
                  positions: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
-                 last_page_len: torch.Tensor, head_pad: int = 0) -> None:
+                 last_page_len: torch.Tensor, used: torch.cuda.Event, head_pad: int = 0) -> None:
         self.plan = plan
+        self._used = used  # recorded after each layer's kernels: the slot may be reused once it completed
         self._wrapper, self._append = wrapper, append
         self._batch_indices, self._positions = batch_indices, positions  # [N] int32 each
         self._kv_indices, self._kv_indptr, self._last = kv_indices, kv_indptr, last_page_len
@@ -137,4 +167,5 @@ class FlashInferStepAttention:
         self._append(k.contiguous(), v.contiguous(), self._batch_indices, self._positions,
                      kv_layer, self._kv_indices, self._kv_indptr, self._last, kv_layout="NHD")
         out = self._wrapper.run(q.contiguous(), kv_layer)
+        self._used.record()
         return out[..., : out.shape[-1] - self._pad] if self._pad else out

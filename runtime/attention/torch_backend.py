@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specsched.runtime.sync_guard import to_device
 from specsched.scheduler.plan import AttentionPlan, attention_groups, concat_ranges
 
 
@@ -71,7 +72,7 @@ class SplitStepAttention:
         self.parts = []
         for rows, step in parts:
             tokens = concat_ranges(plan.qo_indptr[rows].astype(np.int64), np.diff(plan.qo_indptr)[rows].astype(np.int64))
-            self.parts.append((torch.from_numpy(tokens).to(device), step))
+            self.parts.append((to_device(tokens, device), step))
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_layer: torch.Tensor) -> torch.Tensor:
@@ -100,8 +101,8 @@ class TorchStepAttention:
 
         slots = plan.slot_mapping.astype(np.int64)
         k_rows = (slots // ps) * (2 * ps) + slots % ps  # rows of the [P*2*ps, Hkv, D] view
-        self.k_rows = torch.from_numpy(k_rows).to(device)
-        self.v_rows = torch.from_numpy(k_rows + ps).to(device)
+        self.k_rows = to_device(k_rows, device)
+        self.v_rows = to_device(k_rows + ps, device)
 
         # Row (in the same view) of K for every (sequence, logical position); 0 where padded.
         pos = np.arange(lmax)
@@ -116,10 +117,8 @@ class TorchStepAttention:
             t = np.arange(self.max_q)
             q_valid = t[None, :] < qo[:, None]  # [B, Qmax]
             q_start = plan.qo_indptr[:-1].astype(np.int64)
-            self.q_index = torch.from_numpy(
-                np.where(q_valid, q_start[:, None] + t[None, :], 0).reshape(-1)
-            ).to(device)
-            self.out_index = torch.from_numpy(np.flatnonzero(q_valid.reshape(-1))).to(device)
+            self.q_index = to_device(np.where(q_valid, q_start[:, None] + t[None, :], 0).reshape(-1), device)
+            self.out_index = to_device(np.flatnonzero(q_valid.reshape(-1)), device)
         self._allowed = self._allowed_mask(qo, kv, valid)  # [B, Qmax, Lmax] bool or None
         self.is_causal = (
             self._allowed is None and b == 1 and n > 1 and n == lmax
@@ -159,7 +158,7 @@ class TorchStepAttention:
             ps = self.plan.page_size
             rows = self._slot_rows[:, None, None, :] + np.array([0, ps])[None, :, None, None]
             rows = rows * num_kv_heads + np.arange(num_kv_heads)[None, None, :, None]
-            idx = torch.from_numpy(rows.reshape(-1)).to(self.device)  # [B*2*Hkv*Lmax]
+            idx = to_device(rows.reshape(-1), self.device)  # [B*2*Hkv*Lmax]
             self._index_cache[num_kv_heads] = idx
         return idx
 
@@ -167,7 +166,7 @@ class TorchStepAttention:
         if dtype not in self._mask_cache:
             mask = None
             if self._allowed is not None:
-                allowed = torch.from_numpy(self._allowed).to(self.device)
+                allowed = to_device(self._allowed, self.device)
                 mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
                 mask.masked_fill_(~allowed, float("-inf"))
                 mask = mask.unsqueeze(1)  # [B, 1, Qmax, Lmax], broadcast over heads

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from specsched.runtime.sampling import logits_to_probs, sample
+from specsched.runtime.sync_guard import to_device
 
 if TYPE_CHECKING:
     from specsched.runtime.worker import ModelWorker, SeqState
@@ -100,7 +101,7 @@ class NgramDrafter(NoProposer):
             drafts = self.lookup.propose(self.seqs[slot], d) if d > 0 else []
             out[i, : len(drafts)] = drafts
             counts.append(len(drafts))
-        w.set_drafts(slots, msg.start, torch.as_tensor(out, device=w.device), counts)
+        w.set_drafts(slots, msg.start, to_device(out, w.device), counts)
         return np.asarray(counts, dtype=np.int64)
 
     def agreement(self, prompt: list[int], output: list[int]) -> list[int]:
@@ -147,12 +148,12 @@ class DraftCollector:
 
     def last(self, active: list[int], k: int) -> torch.Tensor:
         """[len(active)] the rows' draft token k-1 (the input of their k-th draft step)."""
-        return self.tokens[torch.as_tensor(active, device=self.worker.device), k - 1]
+        return self.tokens[to_device(active, self.worker.device), k - 1]
 
     def extend(self, active: list[int], k: int, logits: torch.Tensor) -> None:
         """Draft token k (0-based column) for rows `active` from logits [len(active), V]."""
         toks, probs = sample_next(self.worker, [self.rows[i] for i in active], logits)
-        self.tokens[torch.as_tensor(active, device=self.worker.device), k] = toks
+        self.tokens[to_device(active, self.worker.device), k] = toks
         if probs is not None:
             for j, i in enumerate(active):
                 self.qs[i].append(probs[j])

@@ -13,6 +13,7 @@ import torch
 
 from specsched.runtime.checkpoint import load_model
 from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or
+from specsched.runtime.sync_guard import to_device
 from specsched.scheduler.messages import DraftMessage, FillMessage
 from specsched.scheduler.plan import build_plan
 
@@ -42,7 +43,7 @@ class DraftModelProposer(NoProposer):
             plan = build_plan([1] * len(active), [L[i] + k for i in active], tables[active],
                               w.page_size, table_lens=table_lens[active])
             step = w.backend.prepare(plan, w.device)
-            pos = torch.as_tensor(plan.positions, device=w.device)
+            pos = to_device(plan.positions, w.device)
             drafts.extend(active, k, self.model(drafts.last(active, k), step, self.kv, pos).logits)
         return drafts.finish()
 
@@ -51,7 +52,7 @@ class DraftModelProposer(NoProposer):
         rows = [w.states[s] for s in msg.slots.tolist()]
         plan, step, positions = w.plan(msg.plan)
         ids = w.tokens.ranges(msg.slots, msg.start, msg.end)
-        last = torch.as_tensor(plan.qo_indptr[1:] - 1, dtype=torch.int64, device=w.device)
+        last = to_device(plan.qo_indptr[1:] - 1, w.device, torch.int64)
         out = self.model(ids, step, self.kv, positions, logits_indices=last)
         for i, st in enumerate(rows):
             st.carried = out.logits[i]

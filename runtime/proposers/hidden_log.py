@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specsched.runtime.sync_guard import to_device
 from specsched.scheduler.plan import concat_ranges
 
 
@@ -93,7 +94,7 @@ class HiddenLog:
         for ci in np.unique(src_chunk).tolist():
             at = np.flatnonzero(src_chunk == ci)
             c = self.chunks[ci]
-            parts.append(c.hidden.index_select(0, torch.from_numpy(src_index[at]).to(c.hidden.device)))
+            parts.append(c.hidden.index_select(0, to_device(src_index[at], c.hidden.device)))
             order.append(at)
         if len(parts) == 1:
             out = parts[0]
@@ -101,7 +102,7 @@ class HiddenLog:
             out = torch.cat(parts)
             inverse = np.empty(total, dtype=np.int64)
             inverse[np.concatenate(order)] = np.arange(total)
-            out = out.index_select(0, torch.from_numpy(inverse).to(out.device))
+            out = out.index_select(0, to_device(inverse, out.device))
         for c, (k, same) in zip(self.chunks, matches):  # what the fill read is not needed again
             c.live &= ~(same & (c.ends <= sorted_ends[k]))
         self._prune()

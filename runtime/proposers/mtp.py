@@ -28,6 +28,7 @@ import torch
 from specsched.runtime.mtp_head import load_head
 from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or
 from specsched.runtime.proposers.hidden_log import HiddenLog
+from specsched.runtime.sync_guard import to_device
 from specsched.runtime.verify import TreeSpec, check_tree_greedy, greedy_tree_verify
 from specsched.scheduler.messages import DraftMessage, FillMessage
 from specsched.scheduler.plan import build_plan
@@ -48,7 +49,7 @@ class HeadProposer(NoProposer):
         self.kept = HiddenLog()  # target hidden states of forwards whose fill waits
 
     def _tensor(self, values) -> torch.Tensor:
-        return torch.as_tensor(values, dtype=torch.int64, device=self.worker.device)
+        return to_device(values, self.worker.device, torch.int64)
 
     def release(self, slot: int) -> None:
         self.kept.release(slot)
@@ -132,7 +133,7 @@ class HeadProposer(NoProposer):
         plan = build_plan(qo, kv_lens, msg.page_tables[active], w.page_size,
                           table_lens=msg.table_lens[active], positions=positions, custom_masks=masks)
         step = w.backend.prepare(plan, w.device)
-        pos = torch.as_tensor(plan.positions, device=w.device)
+        pos = to_device(plan.positions, w.device)
         return self.head(ids, hidden, step, self.kv, pos)
 
     def draft(self, msg: DraftMessage) -> np.ndarray:
@@ -241,7 +242,7 @@ class EagleProposer(HeadProposer):
         w = self.worker
         check_tree_greedy([st.temperature for st in rows])
         b, width = logits.shape[:2]
-        whole = torch.as_tensor([st.num_drafts == width - 1 for st in rows], device=w.device)
+        whole = to_device([st.num_drafts == width - 1 for st in rows], w.device)
         nodes = torch.where(whole.unsqueeze(-1), drafts, torch.full_like(drafts, -1))  # no tree: nothing to accept
         res = greedy_tree_verify(torch.cat([last.unsqueeze(-1), nodes], dim=1), self.tree, logits)
         depth = res.accepted_nodes.shape[1]
