@@ -4,8 +4,14 @@ Why: on a GPU, kernel launches are already asynchronous, so no extra process is 
 device only has to bracket each op with timing events and let the host wait without blocking
 the event loop. torch is imported lazily, so importing this module works on CPU machines.
 
-- Launch: the op's Python code runs at once under `torch.cuda.stream(s)`, between a start and
-  an end `torch.cuda.Event(enable_timing=True)`. It must only enqueue GPU work (no syncs).
+- Launch: `launch` hands the op to the device's dispatch thread and returns at once; the
+  thread runs the ops in launch order, each under `torch.cuda.stream(s)` between a start and
+  an end `torch.cuda.Event(enable_timing=True)`. An op must only enqueue GPU work (no syncs).
+  Why a thread: an op's Python (an eager forward of every layer, FlashInfer's `plan`) takes
+  milliseconds of host time, and run inside `launch` it would hold the event loop that
+  schedules the next step for all of it; torch releases the GIL inside its ops, so the loop
+  runs between them. `wait_event` goes through the same queue, so a stream waits on an op's
+  end event only after the op was dispatched, in launch order.
 - Results: whatever the op returns is handed back by `synchronize()`/`wait()` once the end
   event completed. Device tensors are fine; host copies must be made by the op with
   `copy_(..., non_blocking=True)` into pinned memory -- they are valid after the event.
@@ -25,6 +31,8 @@ the event loop. torch is imported lazily, so importing this module works on CPU 
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -71,8 +79,19 @@ class CudaEvent:
         self._start, self._end, self._anchor = start, end, anchor
         self._result = result
         self._error = error
-        self._done = end is None  # failed before anything was queued
+        self._done = error is not None  # failed before anything was queued
         self._times: tuple[int, int] | None = None
+        # set by the dispatch thread once the op ran on the host (its GPU work queued)
+        self._dispatched = threading.Event()
+        if error is not None:
+            self._dispatched.set()
+
+    def _dispatch_done(self, *, start: Any = None, end: Any = None, anchor: _Anchor | None = None,
+                       result: Any = None, error: _Failure | None = None) -> None:
+        self._start, self._end, self._anchor = start, end, anchor
+        self._result, self._error = result, error
+        self._done = end is None
+        self._dispatched.set()
 
     def __repr__(self) -> str:
         state = "failed" if self._error else ("done" if self._done else "pending")
@@ -89,6 +108,8 @@ class CudaEvent:
     def query(self) -> bool:
         if self._done:
             return True
+        if not self._dispatched.is_set():
+            return False
         try:
             self._done = bool(self._end.query())
         except RuntimeError as exc:
@@ -116,6 +137,7 @@ class CudaEvent:
         return self._outcome()
 
     def _block(self) -> None:
+        self._dispatched.wait()
         if self._done:
             return
         torch = self.owner.torch
@@ -163,9 +185,8 @@ class CudaStream:
         return self.device._launch(self, op, batch)
 
     def wait_event(self, event: Event) -> None:
-        end = event._end if isinstance(event, CudaEvent) else None
-        if end is not None:
-            self.torch_stream.wait_event(end)
+        if isinstance(event, CudaEvent):
+            self.device._submit(("wait", self, event))
         elif not event.query():
             raise ValueError(f"CUDA stream {self.name!r} cannot wait on unfinished op {event.op!r} "
                              "of a non-CUDA device; synchronize it on the host first")
@@ -208,6 +229,9 @@ class CudaDevice:
                                        remote_traceback=traceback.format_exc()) from exc
             self._calib_stream = torch.cuda.Stream()
             self.recalibrate()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._dispatch_loop, name=f"{self.name}-dispatch", daemon=True)
+        self._thread.start()
 
     def __repr__(self) -> str:
         return f"<CudaDevice {self.name!r}>"
@@ -252,6 +276,8 @@ class CudaDevice:
         if self._closed:
             return
         self._closed = True
+        self._queue.put(None)
+        self._thread.join()
         try:
             with self.torch.cuda.device(self.index):
                 for stream in self._streams.values():
@@ -274,6 +300,9 @@ class CudaDevice:
             self._anchor = _Anchor(event, time.monotonic_ns() + self._submit_latency_ns)
         return self._anchor
 
+    def _submit(self, item: tuple) -> None:
+        self._queue.put(item)
+
     def _launch(self, stream: CudaStream, op: str, batch: Batch) -> CudaEvent:
         if not isinstance(op, str) or not op:
             raise ValueError(f"op must be a non-empty string, got {op!r}")
@@ -283,31 +312,58 @@ class CudaDevice:
         if self._failure is not None:
             return CudaEvent(self, op, stream.name, launch_ns,
                              error=(DeviceCrashed, self._failure, None))
+        event = CudaEvent(self, op, stream.name, launch_ns)
+        self._queue.put(("op", stream, op, batch, event))
+        return event
+
+    def _dispatch_loop(self) -> None:
+        """The dispatch thread: runs launched ops and stream waits in launch order."""
+        torch = self.torch
+        with torch.cuda.device(self.index):
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                if item[0] == "wait":
+                    _, stream, event = item
+                    event._dispatched.wait()  # queued before this wait: already dispatched
+                    if event._end is not None and self._failure is None:
+                        stream.torch_stream.wait_event(event._end)
+                    continue
+                _, stream, op, batch, event = item
+                if self._failure is not None:
+                    event._dispatch_done(error=(DeviceCrashed, self._failure, None))
+                    continue
+                try:
+                    self._run_op(stream, op, batch, event)
+                except BaseException as exc:  # noqa: BLE001 - the thread must outlive any op
+                    event._dispatch_done(error=(DeviceError, f"{type(exc).__name__}: {exc}",
+                                                traceback.format_exc()))
+
+    def _run_op(self, stream: CudaStream, op: str, batch: Batch, event: CudaEvent) -> None:
         torch, s = self.torch, stream.torch_stream
         result, error = None, None
         try:
-            with torch.cuda.device(self.index):
-                anchor = self._current_anchor()
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True, blocking=True)
-                with torch.cuda.stream(s):
-                    start.record(s)
-                    try:
-                        result = self._worker.execute(op, batch)
-                    except Exception as exc:
-                        if _is_cuda_error(torch, exc):
-                            raise
-                        message = f"{type(exc).__name__}: {exc}"
-                        error = (DeviceError, message, traceback.format_exc())
-                    end.record(s)
+            anchor = self._current_anchor()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True, blocking=True)
+            with torch.cuda.stream(s):
+                start.record(s)
+                try:
+                    result = self._worker.execute(op, batch)
+                except Exception as exc:
+                    if _is_cuda_error(torch, exc):
+                        raise
+                    message = f"{type(exc).__name__}: {exc}"
+                    error = (DeviceError, message, traceback.format_exc())
+                end.record(s)
         except RuntimeError as exc:
             if not _is_cuda_error(torch, exc):
                 raise
             self._mark_failed(f"device {self.name!r} hit a CUDA error: {exc}")
-            return CudaEvent(self, op, stream.name, launch_ns,
-                             error=(DeviceCrashed, f"CUDA error: {exc}", traceback.format_exc()))
-        return CudaEvent(self, op, stream.name, launch_ns, start=start, end=end, anchor=anchor,
-                         result=result, error=error)
+            event._dispatch_done(error=(DeviceCrashed, f"CUDA error: {exc}", traceback.format_exc()))
+            return
+        event._dispatch_done(start=start, end=end, anchor=anchor, result=result, error=error)
 
 
 def _is_cuda_error(torch: Any, exc: BaseException) -> bool:
