@@ -73,32 +73,44 @@ def cuda_tests(deadline: float, extra_path: str | None) -> dict:
             "log": res.stdout + res.stderr}
 
 
-def schedules(deadline: float, num_requests: int, max_tokens: int, concurrency: int) -> list[dict]:
+def schedules(deadline: float, num_requests: int, max_tokens: int, concurrency: int, attention: str = "flashinfer",
+              dispatches: tuple[str, ...] = ("thread",)) -> list[dict]:
+    """Each schedule once per CUDA dispatch mode (runtime/devices/cuda.py), the modes side by side."""
+    import os
+
     from common import bundled_items, run
 
     items = bundled_items(num_requests, max_tokens)
     rows = []
     for proposer, d, schedule in SCHEDULES:
-        if time.monotonic() > deadline:
-            rows.append({"config": f"{proposer}/{schedule}", "skipped": "out of time"})
-            continue
-        try:
-            m, tr = run(items, concurrency=concurrency, warmup=1, trace=True, proposer=proposer, draft_len=d,
-                        schedule=schedule, device="cuda", attention="flashinfer", dtype="bfloat16")
-        except Exception as e:  # noqa: BLE001 - one failing configuration is reported, not fatal
-            traceback.print_exc()
-            rows.append({"config": f"{proposer}/{schedule}", "error": f"{type(e).__name__}: {e}"})
-            continue
-        launches = sorted((s.end_ns - s.start_ns) / 1e3 for s in tr.spans if s.track == "host" and s.name == "launch")
-        rows.append({"config": f"{proposer}/{schedule}", "tokens_per_s": m["output_tokens_per_s"],
-                     "bubble_fraction": m["bubble_fraction"],
-                     "launch_us_median": launches[len(launches) // 2] if launches else None,
-                     "launch_us_p90": launches[int(len(launches) * 0.9)] if launches else None})
+        for dispatch in dispatches:
+            name = f"{proposer}/{schedule}" + (f"/{dispatch}" if len(dispatches) > 1 else "")
+            if time.monotonic() > deadline:
+                rows.append({"config": name, "skipped": "out of time"})
+                continue
+            os.environ["SPECSCHED_CUDA_DISPATCH"] = dispatch
+            try:
+                m, tr = run(items, concurrency=concurrency, warmup=1, trace=True, proposer=proposer, draft_len=d,
+                            schedule=schedule, device="cuda", attention=attention, dtype="bfloat16")
+            except Exception as e:  # noqa: BLE001 - one failing configuration is reported, not fatal
+                traceback.print_exc()
+                rows.append({"config": name, "error": f"{type(e).__name__}: {e}"})
+                continue
+            rows.append(_row(name, m, tr))
     return rows
 
 
+def _row(name: str, m: dict, tr) -> dict:
+    launches = sorted((s.end_ns - s.start_ns) / 1e3 for s in tr.spans if s.track == "host" and s.name == "launch")
+    return {"config": name, "tokens_per_s": m["output_tokens_per_s"], "bubble_fraction": m["bubble_fraction"],
+            "launch_us_median": launches[len(launches) // 2] if launches else None,
+            "launch_us_p90": launches[int(len(launches) * 0.9)] if launches else None}
+
+
 def verdicts(rows: list[dict]) -> list[str]:
-    by = {r["config"]: r for r in rows if "bubble_fraction" in r}
+    # the targets are the default dispatch's (a config "x/y/inline" is the side-by-side comparison)
+    by = {r["config"].removesuffix("/thread"): r for r in rows
+          if "bubble_fraction" in r and not r["config"].endswith("/inline")}
     out = []
     launches = [r["launch_us_median"] for r in by.values() if r.get("launch_us_median") is not None]
     if launches:
@@ -117,6 +129,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=8.0, help="time for the whole check")
     ap.add_argument("--dry-run", action="store_true", help="skip the CUDA parts even where CUDA is present")
+    ap.add_argument("--attention", choices=("flashinfer", "torch"), default="flashinfer")
+    ap.add_argument("--dispatch", default="thread",
+                    help="CUDA dispatch modes to run side by side, comma-separated: thread,inline")
     ap.add_argument("--skip-tests", action="store_true", help="only the schedules (the CUDA tests run apart)")
     ap.add_argument("--out", type=Path, help="also write the summary as JSON into this folder")
     ap.add_argument("--num-requests", type=int, default=8)
@@ -145,7 +160,8 @@ def main() -> int:
             print(f"cuda tests: {tests['status']} {tests.get('summary', '')}")
             if tests["status"] != "passed":
                 print(tests["tail"])
-            rows = schedules(deadline, args.num_requests, args.max_tokens, args.concurrency)
+            rows = schedules(deadline, args.num_requests, args.max_tokens, args.concurrency, args.attention,
+                             tuple(args.dispatch.split(",")))
             summary["schedules"] = rows
             for r in rows:
                 print("schedule " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"

@@ -116,15 +116,41 @@ class FakeGpuWorker:
 FAKE_SPEC = WorkerSpec(f"{__name__}:FakeGpuWorker")
 
 
-@pytest.fixture
-def fake_device(monkeypatch):
+@pytest.fixture(params=["thread", "inline"])
+def fake_device(monkeypatch, request):
+    """Both dispatch modes: ops handed to the dispatch thread, or run inside `launch`."""
     global FAKE
     FAKE = _FakeCuda()
     fake_torch = types.SimpleNamespace(cuda=FAKE, device=torch.device,
                                        set_num_threads=lambda n: None)
     monkeypatch.setattr(cuda, "_import_torch", lambda: fake_torch)
-    with make_device("cuda", FAKE_SPEC, name="fake-gpu", num_threads=1) as dev:
+    with make_device("cuda", FAKE_SPEC, name="fake-gpu", num_threads=1, dispatch=request.param) as dev:
+        assert dev.dispatch == request.param
         yield dev
+
+
+def test_fake_thread_dispatch_returns_before_the_ops_host_work(monkeypatch):
+    """An op whose host work takes 80 ms: with the dispatch thread, launch returns at once and
+    the caller's own work overlaps it; inline, launch returns only after it."""
+    global FAKE
+    FAKE = _FakeCuda()
+    fake_torch = types.SimpleNamespace(cuda=FAKE, device=torch.device)
+    monkeypatch.setattr(cuda, "_import_torch", lambda: fake_torch)
+    for mode, fast in (("thread", True), ("inline", False)):
+        with CudaDevice(WorkerSpec(f"{__name__}:SlowHostWorker"), dispatch=mode) as dev:
+            t0 = time.monotonic_ns()
+            event = dev.stream("main").launch("host_work", {"ms": 80})
+            returned = time.monotonic_ns() - t0
+            assert event.synchronize(5.0) == "done"
+            assert (returned < 20 * MS) == fast, (mode, returned / MS)
+    with pytest.raises(ValueError, match="dispatch must be"):
+        CudaDevice(FAKE_SPEC, dispatch="eager")
+
+
+class SlowHostWorker:
+    def execute(self, op, batch):
+        time.sleep(batch["ms"] / 1e3)  # an op's Python (an eager forward); releases the GIL like torch ops
+        return "done"
 
 
 def test_fake_launch_is_asynchronous_and_timed(fake_device):

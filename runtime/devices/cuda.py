@@ -11,7 +11,9 @@ the event loop. torch is imported lazily, so importing this module works on CPU 
   milliseconds of host time, and run inside `launch` it would hold the event loop that
   schedules the next step for all of it; torch releases the GIL inside its ops, so the loop
   runs between them. `wait_event` goes through the same queue, so a stream waits on an op's
-  end event only after the op was dispatched, in launch order.
+  end event only after the op was dispatched, in launch order. `dispatch="inline"` (or the
+  environment variable SPECSCHED_CUDA_DISPATCH=inline) runs the op inside `launch` instead,
+  in the caller's thread: no thread handoff, but the loop waits for the op's host work.
 - Results: whatever the op returns is handed back by `synchronize()`/`wait()` once the end
   event completed. Device tensors are fine; host copies must be made by the op with
   `copy_(..., non_blocking=True)` into pinned memory -- they are valid after the event.
@@ -31,6 +33,7 @@ the event loop. torch is imported lazily, so importing this module works on CPU 
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -198,8 +201,12 @@ class CudaDevice:
     kind = "cuda"
 
     def __init__(self, spec: WorkerSpec, *, device: str | int = "cuda", name: str | None = None,
-                 num_threads: int | None = None, recalibrate_every_s: float = 5.0):
-        """`num_threads`, if given, sets torch's CPU threads -- of this whole process."""
+                 num_threads: int | None = None, recalibrate_every_s: float = 5.0, dispatch: str | None = None):
+        """`num_threads`, if given, sets torch's CPU threads -- of this whole process; `dispatch`:
+        "thread" (default) or "inline", see the module's docstring."""
+        dispatch = dispatch or os.environ.get("SPECSCHED_CUDA_DISPATCH", "thread")
+        if dispatch not in ("thread", "inline"):
+            raise ValueError(f"dispatch must be 'thread' or 'inline', got {dispatch!r}")
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"CudaDevice needs a WorkerSpec, got {type(spec).__name__}")
         if num_threads is not None and num_threads < 1:
@@ -229,9 +236,12 @@ class CudaDevice:
                                        remote_traceback=traceback.format_exc()) from exc
             self._calib_stream = torch.cuda.Stream()
             self.recalibrate()
+        self.dispatch = dispatch
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._dispatch_loop, name=f"{self.name}-dispatch", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if dispatch == "thread":
+            self._thread = threading.Thread(target=self._dispatch_loop, name=f"{self.name}-dispatch", daemon=True)
+            self._thread.start()
 
     def __repr__(self) -> str:
         return f"<CudaDevice {self.name!r}>"
@@ -276,8 +286,9 @@ class CudaDevice:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
         try:
             with self.torch.cuda.device(self.index):
                 for stream in self._streams.values():
@@ -301,7 +312,10 @@ class CudaDevice:
         return self._anchor
 
     def _submit(self, item: tuple) -> None:
-        self._queue.put(item)
+        if self._thread is not None:
+            self._queue.put(item)
+        else:
+            self._run_item(item)
 
     def _launch(self, stream: CudaStream, op: str, batch: Batch) -> CudaEvent:
         if not isinstance(op, str) or not op:
@@ -313,32 +327,34 @@ class CudaDevice:
             return CudaEvent(self, op, stream.name, launch_ns,
                              error=(DeviceCrashed, self._failure, None))
         event = CudaEvent(self, op, stream.name, launch_ns)
-        self._queue.put(("op", stream, op, batch, event))
+        self._submit(("op", stream, op, batch, event))
         return event
 
     def _dispatch_loop(self) -> None:
         """The dispatch thread: runs launched ops and stream waits in launch order."""
-        torch = self.torch
-        with torch.cuda.device(self.index):
-            while True:
-                item = self._queue.get()
-                if item is None:
-                    return
-                if item[0] == "wait":
-                    _, stream, event = item
-                    event._dispatched.wait()  # queued before this wait: already dispatched
-                    if event._end is not None and self._failure is None:
-                        stream.torch_stream.wait_event(event._end)
-                    continue
-                _, stream, op, batch, event = item
-                if self._failure is not None:
-                    event._dispatch_done(error=(DeviceCrashed, self._failure, None))
-                    continue
-                try:
-                    self._run_op(stream, op, batch, event)
-                except BaseException as exc:  # noqa: BLE001 - the thread must outlive any op
-                    event._dispatch_done(error=(DeviceError, f"{type(exc).__name__}: {exc}",
-                                                traceback.format_exc()))
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._run_item(item)
+
+    def _run_item(self, item: tuple) -> None:
+        """One queued launch ("op", stream, op, batch, event) or stream wait ("wait", stream, event)."""
+        with self.torch.cuda.device(self.index):
+            if item[0] == "wait":
+                _, stream, event = item
+                event._dispatched.wait()  # queued before this wait: already dispatched
+                if event._end is not None and self._failure is None:
+                    stream.torch_stream.wait_event(event._end)
+                return
+            _, stream, op, batch, event = item
+            if self._failure is not None:
+                event._dispatch_done(error=(DeviceCrashed, self._failure, None))
+                return
+            try:
+                self._run_op(stream, op, batch, event)
+            except BaseException as exc:  # noqa: BLE001 - the dispatch thread must outlive any op
+                event._dispatch_done(error=(DeviceError, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
 
     def _run_op(self, stream: CudaStream, op: str, batch: Batch, event: CudaEvent) -> None:
         torch, s = self.torch, stream.torch_stream
