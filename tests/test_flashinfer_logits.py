@@ -30,9 +30,11 @@ def _steps():
     return [("decode", [1, 1, 1], None), ("verify", [5, 3, 5], None), ("tree", [1, len(tree_parents), 1], tree_parents)]
 
 
-def _run(dtype: torch.dtype, attention: str) -> list[tuple[str, torch.Tensor]]:
+def _run(dtype: torch.dtype, attention: str, **options) -> list[tuple[str, torch.Tensor]]:
     model = load_model(bundled.target_dir(), dtype=dtype, device="cuda")
-    backend = model.attention_backend(attention)
+    backend = (model.attention_backend(attention) if not options else
+               get_backend(attention, num_qo_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+                           head_dim=model.config.head_dim, dtype=dtype, **options))
     kv = model.make_kv_cache(64, PAGE, backend=backend)
     rng = np.random.default_rng(0)
     pages = [list(rng.permutation(64)[i * 16:(i + 1) * 16]) for i in range(len(PROMPTS))]
@@ -76,11 +78,12 @@ def _run(dtype: torch.dtype, attention: str) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def test_flashinfer_logits_track_float32_as_closely_as_bfloat16_does():
+@pytest.mark.parametrize("prefill_backend", ["auto", "fa2"])
+def test_flashinfer_logits_track_float32_as_closely_as_bfloat16_does(prefill_backend):
     pytest.importorskip("flashinfer")
     ref = _run(torch.float32, "torch")
     bf16 = _run(torch.bfloat16, "torch")
-    fi = _run(torch.bfloat16, "flashinfer")
+    fi = _run(torch.bfloat16, "flashinfer", prefill_backend=prefill_backend)
     for (name, r), (_, b), (_, f) in zip(ref, bf16, fi):
         err_bf16 = (b - r).abs().max().item()
         err_fi = (f - r).abs().max().item()

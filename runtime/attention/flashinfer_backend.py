@@ -66,7 +66,10 @@ class FlashInferBackend:
 
     def __init__(self, num_qo_heads: int | None = None, num_kv_heads: int | None = None,
                  head_dim: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                 workspace_bytes: int = 64 << 20, num_slots: int = 8, **_unused) -> None:
+                 workspace_bytes: int = 64 << 20, num_slots: int = 8, prefill_backend: str = "auto",
+                 **_unused) -> None:
+        """`prefill_backend`: FlashInfer's prefill implementation ("auto" picks FA3 on Hopper,
+        "fa2" the portable one)."""
         if None in (num_qo_heads, num_kv_heads, head_dim):
             raise ValueError(
                 "the flashinfer backend needs num_qo_heads, num_kv_heads and head_dim "
@@ -85,6 +88,7 @@ class FlashInferBackend:
         self.dtype = dtype
         self.workspace_bytes = workspace_bytes
         self.num_slots = num_slots
+        self.prefill_backend = prefill_backend
         self._slots: list[dict] = []
         self._next = 0
 
@@ -97,7 +101,7 @@ class FlashInferBackend:
         if len(self._slots) < self.num_slots:
             ws = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
             self._slots.append({
-                "prefill": self._fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD"),
+                "prefill": self._fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=self.prefill_backend),
                 "decode": self._fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD"),
             })
         slot = self._slots[self._next % self.num_slots]
