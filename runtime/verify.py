@@ -29,7 +29,7 @@ tokens; nothing here waits on the device except input checks, which run for CPU 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -193,6 +193,8 @@ class TreeSpec:
     depths: torch.Tensor  # [T] int64, 0 for the root
     mask: torch.Tensor  # [T, T] bool, mask[i, j]: node i attends to node j (j ancestor-or-self)
     max_depth: int  # longest root-to-leaf path, in drafts
+    # its copies on other devices: a tree's tensors are constant, so each device gets them once
+    _copies: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_nodes(self) -> int:
@@ -219,9 +221,14 @@ class TreeSpec:
         return cls.from_parents([-1, *range(num_drafts)])
 
     def to(self, device: torch.device | str) -> "TreeSpec":
+        """This tree on `device` (itself where it is there; a copy made once per device)."""
         device = torch.device(device)
-        return TreeSpec(to_device(self.parents, device), to_device(self.depths, device), to_device(self.mask, device),
-                        self.max_depth)
+        if self.parents.device == device:
+            return self
+        if device not in self._copies:
+            self._copies[device] = TreeSpec(to_device(self.parents, device), to_device(self.depths, device),
+                                            to_device(self.mask, device), self.max_depth)
+        return self._copies[device]
 
 
 def tree_attention_mask(tree: TreeSpec) -> torch.Tensor:
@@ -234,7 +241,7 @@ def tree_positions(tree: TreeSpec, base_pos: int | torch.Tensor) -> torch.Tensor
     """Position ids of the nodes: root at base_pos, depth-k nodes at base_pos + k.
     int base_pos -> [T]; base_pos [B] -> [B, T]."""
     if isinstance(base_pos, torch.Tensor):
-        return base_pos.to(torch.int64).unsqueeze(-1) + to_device(tree.depths, base_pos.device)
+        return base_pos.to(torch.int64).unsqueeze(-1) + tree.to(base_pos.device).depths
     return tree.depths + base_pos
 
 

@@ -72,22 +72,20 @@ class _Anchor:
 class CudaEvent:
     """Completion of one op on a CudaDevice: its end CUDA event plus the op's result."""
 
-    def __init__(self, device: CudaDevice, op: str, stream: str, launch_ns: int, *,
-                 start: Any = None, end: Any = None, anchor: _Anchor | None = None,
-                 result: Any = None, error: _Failure | None = None):
+    def __init__(self, device: CudaDevice, op: str, stream: str, launch_ns: int, *, error: _Failure | None = None):
+        """A launched op, pending until `_dispatch_done`; with `error`, one that failed before
+        anything was queued."""
         self.op = op
         self.stream = stream
         self.launch_ns = launch_ns  # host monotonic time of launch
         self.owner = device
-        self._start, self._end, self._anchor = start, end, anchor
-        self._result = result
-        self._error = error
-        self._done = error is not None  # failed before anything was queued
         self._times: tuple[int, int] | None = None
-        # set by the dispatch thread once the op ran on the host (its GPU work queued)
+        # set once the op ran on the host (its GPU work queued)
         self._dispatched = threading.Event()
+        self._start = self._end = self._anchor = self._result = self._error = None
+        self._done = False
         if error is not None:
-            self._dispatched.set()
+            self._dispatch_done(error=error)
 
     def _dispatch_done(self, *, start: Any = None, end: Any = None, anchor: _Anchor | None = None,
                        result: Any = None, error: _Failure | None = None) -> None:
