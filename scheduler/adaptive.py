@@ -144,8 +144,9 @@ class DraftLenPolicy:
     def skips_fill(self, decided: bool) -> bool:
         """Whether a forward step leaves the proposer's fill for a catch-up: it is a draft
         model's, and speculation is off -- this step is a plain decode the policy chose
-        (`decided`), or it prefills after one."""
-        return self.catches_up and (decided or (self.last is not None and self.last.draft_len == 0))
+        (`decided`), or it prefills after one or before the policy's first decision (nothing
+        says yet that the proposer will be needed; the first step that drafts catches up)."""
+        return self.catches_up and (decided or self.last is None or self.last.draft_len == 0)
 
     # -- what it has learned (scheduler/policy_state.py) ------------------------------------
     def state(self) -> dict:

@@ -691,3 +691,27 @@ def test_a_step_that_catches_the_proposer_up_does_not_move_the_overhead():
     dec = policy.choose(slots, np.full(2, 200), np.full(2, 50), 4096, np.zeros(2, dtype=np.int64))
     policy.observe_step(int(policy.step_ns(*dec.cost_args) + 1e6))  # a step with nothing to catch up counts
     assert policy.overhead.at(dec.draft_len) == pytest.approx(1e6, rel=1e-6)
+
+
+@pytest.mark.parametrize("sample", ["draft_overlap.jsonl", "mtp_mtp.jsonl"])
+def test_a_load_where_speculation_never_pays_runs_no_fill(monkeypatch, sample):
+    """A proposer with lazy fills reads nothing until the policy first drafts: the prompts
+    admitted before its first decision are caught up then, like those admitted while
+    speculation is off. A policy that never drafts thus costs what plain decoding does (before,
+    the first prompts' fill ran: at 12 concurrent, 3% of a simulated run that never drafted)."""
+    from specsched.scheduler import adaptive
+    from specsched.simulator.fit import fit_profile
+    from specsched.traces.reader import read_trace
+
+    def plain(self, slots, remaining, computed, budget, lag=None):
+        self.decisions += 1
+        rows = min(len(slots), budget)
+        dec = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
+        self.last = dec
+        return dec
+
+    monkeypatch.setattr(adaptive.DraftLenPolicy, "choose", plain)
+    tr = read_trace(SAMPLES / sample)
+    m, sim = replay(tr, fit_profile([tr]), ReplayConfig(draft_len="auto", max_draft_len=4))
+    assert m["draft_len_counts"] == {"0": sum(1 for s in sim.steps if s.draft_len is not None)}
+    assert [s.name for s in sim.spans if s.name in ("draft", "draft_fill", "verify")] == []
