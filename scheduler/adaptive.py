@@ -48,7 +48,9 @@ the pipeline), and its inputs are what the pipeline already has:
   `explore_cost` of each decided step's predicted time. From D = 0 with the proposer behind,
   the first `PROBE_ROWS` rows probe (the others wait a step); a resume predicted within
   `probe_margin` of plain decoding is such a probe too (a step that then finds D = 0 best
-  wastes its catch-up); while no plain step has run, the probe is D = 0.
+  wastes its catch-up), and so is one over more than twice the rows a verify has had, with
+  that many rows (its verify cost is an extrapolation); while no plain step has run, the
+  probe is D = 0.
 - **State**: `state()` is what the policy has learned (engine-wide acceptance, cost models,
   overheads, probe schedule) as JSON values; a trace's header carries it and a replay of the
   trace `restore`s it, so that the replay starts where the captured run's policy stood.
@@ -136,6 +138,7 @@ class DraftLenPolicy:
         self.costs = {m: OnlineCost(f, prior=seed_coef(seed_costs, PROFILE_NAMES[m], f), free_const=m != "draft") for m, f in FEATURES.items()}
         self.overhead = StepOverhead(max_draft_len)  # h per D (scheduler/step_overhead.py)
         self.decisions = 0
+        self.verify_rows = 0  # the most rows a verify has had (a larger one's cost is extrapolated)
         self.last: Decision | None = None
         self._held_slots: np.ndarray | None = None  # the batch a standing D = 0 was chosen for
         self._held_budget, self._held = 0, 0
@@ -200,6 +203,8 @@ class DraftLenPolicy:
         else:
             return
         self.costs[model].add(_features(model, attrs, op), float(duration_ns))
+        if op == "verify":
+            self.verify_rows = max(self.verify_rows, int(attrs.get("requests", 0)))
 
     def observe_step(self, wall_ns: int) -> None:
         """The last decided step took `wall_ns` (schedule to output): h follows the part of it
@@ -323,16 +328,21 @@ class DraftLenPolicy:
                                         self._behind(lag, probe, k))
             if self.probes.decide(self.decisions, best, far, loss):
                 best, explored, probe_rows = probe, True, k
-        elif best and rates.get(0) and rates[best] < (1.0 + self.probe_margin) * rates[0]:
+        elif best and rates.get(0) and self._behind(lag, best, rows_l[best]):
             # resuming pays every row's catch-up now, and a later step that finds D = 0 best
-            # after all (its costs at this batch were extrapolated) has wasted it: a resume
-            # predicted within `probe_margin` of plain decoding is a probe, paid from the budget
-            behind = self._behind(lag, best, rows_l[best])
-            if behind:
-                loss = self._probe_loss(best, rates[0], rows_l[best], forwards_l[best], kv_l[best], expected_l[best],
-                                        behind)
+            # after all has wasted it. So a resume predicted within `probe_margin` of plain
+            # decoding is a probe, paid from the budget; and so is one over more rows than a
+            # verify has had (twice those, at least PROBE_ROWS): its verify cost is an
+            # extrapolation (a warm-up at batch 1 priced a resume at 47 rows +15%; it lost a
+            # 486 ms catch-up, 7% of the run) -- the rows it may take double per resume
+            k = min(rows_l[best], max(PROBE_ROWS, 2 * self.verify_rows))
+            if k < rows_l[best] or rates[best] < (1.0 + self.probe_margin) * rates[0]:
+                loss = self._probe_loss(best, rates[0], k, int(np.maximum(use[best, :k] - 1, 0).sum()),
+                                        int(computed[:k].sum()), k + float(accepted[best, :k].sum()),
+                                        self._behind(lag, best, k))
                 if self.probes.pay(loss):
                     explored = True
+                    probe_rows = k if k < rows_l[best] else None
                 else:
                     best = 0
         rows = int(rows_d[best]) if probe_rows is None else probe_rows

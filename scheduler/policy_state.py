@@ -15,7 +15,10 @@ STATE = {"global_accept": "estimate.global_accept", "global_seen": "estimate.glo
          "overhead_ns": "overhead.pooled", "overhead_by_d": "overhead.by_d", "overhead_samples": "overhead.samples",
          "residuals_by_d": "overhead.residuals_by_d", "residuals": "overhead.residuals",
          "decisions": "decisions", "explore_gap": "probes.gap", "next_explore": "probes.next",
-         "probed_best": "probes.probed_best", "probes": "probes.probes", "explore_budget": "probes.budget"}
+         "probed_best": "probes.probed_best", "probes": "probes.probes", "explore_budget": "probes.budget",
+         "verify_rows": "verify_rows"}
+# entries a state saved before they existed may lack: the value such a state stands for
+OPTIONAL = {"verify_rows": 0}
 
 
 def _fields(policy):
@@ -38,6 +41,7 @@ def restore_policy_state(policy, state: dict) -> int | None:
     if state.get("max_draft_len") != policy.max_draft_len or set(state.get("costs", {})) != set(policy.costs):
         raise ValueError(f"a draft-length policy state for max_draft_len={state.get('max_draft_len')}, "
                          f"this policy has {policy.max_draft_len}")
+    state = OPTIONAL | state
     missing = [k for k in (*STATE, "last_draft_len") if k not in state]
     if missing:
         raise ValueError(f"a draft-length policy state without {', '.join(missing)}")

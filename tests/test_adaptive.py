@@ -715,3 +715,43 @@ def test_a_load_where_speculation_never_pays_runs_no_fill(monkeypatch, sample):
     m, sim = replay(tr, fit_profile([tr]), ReplayConfig(draft_len="auto", max_draft_len=4))
     assert m["draft_len_counts"] == {"0": sum(1 for s in sim.steps if s.draft_len is not None)}
     assert [s.name for s in sim.spans if s.name in ("draft", "draft_fill", "verify")] == []
+
+
+def test_a_resume_over_more_rows_than_any_verify_had_is_a_probe_that_doubles():
+    """Costs learned at batch 1 (a warm-up) price a verify of 47 rows by extrapolation: a
+    resume that would catch 47 rows up on that prediction drafts with PROBE_ROWS rows, paid
+    from the exploration budget, and each later resume with at most twice the rows a verify
+    has had. A batch with nothing to catch up drafts with every row at once (a wrong price
+    then costs one step, not a catch-up)."""
+    p = DraftLenPolicy(4, has_fill=True, kv_ahead=1, lazy_fill=True, prior=0.9, explore_every=1000)
+    _teach(p, verify_ns_per_token=1e5, draft_ns_per_forward=1e5, const_ns=4e6, rows=(1,))
+    for tokens in (2, 8, 64, 512) * 16:
+        p.observe_launch("fill", {"tokens": tokens, "requests": 1, "kv_tokens": 50}, int(1e6 + 1e4 * tokens))
+    rows = 47
+    slots, remaining, computed = np.arange(rows), np.full(rows, 300), np.full(rows, 100)
+    lag = np.full(rows, 20)
+    assert p.choose(slots, remaining, computed, 4096, np.zeros(rows, dtype=np.int64)).rows == rows  # caught up
+    taken = []
+    for _ in range(2000):
+        d = p.choose(slots, remaining, computed, 4096, lag)
+        p._held_slots = None
+        if d.draft_len:
+            taken.append((d.rows, d.explored))
+            p.observe_launch("verify", {"tokens": d.rows * (1 + d.draft_len), "requests": d.rows,
+                                        "kv_tokens": int(computed[:d.rows].sum())},
+                             int(4e6 + 1e5 * d.rows * (1 + d.draft_len)))
+            if d.rows == rows:
+                break
+    # within reach of the verifies seen (2 x 32 rows), a clear gain is no probe
+    assert taken == [(4, True), (8, True), (16, True), (32, True), (47, False)], taken
+
+
+def test_a_state_saved_before_verify_rows_were_kept_restores():
+    p = DraftLenPolicy(3, has_fill=False, prior=0.5)
+    p.observe_launch("verify", {"tokens": 12, "requests": 3, "kv_tokens": 60}, int(5e6))
+    state = p.state()
+    assert state["verify_rows"] == 3
+    del state["verify_rows"]
+    q = DraftLenPolicy(3, has_fill=False, prior=0.5)
+    q.restore(state)
+    assert q.verify_rows == 0 and q.costs["target"].coef is not None
