@@ -30,7 +30,8 @@ the pipeline), and its inputs are what the pipeline already has:
   first token comes from logits already there, each further one reads the KV); the fill),
   refitted as samples arrive (running weighted sums: O(1) per sample), ridge-regularized
   toward its seed -- a fitted cost profile (`seed_costs`, the simulator's JSON format) or
-  none -- so a few samples cannot swing it. While an op has no sample the policy drafts
+  none -- so a few samples cannot swing it. While an unseeded op has fewer than two samples
+  (one sample's cost is all constant: a first fill that caught up a prompt) the policy drafts
   `first_draft_len` tokens, which teaches every model.
   h per D (`scheduler/step_overhead.py`) is the median of recent steps' measured wall time
   over predicted device time (the models as the step's own launches left them): host work a
@@ -306,7 +307,7 @@ class DraftLenPolicy:
                 best = d
         explored, probe_rows = False, None
         if best is None or len(rates) < sum(r > 0 for r in rows_l):
-            # a cost not known yet (no sample of the op): speculate, which teaches them all
+            # a cost not known yet (too few samples of an op): speculate, which teaches them all
             best = self.first_draft_len
         elif self.probes.due(self.decisions, self.plain_seen):
             # a neighbour, so that the costs and acceptance of the lengths around the best stay

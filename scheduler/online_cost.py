@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# samples an unseeded model needs before it prices anything: one sample's cost goes wholly to
+# the free constant (a first fill that caught up a whole prompt priced every later fill as
+# that catch-up, and an MTP head's warm-up then never drafted again)
+MIN_SAMPLES = 2
+
 
 @dataclass
 class OnlineCost:
@@ -89,11 +94,17 @@ class OnlineCost:
         self.coef = None if state["coef"] is None else np.asarray(state["coef"], dtype=float)
         self._n, self._since_fit = int(state["n"]), int(state["since_fit"])
 
+    @property
+    def known(self) -> bool:
+        """Whether the model prices anything: seeded, or fitted on at least MIN_SAMPLES samples."""
+        return self.coef is not None and (self.prior is not None or self._n >= MIN_SAMPLES)
+
     def at(self, a: float, b: float, c: float, e: float = 0.0) -> float | None:
-        """`predict` of (1, a, b, c[, e]) in plain floats: the policy prices every D each step."""
+        """`predict` of (1, a, b, c[, e]) in plain floats (None while not `known`): the policy
+        prices every D each step."""
         k = self.__dict__.get("_k")
         if k is None or k[0] is not self.coef:
-            if self.coef is None:
+            if not self.known:
                 return None
             k = self.__dict__["_k"] = (self.coef, *map(float, self.coef), 0.0)
         v = k[1] + k[2] * a + k[3] * b + k[4] * c + k[5] * e

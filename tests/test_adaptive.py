@@ -755,3 +755,36 @@ def test_a_state_saved_before_verify_rows_were_kept_restores():
     q = DraftLenPolicy(3, has_fill=False, prior=0.5)
     q.restore(state)
     assert q.verify_rows == 0 and q.costs["target"].coef is not None
+
+
+def test_an_op_seen_once_is_not_priced_and_the_warm_up_speculates_again():
+    """One sample's cost goes wholly to the model's free constant: the first fill of a head
+    that caught up a whole prompt (98 tokens, 10 ms) would price every later 3-token fill at
+    10 ms, and a warm-up on that price never drafted again. An unseeded model prices nothing
+    before its second sample, so the policy's second step speculates again (caught up now),
+    and the fills of both steps set the price."""
+    cost = OnlineCost(("const", "tokens", "requests", "kv_tokens"))
+    cost.add(np.array([1.0, 98, 1, 98]), 10e6)
+    assert cost.coef is not None and cost.at(3, 1, 100) is None
+    seeded = OnlineCost(("const", "tokens", "requests", "kv_tokens"), prior=np.array([1e6, 1e4, 0.0, 0.0]))
+    seeded.add(np.array([1.0, 98, 1, 98]), 10e6)
+    assert seeded.at(3, 1, 100) is not None
+
+    p = DraftLenPolicy(4, has_fill=True, fill_same_batch=True, lazy_fill=True, prior=0.8, explore_every=1000)
+    slots, remaining = np.arange(1), np.full(1, 100)
+
+    def step(d, computed, fill_tokens, fill_ns):
+        p.observe_launch("draft", {"num_draft": d, "draft_forwards": d - 1, "requests": 1, "kv_tokens": computed},
+                         int(0.3e6 * (d - 1)))
+        p.observe_launch("verify", {"tokens": 1 + d, "requests": 1, "kv_tokens": computed}, int(4.2e6 + 0.1e6 * d))
+        p.observe_launch("fill", {"tokens": fill_tokens, "requests": 1, "kv_tokens": computed}, int(fill_ns))
+
+    first = p.choose(slots, remaining, np.full(1, 97), 4096, np.full(1, 97))
+    assert first.draft_len == p.first_draft_len
+    step(first.draft_len, 97, 97 + 1 + first.draft_len, 10e6)  # the catch-up and the step's own fill
+    second = p.choose(slots, remaining, np.full(1, 100), 4096, np.zeros(1, dtype=np.int64))
+    assert second.draft_len == p.first_draft_len and not second.explored
+    step(second.draft_len, 100, 1 + second.draft_len, 1.3e6)
+    p.observe_launch("forward", {"kind": "decode", "tokens": 1, "requests": 1, "kv_tokens": 103}, int(4.1e6))
+    third = p.choose(slots, remaining, np.full(1, 103), 4096, np.zeros(1, dtype=np.int64))
+    assert third.draft_len > 0 and third.gain > 1.2  # a 3-token fill is priced ~1.3 ms, not 10
