@@ -30,7 +30,8 @@ the pipeline), and its inputs are what the pipeline already has:
   first token comes from logits already there, each further one reads the KV); the fill),
   refitted as samples arrive (running weighted sums: O(1) per sample), ridge-regularized
   toward its seed -- a fitted cost profile (`seed_costs`, the simulator's JSON format) or
-  none -- so a few samples cannot swing it. While an unseeded op has fewer than two samples
+  none -- so a few samples cannot swing it. A real device's first launch of each op pays
+  one-off costs and teaches nothing (`cold_first_launch`). While an unseeded op has fewer than two samples
   (one sample's cost is all constant: a first fill that caught up a prompt) the policy drafts
   `first_draft_len` tokens, which teaches every model.
   h per D (`scheduler/step_overhead.py`) is the median of recent steps' measured wall time
@@ -112,10 +113,12 @@ class DraftLenPolicy:
     """See the module docstring. `kv_ahead`: the proposer's fill after a plain decode covers
     1 + kv_ahead tokens per row; `lazy_fill`: its fills wait while speculation is off
     (`ProposerRules.lazy_fill`); `fill_same_batch`: its fill after a verify covers the verify
-    batch (an MTP head), else the accepted tokens (a draft model); `has_fill`: it has one."""
+    batch (an MTP head), else the accepted tokens (a draft model); `has_fill`: it has one;
+    `cold_first_launch`: the device's first launch of an op pays one-off costs, so its
+    interval teaches nothing (a real device; the simulator's prices have none)."""
 
     def __init__(self, max_draft_len: int, *, has_fill: bool, kv_ahead: int = 0, fill_same_batch: bool = False,
-                 lazy_fill: bool = False,
+                 lazy_fill: bool = False, cold_first_launch: bool = True,
                  prior: float = 0.7, smoothing: float = 0.15, global_smoothing: float = 0.02, prior_weight: float = 8.0,
                  request_weight: float = 4.0, probe_margin: float = 0.1, first_draft_len: int = 2,
                  explore_every: int = 16, explore_cost: float = 0.02, seed_costs: dict | None = None,
@@ -140,6 +143,8 @@ class DraftLenPolicy:
         self.overhead = StepOverhead(max_draft_len)  # h per D (scheduler/step_overhead.py)
         self.decisions = 0
         self.verify_rows = 0  # the most rows a verify has had (a larger one's cost is extrapolated)
+        # launch ops whose first (cold) interval has been seen; all of them on a device without one
+        self.warm_ops: list[str] = [] if cold_first_launch else ["forward", "verify", "draft", "fill"]
         self.last: Decision | None = None
         self._held_slots: np.ndarray | None = None  # the batch a standing D = 0 was chosen for
         self._held_budget, self._held = 0, 0
@@ -202,6 +207,11 @@ class DraftLenPolicy:
         elif op in ("draft", "fill"):
             model = op
         else:
+            return
+        if op not in self.warm_ops:
+            # an op's first launch pays one-off costs (allocations, kernel selection): a head's
+            # first fill measured 23.7 ms for 97 tokens against 4.7 ms for 57 the next time
+            self.warm_ops.append(op)
             return
         self.costs[model].add(_features(model, attrs, op), float(duration_ns))
         if op == "verify":

@@ -122,6 +122,7 @@ class VirtualStream:
 class VirtualDevice:
     kind = "virtual"
     needs_plans = False  # launches are timed from their shape; no attention metadata needed
+    warm_first_launch = True  # an op's first launch is priced as any other (no one-off costs)
 
     def __init__(self, profile: CostProfile, responder: Responder, name: str = "virtual",
                  clock: VirtualClock | None = None):
