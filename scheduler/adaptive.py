@@ -66,35 +66,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from specsched.scheduler.acceptance_estimate import AcceptanceEstimate
-from specsched.scheduler.online_cost import OnlineCost, seed_coef
+from specsched.scheduler.online_cost import FEATURES, OnlineCost, cost_models, launch_model, op_features
 from specsched.scheduler.policy_state import policy_state, restore_policy_state
 from specsched.scheduler.probe_schedule import ProbeSchedule
 from specsched.scheduler.step_overhead import StepOverhead
-from specsched.scheduler.step_trace import launch_features
 
-# features of each op's cost model, read from its launch shape (span attributes)
-FEATURES = {
-    # decode and verify forwards; `verify` (1 for a verify) is the fixed cost a verify adds
-    # (its logits at every position, the acceptance's inputs), its slopes shared with a decode
-    "target": ("const", "tokens", "requests", "kv_tokens", "verify"),
-    # the draft: its KV is read by each forward after the first token (which comes from logits
-    # already there), so the KV term is KV tokens x draft steps -- a bare KV term, learned
-    # from a warm-up whose one request's KV grew while its D stood, priced a D = 1 draft (no
-    # forward at all) by the context length
-    "draft": ("const", "draft_steps", "draft_forwards", "draft_kv"),
-    "fill": ("const", "tokens", "requests", "kv_tokens"),
-}
-# a profile's device models that seed them (span names, see scheduler/step_trace.py)
-PROFILE_NAMES = {"target": ("verify", "decode"), "draft": ("draft",), "fill": ("draft_fill",)}
 HOLD_STEPS = 8  # decode steps a choice of D = 0 stands for over an unchanged batch (see `choose`)
 PROBE_ROWS = 4  # rows a probe from D = 0 drafts with while its proposer is behind (see `choose`)
-
-
-def _features(model: str, attrs: dict, op: str = "") -> np.ndarray:
-    values = launch_features(attrs)
-    values["verify"] = float(op == "verify")
-    values["draft_kv"] = values["kv_tokens"] * values["draft_steps"]
-    return np.array([values[f] for f in FEATURES[model]])
 
 
 @dataclass
@@ -139,7 +117,7 @@ class DraftLenPolicy:
         self.estimate = AcceptanceEstimate(max_draft_len, prior=prior, smoothing=smoothing,
                                            global_smoothing=global_smoothing, prior_weight=prior_weight,
                                            request_weight=request_weight, slots=slots)
-        self.costs = {m: OnlineCost(f, prior=seed_coef(seed_costs, PROFILE_NAMES[m], f), free_const=m != "draft") for m, f in FEATURES.items()}
+        self.costs = cost_models(seed_costs)  # target, draft, fill (scheduler/online_cost.py)
         self.overhead = StepOverhead(max_draft_len)  # h per D (scheduler/step_overhead.py)
         self.decisions = 0
         self.verify_rows = 0  # the most rows a verify has had (a larger one's cost is extrapolated)
@@ -202,18 +180,15 @@ class DraftLenPolicy:
         """A completed launch's device interval: `op` is the launch op (forward, draft,
         verify, fill), `attrs` its shape. Plain decode and verify forwards train the target's
         model (prefill chunks cost otherwise and are not what this policy chooses between)."""
-        if op == "verify" or (op == "forward" and attrs.get("kind") == "decode"):
-            model = "target"
-        elif op in ("draft", "fill"):
-            model = op
-        else:
+        model = launch_model(op, attrs)
+        if model is None:
             return
         if op not in self.warm_ops:
             # an op's first launch pays one-off costs (allocations, kernel selection): a head's
-            # first fill measured 23.7 ms for 97 tokens against 4.7 ms for 57 the next time
+            # first fill measured 21-24 ms for 97 tokens against 4.7 ms for 57 the next time
             self.warm_ops.append(op)
             return
-        self.costs[model].add(_features(model, attrs, op), float(duration_ns))
+        self.costs[model].add(op_features(model, attrs, op), float(duration_ns))
         if op == "verify":
             self.verify_rows = max(self.verify_rows, int(attrs.get("requests", 0)))
 
@@ -334,9 +309,7 @@ class DraftLenPolicy:
                 k = min(k, PROBE_ROWS)
             loss = 0.0
             if not far and probe in rates:
-                loss = self._probe_loss(probe, rates[best], k, int(np.maximum(use[probe, :k] - 1, 0).sum()),
-                                        int(computed[:k].sum()), k + float(accepted[probe, :k].sum()),
-                                        self._behind(lag, probe, k))
+                loss = self._probe_loss(probe, rates[best], k, use, computed, accepted, lag)
             if self.probes.decide(self.decisions, best, far, loss):
                 best, explored, probe_rows = probe, True, k
         elif best and rates.get(0) and self._behind(lag, best, rows_l[best]):
@@ -348,9 +321,7 @@ class DraftLenPolicy:
             # 486 ms catch-up, 7% of the run) -- the rows it may take double per resume
             k = min(rows_l[best], max(PROBE_ROWS, 2 * self.verify_rows))
             if k < rows_l[best] or rates[best] < (1.0 + self.probe_margin) * rates[0]:
-                loss = self._probe_loss(best, rates[0], k, int(np.maximum(use[best, :k] - 1, 0).sum()),
-                                        int(computed[:k].sum()), k + float(accepted[best, :k].sum()),
-                                        self._behind(lag, best, k))
+                loss = self._probe_loss(best, rates[0], k, use, computed, accepted, lag)
                 if self.probes.pay(loss):
                     explored = True
                     probe_rows = k if k < rows_l[best] else None
@@ -391,18 +362,19 @@ class DraftLenPolicy:
         """Tokens a step of the first `rows` rows at D = d catches its proposer up on."""
         return float(lag[:rows].sum()) if d and lag is not None and self.catches_up else 0.0
 
-    def _probe_loss(self, probe: int, best_rate: float, rows: int, forwards: int, kv: int, expected: float,
-                    catch: float) -> float:
-        """What a step of `rows` at D = `probe` (making `forwards` proposer forwards over `kv`
-        KV tokens, `expected` tokens, a catch-up of `catch` tokens) costs against the best
-        length's rate: its predicted time over the time the best takes for as many tokens. The
-        catch-up counts whole (not spread over the output, as in the rates): a probe that
-        finds D = 0 still best has wasted it."""
-        t = self.step_ns(rows, probe, forwards, kv, catch)
+    def _probe_loss(self, probe: int, best_rate: float, rows: int, use: np.ndarray, computed: np.ndarray,
+                    accepted: np.ndarray, lag: np.ndarray | None) -> float:
+        """What a step of the first `rows` rows at D = `probe` (`choose`'s drafts per row `use`,
+        KV tokens `computed`, expected accepted drafts `accepted`, proposer lag `lag`) costs
+        against the best length's rate: its predicted time over the time the best takes for as
+        many tokens. Its catch-up counts whole (not spread over the output, as in the rates):
+        a probe that finds D = 0 still best has wasted it."""
+        t = self.step_ns(rows, probe, int(np.maximum(use[probe, :rows] - 1, 0).sum()), int(computed[:rows].sum()),
+                         self._behind(lag, probe, rows))
         if t is None:
             return 0.0
         t = max(self.overhead.at(probe) + t, 0.25 * t, 1.0)
-        return max(t - expected / best_rate, 0.0)
+        return max(t - (rows + float(accepted[probe, :rows].sum())) / best_rate, 0.0)
 
     def _per_row(self, num_draft: np.ndarray, reach: np.ndarray, rate: float, kv_rows: np.ndarray) -> np.ndarray:
         """A row's j-th draft (j >= 2: one more proposer forward for it) is kept while the

@@ -1,10 +1,13 @@
-"""The draft-length policy's cost model of one device op: a non-negative linear cost learned
-online from device intervals (see `OnlineCost`; `scheduler/adaptive.py` keeps one per op)."""
+"""The draft-length policy's cost models: per op a non-negative linear cost learned online
+from device intervals (see `OnlineCost`; `scheduler/adaptive.py` keeps one per op, `cost_models`),
+over the features `FEATURES` reads from a launch's shape."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from specsched.scheduler.step_trace import launch_features
 
 # samples an unseeded model needs before it prices anything: one sample's cost goes wholly to
 # the free constant (a first fill that caught up a whole prompt priced every later fill as
@@ -123,3 +126,43 @@ def seed_coef(profile: dict | None, names: tuple[str, ...], features: tuple[str,
             coef = m["coef"] if isinstance(m, dict) else m.coef
             return np.array([float(coef.get(f, 0.0)) for f in features])
     return None
+
+
+# features of each op's cost model, read from its launch shape (span attributes)
+FEATURES = {
+    # decode and verify forwards; `verify` (1 for a verify) is the fixed cost a verify adds
+    # (its logits at every position, the acceptance's inputs), its slopes shared with a decode
+    "target": ("const", "tokens", "requests", "kv_tokens", "verify"),
+    # the draft: its KV is read by each forward after the first token (which comes from logits
+    # already there), so the KV term is KV tokens x draft steps -- a bare KV term, learned
+    # from a warm-up whose one request's KV grew while its D stood, priced a D = 1 draft (no
+    # forward at all) by the context length
+    "draft": ("const", "draft_steps", "draft_forwards", "draft_kv"),
+    "fill": ("const", "tokens", "requests", "kv_tokens"),
+}
+# a profile's device models that seed them (span names, see scheduler/step_trace.py)
+PROFILE_NAMES = {"target": ("verify", "decode"), "draft": ("draft",), "fill": ("draft_fill",)}
+
+
+def launch_model(op: str, attrs: dict) -> str | None:
+    """The cost model a completed launch trains: plain decode and verify forwards the target's
+    (prefill chunks cost otherwise and are not what the policy chooses between), draft and
+    fill their own; None for the rest."""
+    if op == "verify" or (op == "forward" and attrs.get("kind") == "decode"):
+        return "target"
+    return op if op in ("draft", "fill") else None
+
+
+def op_features(model: str, attrs: dict, op: str = "") -> np.ndarray:
+    """`model`'s features of a launch of `op` with shape `attrs` (span attributes)."""
+    values = launch_features(attrs)
+    values["verify"] = float(op == "verify")
+    values["draft_kv"] = values["kv_tokens"] * values["draft_steps"]
+    return np.array([values[f] for f in FEATURES[model]])
+
+
+def cost_models(seed_costs: dict | None) -> dict[str, OnlineCost]:
+    """One model per `FEATURES` entry, seeded from a cost profile's JSON if given; the draft's
+    constant is pulled toward the seed (see `OnlineCost.free_const`)."""
+    return {m: OnlineCost(f, prior=seed_coef(seed_costs, PROFILE_NAMES[m], f), free_const=m != "draft")
+            for m, f in FEATURES.items()}

@@ -819,3 +819,46 @@ def test_the_first_launch_of_each_op_teaches_nothing_on_a_device_where_it_is_col
 
     assert VirtualDevice.warm_first_launch  # what build_pipeline asks of a device
     assert sorted(draft_len_policy(spec, cold_first_launch=False).warm_ops) == ["draft", "fill", "forward", "verify"]
+
+
+def test_an_auto_run_that_never_drafted_replays_on_its_policy_s_prices(monkeypatch):
+    """At a load where speculation does not pay an adaptive run drafts nothing, so its trace
+    has no draft, verify or fill span; its header's policy state priced them (learned in the
+    run's warm-up), and the profile fitted on the trace takes them from there: `validate`
+    replays it, the policy deciding or following the run, where it refused to before."""
+    from specsched.scheduler import adaptive
+    from specsched.simulator.analysis import validate
+    from specsched.simulator.fit import fit_profile
+    from specsched.traces.reader import read_trace
+
+    tr = read_trace(SAMPLES / "draft_overlap.jsonl")
+    learned = DraftLenPolicy(4, has_fill=True, kv_ahead=1, cold_first_launch=False)
+    op = {"verify": "verify", "draft": "draft", "draft_fill": "fill"}
+    for s in tr.spans:  # the captured run's own intervals, as its warm-up would have seen them
+        if s.track != "host" and s.name in op:
+            learned.observe_launch(op[s.name], s.attrs, s.end_ns - s.start_ns)
+    orig = adaptive.DraftLenPolicy.choose
+
+    def plain(self, slots, remaining, computed, budget, lag=None):
+        orig(self, slots, remaining, computed, budget, lag)
+        rows = min(len(slots), budget)
+        self.last = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
+        return self.last
+
+    with monkeypatch.context() as m:
+        m.setattr(adaptive.DraftLenPolicy, "choose", plain)
+        _, never = replay(tr, fit_profile([tr]), ReplayConfig(draft_len="auto", max_draft_len=4))
+    assert not [s for s in never.spans if s.name in op]
+    bare = fit_profile([never])
+    assert not {"verify", "draft", "draft_fill"} & set(bare.device)
+    never.header.extra["draft_policy"] = learned.state()
+    prof = fit_profile([never])
+    verify = learned.costs["target"].at(12, 4, 400, 1.0)
+    assert prof.device["verify"].price({"tokens": 12, "requests": 4, "kv_tokens": 400}) == pytest.approx(verify)
+    fill = learned.costs["fill"].at(8, 4, 400)
+    assert prof.device["draft_fill"].price({"tokens": 8, "requests": 4, "kv_tokens": 400}) == pytest.approx(fill)
+    v = validate(never, replicates=1)
+    assert abs(v["makespan_err_followed_pct"]) < 2.0 and v["makespan_err_pct"] is not None
+    never.header.extra.pop("draft_policy")
+    with pytest.raises(ValueError, match="no model for device op"):
+        validate(never, replicates=1)
