@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -76,8 +77,6 @@ def cuda_tests(deadline: float, extra_path: str | None) -> dict:
 def schedules(deadline: float, num_requests: int, max_tokens: int, concurrency: int, attention: str = "flashinfer",
               dispatches: tuple[str, ...] = ("thread",)) -> list[dict]:
     """Each schedule once per CUDA dispatch mode (runtime/devices/cuda.py), the modes side by side."""
-    import os
-
     from common import bundled_items, run
 
     items = bundled_items(num_requests, max_tokens)

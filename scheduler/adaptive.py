@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specsched.scheduler.acceptance_estimate import AcceptanceEstimate
-from specsched.scheduler.online_cost import FEATURES, OnlineCost, cost_models, launch_model, op_features
+from specsched.scheduler.online_cost import FEATURES, LAUNCH_OPS, OnlineCost, cost_models, launch_model, op_features
 from specsched.scheduler.policy_state import policy_state, restore_policy_state
 from specsched.scheduler.probe_schedule import ProbeSchedule
 from specsched.scheduler.step_overhead import StepOverhead
@@ -122,7 +122,7 @@ class DraftLenPolicy:
         self.decisions = 0
         self.verify_rows = 0  # the most rows a verify has had (a larger one's cost is extrapolated)
         # launch ops whose first (cold) interval has been seen; all of them on a device without one
-        self.warm_ops: list[str] = [] if cold_first_launch else ["forward", "verify", "draft", "fill"]
+        self.warm_ops: list[str] = [] if cold_first_launch else list(LAUNCH_OPS)
         self.last: Decision | None = None
         self._held_slots: np.ndarray | None = None  # the batch a standing D = 0 was chosen for
         self._held_budget, self._held = 0, 0

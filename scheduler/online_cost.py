@@ -142,6 +142,7 @@ FEATURES = {
 }
 # a profile's device models that seed them (span names, see scheduler/step_trace.py)
 PROFILE_NAMES = {"target": ("verify", "decode"), "draft": ("draft",), "fill": ("draft_fill",)}
+LAUNCH_OPS = ("forward", "verify", "draft", "fill")  # the launch ops whose intervals train a model
 
 
 def launch_model(op: str, attrs: dict) -> str | None:
@@ -166,3 +167,14 @@ def cost_models(seed_costs: dict | None) -> dict[str, OnlineCost]:
     constant is pulled toward the seed (see `OnlineCost.free_const`)."""
     return {m: OnlineCost(f, prior=seed_coef(seed_costs, PROFILE_NAMES[m], f), free_const=m != "draft")
             for m, f in FEATURES.items()}
+
+
+def profile_coef(model: str, coef) -> tuple[str, dict[str, float]]:
+    """The inverse of `seed_coef`: `model`'s coefficients as the profile's device model of its
+    first `PROFILE_NAMES` op (op, {feature: ns per unit}). The target's verify term joins the
+    verify's constant; the draft's KV-by-steps term becomes a KV term (exact for two-token drafts)."""
+    c = dict(zip(FEATURES[model], (float(v) for v in coef)))
+    c["const"] += c.pop("verify", 0.0)
+    if "draft_kv" in c:
+        c["kv_tokens"] = c.pop("draft_kv")
+    return PROFILE_NAMES[model][0], c

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from specsched.scheduler.online_cost import LAUNCH_OPS
+
 # the engine-wide estimates, overheads and probe schedule (per-request estimates are not part
 # of it: a request's start resets its own): key in the state -> attribute path on the policy
 STATE = {"global_accept": "estimate.global_accept", "global_seen": "estimate.global_seen",
@@ -18,7 +20,7 @@ STATE = {"global_accept": "estimate.global_accept", "global_seen": "estimate.glo
          "probed_best": "probes.probed_best", "probes": "probes.probes", "explore_budget": "probes.budget",
          "verify_rows": "verify_rows", "warm_ops": "warm_ops"}
 # entries a state saved before they existed may lack: the value such a state stands for
-OPTIONAL = {"verify_rows": 0, "warm_ops": ["forward", "verify", "draft", "fill"]}
+OPTIONAL = {"verify_rows": 0, "warm_ops": list(LAUNCH_OPS)}
 
 
 def _fields(policy):

@@ -17,7 +17,7 @@ import bisect
 
 import numpy as np
 
-from specsched.scheduler.online_cost import FEATURES as POLICY_FEATURES
+from specsched.scheduler.online_cost import profile_coef
 from specsched.scheduler.step_trace import SHAPE_KEYS
 from specsched.simulator.costs import HOST_STAGES, SHAPE_FEATURES, CostProfile, StageModel, device_features, host_key
 
@@ -221,30 +221,20 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
     return prof
 
 
-# device op -> the adaptive draft length's cost model that prices it (scheduler/online_cost.py)
-POLICY_OPS = {"verify": "target", "draft": "draft", "draft_fill": "fill"}
-
-
 def _ops_from_policy(prof: CostProfile, traces: list) -> None:
     """Device ops no trace ran, priced by the cost models of an adaptive run's policy (the
-    state its header carries, learned in the run's warm-up). Why: at a load where speculation
-    does not pay the policy drafts nothing, so the trace has no draft, verify or fill span, and
-    a replay whose policy drafts after all must price them. The policy's verify is its target
-    model with the verify term; its draft's KV term (KV tokens x draft steps) is taken as a KV
-    term, exact for a draft of two tokens. Such a model's fit error is unknown (mape 0)."""
+    state its header carries, learned in the run's warm-up; `online_cost.profile_coef`). Why:
+    at a load where speculation does not pay the policy drafts nothing, so the trace has no
+    draft, verify or fill span, and a replay whose policy drafts after all must price them.
+    Such a model's fit error is unknown (mape 0)."""
     for tr in traces:
         costs = (tr.header.extra.get("draft_policy") or {}).get("costs") or {}
-        for op, model in POLICY_OPS.items():
-            state = costs.get(model) or {}
-            if op in prof.device or state.get("coef") is None or model not in POLICY_FEATURES:
+        for model, state in costs.items():
+            if (state or {}).get("coef") is None:
                 continue
-            c = dict(zip(POLICY_FEATURES[model], (float(v) for v in state["coef"])))
-            if model == "draft":
-                coef = {"const": c["const"], "draft_steps": c["draft_steps"], "draft_forwards": c["draft_forwards"],
-                        "kv_tokens": c["draft_kv"]}
-            else:
-                coef = {k: c[k] for k in ("const", "tokens", "requests", "kv_tokens")}
-                coef["const"] += c.get("verify", 0.0) if op == "verify" else 0.0
+            op, coef = profile_coef(model, state["coef"])
+            if op in prof.device:
+                continue
             prof.device[op] = StageModel(coef=coef, mape=0.0, num_samples=int(state.get("n", 0)),
                                          median_ns=coef["const"])
             prof.source.append(f"{tr.path or '<memory>'} (the run's draft-length policy: {op})")
