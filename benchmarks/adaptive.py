@@ -1,13 +1,15 @@
 """The adaptive draft length against every fixed one, on the bundled models and workload.
 
 For each proposer (draft model under `overlap`, MTP head under `mtp`) and each concurrency
-(closed loop; output lengths spread around `--max-tokens`, see `lengths`), engine output tokens/s of `draft_len="auto"` (up to `--max-draft-len`) and of
-every fixed D in 0..max (D = 0: plain decoding), in interleaved rounds (each round runs every
-configuration once, in a rotated order), medians. Per proposer it prints auto's ratio to the
-best fixed D at each concurrency and the geometric mean over the concurrencies of auto and of
-each fixed D. Then, per proposer and concurrency, one more auto run with its trace, replayed by
-the simulator (`validate`: the trace's own fitted costs): the makespan error, with the policy
-deciding in the replay and with each step's D taken from the run (simulator/follow.py).
+(closed loop; output lengths spread around `--max-tokens`, see `lengths`), engine output
+tokens/s of `draft_len="auto"` (up to `--max-draft-len`) and of every fixed D in 0..max (D = 0:
+plain decoding under `plain_overlap`, its fastest schedule), in interleaved rounds (each round
+runs every configuration once, in a rotated order), medians. Per proposer it prints auto's
+ratio to the best fixed D at each concurrency and the geometric mean over the concurrencies of
+auto and of each fixed D. Then, per proposer and concurrency, one more auto run with its trace,
+replayed by the simulator (`validate`: the trace's own fitted costs): the makespan error, with
+the policy deciding in the replay and with each step's D taken from the run
+(simulator/follow.py).
 
     python benchmarks/adaptive.py [--concurrency 1 4 16 64] [--rounds 3] [--max-tokens 32]
     python benchmarks/adaptive.py --replay-only --save-traces DIR   # the replays alone, traces kept
@@ -48,7 +50,7 @@ def workload(concurrency: int, max_tokens: int, min_requests: int):
 
 
 def configs(proposer: str, max_d: int) -> dict[str, dict]:
-    out = {"D=0": {"proposer": "none", "schedule": "sync"}}
+    out = {"D=0": {"proposer": "none", "schedule": "plain_overlap"}}
     for d in range(1, max_d + 1):
         out[f"D={d}"] = {"proposer": proposer, "schedule": PROPOSERS[proposer], "draft_len": d}
     out["auto"] = {"proposer": proposer, "schedule": PROPOSERS[proposer], "draft_len": "auto", "max_draft_len": max_d}

@@ -3,13 +3,13 @@
 On a shared machine one engine run moves by 10-20%, more than the few percent a change to the
 draft-length policy makes. This benchmark measures the engine once and then compares in
 virtual time: per proposer (draft model under `overlap`, MTP head under `mtp`) and capture
-concurrency, it runs the engine at every fixed D in 0..max (D = 0: plain decoding) with traces
-on the bundled workload of `benchmarks/adaptive.py`, fits one cost profile from all of them (so
-every D's shapes are in it), and replays the D = max trace -- whose drafts carry the acceptance
-of every shorter length -- at each replay concurrency, fixed D = 0..max and `auto` alike, on the
-same profile and acceptance. It prints auto / best fixed D per scenario, their geometric mean
-and the worst. The policy is the same object the engine runs, so two checkouts' policies can be
-compared on the same saved traces (`--traces DIR`).
+concurrency, it runs the engine at every fixed D in 0..max (D = 0: plain decoding under
+`plain_overlap`) with traces on the bundled workload of `benchmarks/adaptive.py`, fits one cost
+profile from all of them (so every D's shapes are in it), and replays the D = max trace --
+whose drafts carry the acceptance of every shorter length -- at each replay concurrency, fixed
+D = 0..max and `auto` alike, on the same profile and acceptance. It prints auto / best fixed D
+per scenario, their geometric mean and the worst. The policy is the same object the engine
+runs, so two checkouts' policies can be compared on the same saved traces (`--traces DIR`).
 
     python benchmarks/adaptive_sim.py [--traces DIR] [--capture 1 4] [--replay-at 1:1,2,3 4:3,4,5,6,7,8,10,12]
 """
@@ -85,7 +85,7 @@ def main() -> None:
             for cc in at:
                 row = {}
                 for d in range(dmax + 1):
-                    cfg = (ReplayConfig(proposer="none", schedule="sync", draft_len=0, concurrency=cc) if d == 0
+                    cfg = (ReplayConfig(proposer="none", schedule="plain_overlap", draft_len=0, concurrency=cc) if d == 0
                            else ReplayConfig(draft_len=d, concurrency=cc))
                     row[f"D={d}"] = replay(longest, profile, cfg)[0]["output_tokens_per_s"]
                 auto = replay(longest, profile, ReplayConfig(draft_len="auto", max_draft_len=dmax,

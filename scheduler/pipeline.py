@@ -18,6 +18,9 @@ Schedules:
                  result arrives and schedules the next step while the fill runs.
   plain_overlap  plain decoding one step ahead: step N+1 is launched before step N's tokens
                  reach the host (finished requests waste one step's slot).
+
+With an adaptive draft length, `overlap` and `mtp` run their plain steps (speculation off) one
+step ahead too; a step that drafts waits for the one in flight (`_overlaps`).
 """
 from __future__ import annotations
 
@@ -285,10 +288,7 @@ class Pipeline(OutputStage, SpeculativeStep):
             self._finish(req, "abort")
 
     async def _drain(self) -> None:
-        if self._inflight is not None:
-            batch, launch = self._inflight
-            self._inflight = None
-            await self._complete_forward(batch, launch)
+        await self._complete_inflight()
         if self._pending_fill is not None:
             fill, self._pending_fill = self._pending_fill, None
             try:
@@ -314,6 +314,16 @@ class Pipeline(OutputStage, SpeculativeStep):
             if not len(batch) and self.builder.has_work and self._inflight is None:
                 await anyio.sleep(0)
             return
+        if self._inflight is not None and not self._overlaps(batch):
+            # this step reads the tokens the plain step in flight samples (its drafts, its
+            # proposer's fill): they reach the host first, and rows that finish on them leave
+            # the batch before it holds pages. The step's time runs from here: the wait is the
+            # previous step's device time
+            await self._complete_inflight()
+            batch = self.builder.without_finished(batch)
+            if not len(batch):
+                return
+            shape, t_step = self._attrs(batch), self._now()
         t0 = self._now()
         self.builder.allocate(batch)
         self._host("kv_alloc", batch.step, t0, pages_used=self.blocks.num_used_pages, **shape)
@@ -330,6 +340,30 @@ class Pipeline(OutputStage, SpeculativeStep):
         self.trace.record_device_spans()
 
     # -- plain / prefill steps ----------------------------------------------------------------
+    def _lazy(self, batch: StepBatch) -> bool:
+        """Whether this forward step leaves the proposer's fill for a catch-up (speculation is
+        off, `DraftLenPolicy.skips_fill`)."""
+        policy = self.builder.draft_policy
+        return policy is not None and policy.skips_fill(batch.decision is not None)
+
+    def _overlaps(self, batch: StepBatch) -> bool:
+        """Whether this step may be launched while the previous step is in flight: a plain
+        forward step with no proposer fill, under `plain_overlap` or -- speculation off --
+        under an adaptive draft length's `overlap` or `mtp` schedule, which then runs plain
+        decoding at plain_overlap's speed (`sync` keeps every launch awaited)."""
+        sched = self.config.schedule
+        if sched == "plain_overlap":
+            return True
+        if self.builder.draft_policy is None or sched == "sync" or batch.is_spec:
+            return False
+        return self.spec.kv_model is None or self._lazy(batch)
+
+    async def _complete_inflight(self) -> None:
+        if self._inflight is not None:
+            batch, launch = self._inflight
+            self._inflight = None
+            await self._complete_forward(batch, launch)
+
     async def _forward_step(self, batch: StepBatch, t_step: int, shape: dict) -> None:
         spec, t, slots = self.spec, self.table, batch.slots
         t0 = self._now()
@@ -339,7 +373,7 @@ class Pipeline(OutputStage, SpeculativeStep):
         # does not pay costs what plain decoding does; a head then needs the target's hidden
         # states of the positions it missed, which the device keeps for it
         policy = self.builder.draft_policy
-        lazy = policy is not None and policy.skips_fill(batch.decision is not None)
+        lazy = self._lazy(batch)
         keep = (policy is not None and policy.catches_up and spec.kv_ahead == 0
                 and (lazy or bool((t.proposer_computed[slots] < batch.start).any())))
         msg = messages.forward_message(batch, self.blocks, self.with_plan, keep_hidden=keep)
@@ -354,7 +388,7 @@ class Pipeline(OutputStage, SpeculativeStep):
         if fill_msg is not None:
             self.aux.wait_event(launch.event)
             s_fill = self._launch(self.aux, fill_msg)
-        if self.config.schedule == "plain_overlap":
+        if s_fill is None and self._overlaps(batch):
             prev, self._inflight = self._inflight, (batch, launch)
             if prev is not None:
                 await self._complete_forward(*prev)

@@ -22,6 +22,17 @@ class RowBookkeeping:
         in flight gave it back; a new request may hold it now)."""
         return self.table.gen[batch.slots] == batch.gen
 
+    def without_finished(self, batch: StepBatch) -> StepBatch:
+        """The batch without the rows whose request finished since it was scheduled (on the
+        tokens of a step then in flight), before it is allocated; the batch itself if none did."""
+        live = self.live(batch)
+        if every(live):
+            return batch
+        keep = live.nonzero()[0]
+        return StepBatch(batch.step, [batch.requests[i] for i in keep.tolist()], batch.slots[keep],
+                         batch.start[keep], batch.num_new[keep], batch.num_draft[keep], batch.samples[keep],
+                         batch.prefill[keep], batch.gen[keep], batch.preempted, batch.width, batch.decision)
+
     def computed_now(self, batch: StepBatch) -> np.ndarray:
         """[B] num_computed_tokens of the batch's rows now (a finished row's own, kept in its
         handle once its slot went back)."""

@@ -379,6 +379,64 @@ def test_speculation_switched_off_and_on_again_stays_lossless(monkeypatch):
     assert 0 in chosen and any(d > 0 for d in chosen)
 
 
+@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("mtp", "mtp")])
+def test_plain_steps_run_one_ahead_and_rows_finishing_in_flight_leave_the_next_draft(monkeypatch, kind, schedule):
+    """With speculation off an adaptive `overlap` / `mtp` schedule launches a plain step
+    before the previous one's tokens reach the host (as `plain_overlap`); a step that drafts
+    waits for them, and a request finishing on them leaves its batch before it holds pages.
+    Token-identical to plain greedy decoding, every page back at the end."""
+    from specsched.runtime import bundled
+    from specsched.runtime.training.mtp_eval import run_requests
+    from specsched.runtime.worker import ModelWorker
+    from specsched.scheduler import adaptive
+    from specsched.scheduler.batch_builder import BatchBuilder
+    from specsched.scheduler.pipeline import Pipeline
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    orig = adaptive.DraftLenPolicy.choose
+
+    def alternate(self, slots, remaining, computed, budget, lag=None):
+        dec = orig(self, slots, remaining, computed, budget, lag)
+        if self.decisions % 3:  # two plain steps, then one that drafts
+            rows = min(len(slots), budget)
+            dec = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
+        self.last = dec
+        return dec
+
+    ahead, dropped = [], []
+    overlaps, without = Pipeline._overlaps, BatchBuilder.without_finished
+
+    def launched_ahead(self, batch):
+        ok = overlaps(self, batch)
+        ahead.append(ok and self._inflight is not None)
+        return ok
+
+    def counted(self, batch):
+        out = without(self, batch)
+        dropped.append(len(batch) - len(out))
+        return out
+
+    monkeypatch.setattr(adaptive.DraftLenPolicy, "choose", alternate)
+    monkeypatch.setattr(Pipeline, "_overlaps", launched_ahead)
+    monkeypatch.setattr(BatchBuilder, "without_finished", counted)
+    prompts = [[(13 * i + j) % 450 + 4 for j in range(8 + 3 * i)] for i in range(6)]
+    lengths = [9, 10, 11, 12, 13, 14]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    plain = run_requests(ModelWorker(str(bundled.target_dir()), {"kind": "none", "draft_len": 0}, num_pages=256),
+                         prompts, params)
+    pdir = {"draft": bundled.draft_dir(), "mtp": bundled.mtp_dir()}.get(kind)
+    worker = ModelWorker(str(bundled.target_dir()), {"kind": kind, "draft_len": 3},
+                         proposer_dir=str(pdir) if pdir else None, num_pages=256)
+    pipes: list = []
+    got = run_requests(worker, prompts, params, schedule=schedule, adaptive=True, pipelines=pipes)
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]
+    assert [len(r.output_token_ids) for r in got] == lengths
+    assert any(r.num_drafts for r in got)
+    assert sum(ahead) >= 5  # plain steps launched with the one before still in flight
+    assert sum(dropped) >= 1  # a request finished on the tokens a drafting step waited for
+    assert pipes[0].blocks.num_used_pages == 0
+
+
 def _off_then_on(monkeypatch, fills: list) -> None:
     """The policy's choice replaced: D = 0 for the first 30 decisions, then D = 3 (`fills`
     gets each drafting step's largest lag)."""

@@ -91,27 +91,35 @@ class _Sink:
             self.done.set()
 
 
-def run_requests(worker, prompts: list[list[int]], params: SamplingParams, *,
+def run_requests(worker, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], *,
                  schedule: str | None = None, num_pages: int = 512, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, adaptive: bool = False) -> list[Request]:
+                 max_num_batched_tokens: int = 2048, adaptive: bool = False,
+                 pipelines: list | None = None) -> list[Request]:
     """Serve `prompts` (token ids) to completion through a Pipeline on an InlineDevice running
     `worker` (a ModelWorker whose proposer defines the spec); returns the finished requests
-    in prompt order. `num_pages` must not exceed the worker's KV pages; `adaptive`: the step's
-    D is chosen up to the worker's draft length (scheduler/adaptive.py)."""
+    in prompt order. `params`: one for every request, or one per prompt (the first says
+    whether EOS ends them). `num_pages` must not exceed the worker's KV pages; `adaptive`: the
+    step's D is chosen up to the worker's draft length (scheduler/adaptive.py); `pipelines`:
+    a list the pipeline is appended to (to inspect it after the run)."""
     spec = worker.spec
     sink = _Sink()
-    eos = tuple(worker.target.config.eos_token_ids) if not params.ignore_eos else ()
+    per = params if isinstance(params, list) else [params] * len(prompts)
+    if len(per) != len(prompts):
+        raise ValueError(f"{len(per)} sampling params for {len(prompts)} prompts")
+    eos = tuple(worker.target.config.eos_token_ids) if per and not per[0].ignore_eos else ()
     pipe = build_pipeline(spec, schedule or NATURAL_SCHEDULE[spec.kind], num_pages=num_pages,
                           page_size=worker.page_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, device=InlineDevice(worker),
                           clock=MonotonicClock(), sink=sink, eos_token_ids=eos, adaptive=adaptive)
     sink.expected = len(prompts)
+    if pipelines is not None:
+        pipelines.append(pipe)
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(pipe.run)
             for i, p in enumerate(prompts):
-                pipe.add_request(Request(f"r{i}", list(p), params, arrival_ns=time.monotonic_ns()))
+                pipe.add_request(Request(f"r{i}", list(p), per[i], arrival_ns=time.monotonic_ns()))
             if prompts:
                 await sink.done.wait()
             pipe.stop()
