@@ -298,8 +298,16 @@ class Pipeline(OutputStage, SpeculativeStep):
         self.trace.flush_steps()
         self.trace.record_device_spans()
 
+    def _most_pages(self) -> int:
+        """Pages a step may need at most: every running row grows by 1 + D tokens (and a draft
+        model's table by one more), in each model's table; 1 + D tokens span at most
+        ceil((1 + D) / page_size) new pages."""
+        grow = 2 + self.spec.draft_len
+        per_row = -(-grow // self.blocks.page_size) * len(self.blocks.models)
+        return len(self.builder.running) * per_row + 1
+
     async def step(self) -> None:
-        if self._inflight is not None and self.blocks.num_free_pages < len(self.builder.running) + 1:
+        if self._inflight is not None and self.blocks.num_free_pages < self._most_pages():
             await self._drain()  # preemption may be needed: never preempt a request in flight
         self._charge("step_gap", {})  # host work between steps that no stage span covers
         if self._costed:

@@ -437,6 +437,52 @@ def test_plain_steps_run_one_ahead_and_rows_finishing_in_flight_leave_the_next_d
     assert pipes[0].blocks.num_used_pages == 0
 
 
+def test_a_drafting_step_short_of_pages_preempts_no_request_in_flight(monkeypatch):
+    """A pool too small for every request: a step that drafts needs 1 + D slots a row in the
+    target's table and the draft model's, so it may preempt; the plain step in flight is
+    completed first (a request in flight is never preempted). Lossless, every page back."""
+    from specsched.runtime import bundled
+    from specsched.runtime.training.mtp_eval import run_requests
+    from specsched.runtime.worker import ModelWorker
+    from specsched.scheduler import adaptive
+    from specsched.scheduler.batch_builder import BatchBuilder
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    orig = adaptive.DraftLenPolicy.choose
+
+    def alternate(self, slots, remaining, computed, budget, lag=None):
+        dec = orig(self, slots, remaining, computed, budget, lag)
+        if self.decisions % 3:
+            rows = min(len(slots), budget)
+            dec = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
+        self.last = dec
+        return dec
+
+    pipes: list = []
+    victims = []
+    preempt = BatchBuilder._preempt
+
+    def checked(self, victim):
+        inflight = pipes[0]._inflight
+        victims.append(inflight is not None and any(r is victim for r in inflight[0].requests))
+        preempt(self, victim)
+
+    monkeypatch.setattr(adaptive.DraftLenPolicy, "choose", alternate)
+    monkeypatch.setattr(BatchBuilder, "_preempt", checked)
+    prompts = [[(17 * i + j) % 420 + 6 for j in range(10 + 3 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    plain = run_requests(ModelWorker(str(bundled.target_dir()), {"kind": "none", "draft_len": 0}, num_pages=256),
+                         prompts, params)
+    # pages of 4 tokens: a drafting step's row may take 2 pages in each of the two tables
+    # (a guard of one page a row let this run preempt a request in flight)
+    worker = ModelWorker(str(bundled.target_dir()), {"kind": "draft", "draft_len": 3},
+                         proposer_dir=str(bundled.draft_dir()), num_pages=256, page_size=4)
+    got = run_requests(worker, prompts, params, schedule="overlap", adaptive=True, num_pages=42, pipelines=pipes)
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]
+    assert victims and not any(victims)  # preempted, none while in flight
+    assert pipes[0].blocks.num_used_pages == 0
+
+
 def _off_then_on(monkeypatch, fills: list) -> None:
     """The policy's choice replaced: D = 0 for the first 30 decisions, then D = 3 (`fills`
     gets each drafting step's largest lag)."""
