@@ -1,0 +1,103 @@
+"""The pipeline's plain steps: prefill, mixed and plain decode forwards, and when one may run
+ahead of the step before it.
+
+Why a module of its own: scheduler/pipeline.py holds the step loop; a forward step -- its
+launch, the proposer's fill behind it (or none while speculation is off), and `plain_overlap`'s
+one-step-ahead launches, which an adaptive draft length's `overlap` and `mtp` schedules use
+for their plain steps too -- is this mixin's, as the speculative step is spec_step.py's. It
+works on the pipeline's state and helpers (`_launch`, `_sync`, `_host`, `_output`, the
+streams, the slot table, `_inflight`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from specsched.scheduler import messages
+from specsched.scheduler.protocols import DeviceError
+from specsched.scheduler.step_batch import StepBatch
+from specsched.scheduler.step_trace import Launch
+
+
+class ForwardStep:
+    def _lazy(self, batch: StepBatch) -> bool:
+        """Whether this forward step leaves the proposer's fill for a catch-up (speculation is
+        off, `DraftLenPolicy.skips_fill`)."""
+        policy = self.builder.draft_policy
+        return policy is not None and policy.skips_fill(batch.decision is not None)
+
+    def _overlaps(self, batch: StepBatch) -> bool:
+        """Whether this step may be launched while the previous step is in flight: a plain
+        forward step with no proposer fill, under `plain_overlap` or -- speculation off --
+        under an adaptive draft length's `overlap` or `mtp` schedule, which then runs plain
+        decoding at plain_overlap's speed (`sync` keeps every launch awaited)."""
+        sched = self.config.schedule
+        if sched == "plain_overlap":
+            return True
+        if self.builder.draft_policy is None or sched == "sync" or batch.is_spec:
+            return False
+        return self.spec.kv_model is None or self._lazy(batch)
+
+    async def _complete_inflight(self) -> None:
+        if self._inflight is not None:
+            batch, launch = self._inflight
+            self._inflight = None
+            await self._complete_forward(batch, launch)
+
+    async def _forward_step(self, batch: StepBatch, t_step: int, shape: dict) -> None:
+        spec, t, slots = self.spec, self.table, batch.slots
+        t0 = self._now()
+        fill_msg = None
+        # speculation off: a proposer with lazy fills skips them, prompts included, and catches
+        # up in one fill when drafting resumes (`_catch_up`), so a load at which speculation
+        # does not pay costs what plain decoding does; a head then needs the target's hidden
+        # states of the positions it missed, which the device keeps for it
+        policy = self.builder.draft_policy
+        lazy = self._lazy(batch)
+        keep = (policy is not None and policy.catches_up and spec.kv_ahead == 0
+                and (lazy or bool((t.proposer_computed[slots] < batch.start).any())))
+        msg = messages.forward_message(batch, self.blocks, self.with_plan, keep_hidden=keep)
+        if spec.kv_model is not None and not lazy:
+            fill_msg = messages.prefill_fill_message(batch, self.blocks, spec, t.proposer_computed[slots],
+                                                     self.with_plan)
+        self._host("plan", batch.step, t0, **shape)
+        launch = self._launch(self.main, msg)
+        launch.t_step = t_step
+        self.builder.advance_forward(batch, spec.kv_ahead if spec.kv_model is not None and not lazy else None)
+        s_fill = None
+        if fill_msg is not None:
+            self.aux.wait_event(launch.event)
+            s_fill = self._launch(self.aux, fill_msg)
+        if s_fill is None and self._overlaps(batch):
+            prev, self._inflight = self._inflight, (batch, launch)
+            if prev is not None:
+                await self._complete_forward(*prev)
+            return
+        await self._complete_forward(batch, launch)
+        if s_fill is not None:
+            if self.config.schedule == "sync":
+                await self._await_fill(s_fill, batch)
+            else:
+                self._pending_fill = s_fill
+
+    async def _await_fill(self, launch: Launch, batch: StepBatch) -> None:
+        try:
+            await self._sync(launch)
+        except DeviceError as e:
+            self._fail_batch(batch, e)
+
+    async def _complete_forward(self, batch: StepBatch, launch: Launch) -> None:
+        try:
+            result = await self._sync(launch)
+        except DeviceError as e:
+            self._fail_batch(batch, e)
+            return
+        t0 = self._now()
+        # rows whose request finished while this step was in flight (plain_overlap) are
+        # left alone: their slot may hold a new request by now
+        self.builder.complete_forward(batch)
+        rows = batch.samples.nonzero()[0]
+        out_counts = self._output(batch, rows, np.asarray(result.tokens)[rows, None])
+        self._host("output", batch.step, t0, **self._attrs(batch, self.builder.computed_now(batch)),
+                   emitted=sum(out_counts))
+        zeros = np.zeros(len(batch), dtype=np.int64)
+        self.trace.step_done(batch, launch.t_step if launch.t_step is not None else t0, out_counts, zeros, zeros)
