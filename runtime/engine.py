@@ -28,11 +28,18 @@ from specsched.scheduler.batch_builder import SchedulerConfig, max_pages_needed
 from specsched.scheduler.block_manager import KVPoolStats
 from specsched.scheduler.errors import EngineClosedError, InvalidRequestError
 from specsched.scheduler.pipeline import Pipeline
+from specsched.scheduler.protocols import DeviceError
 from specsched.scheduler.proposer import RULES
 from specsched.scheduler.request import Request
 from specsched.scheduler.sampling_params import SamplingParams
 from specsched.scheduler.wiring import build_pipeline, scheduler_config
 from specsched.traces.hook import NULL_TRACER
+
+# the warm-up request (`AsyncEngine._warm_up`): enough decode steps for every op of a proposer
+# at its draft length to run at least twice
+WARMUP_PROMPT = "def main():\n    return 0\n"
+WARMUP_TOKENS = 12
+WARMUP_ID = "specsched-warmup"
 
 
 class MonotonicClock:
@@ -210,7 +217,42 @@ class AsyncEngine:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._pipeline.run)
+        if not c.skip_warmup:
+            try:
+                await self._warm_up()
+            except BaseException as e:
+                await self.__aexit__(type(e), e, e.__traceback__)
+                raise
         return self
+
+    async def _warm_up(self) -> None:
+        """One short greedy request through the pipeline before the engine serves, untraced,
+        as vLLM and SGLang warm up before serving: the first launch of each device op pays
+        one-off costs (allocations, kernel selection; on CUDA, library handles and FlashInfer's
+        JIT compile), which no user request should, and a device that cannot serve fails the
+        start rather than the first request (DeviceError). An adaptive draft length learns from
+        it as from any request (its first launches, cold, teach it nothing)."""
+        ids, params = self.tokenizer.encode(WARMUP_PROMPT) or [0], SamplingParams(max_tokens=WARMUP_TOKENS,
+                                                                                    ignore_eos=True)
+        while True:  # shortened to what the model's positions and the page pool hold
+            try:
+                self.validate(ids, params)
+                break
+            except InvalidRequestError:
+                if params.max_tokens > 1:
+                    params = params.model_copy(update={"max_tokens": params.max_tokens // 2})
+                elif len(ids) > 1:
+                    ids = ids[: len(ids) // 2]
+                else:
+                    return  # not even one token: nothing to warm up with
+        pipe = self._pipeline
+        tracer, pipe.tracer = pipe.tracer, NULL_TRACER
+        try:
+            out = await self.generate_all(ids, params, request_id=WARMUP_ID)
+        finally:
+            pipe.tracer = tracer
+        if out.finish_reason == "error":
+            raise DeviceError("warmup", f"the engine's warm-up request failed: {out.error}")
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         self._closed = True

@@ -56,6 +56,8 @@ class EngineConfig(BaseModel):
                                                "launch: a shared-memory ring or torch.distributed.broadcast")
     sync_guard: bool = Field(False, description="fail any device op that reads a device value on the host "
                              "(HostSyncError; on CUDA also torch.cuda.set_sync_debug_mode('error'))")
+    skip_warmup: bool = Field(False, description="start serving without the warm-up request that runs "
+                              "each device op once first (their first launches pay one-off costs)")
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

@@ -13,3 +13,12 @@ class FaultyWorker(ModelWorker):
             self._poisoned = False
             raise RuntimeError("injected device failure")
         return super().execute(op, batch)
+
+
+class BrokenWorker(ModelWorker):
+    """Every target forward fails (a device that starts but cannot serve)."""
+
+    def execute(self, op, batch):
+        if op == "forward":
+            raise RuntimeError("injected device failure")
+        return super().execute(op, batch)

@@ -127,3 +127,52 @@ def test_kv_stats_show_pages_per_request_and_model(tiny_family):
     anyio.run(main)
     with pytest.raises(EngineClosedError, match="has not started"):
         AsyncEngine(_cfg(tiny_family)).kv_stats()
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_the_engine_runs_every_op_once_before_it_serves_untraced(tiny_family, monkeypatch, skip):
+    """The warm-up request launches the draft, verify and fill ops as well as forwards before
+    `async with` returns (their first launches pay one-off costs), frees its pages, and stays
+    out of the trace; `skip_warmup` starts cold."""
+    from specsched.scheduler.pipeline import Pipeline
+    from specsched.traces import Header, MemoryRecorder
+
+    ops = []
+    launch = Pipeline._launch
+
+    def counted(self, stream, msg):
+        ops.append(msg.op)
+        return launch(self, stream, msg)
+
+    monkeypatch.setattr(Pipeline, "_launch", counted)
+    rec = MemoryRecorder(Header.create(source="engine", clock="monotonic_ns", model="tiny", proposer="draft",
+                                       schedule="overlap", draft_len=2, device={"kind": "host", "name": "host"}))
+    cfg = _cfg(tiny_family, proposer="draft", schedule="overlap", draft_len=2, skip_warmup=skip)
+
+    async def main():
+        async with AsyncEngine(cfg, tracer=rec) as eng:
+            at_start = list(ops)
+            assert eng.kv_stats().num_free_pages == eng.kv_stats().num_pages
+            out = await eng.generate_all([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True), request_id="u")
+            assert len(out.token_ids) == 6
+        return at_start
+
+    at_start = anyio.run(main)
+    assert (at_start == []) if skip else {"forward", "draft", "verify", "fill"} <= set(at_start)
+    assert [r.request_id for r in rec.to_trace().requests] == ["u"]
+
+
+def test_a_failing_warm_up_fails_the_start_and_closes_the_worker(tiny_family, made_devices, monkeypatch):
+    from specsched.runtime.devices import WorkerSpec
+    from specsched.scheduler.protocols import DeviceError
+
+    async def main():
+        eng = AsyncEngine(_cfg(tiny_family))
+        spec = eng.worker_spec()
+        monkeypatch.setattr(eng, "worker_spec", lambda: WorkerSpec("tests.faulty_worker:BrokenWorker", spec.kwargs))
+        with pytest.raises(DeviceError, match="warm-up request failed: .*injected device failure"):
+            async with eng:
+                pass
+
+    anyio.run(main)
+    assert len(made_devices) == 1 and not made_devices[0].is_alive()

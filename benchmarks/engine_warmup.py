@@ -1,0 +1,78 @@
+"""The engine's start-up warm-up: the first requests' latency with it and without it.
+
+For each configuration (plain decoding, the draft model under `overlap`, the MTP head under
+`mtp`, the bundled models), an engine is started with its warm-up request (the default) and
+with `skip_warmup=True`, in alternating rounds; each engine then serves the first bundled
+prompts one after another (greedy, `--max-tokens` each). Printed per configuration, medians
+over the rounds: the start (`async with` entered), the first request's time to first token
+and its whole latency, and the second request's latency -- which neither engine's cold
+launches touch any more.
+
+    python benchmarks/engine_warmup.py [--rounds 3] [--max-tokens 16] [--configs none/sync draft/overlap mtp/mtp]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bundled_items  # noqa: E402
+
+CONFIGS = {  # name -> EngineConfig fields
+    "none/sync": {"proposer": "none", "schedule": "sync"},
+    "draft/overlap": {"proposer": "draft", "draft_len": 4, "schedule": "overlap"},
+    "mtp/mtp": {"proposer": "mtp", "draft_len": 1, "schedule": "mtp"},
+}
+
+
+async def one_engine(config: dict, prompts: list[str], max_tokens: int) -> dict[str, float]:
+    """Seconds: the start, and per request (served one after another) its first token and end."""
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    async with AsyncEngine(EngineConfig.make(**config)) as eng:
+        out = {"start": time.perf_counter() - t0}
+        for i, prompt in enumerate(prompts):
+            t1, first = time.perf_counter(), None
+            async for piece in eng.generate(prompt, params):
+                if first is None and piece.token_ids:
+                    first = time.perf_counter() - t1
+            out[f"ttft{i}"], out[f"latency{i}"] = first, time.perf_counter() - t1
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    args = ap.parse_args()
+    if args.rounds < 1 or args.max_tokens < 1:
+        ap.error("--rounds and --max-tokens must be >= 1")
+    prompts = [item.prompt for item in bundled_items(2, args.max_tokens)]
+    runs: dict[tuple[str, bool], list[dict]] = {}
+    for r in range(args.rounds):
+        for name in args.configs:
+            for skip in ((False, True) if r % 2 == 0 else (True, False)):
+                cfg = CONFIGS[name] | {"skip_warmup": skip}
+                runs.setdefault((name, skip), []).append(anyio.run(one_engine, cfg, prompts, args.max_tokens))
+    print(f"median of {args.rounds} rounds (alternating), ms; two requests of {args.max_tokens} tokens, one after another")
+    print(f"{'config':>14} {'warm-up':>8} {'start':>8} {'1st TTFT':>9} {'1st latency':>12} {'2nd latency':>12}")
+    for name in args.configs:
+        for skip in (False, True):
+            med = {k: statistics.median(run[k] for run in runs[(name, skip)]) * 1e3
+                   for k in ("start", "ttft0", "latency0", "latency1")}
+            print(f"{name:>14} {'no' if skip else 'yes':>8} {med['start']:>8.0f} {med['ttft0']:>9.1f} "
+                  f"{med['latency0']:>12.1f} {med['latency1']:>12.1f}")
+
+
+if __name__ == "__main__":
+    main()
