@@ -344,28 +344,36 @@ def test_replay_auto_on_a_captured_trace_records_its_choices_and_keeps_tokens():
         replay(tr, prof, ReplayConfig(proposer="eagle", draft_len="auto"))
 
 
+def _two_plain_then_one_drafting(monkeypatch, chosen: list | None = None) -> None:
+    """The policy's choice replaced: two plain steps, then one that drafts (at the D it chose),
+    over and over (`chosen` gets each step's D)."""
+    from specsched.scheduler import adaptive
+
+    orig = adaptive.DraftLenPolicy.choose
+
+    def alternate(self, slots, remaining, computed, budget, lag=None):
+        dec = orig(self, slots, remaining, computed, budget, lag)
+        if self.decisions % 3:
+            rows = min(len(slots), budget)
+            dec = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
+        self.last = dec
+        if chosen is not None:
+            chosen.append(dec.draft_len)
+        return dec
+
+    monkeypatch.setattr(adaptive.DraftLenPolicy, "choose", alternate)
+
+
 def test_speculation_switched_off_and_on_again_stays_lossless(monkeypatch):
     """Every other step plain (a draft model skips its fill then), the others drafting: the
     draft model catches up on the tokens it missed before it drafts again."""
     from specsched.runtime import bundled
     from specsched.runtime.training.mtp_eval import run_requests
     from specsched.runtime.worker import ModelWorker
-    from specsched.scheduler import adaptive
     from specsched.scheduler.sampling_params import SamplingParams
 
-    orig = adaptive.DraftLenPolicy.choose
-    chosen = []
-
-    def alternate(self, slots, remaining, computed, budget, lag=None):
-        dec = orig(self, slots, remaining, computed, budget, lag)
-        if self.decisions % 3:  # two plain steps, then one that drafts
-            rows = min(len(slots), budget)
-            dec = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
-        self.last = dec
-        chosen.append(dec.draft_len)
-        return dec
-
-    monkeypatch.setattr(adaptive.DraftLenPolicy, "choose", alternate)
+    chosen: list[int] = []
+    _two_plain_then_one_drafting(monkeypatch, chosen)
     prompts = [[(11 * i + j) % 400 + 5 for j in range(10 + 4 * i)] for i in range(3)]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     plain = run_requests(ModelWorker(str(bundled.target_dir()), {"kind": "none", "draft_len": 0}, num_pages=256),
@@ -388,20 +396,9 @@ def test_plain_steps_run_one_ahead_and_rows_finishing_in_flight_leave_the_next_d
     from specsched.runtime import bundled
     from specsched.runtime.training.mtp_eval import run_requests
     from specsched.runtime.worker import ModelWorker
-    from specsched.scheduler import adaptive
     from specsched.scheduler.batch_builder import BatchBuilder
     from specsched.scheduler.pipeline import Pipeline
     from specsched.scheduler.sampling_params import SamplingParams
-
-    orig = adaptive.DraftLenPolicy.choose
-
-    def alternate(self, slots, remaining, computed, budget, lag=None):
-        dec = orig(self, slots, remaining, computed, budget, lag)
-        if self.decisions % 3:  # two plain steps, then one that drafts
-            rows = min(len(slots), budget)
-            dec = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
-        self.last = dec
-        return dec
 
     ahead, dropped = [], []
     overlaps, without = Pipeline._overlaps, BatchBuilder.without_finished
@@ -416,7 +413,7 @@ def test_plain_steps_run_one_ahead_and_rows_finishing_in_flight_leave_the_next_d
         dropped.append(len(batch) - len(out))
         return out
 
-    monkeypatch.setattr(adaptive.DraftLenPolicy, "choose", alternate)
+    _two_plain_then_one_drafting(monkeypatch)
     monkeypatch.setattr(Pipeline, "_overlaps", launched_ahead)
     monkeypatch.setattr(BatchBuilder, "without_finished", counted)
     prompts = [[(13 * i + j) % 450 + 4 for j in range(8 + 3 * i)] for i in range(6)]
@@ -444,19 +441,8 @@ def test_a_drafting_step_short_of_pages_preempts_no_request_in_flight(monkeypatc
     from specsched.runtime import bundled
     from specsched.runtime.training.mtp_eval import run_requests
     from specsched.runtime.worker import ModelWorker
-    from specsched.scheduler import adaptive
     from specsched.scheduler.batch_builder import BatchBuilder
     from specsched.scheduler.sampling_params import SamplingParams
-
-    orig = adaptive.DraftLenPolicy.choose
-
-    def alternate(self, slots, remaining, computed, budget, lag=None):
-        dec = orig(self, slots, remaining, computed, budget, lag)
-        if self.decisions % 3:
-            rows = min(len(slots), budget)
-            dec = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
-        self.last = dec
-        return dec
 
     pipes: list = []
     victims = []
@@ -467,7 +453,7 @@ def test_a_drafting_step_short_of_pages_preempts_no_request_in_flight(monkeypatc
         victims.append(inflight is not None and any(r is victim for r in inflight[0].requests))
         preempt(self, victim)
 
-    monkeypatch.setattr(adaptive.DraftLenPolicy, "choose", alternate)
+    _two_plain_then_one_drafting(monkeypatch)
     monkeypatch.setattr(BatchBuilder, "_preempt", checked)
     prompts = [[(17 * i + j) % 420 + 6 for j in range(10 + 3 * i)] for i in range(4)]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
