@@ -32,13 +32,11 @@ from specsched.scheduler.protocols import DeviceError
 from specsched.scheduler.proposer import RULES
 from specsched.scheduler.request import Request
 from specsched.scheduler.sampling_params import SamplingParams
-from specsched.scheduler.wiring import build_pipeline, scheduler_config
+from specsched.scheduler.wiring import WARMUP_TOKENS, build_pipeline, scheduler_config
 from specsched.traces.hook import NULL_TRACER
 
-# the warm-up request (`AsyncEngine._warm_up`): enough decode steps for every op of a proposer
-# at its draft length to run at least twice
+# the warm-up request's prompt (`AsyncEngine._warm_up`; its length: wiring.WARMUP_TOKENS)
 WARMUP_PROMPT = "def main():\n    return 0\n"
-WARMUP_TOKENS = 12
 WARMUP_ID = "specsched-warmup"
 
 
@@ -249,8 +247,11 @@ class AsyncEngine:
         tracer, pipe.tracer = pipe.tracer, NULL_TRACER
         try:
             out = await self.generate_all(ids, params, request_id=WARMUP_ID)
+            await pipe.wait_idle()  # a step launched ahead of its finish completes untraced too
         finally:
             pipe.tracer = tracer
+        if pipe.builder.draft_policy is not None:
+            pipe.builder.draft_policy.warmed_up()
         if out.finish_reason == "error":
             raise DeviceError("warmup", f"the engine's warm-up request failed: {out.error}")
 

@@ -135,6 +135,14 @@ class DraftLenPolicy:
         says yet that the proposer will be needed; the first step that drafts catches up)."""
         return self.catches_up and (decided or self.last is None or self.last.draft_len == 0)
 
+    def warmed_up(self) -> None:
+        """The engine's warm-up request is done: what it taught stays, but its last choice
+        was for a batch that is gone, so the prompts admitted next count as admitted before a
+        decision (their fills wait, `skips_fill`; measured in the simulator: after a warm-up
+        that ended drafting, 12 prompts' fills cost 39 ms before the policy chose D = 0)."""
+        self.last = None
+        self._held_slots = None
+
     # -- what it has learned (scheduler/policy_state.py) ------------------------------------
     def state(self) -> dict:
         """What the policy has learned, as JSON values: a trace's header carries it, so that a
@@ -291,7 +299,8 @@ class DraftLenPolicy:
             if best is None or rates[d] > rates[best]:
                 best = d
         explored, probe_rows = False, None
-        if best is None or len(rates) < sum(r > 0 for r in rows_l):
+        warming = best is None or len(rates) < sum(r > 0 for r in rows_l)
+        if warming:
             # a cost not known yet (too few samples of an op): speculate, which teaches them all
             best = self.first_draft_len
         elif self.probes.due(self.decisions, self.plain_seen):
@@ -312,13 +321,14 @@ class DraftLenPolicy:
                 loss = self._probe_loss(probe, rates[best], k, use, computed, accepted, lag)
             if self.probes.decide(self.decisions, best, far, loss):
                 best, explored, probe_rows = probe, True, k
-        elif best and rates.get(0) and self._behind(lag, best, rows_l[best]):
+        if not warming and not explored and best and rates.get(0) and self._behind(lag, best, rows_l[best]):
             # resuming pays every row's catch-up now, and a later step that finds D = 0 best
             # after all has wasted it. So a resume predicted within `probe_margin` of plain
             # decoding is a probe, paid from the budget; and so is one over more rows than a
             # verify has had (twice those, at least PROBE_ROWS): its verify cost is an
             # extrapolation (a warm-up at batch 1 priced a resume at 47 rows +15%; it lost a
-            # 486 ms catch-up, 7% of the run) -- the rows it may take double per resume
+            # 486 ms catch-up, 7% of the run) -- the rows it may take double per resume. This
+            # holds too when a probe was due and the budget declined it
             k = min(rows_l[best], max(PROBE_ROWS, 2 * self.verify_rows))
             if k < rows_l[best] or rates[best] < (1.0 + self.probe_margin) * rates[0]:
                 loss = self._probe_loss(best, rates[0], k, use, computed, accepted, lag)

@@ -88,6 +88,7 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
         self._pending_fill: Launch | None = None
         self._inflight: tuple[StepBatch, Launch] | None = None
         self._wake = anyio.Event()
+        self._idle: anyio.Event | None = None  # set when the run loop next waits for work (`wait_idle`)
         self._stopping = False
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -271,10 +272,21 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
                     break
                 if not self.builder.has_work:
                     self._wake = anyio.Event()
+                    if self._idle is not None:
+                        self._idle.set()
                     await self._wake.wait()
                     continue
             await self.step()
         self.trace.record_device_spans(force=True)
+
+    async def wait_idle(self) -> None:
+        """Until the run loop has drained (no step in flight, no pending fill) and waits for
+        requests: e.g. before attaching a tracer after requests served untraced, whose steps
+        would otherwise be recorded when they complete."""
+        self._idle = anyio.Event()
+        self._wake.set()  # a loop already waiting goes round once and reports
+        await self._idle.wait()
+        self._idle = None
 
     def stop(self) -> None:
         self._stopping = True

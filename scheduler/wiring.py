@@ -25,6 +25,10 @@ NATURAL_SCHEDULE = {"none": "sync", "draft": "overlap", "mtp": "mtp", "eagle": "
 DEFAULT_DRAFT_LEN = {"none": 0, "draft": 4, "mtp": 1, "eagle": 3, "ngram": 4}
 TREE_TOP_K = 2  # EAGLE tree: children of the best node per level (k branches at depth 1)
 TREE_MAX_NODES = 8  # EAGLE tree: node budget
+# the engine's start-up warm-up request (runtime/engine.py `AsyncEngine._warm_up`, emulated by the
+# simulator's replay): output tokens, enough decode steps for every op of a proposer to run
+# at least twice
+WARMUP_TOKENS = 12
 
 
 def proposer_spec(proposer: str, draft_len: int, *, tree_top_k: int = TREE_TOP_K,

@@ -30,6 +30,7 @@ from specsched.simulator.costs import CostProfile, StageModel, host_key
 from specsched.simulator.device import VirtualDevice
 from specsched.simulator.vtime import VirtualClock, run_virtual
 from specsched.traces.metrics import compute_metrics
+from specsched.traces.hook import NULL_TRACER
 from specsched.traces.recorder import MemoryRecorder
 from specsched.traces.schema import Header, Trace
 
@@ -50,7 +51,9 @@ class ReplayConfig:
     seed: int = 0
     engine_overrides: dict = field(default_factory=dict)
     # an adaptive draft length starts where the captured run's stood when recording began
-    # (the trace header's `draft_policy`), if the replay keeps its proposer and longest D
+    # (the trace header's `draft_policy`), if the replay keeps its proposer and longest D; else
+    # where an engine's stands when it serves: after its start-up warm-up request (unless the
+    # captured engine skipped it). False: from nothing
     policy_state: bool = True
     # an adaptive draft length takes each step's D from the captured run (simulator/follow.py)
     follow_choices: bool = False
@@ -250,13 +253,11 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
                           seed_costs=profile.to_json() if engine.get("draft_profile") else None)
     policy = pipe.builder.draft_policy
     captured = trace.header.extra.get("draft_policy")
+    warm_up = policy is not None and cfg.policy_state and not engine.get("skip_warmup", False)
     if (policy is not None and captured and cfg.policy_state and proposer == trace.header.proposer
             and captured.get("max_draft_len") == policy.max_draft_len):
         policy.restore(captured)  # where the captured run's policy stood when recording began
-    if policy is not None:
-        header.extra["draft_policy"] = policy.state()  # as an engine trace records it
-        if cfg.follow_choices:
-            follow_choices(policy, pipe.builder, recorded_choices(trace))
+        warm_up = False
 
     models: dict[str, StageModel | None] = {}  # stage -> its model, looked up once
     step_gap = profile.step_overhead_ns
@@ -316,8 +317,29 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
         await clock.sleep_ns(int(start + it.arrival_ns / cfg.rate_scale - clock.now_ns()))
         await submit(i, it)
 
+    async def engine_warm_up() -> None:
+        """The engine's start-up warm-up request, untraced (`AsyncEngine._warm_up`): WARMUP_TOKENS
+        of the first item's prompt length and acceptance."""
+        first = items[0]
+        ev = sink.done["warmup"] = anyio.Event()
+        pipe.tracer = NULL_TRACER
+        pipe.add_request(Request("warmup", [0] * first.prompt_len,
+                                 SamplingParams(max_tokens=min(wiring.WARMUP_TOKENS, first.output_len),
+                                                ignore_eos=True), arrival_ns=clock.now_ns()))
+        await ev.wait()
+        await pipe.wait_idle()
+        policy.warmed_up()
+        pipe.tracer = rec
+
     async with anyio.create_task_group() as tg:
         tg.start_soon(pipe.run)
+        if warm_up:
+            await engine_warm_up()
+            start = clock.now_ns()
+        if policy is not None:
+            header.extra["draft_policy"] = policy.state()  # as an engine trace records it
+            if cfg.follow_choices:
+                follow_choices(policy, pipe.builder, recorded_choices(trace))
         async with anyio.create_task_group() as clients:
             if concurrency is None:  # open loop: each request at its arrival time
                 for i, it in enumerate(items):

@@ -590,7 +590,15 @@ def test_a_replay_starts_the_policy_where_the_captured_run_stood():
     prof = fit_profile([tr])
     _, sim = replay(tr, prof, ReplayConfig(draft_len="auto", max_draft_len=4))
     start = sim.header.extra["draft_policy"]
-    assert start["decisions"] == 0  # the captured run was not adaptive: a fresh policy
+    # the captured run was not adaptive: the policy starts as an engine's does when it serves,
+    # after its start-up warm-up request (untraced), which taught it every op's cost
+    assert start["decisions"] > 0 and sorted(start["warm_ops"]) == ["draft", "fill", "forward", "verify"]
+    assert all(r.request_id != "warmup" for r in sim.requests)
+    assert all(rid != "warmup" for s in sim.steps for rid in s.request_ids)
+    skipped = read_trace(SAMPLES / "draft_overlap.jsonl")
+    skipped.header.engine_config["skip_warmup"] = True
+    _, cold = replay(skipped, prof, ReplayConfig(draft_len="auto", max_draft_len=4))
+    assert cold.header.extra["draft_policy"]["decisions"] == 0  # the captured engine skipped it
     # the simulated run is adaptive and its header says where its policy started; a replay of
     # it starting elsewhere (as a captured run after a warm-up would) starts there
     learned = DraftLenPolicy(4, has_fill=True, kv_ahead=1)
@@ -836,6 +844,35 @@ def test_a_resume_over_more_rows_than_any_verify_had_is_a_probe_that_doubles():
     assert taken == [(4, True), (8, True), (16, True), (32, True), (47, False)], taken
 
 
+def test_a_resume_beyond_the_verified_rows_is_held_back_when_a_due_probe_was_declined():
+    """A probe of plain decoding is due (none has run) and the budget declines it: the best
+    length is still a resume over 47 rows that costs learned at batch 1 price by
+    extrapolation, and the resume rule holds it back as when no probe was due (it drafted
+    with all 47 rows, catching each up, in a simulated run after an engine's warm-up)."""
+    p = DraftLenPolicy(4, has_fill=True, kv_ahead=1, lazy_fill=True, prior=0.9, explore_every=1000)
+    _teach(p, verify_ns_per_token=1e5, draft_ns_per_forward=1e5, const_ns=4e6, rows=(1,))
+    for tokens in (2, 8, 64, 512) * 16:
+        p.observe_launch("fill", {"tokens": tokens, "requests": 1, "kv_tokens": 50}, int(1e6 + 1e4 * tokens))
+    rows = 47
+    slots, remaining, computed = np.arange(rows), np.full(rows, 300), np.full(rows, 100)
+    p.decisions, p.probes.budget = 10, 0.0
+    assert not p.plain_seen and p.probes.due(p.decisions + 1, p.plain_seen)
+    d = p.choose(slots, remaining, computed, 4096, np.full(rows, 20))
+    assert d.draft_len == 0 and d.rows == rows and not d.explored
+
+
+def test_after_the_engine_warm_up_the_next_prompts_skip_their_fills():
+    """The warm-up's last choice drafted; the prompts admitted after it count as admitted
+    before a decision (their fills wait for a step that drafts) -- what it learned stays."""
+    p = _draft_model_policy(prior=0.9, explore_every=1000, verify_ns_per_token=1e4, draft_ns_per_forward=1e4)
+    d = _choose(p, 1)
+    assert d.draft_len > 0 and not p.skips_fill(decided=False)
+    decisions, costs = p.decisions, p.state()["costs"]
+    p.warmed_up()
+    assert p.skips_fill(decided=False)
+    assert p.decisions == decisions and p.state()["costs"] == costs
+
+
 def test_a_state_saved_before_verify_rows_and_warm_ops_were_kept_restores():
     p = DraftLenPolicy(3, has_fill=False, prior=0.5)
     for _ in range(2):
@@ -937,7 +974,8 @@ def test_an_auto_run_that_never_drafted_replays_on_its_policy_s_prices(monkeypat
 
     with monkeypatch.context() as m:
         m.setattr(adaptive.DraftLenPolicy, "choose", plain)
-        _, never = replay(tr, fit_profile([tr]), ReplayConfig(draft_len="auto", max_draft_len=4))
+        # from nothing (no engine warm-up either): its header's policy state prices nothing
+        _, never = replay(tr, fit_profile([tr]), ReplayConfig(draft_len="auto", max_draft_len=4, policy_state=False))
     assert not [s for s in never.spans if s.name in op]
     bare = fit_profile([never])
     assert not {"verify", "draft", "draft_fill"} & set(bare.device)
