@@ -11,7 +11,7 @@ D = 0..max and `auto` alike, on the same profile and acceptance. It prints auto 
 per scenario, their geometric mean and the worst. The policy is the same object the engine
 runs, so two checkouts' policies can be compared on the same saved traces (`--traces DIR`).
 
-    python benchmarks/adaptive_sim.py [--traces DIR] [--capture 1 4] [--replay-at 1:1,2,3 4:3,4,5,6,7,8,10,12]
+    python benchmarks/adaptive_sim.py [--traces DIR] [--replay-at 1:1,2,3 4:3,4,5,6,7,8,10,12] [--acceptance bernoulli:0.9]
 """
 from __future__ import annotations
 
@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--min-requests", type=int, default=16)
     ap.add_argument("--max-draft-len", type=int, default=4)
     ap.add_argument("--proposers", nargs="+", choices=["draft", "mtp"], default=["draft", "mtp"])
+    ap.add_argument("--acceptance", default="trace", help="the replays' acceptance: trace (the captured "
+                    "agreement), rates, or bernoulli:ALPHA (e.g. a proposer on which speculation pays)")
     args = ap.parse_args()
     if args.max_draft_len < 1 or args.max_tokens < 2:
         ap.error("--max-draft-len must be >= 1 and --max-tokens >= 2")
@@ -86,10 +88,10 @@ def main() -> None:
                 row = {}
                 for d in range(dmax + 1):
                     cfg = (ReplayConfig(proposer="none", schedule="plain_overlap", draft_len=0, concurrency=cc) if d == 0
-                           else ReplayConfig(draft_len=d, concurrency=cc))
+                           else ReplayConfig(draft_len=d, concurrency=cc, acceptance=args.acceptance))
                     row[f"D={d}"] = replay(longest, profile, cfg)[0]["output_tokens_per_s"]
-                auto = replay(longest, profile, ReplayConfig(draft_len="auto", max_draft_len=dmax,
-                                                             concurrency=cc))[0]["output_tokens_per_s"]
+                auto = replay(longest, profile, ReplayConfig(draft_len="auto", max_draft_len=dmax, concurrency=cc,
+                                                             acceptance=args.acceptance))[0]["output_tokens_per_s"]
                 best = max(row, key=row.get)
                 ratios.append(auto / row[best])
                 print(f"{proposer + ' ' + str(c) + '->' + str(cc):>16} " + " ".join(f"{row[n]:>8.1f}" for n in names)
