@@ -136,12 +136,9 @@ class DraftLenPolicy:
         return self.catches_up and (decided or self.last is None or self.last.draft_len == 0)
 
     def warmed_up(self) -> None:
-        """The engine's warm-up request is done: what it taught stays, but its last choice
-        was for a batch that is gone, so the prompts admitted next count as admitted before a
-        decision (their fills wait, `skips_fill`; measured in the simulator: after a warm-up
-        that ended drafting, 12 prompts' fills cost 39 ms before the policy chose D = 0)."""
-        self.last = None
-        self._held_slots = None
+        """The engine's warm-up request is done: what it taught stays, its last choice (for a
+        batch that is gone) does not, so the next prompts' fills wait (`skips_fill`)."""
+        self.last, self._held_slots = None, None
 
     # -- what it has learned (scheduler/policy_state.py) ------------------------------------
     def state(self) -> dict:
@@ -327,8 +324,8 @@ class DraftLenPolicy:
             # decoding is a probe, paid from the budget; and so is one over more rows than a
             # verify has had (twice those, at least PROBE_ROWS): its verify cost is an
             # extrapolation (a warm-up at batch 1 priced a resume at 47 rows +15%; it lost a
-            # 486 ms catch-up, 7% of the run) -- the rows it may take double per resume. This
-            # holds too when a probe was due and the budget declined it
+            # 486 ms catch-up, 7% of the run) -- the rows it may take double per resume (also
+            # after a due probe the budget declined)
             k = min(rows_l[best], max(PROBE_ROWS, 2 * self.verify_rows))
             if k < rows_l[best] or rates[best] < (1.0 + self.probe_margin) * rates[0]:
                 loss = self._probe_loss(best, rates[0], k, use, computed, accepted, lag)

@@ -318,14 +318,11 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
         await submit(i, it)
 
     async def engine_warm_up() -> None:
-        """The engine's start-up warm-up request, untraced (`AsyncEngine._warm_up`): WARMUP_TOKENS
-        of the first item's prompt length and acceptance."""
-        first = items[0]
+        """The engine's start-up warm-up (`AsyncEngine._warm_up`), untraced, of the first item's shape."""
         ev = sink.done["warmup"] = anyio.Event()
-        pipe.tracer = NULL_TRACER
-        pipe.add_request(Request("warmup", [0] * first.prompt_len,
-                                 SamplingParams(max_tokens=min(wiring.WARMUP_TOKENS, first.output_len),
-                                                ignore_eos=True), arrival_ns=clock.now_ns()))
+        n, pipe.tracer = min(wiring.WARMUP_TOKENS, items[0].output_len), NULL_TRACER
+        pipe.add_request(Request("warmup", [0] * items[0].prompt_len, SamplingParams(max_tokens=n, ignore_eos=True),
+                                 arrival_ns=clock.now_ns()))
         await ev.wait()
         await pipe.wait_idle()
         policy.warmed_up()
@@ -335,7 +332,7 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
         tg.start_soon(pipe.run)
         if warm_up:
             await engine_warm_up()
-            start = clock.now_ns()
+            start = clock.now_ns()  # arrivals are timed from after it
         if policy is not None:
             header.extra["draft_policy"] = policy.state()  # as an engine trace records it
             if cfg.follow_choices:
