@@ -243,15 +243,8 @@ class AsyncEngine:
                     ids = ids[: len(ids) // 2]
                 else:
                     return  # not even one token: nothing to warm up with
-        pipe = self._pipeline
-        tracer, pipe.tracer = pipe.tracer, NULL_TRACER
-        try:
+        async with self._pipeline.warming_up():
             out = await self.generate_all(ids, params, request_id=WARMUP_ID)
-            await pipe.wait_idle()  # a step launched ahead of its finish completes untraced too
-        finally:
-            pipe.tracer = tracer
-        if pipe.builder.draft_policy is not None:
-            pipe.builder.draft_policy.warmed_up()
         if out.finish_reason == "error":
             raise DeviceError("warmup", f"the engine's warm-up request failed: {out.error}")
 

@@ -24,6 +24,8 @@ step ahead too; a step that drafts waits for the one in flight (`_overlaps`).
 """
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -88,7 +90,7 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
         self._pending_fill: Launch | None = None
         self._inflight: tuple[StepBatch, Launch] | None = None
         self._wake = anyio.Event()
-        self._idle: anyio.Event | None = None  # set when the run loop next waits for work (`wait_idle`)
+        self._idle: anyio.Event | None = None  # set when the run loop next waits for work (`warming_up`)
         self._stopping = False
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -279,14 +281,22 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
             await self.step()
         self.trace.record_device_spans(force=True)
 
-    async def wait_idle(self) -> None:
-        """Until the run loop has drained (no step in flight, no pending fill) and waits for
-        requests: e.g. before attaching a tracer after requests served untraced, whose steps
-        would otherwise be recorded when they complete."""
-        self._idle = anyio.Event()
-        self._wake.set()  # a loop already waiting goes round once and reports
-        await self._idle.wait()
-        self._idle = None
+    @asynccontextmanager
+    async def warming_up(self) -> AsyncIterator[None]:
+        """The requests served inside are the engine's start-up warm-up (the engine's and the
+        simulator's replay alike): untraced; on leaving, the run loop has drained (a step
+        launched ahead of their finish would otherwise be recorded when it completes) and the
+        draft-length policy keeps what they taught but not its last choice (`warmed_up`)."""
+        tracer, self.tracer = self.tracer, NULL_TRACER
+        try:
+            yield
+            self._idle = anyio.Event()
+            self._wake.set()  # a loop already waiting for work goes round once and reports
+            await self._idle.wait()
+        finally:
+            self._idle, self.tracer = None, tracer
+        if self.builder.draft_policy is not None:
+            self.builder.draft_policy.warmed_up()
 
     def stop(self) -> None:
         self._stopping = True

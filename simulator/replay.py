@@ -30,7 +30,6 @@ from specsched.simulator.costs import CostProfile, StageModel, host_key
 from specsched.simulator.device import VirtualDevice
 from specsched.simulator.vtime import VirtualClock, run_virtual
 from specsched.traces.metrics import compute_metrics
-from specsched.traces.hook import NULL_TRACER
 from specsched.traces.recorder import MemoryRecorder
 from specsched.traces.schema import Header, Trace
 
@@ -320,13 +319,10 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
     async def engine_warm_up() -> None:
         """The engine's start-up warm-up (`AsyncEngine._warm_up`), untraced, of the first item's shape."""
         ev = sink.done["warmup"] = anyio.Event()
-        n, pipe.tracer = min(wiring.WARMUP_TOKENS, items[0].output_len), NULL_TRACER
-        pipe.add_request(Request("warmup", [0] * items[0].prompt_len, SamplingParams(max_tokens=n, ignore_eos=True),
-                                 arrival_ns=clock.now_ns()))
-        await ev.wait()
-        await pipe.wait_idle()
-        policy.warmed_up()
-        pipe.tracer = rec
+        params = SamplingParams(max_tokens=min(wiring.WARMUP_TOKENS, items[0].output_len), ignore_eos=True)
+        async with pipe.warming_up():
+            pipe.add_request(Request("warmup", [0] * items[0].prompt_len, params, arrival_ns=clock.now_ns()))
+            await ev.wait()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(pipe.run)

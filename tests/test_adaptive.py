@@ -26,14 +26,21 @@ def _teach(policy: DraftLenPolicy, *, verify_ns_per_token: float, draft_ns_per_f
                                             "kv_tokens": kv}, int(const_ns / 10 + draft_ns_per_forward * b * max(nd - 1, 0)))
 
 
-def _draft_model_policy(prior: float, explore_every: int, **costs) -> DraftLenPolicy:
+def _draft_model_policy(prior: float, explore_every: int, fill_ns_per_token: float = 1e5, **costs) -> DraftLenPolicy:
     """A draft model's policy (a fill of its own, KV read ahead) taught `_teach`'s costs and a
-    fill of 1e5 ns per token it reads."""
+    fill of `fill_ns_per_token` per token it reads."""
     p = DraftLenPolicy(4, has_fill=True, kv_ahead=1, lazy_fill=True, prior=prior, explore_every=explore_every)
     _teach(p, **costs)
     for tokens in (2, 8, 64, 512) * 16:
-        p.observe_launch("fill", {"tokens": tokens, "requests": 1, "kv_tokens": 50}, int(1e6 + 1e5 * tokens))
+        p.observe_launch("fill", {"tokens": tokens, "requests": 1, "kv_tokens": 50},
+                         int(1e6 + fill_ns_per_token * tokens))
     return p
+
+
+def _taught_at_batch_1() -> DraftLenPolicy:
+    """A draft model's policy whose verifies were all at batch 1 (as after a warm-up)."""
+    return _draft_model_policy(0.9, 1000, fill_ns_per_token=1e4, verify_ns_per_token=1e5,
+                               draft_ns_per_forward=1e5, const_ns=4e6, rows=(1,))
 
 
 def _choose(policy: DraftLenPolicy, rows: int, remaining: int = 100):
@@ -821,10 +828,7 @@ def test_a_resume_over_more_rows_than_any_verify_had_is_a_probe_that_doubles():
     from the exploration budget, and each later resume with at most twice the rows a verify
     has had. A batch with nothing to catch up drafts with every row at once (a wrong price
     then costs one step, not a catch-up)."""
-    p = DraftLenPolicy(4, has_fill=True, kv_ahead=1, lazy_fill=True, prior=0.9, explore_every=1000)
-    _teach(p, verify_ns_per_token=1e5, draft_ns_per_forward=1e5, const_ns=4e6, rows=(1,))
-    for tokens in (2, 8, 64, 512) * 16:
-        p.observe_launch("fill", {"tokens": tokens, "requests": 1, "kv_tokens": 50}, int(1e6 + 1e4 * tokens))
+    p = _taught_at_batch_1()
     rows = 47
     slots, remaining, computed = np.arange(rows), np.full(rows, 300), np.full(rows, 100)
     lag = np.full(rows, 20)
@@ -849,10 +853,7 @@ def test_a_resume_beyond_the_verified_rows_is_held_back_when_a_due_probe_was_dec
     length is still a resume over 47 rows that costs learned at batch 1 price by
     extrapolation, and the resume rule holds it back as when no probe was due (it drafted
     with all 47 rows, catching each up, in a simulated run after an engine's warm-up)."""
-    p = DraftLenPolicy(4, has_fill=True, kv_ahead=1, lazy_fill=True, prior=0.9, explore_every=1000)
-    _teach(p, verify_ns_per_token=1e5, draft_ns_per_forward=1e5, const_ns=4e6, rows=(1,))
-    for tokens in (2, 8, 64, 512) * 16:
-        p.observe_launch("fill", {"tokens": tokens, "requests": 1, "kv_tokens": 50}, int(1e6 + 1e4 * tokens))
+    p = _taught_at_batch_1()
     rows = 47
     slots, remaining, computed = np.arange(rows), np.full(rows, 300), np.full(rows, 100)
     p.decisions, p.probes.budget = 10, 0.0

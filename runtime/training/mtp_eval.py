@@ -97,8 +97,7 @@ def run_requests(worker, prompts: list[list[int]], params: SamplingParams | list
                  pipelines: list | None = None) -> list[Request]:
     """Serve `prompts` (token ids) to completion through a Pipeline on an InlineDevice running
     `worker` (a ModelWorker whose proposer defines the spec); returns the finished requests
-    in prompt order. `params`: one for every request, or one per prompt (the first says
-    whether EOS ends them). `num_pages` must not exceed the worker's KV pages; `adaptive`: the
+    in prompt order. `params`: one for every request, or one per prompt. `num_pages` must not exceed the worker's KV pages; `adaptive`: the
     step's D is chosen up to the worker's draft length (scheduler/adaptive.py); `pipelines`:
     a list the pipeline is appended to (to inspect it after the run)."""
     spec = worker.spec
@@ -106,7 +105,7 @@ def run_requests(worker, prompts: list[list[int]], params: SamplingParams | list
     per = params if isinstance(params, list) else [params] * len(prompts)
     if len(per) != len(prompts):
         raise ValueError(f"{len(per)} sampling params for {len(prompts)} prompts")
-    eos = tuple(worker.target.config.eos_token_ids) if per and not per[0].ignore_eos else ()
+    eos = tuple(worker.target.config.eos_token_ids)  # a request's own ignore_eos decides
     pipe = build_pipeline(spec, schedule or NATURAL_SCHEDULE[spec.kind], num_pages=num_pages,
                           page_size=worker.page_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, device=InlineDevice(worker),
