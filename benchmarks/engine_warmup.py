@@ -9,11 +9,18 @@ and its whole latency, and the second request's latency -- which neither engine'
 launches touch any more.
 
     python benchmarks/engine_warmup.py [--rounds 3] [--max-tokens 16] [--configs none/sync draft/overlap mtp/mtp]
+        [--device cuda --attention flashinfer --dtype bfloat16] [--processes]
+
+`--processes` starts every engine in a fresh Python process: on CUDA the first engine of a
+process also pays what any later one finds done (the CUDA context, library handles, kernel
+modules), so only a fresh process shows what a real start-up costs.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,12 +56,30 @@ async def one_engine(config: dict, prompts: list[str], max_tokens: int) -> dict[
     return out
 
 
+def in_process(cfg: dict, prompts: list[str], max_tokens: int) -> dict[str, float]:
+    """One engine in a fresh Python process (its figures come back as JSON on stdout)."""
+    res = subprocess.run([sys.executable, __file__, "--one", json.dumps([cfg, prompts, max_tokens])],
+                         capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise SystemExit(f"engine process failed ({cfg}):\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--one":
+        cfg, prompts, max_tokens = json.loads(sys.argv[2])
+        print(json.dumps(anyio.run(one_engine, cfg, prompts, max_tokens)))
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--device", default="host", choices=("host", "cuda"))
+    ap.add_argument("--attention", default="torch", choices=("torch", "flashinfer"))
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--processes", action="store_true", help="every engine in a fresh Python process")
     args = ap.parse_args()
+    where = {"device": args.device, "attention": args.attention, "dtype": args.dtype}
     if args.rounds < 1 or args.max_tokens < 1:
         ap.error("--rounds and --max-tokens must be >= 1")
     prompts = [item.prompt for item in bundled_items(2, args.max_tokens)]
@@ -62,9 +87,12 @@ def main() -> None:
     for r in range(args.rounds):
         for name in args.configs:
             for skip in ((False, True) if r % 2 == 0 else (True, False)):
-                cfg = CONFIGS[name] | {"skip_warmup": skip}
-                runs.setdefault((name, skip), []).append(anyio.run(one_engine, cfg, prompts, args.max_tokens))
-    print(f"median of {args.rounds} rounds (alternating), ms; two requests of {args.max_tokens} tokens, one after another")
+                cfg = CONFIGS[name] | where | {"skip_warmup": skip}
+                run = (in_process(cfg, prompts, args.max_tokens) if args.processes
+                       else anyio.run(one_engine, cfg, prompts, args.max_tokens))
+                runs.setdefault((name, skip), []).append(run)
+    print(f"median of {args.rounds} rounds (alternating), ms; two requests of {args.max_tokens} tokens, one after another; "
+          f"{args.device}, {args.attention} attention, {args.dtype}" + (", a process per engine" if args.processes else ""))
     print(f"{'config':>14} {'warm-up':>8} {'start':>8} {'1st TTFT':>9} {'1st latency':>12} {'2nd latency':>12}")
     for name in args.configs:
         for skip in (False, True):

@@ -64,7 +64,7 @@ def cuda_tests(deadline: float, extra_path: str | None) -> dict:
         env = {**os.environ, "PYTHONPATH": extra_path + os.pathsep + os.environ.get("PYTHONPATH", "")}
     left = max(30.0, deadline - time.monotonic())
     try:
-        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+        res = subprocess.run([sys.executable, "-m", "pytest", "-s", "-m", "cuda", "-p", "no:cacheprovider",
                               "-rs", "--durations=10", str(ROOT / "tests")], cwd=ROOT, capture_output=True, text=True, timeout=left, env=env)
     except subprocess.TimeoutExpired:
         return {"status": "timed out", "tail": ""}
