@@ -13,6 +13,7 @@ the policy deciding in the replay and with each step's D taken from the run
 
     python benchmarks/adaptive.py [--concurrency 1 4 16 64] [--rounds 3] [--max-tokens 32]
     python benchmarks/adaptive.py --replay-only --save-traces DIR   # the replays alone, traces kept
+    python benchmarks/adaptive.py --device cuda --attention flashinfer --dtype bfloat16   # on a GPU
 """
 from __future__ import annotations
 
@@ -49,12 +50,13 @@ def workload(concurrency: int, max_tokens: int, min_requests: int):
             for i, t in enumerate(lengths(max_tokens, n))]
 
 
-def configs(proposer: str, max_d: int) -> dict[str, dict]:
+def configs(proposer: str, max_d: int, where: dict | None = None) -> dict[str, dict]:
+    """EngineConfig fields of each configuration; `where`: the device fields every one shares."""
     out = {"D=0": {"proposer": "none", "schedule": "plain_overlap"}}
     for d in range(1, max_d + 1):
         out[f"D={d}"] = {"proposer": proposer, "schedule": PROPOSERS[proposer], "draft_len": d}
     out["auto"] = {"proposer": proposer, "schedule": PROPOSERS[proposer], "draft_len": "auto", "max_draft_len": max_d}
-    return out
+    return {name: cfg | (where or {}) for name, cfg in out.items()}
 
 
 def main() -> None:
@@ -70,6 +72,9 @@ def main() -> None:
                     "with their traces and the simulator's replays of them")
     ap.add_argument("--save-traces", type=Path, help="write the auto traces to this folder "
                     "(auto_<proposer>_c<concurrency>.jsonl), e.g. to validate them with another checkout")
+    ap.add_argument("--device", default="host", choices=("host", "cuda"))
+    ap.add_argument("--attention", default="torch", choices=("torch", "flashinfer"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args()
     if min(args.concurrency) < 1 or args.rounds < 1 or args.max_draft_len < 1 or args.max_tokens < 2:
         ap.error("--concurrency, --rounds and --max-draft-len must be >= 1, --max-tokens >= 2")
@@ -83,7 +88,8 @@ def main() -> None:
            f"output tokens/s, median of {args.rounds} interleaved rounds")
           + f"; output lengths {min(spread)}..{max(spread)} tokens (see `lengths`)")
     for proposer in args.proposers:
-        cfgs = configs(proposer, args.max_draft_len)
+        cfgs = configs(proposer, args.max_draft_len,
+                       {"device": args.device, "attention": args.attention, "dtype": args.dtype})
         names = list(cfgs)
         table: dict[int, dict[str, float]] = {}
         for c in [] if args.replay_only else args.concurrency:
