@@ -36,7 +36,8 @@ from specsched.runtime.attention.torch_backend import CausalAttention
 from specsched.runtime.checkpoint import CheckpointError, check_finite, read_config_json
 from specsched.runtime.config import ModelConfig
 from specsched.runtime.kv_cache import PagedKVCache
-from specsched.runtime.model import DecoderLayer, LlamaModel, RMSNorm, RotaryEmbedding
+from specsched.runtime.layers import RMSNorm, RotaryEmbedding
+from specsched.runtime.model import DecoderLayer, LlamaModel
 from specsched.runtime.parallel import TPGroup
 
 ARCHITECTURE = "SpecschedMTPHead"
