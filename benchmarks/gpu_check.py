@@ -11,6 +11,12 @@ Without CUDA (or with `--dry-run`) it says which parts it skips and why, and exi
 
     python benchmarks/gpu_check.py [--minutes 8] [--out DIR]
     bash benchmarks/gpu_check.sh          # first installs wheels carried in .whl/, if any
+
+FlashInfer compiles its kernels on first use (~2 minutes on 16 cores for the bundled models'
+shapes). `--save-kernels FILE.tgz` packs the compiled modules after the check, and
+`--kernels FILE.tgz` on a later check (same FlashInfer version, GPU architecture and CUDA)
+installs them as FlashInfer's ahead-of-time modules (`flashinfer/data/aot/NAME/NAME.so`, where
+its AOT build puts them) before anything imports FlashInfer, so nothing is compiled again.
 """
 from __future__ import annotations
 
@@ -54,6 +60,52 @@ def environment() -> dict:
     except ImportError as e:
         env["flashinfer"] = f"not importable ({e})"
     return env
+
+
+def _flashinfer_root() -> Path | None:
+    """The installed flashinfer package's folder, found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("flashinfer")
+    return None if spec is None or not spec.submodule_search_locations else Path(spec.submodule_search_locations[0])
+
+
+def install_kernels(archive: Path, aot: Path | None = None) -> list[str]:
+    """Compiled FlashInfer modules (`NAME/NAME.so` members of `archive`) installed as its AOT
+    modules (into `aot`, by default the installed package's `data/aot`); returns their names.
+    Must run before flashinfer is imported."""
+    import tarfile
+
+    if aot is None:
+        root = _flashinfer_root()
+        if root is None:
+            raise SystemExit("--kernels: flashinfer is not installed")
+        aot = root / "data" / "aot"
+    with tarfile.open(archive) as tar:
+        members = tar.getmembers()
+        for m in members:
+            parts = Path(m.name).parts
+            if not (m.isfile() and len(parts) == 2 and parts[1] == parts[0] + ".so"):
+                raise SystemExit(f"--kernels {archive}: unexpected member {m.name!r} (want NAME/NAME.so)")
+        tar.extractall(aot, filter="data")
+    return [Path(m.name).parts[0] for m in members]
+
+
+def save_kernels(archive: Path, jit_dir: Path | None = None) -> int:
+    """The FlashInfer modules compiled so far (its JIT cache, `jit_dir` by default FlashInfer's)
+    packed as `NAME/NAME.so`; returns how many."""
+    import tarfile
+
+    if jit_dir is None:
+        from flashinfer.jit import env as fi_env
+
+        jit_dir = Path(fi_env.FLASHINFER_JIT_DIR)
+    sos = sorted(p for p in jit_dir.glob("*/*.so") if p.name == p.parent.name + ".so")
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive, "w:gz") as tar:
+        for so in sos:
+            tar.add(so, arcname=f"{so.parent.name}/{so.name}")
+    return len(sos)
 
 
 def cuda_tests(deadline: float, extra_path: str | None) -> dict:
@@ -136,8 +188,12 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--kernels", type=Path, help="install FlashInfer modules compiled by an earlier check (.tgz)")
+    ap.add_argument("--save-kernels", type=Path, help="after the check, pack the FlashInfer modules compiled (.tgz)")
     args = ap.parse_args()
     deadline = time.monotonic() + 60 * args.minutes
+    if args.kernels is not None:
+        print(f"FlashInfer modules from {args.kernels}: " + ", ".join(install_kernels(args.kernels)))
     with tempfile.TemporaryDirectory() as tmp:
         extra = _importable_path(Path(tmp))
         if extra:
@@ -168,6 +224,11 @@ def main() -> int:
             summary["targets"] = verdicts(rows)
             for line in summary["targets"]:
                 print("target: " + line)
+    if args.save_kernels is not None and "dry_run" not in summary:
+        try:
+            print(f"saved {save_kernels(args.save_kernels)} compiled FlashInfer modules to {args.save_kernels}")
+        except ImportError as e:
+            print(f"--save-kernels: nothing saved, flashinfer is not importable ({e})")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gpu_check.json").write_text(json.dumps(summary, indent=2, default=str))

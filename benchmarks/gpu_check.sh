@@ -2,7 +2,9 @@
 # The GPU check (benchmarks/gpu_check.py) on a CUDA machine that may have no package index:
 # wheels carried in .whl/ (the `cuda` extra, flashinfer-python, and whatever else the machine
 # lacks, e.g. `pip download --no-deps --only-binary=:all: -d .whl flashinfer-python==VERSION`)
-# are installed into a scratch folder first; then the check runs with any arguments given.
+# are installed into a scratch folder first; then the check runs with any arguments given
+# (e.g. `--save-kernels .whl/flashinfer-kernels.tgz` once, `--kernels .whl/flashinfer-kernels.tgz`
+# on later checks: FlashInfer's compiled modules instead of a ~2-minute compile).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

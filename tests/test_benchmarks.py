@@ -94,3 +94,33 @@ def test_gpu_check_says_what_it_skips_and_judges_the_gpu_targets():
         "launch return median < 100 us: no (largest median 150.0 us)",
         "draft: overlap bubble below sync's: yes (0.100 vs 0.300)",
     ]
+
+
+def test_gpu_check_saves_compiled_flashinfer_modules_and_installs_them_where_flashinfer_loads_aot_ones(tmp_path):
+    import tarfile
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    jit = tmp_path / "cached_ops"
+    for name in ("page", "batch_decode_x"):
+        (jit / name).mkdir(parents=True)
+        (jit / name / f"{name}.so").write_bytes(name.encode())
+        (jit / name / f"{name}.o").write_bytes(b"object file, not packed")
+    (jit / "stray").mkdir()
+    (jit / "stray" / "other.so").write_bytes(b"not NAME/NAME.so")
+    archive = tmp_path / "kernels.tgz"
+    assert gpu_check.save_kernels(archive, jit) == 2
+    aot = tmp_path / "aot"
+    assert sorted(gpu_check.install_kernels(archive, aot)) == ["batch_decode_x", "page"]
+    assert (aot / "page" / "page.so").read_bytes() == b"page"
+    assert sorted(p.relative_to(aot).as_posix() for p in aot.rglob("*") if p.is_file()) == [
+        "batch_decode_x/batch_decode_x.so", "page/page.so"]
+    bad = tmp_path / "bad.tgz"
+    with tarfile.open(bad, "w:gz") as tar:
+        tar.add(jit / "page" / "page.so", arcname="../page.so")
+    with pytest.raises(SystemExit, match="unexpected member '../page.so'"):
+        gpu_check.install_kernels(bad, tmp_path / "aot2")
+    assert not (tmp_path / "page.so").exists() and not (tmp_path / "aot2").exists()
