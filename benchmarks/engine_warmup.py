@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--device", default="host", choices=("host", "cuda"))
     ap.add_argument("--attention", default="torch", choices=("torch", "flashinfer"))
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--processes", action="store_true", help="every engine in a fresh Python process")
     args = ap.parse_args()
     where = {"device": args.device, "attention": args.attention, "dtype": args.dtype}

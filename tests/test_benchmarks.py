@@ -35,7 +35,7 @@ TINY = {
                            "--configs", "none", "--sizes", "1024", "--repeats", "5"],
     "train_throughput.py": ["--steps", "1", "--rounds", "1", "--configs", "1:fp32:2", "1:bf16:2:passive"],
     "sweep_fanout.py": ["--replicates", "2", "--rounds", "1", "--draft-lens", "1", "--concurrencies", "1"],
-    "engine_warmup.py": ["--rounds", "1", "--max-tokens", "2", "--configs", "none/sync"],
+    "engine_warmup.py": ["--rounds", "1", "--max-tokens", "2", "--configs", "none/sync", "--processes"],
 }
 
 
