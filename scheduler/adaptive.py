@@ -37,7 +37,9 @@ the pipeline), and its inputs are what the pipeline already has:
   h per D (`scheduler/step_overhead.py`) is the median of recent steps' measured wall time
   over predicted device time (the models as the step's own launches left them): host work a
   schedule does not hide (a plain step launches one op, a speculative one three) and, signed,
-  the device models' bias at that D; a D seen little borrows the residual over every D.
+  the device models' bias at that D; a D seen little borrows the residual over every D (over
+  every speculative D where plain steps run one step ahead, hiding their host work; D = 0 then
+  borrows nothing).
 - **A catch-up**: while speculation is off a proposer with lazy fills (a draft model, an MTP
   head) reads nothing and catches up in one fill when a row drafts again. A drafting step is
   charged, per row, the fill of what it is behind (`lag`) spread over the steps the row is
@@ -93,14 +95,15 @@ class DraftLenPolicy:
     (`ProposerRules.lazy_fill`); `fill_same_batch`: its fill after a verify covers the verify
     batch (an MTP head), else the accepted tokens (a draft model); `has_fill`: it has one;
     `cold_first_launch`: the device's first launch of an op pays one-off costs, so its
-    interval teaches nothing (a real device; the simulator's prices have none)."""
+    interval teaches nothing (a real device; the simulator's prices have none); `plain_ahead`:
+    the schedule launches plain steps one step ahead (`overlap`, `mtp`), hiding their host work."""
 
     def __init__(self, max_draft_len: int, *, has_fill: bool, kv_ahead: int = 0, fill_same_batch: bool = False,
                  lazy_fill: bool = False, cold_first_launch: bool = True,
                  prior: float = 0.7, smoothing: float = 0.15, global_smoothing: float = 0.02, prior_weight: float = 8.0,
                  request_weight: float = 4.0, probe_margin: float = 0.1, first_draft_len: int = 2,
                  explore_every: int = 16, explore_cost: float = 0.02, seed_costs: dict | None = None,
-                 slots: int = 64):
+                 slots: int = 64, plain_ahead: bool = False):
         if max_draft_len < 1:
             raise ValueError(f"an adaptive draft length needs max_draft_len >= 1, got {max_draft_len}")
         if not 0.0 <= prior <= 1.0:
@@ -118,7 +121,7 @@ class DraftLenPolicy:
                                            global_smoothing=global_smoothing, prior_weight=prior_weight,
                                            request_weight=request_weight, slots=slots)
         self.costs = cost_models(seed_costs)  # target, draft, fill (scheduler/online_cost.py)
-        self.overhead = StepOverhead(max_draft_len)  # h per D (scheduler/step_overhead.py)
+        self.overhead = StepOverhead(max_draft_len, plain_hidden=plain_ahead)  # h per D (scheduler/step_overhead.py)
         self.decisions = 0
         self.verify_rows = 0  # the most rows a verify has had (a larger one's cost is extrapolated)
         # launch ops whose first (cold) interval has been seen; all of them on a device without one

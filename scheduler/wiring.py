@@ -43,14 +43,16 @@ def scheduler_config(spec: ProposerSpec, *, max_num_seqs: int, max_num_batched_t
 
 
 def draft_len_policy(spec: ProposerSpec, *, seed_costs: dict | None = None, slots: int = 64,
-                     cold_first_launch: bool = True) -> DraftLenPolicy:
-    """The adaptive draft length for `spec`, whose `draft_len` is the longest it may choose;
-    ValueError for a proposer it cannot drive (none; a tree's shape is fixed)."""
+                     cold_first_launch: bool = True, schedule: str = "sync") -> DraftLenPolicy:
+    """The adaptive draft length for `spec`, whose `draft_len` is the longest it may choose,
+    under `schedule` (all but `sync` run its plain steps one step ahead); ValueError for a
+    proposer it cannot drive (none; a tree's shape is fixed)."""
     if not spec.speculative or spec.is_tree:
         raise ValueError(f"draft_len 'auto' needs a linear proposer (draft, mtp, ngram), not {spec.kind!r}")
     return DraftLenPolicy(spec.draft_len, has_fill=spec.kv_model is not None, kv_ahead=spec.kv_ahead,
                           fill_same_batch=spec.fill_same_batch, lazy_fill=spec.rules.lazy_fill,
-                          seed_costs=seed_costs, slots=slots, cold_first_launch=cold_first_launch)
+                          seed_costs=seed_costs, slots=slots, cold_first_launch=cold_first_launch,
+                          plain_ahead=schedule != "sync")
 
 
 def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_size: int,
@@ -67,6 +69,7 @@ def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_si
     if adaptive:
         # a device whose first launch of an op is no slower than the next (the simulator's) says so
         builder.draft_policy = draft_len_policy(spec, seed_costs=seed_costs, slots=max(8, max_num_seqs),
-                                                cold_first_launch=not getattr(device, "warm_first_launch", False))
+                                                cold_first_launch=not getattr(device, "warm_first_launch", False),
+                                                schedule=schedule)
     return Pipeline(PipelineConfig(schedule, spec), builder, device, clock, sink, tracer,
                     eos_token_ids=tuple(eos_token_ids))

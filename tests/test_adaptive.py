@@ -712,6 +712,32 @@ def test_one_stalled_step_does_not_move_the_overhead():
     assert h.at(0) == pytest.approx(h.pooled) and h.at(0) < 2e6  # unseen D: the pooled median
 
 
+def test_plain_steps_that_hide_their_host_work_neither_borrow_nor_lend_overhead():
+    """Launched one step ahead (`overlap`, `mtp`), a plain step's residual is ~0 (its host work
+    runs behind the device) while a speculative step's holds its host work: pooled together,
+    the plain steps' samples priced a barely tried D > 0 as almost free, and a plain step with
+    no samples of its own borrowed the speculative steps' host work. Under `sync` every step
+    shows its host work, and the pool spans every D."""
+    from specsched.scheduler.step_overhead import StepOverhead
+    from specsched.scheduler.wiring import draft_len_policy, proposer_spec
+
+    hidden, shown = StepOverhead(4, plain_hidden=True), StepOverhead(4)
+    for h in (hidden, shown):
+        for _ in range(5):
+            h.observe(2, 2e6)  # speculative steps: 2 ms of host work each
+    assert hidden.at(0) == 0.0 and shown.at(0) == pytest.approx(2e6)  # no plain sample yet
+    for h in (hidden, shown):
+        for _ in range(20):
+            h.observe(0, 1e4)  # plain steps launched ahead: nothing to show
+    assert hidden.at(1) == pytest.approx(2e6)  # unseen D > 0: the speculative steps' host work
+    assert shown.at(1) == pytest.approx(1e4)  # pooled with the plain steps: almost free
+    assert hidden.at(0) == shown.at(0) == pytest.approx(1e4)  # its own, once it has them
+
+    spec = proposer_spec("draft", 4)
+    for schedule, plain_hidden in (("sync", False), ("overlap", True)):
+        assert draft_len_policy(spec, schedule=schedule).overhead.plain_hidden is plain_hidden
+
+
 def test_a_plain_step_forced_by_last_tokens_does_not_stand():
     """A D = 0 that no estimate chose -- every row is at its last token, so none may draft --
     does not stand over the next steps: a request that takes the freed slot drafts at once
