@@ -12,6 +12,7 @@ per scenario, their geometric mean and the worst. The policy is the same object 
 runs, so two checkouts' policies can be compared on the same saved traces (`--traces DIR`).
 
     python benchmarks/adaptive_sim.py [--traces DIR] [--replay-at 1:1,2,3 4:3,4,5,6,7,8,10,12] [--acceptance bernoulli:0.9]
+        [--schedule sync]   # every configuration under `sync` (D = 0: plain decoding under `sync`)
 """
 from __future__ import annotations
 
@@ -62,6 +63,8 @@ def main() -> None:
     ap.add_argument("--proposers", nargs="+", choices=["draft", "mtp"], default=["draft", "mtp"])
     ap.add_argument("--acceptance", default="trace", help="the replays' acceptance: trace (the captured "
                     "agreement), rates, or bernoulli:ALPHA (e.g. a proposer on which speculation pays)")
+    ap.add_argument("--schedule", choices=["natural", "sync"], default="natural",
+                    help="natural: each proposer's own schedule, D = 0 under plain_overlap; sync: all under sync")
     args = ap.parse_args()
     if args.max_draft_len < 1 or args.max_tokens < 2:
         ap.error("--max-draft-len must be >= 1 and --max-tokens >= 2")
@@ -78,6 +81,8 @@ def main() -> None:
     print(f"simulated output tokens/s; traces in {folder}")
     print(f"{'scenario':>16} " + " ".join(f"{n:>8}" for n in names) + f" {'auto':>8} {'auto/best':>10} {'best':>6}")
     ratios = []
+    sched = "sync" if args.schedule == "sync" else None  # None: the trace's (the proposer's own)
+    plain = "sync" if args.schedule == "sync" else "plain_overlap"
     for proposer in args.proposers:
         for c, at in plan.items():
             paths = capture(proposer, c, dmax, args.max_tokens, args.min_requests, folder)
@@ -87,11 +92,11 @@ def main() -> None:
             for cc in at:
                 row = {}
                 for d in range(dmax + 1):
-                    cfg = (ReplayConfig(proposer="none", schedule="plain_overlap", draft_len=0, concurrency=cc) if d == 0
-                           else ReplayConfig(draft_len=d, concurrency=cc, acceptance=args.acceptance))
+                    cfg = (ReplayConfig(proposer="none", schedule=plain, draft_len=0, concurrency=cc) if d == 0
+                           else ReplayConfig(draft_len=d, concurrency=cc, acceptance=args.acceptance, schedule=sched))
                     row[f"D={d}"] = replay(longest, profile, cfg)[0]["output_tokens_per_s"]
                 auto = replay(longest, profile, ReplayConfig(draft_len="auto", max_draft_len=dmax, concurrency=cc,
-                                                             acceptance=args.acceptance))[0]["output_tokens_per_s"]
+                                                             acceptance=args.acceptance, schedule=sched))[0]["output_tokens_per_s"]
                 best = max(row, key=row.get)
                 ratios.append(auto / row[best])
                 print(f"{proposer + ' ' + str(c) + '->' + str(cc):>16} " + " ".join(f"{row[n]:>8.1f}" for n in names)
