@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import bundled_items, run  # noqa: E402
+from common import add_device_options, bundled_items, device_fields, run  # noqa: E402
 
 PROPOSERS = {"draft": "overlap", "mtp": "mtp"}
 
@@ -72,9 +72,7 @@ def main() -> None:
                     "with their traces and the simulator's replays of them")
     ap.add_argument("--save-traces", type=Path, help="write the auto traces to this folder "
                     "(auto_<proposer>_c<concurrency>.jsonl), e.g. to validate them with another checkout")
-    ap.add_argument("--device", default="host", choices=("host", "cuda"))
-    ap.add_argument("--attention", default="torch", choices=("torch", "flashinfer"))
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    add_device_options(ap)
     args = ap.parse_args()
     if min(args.concurrency) < 1 or args.rounds < 1 or args.max_draft_len < 1 or args.max_tokens < 2:
         ap.error("--concurrency, --rounds and --max-draft-len must be >= 1, --max-tokens >= 2")
@@ -88,8 +86,7 @@ def main() -> None:
            f"output tokens/s, median of {args.rounds} interleaved rounds")
           + f"; output lengths {min(spread)}..{max(spread)} tokens (see `lengths`)")
     for proposer in args.proposers:
-        cfgs = configs(proposer, args.max_draft_len,
-                       {"device": args.device, "attention": args.attention, "dtype": args.dtype})
+        cfgs = configs(proposer, args.max_draft_len, device_fields(args))
         names = list(cfgs)
         table: dict[int, dict[str, float]] = {}
         for c in [] if args.replay_only else args.concurrency:

@@ -23,6 +23,25 @@ def parse_workload(ap, num_requests: int, max_tokens: int):
     return args, bundled_items(args.num_requests, args.max_tokens)
 
 
+DEVICE_FIELDS = ("device", "attention", "dtype")  # EngineConfig fields the device options set
+
+
+def add_device_options(ap) -> None:
+    """--device, --attention and --dtype, with EngineConfig's defaults and choices."""
+    from typing import get_args
+
+    from specsched.runtime.engine_config import EngineConfig
+
+    for name in DEVICE_FIELDS:
+        field = EngineConfig.model_fields[name]
+        ap.add_argument(f"--{name}", default=field.default, choices=get_args(field.annotation))
+
+
+def device_fields(args) -> dict:
+    """The EngineConfig fields `add_device_options` parsed."""
+    return {name: getattr(args, name) for name in DEVICE_FIELDS}
+
+
 def bundled_items(num_requests: int, max_tokens: int):
     from specsched.runtime import bundled
     from specsched.runtime.workload import load_workload

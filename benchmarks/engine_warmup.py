@@ -28,7 +28,7 @@ from pathlib import Path
 import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bundled_items  # noqa: E402
+from common import add_device_options, bundled_items, device_fields  # noqa: E402
 
 CONFIGS = {  # name -> EngineConfig fields
     "none/sync": {"proposer": "none", "schedule": "sync"},
@@ -56,7 +56,7 @@ async def one_engine(config: dict, prompts: list[str], max_tokens: int) -> dict[
     return out
 
 
-def in_process(cfg: dict, prompts: list[str], max_tokens: int) -> dict[str, float]:
+def in_fresh_process(cfg: dict, prompts: list[str], max_tokens: int) -> dict[str, float]:
     """One engine in a fresh Python process (its figures come back as JSON on stdout)."""
     res = subprocess.run([sys.executable, __file__, "--one", json.dumps([cfg, prompts, max_tokens])],
                          capture_output=True, text=True, check=False)
@@ -74,12 +74,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    ap.add_argument("--device", default="host", choices=("host", "cuda"))
-    ap.add_argument("--attention", default="torch", choices=("torch", "flashinfer"))
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    add_device_options(ap)
     ap.add_argument("--processes", action="store_true", help="every engine in a fresh Python process")
     args = ap.parse_args()
-    where = {"device": args.device, "attention": args.attention, "dtype": args.dtype}
+    where = device_fields(args)
     if args.rounds < 1 or args.max_tokens < 1:
         ap.error("--rounds and --max-tokens must be >= 1")
     prompts = [item.prompt for item in bundled_items(2, args.max_tokens)]
@@ -88,7 +86,7 @@ def main() -> None:
         for name in args.configs:
             for skip in ((False, True) if r % 2 == 0 else (True, False)):
                 cfg = CONFIGS[name] | where | {"skip_warmup": skip}
-                run = (in_process(cfg, prompts, args.max_tokens) if args.processes
+                run = (in_fresh_process(cfg, prompts, args.max_tokens) if args.processes
                        else anyio.run(one_engine, cfg, prompts, args.max_tokens))
                 runs.setdefault((name, skip), []).append(run)
     print(f"median of {args.rounds} rounds (alternating), ms; two requests of {args.max_tokens} tokens, one after another; "

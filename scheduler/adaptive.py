@@ -37,9 +37,8 @@ the pipeline), and its inputs are what the pipeline already has:
   h per D (`scheduler/step_overhead.py`) is the median of recent steps' measured wall time
   over predicted device time (the models as the step's own launches left them): host work a
   schedule does not hide (a plain step launches one op, a speculative one three) and, signed,
-  the device models' bias at that D; a D seen little borrows the residual over every D (over
-  every speculative D where plain steps run one step ahead, hiding their host work; D = 0 then
-  borrows nothing).
+  the device models' bias at that D; a D seen little borrows the residual over every D (every
+  speculative D where plain steps run one step ahead, hiding their host work).
 - **A catch-up**: while speculation is off a proposer with lazy fills (a draft model, an MTP
   head) reads nothing and catches up in one fill when a row drafts again. A drafting step is
   charged, per row, the fill of what it is behind (`lag`) spread over the steps the row is
@@ -96,7 +95,7 @@ class DraftLenPolicy:
     batch (an MTP head), else the accepted tokens (a draft model); `has_fill`: it has one;
     `cold_first_launch`: the device's first launch of an op pays one-off costs, so its
     interval teaches nothing (a real device; the simulator's prices have none); `plain_ahead`:
-    the schedule launches plain steps one step ahead (`overlap`, `mtp`), hiding their host work."""
+    plain steps run one step ahead (`overlap`, `mtp`), hiding their host work."""
 
     def __init__(self, max_draft_len: int, *, has_fill: bool, kv_ahead: int = 0, fill_same_batch: bool = False,
                  lazy_fill: bool = False, cold_first_launch: bool = True,
@@ -121,7 +120,7 @@ class DraftLenPolicy:
                                            global_smoothing=global_smoothing, prior_weight=prior_weight,
                                            request_weight=request_weight, slots=slots)
         self.costs = cost_models(seed_costs)  # target, draft, fill (scheduler/online_cost.py)
-        self.overhead = StepOverhead(max_draft_len, plain_hidden=plain_ahead)  # h per D (scheduler/step_overhead.py)
+        self.overhead = StepOverhead(max_draft_len, plain_hidden=plain_ahead)  # h per D
         self.decisions = 0
         self.verify_rows = 0  # the most rows a verify has had (a larger one's cost is extrapolated)
         # launch ops whose first (cold) interval has been seen; all of them on a device without one
@@ -139,8 +138,7 @@ class DraftLenPolicy:
         return self.catches_up and (decided or self.last is None or self.last.draft_len == 0)
 
     def warmed_up(self) -> None:
-        """The engine's warm-up request is done: what it taught stays, its last choice (for a
-        batch that is gone) does not, so the next prompts' fills wait (`skips_fill`)."""
+        """The engine's warm-up is done: what it taught stays, its last choice goes (`skips_fill`)."""
         self.last, self._held_slots = None, None
 
     # -- what it has learned (scheduler/policy_state.py) ------------------------------------
@@ -152,8 +150,7 @@ class DraftLenPolicy:
     def restore(self, state: dict) -> None:
         """Continue from `state` (see `state`); ValueError if it is another policy's."""
         d = restore_policy_state(self, state)
-        # the last step's D (a draft model skips its prefill fills after a plain step); no rows:
-        # no step of it is left to observe
+        # the last step's D (lazy fills wait after a plain step); no rows: none left to observe
         self.last = None if d is None else Decision(d, np.zeros(0, dtype=np.int64), 0, None)
         self._held_slots = None
 
@@ -327,8 +324,8 @@ class DraftLenPolicy:
             # decoding is a probe, paid from the budget; and so is one over more rows than a
             # verify has had (twice those, at least PROBE_ROWS): its verify cost is an
             # extrapolation (a warm-up at batch 1 priced a resume at 47 rows +15%; it lost a
-            # 486 ms catch-up, 7% of the run) -- the rows it may take double per resume (also
-            # after a due probe the budget declined)
+            # 486 ms catch-up, 7% of the run) -- the rows it may take double per resume (after
+            # a declined due probe too)
             k = min(rows_l[best], max(PROBE_ROWS, 2 * self.verify_rows))
             if k < rows_l[best] or rates[best] < (1.0 + self.probe_margin) * rates[0]:
                 loss = self._probe_loss(best, rates[0], k, use, computed, accepted, lag)

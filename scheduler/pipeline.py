@@ -34,11 +34,11 @@ import numpy as np
 
 from specsched.scheduler import messages
 from specsched.scheduler.batch_builder import BatchBuilder
+from specsched.scheduler.forward_step import ForwardStep
 from specsched.scheduler.output_stage import OutputStage
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.protocols import Clock, Device, DeviceError, OutputSink
 from specsched.scheduler.request import Request, RequestState
-from specsched.scheduler.forward_step import ForwardStep
 from specsched.scheduler.spec_step import SpeculativeStep
 from specsched.scheduler.small_arrays import total
 from specsched.scheduler.step_batch import StepBatch
@@ -91,6 +91,9 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
         self._inflight: tuple[StepBatch, Launch] | None = None
         self._wake = anyio.Event()
         self._idle: anyio.Event | None = None  # set when the run loop next waits for work (`warming_up`)
+        # pages a running row may take in a step (`_most_pages`): it grows by 1 + D tokens (a
+        # draft model's table by one more) in each model's table, at most ceil((2 + D) / page_size)
+        self._row_pages = -(-(2 + self.spec.draft_len) // self.blocks.page_size) * len(self.blocks.models)
         self._stopping = False
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -322,12 +325,8 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
         self.trace.record_device_spans()
 
     def _most_pages(self) -> int:
-        """Pages a step may need at most: every running row grows by 1 + D tokens (and a draft
-        model's table by one more), in each model's table; 1 + D tokens span at most
-        ceil((1 + D) / page_size) new pages."""
-        grow = 2 + self.spec.draft_len
-        per_row = -(-grow // self.blocks.page_size) * len(self.blocks.models)
-        return len(self.builder.running) * per_row + 1
+        """Pages a step may need at most: every running row's `_row_pages`."""
+        return len(self.builder.running) * self._row_pages + 1
 
     async def step(self) -> None:
         if self._inflight is not None and self.blocks.num_free_pages < self._most_pages():

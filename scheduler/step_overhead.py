@@ -26,8 +26,12 @@ class StepOverhead:
         self.residuals_by_d: list[list[float]] = [[] for _ in range(max_draft_len + 1)]
         self.residuals: list[float] = []
 
+    def _in_pool(self, d: int) -> bool:
+        """Whether steps at D = d lend to the pool and borrow from it."""
+        return d > 0 or not self.plain_hidden
+
     def observe(self, d: int, resid: float) -> None:
-        pooled = d > 0 or not self.plain_hidden
+        pooled = self._in_pool(d)
         for ring in (self.residuals_by_d[d], self.residuals) if pooled else (self.residuals_by_d[d],):
             ring.append(resid)
             if len(ring) > OVERHEAD_WINDOW:
@@ -43,13 +47,11 @@ class StepOverhead:
         tried, so that it is tried until its own estimate holds (the pooled one mixes in the
         other lengths' host work, which a plain step does not have). Where plain steps hide
         their host work, a plain step borrows nothing (0, its own so far if smaller) and lends
-        nothing: pooled with them, the speculative lengths' h came out near 0 and every barely
-        tried length looked almost free (simulated, 22 scenarios: auto 0.982x -> 0.990x of the
-        best fixed D)."""
+        nothing: its ~0 would price every barely tried length as almost free."""
         n = self.samples[d]
         if n >= MIN_OVERHEAD_SAMPLES:
             return float(self.by_d[d])
-        pool = 0.0 if d == 0 and self.plain_hidden else self.pooled
+        pool = self.pooled if self._in_pool(d) else 0.0
         return min(pool, float(self.by_d[d])) if n else pool
 
 

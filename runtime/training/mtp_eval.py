@@ -97,8 +97,9 @@ def run_requests(worker, prompts: list[list[int]], params: SamplingParams | list
                  pipelines: list | None = None) -> list[Request]:
     """Serve `prompts` (token ids) to completion through a Pipeline on an InlineDevice running
     `worker` (a ModelWorker whose proposer defines the spec); returns the finished requests
-    in prompt order. `params`: one for every request, or one per prompt. `num_pages` must not exceed the worker's KV pages; `adaptive`: the
-    step's D is chosen up to the worker's draft length (scheduler/adaptive.py); `pipelines`:
+    in prompt order. `params`: one for every request, or one per prompt. `num_pages` must not
+    exceed the worker's KV pages; `adaptive`: the step's D is chosen up to the worker's draft
+    length (scheduler/adaptive.py); `pipelines`:
     a list the pipeline is appended to (to inspect it after the run)."""
     spec = worker.spec
     sink = _Sink()
