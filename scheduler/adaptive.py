@@ -28,7 +28,7 @@ the pipeline), and its inputs are what the pipeline already has:
   cost (its logits at every position) is a term of its own, so it does not inflate the price
   of a plain step; the draft over (draft steps, row-forwards, KV tokens x draft steps: the
   first token comes from logits already there, each further one reads the KV); the fill),
-  refitted as samples arrive (running weighted sums: O(1) per sample), ridge-regularized
+  refitted as samples arrive (running weighted sums, folded in when next read), ridge-regularized
   toward its seed -- a fitted cost profile (`seed_costs`, the simulator's JSON format) or
   none -- so a few samples cannot swing it. A real device's first launch of each op pays
   one-off costs and teaches nothing (`cold_first_launch`). While an unseeded op has fewer than two samples

@@ -3,19 +3,18 @@ from device intervals (see `OnlineCost`; `scheduler/adaptive.py` keeps one per o
 over the features `FEATURES` reads from a launch's shape."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
-from specsched.scheduler.step_trace import launch_features
+from specsched.scheduler.step_trace import draft_counts
 
 # samples an unseeded model needs before it prices anything: one sample's cost goes wholly to
 # the free constant (a first fill that caught up a whole prompt priced every later fill as
 # that catch-up, and an MTP head's warm-up then never drafted again)
 MIN_SAMPLES = 2
+REFIT_EVERY_FROM = 8  # samples after each of which a model is refitted (see `OnlineCost.add`)
+REFIT_MAX_GAP = 8  # samples between refits at most
 
 
-@dataclass
 class OnlineCost:
     """Non-negative linear cost (ns) of one op, fitted by exponentially weighted ridge
     regression toward `prior` (the seed, or zeros). Each feature is scaled to unit size (its
@@ -28,63 +27,98 @@ class OnlineCost:
     its cost is per draft step and row-forward, and a run at one D must not book those steps as
     a fixed cost that every other D would pay too.
 
-    A and b are kept as running sums (each sample's weight halves every `half_life` samples),
-    so a sample costs two small array updates and a refit one 4 x 4 solve, whatever the
-    history: the policy runs on the host between device steps."""
+    A and b are running sums (each sample's weight halves every `half_life` samples), so the
+    history costs nothing. The policy runs on the host between device steps, where a plain
+    step leaves least room, so a sample is only queued (`add`): the queue is folded into the
+    sums in one array operation, and the model refitted (one 4 x 4 solve), when the
+    coefficients are next read -- after every sample of the first 8, then after every
+    (n / 8)-th (early samples move the fit most), from the 64th sample on after every 8th."""
 
-    features: tuple[str, ...]
-    prior: np.ndarray | None = None
-    lam: float = 0.1
-    half_life: float = 32.0  # samples: the fit follows the current load (batch size drifts)
-    free_const: bool = True  # the constant is not pulled toward the prior (see the class docstring)
-    coef: np.ndarray | None = None
-    # the running sums and their bookkeeping (`__post_init__`), not arguments
-    _a: np.ndarray = field(init=False, repr=False)
-    _b: np.ndarray = field(init=False, repr=False)
-    _scale: np.ndarray = field(init=False, repr=False)
-    _decay: float = field(init=False, repr=False)
-    _pen: np.ndarray = field(init=False, repr=False)
-    _n: int = field(default=0, init=False, repr=False)
-    _since_fit: int = field(default=0, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.coef is None and self.prior is not None:
-            self.coef = self.prior.copy()
-        k = len(self.features)
-        self._a, self._b, self._scale = np.zeros((k, k)), np.zeros(k), np.ones(k)
-        self._decay = 0.5 ** (1.0 / self.half_life)
-        pen = np.full(k, self.lam)
-        if self.free_const:
+    def __init__(self, features: tuple[str, ...], prior: np.ndarray | None = None, lam: float = 0.1,
+                 half_life: float = 32.0, free_const: bool = True, coef: np.ndarray | None = None):
+        self.features = features
+        self.prior = prior
+        self.lam = lam
+        self.half_life = half_life  # samples: the fit follows the current load (batch size drifts)
+        self.free_const = free_const  # the constant is not pulled toward the prior (see above)
+        self._coef = prior.copy() if coef is None and prior is not None else coef
+        k = len(features)
+        self._ab = np.zeros((k, k + 1))  # [A b]: the weighted sums of x x' and x y
+        self._scale = np.ones(k)
+        self._decay = 0.5 ** (1.0 / half_life)
+        pen = np.full(k, lam)
+        if free_const:
             pen[0] = 0.0  # the constant (FEATURES put it first)
-        self._pen = pen
+        self._pen = pen + 1e-9  # and a tiny ridge on every term (solvable)
+        self._n = 0
+        self._since_fit = 0
+        self._queue: list[tuple[np.ndarray, float]] = []  # samples not yet in the sums, oldest first
+        self._stale = False  # a refit is due before the coefficients are read
+        self._k: tuple | None = None  # `at`'s coefficients as floats, with the array they came from
 
-    def add(self, x: np.ndarray, y: float) -> None:
-        a, b = self._a, self._b
-        a *= self._decay
-        a += np.outer(x, x)
-        b *= self._decay
-        b += x * y
-        np.maximum(self._scale, np.abs(x), out=self._scale)
+    def add(self, x, y: float) -> None:
+        """Queue a sample: features `x` (`FEATURES` order), cost `y` ns."""
+        self._queue.append((x, y))
         self._n += 1
         self._since_fit += 1
-        if self.coef is None or self._n < 64 or self._since_fit >= 8:  # early samples count most
-            self.fit()
+        # early samples move the fit most: refit after each of the first REFIT_EVERY_FROM, then
+        # after every n / REFIT_EVERY_FROM-th (the coefficients lag an eighth of the samples
+        # at most), from every 8th on
+        if self._coef is None or self._since_fit >= min(REFIT_MAX_GAP, 1 + self._n // REFIT_EVERY_FROM):
+            self._stale = True
+
+    def _fold(self) -> None:
+        """The queued samples into the running sums: with z = (x, y), [A b] <- d^m [A b] +
+        sum_i d^(m-1-i) x_i z_i' (A and b are views of one matrix: one product a fold)."""
+        q, self._queue = self._queue, []
+        if not q:
+            return
+        z = np.array([(*x, y) for x, y in q], dtype=float)  # [m, k + 1], oldest first
+        k = len(self.features)
+        if len(q) > 1:
+            w = self._decay ** np.arange(len(q) - 1, -1, -1, dtype=float)
+            self._ab *= self._decay ** len(q)
+            self._ab += (z[:, :k] * w[:, None]).T @ z
+        else:
+            self._ab *= self._decay
+            self._ab += np.multiply.outer(z[0, :k], z[0])
+        np.maximum(self._scale, np.abs(z[:, :k]).max(axis=0), out=self._scale)
 
     def fit(self) -> None:
-        s2 = self._scale * self._scale
-        pen = self._pen * s2 + 1e-9 * s2  # lam S P S, and a tiny ridge on every term (solvable)
+        self._fold()
+        pen = self._pen * (self._scale * self._scale)  # lam S P S
         prior = self.prior if self.prior is not None else 0.0
-        c = np.linalg.solve(self._a + np.diag(pen), self._b + pen * prior)
-        self.coef = np.maximum(c, 0.0)
+        a = self._a + np.diag(pen)
+        c = np.linalg.solve(a, self._b + pen * prior)
+        self._coef = np.maximum(c, 0.0)
         self._since_fit = 0
+        self._stale = False
+
+    @property
+    def _a(self) -> np.ndarray:
+        return self._ab[:, :-1]
+
+    @property
+    def _b(self) -> np.ndarray:
+        return self._ab[:, -1]
+
+    @property
+    def coef(self) -> np.ndarray | None:
+        """The fitted coefficients (refitted first if samples since call for it)."""
+        if self._stale:
+            self.fit()
+        return self._coef
 
     def predict(self, x: np.ndarray) -> float | None:
-        return None if self.coef is None else float(max(self.coef @ x, 0.0))
+        coef = self.coef
+        return None if coef is None else float(max(coef @ x, 0.0))
 
     def state(self) -> dict:
         """What the model has learned, as JSON values (`restore` reads it back): a trace's
         header carries it, so a replay's policy starts where the captured run's stood."""
-        return {"coef": None if self.coef is None else self.coef.tolist(), "a": self._a.tolist(),
+        coef = self.coef
+        self._fold()
+        return {"coef": None if coef is None else coef.tolist(), "a": self._a.tolist(),
                 "b": self._b.tolist(), "scale": self._scale.tolist(), "n": self._n, "since_fit": self._since_fit}
 
     def restore(self, state: dict) -> None:
@@ -93,9 +127,10 @@ class OnlineCost:
         if a.shape != (k, k) or b.shape != (k,) or scale.shape != (k,):
             raise ValueError(f"a cost model state over {b.shape[0] if b.ndim == 1 else '?'} features, "
                              f"this model has {k} ({', '.join(self.features)})")
-        self._a, self._b, self._scale = a, b, scale
-        self.coef = None if state["coef"] is None else np.asarray(state["coef"], dtype=float)
+        self._ab, self._scale = np.concatenate([a, b[:, None]], axis=1), scale
+        self._coef = None if state["coef"] is None else np.asarray(state["coef"], dtype=float)
         self._n, self._since_fit = int(state["n"]), int(state["since_fit"])
+        self._queue, self._stale = [], False
 
     @property
     def known(self) -> bool:
@@ -105,11 +140,13 @@ class OnlineCost:
     def at(self, a: float, b: float, c: float, e: float = 0.0) -> float | None:
         """`predict` of (1, a, b, c[, e]) in plain floats (None while not `known`): the policy
         prices every D each step."""
-        k = self.__dict__.get("_k")
-        if k is None or k[0] is not self.coef:
+        if self._stale:
+            self.fit()
+        k = self._k
+        if k is None or k[0] is not self._coef:
             if not self.known:
                 return None
-            k = self.__dict__["_k"] = (self.coef, *map(float, self.coef), 0.0)
+            k = self._k = (self._coef, *map(float, self._coef), 0.0)
         v = k[1] + k[2] * a + k[3] * b + k[4] * c + k[5] * e
         return v if v > 0.0 else 0.0
 
@@ -154,12 +191,14 @@ def launch_model(op: str, attrs: dict) -> str | None:
     return op if op in ("draft", "fill") else None
 
 
-def op_features(model: str, attrs: dict, op: str = "") -> np.ndarray:
-    """`model`'s features of a launch of `op` with shape `attrs` (span attributes)."""
-    values = launch_features(attrs)
-    values["verify"] = float(op == "verify")
-    values["draft_kv"] = values["kv_tokens"] * values["draft_steps"]
-    return np.array([values[f] for f in FEATURES[model]])
+def op_features(model: str, attrs: dict, op: str = "") -> tuple[float, ...]:
+    """`model`'s features (`FEATURES[model]`, in order) of a launch of `op` with shape `attrs`
+    (span attributes), read straight from them: the policy reads every completed launch's."""
+    if model == "draft":
+        steps, forwards, _ = draft_counts(attrs)
+        return 1.0, float(steps), float(forwards), float(attrs.get("kv_tokens", 0) * steps)
+    shape = (1.0, float(attrs.get("tokens", 0)), float(attrs.get("requests", 0)), float(attrs.get("kv_tokens", 0)))
+    return shape + (float(op == "verify"),) if model == "target" else shape
 
 
 def cost_models(seed_costs: dict | None) -> dict[str, OnlineCost]:

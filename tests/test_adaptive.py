@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from specsched.scheduler.adaptive import PROBE_ROWS, DraftLenPolicy, OnlineCost
+from specsched.scheduler.online_cost import FEATURES, launch_model, op_features
+from specsched.scheduler.step_trace import launch_features
 from specsched.simulator.replay import ReplayConfig, replay
 
 SAMPLES = __import__("pathlib").Path(__file__).resolve().parents[1] / "traces" / "samples"
@@ -56,6 +58,37 @@ def test_online_cost_recovers_a_linear_cost_and_stays_non_negative():
         m.add(x, float(2e5 + 3e3 * x[1] + 5e2 * x[3]))
     assert m.coef is not None and (m.coef >= 0).all()
     assert m.predict(np.array([1.0, 100, 8, 1000])) == pytest.approx(2e5 + 3e5 + 5e5, rel=1e-3)
+
+
+def test_online_cost_folds_queued_samples_as_one_by_one_updates_would():
+    """Samples are queued and folded into the sums when the coefficients are read: the sums
+    equal those of updating per sample (A <- d A + x x', b <- d b + x y), read after every
+    sample or after many."""
+    rng = np.random.default_rng(1)
+    samples = [(np.array([1.0, *rng.integers(1, 300, size=3)]), float(rng.uniform(1e5, 1e7))) for _ in range(100)]
+    m = OnlineCost(("const", "tokens", "requests", "kv_tokens"))
+    a, b, scale = np.zeros((4, 4)), np.zeros(4), np.ones(4)
+    for i, (x, y) in enumerate(samples):
+        m.add(x, y)
+        a, b, scale = a * m._decay + np.outer(x, x), b * m._decay + x * y, np.maximum(scale, x)
+        if i < 70 or i % 13 == 0:  # reads now and then, as the policy's choices do
+            assert m.coef is not None
+    state = m.state()
+    assert np.allclose(state["a"], a, rtol=1e-12) and np.allclose(state["b"], b, rtol=1e-12)
+    assert np.allclose(state["scale"], scale) and state["n"] == 100
+
+
+@pytest.mark.parametrize("op,attrs", [
+    ("forward", {"kind": "decode", "tokens": 7, "requests": 7, "kv_tokens": 700}),
+    ("verify", {"tokens": 35, "requests": 7, "kv_tokens": 700}),
+    ("draft", {"requests": 7, "num_draft": 4, "draft_tokens": 25, "draft_forwards": 18, "kv_tokens": 700}),
+    ("fill", {"tokens": 12, "requests": 3, "kv_tokens": 300}),
+])
+def test_op_features_read_each_models_features_in_order(op, attrs):
+    model = launch_model(op, attrs)
+    values = launch_features(attrs) | {"verify": float(op == "verify")}
+    values["draft_kv"] = values["kv_tokens"] * values["draft_steps"]
+    assert op_features(model, attrs, op) == tuple(values[f] for f in FEATURES[model])
 
 
 def test_free_drafting_and_certain_acceptance_pick_the_longest_draft():

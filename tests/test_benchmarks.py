@@ -18,6 +18,7 @@ TINY = {
                      "--max-tokens", "3"],
     "simulator_speed.py": ["--concurrency", "2", "8", "--repeats", "1", "--min-seconds", "0"],
     "tracing_overhead.py": ["--spans", "200"],
+    "policy_overhead.py": ["--concurrency", "1", "--repeats", "1", "--baseline", ".", "--rounds", "1"],
     "proposers.py": ["--num-requests", "1", "--max-tokens", "4", "--only", "ngram"],
     "simulator_fidelity.py": ["--num-requests", "2", "--max-tokens", "6", "--concurrency", "2",
                               "--rounds", "2", "--pairs", "draft:sync:overlap:2",
