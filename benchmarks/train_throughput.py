@@ -36,7 +36,8 @@ def _measure(threads: int, precision: str, batch: int, steps: int) -> float:
     import torch
     import torch.nn.functional as F
 
-    from specsched.runtime.training.bundled import SEQ_LEN, llama_config
+    from specsched.runtime.training.bundled import llama_config
+    from specsched.runtime.training.loop import SEQ_LEN
     from transformers import LlamaForCausalLM
 
     torch.set_num_threads(threads)

@@ -108,7 +108,7 @@ def test_training_loop_resumes_exactly(tmp_path, monkeypatch):
     import torch
     import torch.nn.functional as F
 
-    from specsched.runtime.training import bundled as tb
+    from specsched.runtime.training import loop as tb
 
     monkeypatch.setattr(tb, "CHECKPOINT_EVERY_S", 0.0)  # checkpoint after every step
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -149,7 +149,7 @@ def test_onpolicy_windows_are_the_targets_greedy_continuations():
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from specsched.runtime.training import bundled as tb
+    from specsched.runtime.training import loop as tb
     from specsched.runtime.training.onpolicy import greedy_windows, mixed_sampler
 
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,

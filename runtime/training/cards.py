@@ -9,8 +9,8 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-from specsched.runtime.training.bundled import (EVAL_EVERY, NUM_EVAL_WINDOWS, NUM_PROBE_WINDOWS, ONPOLICY_PROMPT,
-                                                SEQ_LEN, WARMUP_STEPS, RunStats)
+from specsched.runtime.training.bundled import ONPOLICY_PROMPT
+from specsched.runtime.training.loop import EVAL_EVERY, NUM_EVAL_WINDOWS, NUM_PROBE_WINDOWS, SEQ_LEN, WARMUP_STEPS, RunStats
 from specsched.runtime.training.corpus import Corpus
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from specsched.runtime.attention.torch_backend import CausalAttention
 from specsched.runtime.checkpoint import load_model
 from specsched.runtime.model import LlamaModel
-from specsched.runtime.training.bundled import lr_at
+from specsched.runtime.training.loop import lr_at
 from specsched.runtime.mtp_head import MTPHead
 
 WARMUP_STEPS = 20
@@ -239,7 +239,7 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
     from specsched.runtime.training.corpus import function_prompts
     from specsched.runtime.training.mtp_eval import validate_head
 
-    from specsched.runtime.training.bundled import bf16_supported
+    from specsched.runtime.training.loop import bf16_supported
 
     torch.set_num_threads(num_threads)
     bf16 = bf16_supported() if bf16 is None else bf16

@@ -59,7 +59,7 @@ def greedy_continue(target, prompts: torch.Tensor, window: int, batch: int = 64,
 def mixed_sampler(stream: torch.Tensor, pool: torch.Tensor, pool_frac: float):
     """A batch sampler for `run_loop`: `pool_frac` of each batch drawn from the `pool` windows
     (rows of SEQ_LEN + 1 tokens), the rest random windows of the corpus `stream`."""
-    from specsched.runtime.training.bundled import SEQ_LEN, random_windows
+    from specsched.runtime.training.loop import SEQ_LEN, random_windows
 
     if pool.dim() != 2 or pool.shape[1] != SEQ_LEN + 1:
         raise ValueError(f"pool windows must be [N, {SEQ_LEN + 1}], got {list(pool.shape)}")
