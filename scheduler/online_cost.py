@@ -11,8 +11,10 @@ from specsched.scheduler.step_trace import draft_counts
 # the free constant (a first fill that caught up a whole prompt priced every later fill as
 # that catch-up, and an MTP head's warm-up then never drafted again)
 MIN_SAMPLES = 2
-REFIT_EVERY_FROM = 8  # samples after each of which a model is refitted (see `OnlineCost.add`)
-REFIT_MAX_GAP = 8  # samples between refits at most
+# a model is refitted once the samples since its last fit reach 1 / REFIT_SHARE of all its
+# samples, and at least every REFIT_MAX_GAP samples (see `OnlineCost.add`)
+REFIT_SHARE = 8
+REFIT_MAX_GAP = 8
 
 
 class OnlineCost:
@@ -30,7 +32,7 @@ class OnlineCost:
     A and b are running sums (each sample's weight halves every `half_life` samples), so the
     history costs nothing. The policy runs on the host between device steps, where a plain
     step leaves least room, so a sample is only queued (`add`): the queue is folded into the
-    sums in one array operation, and the model refitted (one 4 x 4 solve), when the
+    sums in one array operation, and the model refitted (one small solve), when the
     coefficients are next read -- after every sample of the first 8, then after every
     (n / 8)-th (early samples move the fit most), from the 64th sample on after every 8th."""
 
@@ -61,10 +63,9 @@ class OnlineCost:
         self._queue.append((x, y))
         self._n += 1
         self._since_fit += 1
-        # early samples move the fit most: refit after each of the first REFIT_EVERY_FROM, then
-        # after every n / REFIT_EVERY_FROM-th (the coefficients lag an eighth of the samples
-        # at most), from every 8th on
-        if self._coef is None or self._since_fit >= min(REFIT_MAX_GAP, 1 + self._n // REFIT_EVERY_FROM):
+        # early samples move the fit most: a refit after each of the first REFIT_SHARE samples,
+        # then once the new ones are 1 / REFIT_SHARE of them, at least every REFIT_MAX_GAP
+        if self._coef is None or self._since_fit >= min(REFIT_MAX_GAP, 1 + self._n // REFIT_SHARE):
             self._stale = True
 
     def _fold(self) -> None:
