@@ -12,6 +12,7 @@ per scenario, their geometric mean and the worst. The policy is the same object 
 runs, so two checkouts' policies can be compared on the same saved traces (`--traces DIR`).
 
     python benchmarks/adaptive_sim.py [--traces DIR] [--replay-at 1:1,2,3 4:3,4,5,6,7,8,10,12] [--acceptance bernoulli:0.9]
+        [--acceptance 'trace>bernoulli:0.9@8']   # a change of workload after 8 requests
         [--schedule sync]   # every configuration under `sync` (D = 0: plain decoding under `sync`)
 """
 from __future__ import annotations
@@ -62,7 +63,8 @@ def main() -> None:
     ap.add_argument("--max-draft-len", type=int, default=4)
     ap.add_argument("--proposers", nargs="+", choices=["draft", "mtp"], default=["draft", "mtp"])
     ap.add_argument("--acceptance", default="trace", help="the replays' acceptance: trace (the captured "
-                    "agreement), rates, or bernoulli:ALPHA (e.g. a proposer on which speculation pays)")
+                    "agreement), rates, bernoulli:ALPHA (e.g. a proposer on which speculation pays), or A>B@N: a "
+                    "change of workload, the first N requests A, the rest B (e.g. trace>bernoulli:0.9@8)")
     ap.add_argument("--schedule", choices=["natural", "sync"], default="natural",
                     help="natural: each proposer's own schedule, D = 0 under plain_overlap; sync: all under sync")
     args = ap.parse_args()

@@ -14,6 +14,10 @@ Modes:
   rates      per-position conditional acceptance rates measured from the trace's steps, and
              the share of rows the proposer drafted nothing for (n-gram misses).
   bernoulli  synthetic: every draft position accepted independently with probability alpha.
+
+`A>B@N` (e.g. `trace>bernoulli:0.9@8`) is a change of workload: the first N requests in arrival
+order take acceptance A, the rest B (`SwitchedAcceptance`) -- what an adaptive draft length
+must notice and follow.
 """
 from __future__ import annotations
 
@@ -53,6 +57,18 @@ class AcceptanceModel:
         draft length varies by step (an adaptive one, in the capture or the replay), so a
         recorded outcome replays a step that drafts another count only where it still
         decides it (see `_recorded_holds`)."""
+        if ">" in spec:
+            first, _, rest = spec.partition(">")
+            second, _, at = rest.rpartition("@")
+            try:
+                n = int(at)
+            except ValueError:
+                n = -1
+            if not first or not second or n < 0:
+                raise ValueError(f"bad acceptance {spec!r}: a change of workload is A>B@N (N >= 0 requests "
+                                 "with A, then B), e.g. trace>bernoulli:0.9@8")
+            return SwitchedAcceptance(cls.parse(first, trace, seed, captured_config, any_length),
+                                      cls.parse(second, trace, seed + 1, captured_config, any_length), n)
         if spec.startswith("bernoulli:"):
             try:
                 alpha = float(spec.split(":", 1)[1])
@@ -188,6 +204,32 @@ def draft_rate(trace) -> float:
     rows = [d > 0 for st in trace.steps if st.kind == "spec"
             for n, d in zip(st.num_new_tokens, st.num_drafted or []) if n > 1]
     return sum(rows) / len(rows) if rows else 1.0
+
+
+class SwitchedAcceptance:
+    """A change of workload: requests before the `at`-th (arrival order) draw their outcomes
+    from `first`, the others from `second`."""
+
+    def __init__(self, first: AcceptanceModel, second: AcceptanceModel, at: int):
+        self.first, self.second, self.at = first, second, at
+
+    def outcome(self, request_index: int, out_pos: int, num_drafts: int) -> tuple[int, int]:
+        return (self.first if request_index < self.at else self.second).outcome(request_index, out_pos, num_drafts)
+
+    def outcomes(self, index: np.ndarray, out_pos: np.ndarray, num_drafts: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        index = np.asarray(index)
+        later = index >= self.at
+        if not later.any():
+            return self.first.outcomes(index, out_pos, num_drafts)
+        if later.all():
+            return self.second.outcomes(index, out_pos, num_drafts)
+        out_pos, num_drafts = np.asarray(out_pos), np.asarray(num_drafts)
+        accepted = np.zeros(index.shape[0], dtype=np.int64)
+        drafted = np.zeros(index.shape[0], dtype=np.int64)
+        for model, rows in ((self.first, ~later), (self.second, later)):
+            accepted[rows], drafted[rows] = model.outcomes(index[rows], out_pos[rows], num_drafts[rows])
+        return accepted, drafted
 
 
 def recorded_acceptance(trace) -> dict[int, dict[int, tuple[int, int]]]:

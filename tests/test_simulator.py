@@ -420,6 +420,31 @@ def test_acceptance_modes():
         AcceptanceModel.parse("magic", trace)
 
 
+def test_a_change_of_workload_switches_acceptance_at_a_request():
+    """`A>B@N`: the first N requests (arrival order) draw from A, the rest from B, in a batch
+    that mixes both; a malformed spec names the form."""
+    trace = workload_trace(4, 8, 10)
+    m = AcceptanceModel.parse("bernoulli:0>bernoulli:1@2", trace)
+    acc, drafted = m.outcomes(np.array([0, 2, 1, 3]), np.zeros(4, dtype=np.int64), np.full(4, 3))
+    assert acc.tolist() == [0, 3, 0, 3] and drafted.tolist() == [3, 3, 3, 3]
+    assert m.outcome(1, 0, 3) == (0, 3) and m.outcome(2, 0, 3) == (3, 3)
+    assert m.outcomes(np.array([3, 2]), np.zeros(2, dtype=np.int64), np.full(2, 2))[0].tolist() == [2, 2]
+    for bad in ("trace>", "trace>bernoulli:0.9", "trace>bernoulli:0.9@x", ">trace@3", "trace>bernoulli:1@-1"):
+        with pytest.raises(ValueError, match="A>B@N"):
+            AcceptanceModel.parse(bad, trace)
+    with pytest.raises(ValueError, match="acceptance"):
+        AcceptanceModel.parse("trace>magic@2", trace)
+    # end to end: requests r0, r1 never accept a draft, r2 and r3 accept every one
+    tr = workload_trace(4, 8, 24, draft_len=3)
+    _, sim = replay(tr, analytic_profile(10_000_000, 0.1), ReplayConfig(acceptance="bernoulli:0>bernoulli:1@2"))
+    accepted: dict[str, int] = {}
+    for step in sim.steps:
+        for rid, a in zip(step.request_ids, step.num_accepted):
+            accepted[rid] = accepted.get(rid, 0) + a
+    first = [r.request_id for r in sorted(sim.requests, key=lambda r: r.arrival_ns)]
+    assert [accepted.get(r, 0) == 0 for r in first] == [True, True, False, False]
+
+
 def test_ab_and_tune_on_a_synthetic_workload():
     tr = workload_trace(4, 16, 200, draft_len=4, concurrency=2)
     prof = analytic_profile(5_000_000, 0.1)
