@@ -18,16 +18,14 @@ step of each (best of `--repeats` replays after an untimed one) and their differ
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import side_by_side  # noqa: E402
+from common import best_of, side_by_side  # noqa: E402
 from simulator_speed import SAMPLE, workload  # noqa: E402
 
 from specsched.simulator.fit import fit_profile  # noqa: E402
@@ -50,12 +48,7 @@ def measure(concurrencies: list[int], repeats: int) -> list[dict]:
         row: dict = {"concurrency": c}
         for name, cfg in configs(c).items():
             replay(trace, profile, cfg)  # warm-up, untimed
-            best = float("inf")
-            for _ in range(repeats):
-                gc.collect()
-                c0 = time.process_time()
-                metrics, simulated = replay(trace, profile, cfg)
-                best = min(best, time.process_time() - c0)
+            best, _, _, (metrics, simulated) = best_of(lambda: replay(trace, profile, cfg), repeats)
             row[f"{name}_ms"] = best / metrics["steps"] * 1e3
             row[f"{name}_steps"] = metrics["steps"]
             if name == "auto":

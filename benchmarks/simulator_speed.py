@@ -20,16 +20,14 @@ than `--min-seconds` of CPU, after one untimed warm-up replay.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import side_by_side  # noqa: E402
+from common import best_of, side_by_side  # noqa: E402
 
 from specsched.simulator.fit import fit_profile  # noqa: E402
 from specsched.simulator.replay import ReplayConfig, replay  # noqa: E402
@@ -71,15 +69,7 @@ def measure(concurrencies: list[int], repeats: int, min_seconds: float) -> list[
     replay(warm_trace, profile, warm_cfg)  # warm-up, untimed
     out = []
     for c, (trace, cfg) in zip(concurrencies, cases):
-        cpu = wall = float("inf")
-        done, spent = 0, 0.0
-        while done < repeats or spent < min_seconds:
-            gc.collect()
-            c0, w0 = time.process_time(), time.perf_counter()
-            metrics, _ = replay(trace, profile, cfg)
-            w1, c1 = time.perf_counter(), time.process_time()
-            cpu, wall = min(cpu, c1 - c0), min(wall, w1 - w0)
-            done, spent = done + 1, spent + (c1 - c0)
+        cpu, wall, done, (metrics, _) = best_of(lambda: replay(trace, profile, cfg), repeats, min_seconds)
         steps = metrics["steps"]
         out.append({"concurrency": c, "requests": len(trace.requests), "steps": steps,
                     "cpu_ms_per_step": cpu / steps * 1e3, "realtime_x": metrics["duration_s"] / wall,

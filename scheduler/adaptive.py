@@ -67,7 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specsched.scheduler.acceptance_estimate import AcceptanceEstimate
-from specsched.scheduler.online_cost import FEATURES, LAUNCH_OPS, OnlineCost, cost_models, launch_model, op_features
+from specsched.scheduler.online_cost import FEATURES, LAUNCH_OPS, cost_models, launch_model, op_features
 from specsched.scheduler.policy_state import policy_state, restore_policy_state
 from specsched.scheduler.probe_schedule import ProbeSchedule
 from specsched.scheduler.step_overhead import StepOverhead

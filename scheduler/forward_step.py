@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from specsched.scheduler import messages
+from specsched.scheduler.proposer import plain_steps_ahead
 from specsched.scheduler.protocols import DeviceError
 from specsched.scheduler.step_batch import StepBatch
 from specsched.scheduler.step_trace import Launch
@@ -33,7 +34,7 @@ class ForwardStep:
         sched = self.config.schedule
         if sched == "plain_overlap":
             return True
-        if self.builder.draft_policy is None or sched == "sync" or batch.is_spec:
+        if self.builder.draft_policy is None or not plain_steps_ahead(sched) or batch.is_spec:
             return False
         return self.spec.kv_model is None or self._lazy(batch)
 

@@ -14,6 +14,13 @@ import numpy as np
 SCHEDULES = ("sync", "overlap", "mtp", "plain_overlap")
 
 
+def plain_steps_ahead(schedule: str) -> bool:
+    """Whether a plain decode step with no proposer fill may be launched while the step before
+    it is in flight: under every schedule but `sync` (`plain_overlap` always; `overlap` and
+    `mtp` when an adaptive draft length turns speculation off), which keeps every launch awaited."""
+    return schedule != "sync"
+
+
 @dataclass(frozen=True)
 class ProposerRules:
     """What the pipeline must know of a kind of proposer: one row of `RULES` per kind. A new

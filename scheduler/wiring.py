@@ -16,7 +16,7 @@ from specsched.scheduler.adaptive import DraftLenPolicy
 from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
 from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.pipeline import Pipeline, PipelineConfig
-from specsched.scheduler.proposer import ProposerSpec, default_tree
+from specsched.scheduler.proposer import ProposerSpec, default_tree, plain_steps_ahead
 from specsched.traces.hook import NULL_TRACER
 
 # the schedule each proposer runs under unless one is chosen
@@ -45,14 +45,14 @@ def scheduler_config(spec: ProposerSpec, *, max_num_seqs: int, max_num_batched_t
 def draft_len_policy(spec: ProposerSpec, *, seed_costs: dict | None = None, slots: int = 64,
                      cold_first_launch: bool = True, schedule: str = "sync") -> DraftLenPolicy:
     """The adaptive draft length for `spec`, whose `draft_len` is the longest it may choose,
-    under `schedule` (all but `sync` run its plain steps one step ahead); ValueError for a
+    under `schedule` (`plain_steps_ahead`: its plain steps may hide their host work); ValueError for a
     proposer it cannot drive (none; a tree's shape is fixed)."""
     if not spec.speculative or spec.is_tree:
         raise ValueError(f"draft_len 'auto' needs a linear proposer (draft, mtp, ngram), not {spec.kind!r}")
     return DraftLenPolicy(spec.draft_len, has_fill=spec.kv_model is not None, kv_ahead=spec.kv_ahead,
                           fill_same_batch=spec.fill_same_batch, lazy_fill=spec.rules.lazy_fill,
                           seed_costs=seed_costs, slots=slots, cold_first_launch=cold_first_launch,
-                          plain_ahead=schedule != "sync")
+                          plain_ahead=plain_steps_ahead(schedule))
 
 
 def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_size: int,

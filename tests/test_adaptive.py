@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specsched.scheduler.adaptive import PROBE_ROWS, DraftLenPolicy, OnlineCost
-from specsched.scheduler.online_cost import FEATURES, launch_model, op_features
+from specsched.scheduler.adaptive import PROBE_ROWS, DraftLenPolicy
+from specsched.scheduler.online_cost import FEATURES, OnlineCost, launch_model, op_features
 from specsched.scheduler.step_trace import launch_features
 from specsched.simulator.replay import ReplayConfig, replay
 
