@@ -6,6 +6,9 @@ then the other, then the other way round -- and prints the median output tokens/
 and their ratio. What a change to the host side costs or saves end to end.
 
     python benchmarks/engine_ab.py --baseline ../before [--rounds 3] [--concurrency 1 8] [--configs mtp/mtp]
+
+With none/sync among the configurations it also prints each one's speedup over plain
+decoding measured in the same process, per checkout (`ngram/sync` is not in the default set).
 """
 from __future__ import annotations
 
@@ -22,7 +25,9 @@ CONFIGS = {  # name -> EngineConfig fields
     "none/sync": {"proposer": "none", "schedule": "sync"},
     "draft/overlap": {"proposer": "draft", "draft_len": 4, "schedule": "overlap"},
     "mtp/mtp": {"proposer": "mtp", "draft_len": 1, "schedule": "mtp"},
+    "ngram/sync": {"proposer": "ngram", "draft_len": 4, "schedule": "sync"},
 }
+DEFAULT_CONFIGS = ["none/sync", "draft/overlap", "mtp/mtp"]
 
 
 def measure(concurrencies: list[int], num_requests: int, max_tokens: int, configs: list[str]) -> dict[str, float]:
@@ -43,7 +48,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--num-requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=DEFAULT_CONFIGS)
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's raw figures
     args = ap.parse_args()
     if args.json:
@@ -61,6 +66,15 @@ def main() -> None:
         a = statistics.median(r[key] for r in runs["baseline"])
         b = statistics.median(r[key] for r in runs["this"])
         print(f"{name:>16} {c:>6} {a:>9.1f} {b:>9.1f} {b / a:>6.2f}x")
+    if "none/sync" in args.configs and len(args.configs) > 1:
+        # against plain decoding in the same process: the machine's swings between runs cancel
+        print("speedup over none/sync in the same run (median of the rounds' ratios)")
+        print(f"{'config':>16} {'batch':>6} {'baseline':>9} {'this':>9}")
+        for key in runs["this"][0]:
+            name, c = key.rsplit("@", 1)
+            if name != "none/sync":
+                a, b = (statistics.median(r[key] / r[f"none/sync@{c}"] for r in runs[k]) for k in ("baseline", "this"))
+                print(f"{name:>16} {c:>6} {a:>8.2f}x {b:>8.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Per proposer at batch 1 on the bundled workload: mean acceptance length, acceptance per
 draft position, tokens/s and speedup over plain decoding measured in the same run, next to the
-analytic bound AL / (c_verify(D) + D * c_draft) from the costs measured in the same traces
-(c_verify(D) = verify time / plain decode time; c_draft = proposer device time per drafted
-token / plain decode time).
+analytic bound E / (c_verify + c_draft) from the same traces: E = tokens emitted per
+speculative step (AL where every step drafts; less where a lookup finds nothing to draft),
+c_verify = the mean verify time per speculative step / the plain decode time, c_draft = the
+proposer's mean device time per speculative step / the plain decode time.
 
     python benchmarks/proposers.py [--num-requests 6] [--max-tokens 64] [--rounds 3] [--baseline-family DIR]
 """
@@ -55,13 +56,10 @@ def table(family: str, runs: dict, configs: list, rounds: int) -> dict:
     for c in configs:
         proposer, schedule, d = c
         rs = runs[family, c]
-        t_verify = med(median_span_ms(tr, "verify") or 0.0 for _, tr in rs)
-        t_prop = med(sum(v for v in (median_span_ms(tr, "draft"), median_span_ms(tr, "draft_fill")) if v)
-                     for _, tr in rs)
-        c_verify = t_verify / t_decode
-        c_draft = t_prop / max(d, 1) / t_decode
+        per_step = [spec_step_means(tr) for _, tr in rs]
+        emitted, t_verify, t_prop = (med(x[k] for x in per_step) for k in range(3))
         al = med(m["mean_accept_len"] or 1.0 for m, _ in rs)
-        bound = al / (c_verify + d * c_draft)
+        bound = emitted / ((t_verify + t_prop) / t_decode)
         per_pos = ", ".join(f"{med(m['accept_rate_per_pos'][k] for m, _ in rs):.2f}"
                             for k in range(min(6, len(rs[0][0]["accept_rate_per_pos"]))))
         # each round's speedup against that round's plain run, then the median
@@ -70,6 +68,20 @@ def table(family: str, runs: dict, configs: list, rounds: int) -> dict:
               f"{med(m['output_tokens_per_s'] for m, _ in rs):>7.1f} {out[c]:>7.2f}x {bound:>6.2f}x")
     return out
 
+
+def spec_step_means(trace) -> tuple[float, float, float]:
+    """(tokens emitted, verify ms, proposer ms: its draft and fill) per speculative step of
+    a batch-1 trace, means over the run."""
+    steps = {s.step: s for s in trace.steps if s.kind == "spec"}
+    if not steps:
+        return 1.0, 0.0, 0.0
+    ms = {"verify": 0.0, "draft": 0.0, "draft_fill": 0.0}
+    for s in trace.spans:
+        if s.step in steps and s.name in ms and s.track.startswith("device:"):
+            ms[s.name] += (s.end_ns - s.start_ns) / 1e6
+    n = len(steps)
+    return (sum(sum(s.num_output) for s in steps.values()) / n, ms["verify"] / n,
+            (ms["draft"] + ms["draft_fill"]) / n)
 
 
 if __name__ == "__main__":

@@ -312,18 +312,25 @@ class ModelWorker:
         slots = msg.slots.tolist()
         rows = [self.states[s] for s in slots]
         plan, step, positions = self.plan(msg.plan)
-        width = int(plan.qo_lens[0])
-        counts = [min(st.num_drafts, width - 1) for st in rows]
+        qo = plan.qo_lens
+        width = int(qo.max())
+        counts = [min(st.num_drafts, int(w) - 1) for st, w in zip(rows, qo.tolist())]
         # a tree is scored by depth: position k = a node at depth k accepted
         num_drafts = [min(n, self.spec.max_accept) for n in counts] if self.spec.is_tree else counts
         b = len(rows)
-        # each row's last token and its drafts, side by side in the token buffer (a row that
-        # drafted less has other valid tokens there: never accepted, their KV overwritten)
-        input_ids = self.tokens.ranges(msg.slots, msg.start, msg.start + width)
-        grid = input_ids.view(b, width)
-        last, draft_t = grid[:, 0], grid[:, 1:]
+        # each row's last token and its drafts, side by side in the token buffer; a row verifies
+        # the drafts it was planned for (where it drafted fewer, other valid tokens: never
+        # accepted, their KV overwritten)
+        input_ids = self.tokens.ranges(msg.slots, msg.start, msg.start + qo)
         logits, hidden = self._verify_forward(plan, step, positions, input_ids, b, width)
-        logits = logits.view(b, width, -1)
+        if int(qo.min()) == width:
+            grid, logits = input_ids.view(b, width), logits.view(b, width, -1)
+        else:  # rows of fewer positions: [B, width] grids, their columns past a row's end unread
+            at = to_device((np.repeat(np.arange(b) * width, qo) + np.arange(int(plan.qo_indptr[-1]))
+                            - np.repeat(plan.qo_indptr[:-1], qo)), self.device, torch.int64)
+            grid = input_ids.new_zeros(b * width).index_copy_(0, at, input_ids).view(b, width)
+            logits = logits.new_zeros((b * width, logits.shape[-1])).index_copy_(0, at, logits).view(b, width, -1)
+        last, draft_t = grid[:, 0], grid[:, 1:]
         t1 = time.monotonic_ns()
         if self.spec.is_tree:
             res = self.proposer.accept_tree(msg, rows, draft_t, last, logits, plan, hidden)
@@ -370,11 +377,13 @@ class ModelWorker:
             out = self.target(input_ids, step, self.kv, positions, return_hidden=need_hidden)
             return out.logits, out.hidden
         logits, hidden = [], []
+        indptr = plan.qo_indptr
         for rows in np.array_split(np.arange(b), parts):
             lo, hi = int(rows[0]), int(rows[-1]) + 1
             sub = plan.rows(lo, hi)
-            out = self.target(input_ids[lo * width : hi * width], self.backend.prepare(sub, self.device), self.kv,
-                              positions[lo * width : hi * width], return_hidden=need_hidden)
+            a, z = int(indptr[lo]), int(indptr[hi])
+            out = self.target(input_ids[a:z], self.backend.prepare(sub, self.device), self.kv,
+                              positions[a:z], return_hidden=need_hidden)
             logits.append(out.logits)
             hidden.append(out.hidden)
         return torch.cat(logits), (torch.cat(hidden) if need_hidden else None)

@@ -5,12 +5,13 @@ the batch grows (the verify costs B·(1+D) target tokens), and acceptance differ
 requests and along a request. Before each decode-only step this policy picks D in
 {0, 1, ..., max_draft_len} maximizing the expected output tokens per second of the batch,
 
-    rate(D) = sum_i E_i[emitted | D] / (h + T_draft(B, D) + T_verify(B·(1+D)) + T_fill(B, D)),
+    rate(D) = sum_i E_i[emitted | D] / (h + T_draft(B, D) + T_verify(B + sum_i d_i) + T_fill(B, D)),
 
 the criterion of the NVIDIA write-up (speedup = T(B)·AL / (T(B·(1+D)) + T_draft(B, D))) with
-a learned step overhead h. D = 0 is a plain decode step (no draft, no verify width): speculation
-off. It is pure numpy, so the same object runs in the engine and in the simulator (it is inside
-the pipeline), and its inputs are what the pipeline already has:
+a learned step overhead h and d_i = min(D, row i's room) row i's drafts (each row verifies
+its own). D = 0 is a plain decode step (no draft, no verify width): speculation off. It is
+pure numpy, so the same object runs in the engine and in the simulator (it is inside the
+pipeline), and its inputs are what the pipeline already has:
 
 - **Acceptance**, per request and draft position: p[i, k] = P(draft k accepted | k-1 were),
   from each verify's (drafted, accepted) -- positions up to the accepted count accepted, the
@@ -64,6 +65,7 @@ the pipeline), and its inputs are what the pipeline already has:
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 
 from specsched.scheduler.acceptance_estimate import AcceptanceEstimate
@@ -84,7 +86,7 @@ class Decision:
     gain: float | None  # predicted tokens/s at D over D = 0 (None before any cost is known)
     explored: bool = False
     device_ns: float | None = None  # the step's predicted device time
-    # `step_ns`'s arguments (rows, D, forwards, KV tokens, catch-up tokens), re-priced by `observe_step`
+    # `step_ns`'s arguments (rows, D, forwards, KV tokens, catch-up, drafts), re-priced by `observe_step`
     cost_args: tuple | None = None
 
 
@@ -131,10 +133,9 @@ class DraftLenPolicy:
         self._plain_decided = False
 
     def skips_fill(self, decided: bool) -> bool:
-        """Whether a forward step leaves the proposer's fill for a catch-up: it is a draft
-        model's, and speculation is off -- this step is a plain decode the policy chose
-        (`decided`), or it prefills after one or before the policy's first decision (nothing
-        says yet that the proposer will be needed; the first step that drafts catches up)."""
+        """Whether a forward step leaves the proposer's fill for a catch-up: it is a draft model's,
+        and speculation is off -- this step is a plain decode the policy chose (`decided`), or it
+        prefills after one or before the policy's first decision (the first drafting step catches up)."""
         return self.catches_up and (decided or self.last is None or self.last.draft_len == 0)
 
     def warmed_up(self) -> None:
@@ -149,8 +150,7 @@ class DraftLenPolicy:
 
     def restore(self, state: dict) -> None:
         """Continue from `state` (see `state`); ValueError if it is another policy's."""
-        d = restore_policy_state(self, state)
-        # the last step's D (lazy fills wait after a plain step); no rows: none left to observe
+        d = restore_policy_state(self, state)  # the last step's D (lazy fills wait after a plain step)
         self.last = None if d is None else Decision(d, np.zeros(0, dtype=np.int64), 0, None)
         self._held_slots = None
 
@@ -165,13 +165,11 @@ class DraftLenPolicy:
         return self.estimate.of(slots)
 
     @property
-    def accept(self) -> np.ndarray:
-        """p[i, k] of every slot."""
+    def accept(self) -> np.ndarray:  # p[i, k] of every slot
         return self.estimate.of(np.arange(self.estimate.num_slots))
 
     @property
-    def global_accept(self) -> np.ndarray:
-        """The engine-wide p[k]."""
+    def global_accept(self) -> np.ndarray:  # the engine-wide p[k]
         return self.estimate.global_accept
 
     def observe_verify(self, slots: np.ndarray, num_draft: np.ndarray, accepted: np.ndarray) -> None:
@@ -211,10 +209,11 @@ class DraftLenPolicy:
         predicted = self.step_ns(*last.cost_args) if last.cost_args is not None else None
         self.overhead.observe(last.draft_len, float(wall_ns - (last.device_ns if predicted is None else predicted)))
 
-    def step_ns(self, rows: int, d: int, forwards: int, kv_tokens: int, catch_up: float = 0.0) -> float | None:
-        """Predicted device time of a step of `rows` at D = d whose rows make `forwards`
-        proposer row-forwards in all, a draft model's fill covering `catch_up` more tokens
-        (None while a needed model is unknown)."""
+    def step_ns(self, rows: int, d: int, forwards: int, kv_tokens: int, catch_up: float = 0.0,
+                drafts: int | None = None) -> float | None:
+        """Predicted device time of a step of `rows` at D = d whose rows make `forwards` proposer
+        row-forwards and verify `drafts` drafts in all (default rows x d), a draft model's fill
+        covering `catch_up` more tokens (None while a needed model is unknown)."""
         c = self.costs
         if d == 0:
             t = c["target"].at(rows, rows, kv_tokens + rows)
@@ -222,15 +221,15 @@ class DraftLenPolicy:
             f = (c["fill"].at(rows, rows, kv_tokens + rows)
                  if self.has_fill and self.fill_same_batch and not self.catches_up else 0.0)
             return None if t is None or f is None else t + f
-        width = 1 + d
+        verified = rows * (1 + d) if drafts is None else rows + drafts
         dr = c["draft"].at(d - 1, forwards, kv_tokens * (d - 1))
-        t = c["target"].at(rows * width, rows, kv_tokens + rows * width, 1.0)
+        t = c["target"].at(verified, rows, kv_tokens + verified, 1.0)
         f = 0.0
         if self.has_fill:
             # a head's fill covers the verify batch; a draft model's the last accepted token
             # and the bonus (it wrote its drafts' KV while drafting); either, what it catches up
-            fill = (rows * width if self.fill_same_batch else rows * (1 + self.kv_ahead)) + catch_up
-            f = c["fill"].at(fill, rows, kv_tokens + rows * width)
+            fill = (verified if self.fill_same_batch else rows * (1 + self.kv_ahead)) + catch_up
+            f = c["fill"].at(fill, rows, kv_tokens + verified)
         return None if dr is None or t is None or f is None else dr + t + f
 
     # -- the decision ---------------------------------------------------------------------
@@ -272,7 +271,7 @@ class DraftLenPolicy:
             return (per_row if served is None else per_row * served).sum(axis=1)
 
         expected = rows_d + over_served(accepted)
-        forwards = over_served(np.maximum(use - 1, 0))
+        forwards, drafts = over_served(np.maximum(use - 1, 0)), over_served(use)
         kv = (np.full(dmax + 1, int(computed.sum())) if served is None  # KV tokens of the first r rows
               else np.concatenate([[0], np.cumsum(computed)])[rows_d])
         catch_up = None
@@ -282,13 +281,13 @@ class DraftLenPolicy:
             catch_up = over_served(per_step * lag[None, :])
         best = None
         rates: dict[int, float] = {}
-        rows_l, forwards_l, kv_l = rows_d.tolist(), forwards.tolist(), kv.tolist()
+        rows_l, forwards_l, kv_l, drafts_l = rows_d.tolist(), forwards.tolist(), kv.tolist(), drafts.tolist()
         expected_l = expected.tolist()
         catch_l = catch_up.tolist() if catch_up is not None else [0.0] * (dmax + 1)
         for d in range(dmax + 1):
             if rows_l[d] == 0:
                 continue
-            t = self.step_ns(rows_l[d], d, forwards_l[d], kv_l[d], catch_l[d])
+            t = self.step_ns(rows_l[d], d, forwards_l[d], kv_l[d], catch_l[d], drafts_l[d])
             if t is None:
                 continue
             # h may be negative (it corrects a device model that overprices this D), not below -3/4 of it
@@ -345,7 +344,7 @@ class DraftLenPolicy:
         gain_over_plain = rates[best] / rates[0] if best in rates and rates.get(0) else None
         behind = self._behind(lag, best, rows)
         kv_rows = kv_l[best] if rows == rows_l[best] else int(computed[:rows].sum())
-        args = (rows, best, int(np.maximum(num_draft - 1, 0).sum()), kv_rows, behind)
+        args = (rows, best, int(np.maximum(num_draft - 1, 0).sum()), kv_rows, behind, int(num_draft.sum()))
         dec = Decision(best, num_draft.astype(np.int64), rows, gain_over_plain, explored, self.step_ns(*args), args)
         self._accrue(dec)
         # a D = 0 the estimates chose stands, not one forced by every row's last token
@@ -376,8 +375,9 @@ class DraftLenPolicy:
         against the best length's rate: its predicted time over the time the best takes for as
         many tokens. Its catch-up counts whole (not spread over the output, as in the rates):
         a probe that finds D = 0 still best has wasted it."""
-        t = self.step_ns(rows, probe, int(np.maximum(use[probe, :rows] - 1, 0).sum()), int(computed[:rows].sum()),
-                         self._behind(lag, probe, rows))
+        u = use[probe, :rows]
+        t = self.step_ns(rows, probe, int(np.maximum(u - 1, 0).sum()), int(computed[:rows].sum()),
+                         self._behind(lag, probe, rows), int(u.sum()))
         if t is None:
             return 0.0
         t = max(self.overhead.at(probe) + t, 0.25 * t, 1.0)

@@ -14,8 +14,9 @@ on the per-slot arrays (scheduler/slot_state.py); any other step takes the gener
 requests they touch. Every scheduled row computes tokens [num_computed_tokens,
 num_computed_tokens + num_new) and samples iff that reaches its last token. A decode is the special case
 num_new == 1; a speculative decode adds `num_draft` drafted tokens (at most D, and
-fewer near max_tokens), but its verification always covers 1 + D positions
-(D = `draft_len`), so budget and KV pages are reserved for 1 + D per row.
+fewer near max_tokens); its verification covers the row's 1 + num_draft positions (an
+n-gram row under `sync`: what it did draft), but budget and KV pages are reserved for
+1 + D per row (D = `draft_len`), what the step may take before its drafts are known.
 """
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ class GeneralSchedule:
         fast = self._running_rows(budget) if (vectorized and not draft and self.running) else None
 
         def need(req: Request, n: int) -> int:
-            # a verification computes (and writes KV for) all 1 + D positions of every row
+            # a row's verification computes (and writes KV for) up to 1 + D positions
             d = draft if n == 1 else 0
             return self.blocks.pages_needed(req.request_id, self.slots_needed(req, n, d))
 

@@ -208,8 +208,9 @@ def _padded(n: int, qo_lens: np.ndarray | int, kv_lens: np.ndarray) -> int:
 
 
 def batch_shape(batch: StepBatch, width: int = 0, **extra: Any) -> LaunchShape:
-    """Shape of a step for traces and cost models: requests, tokens, KV tokens. A speculative
-    step computes a fixed `width` (1 + candidates) tokens per row, whatever was drafted."""
+    """Shape of a step for traces and cost models: requests, tokens, KV tokens. With a `width`
+    a speculative step counts that many tokens per row (a tree's verify: 1 + its nodes; the
+    schedule's token budget: 1 + D); without, each row's own (1 + its drafts)."""
     cache = batch.shape_cache  # asked for by several stages of the step
     if not extra:
         got = cache.get(width)
@@ -257,19 +258,26 @@ def forward_message(batch: StepBatch, blocks: BlockManager, with_plan: bool = Tr
 
 
 def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
-                   with_plan: bool = True) -> VerifyMessage:
-    """Target over [last token, candidates]: W = 1 + the step's D (a tree: its nodes) per row."""
-    width = 1 + spec.num_candidates if spec.is_tree else batch.width
+                   with_plan: bool = True, num_draft: np.ndarray | None = None) -> VerifyMessage:
+    """Target over each row's last token and its candidates: 1 + the row's drafts (`num_draft`,
+    default the batch's: what it was asked to draft) -- a row that drafts less computes less
+    -- or, for a tree, 1 + its nodes in every row."""
+    nd = batch.num_draft if num_draft is None else num_draft
     start = batch.start
     n = len(batch)
+    if spec.is_tree:
+        width = 1 + spec.num_candidates
+        qo = np.full(n, width)
+        shape_ = batch_shape(batch, width)
+    else:
+        qo = 1 + nd
+        shape_ = batch_shape(batch) if num_draft is None else shape(qo, start + qo)
     plan = None
     if with_plan:
         # a tree: node j at the last token's position + its depth, the root the last token
         tree = (np.concatenate([[0], spec.tree_depths()]), spec.tree_mask()) if spec.is_tree else None
-        plan = build_plan(np.full(n, width), start + width, page_size=blocks.page_size,
-                          **_tables(blocks, batch.slots), tree=tree)
-    return VerifyMessage(step=batch.step, slots=batch.slots, shape=batch_shape(batch, width),
-                         start=start, num_draft=batch.num_draft, plan=plan)
+        plan = build_plan(qo, start + qo, page_size=blocks.page_size, **_tables(blocks, batch.slots), tree=tree)
+    return VerifyMessage(step=batch.step, slots=batch.slots, shape=shape_, start=start, num_draft=nd, plan=plan)
 
 
 def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
@@ -334,8 +342,7 @@ def verify_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSp
                         with_plan: bool = True) -> FillMessage:
     """An MTP head's fill over exactly the verify batch's positions (it consumes the target's
     hidden states of that launch), so it can be packed before acceptance."""
-    width = batch.width
-    return fill_message(batch.step, batch.slots, batch.start, batch.start + width, blocks, spec,
+    return fill_message(batch.step, batch.slots, batch.start, batch.start + 1 + batch.num_draft, blocks, spec,
                         after="verify", with_plan=with_plan)
 
 

@@ -20,8 +20,10 @@ class SpeculativeStep:
         spec, sched, t, slots = self.spec, self.config.schedule, self.table, batch.slots
         if spec.rules.lazy_fill:
             self._catch_up(batch)
+        # drafts that may come out short are verified as drafted: under sync, which waits for them
+        short = spec.rules.short_drafts and sched == "sync"
         t0 = self._now()
-        vmsg = messages.verify_message(batch, self.blocks, spec, self.with_plan)
+        vmsg = None if short else messages.verify_message(batch, self.blocks, spec, self.with_plan)
         dmsg = messages.draft_message(batch, self.blocks, spec, self.with_plan)
         fmsg = messages.verify_fill_message(batch, self.blocks, spec, self.with_plan) if spec.fill_same_batch else None
         self._host("plan", batch.step, t0, **shape)
@@ -31,10 +33,17 @@ class SpeculativeStep:
         self._pending_fill = None  # the draft queues behind any pending fill on its stream
         if sched == "sync":
             try:
-                await self._sync(d_launch)
+                drafted = await self._sync(d_launch)
             except DeviceError as e:
                 self._fail_batch(batch, e)
                 return
+            if short:
+                t0 = self._now()
+                nd = np.minimum(np.asarray(drafted.num_drafts, dtype=np.int64), batch.num_draft)
+                vmsg = messages.verify_message(batch, self.blocks, spec, self.with_plan, num_draft=nd)
+                vs = vmsg.shape
+                self._host("plan", batch.step, t0, kind="verify", requests=vs.requests, tokens=vs.tokens,
+                           kv_tokens=vs.kv_tokens)
         self.main.wait_event(d_launch.event)
         v_launch = self._launch(self.main, vmsg)
         f_launch = None

@@ -19,8 +19,8 @@ class StepBatch:
     """One step's rows as arrays over the B scheduled requests (in `requests` order).
 
     Every row computes target tokens [start, start + num_new) and samples iff that reaches
-    its last token; a speculative row also drafts `num_draft` tokens (its verification
-    covers 1 + D positions whatever it drafted)."""
+    its last token; a speculative row also drafts `num_draft` tokens and its verification
+    covers 1 + num_draft positions (budget and pages are reserved for `width`)."""
 
     step: int
     requests: list[Request]
@@ -32,7 +32,7 @@ class StepBatch:
     prefill: np.ndarray  # [B] bool: the request was in prefill when scheduled
     gen: np.ndarray  # [B] int64: the slots' generations when scheduled (see `live`)
     preempted: list[Request] = field(default_factory=list)
-    width: int = 1  # a speculative step's verify positions per row: 1 + the step's D
+    width: int = 1  # what a speculative step reserves per row (budget, pages): 1 + the step's D
     decision: object = None  # the adaptive draft length's `Decision` for this step, if one chose D
 
     # A batch's rows and draft counts are fixed once `schedule` returns it, so whether it

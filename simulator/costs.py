@@ -234,9 +234,12 @@ class CostProfile:
 
 def host_key(name: str, attrs: dict) -> str:
     """The host model a stage's span is fitted under: a launch by its op (packing a fill's
-    message costs more than a draft's), the fill's plan apart from the step's plan."""
+    message costs more than a draft's), a fill's plan and a verify planned on its own (after
+    drafts that may come out short) apart from the step's plan."""
     if name == "launch" and "op" in attrs:
         return f"launch:{attrs['op']}"
-    if name == "plan" and attrs.get("kind") == "fill":
-        return "plan:fill"
+    if name == "plan":
+        kind = attrs.get("kind")
+        if kind == "fill" or kind == "verify":
+            return f"plan:{kind}"
     return name

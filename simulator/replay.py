@@ -109,9 +109,15 @@ class TraceResponder:
     """The simulator's worker: tokens known per slot and acceptance per verify, in arrays
     indexed by slot (a verify of B rows is a few whole-array operations)."""
 
-    def __init__(self, profile: CostProfile, acceptance: AcceptanceModel, prompt_lens: list[int]):
+    def __init__(self, profile: CostProfile, acceptance: AcceptanceModel, prompt_lens: list[int],
+                 short_drafts: bool = False):
         self.profile = profile
         self.acceptance = acceptance
+        # a proposer whose drafts may come out short (`ProposerRules.short_drafts`): what a row
+        # drafts and accepts is drawn when it drafts (the pipeline may verify only that), and
+        # its verify reads the draw back
+        self.short_drafts = short_drafts
+        self._drawn: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # slots, accepted, drafted
         self.prompt_lens = np.asarray(prompt_lens, dtype=np.int64)
         self.index = np.zeros(64, dtype=np.int64)  # slot -> request index (its prompt's token)
         self.known = np.zeros(64, dtype=np.int64)  # slot -> tokens known
@@ -147,6 +153,11 @@ class TraceResponder:
             block.flags.writeable = False
         return block[:rows, :width]
 
+    def _outcomes(self, slots: np.ndarray, num_draft: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """([B] accepted, [B] drafted) of rows drafting up to `num_draft` at their positions now."""
+        idx = self.index[slots]
+        return self.acceptance.outcomes(idx, self.known[slots] - self.prompt_lens[idx], num_draft)
+
     def respond(self, op: str, msg, start_ns: int):
         if op == "forward":
             if msg.register:
@@ -154,12 +165,18 @@ class TraceResponder:
             self.known[msg.slots[msg.samples]] += 1
             return ForwardResult(np.where(msg.samples, _DUMMY_TOKEN, -1)), []
         if op == "draft":
-            return DraftResult(msg.num_draft), []
+            if not self.short_drafts:
+                return DraftResult(msg.num_draft), []
+            accepted, drafted = self._outcomes(msg.slots, msg.num_draft)
+            self._drawn = (msg.slots, accepted, drafted)
+            return DraftResult(drafted), []
         if op == "verify":
             slots = msg.slots
-            idx = self.index[slots]
-            accepted, drafted = self.acceptance.outcomes(idx, self.known[slots] - self.prompt_lens[idx],
-                                                         msg.num_draft)
+            drawn, self._drawn = self._drawn, None
+            if drawn is not None and drawn[0].shape == slots.shape and (drawn[0] == slots).all():
+                accepted, drafted = np.minimum(drawn[1], msg.num_draft), np.minimum(drawn[2], msg.num_draft)
+            else:
+                accepted, drafted = self._outcomes(slots, msg.num_draft)
             self.known[slots] += accepted + 1
             attrs = msg.shape.attrs()
             subs = [("verify", int(self._device_ns("verify", attrs))),
@@ -233,7 +250,8 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
                   spec: ProposerSpec, items: list[WorkloadItem], acceptance: AcceptanceModel) -> Trace:
     proposer, schedule, _, engine = resolved
     page_size = int(engine.get("page_size", 16))
-    responder = TraceResponder(profile, acceptance, [it.prompt_len for it in items])
+    responder = TraceResponder(profile, acceptance, [it.prompt_len for it in items],
+                               short_drafts=spec.rules.short_drafts)
     clock = VirtualClock()
     device = VirtualDevice(profile, responder, clock=clock)
     header = Header.create(source="simulator", clock="virtual_ns", model=trace.header.model,

@@ -324,7 +324,8 @@ def test_num_draft_capped_by_remaining_tokens() -> None:
 
 
 def test_spec_rows_reserve_the_whole_verify_width() -> None:
-    # a row with one token left drafts nothing but the verify still writes 1 + D KV slots
+    # a row with one token left drafts nothing: its pages hold 1 + D slots as every row's do
+    # (the schedule reserves the step's width), but its verify computes its last token alone
     b = make_builder(page_size=2, draft_len=3, max_num_batched_tokens=16)
     sim = Sim(b)
     sim.rng = type("AcceptAll", (), {"randint": staticmethod(lambda lo, hi: hi)})()
@@ -339,8 +340,10 @@ def test_spec_rows_reserve_the_whole_verify_width() -> None:
     b.allocate(batch)
     for s in rows(batch):
         assert b.blocks.num_slots(s.request.request_id) >= s.request.num_computed_tokens + 1 + 3
-    plan = messages.verify_message(batch, b.blocks, ProposerSpec("ngram", 3)).plan
-    assert list(plan.qo_indptr) == [0, 4, 8]
+    msg = messages.verify_message(batch, b.blocks, ProposerSpec("ngram", 3))
+    assert list(msg.plan.qo_indptr) == [0, 4, 5]
+    assert list(msg.plan.kv_lens) == [s.request.num_computed_tokens + 1 + s.num_draft for s in rows(batch)]
+    assert msg.shape.tokens == 5
 
 
 def test_spec_token_budget_counts_the_verify_width() -> None:

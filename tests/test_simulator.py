@@ -364,6 +364,27 @@ def test_rates_mode_keeps_rows_that_draft_nothing():
     assert all(a == 0 for a, d in outs if d == 0)
 
 
+def test_a_replayed_lookup_that_misses_verifies_only_its_last_token():
+    """An n-gram row's drafts are drawn when it drafts (the virtual device's draft reports
+    what it drafted, rows that found nothing included), and under sync the verify covers what
+    was drafted: a miss costs the verify one token, as in the engine."""
+    from specsched.traces.schema import StepRecord
+
+    tr = workload_trace(2, 8, 40, proposer="ngram", draft_len=3)
+    for i in range(200):  # every other row-step drafts nothing
+        tr.add(StepRecord(step=i, kind="spec", start_ns=i, end_ns=i + 1, request_ids=["r0", "r1"],
+                          num_new_tokens=[4, 4], kv_lens=[10, 10], num_drafted=[0, 3] if i % 2 else [3, 0],
+                          num_accepted=[0, 1] if i % 2 else [1, 0], num_output=[1, 2] if i % 2 else [2, 1]))
+    _, sim = replay(tr, analytic_profile(5_000_000, 0.1), ReplayConfig(acceptance="rates", seed=1))
+    steps = {s.step: s for s in sim.steps if s.kind == "spec"}
+    verifies = [s for s in sim.spans if s.name == "verify"]
+    assert verifies and len(verifies) == len(steps)
+    assert all(v.attrs["tokens"] == sum(1 + d for d in steps[v.step].num_drafted) for v in verifies)
+    assert any(0 in s.num_drafted for s in steps.values())
+    assert all(a <= d for s in steps.values() for a, d in zip(s.num_accepted, s.num_drafted))
+    assert sum(s.attrs.get("kind") == "verify" for s in sim.spans if s.name == "plan") == len(steps)
+
+
 def test_captured_configuration_replays_the_recorded_acceptance():
     """At its own proposer and draft length a replay takes each step's accepted lengths from
     the step records (no agreement data needed: trees, n-gram and sampled requests too)."""

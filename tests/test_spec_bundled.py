@@ -89,3 +89,30 @@ def test_engine_exports_spans_live_over_otlp_http(items):
              for ss in rs.scope_spans for span in ss.spans]
     assert names.count("text_completion bundled/target") == 2
     assert "spec.verify" in names and "spec.draft" in names
+
+
+@pytest.mark.parametrize("proposer,schedule", [("ngram", "sync"), ("draft", "overlap")])
+def test_each_row_verifies_what_it_drafted(items, reference, tmp_path, proposer, schedule):
+    """A row's verify computes its last token and its drafts, not the step's 1 + D: an n-gram
+    lookup that found nothing to copy costs one token (under sync, which waits for the
+    lookup), a row near max_tokens its capped drafts; outputs stay identical to greedy."""
+    from specsched.traces.reader import read_trace
+
+    cfg = EngineConfig.make(proposer=proposer, schedule=schedule, draft_len=4)
+    path = tmp_path / "run.jsonl"
+    _, _, outs = anyio.run(lambda: run_workload(cfg, items, concurrency=3, warmup=0, agreement=False,
+                                                trace_path=str(path)))
+    assert [o.token_ids for o in outs] == reference
+    tr = read_trace(path)
+    steps = {s.step: s for s in tr.steps if s.kind == "spec"}
+    verifies = [s for s in tr.spans if s.name == "verify" and s.track.startswith("device:")]
+    assert len(verifies) == len(steps)
+    for v in verifies:
+        st = steps[v.step]
+        assert v.attrs["tokens"] == sum(1 + d for d in st.num_drafted)
+        assert v.attrs["requests"] == len(st.request_ids)
+    # rows that drafted fewer than the step's D: missed lookups, or the last tokens of an output
+    short = sum(d < 4 for s in steps.values() for d in s.num_drafted)
+    assert short > 0
+    if proposer == "ngram":
+        assert any(d == 0 for s in steps.values() for d in s.num_drafted)

@@ -152,7 +152,9 @@ class StepRecord(_Record):
     start_ns: Ns
     end_ns: Ns
     request_ids: list[str]  # [B]
-    num_new_tokens: list[int]  # [B] tokens fed to the target this step
+    # [B] tokens scheduled for the row: its new ones, and on a speculative step the drafts it was
+    # asked for (its verify computes 1 + `num_drafted`; an n-gram lookup may draft fewer)
+    num_new_tokens: list[int]
     kv_lens: list[int]  # [B] KV length after the step
     num_drafted: list[int]  # [B]
     num_accepted: list[int]  # [B] <= num_drafted
