@@ -22,7 +22,7 @@ pipeline), and its inputs are what the pipeline already has:
   estimate starts at `prior`, counted as `prior_weight` observations, is the running mean of
   all rows until that weighs a step less than `global_smoothing`, then an EWMA. Then
   E_i[emitted | D] = 1 + sum_{j<=D} prod_{k<=j} p[i, k], capped by the tokens the request has
-  left. A request whose drafts keep failing drafts less (see `choose`).
+  left. A request whose drafts keep failing drafts less, or none (scheduler/step_price.py).
 - **Step time**, from the device events' start/end stamps of the launches the pipeline makes:
   a small non-negative linear model per op (a target forward over (tokens, requests, KV
   tokens, verify) -- decode and verify forwards share their slopes, and a verify's fixed extra
@@ -69,9 +69,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from specsched.scheduler.acceptance_estimate import AcceptanceEstimate
-from specsched.scheduler.online_cost import FEATURES, LAUNCH_OPS, cost_models, launch_model, op_features
+from specsched.scheduler.online_cost import LAUNCH_OPS, cost_models, launch_model, op_features
 from specsched.scheduler.policy_state import policy_state, restore_policy_state
 from specsched.scheduler.probe_schedule import ProbeSchedule
+from specsched.scheduler.step_price import StepPrice
 from specsched.scheduler.step_overhead import StepOverhead
 
 HOLD_STEPS = 8  # decode steps a choice of D = 0 stands for over an unchanged batch (see `choose`)
@@ -122,6 +123,9 @@ class DraftLenPolicy:
                                            global_smoothing=global_smoothing, prior_weight=prior_weight,
                                            request_weight=request_weight, slots=slots)
         self.costs = cost_models(seed_costs)  # target, draft, fill (scheduler/online_cost.py)
+        self.price = StepPrice(self.costs, has_fill=has_fill, kv_ahead=kv_ahead, fill_same_batch=fill_same_batch,
+                               catches_up=self.catches_up)  # scheduler/step_price.py
+        self.step_ns = self.price.step_ns
         self.overhead = StepOverhead(max_draft_len, plain_hidden=plain_ahead)  # h per D
         self.decisions = 0
         self.verify_rows = 0  # the most rows a verify has had (a larger one's cost is extrapolated)
@@ -208,29 +212,6 @@ class DraftLenPolicy:
         # device models overprice this D
         predicted = self.step_ns(*last.cost_args) if last.cost_args is not None else None
         self.overhead.observe(last.draft_len, float(wall_ns - (last.device_ns if predicted is None else predicted)))
-
-    def step_ns(self, rows: int, d: int, forwards: int, kv_tokens: int, catch_up: float = 0.0,
-                drafts: int | None = None) -> float | None:
-        """Predicted device time of a step of `rows` at D = d whose rows make `forwards` proposer
-        row-forwards and verify `drafts` drafts in all (default rows x d), a draft model's fill
-        covering `catch_up` more tokens (None while a needed model is unknown)."""
-        c = self.costs
-        if d == 0:
-            t = c["target"].at(rows, rows, kv_tokens + rows)
-            # a head without lazy fills fills after every forward
-            f = (c["fill"].at(rows, rows, kv_tokens + rows)
-                 if self.has_fill and self.fill_same_batch and not self.catches_up else 0.0)
-            return None if t is None or f is None else t + f
-        verified = rows * (1 + d) if drafts is None else rows + drafts
-        dr = c["draft"].at(d - 1, forwards, kv_tokens * (d - 1))
-        t = c["target"].at(verified, rows, kv_tokens + verified, 1.0)
-        f = 0.0
-        if self.has_fill:
-            # a head's fill covers the verify batch; a draft model's the last accepted token
-            # and the bonus (it wrote its drafts' KV while drafting); either, what it catches up
-            fill = (verified if self.fill_same_batch else rows * (1 + self.kv_ahead)) + catch_up
-            f = c["fill"].at(fill, rows, kv_tokens + verified)
-        return None if dr is None or t is None or f is None else dr + t + f
 
     # -- the decision ---------------------------------------------------------------------
     def choose(self, slots: np.ndarray, remaining: np.ndarray, computed: np.ndarray, budget: int,
@@ -336,7 +317,7 @@ class DraftLenPolicy:
         rows = int(rows_d[best]) if probe_rows is None else probe_rows
         num_draft = use[best, :rows]
         if best >= 1 and rates.get(best) is not None:
-            num_draft = self._per_row(num_draft, reach[:rows], rates[best], computed[:rows])
+            num_draft = self.price.per_row(num_draft, reach[:rows], rates[best], computed[:rows], explored)
         if best >= 1 and not num_draft.any():
             best = 0  # nobody drafts: a plain decode step
             rows = min(n, budget)
@@ -382,19 +363,3 @@ class DraftLenPolicy:
             return 0.0
         t = max(self.overhead.at(probe) + t, 0.25 * t, 1.0)
         return max(t - (rows + float(accepted[probe, :rows].sum())) / best_rate, 0.0)
-
-    def _per_row(self, num_draft: np.ndarray, reach: np.ndarray, rate: float, kv_rows: np.ndarray) -> np.ndarray:
-        """A row's j-th draft (j >= 2: one more proposer forward for it) is kept while the
-        tokens it is expected to add, reach[j], are worth its cost at the step's rate; a
-        request whose drafts keep failing thus drafts one token (from logits already there)."""
-        m = self.costs["draft"]
-        if m.coef is None:
-            return num_draft
-        names = FEATURES["draft"]
-        # one more forward of a row: its own cost and a read of the row's KV
-        per_forward = m.coef[names.index("draft_forwards")] + m.coef[names.index("draft_kv")] * kv_rows
-        worth = reach >= rate * per_forward[:, None]  # [B, Dmax]
-        worth[:, 0] = True
-        keep = np.cumprod(worth, axis=1).sum(axis=1)  # leading positions worth drafting
-        return np.minimum(num_draft, keep)
-

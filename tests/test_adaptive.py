@@ -320,6 +320,23 @@ def test_a_request_whose_drafts_keep_failing_drafts_less_than_the_others():
     assert d.num_draft[0] < d.num_draft[1:].min()
 
 
+def test_a_request_whose_drafts_keep_failing_stops_costing_the_verify():
+    """Each row verifies what it drafts, so a row's first draft costs a verify position: where
+    that is dear, a request whose drafts are never accepted drafts none (its verify is its
+    last token) while the others keep speculating."""
+    policy = DraftLenPolicy(4, has_fill=False, prior=0.9, explore_every=1000)
+    _teach(policy, verify_ns_per_token=1e6, draft_ns_per_forward=1e4, const_ns=4e6)
+    slots = np.arange(4)
+    for _ in range(30):
+        d = _choose(policy, 4)
+        acc = d.num_draft.copy()
+        acc[0] = 0  # request 0 never gets a draft accepted
+        policy.observe_verify(slots[: d.rows], d.num_draft, acc)
+    d = _choose(policy, 4)
+    assert d.draft_len >= 1 and (d.num_draft[1:] >= 1).all()
+    assert d.num_draft[0] == 0
+
+
 def test_new_requests_start_from_the_engine_wide_estimate():
     policy = DraftLenPolicy(3, has_fill=False, prior=0.5)
     for _ in range(200):

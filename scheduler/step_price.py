@@ -1,0 +1,74 @@
+"""What a decode step costs on the device at a draft length, from the adaptive draft length's
+cost models, and which of a row's drafts are worth theirs.
+
+Why a module of its own: scheduler/adaptive.py decides; pricing a step -- its target forward
+or verify, the proposer's draft and fill -- is arithmetic on the cost models
+(scheduler/online_cost.py) and the proposer's shape, the same for every decision. Each row
+verifies what it drafts (1 + its drafts), so a draft costs a verify position even where the
+proposer makes it from logits already there.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from specsched.scheduler.online_cost import FEATURES, OnlineCost
+
+
+class StepPrice:
+    """`costs`: the policy's models (target, draft, fill), updated in place as they learn;
+    `has_fill`: the proposer fills its KV, `fill_same_batch` over the verify batch (a head),
+    else over the accepted tokens and `kv_ahead` more (a draft model); `catches_up`: its fills
+    wait while speculation is off."""
+
+    def __init__(self, costs: dict[str, OnlineCost], *, has_fill: bool, kv_ahead: int, fill_same_batch: bool,
+                 catches_up: bool):
+        self.costs = costs
+        self.has_fill, self.kv_ahead, self.fill_same_batch = has_fill, kv_ahead, fill_same_batch
+        self.catches_up = catches_up
+
+    def step_ns(self, rows: int, d: int, forwards: int, kv_tokens: int, catch_up: float = 0.0,
+                drafts: int | None = None) -> float | None:
+        """Predicted device time of a step of `rows` at D = d whose rows make `forwards` proposer
+        row-forwards and verify `drafts` drafts in all (default rows x d), a draft model's fill
+        covering `catch_up` more tokens (None while a needed model is unknown)."""
+        c = self.costs
+        if d == 0:
+            t = c["target"].at(rows, rows, kv_tokens + rows)
+            # a head without lazy fills fills after every forward
+            f = (c["fill"].at(rows, rows, kv_tokens + rows)
+                 if self.has_fill and self.fill_same_batch and not self.catches_up else 0.0)
+            return None if t is None or f is None else t + f
+        verified = rows * (1 + d) if drafts is None else rows + drafts
+        dr = c["draft"].at(d - 1, forwards, kv_tokens * (d - 1))
+        t = c["target"].at(verified, rows, kv_tokens + verified, 1.0)
+        f = 0.0
+        if self.has_fill:
+            # a head's fill covers the verify batch; a draft model's the last accepted token
+            # and the bonus (it wrote its drafts' KV while drafting); either, what it catches up
+            fill = (verified if self.fill_same_batch else rows * (1 + self.kv_ahead)) + catch_up
+            f = c["fill"].at(fill, rows, kv_tokens + verified)
+        return None if dr is None or t is None or f is None else dr + t + f
+
+    def per_row(self, num_draft: np.ndarray, reach: np.ndarray, rate: float, kv_rows: np.ndarray,
+                probe: bool) -> np.ndarray:
+        """A row's j-th draft is kept while the tokens it is expected to add, reach[j], are worth
+        its cost at the step's rate: a verify position (a head's fill covers it too) and, from the
+        second on, a proposer forward; a request whose drafts keep failing drafts none, but in a
+        probe, which is there to find out whether they still fail."""
+        m, c = self.costs["draft"], [self.costs[k].coef for k in ("target", "fill")]
+        if m.coef is None or c[0] is None:
+            return num_draft
+        # a verify position: a token that is also a KV token, and so is the fill's over it
+        t, f = FEATURES["target"], FEATURES["fill"]
+        per_token = c[0][t.index("tokens")] + c[0][t.index("kv_tokens")]
+        if self.fill_same_batch and c[1] is not None:
+            per_token += c[1][f.index("tokens")] + c[1][f.index("kv_tokens")]
+        names = FEATURES["draft"]  # one more forward of a row: its own cost and a read of its KV
+        per_forward = m.coef[names.index("draft_forwards")] + m.coef[names.index("draft_kv")] * kv_rows
+        cost = np.full(reach.shape, per_token)
+        cost[:, 1:] += per_forward[:, None]
+        worth = reach >= rate * cost
+        worth[:, 0] |= probe
+        keep = np.cumprod(worth, axis=1).sum(axis=1)  # leading positions worth drafting
+        return np.minimum(num_draft, keep)
+
