@@ -16,6 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
+from specsched.scheduler.small_arrays import SMALL_BATCH
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionPlan:
@@ -77,12 +79,23 @@ class AttentionPlan:
             page_size=self.page_size)
 
 
+def length_class(qo: int) -> int:
+    """The class of a row computing `qo` tokens in `attention_groups`: 0 for one token, else
+    k for 2^(k-1) <= qo < 2^k."""
+    return int(qo).bit_length() if qo > 1 else 0
+
+
 def attention_groups(qo_lens: np.ndarray) -> list[np.ndarray]:
     """The rows a padding attention (the torch backend) attends together: one-token rows in
     one group, longer ones by length class (2-3, 4-7, 8-15, ... query tokens), so that no row is
     padded to more than twice its queries. One group (every row) when that is all there is."""
     qo = np.asarray(qo_lens, dtype=np.int64)
-    if qo.size < 2 or qo.max() <= 1:
+    if qo.size <= SMALL_BATCH:  # a few rows: grouped in Python (numpy's unique costs more)
+        by: dict[int, list[int]] = {}
+        for i, q in enumerate(qo.tolist()):
+            by.setdefault(length_class(q), []).append(i)
+        return [np.array(by[c], dtype=np.int64) for c in sorted(by)] if len(by) > 1 else [np.arange(qo.size)]
+    if qo.max() <= 1:
         return [np.arange(qo.size)]
     cls = np.where(qo <= 1, 0, np.floor(np.log2(np.maximum(qo, 1))).astype(np.int64) + 1)
     groups = [(cls == c).nonzero()[0] for c in np.unique(cls)]

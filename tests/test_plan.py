@@ -301,3 +301,18 @@ def test_attention_groups_keep_decode_rows_apart_and_longer_rows_by_length_class
     assert [g.tolist() for g in groups] == [[0, 2, 6], [3, 4], [1, 5], [7]]
     assert [g.tolist() for g in attention_groups(np.array([1, 1, 1]))] == [[0, 1, 2]]
     assert [g.tolist() for g in attention_groups(np.array([9, 12, 15]))] == [[0, 1, 2]]  # one class
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=0, max_size=24))
+def test_attention_groups_of_few_rows_and_of_many_are_the_same_rule(qo: list[int]) -> None:
+    """A few rows are grouped in Python, many with numpy: both are the length classes (one
+    token; 2-3; 4-7; ...) in class order, rows in order, one group when one class."""
+    from specsched.scheduler.plan import attention_groups, length_class
+
+    groups = [g.tolist() for g in attention_groups(np.array(qo, dtype=np.int64))]
+    classes = sorted({length_class(q) for q in qo})
+    want = [[i for i, q in enumerate(qo) if length_class(q) == c] for c in classes] if len(classes) > 1 \
+        else [list(range(len(qo)))]
+    assert groups == want
+    assert all(length_class(q) == (0 if q == 1 else int(np.floor(np.log2(q))) + 1) for q in qo)
