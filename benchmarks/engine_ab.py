@@ -8,7 +8,7 @@ and their ratio. What a change to the host side costs or saves end to end.
     python benchmarks/engine_ab.py --baseline ../before [--rounds 3] [--concurrency 1 8] [--configs mtp/mtp]
 
 With none/sync among the configurations it also prints each one's speedup over plain
-decoding measured in the same process, per checkout (`ngram/sync` is not in the default set).
+decoding measured in the same process, per checkout (the n-gram ones are not in the default set).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ CONFIGS = {  # name -> EngineConfig fields
     "draft/overlap": {"proposer": "draft", "draft_len": 4, "schedule": "overlap"},
     "mtp/mtp": {"proposer": "mtp", "draft_len": 1, "schedule": "mtp"},
     "ngram/sync": {"proposer": "ngram", "draft_len": 4, "schedule": "sync"},
+    "ngram-auto/sync": {"proposer": "ngram", "draft_len": "auto", "max_draft_len": 4, "schedule": "sync"},
 }
 DEFAULT_CONFIGS = ["none/sync", "draft/overlap", "mtp/mtp"]
 

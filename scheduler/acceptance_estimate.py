@@ -12,7 +12,11 @@ class AcceptanceEstimate:
     older ones fading (weight 1 - `smoothing` per later observation) and the engine-wide
     estimate counts as `request_weight` more observations. The engine-wide estimate starts at
     `prior`, counted as `prior_weight` observations, is the running mean of all rows until
-    that weighs a step less than `global_smoothing`, then an EWMA over steps."""
+    that weighs a step less than `global_smoothing`, then an EWMA over steps.
+
+    Whether a row asked for drafts drafts any (`draft_rate`: an n-gram lookup may find nothing
+    to copy; a model always drafts) is estimated the same way, per request and engine-wide,
+    from 1.0: p[i, 1] is conditional on it."""
 
     def __init__(self, max_draft_len: int, *, prior: float, smoothing: float, global_smoothing: float,
                  prior_weight: float, request_weight: float, slots: int):
@@ -25,14 +29,18 @@ class AcceptanceEstimate:
         self._hits = np.zeros((slots, max_draft_len))
         self._seen = np.zeros((slots, max_draft_len))
         self._k = np.arange(1, max_draft_len + 1)
+        self.draft_rate, self.draft_seen = 1.0, 0.0  # engine-wide P(a row asked for drafts drafts)
+        self._drew = np.zeros((slots, 2))  # per slot: (rows that drafted, rows asked), decayed
 
     def start(self, slot: int) -> None:
         """A request took `slot`: its estimates start from the engine-wide ones."""
         if slot >= self._hits.shape[0]:
             grow = np.zeros((slot + 1 - self._hits.shape[0], self.max_draft_len))
             self._hits, self._seen = np.concatenate([self._hits, grow]), np.concatenate([self._seen, grow])
+            self._drew = np.concatenate([self._drew, np.zeros((grow.shape[0], 2))])
         self._hits[slot] = 0.0
         self._seen[slot] = 0.0
+        self._drew[slot] = 0.0
 
     def of(self, slots: np.ndarray) -> np.ndarray:
         """[len(slots), Dmax] p[i, k]: the request's own (decayed) acceptance count at position k
@@ -41,6 +49,24 @@ class AcceptanceEstimate:
         often its own."""
         m = self.request_weight
         return (m * self.global_accept + self._hits[slots]) / (m + self._seen[slots])
+
+    def drafts(self, slots: np.ndarray) -> np.ndarray:
+        """[len(slots)] P(the row drafts anything when asked), shrunk toward `draft_rate` as `of`."""
+        m, drew = self.request_weight, self._drew[slots]
+        return (m * self.draft_rate + drew[:, 0]) / (m + drew[:, 1])
+
+    def observe_asked(self, slots: np.ndarray, asked: np.ndarray, drafted: np.ndarray) -> None:
+        """Rows asked for `asked` drafts drafted `drafted` (fewer, none where a lookup missed)."""
+        ask = np.asarray(asked) > 0
+        n = int(ask.sum())
+        if not n:
+            return
+        got = ask & (np.asarray(drafted) > 0)
+        rows = slots[ask]
+        self._drew[rows] = self._drew[rows] * (1.0 - self.smoothing) + np.stack([got[ask], np.ones(n)], axis=1)
+        self.draft_seen += n
+        w = max(n / (self.draft_seen + self.prior_weight), self.global_smoothing)
+        self.draft_rate += w * (int(got.sum()) / n - self.draft_rate)
 
     @property
     def num_slots(self) -> int:

@@ -22,7 +22,9 @@ pipeline), and its inputs are what the pipeline already has:
   estimate starts at `prior`, counted as `prior_weight` observations, is the running mean of
   all rows until that weighs a step less than `global_smoothing`, then an EWMA. Then
   E_i[emitted | D] = 1 + sum_{j<=D} prod_{k<=j} p[i, k], capped by the tokens the request has
-  left. A request whose drafts keep failing drafts less, or none (scheduler/step_price.py).
+  left; where a lookup may find nothing to draft (n-gram), the chance a row asked for drafts
+  drafts any is learned the same way and weighs its expected drafts and verify positions. A
+  request whose drafts keep failing drafts less, or none (scheduler/step_price.py).
 - **Step time**, from the device events' start/end stamps of the launches the pipeline makes:
   a small non-negative linear model per op (a target forward over (tokens, requests, KV
   tokens, verify) -- decode and verify forwards share their slopes, and a verify's fixed extra
@@ -176,9 +178,12 @@ class DraftLenPolicy:
     def global_accept(self) -> np.ndarray:  # the engine-wide p[k]
         return self.estimate.global_accept
 
-    def observe_verify(self, slots: np.ndarray, num_draft: np.ndarray, accepted: np.ndarray) -> None:
-        """Each row drafted num_draft and had `accepted` accepted: positions 1..accepted were
-        accepted, position accepted + 1 (if drafted) rejected, later ones unobserved."""
+    def observe_verify(self, slots: np.ndarray, num_draft: np.ndarray, accepted: np.ndarray,
+                       asked: np.ndarray | None = None) -> None:
+        """Each row drafted num_draft (of `asked`) and had `accepted` accepted: positions
+        1..accepted were accepted, position accepted + 1 (if drafted) rejected, later ones unobserved."""
+        if asked is not None:
+            self.estimate.observe_asked(slots, asked, num_draft)
         if self.estimate.observe(slots, num_draft, accepted):
             self._held_slots = None  # new acceptance evidence: the next step decides afresh
 
@@ -236,7 +241,8 @@ class DraftLenPolicy:
             return dec
         n = len(slots)
         dmax = self.max_draft_len
-        reach = np.cumprod(self.acceptance(slots), axis=1)  # [n, Dmax] P(draft j reached and accepted)
+        drawn = self.estimate.drafts(slots)  # [n] P(the row drafts anything: a lookup may find nothing)
+        reach = np.cumprod(self.acceptance(slots), axis=1) * drawn[:, None]  # [n, Dmax] P(draft j made, accepted)
         gain = np.zeros((n, dmax + 1))
         np.cumsum(reach, axis=1, out=gain[:, 1:])  # [n, 1 + Dmax]: expected accepted drafts at D
         cap = np.minimum(np.maximum(remaining - 1, 0), dmax)  # drafts a row may still use
@@ -252,7 +258,7 @@ class DraftLenPolicy:
             return (per_row if served is None else per_row * served).sum(axis=1)
 
         expected = rows_d + over_served(accepted)
-        forwards, drafts = over_served(np.maximum(use - 1, 0)), over_served(use)
+        forwards, drafts = over_served(np.maximum(use - 1, 0)), over_served(use * drawn)  # drafts verified
         kv = (np.full(dmax + 1, int(computed.sum())) if served is None  # KV tokens of the first r rows
               else np.concatenate([[0], np.cumsum(computed)])[rows_d])
         catch_up = None
@@ -295,7 +301,7 @@ class DraftLenPolicy:
                 k = min(k, PROBE_ROWS)
             loss = 0.0
             if not far and probe in rates:
-                loss = self._probe_loss(probe, rates[best], k, use, computed, accepted, lag)
+                loss = self._probe_loss(probe, rates[best], k, use, drawn, computed, accepted, lag)
             if self.probes.decide(self.decisions, best, far, loss):
                 best, explored, probe_rows = probe, True, k
         if not warming and not explored and best and rates.get(0) and self._behind(lag, best, rows_l[best]):
@@ -308,7 +314,7 @@ class DraftLenPolicy:
             # a declined due probe too)
             k = min(rows_l[best], max(PROBE_ROWS, 2 * self.verify_rows))
             if k < rows_l[best] or rates[best] < (1.0 + self.probe_margin) * rates[0]:
-                loss = self._probe_loss(best, rates[0], k, use, computed, accepted, lag)
+                loss = self._probe_loss(best, rates[0], k, use, drawn, computed, accepted, lag)
                 if self.probes.pay(loss):
                     explored = True
                     probe_rows = k if k < rows_l[best] else None
@@ -325,7 +331,7 @@ class DraftLenPolicy:
         gain_over_plain = rates[best] / rates[0] if best in rates and rates.get(0) else None
         behind = self._behind(lag, best, rows)
         kv_rows = kv_l[best] if rows == rows_l[best] else int(computed[:rows].sum())
-        args = (rows, best, int(np.maximum(num_draft - 1, 0).sum()), kv_rows, behind, int(num_draft.sum()))
+        args = (rows, best, int(np.maximum(num_draft - 1, 0).sum()), kv_rows, behind, float((num_draft * drawn[:rows]).sum()))
         dec = Decision(best, num_draft.astype(np.int64), rows, gain_over_plain, explored, self.step_ns(*args), args)
         self._accrue(dec)
         # a D = 0 the estimates chose stands, not one forced by every row's last token
@@ -349,16 +355,16 @@ class DraftLenPolicy:
         """Tokens a step of the first `rows` rows at D = d catches its proposer up on."""
         return float(lag[:rows].sum()) if d and lag is not None and self.catches_up else 0.0
 
-    def _probe_loss(self, probe: int, best_rate: float, rows: int, use: np.ndarray, computed: np.ndarray,
-                    accepted: np.ndarray, lag: np.ndarray | None) -> float:
+    def _probe_loss(self, probe: int, best_rate: float, rows: int, use: np.ndarray, drawn: np.ndarray,
+                    computed: np.ndarray, accepted: np.ndarray, lag: np.ndarray | None) -> float:
         """What a step of the first `rows` rows at D = `probe` (`choose`'s drafts per row `use`,
-        KV tokens `computed`, expected accepted drafts `accepted`, proposer lag `lag`) costs
-        against the best length's rate: its predicted time over the time the best takes for as
-        many tokens. Its catch-up counts whole (not spread over the output, as in the rates):
+        each row's chance `drawn` of drafting at all, KV tokens `computed`, expected accepted
+        drafts `accepted`, proposer lag `lag`) costs against the best length's rate: its
+        predicted time over the time the best takes for as many tokens. Its catch-up counts whole (not spread over the output, as in the rates):
         a probe that finds D = 0 still best has wasted it."""
         u = use[probe, :rows]
         t = self.step_ns(rows, probe, int(np.maximum(u - 1, 0).sum()), int(computed[:rows].sum()),
-                         self._behind(lag, probe, rows), int(u.sum()))
+                         self._behind(lag, probe, rows), float((u * drawn[:rows]).sum()))
         if t is None:
             return 0.0
         t = max(self.overhead.at(probe) + t, 0.25 * t, 1.0)

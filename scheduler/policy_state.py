@@ -18,9 +18,10 @@ STATE = {"global_accept": "estimate.global_accept", "global_seen": "estimate.glo
          "residuals_by_d": "overhead.residuals_by_d", "residuals": "overhead.residuals",
          "decisions": "decisions", "explore_gap": "probes.gap", "next_explore": "probes.next",
          "probed_best": "probes.probed_best", "probes": "probes.probes", "explore_budget": "probes.budget",
-         "verify_rows": "verify_rows", "warm_ops": "warm_ops"}
+         "verify_rows": "verify_rows", "warm_ops": "warm_ops",
+         "draft_rate": "estimate.draft_rate", "draft_seen": "estimate.draft_seen"}
 # entries a state saved before they existed may lack: the value such a state stands for
-OPTIONAL = {"verify_rows": 0, "warm_ops": list(LAUNCH_OPS)}
+OPTIONAL = {"verify_rows": 0, "warm_ops": list(LAUNCH_OPS), "draft_rate": 1.0, "draft_seen": 0.0}
 
 
 def _fields(policy):

@@ -76,7 +76,7 @@ class RowBookkeeping:
         t, slots = self.table, batch.slots
         t.record_spec(slots, num_drafts, accepted)
         if self.draft_policy is not None:
-            self.draft_policy.observe_verify(slots, num_drafts, accepted)
+            self.draft_policy.observe_verify(slots, num_drafts, accepted, batch.num_draft)
         # draft model: every emitted token after its fill; heads: up to the new last token
         t.proposer_computed[slots] = before + accepted + kv_ahead
 

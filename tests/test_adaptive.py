@@ -337,6 +337,30 @@ def test_a_request_whose_drafts_keep_failing_stops_costing_the_verify():
     assert d.num_draft[0] == 0
 
 
+def test_a_request_whose_lookups_find_nothing_is_not_asked_to_draft():
+    """An n-gram lookup may draft nothing (its verify is then the last token alone): the
+    policy learns per request how often a row asked for drafts drafts any, so a request whose
+    lookups never find anything stops being asked, and the engine-wide rate prices the rest."""
+    policy = DraftLenPolicy(4, has_fill=False, prior=0.9, explore_every=1000)
+    _teach(policy, verify_ns_per_token=1e6, draft_ns_per_forward=1e4, const_ns=4e6)
+    slots = np.arange(4)
+    for _ in range(30):
+        d = _choose(policy, 4)
+        drafted = d.num_draft.copy()
+        drafted[0] = 0  # request 0's lookup never finds anything to copy
+        policy.observe_verify(slots[: d.rows], drafted, drafted, d.num_draft)
+    d = _choose(policy, 4)
+    assert d.draft_len >= 1 and (d.num_draft[1:] >= 1).all()
+    assert d.num_draft[0] == 0
+    drawn = policy.estimate.drafts(slots)
+    assert drawn[0] < policy.estimate.draft_rate < drawn[1:].min()
+    assert policy.estimate.draft_rate < 1.0  # the misses while request 0 was still asked
+    state = policy.state()
+    again = DraftLenPolicy(4, has_fill=False, prior=0.9, explore_every=1000)
+    again.restore(state)
+    assert again.estimate.draft_rate == policy.estimate.draft_rate
+
+
 def test_new_requests_start_from_the_engine_wide_estimate():
     policy = DraftLenPolicy(3, has_fill=False, prior=0.5)
     for _ in range(200):
