@@ -306,16 +306,26 @@ def test_host_overhead_is_learned_per_draft_length(monkeypatch, per_d):
         assert settled.count(0) < len(settled) / 2
 
 
-def test_a_request_whose_drafts_keep_failing_drafts_less_than_the_others():
+def _request_0_fails(steps: int, verify_ns_per_token: float, draft_ns_per_forward: float,
+                     lookup_misses: bool = False) -> DraftLenPolicy:
+    """A policy serving 4 requests for `steps` decisions, in which request 0 never gets a draft
+    accepted (`lookup_misses`: it never drafts anything when asked, as an n-gram lookup that
+    finds nothing) while the others have every draft accepted."""
     policy = DraftLenPolicy(4, has_fill=False, prior=0.9, explore_every=1000)
-    _teach(policy, verify_ns_per_token=1e4, draft_ns_per_forward=2e5, const_ns=4e6)
+    _teach(policy, verify_ns_per_token=verify_ns_per_token, draft_ns_per_forward=draft_ns_per_forward, const_ns=4e6)
     slots = np.arange(4)
-    for _ in range(20):
+    for _ in range(steps):
         d = _choose(policy, 4)
-        acc = d.num_draft.copy()
-        acc[0] = 0  # request 0 never gets a draft accepted
-        policy.observe_verify(slots[: d.rows], d.num_draft, acc)
-    d = _choose(policy, 4)
+        drafted, acc = d.num_draft.copy(), d.num_draft.copy()
+        acc[0] = 0
+        if lookup_misses:
+            drafted[0] = 0
+        policy.observe_verify(slots[: d.rows], drafted, acc, d.num_draft)
+    return policy
+
+
+def test_a_request_whose_drafts_keep_failing_drafts_less_than_the_others():
+    d = _choose(_request_0_fails(20, 1e4, 2e5), 4)
     assert d.draft_len >= 2
     assert d.num_draft[0] < d.num_draft[1:].min()
 
@@ -324,15 +334,7 @@ def test_a_request_whose_drafts_keep_failing_stops_costing_the_verify():
     """Each row verifies what it drafts, so a row's first draft costs a verify position: where
     that is dear, a request whose drafts are never accepted drafts none (its verify is its
     last token) while the others keep speculating."""
-    policy = DraftLenPolicy(4, has_fill=False, prior=0.9, explore_every=1000)
-    _teach(policy, verify_ns_per_token=1e6, draft_ns_per_forward=1e4, const_ns=4e6)
-    slots = np.arange(4)
-    for _ in range(30):
-        d = _choose(policy, 4)
-        acc = d.num_draft.copy()
-        acc[0] = 0  # request 0 never gets a draft accepted
-        policy.observe_verify(slots[: d.rows], d.num_draft, acc)
-    d = _choose(policy, 4)
+    d = _choose(_request_0_fails(30, 1e6, 1e4), 4)
     assert d.draft_len >= 1 and (d.num_draft[1:] >= 1).all()
     assert d.num_draft[0] == 0
 
@@ -341,23 +343,15 @@ def test_a_request_whose_lookups_find_nothing_is_not_asked_to_draft():
     """An n-gram lookup may draft nothing (its verify is then the last token alone): the
     policy learns per request how often a row asked for drafts drafts any, so a request whose
     lookups never find anything stops being asked, and the engine-wide rate prices the rest."""
-    policy = DraftLenPolicy(4, has_fill=False, prior=0.9, explore_every=1000)
-    _teach(policy, verify_ns_per_token=1e6, draft_ns_per_forward=1e4, const_ns=4e6)
-    slots = np.arange(4)
-    for _ in range(30):
-        d = _choose(policy, 4)
-        drafted = d.num_draft.copy()
-        drafted[0] = 0  # request 0's lookup never finds anything to copy
-        policy.observe_verify(slots[: d.rows], drafted, drafted, d.num_draft)
+    policy = _request_0_fails(30, 1e6, 1e4, lookup_misses=True)
     d = _choose(policy, 4)
     assert d.draft_len >= 1 and (d.num_draft[1:] >= 1).all()
     assert d.num_draft[0] == 0
-    drawn = policy.estimate.drafts(slots)
+    drawn = policy.estimate.drafts(np.arange(4))
     assert drawn[0] < policy.estimate.draft_rate < drawn[1:].min()
     assert policy.estimate.draft_rate < 1.0  # the misses while request 0 was still asked
-    state = policy.state()
     again = DraftLenPolicy(4, has_fill=False, prior=0.9, explore_every=1000)
-    again.restore(state)
+    again.restore(policy.state())
     assert again.estimate.draft_rate == policy.estimate.draft_rate
 
 
