@@ -50,8 +50,11 @@ class AcceptanceEstimate:
         m = self.request_weight
         return (m * self.global_accept + self._hits[slots]) / (m + self._seen[slots])
 
-    def drafts(self, slots: np.ndarray) -> np.ndarray:
-        """[len(slots)] P(the row drafts anything when asked), shrunk toward `draft_rate` as `of`."""
+    def drafts(self, slots: np.ndarray) -> np.ndarray | None:
+        """[len(slots)] P(the row drafts anything when asked), shrunk toward `draft_rate` as `of`;
+        None while no row asked for drafts has drafted none (a model always drafts)."""
+        if self.draft_rate == 1.0:
+            return None
         m, drew = self.request_weight, self._drew[slots]
         return (m * self.draft_rate + drew[:, 0]) / (m + drew[:, 1])
 

@@ -241,8 +241,11 @@ class DraftLenPolicy:
             return dec
         n = len(slots)
         dmax = self.max_draft_len
-        drawn = self.estimate.drafts(slots)  # [n] P(the row drafts anything: a lookup may find nothing)
-        reach = np.cumprod(self.acceptance(slots), axis=1) * drawn[:, None]  # [n, Dmax] P(draft j made, accepted)
+        # [n] P(the row drafts anything: a lookup may find nothing); None while every row asked did
+        drawn = self.estimate.drafts(slots)
+        reach = np.cumprod(self.acceptance(slots), axis=1)  # [n, Dmax] P(draft j made and accepted)
+        if drawn is not None:
+            reach *= drawn[:, None]
         gain = np.zeros((n, dmax + 1))
         np.cumsum(reach, axis=1, out=gain[:, 1:])  # [n, 1 + Dmax]: expected accepted drafts at D
         cap = np.minimum(np.maximum(remaining - 1, 0), dmax)  # drafts a row may still use
@@ -258,7 +261,7 @@ class DraftLenPolicy:
             return (per_row if served is None else per_row * served).sum(axis=1)
 
         expected = rows_d + over_served(accepted)
-        forwards, drafts = over_served(np.maximum(use - 1, 0)), over_served(use * drawn)  # drafts verified
+        forwards, drafts = over_served(np.maximum(use - 1, 0)), over_served(_expected(use, drawn))
         kv = (np.full(dmax + 1, int(computed.sum())) if served is None  # KV tokens of the first r rows
               else np.concatenate([[0], np.cumsum(computed)])[rows_d])
         catch_up = None
@@ -331,7 +334,8 @@ class DraftLenPolicy:
         gain_over_plain = rates[best] / rates[0] if best in rates and rates.get(0) else None
         behind = self._behind(lag, best, rows)
         kv_rows = kv_l[best] if rows == rows_l[best] else int(computed[:rows].sum())
-        args = (rows, best, int(np.maximum(num_draft - 1, 0).sum()), kv_rows, behind, float((num_draft * drawn[:rows]).sum()))
+        args = (rows, best, int(np.maximum(num_draft - 1, 0).sum()), kv_rows, behind,
+                float(_expected(num_draft, drawn, rows).sum()))
         dec = Decision(best, num_draft.astype(np.int64), rows, gain_over_plain, explored, self.step_ns(*args), args)
         self._accrue(dec)
         # a D = 0 the estimates chose stands, not one forced by every row's last token
@@ -355,7 +359,7 @@ class DraftLenPolicy:
         """Tokens a step of the first `rows` rows at D = d catches its proposer up on."""
         return float(lag[:rows].sum()) if d and lag is not None and self.catches_up else 0.0
 
-    def _probe_loss(self, probe: int, best_rate: float, rows: int, use: np.ndarray, drawn: np.ndarray,
+    def _probe_loss(self, probe: int, best_rate: float, rows: int, use: np.ndarray, drawn: np.ndarray | None,
                     computed: np.ndarray, accepted: np.ndarray, lag: np.ndarray | None) -> float:
         """What a step of the first `rows` rows at D = `probe` (`choose`'s drafts per row `use`,
         each row's chance `drawn` of drafting at all, KV tokens `computed`, expected accepted
@@ -364,8 +368,14 @@ class DraftLenPolicy:
         a probe that finds D = 0 still best has wasted it."""
         u = use[probe, :rows]
         t = self.step_ns(rows, probe, int(np.maximum(u - 1, 0).sum()), int(computed[:rows].sum()),
-                         self._behind(lag, probe, rows), float((u * drawn[:rows]).sum()))
+                         self._behind(lag, probe, rows), float(_expected(u, drawn, rows).sum()))
         if t is None:
             return 0.0
         t = max(self.overhead.at(probe) + t, 0.25 * t, 1.0)
         return max(t - (rows + float(accepted[probe, :rows].sum())) / best_rate, 0.0)
+
+
+def _expected(drafts: np.ndarray, drawn: np.ndarray | None, rows: int | None = None) -> np.ndarray:
+    """Drafts per row (the last axis: rows) weighed by each row's chance of drafting at all
+    (`drawn`, for the first `rows` rows; None: every row drafts)."""
+    return drafts if drawn is None else drafts * drawn[:rows]
