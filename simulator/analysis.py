@@ -11,7 +11,8 @@ ab        two configurations on the same workload and acceptance draws (paired),
           with the cost models' residual noise; bootstrap confidence intervals on the
           differences; "no difference" when an interval spans zero.
 tune      sweep the draft length per batch-size regime; simulated speedup over plain
-          decoding next to the formula T_verif(B)·AL / (T_verif(B·(1+D)) + T_draft(B, D)).
+          decoding next to the formula T_verif(B)·AL / (T_verif(B·(1+r·D)) + T_draft(B, D)),
+          r the share of rows asked for drafts that drafted any (1 but for n-gram misses).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from specsched.simulator.acceptance import draft_rate
 from specsched.simulator.costs import CostProfile, host_key
 from specsched.simulator.fit import fit_profile
 from specsched.simulator.replay import ReplayConfig, replay
@@ -247,6 +249,8 @@ def _tune_rows(trace, profile: CostProfile, draft_lens: list[int], concurrencies
     h = trace.header
     kv_mean = float(np.mean([r.prompt_len for r in trace.requests])) if trace.requests else 64.0
     captured = max((len(st.request_ids) for st in trace.steps), default=0)  # largest batch seen
+    # rows verify what they drafted: a lookup that finds nothing (n-gram) verifies its last token
+    drawn = draft_rate(trace)
     rows = []
     for c in concurrencies:
         plain = metrics(c, 0)
@@ -271,7 +275,7 @@ def _tune_rows(trace, profile: CostProfile, draft_lens: list[int], concurrencies
             verify_name = "verify" if "verify" in profile.device else "decode"
             base = {"requests": c, "kv_tokens": c * kv_mean}
             t1 = profile.device_ns("decode", base | {"tokens": c})  # falls back to the verify model
-            tv = profile.device_ns(verify_name, base | {"tokens": c * (1 + d)})
+            tv = profile.device_ns(verify_name, base | {"tokens": c * (1 + d * drawn)})
             td = 0.0
             if "draft" in profile.device:
                 td += profile.device_ns("draft", base | {"tokens": c * d, "num_draft": d})  # every row drafts d
