@@ -2,7 +2,8 @@
 
 On a shared machine one engine run moves by 10-20%, more than the few percent a change to the
 draft-length policy makes. This benchmark measures the engine once and then compares in
-virtual time: per proposer (draft model under `overlap`, MTP head under `mtp`) and capture
+virtual time: per proposer (draft model under `overlap`, MTP head under `mtp`; with
+`--proposers ngram`, the n-gram lookup under `sync`) and capture
 concurrency, it runs the engine at every fixed D in 0..max (D = 0: plain decoding under
 `plain_overlap`) with traces on the bundled workload of `benchmarks/adaptive.py`, fits one cost
 profile from all of them (so every D's shapes are in it), and replays the D = max trace --
@@ -24,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from adaptive import configs, workload  # noqa: E402
+from adaptive import DEFAULT_PROPOSERS, PROPOSERS, configs, workload  # noqa: E402
 from common import run  # noqa: E402
 
 
@@ -61,7 +62,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--min-requests", type=int, default=16)
     ap.add_argument("--max-draft-len", type=int, default=4)
-    ap.add_argument("--proposers", nargs="+", choices=["draft", "mtp"], default=["draft", "mtp"])
+    ap.add_argument("--proposers", nargs="+", choices=list(PROPOSERS), default=DEFAULT_PROPOSERS)
     ap.add_argument("--acceptance", default="trace", help="the replays' acceptance: trace (the captured "
                     "agreement), rates, bernoulli:ALPHA (e.g. a proposer on which speculation pays), or A>B@N: a "
                     "change of workload, the first N requests A, the rest B (e.g. trace>bernoulli:0.9@8)")
