@@ -200,11 +200,18 @@ class AsyncEngine:
                 lambda: make_device(c.device, self.worker_spec(), num_threads=c.worker_threads)
             )
         try:
+            spec = c.proposer_spec()
+            drafter = None
+            if spec.rules.host_drafts:  # the n-gram lookup runs here, on the tokens the host has
+                from specsched.runtime.proposers.ngram import NgramHostDrafter
+
+                drafter = NgramHostDrafter(c.ngram_min, c.ngram_max, spec.draft_len)
             self._pipeline = build_pipeline(
-                c.proposer_spec(), c.schedule, num_pages=c.num_pages, page_size=c.page_size,
+                spec, c.schedule, num_pages=c.num_pages, page_size=c.page_size,
                 max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                 device=self.device, clock=MonotonicClock(), sink=_Sink(self), tracer=self.tracer,
-                eos_token_ids=self.tokenizer.eos_token_ids, adaptive=c.adaptive, seed_costs=self._seed_costs)
+                eos_token_ids=self.tokenizer.eos_token_ids, adaptive=c.adaptive, seed_costs=self._seed_costs,
+                drafter=drafter)
         except BaseException:
             # `async with` never calls __aexit__ when __aenter__ raises: without this the
             # worker process (holding the model's weights) would outlive the failed start

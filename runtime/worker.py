@@ -311,6 +311,8 @@ class ModelWorker:
         t0 = time.monotonic_ns()
         slots = msg.slots.tolist()
         rows = [self.states[s] for s in slots]
+        if msg.drafts is not None:  # drafted on the host (a lookup): after each row's last token
+            self.set_drafts(slots, msg.start, to_device(msg.drafts, self.device, torch.int64), msg.num_draft.tolist())
         plan, step, positions = self.plan(msg.plan)
         qo = plan.qo_lens
         width = int(qo.max())

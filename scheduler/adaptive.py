@@ -98,11 +98,14 @@ class DraftLenPolicy:
     1 + kv_ahead tokens per row; `lazy_fill`: its fills wait while speculation is off
     (`ProposerRules.lazy_fill`); `fill_same_batch`: its fill after a verify covers the verify
     batch (an MTP head), else the accepted tokens (a draft model); `has_fill`: it has one;
+    `draft_op`: it drafts in a launch of its own (not a lookup on the host, whose time the
+    step overhead h takes);
     `cold_first_launch`: the device's first launch of an op pays one-off costs, so its
     interval teaches nothing (a real device; the simulator's prices have none); `plain_ahead`:
     plain steps run one step ahead (`overlap`, `mtp`), hiding their host work."""
 
     def __init__(self, max_draft_len: int, *, has_fill: bool, kv_ahead: int = 0, fill_same_batch: bool = False,
+                 draft_op: bool = True,
                  lazy_fill: bool = False, cold_first_launch: bool = True,
                  prior: float = 0.7, smoothing: float = 0.15, global_smoothing: float = 0.02, prior_weight: float = 8.0,
                  request_weight: float = 4.0, probe_margin: float = 0.1, first_draft_len: int = 2,
@@ -126,7 +129,7 @@ class DraftLenPolicy:
                                            request_weight=request_weight, slots=slots)
         self.costs = cost_models(seed_costs)  # target, draft, fill (scheduler/online_cost.py)
         self.price = StepPrice(self.costs, has_fill=has_fill, kv_ahead=kv_ahead, fill_same_batch=fill_same_batch,
-                               catches_up=self.catches_up)  # scheduler/step_price.py
+                               catches_up=self.catches_up, draft_op=draft_op)  # scheduler/step_price.py
         self.step_ns = self.price.step_ns
         self.overhead = StepOverhead(max_draft_len, plain_hidden=plain_ahead)  # h per D
         self.decisions = 0

@@ -124,6 +124,10 @@ class VerifyMessage(Message):
     start: np.ndarray  # [B] position of each row's last token
     num_draft: np.ndarray  # [B] drafts planned
     plan: AttentionPlan | None = None
+    # [B, W] int64 drafts made on the host (`ProposerRules.host_drafts`; row i's first
+    # num_draft[i] valid), which the device puts after each row's last token; None: the
+    # proposer's draft launch put them there
+    drafts: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -258,10 +262,12 @@ def forward_message(batch: StepBatch, blocks: BlockManager, with_plan: bool = Tr
 
 
 def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
-                   with_plan: bool = True, num_draft: np.ndarray | None = None) -> VerifyMessage:
+                   with_plan: bool = True, num_draft: np.ndarray | None = None,
+                   drafts: np.ndarray | None = None) -> VerifyMessage:
     """Target over each row's last token and its candidates: 1 + the row's drafts (`num_draft`,
     default the batch's: what it was asked to draft) -- a row that drafts less computes less
-    -- or, for a tree, 1 + its nodes in every row."""
+    -- or, for a tree, 1 + its nodes in every row. `drafts`: the draft tokens, where the host
+    made them."""
     nd = batch.num_draft if num_draft is None else num_draft
     start = batch.start
     n = len(batch)
@@ -277,7 +283,8 @@ def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
         # a tree: node j at the last token's position + its depth, the root the last token
         tree = (np.concatenate([[0], spec.tree_depths()]), spec.tree_mask()) if spec.is_tree else None
         plan = build_plan(qo, start + qo, page_size=blocks.page_size, **_tables(blocks, batch.slots), tree=tree)
-    return VerifyMessage(step=batch.step, slots=batch.slots, shape=shape_, start=start, num_draft=nd, plan=plan)
+    return VerifyMessage(step=batch.step, slots=batch.slots, shape=shape_, start=start, num_draft=nd, plan=plan,
+                         drafts=drafts)
 
 
 def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,

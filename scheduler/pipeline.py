@@ -66,8 +66,14 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
         tracer: Any = None,
         *,
         eos_token_ids: tuple[int, ...] = (),
+        drafter: Any = None,
     ):
         self.config = config
+        # a proposer that drafts on the host (`ProposerRules.host_drafts`) drafts through this
+        # (`HostDrafter`: the engine's lookup, the simulator's draws)
+        self.drafter = drafter
+        if config.proposer.rules.host_drafts and drafter is None:
+            raise ValueError(f"proposer {config.proposer.kind!r} drafts on the host: the pipeline needs a drafter")
         self.spec = config.proposer
         self.builder = builder
         self.blocks = builder.blocks

@@ -40,10 +40,10 @@ class ProposerRules:
     # up in one fill when it drafts again: a draft model re-reads the tokens, a head reads the
     # target's hidden states the worker kept for it (`ForwardMessage.keep_hidden`)
     lazy_fill: bool = False
-    # its drafts may come out shorter than asked (a lookup that finds nothing to copy), which
-    # the host knows once the draft is done: under `sync`, which waits for it, each row's
-    # verify covers what it drafted
-    short_drafts: bool = False
+    # it drafts on the host from the tokens the host has (a lookup in the request's own
+    # history, `HostDrafter`): no draft launch; the verify carries the drafts and covers what
+    # each row drafted (fewer than asked, or none, where the lookup finds nothing to copy)
+    host_drafts: bool = False
 
 
 RULES = {
@@ -55,7 +55,7 @@ RULES = {
     "eagle": ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=False, tree=True,
                            checkpoint="mtp_head", greedy_only=True, agreement="first_token"),
     "ngram": ProposerRules(kv_model=None, kv_ahead=0, fill_same_batch=False, tree=False,
-                           agreement="teacher_forced", short_drafts=True),
+                           agreement="teacher_forced", host_drafts=True),
 }
 PROPOSERS = tuple(RULES)
 

@@ -119,3 +119,14 @@ class OutputSink(Protocol):
         ...
 
     def on_finish(self, req: "Request") -> None: ...
+
+
+class HostDrafter(Protocol):
+    """Drafts made on the host for a proposer with `ProposerRules.host_drafts` (an n-gram
+    lookup in each request's own tokens, which the host has under `sync`): the engine's looks
+    them up, the simulator's draws how many each row drafts from its acceptance model."""
+
+    def draft(self, batch: Any) -> tuple[Any, Any]:
+        """(tokens [B, W] int64 or None where only counts are modelled, counts [B] int64) for
+        the rows of a speculative `StepBatch`, each asked for up to `num_draft[i]`."""
+        ...

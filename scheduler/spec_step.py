@@ -12,6 +12,7 @@ import numpy as np
 
 from specsched.scheduler import messages
 from specsched.scheduler.protocols import DeviceError
+from specsched.scheduler.small_arrays import total
 from specsched.scheduler.step_batch import StepBatch
 
 
@@ -20,31 +21,34 @@ class SpeculativeStep:
         spec, sched, t, slots = self.spec, self.config.schedule, self.table, batch.slots
         if spec.rules.lazy_fill:
             self._catch_up(batch)
-        # drafts that may come out short are verified as drafted: under sync, which waits for them
-        short = spec.rules.short_drafts and sched == "sync"
         t0 = self._now()
-        vmsg = None if short else messages.verify_message(batch, self.blocks, spec, self.with_plan)
-        dmsg = messages.draft_message(batch, self.blocks, spec, self.with_plan)
-        fmsg = messages.verify_fill_message(batch, self.blocks, spec, self.with_plan) if spec.fill_same_batch else None
-        self._host("plan", batch.step, t0, **shape)
-        # rows stop drafting at their own count; the first token of each comes from logits
-        # the fill computed, every further one is a proposer forward (what the cost follows)
-        d_launch = self._launch(self.aux, dmsg)
-        self._pending_fill = None  # the draft queues behind any pending fill on its stream
-        if sched == "sync":
-            try:
-                drafted = await self._sync(d_launch)
-            except DeviceError as e:
-                self._fail_batch(batch, e)
-                return
-            if short:
-                t0 = self._now()
-                nd = np.minimum(np.asarray(drafted.num_drafts, dtype=np.int64), batch.num_draft)
-                vmsg = messages.verify_message(batch, self.blocks, spec, self.with_plan, num_draft=nd)
-                vs = vmsg.shape
-                self._host("plan", batch.step, t0, kind="verify", requests=vs.requests, tokens=vs.tokens,
-                           kv_tokens=vs.kv_tokens)
-        self.main.wait_event(d_launch.event)
+        fmsg = None
+        if spec.rules.host_drafts:
+            # a lookup on the host: no draft launch; the verify carries the drafts and covers
+            # what each row drafted (a row whose lookup found nothing verifies its last token)
+            drafts, nd = self.drafter.draft(batch)
+            nd = np.minimum(np.asarray(nd, dtype=np.int64), batch.num_draft)
+            self._host("draft", batch.step, t0, requests=len(batch), tokens=total(nd))
+            t0 = self._now()
+            vmsg = messages.verify_message(batch, self.blocks, spec, self.with_plan, num_draft=nd, drafts=drafts)
+            self._host("plan", batch.step, t0, **shape)
+        else:
+            vmsg = messages.verify_message(batch, self.blocks, spec, self.with_plan)
+            dmsg = messages.draft_message(batch, self.blocks, spec, self.with_plan)
+            if spec.fill_same_batch:
+                fmsg = messages.verify_fill_message(batch, self.blocks, spec, self.with_plan)
+            self._host("plan", batch.step, t0, **shape)
+            # rows stop drafting at their own count; the first token of each comes from logits
+            # the fill computed, every further one is a proposer forward (what the cost follows)
+            d_launch = self._launch(self.aux, dmsg)
+            self._pending_fill = None  # the draft queues behind any pending fill on its stream
+            if sched == "sync":
+                try:
+                    await self._sync(d_launch)
+                except DeviceError as e:
+                    self._fail_batch(batch, e)
+                    return
+            self.main.wait_event(d_launch.event)
         v_launch = self._launch(self.main, vmsg)
         f_launch = None
         if fmsg is not None and sched == "mtp":

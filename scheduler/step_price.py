@@ -18,11 +18,13 @@ class StepPrice:
     """`costs`: the policy's models (target, draft, fill), updated in place as they learn;
     `has_fill`: the proposer fills its KV, `fill_same_batch` over the verify batch (a head),
     else over the accepted tokens and `kv_ahead` more (a draft model); `catches_up`: its fills
-    wait while speculation is off."""
+    wait while speculation is off; `draft_op`: it drafts in a device launch (not on the host,
+    where the step overhead takes the lookup's time)."""
 
     def __init__(self, costs: dict[str, OnlineCost], *, has_fill: bool, kv_ahead: int, fill_same_batch: bool,
-                 catches_up: bool):
+                 catches_up: bool, draft_op: bool = True):
         self.costs = costs
+        self.draft_op = draft_op
         self.has_fill, self.kv_ahead, self.fill_same_batch = has_fill, kv_ahead, fill_same_batch
         self.catches_up = catches_up
 
@@ -39,7 +41,7 @@ class StepPrice:
                  if self.has_fill and self.fill_same_batch and not self.catches_up else 0.0)
             return None if t is None or f is None else t + f
         verified = rows * (1 + d) if drafts is None else rows + drafts
-        dr = c["draft"].at(d - 1, forwards, kv_tokens * (d - 1))
+        dr = c["draft"].at(d - 1, forwards, kv_tokens * (d - 1)) if self.draft_op else 0.0
         t = c["target"].at(verified, rows, kv_tokens + verified, 1.0)
         f = 0.0
         if self.has_fill:
@@ -56,7 +58,7 @@ class StepPrice:
         second on, a proposer forward; a request whose drafts keep failing drafts none, but in a
         probe, which is there to find out whether they still fail."""
         m, c = self.costs["draft"], [self.costs[k].coef for k in ("target", "fill")]
-        if m.coef is None or c[0] is None:
+        if (self.draft_op and m.coef is None) or c[0] is None:
             return num_draft
         # a verify position: a token that is also a KV token, and so is the fill's over it
         t, f = FEATURES["target"], FEATURES["fill"]
@@ -64,7 +66,8 @@ class StepPrice:
         if self.fill_same_batch and c[1] is not None:
             per_token += c[1][f.index("tokens")] + c[1][f.index("kv_tokens")]
         names = FEATURES["draft"]  # one more forward of a row: its own cost and a read of its KV
-        per_forward = m.coef[names.index("draft_forwards")] + m.coef[names.index("draft_kv")] * kv_rows
+        per_forward = (m.coef[names.index("draft_forwards")] + m.coef[names.index("draft_kv")] * kv_rows
+                       if self.draft_op else np.zeros(len(kv_rows)))
         cost = np.full(reach.shape, per_token)
         cost[:, 1:] += per_forward[:, None]
         worth = reach >= rate * cost

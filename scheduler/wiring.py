@@ -50,6 +50,7 @@ def draft_len_policy(spec: ProposerSpec, *, seed_costs: dict | None = None, slot
     if not spec.speculative or spec.is_tree:
         raise ValueError(f"draft_len 'auto' needs a linear proposer (draft, mtp, ngram), not {spec.kind!r}")
     return DraftLenPolicy(spec.draft_len, has_fill=spec.kv_model is not None, kv_ahead=spec.kv_ahead,
+                          draft_op=not spec.rules.host_drafts,
                           fill_same_batch=spec.fill_same_batch, lazy_fill=spec.rules.lazy_fill,
                           seed_costs=seed_costs, slots=slots, cold_first_launch=cold_first_launch,
                           plain_ahead=plain_steps_ahead(schedule))
@@ -58,11 +59,12 @@ def draft_len_policy(spec: ProposerSpec, *, seed_costs: dict | None = None, slot
 def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_size: int,
                    max_num_seqs: int, max_num_batched_tokens: int, device: Any, clock: Any,
                    sink: Any, tracer: Any = NULL_TRACER, eos_token_ids: Sequence[int] = (),
-                   adaptive: bool = False, seed_costs: dict | None = None) -> Pipeline:
+                   adaptive: bool = False, seed_costs: dict | None = None, drafter: Any = None) -> Pipeline:
     """A Pipeline over one KV page pool (a page table for the target and, when the proposer
     has a KV cache, one for it), serving on `device` with time from `clock`. `adaptive`: each
     decode step's D is chosen up to `spec.draft_len` (scheduler/adaptive.py), its cost models
-    seeded from `seed_costs` (a cost profile's JSON) if given."""
+    seeded from `seed_costs` (a cost profile's JSON) if given. `drafter`: a proposer's that
+    drafts on the host (`ProposerRules.host_drafts`, scheduler/protocols.py `HostDrafter`)."""
     blocks = BlockManager(num_pages, page_size, ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
     builder = BatchBuilder(scheduler_config(spec, max_num_seqs=max_num_seqs,
                                             max_num_batched_tokens=max_num_batched_tokens), blocks)
@@ -72,4 +74,4 @@ def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_si
                                                 cold_first_launch=not getattr(device, "warm_first_launch", False),
                                                 schedule=schedule)
     return Pipeline(PipelineConfig(schedule, spec), builder, device, clock, sink, tracer,
-                    eos_token_ids=tuple(eos_token_ids))
+                    eos_token_ids=tuple(eos_token_ids), drafter=drafter)

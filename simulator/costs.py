@@ -45,7 +45,7 @@ DRAFT_FEATURES = ("const", "draft_steps", "draft_forwards", "kv_tokens")  # fitt
 SHAPE_FEATURES = FEATURES[:4]  # host stages
 # every other device op: the shape, and the padded attention's query x key cells
 OP_FEATURES = SHAPE_FEATURES + ("padded_attn",)
-HOST_STAGES = ("schedule", "kv_alloc", "plan", "launch", "output")
+HOST_STAGES = ("schedule", "kv_alloc", "plan", "launch", "output", "draft")  # draft: a lookup on the host
 _PER_OP_LATENCIES = {"launch lead": "launch_leads", "wake-up": "wakeups", "queue gap": "op_gaps"}
 
 

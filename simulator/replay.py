@@ -14,12 +14,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import anyio
-import numpy as np
 
 from specsched.scheduler import wiring
 from specsched.scheduler.errors import InvalidRequestError
-from specsched.scheduler.small_arrays import largest
-from specsched.scheduler.messages import DraftResult, FillResult, ForwardResult, VerifyResult
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.wiring import NATURAL_SCHEDULE, build_pipeline
 from specsched.simulator.follow import follow_choices, recorded_choices
@@ -28,12 +25,12 @@ from specsched.scheduler.sampling_params import SamplingParams
 from specsched.simulator.acceptance import AcceptanceModel
 from specsched.simulator.costs import CostProfile, StageModel, host_key
 from specsched.simulator.device import VirtualDevice
+from specsched.simulator.responder import TraceResponder
 from specsched.simulator.vtime import VirtualClock, run_virtual
 from specsched.traces.metrics import compute_metrics
 from specsched.traces.recorder import MemoryRecorder
 from specsched.traces.schema import Header, Trace
 
-_DUMMY_TOKEN = 7
 # engine settings a replay may change (what-ifs on the scheduler: seats, token budget, KV pool)
 ENGINE_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "num_pages", "page_size", "tree_top_k", "tree_max_nodes")
 
@@ -105,89 +102,6 @@ def workload_from_trace(trace: Trace) -> list[WorkloadItem]:
     return items
 
 
-class TraceResponder:
-    """The simulator's worker: tokens known per slot and acceptance per verify, in arrays
-    indexed by slot (a verify of B rows is a few whole-array operations)."""
-
-    def __init__(self, profile: CostProfile, acceptance: AcceptanceModel, prompt_lens: list[int],
-                 short_drafts: bool = False):
-        self.profile = profile
-        self.acceptance = acceptance
-        # a proposer whose drafts may come out short (`ProposerRules.short_drafts`): what a row
-        # drafts and accepts is drawn when it drafts (the pipeline may verify only that), and
-        # its verify reads the draw back
-        self.short_drafts = short_drafts
-        self._drawn: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # slots, accepted, drafted
-        self.prompt_lens = np.asarray(prompt_lens, dtype=np.int64)
-        self.index = np.zeros(64, dtype=np.int64)  # slot -> request index (its prompt's token)
-        self.known = np.zeros(64, dtype=np.int64)  # slot -> tokens known
-        self._models: dict = {}  # op -> the model that prices it
-        self._dummy = np.zeros((0, 0), dtype=np.int64)  # `_tokens`' block
-
-    def _device_ns(self, op: str, attrs: dict) -> float:
-        """`profile.device_ns(op, attrs)` with the op's model looked up once per replay."""
-        try:
-            m = self._models[op]
-        except KeyError:
-            m = self._models[op] = self.profile.model_for(op)
-        if m is None:
-            return self.profile.device_ns(op, attrs)  # its error, or 0 for "accept"
-        return self.profile._noisy(m, m.price(attrs, self.profile.tile))
-
-    def _register(self, regs) -> None:
-        for r in regs:
-            if r.slot >= self.index.shape[0]:
-                size = max(r.slot + 1, 2 * self.index.shape[0])
-                self.index = np.resize(self.index, size)
-                self.known = np.resize(self.known, size)
-            self.index[r.slot] = r.token_ids[0]
-            self.known[r.slot] = len(r.token_ids)
-
-    def _tokens(self, rows: int, width: int) -> np.ndarray:
-        """[rows, width] stand-in tokens: a read-only view of one block (nobody writes a
-        result's tokens; a new array per verify would cost more than the lookups)."""
-        block = self._dummy
-        if rows > block.shape[0] or width > block.shape[1]:
-            block = self._dummy = np.full((max(rows, 2 * block.shape[0]), max(width, block.shape[1])),
-                                          _DUMMY_TOKEN, dtype=np.int64)
-            block.flags.writeable = False
-        return block[:rows, :width]
-
-    def _outcomes(self, slots: np.ndarray, num_draft: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """([B] accepted, [B] drafted) of rows drafting up to `num_draft` at their positions now."""
-        idx = self.index[slots]
-        return self.acceptance.outcomes(idx, self.known[slots] - self.prompt_lens[idx], num_draft)
-
-    def respond(self, op: str, msg, start_ns: int):
-        if op == "forward":
-            if msg.register:
-                self._register(msg.register)
-            self.known[msg.slots[msg.samples]] += 1
-            return ForwardResult(np.where(msg.samples, _DUMMY_TOKEN, -1)), []
-        if op == "draft":
-            if not self.short_drafts:
-                return DraftResult(msg.num_draft), []
-            accepted, drafted = self._outcomes(msg.slots, msg.num_draft)
-            self._drawn = (msg.slots, accepted, drafted)
-            return DraftResult(drafted), []
-        if op == "verify":
-            slots = msg.slots
-            drawn, self._drawn = self._drawn, None
-            if drawn is not None and drawn[0].shape == slots.shape and (drawn[0] == slots).all():
-                accepted, drafted = np.minimum(drawn[1], msg.num_draft), np.minimum(drawn[2], msg.num_draft)
-            else:
-                accepted, drafted = self._outcomes(slots, msg.num_draft)
-            self.known[slots] += accepted + 1
-            attrs = msg.shape.attrs()
-            subs = [("verify", int(self._device_ns("verify", attrs))),
-                    ("accept", int(self._device_ns("accept", attrs)) if "accept" in self.profile.device else 0)]
-            tokens = self._tokens(len(slots), (largest(accepted) if len(accepted) else 0) + 1)
-            return VerifyResult(accepted, tokens, drafted), subs
-        if op == "fill":
-            return FillResult(), []
-        raise ValueError(f"virtual device: unknown op {op!r}")
-
-
 class _Sink:
     """Where finishes go: an open-loop request's own waiter, or the closed loop's count of freed
     seats and its driver's wake-up. The replay's tokens are stand-ins, so the
@@ -250,8 +164,7 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
                   spec: ProposerSpec, items: list[WorkloadItem], acceptance: AcceptanceModel) -> Trace:
     proposer, schedule, _, engine = resolved
     page_size = int(engine.get("page_size", 16))
-    responder = TraceResponder(profile, acceptance, [it.prompt_len for it in items],
-                               short_drafts=spec.rules.short_drafts)
+    responder = TraceResponder(profile, acceptance, [it.prompt_len for it in items])
     clock = VirtualClock()
     device = VirtualDevice(profile, responder, clock=clock)
     header = Header.create(source="simulator", clock="virtual_ns", model=trace.header.model,
@@ -267,7 +180,8 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
                           max_num_batched_tokens=int(engine.get("max_num_batched_tokens", 2048)),
                           device=device, clock=clock, sink=sink, tracer=rec, adaptive=engine["draft_len"] == "auto",
                           # seeded as the captured run was: with a profile if it had one (this one)
-                          seed_costs=profile.to_json() if engine.get("draft_profile") else None)
+                          seed_costs=profile.to_json() if engine.get("draft_profile") else None,
+                          drafter=responder if spec.rules.host_drafts else None)
     policy = pipe.builder.draft_policy
     captured = trace.header.extra.get("draft_policy")
     warm_up = policy is not None and cfg.policy_state and not engine.get("skip_warmup", False)
@@ -373,7 +287,8 @@ def proposer_spec(resolved: tuple[str, str, int, dict]) -> ProposerSpec:
 def check_profile(profile: CostProfile, spec: ProposerSpec) -> None:
     """Fail before the run when `profile` cannot price an op this configuration launches (a
     profile fitted on a plain trace has no draft op): a clear error, not one mid-replay."""
-    needed = ["prefill"] + (["draft", "verify"] if spec.kind != "none" else ["decode"])
+    needed = ["prefill"] + ((["verify"] if spec.rules.host_drafts else ["draft", "verify"]) if spec.speculative
+                            else ["decode"])
     if spec.kv_model is not None:
         needed.append("draft_fill")
     missing = [op for op in needed if profile.priced_as(op) is None]

@@ -79,3 +79,24 @@ class NgramProposer:
                 tokens[i, : len(draft)] = torch.tensor(draft, dtype=torch.int64)
                 counts[i] = len(draft)
         return tokens, counts
+
+
+class NgramHostDrafter:
+    """The n-gram lookup as the pipeline's `HostDrafter` (scheduler/protocols.py): each row's
+    drafts looked up in its request's tokens, which the host has under `sync` -- no draft
+    launch, no round trip to the device before the verify (the worker's `NgramDrafter` keeps
+    its own copy for agreement)."""
+
+    def __init__(self, min_n: int, max_n: int, num_tokens: int) -> None:
+        self.lookup = NgramProposer(min_n, max_n, num_tokens)
+
+    def draft(self, batch) -> tuple[np.ndarray, np.ndarray]:
+        nd = batch.num_draft.tolist()
+        tokens = np.zeros((len(nd), max(nd, default=0) or 1), dtype=np.int64)
+        counts = np.zeros(len(nd), dtype=np.int64)
+        for i, (req, d) in enumerate(zip(batch.requests, nd)):
+            if d > 0:
+                got = self.lookup.propose(req.all_token_ids, d)
+                tokens[i, : len(got)] = got
+                counts[i] = len(got)
+        return tokens, counts

@@ -91,6 +91,17 @@ class _Sink:
             self.done.set()
 
 
+def host_drafter(worker: Any):
+    """The pipeline's drafter for a proposer that drafts on the host (the n-gram lookup, with
+    the worker's lookup lengths), else None."""
+    if not worker.spec.rules.host_drafts:
+        return None
+    from specsched.runtime.proposers.ngram import NgramHostDrafter
+
+    lookup = worker.proposer.lookup
+    return NgramHostDrafter(lookup.min_n, lookup.max_n, worker.spec.draft_len)
+
+
 def run_requests(worker, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], *,
                  schedule: str | None = None, num_pages: int = 512, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, adaptive: bool = False,
@@ -110,7 +121,8 @@ def run_requests(worker, prompts: list[list[int]], params: SamplingParams | list
     pipe = build_pipeline(spec, schedule or NATURAL_SCHEDULE[spec.kind], num_pages=num_pages,
                           page_size=worker.page_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, device=InlineDevice(worker),
-                          clock=MonotonicClock(), sink=sink, eos_token_ids=eos, adaptive=adaptive)
+                          clock=MonotonicClock(), sink=sink, eos_token_ids=eos, adaptive=adaptive,
+                          drafter=host_drafter(worker))
     sink.expected = len(prompts)
     if pipelines is not None:
         pipelines.append(pipe)
