@@ -13,6 +13,7 @@ TINY = {
     "forward_cost.py": ["--repeats", "3", "--context", "32"],
     "device_idle.py": ["--n", "32", "--repeat", "1", "--rounds", "2"],
     "host_overhead.py": ["--requests", "4", "--steps", "5"],
+    "ngram_host.py": ["--requests", "4", "--context", "64", "--steps", "5"],
     "gpu_check.py": ["--dry-run"],
     "engine_ab.py": ["--baseline", ".", "--rounds", "1", "--concurrency", "1", "--num-requests", "1",
                      "--max-tokens", "3"],

@@ -84,3 +84,62 @@ def test_argument_validation() -> None:
         NgramProposer(1, 2, 3).propose([1, 2, 1], num_tokens=0)
     with pytest.raises(ValueError, match="1-D"):
         NgramProposer(1, 2, 3).propose(np.zeros((2, 2), dtype=np.int64))
+
+
+def _host_batch(reqs, num_draft):
+    from types import SimpleNamespace
+    return SimpleNamespace(requests=reqs, num_draft=np.asarray(num_draft, dtype=np.int64))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 3), min_size=1, max_size=20),
+    appends=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), max_size=12),
+    d=st.integers(0, 4),
+)
+def test_host_drafter_matches_the_lookup_as_outputs_grow(prompt, appends, d) -> None:
+    """The host drafter's per-slot buffers, extended step by step (past their first size),
+    draft what the plain lookup drafts from prompt + output at every step."""
+    from specsched.runtime.proposers.ngram import NgramHostDrafter
+    from specsched.scheduler.request import Request
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=200)
+    reqs = [Request("a", list(prompt), params, 0), Request("b", list(reversed(prompt)) + [1, 2], params, 0)]
+    for i, r in enumerate(reqs):
+        r.slot = i
+    host = NgramHostDrafter(1, 3, 4)
+    for step in [[]] + appends:
+        for r in reqs:
+            r.extend_output(step * 12)  # 12x: the buffers outgrow their first allocation
+        tokens, counts = host.draft(_host_batch(reqs, [d, max(d - 1, 0)]))
+        for i, (r, k) in enumerate(zip(reqs, [d, max(d - 1, 0)])):
+            want = reference(r.all_token_ids, 1, 3, k) if k else []
+            assert counts[i] == len(want)
+            assert tokens[i, : counts[i]].tolist() == want
+
+
+def test_host_drafter_rebuilds_for_a_new_request_in_the_slot() -> None:
+    """A slot taken over by another request (or one whose output list shrank) is looked up
+    in that request's tokens, not the previous occupant's."""
+    from specsched.runtime.proposers.ngram import NgramHostDrafter
+    from specsched.scheduler.request import Request
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=50)
+    host = NgramHostDrafter(1, 2, 2)
+    first = Request("r", [5, 6, 7, 5], params, 0)
+    first.slot = 0
+    tokens, counts = host.draft(_host_batch([first], [2]))
+    assert tokens[0, : counts[0]].tolist() == [6, 7]
+    second = Request("r", [9, 8, 9], params, 0)  # same id, same slot, another request
+    second.slot = 0
+    tokens, counts = host.draft(_host_batch([second], [2]))
+    assert tokens[0, : counts[0]].tolist() == [8, 9]
+    second.extend_output([3, 9])
+    tokens, counts = host.draft(_host_batch([second], [2]))
+    assert tokens[0, : counts[0]].tolist() == [3, 9]
+    del second.output_token_ids[:]  # shrank: rebuilt from the prompt
+    second.num_output = 0
+    tokens, counts = host.draft(_host_batch([second], [2]))
+    assert tokens[0, : counts[0]].tolist() == [8, 9]
