@@ -211,7 +211,7 @@ class AsyncEngine:
                 max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                 device=self.device, clock=MonotonicClock(), sink=_Sink(self), tracer=self.tracer,
                 eos_token_ids=self.tokenizer.eos_token_ids, adaptive=c.adaptive, seed_costs=self._seed_costs,
-                drafter=drafter)
+                drafter=drafter, max_kept_tokens=c.max_kept_hidden_tokens)
         except BaseException:
             # `async with` never calls __aexit__ when __aenter__ raises: without this the
             # worker process (holding the model's weights) would outlive the failed start

@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from specsched.scheduler.errors import ConfigurationError
+from specsched.scheduler.pipeline import MAX_KEPT_TOKENS
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.wiring import (DEFAULT_DRAFT_LEN, NATURAL_SCHEDULE, TREE_MAX_NODES, TREE_TOP_K,
                                         proposer_spec)
@@ -56,6 +57,10 @@ class EngineConfig(BaseModel):
                                                "launch: a shared-memory ring or torch.distributed.broadcast")
     sync_guard: bool = Field(False, description="fail any device op that reads a device value on the host "
                              "(HostSyncError; on CUDA also torch.cuda.set_sync_debug_mode('error'))")
+    max_kept_hidden_tokens: int = Field(MAX_KEPT_TOKENS, ge=1, description="with draft_len 'auto' and an MTP "
+                                        "head: the most target positions whose hidden states the device keeps for "
+                                        "the head's fills that wait while speculation is off (over a step's rows); "
+                                        "past it the head catches up at D = 0, which frees them")
     skip_warmup: bool = Field(False, description="start serving without the warm-up request that runs "
                               "each device op once first (their first launches pay one-off costs)")
 

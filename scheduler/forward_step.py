@@ -15,6 +15,7 @@ import numpy as np
 from specsched.scheduler import messages
 from specsched.scheduler.proposer import plain_steps_ahead
 from specsched.scheduler.protocols import DeviceError
+from specsched.scheduler.small_arrays import total
 from specsched.scheduler.step_batch import StepBatch
 from specsched.scheduler.step_trace import Launch
 
@@ -63,6 +64,11 @@ class ForwardStep:
         self._host("plan", batch.step, t0, **shape)
         launch = self._launch(self.main, msg)
         launch.t_step = t_step
+        if keep and total(batch.start + batch.num_new - t.proposer_computed[slots]) > self.config.max_kept_tokens:
+            # the kept hidden states of these rows past the budget: the head reads those of the
+            # positions before this forward now (behind it on its stream), and the device drops them
+            self.aux.wait_event(launch.event)
+            self._catch_up(batch)
         self.builder.advance_forward(batch, spec.kv_ahead if spec.kv_model is not None and not lazy else None)
         s_fill = None
         if fill_msg is not None:

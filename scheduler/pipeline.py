@@ -46,13 +46,23 @@ from specsched.scheduler.step_trace import Launch, StepTrace
 from specsched.traces.hook import NULL_TRACER
 
 
+# target positions whose hidden states a head's deferred fills may leave on the device
+MAX_KEPT_TOKENS = 16384
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     schedule: str = "sync"
     proposer: ProposerSpec = ProposerSpec()
+    # with an adaptive draft length, a head whose fills wait while speculation is off leaves
+    # the target's hidden states of the positions it has not read on the device; past this
+    # many over a step's rows it catches up at D = 0, which frees them (forward_step.py)
+    max_kept_tokens: int = MAX_KEPT_TOKENS
 
     def __post_init__(self) -> None:
         validate_combination(self.proposer.kind, self.schedule, self.proposer.draft_len)
+        if self.max_kept_tokens < 1:
+            raise ValueError(f"max_kept_tokens must be >= 1, got {self.max_kept_tokens}")
 
 
 class Pipeline(OutputStage, ForwardStep, SpeculativeStep):

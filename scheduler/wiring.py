@@ -15,7 +15,7 @@ from typing import Any
 from specsched.scheduler.adaptive import DraftLenPolicy
 from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
 from specsched.scheduler.block_manager import BlockManager
-from specsched.scheduler.pipeline import Pipeline, PipelineConfig
+from specsched.scheduler.pipeline import MAX_KEPT_TOKENS, Pipeline, PipelineConfig
 from specsched.scheduler.proposer import ProposerSpec, default_tree, plain_steps_ahead
 from specsched.traces.hook import NULL_TRACER
 
@@ -59,12 +59,14 @@ def draft_len_policy(spec: ProposerSpec, *, seed_costs: dict | None = None, slot
 def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_size: int,
                    max_num_seqs: int, max_num_batched_tokens: int, device: Any, clock: Any,
                    sink: Any, tracer: Any = NULL_TRACER, eos_token_ids: Sequence[int] = (),
-                   adaptive: bool = False, seed_costs: dict | None = None, drafter: Any = None) -> Pipeline:
+                   adaptive: bool = False, seed_costs: dict | None = None, drafter: Any = None,
+                   max_kept_tokens: int = MAX_KEPT_TOKENS) -> Pipeline:
     """A Pipeline over one KV page pool (a page table for the target and, when the proposer
     has a KV cache, one for it), serving on `device` with time from `clock`. `adaptive`: each
     decode step's D is chosen up to `spec.draft_len` (scheduler/adaptive.py), its cost models
     seeded from `seed_costs` (a cost profile's JSON) if given. `drafter`: a proposer's that
-    drafts on the host (`ProposerRules.host_drafts`, scheduler/protocols.py `HostDrafter`)."""
+    drafts on the host (`ProposerRules.host_drafts`, scheduler/protocols.py `HostDrafter`).
+    `max_kept_tokens`: `PipelineConfig.max_kept_tokens` (a head's deferred fills)."""
     blocks = BlockManager(num_pages, page_size, ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
     builder = BatchBuilder(scheduler_config(spec, max_num_seqs=max_num_seqs,
                                             max_num_batched_tokens=max_num_batched_tokens), blocks)
@@ -73,5 +75,5 @@ def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_si
         builder.draft_policy = draft_len_policy(spec, seed_costs=seed_costs, slots=max(8, max_num_seqs),
                                                 cold_first_launch=not getattr(device, "warm_first_launch", False),
                                                 schedule=schedule)
-    return Pipeline(PipelineConfig(schedule, spec), builder, device, clock, sink, tracer,
+    return Pipeline(PipelineConfig(schedule, spec, max_kept_tokens), builder, device, clock, sink, tracer,
                     eos_token_ids=tuple(eos_token_ids), drafter=drafter)

@@ -18,6 +18,7 @@ import anyio
 from specsched.scheduler import wiring
 from specsched.scheduler.errors import InvalidRequestError
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
+from specsched.scheduler.pipeline import MAX_KEPT_TOKENS
 from specsched.scheduler.wiring import NATURAL_SCHEDULE, build_pipeline
 from specsched.simulator.follow import follow_choices, recorded_choices
 from specsched.scheduler.request import Request
@@ -181,7 +182,8 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
                           device=device, clock=clock, sink=sink, tracer=rec, adaptive=engine["draft_len"] == "auto",
                           # seeded as the captured run was: with a profile if it had one (this one)
                           seed_costs=profile.to_json() if engine.get("draft_profile") else None,
-                          drafter=responder if spec.rules.host_drafts else None)
+                          drafter=responder if spec.rules.host_drafts else None,
+                          max_kept_tokens=int(engine.get("max_kept_hidden_tokens", MAX_KEPT_TOKENS)))
     policy = pipe.builder.draft_policy
     captured = trace.header.extra.get("draft_policy")
     warm_up = policy is not None and cfg.policy_state and not engine.get("skip_warmup", False)

@@ -1085,3 +1085,63 @@ def test_an_auto_run_that_never_drafted_replays_on_its_policy_s_prices(monkeypat
     never.header.extra.pop("draft_policy")
     with pytest.raises(ValueError, match="no model for device op"):
         validate(never, replicates=1)
+
+
+def test_a_head_past_its_kept_budget_catches_up_while_speculation_is_off(monkeypatch):
+    """With speculation off an MTP head's fills wait and the device keeps the target's hidden
+    states of the positions it has not read; past `max_kept_tokens` over a step's rows the head
+    reads them in a fill at D = 0, so what the device keeps stays within the budget and one
+    forward's tokens (unbounded, it grows with every token served), and the outputs stay those
+    of plain greedy decoding."""
+    from specsched.runtime import bundled
+    from specsched.runtime.proposers.hidden_log import HiddenLog
+    from specsched.runtime.proposers.mtp import HeadProposer
+    from specsched.runtime.training.mtp_eval import run_requests
+    from specsched.runtime.worker import ModelWorker
+    from specsched.scheduler import adaptive
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    def always_off(self, slots, remaining, computed, budget, lag=None):
+        rows = min(len(slots), budget)
+        self.decisions += 1
+        self.last = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
+        return self.last
+
+    monkeypatch.setattr(adaptive.DraftLenPolicy, "choose", always_off)
+    kept, forward_tokens, catch_ups = [], [], []
+    keep, catch_up = HiddenLog.keep, HeadProposer._catch_up
+
+    def keeping(self, slots, starts, offsets, hidden):
+        keep(self, slots, starts, offsets, hidden)
+        forward_tokens.append(int(hidden.shape[0]))
+        kept[-1] = max(kept[-1], sum(int(c.hidden.shape[0]) for c in self.chunks))  # tensors held
+
+    def counted(self, msg):
+        catch_ups[-1] += 1
+        catch_up(self, msg)
+
+    monkeypatch.setattr(HiddenLog, "keep", keeping)
+    monkeypatch.setattr(HeadProposer, "_catch_up", counted)
+    prompts = _workload_prompts(4)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+
+    def worker(kind):
+        pdir = bundled.mtp_dir() if kind == "mtp" else None
+        return ModelWorker(str(bundled.target_dir()), {"kind": kind, "draft_len": 3 if pdir else 0},
+                           proposer_dir=str(pdir) if pdir else None, num_pages=256)
+
+    plain = run_requests(worker("none"), prompts, params, max_num_seqs=2)
+    budget = 48
+    outputs = {}
+    for name, limit in (("unbounded", 1 << 20), ("bounded", budget)):
+        kept.append(0)
+        catch_ups.append(0)
+        got = run_requests(worker("mtp"), prompts, params, schedule="mtp", max_num_seqs=2, adaptive=True,
+                           max_kept_tokens=limit)
+        outputs[name] = [r.output_token_ids for r in got]
+        assert all(r.num_drafts == 0 for r in got)  # speculation stayed off
+    expected = [r.output_token_ids for r in plain]
+    assert outputs["bounded"] == expected and outputs["unbounded"] == expected
+    assert catch_ups == [0, catch_ups[1]] and catch_ups[1] >= 3
+    assert kept[0] > budget + max(forward_tokens)
+    assert kept[1] <= budget + max(forward_tokens)

@@ -22,6 +22,7 @@ from specsched.scheduler.plan import build_plan
 from specsched.scheduler.protocols import DeviceError
 from specsched.scheduler.request import Request
 from specsched.scheduler.sampling_params import SamplingParams
+from specsched.scheduler.pipeline import MAX_KEPT_TOKENS
 from specsched.scheduler.wiring import NATURAL_SCHEDULE, build_pipeline
 
 
@@ -105,13 +106,14 @@ def host_drafter(worker: Any):
 def run_requests(worker, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], *,
                  schedule: str | None = None, num_pages: int = 512, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, adaptive: bool = False,
-                 pipelines: list | None = None) -> list[Request]:
+                 pipelines: list | None = None, max_kept_tokens: int = MAX_KEPT_TOKENS) -> list[Request]:
     """Serve `prompts` (token ids) to completion through a Pipeline on an InlineDevice running
     `worker` (a ModelWorker whose proposer defines the spec); returns the finished requests
     in prompt order. `params`: one for every request, or one per prompt. `num_pages` must not
     exceed the worker's KV pages; `adaptive`: the step's D is chosen up to the worker's draft
     length (scheduler/adaptive.py); `pipelines`:
-    a list the pipeline is appended to (to inspect it after the run)."""
+    a list the pipeline is appended to (to inspect it after the run); `max_kept_tokens`:
+    `PipelineConfig.max_kept_tokens`."""
     spec = worker.spec
     sink = _Sink()
     per = params if isinstance(params, list) else [params] * len(prompts)
@@ -122,7 +124,7 @@ def run_requests(worker, prompts: list[list[int]], params: SamplingParams | list
                           page_size=worker.page_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, device=InlineDevice(worker),
                           clock=MonotonicClock(), sink=sink, eos_token_ids=eos, adaptive=adaptive,
-                          drafter=host_drafter(worker))
+                          drafter=host_drafter(worker), max_kept_tokens=max_kept_tokens)
     sink.expected = len(prompts)
     if pipelines is not None:
         pipelines.append(pipe)
