@@ -113,7 +113,7 @@ def train_models(
     target_minutes: float = typer.Option(60.0),
     draft_minutes: float = typer.Option(15.0),
     mtp_minutes: float = typer.Option(15.0),
-    mtp_windows: int = typer.Option(8000, help="precomputed training windows for the MTP head"),
+    mtp_windows: int = typer.Option(16000, help="precomputed training windows for the MTP head"),
     mtp_onpolicy_frac: float = typer.Option(0.75, help="share of the head's windows continued by the target"),
     state: Optional[Path] = typer.Option(None, help="checkpoint dir: a rerun continues where the last stopped"),
     tokenizer: Optional[Path] = typer.Option(None, help="reuse this tokenizer.json instead of training one"),
