@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_device_options, bundled_items, device_fields, run  # noqa: E402
 
 PROPOSERS = {"draft": "overlap", "mtp": "mtp", "ngram": "sync"}  # each under its natural schedule
-DEFAULT_PROPOSERS = ["draft", "mtp"]  # what the targets name; `--proposers ngram` adds the lookup
+DEFAULT_PROPOSERS = ["draft", "mtp"]  # the model proposers; `--proposers ngram` adds the lookup
 
 
 def lengths(max_tokens: int, n: int) -> list[int]:

@@ -3,6 +3,8 @@ workload and return its metrics and trace; put another checkout's code on the pa
 subprocess, for side-by-side runs."""
 from __future__ import annotations
 
+import argparse
+
 import gc
 import json
 import os
@@ -113,6 +115,15 @@ def best_of(call, repeats: int, min_seconds: float = 0.0) -> tuple[float, float,
         cpu, wall = min(cpu, c1 - c0), min(wall, w1 - w0)
         done, spent = done + 1, spent + (c1 - c0)
     return cpu, wall, done, out
+
+
+def add_side_by_side_options(ap) -> None:
+    """`--baseline CHECKOUT` and `--rounds N` for `side_by_side`, and the hidden `--json` mode
+    each of its processes runs in (one process's raw figures on its last line)."""
+    ap.add_argument("--baseline", type=Path, help="another checkout (e.g. a git worktree of an earlier "
+                    "commit) measured side by side, in alternating processes")
+    ap.add_argument("--rounds", type=int, default=3, help="with --baseline: alternating rounds (medians)")
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
 
 
 def side_by_side(cmd: list[str], baseline: Path, rounds: int) -> dict[str, list]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import side_by_side  # noqa: E402
+from common import add_side_by_side_options, side_by_side  # noqa: E402
 
 from specsched.scheduler import messages  # noqa: E402
 from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig  # noqa: E402
@@ -136,10 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--baseline", type=Path, help="another checkout (e.g. a git worktree of an earlier "
-                    "commit) measured side by side, in alternating processes")
-    ap.add_argument("--rounds", type=int, default=3, help="with --baseline: alternating rounds (medians)")
-    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's raw figures
+    add_side_by_side_options(ap)
     args = ap.parse_args()
     cases = [(n, d, kind) for n in args.requests for d, kind in ((0, "decode"), (4, "verify D=4"))]
     if args.json:

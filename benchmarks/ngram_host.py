@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import side_by_side  # noqa: E402
+from common import add_side_by_side_options, side_by_side  # noqa: E402
 
 from specsched.runtime.proposers.ngram import NgramHostDrafter  # noqa: E402
 from specsched.scheduler.request import Request  # noqa: E402
@@ -70,10 +70,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--context", type=int, nargs="+", default=[512, 2048], help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--baseline", type=Path, help="another checkout (e.g. a git worktree of an earlier "
-                    "commit) measured side by side, in alternating processes")
-    ap.add_argument("--rounds", type=int, default=3, help="with --baseline: alternating rounds (medians)")
-    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's raw figures
+    add_side_by_side_options(ap)
     args = ap.parse_args()
     cases = [(n, c) for n in args.requests for c in args.context]
     if args.json:

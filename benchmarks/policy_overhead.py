@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import best_of, side_by_side  # noqa: E402
+from common import add_side_by_side_options, best_of, side_by_side  # noqa: E402
 from simulator_speed import SAMPLE, workload  # noqa: E402
 
 from specsched.simulator.fit import fit_profile  # noqa: E402
@@ -62,10 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--repeats", type=int, default=7, help="replays per configuration (best of)")
-    ap.add_argument("--baseline", type=Path, help="another checkout (e.g. a git worktree of an earlier "
-                    "commit) measured side by side, in alternating processes")
-    ap.add_argument("--rounds", type=int, default=3, help="with --baseline: alternating rounds (medians)")
-    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process's raw figures
+    add_side_by_side_options(ap)
     args = ap.parse_args()
     if min(args.concurrency) < 1 or args.repeats < 1 or args.rounds < 1:
         ap.error("--concurrency, --repeats and --rounds must be >= 1")

@@ -24,6 +24,7 @@ import numpy as np
 from specsched.runtime.detokenize import Detokenizer
 from specsched.runtime.engine_checks import check_engine
 from specsched.runtime.engine_config import EngineConfig
+from specsched.runtime.proposers.ngram import host_drafter
 from specsched.scheduler.batch_builder import SchedulerConfig, max_pages_needed
 from specsched.scheduler.block_manager import KVPoolStats
 from specsched.scheduler.errors import EngineClosedError, InvalidRequestError
@@ -201,17 +202,12 @@ class AsyncEngine:
             )
         try:
             spec = c.proposer_spec()
-            drafter = None
-            if spec.rules.host_drafts:  # the n-gram lookup runs here, on the tokens the host has
-                from specsched.runtime.proposers.ngram import NgramHostDrafter
-
-                drafter = NgramHostDrafter(c.ngram_min, c.ngram_max, spec.draft_len)
             self._pipeline = build_pipeline(
                 spec, c.schedule, num_pages=c.num_pages, page_size=c.page_size,
                 max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                 device=self.device, clock=MonotonicClock(), sink=_Sink(self), tracer=self.tracer,
                 eos_token_ids=self.tokenizer.eos_token_ids, adaptive=c.adaptive, seed_costs=self._seed_costs,
-                drafter=drafter, max_kept_tokens=c.max_kept_hidden_tokens)
+                drafter=host_drafter(spec, c.ngram_min, c.ngram_max), max_kept_tokens=c.max_kept_hidden_tokens)
         except BaseException:
             # `async with` never calls __aexit__ when __aenter__ raises: without this the
             # worker process (holding the model's weights) would outlive the failed start

@@ -159,6 +159,7 @@ class ModelWorker:
             # each row's last token, where the verify reads them with it in one gather
             self.tokens = TokenBuffer(self.target.config.max_position_embeddings + 1, self.device)
             self.draft_width = max(1, self.spec.num_candidates)
+            self.ngram = ngram  # n-gram lookup lengths (the host drafts with them: `host_drafter`)
             self.proposer = make_proposer(self, self.spec, proposer_dir, num_pages, ngram)
             self.last_hidden: dict | None = None  # target hidden states of the latest target launch
             # ops enqueue device work only; with the guard a host read of a device value fails the op

@@ -57,52 +57,16 @@ class NoProposer:
 
 
 class NgramDrafter(NoProposer):
-    """Prompt lookup: drafts copied from the request's own history; q is one-hot. The lookup
-    runs on the host, on a copy of each request's tokens fed from the results the host
-    receives anyway (it drafts under the `sync` schedule, after those results arrived)."""
+    """Prompt lookup on the worker side: only its teacher-forced agreement (for trace replay).
+    Its drafts are made on the host, where the tokens are (`NgramHostDrafter`, the pipeline's
+    `HostDrafter`), and reach the worker in the verify message: it makes no draft launch and
+    keeps no copy of the requests' tokens."""
 
     def __init__(self, worker: "ModelWorker", min_n: int, max_n: int, num_tokens: int):
         super().__init__(worker)
         from specsched.runtime.proposers.ngram import NgramProposer
 
         self.lookup = NgramProposer(min_n, max_n, num_tokens)
-        self.seqs: dict[int, list[int]] = {}
-        self._results: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []
-
-    def register(self, slot: int, token_ids: list[int]) -> None:
-        self.seqs[slot] = list(token_ids)
-
-    def release(self, slot: int) -> None:
-        self.seqs.pop(slot, None)
-
-    def emitted(self, slots, tokens, accepted) -> None:
-        self._results.append((slots, tokens, accepted))
-
-    def _catch_up(self) -> None:
-        for slots, tokens, accepted in self._results:
-            rows = tokens.tolist()
-            if accepted is None:
-                for s, t in zip(slots, rows):
-                    if t >= 0 and s in self.seqs:
-                        self.seqs[s].append(t)
-            else:
-                for s, row, a in zip(slots, rows, accepted.tolist()):
-                    if s in self.seqs:
-                        self.seqs[s].extend(row[: a + 1])
-        self._results.clear()
-
-    def draft(self, msg: "DraftMessage") -> np.ndarray:
-        self._catch_up()
-        w = self.worker
-        slots = msg.slots.tolist()
-        out = np.zeros((len(slots), w.draft_width), dtype=np.int64)
-        counts = []
-        for i, (slot, d) in enumerate(zip(slots, msg.num_draft.tolist())):
-            drafts = self.lookup.propose(self.seqs[slot], d) if d > 0 else []
-            out[i, : len(drafts)] = drafts
-            counts.append(len(drafts))
-        w.set_drafts(slots, msg.start, to_device(out, w.device), counts)
-        return np.asarray(counts, dtype=np.int64)
 
     def agreement(self, prompt: list[int], output: list[int]) -> list[int]:
         seq = list(prompt)

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # the host drafter runs in the engine's process, which loads no torch
+    import torch
 
 
 class NgramProposer:
@@ -70,6 +74,8 @@ class NgramProposer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts for a batch: tokens [B, num_tokens] int64 padded with pad_id (0 keeps the
         padding a valid embedding index; the verifier never reads it), counts [B] int64."""
+        import torch
+
         k = self.num_tokens if num_tokens is None else num_tokens
         tokens = torch.full((len(sequences), k), pad_id, dtype=torch.int64)
         counts = torch.zeros(len(sequences), dtype=torch.int64)
@@ -84,8 +90,7 @@ class NgramProposer:
 class NgramHostDrafter:
     """The n-gram lookup as the pipeline's `HostDrafter` (scheduler/protocols.py): each row's
     drafts looked up in its request's tokens, which the host has under `sync` -- no draft
-    launch, no round trip to the device before the verify (the worker's `NgramDrafter` keeps
-    its own copy for agreement).
+    launch, no round trip to the device before the verify.
 
     Each slot keeps its request's tokens in a growing int64 array, extended by the outputs
     that arrived since the last lookup: rebuilding prompt + output as a list and converting it
@@ -141,3 +146,9 @@ class _HostTokens:
             self.buf = grown
         self.buf[self.filled : end] = new
         self.filled = end
+
+
+def host_drafter(spec, min_n: int, max_n: int) -> NgramHostDrafter | None:
+    """The pipeline's drafter for `spec` (a ProposerSpec): the lookup where its proposer drafts
+    on the host (`ProposerRules.host_drafts`), else None."""
+    return NgramHostDrafter(min_n, max_n, spec.draft_len) if spec.rules.host_drafts else None

@@ -18,6 +18,7 @@ import anyio
 import torch
 
 from specsched.runtime.engine import MonotonicClock
+from specsched.runtime.proposers.ngram import host_drafter
 from specsched.scheduler.plan import build_plan
 from specsched.scheduler.protocols import DeviceError
 from specsched.scheduler.request import Request
@@ -92,17 +93,6 @@ class _Sink:
             self.done.set()
 
 
-def host_drafter(worker: Any):
-    """The pipeline's drafter for a proposer that drafts on the host (the n-gram lookup, with
-    the worker's lookup lengths), else None."""
-    if not worker.spec.rules.host_drafts:
-        return None
-    from specsched.runtime.proposers.ngram import NgramHostDrafter
-
-    lookup = worker.proposer.lookup
-    return NgramHostDrafter(lookup.min_n, lookup.max_n, worker.spec.draft_len)
-
-
 def run_requests(worker, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], *,
                  schedule: str | None = None, num_pages: int = 512, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, adaptive: bool = False,
@@ -124,7 +114,7 @@ def run_requests(worker, prompts: list[list[int]], params: SamplingParams | list
                           page_size=worker.page_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, device=InlineDevice(worker),
                           clock=MonotonicClock(), sink=sink, eos_token_ids=eos, adaptive=adaptive,
-                          drafter=host_drafter(worker), max_kept_tokens=max_kept_tokens)
+                          drafter=host_drafter(spec, *worker.ngram), max_kept_tokens=max_kept_tokens)
     sink.expected = len(prompts)
     if pipelines is not None:
         pipelines.append(pipe)
