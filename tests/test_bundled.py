@@ -179,3 +179,32 @@ def test_onpolicy_windows_are_the_targets_greedy_continuations():
         mixed_sampler(stream, pool[:, :5], 0.5)
     with pytest.raises(ValueError, match="prompt_len"):
         greedy_windows(model, stream, 1, 24, 24, seed=0)
+
+
+@pytest.mark.parametrize("init_layers", [True, False])
+def test_initial_draft_starts_from_the_target(init_layers):
+    """The draft shares the target's embeddings (tied to its lm_head) and final norm; with
+    `init_layers` its layer is the target's first, otherwise a fresh random one."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from specsched.runtime.training.bundled import initial_draft
+
+    def config(layers):
+        return transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=layers,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                        intermediate_size=64, max_position_embeddings=128, tie_word_embeddings=True)
+
+    torch.manual_seed(0)
+    target = transformers.LlamaForCausalLM(config(3))
+    with torch.no_grad():  # norms away from their init of ones, so a copy shows
+        for p in target.parameters():
+            p.add_(torch.rand(p.shape) * 0.1)
+    draft = initial_draft(config(1), target, init_layers)
+    assert torch.equal(draft.model.embed_tokens.weight, target.model.embed_tokens.weight)
+    assert draft.lm_head.weight.data_ptr() == draft.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(draft.model.norm.weight, target.model.norm.weight)
+    d_layer, t_layer = draft.model.layers[0].state_dict(), target.model.layers[0].state_dict()
+    assert d_layer.keys() == t_layer.keys()
+    same = [torch.equal(d_layer[k], t_layer[k]) for k in d_layer]
+    assert all(same) if init_layers else not any(same)

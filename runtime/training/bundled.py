@@ -70,18 +70,33 @@ def train_target(config, stream, heldout, cfg: LoopConfig):
     return model, run_loop("target", model, ce, stream, heldout, cfg)
 
 
-def distill_draft(config, target, stream, heldout, cfg: LoopConfig, sampler=None, onpolicy_heldout=None):
-    """KL-distil a draft; `sampler` draws its batches, `onpolicy_heldout` (held-out greedy
-    continuations, onpolicy.py) replaces corpus windows as the probe and is measured too."""
+def initial_draft(config, target, init_layers: bool = True):
+    """The draft before distillation: the target's embeddings and final norm and, with
+    `init_layers`, its decoder layers copied from the target's first ones (the rest random).
+    Distilled for 400 steps (corpus windows, bf16, same seed and schedule), a one-layer draft
+    started from the target's first layer agreed with it greedily on 43.3% of held-out
+    positions, against 41.0% from a random layer."""
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(cfg.seed)
     draft = LlamaForCausalLM(config)
     with torch.no_grad():
         draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
         draft.model.norm.weight.copy_(target.model.norm.weight)
+        if init_layers:
+            for d_layer, t_layer in zip(draft.model.layers, target.model.layers):
+                d_layer.load_state_dict(t_layer.state_dict())
     if draft.lm_head.weight.data_ptr() != draft.model.embed_tokens.weight.data_ptr():
         raise RuntimeError("draft lm_head is not tied to its embeddings")
+    return draft
+
+
+def distill_draft(config, target, stream, heldout, cfg: LoopConfig, sampler=None, onpolicy_heldout=None,
+                  init_layers: bool = True):
+    """KL-distil a draft (`initial_draft`); `sampler` draws its batches, `onpolicy_heldout`
+    (held-out greedy continuations, onpolicy.py) replaces corpus windows as the probe and is
+    measured too."""
+    torch.manual_seed(cfg.seed)
+    draft = initial_draft(config, target, init_layers)
     target.eval().requires_grad_(False)
 
     def kl(w):
@@ -125,7 +140,7 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
          target_steps: int | None = None, draft_steps: int | None = None, num_threads: int = 2,
          state_dir: str | Path | None = None, tokenizer: str | Path | None = None,
          bf16: bool | None = None, batch_size: int = BATCH_SIZE, target_from: str | Path | None = None,
-         onpolicy_windows: int = ONPOLICY_WINDOWS) -> tuple[RunStats, RunStats]:
+         onpolicy_windows: int = ONPOLICY_WINDOWS, draft_init_layers: bool = True) -> tuple[RunStats, RunStats]:
     """Train tokenizer, target and draft into `out_dir`; returns (target_stats, draft_stats).
 
     `state_dir`: checkpoints (and the tokenizer) live there, and a rerun with the same
@@ -135,7 +150,8 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
     OMP_WAIT_POLICY=PASSIVE they also degrade gracefully when another job takes a core.
     `target_from`: load the target from this directory instead of training it (the draft
     stage alone). `onpolicy_windows`: how many of the target's greedy continuations the draft
-    is distilled on (onpolicy.py; 0: corpus windows only).
+    is distilled on (onpolicy.py; 0: corpus windows only). `draft_init_layers`: the draft's
+    layers start as the target's first ones (otherwise random).
     """
     if min(target_minutes, draft_minutes) <= 0 or num_threads < 1 or batch_size < 1:
         raise ValueError("target_minutes, draft_minutes, num_threads and batch_size must be positive")
@@ -190,7 +206,7 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
                                           seed + 3, eos_id=eos)
     draft, d_stats = distill_draft(llama_config(vocab, bos, eos, 1), target, train, heldout,
                                    loop("draft", 2e-3, seed + 1, draft_minutes, draft_steps), sampler,
-                                   onpolicy_heldout if onpolicy_windows > 0 else None)
+                                   onpolicy_heldout if onpolicy_windows > 0 else None, draft_init_layers)
     save_model(draft, tok_path, out / "draft")
     from specsched.runtime.training.mtp_eval import draft_acceptance
 
@@ -200,7 +216,8 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
     first = (f"--target-from {target_from} --tokenizer {Path(target_from) / 'tokenizer.json'}" if t_stats is None
              else f"--target-steps {t_stats.steps}")
     flags = (f"--seed {seed} --threads {num_threads} --batch-size {batch_size} {first}"
-             f" --draft-steps {d_stats.steps} --onpolicy-windows {onpolicy_windows}" + ("" if bf16 else " --no-bf16"))
+             f" --draft-steps {d_stats.steps} --onpolicy-windows {onpolicy_windows}" + ("" if bf16 else " --no-bf16")
+             + ("" if draft_init_layers else " --no-draft-init-layers"))
     from specsched.runtime.training.cards import write_card
 
     if t_stats is not None:
@@ -210,8 +227,10 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
             f"; {ONPOLICY_FRAC:.0%} of each batch from {onpolicy_windows} windows of {ONPOLICY_PROMPT} train-corpus"
             " tokens and the target's greedy continuation (on-policy data), the rest corpus windows")
     write_card(out / "draft" / "README.md", "draft", corpus, d_stats, flags,
-               "1 layer, same width, heads and tokenizer as the target; embeddings initialised from"
-               " the target, then distilled with pure KL to the target's logits" + data, acceptance)
+               "1 layer, same width, heads and tokenizer as the target; embeddings and final norm"
+               + (", and the layer from the target's first layer," if draft_init_layers else "")
+               + " initialised from the target, then distilled with pure KL to the target's logits" + data,
+               acceptance)
     print(f"draft: {d_stats}", flush=True)
     tok_path.unlink()
     return t_stats, d_stats
@@ -234,6 +253,8 @@ if __name__ == "__main__":
     p.add_argument("--target-from", default=None, help="load the target from this directory instead of training it")
     p.add_argument("--onpolicy-windows", type=int, default=ONPOLICY_WINDOWS,
                    help="target greedy continuations to distil the draft on (0: corpus only)")
+    p.add_argument("--draft-init-layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="start the draft's layers from the target's first ones (default) or random")
     a = p.parse_args()
     main(a.out, a.target_minutes, a.draft_minutes, a.seed, a.target_steps, a.draft_steps, a.threads,
-         a.state, a.tokenizer, a.bf16, a.batch_size, a.target_from, a.onpolicy_windows)
+         a.state, a.tokenizer, a.bf16, a.batch_size, a.target_from, a.onpolicy_windows, a.draft_init_layers)
