@@ -165,3 +165,18 @@ def test_from_params_and_validation() -> None:
         logits_to_probs(torch.zeros(3, 5), st)
     with pytest.raises(ValueError, match="probs must be"):
         sample(torch.zeros(5), [None])
+
+
+def test_all_greedy_from_params_is_the_greedy_batch() -> None:
+    """An all-greedy batch built from params (seeded or not) is an argmax with neutral
+    parameters, whatever top-k / top-p the rows carry, and samples what argmax picks."""
+    params = [SamplingParams(temperature=0.0, top_k=5, top_p=0.5, seed=1), SamplingParams(temperature=0.0)]
+    st = SamplingTensors.from_params(params)
+    ref = SamplingTensors.greedy_batch(2)
+    assert st.all_greedy and st.any_greedy and not st.any_top_k and not st.any_top_p and st.max_top_k == 0
+    for name in ("temperature", "top_k", "top_p"):
+        assert torch.equal(getattr(st, name), getattr(ref, name)) and getattr(st, name).dtype == getattr(ref, name).dtype
+    assert st.generators == [None, None]
+    logits = torch.randn(2, 11, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sample_logits(logits, st), logits.argmax(-1))
+    assert torch.equal(logits_to_probs(logits, st).argmax(-1), logits.argmax(-1))
