@@ -491,8 +491,10 @@ def test_plain_steps_run_one_ahead_and_rows_finishing_in_flight_leave_the_next_d
     _two_plain_then_one_drafting(monkeypatch)
     monkeypatch.setattr(Pipeline, "_overlaps", launched_ahead)
     monkeypatch.setattr(BatchBuilder, "without_finished", counted)
-    prompts = [[(13 * i + j) % 450 + 4 for j in range(8 + 3 * i)] for i in range(6)]
-    lengths = [9, 10, 11, 12, 13, 14]
+    # one of 3, 4 and 5 tokens ends on the second plain step, before anything was drafted (so
+    # whatever the proposer accepts), while the first drafting step waits for it
+    prompts = [[(13 * i + j) % 450 + 4 for j in range(8 + 3 * i)] for i in range(9)]
+    lengths = [3, 4, 5, 9, 10, 11, 12, 13, 14]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
     plain = run_requests(ModelWorker(str(bundled.target_dir()), {"kind": "none", "draft_len": 0}, num_pages=256),
                          prompts, params)
@@ -578,11 +580,11 @@ def _workload_prompts(n: int) -> list[list[int]]:
 def test_prompts_admitted_while_speculation_is_off_are_caught_up_before_drafting(monkeypatch, kind, schedule):
     """With speculation off a draft model or an MTP head skips the fills of new prompts too
     (for a head the device keeps the target's hidden states); when drafting resumes one
-    catch-up fill covers the whole prompt. A draft model's late requests then draft as well
-    as under a fixed D; a head's carried logits after the catch-up are those of the head run
-    teacher-forced over the same tokens (a head that caught up on nothing would draft from
-    stale state: lossless, rarely accepted)."""
+    catch-up fill covers the whole prompt, after which the proposer's carried logits are those
+    of the proposer run teacher-forced over the same tokens (one that caught up on nothing
+    would draft from stale state: lossless, rarely accepted)."""
     from specsched.runtime import bundled
+    from specsched.runtime.proposers.draft_model import DraftModelProposer
     from specsched.runtime.proposers.mtp import HeadProposer
     from specsched.runtime.training.mtp_eval import run_requests
     from specsched.runtime.worker import ModelWorker
@@ -597,7 +599,6 @@ def test_prompts_admitted_while_speculation_is_off_are_caught_up_before_drafting
                            proposer_dir=str(pdir) if pdir else None, num_pages=256)
 
     plain = run_requests(worker("none"), prompts, params, max_num_seqs=2)
-    fixed = run_requests(worker(kind), prompts, params, schedule=schedule, max_num_seqs=2)
     fills: list[int] = []
     _off_then_on(monkeypatch, fills)
     caught_up = []
@@ -613,18 +614,26 @@ def test_prompts_admitted_while_speculation_is_off_are_caught_up_before_drafting
             ref = self.head.forward_full(seq[:, 1:], hidden[:, :-1]).logits[0, end - 1]
             caught_up.append((int(msg.start[i]), float((ref - w.states[slot].carried).abs().max())))
 
+    draft_fill = DraftModelProposer.fill
+
+    def draft_checked(self, msg):  # a draft model's catch-up is a fill after="catch_up"
+        draft_fill(self, msg)
+        if msg.after != "catch_up":
+            return
+        w = self.worker
+        for i, slot in enumerate(msg.slots.tolist()):
+            end = int(msg.end[i])
+            ref = self.model.forward_full(w.tokens.data[slot, :end].unsqueeze(0))[0][0, end - 1]
+            caught_up.append((int(msg.start[i]), float((ref - w.states[slot].carried).abs().max())))
+
     monkeypatch.setattr(HeadProposer, "_catch_up", checked)
+    monkeypatch.setattr(DraftModelProposer, "fill", draft_checked)
     got = run_requests(worker(kind), prompts, params, schedule=schedule, max_num_seqs=2, adaptive=True)
     assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]
     assert max(fills) >= len(prompts[2]) - 1  # a late request's proposer had read none of its prompt
     assert all(r.num_drafts > 0 for r in got[2:])
-    if kind == "mtp":
-        assert len(caught_up) == 2 and all(start == 0 for start, _ in caught_up)  # whole prompts
-        assert max(err for _, err in caught_up) < 1e-4
-        return
-    for late_got, late_fixed in zip(got[2:], fixed[2:]):
-        rate = late_got.num_accepted_tokens / late_got.num_drafted_tokens
-        assert rate >= 0.8 * late_fixed.num_accepted_tokens / late_fixed.num_drafted_tokens
+    assert len(caught_up) == 2 and all(start == 0 for start, _ in caught_up)  # whole prompts
+    assert max(err for _, err in caught_up) < 1e-4
 
 
 def test_a_restored_state_continues_the_policy_it_was_taken_from():
