@@ -4,7 +4,6 @@ subprocess, for side-by-side runs."""
 from __future__ import annotations
 
 import argparse
-
 import gc
 import json
 import os

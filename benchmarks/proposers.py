@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import family_kw, med, median_span_ms, parse_workload, run  # noqa: E402
 
-PROPOSERS = [("draft", "overlap", 3), ("draft", "overlap", 4), ("mtp", "mtp", 1), ("mtp", "mtp", 3), ("mtp", "sync", 2),
-             ("eagle", "sync", 3), ("ngram", "sync", 4)]
-PLAIN_OVERLAP = ("none", "plain_overlap", 0)
+PROPOSERS = [("draft", "overlap", 3), ("draft", "overlap", 4), ("mtp", "mtp", 1), ("mtp", "mtp", 3),
+             ("mtp", "sync", 2), ("eagle", "sync", 3), ("ngram", "sync", 4)]
+PLAIN, PLAIN_OVERLAP = ("none", "sync", 0), ("none", "plain_overlap", 0)
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
     args, items = parse_workload(ap, 6, 64)
     configs = [c for c in PROPOSERS if not args.only or c[0] in args.only]
     families = {"bundled": None} | ({"baseline": args.baseline_family} if args.baseline_family else {})
-    runs: dict = {(f, c): [] for f in families for c in [("none", "sync", 0), PLAIN_OVERLAP, *configs]}
+    runs: dict = {(f, c): [] for f in families for c in [PLAIN, PLAIN_OVERLAP, *configs]}
     for _ in range(args.rounds):
         for f, c in runs:
             m, tr = run(items, proposer=c[0], schedule=c[1], draft_len=c[2] or None, **family_kw(families[f], c[0]))
@@ -53,7 +53,7 @@ def main() -> None:
 
 def table(family: str, runs: dict, configs: list, rounds: int) -> dict:
     """Print one family's table; returns its speedup per configuration."""
-    plain_runs = runs[family, ("none", "sync", 0)]
+    plain_runs = runs[family, PLAIN]
     plain = [m["output_tokens_per_s"] for m, _ in plain_runs]
     ahead = [m["output_tokens_per_s"] for m, _ in runs[family, PLAIN_OVERLAP]]
     t_decode = med(median_span_ms(tr, "decode") for _, tr in plain_runs)

@@ -10,7 +10,6 @@ whatever else shares the batch. All-greedy batches never touch a softmax or a ge
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -100,14 +99,13 @@ class SamplingTensors:
             generators = make_generators([p.seed for p in params], device)
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
-        all_greedy = all(t == 0 for t in temperature)
         return cls(
             temperature=to_device(temperature, torch.device(device), torch.float32),
             top_k=to_device(top_k, torch.device(device), torch.int64),
             top_p=to_device(top_p, torch.device(device), torch.float32),
             generators=list(generators),
-            all_greedy=all_greedy,
-            any_greedy=all_greedy or bool((np.asarray(temperature, dtype=np.float32) == 0).any()),
+            all_greedy=False,  # the all-greedy batch returned above
+            any_greedy=bool((np.asarray(temperature, dtype=np.float32) == 0).any()),
             any_top_k=any(k > 0 for k in top_k),
             any_top_p=bool((np.asarray(top_p, dtype=np.float32) < 1.0).any()),
             max_top_k=max(top_k, default=0) if all(k > 0 for k in top_k) else 0,

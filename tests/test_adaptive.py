@@ -602,29 +602,29 @@ def test_prompts_admitted_while_speculation_is_off_are_caught_up_before_drafting
     fills: list[int] = []
     _off_then_on(monkeypatch, fills)
     caught_up = []
-    catch_up = HeadProposer._catch_up
+    catch_up, draft_fill = HeadProposer._catch_up, DraftModelProposer.fill
 
-    def checked(self, msg):  # each caught-up row's carried logits against the teacher-forced head
-        catch_up(self, msg)
-        w = self.worker
+    def record(proposer, msg, reference) -> None:
+        """Each caught-up row's (start, carried logits' distance to `reference(tokens, end)`)."""
+        w = proposer.worker
         for i, slot in enumerate(msg.slots.tolist()):
             end = int(msg.end[i])
-            seq = w.tokens.data[slot, : end + 1].unsqueeze(0)
-            _, hidden = w.target.forward_full(seq)
-            ref = self.head.forward_full(seq[:, 1:], hidden[:, :-1]).logits[0, end - 1]
+            ref = reference(w.tokens.data[slot, : end + 1].unsqueeze(0), end)
             caught_up.append((int(msg.start[i]), float((ref - w.states[slot].carried).abs().max())))
 
-    draft_fill = DraftModelProposer.fill
+    def checked(self, msg):
+        catch_up(self, msg)
+
+        def ref(seq, end):  # the head run teacher-forced on the target's hidden states
+            _, hidden = self.worker.target.forward_full(seq)
+            return self.head.forward_full(seq[:, 1:], hidden[:, :-1]).logits[0, end - 1]
+
+        record(self, msg, ref)
 
     def draft_checked(self, msg):  # a draft model's catch-up is a fill after="catch_up"
         draft_fill(self, msg)
-        if msg.after != "catch_up":
-            return
-        w = self.worker
-        for i, slot in enumerate(msg.slots.tolist()):
-            end = int(msg.end[i])
-            ref = self.model.forward_full(w.tokens.data[slot, :end].unsqueeze(0))[0][0, end - 1]
-            caught_up.append((int(msg.start[i]), float((ref - w.states[slot].carried).abs().max())))
+        if msg.after == "catch_up":
+            record(self, msg, lambda seq, end: self.model.forward_full(seq[:, :end])[0][0, end - 1])
 
     monkeypatch.setattr(HeadProposer, "_catch_up", checked)
     monkeypatch.setattr(DraftModelProposer, "fill", draft_checked)

@@ -12,7 +12,6 @@ no Python loop runs over positions.
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from typing import TYPE_CHECKING
 
 import numpy as np

@@ -216,8 +216,8 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
     first = (f"--target-from {target_from} --tokenizer {Path(target_from) / 'tokenizer.json'}" if t_stats is None
              else f"--target-steps {t_stats.steps}")
     flags = (f"--seed {seed} --threads {num_threads} --batch-size {batch_size} {first}"
-             f" --draft-steps {d_stats.steps} --onpolicy-windows {onpolicy_windows}" + (" --bf16" if bf16 else " --no-bf16")
-             + ("" if draft_init_layers else " --no-draft-init-layers"))
+             f" --draft-steps {d_stats.steps} --onpolicy-windows {onpolicy_windows}"
+             + (" --bf16" if bf16 else " --no-bf16") + ("" if draft_init_layers else " --no-draft-init-layers"))
     from specsched.runtime.training.cards import write_card
 
     if t_stats is not None:
