@@ -1,7 +1,7 @@
 """Schedules side by side on the bundled model, measured in one run:
 
-1. bubble fraction and throughput of `overlap` (draft model) and `mtp` (MTP head) against
-   `sync` with the same proposer, at 8 concurrent requests;
+1. bubble fraction and throughput of `overlap` (draft model), `mtp` (draft model, MTP head)
+   against `sync` with the same proposer, at 8 concurrent requests;
 2. speedup over plain decoding at batch 1 and with 8 concurrent requests;
 3. tracing overhead: wall time per step with the trace recorder against no tracer.
 
@@ -39,7 +39,7 @@ def main() -> None:
 
 def schedules_vs_sync(items, rounds: int, families: dict) -> None:
     print(f"1. schedules at 8 concurrent requests (median of {rounds} round(s))")
-    groups = (("none", None, ("sync", "plain_overlap")), ("draft", 3, ("sync", "overlap")),
+    groups = (("none", None, ("sync", "plain_overlap")), ("draft", 3, ("sync", "overlap", "mtp")),
               ("mtp", 1, ("sync", "mtp")))
     runs: dict = {(f, p, s): [] for f in families for p, _, scheds in groups for s in scheds}
     for _ in range(rounds):

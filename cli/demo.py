@@ -19,6 +19,7 @@ RUNS = [  # (name, proposer, schedule, draft_len)
     ("plain-overlap", "none", "plain_overlap", 0),
     ("draft-sync", "draft", "sync", 4),
     ("draft-overlap", "draft", "overlap", 4),
+    ("draft-mtp", "draft", "mtp", 4),
     ("mtp-sync", "mtp", "sync", 1),
     ("mtp-mtp", "mtp", "mtp", 1),
     ("eagle-sync", "eagle", "sync", 3),

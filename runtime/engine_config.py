@@ -121,7 +121,7 @@ class EngineConfig(BaseModel):
 
     def proposer_spec(self) -> ProposerSpec:
         return proposer_spec(self.proposer, self.spec_draft_len, tree_top_k=self.tree_top_k,
-                             tree_max_nodes=self.tree_max_nodes)
+                             tree_max_nodes=self.tree_max_nodes, schedule=self.schedule)
 
     @classmethod
     def make(cls, **kwargs) -> "EngineConfig":

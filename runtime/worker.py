@@ -1,12 +1,12 @@
 """ModelWorker: executes the pipeline's ops inside the device (worker process or CUDA).
 
-Why: the device, not the host, owns weights, KV caches and per-request token state (a
-`TokenBuffer` on the device; a step's drafts follow each row's last token there). The host's messages say which positions to
-compute; the tokens the device itself produced (samples, accepted drafts, bonus tokens) never
-need a round trip before the next launch, and no op reads a device value on the host: what
-the host needs back is copied into host-side buffers, read after the op's event. That is
-what lets the `overlap` and `mtp` schedules keep the host off the critical path
-(`sync_guard=True` fails an op that does read the device; see runtime/sync_guard.py).
+Why: the device, not the host, owns weights, KV caches and per-request token state (a `TokenBuffer`
+on the device; a step's drafts follow each row's last token there). The host's messages say which
+positions to compute; the tokens the device itself produced (samples, accepted drafts, bonus tokens)
+never need a round trip before the next launch, and no op reads a device value on the host: what the
+host needs back is copied into host-side buffers, read after the op's event. That is what lets the
+`overlap` and `mtp` schedules keep the host off the critical path (`sync_guard=True` fails an op
+that does read the device; see runtime/sync_guard.py).
 
 Ops (scheduler/messages.py defines their typed messages and results):
   forward  target forward of prefill chunks / decodes, sampling rows that reach their end
@@ -162,6 +162,7 @@ class ModelWorker:
             self.ngram = ngram  # n-gram lookup lengths (the host drafts with them: `host_drafter`)
             self.proposer = make_proposer(self, self.spec, proposer_dir, num_pages, ngram)
             self.last_hidden: dict | None = None  # target hidden states of the latest target launch
+            self.last_verify: tuple | None = None  # (step, slots, accepted [B] on the device) of the latest verify
             # ops enqueue device work only; with the guard a host read of a device value fails the op
             self.sync_guard = sync_guard
             # a verify's rows as this many target forwards back to back (on a tensor-parallel
@@ -352,6 +353,7 @@ class ModelWorker:
                 q = self.proposer.draft_probs(rows, slots, msg.start, width - 1)
                 res = rejection_verify(draft_t, nd, q, probs.view(b, width, -1),
                                        [st.generator for st in rows])
+            self.last_verify = (msg.step, msg.slots, res.num_accepted)  # a window fill reads it (on the device)
             if self.proposer.needs_hidden:
                 self.last_hidden = {"step": msg.step, "op": "verify", "hidden": hidden,
                                     "qo_indptr": plan.qo_indptr, "slots": slots,

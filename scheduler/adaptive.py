@@ -97,7 +97,7 @@ class DraftLenPolicy:
     """See the module docstring. `kv_ahead`: the proposer's fill after a plain decode covers
     1 + kv_ahead tokens per row; `lazy_fill`: its fills wait while speculation is off
     (`ProposerRules.lazy_fill`); `fill_same_batch`: its fill after a verify covers the verify
-    batch (an MTP head), else the accepted tokens (a draft model); `has_fill`: it has one;
+    window (an MTP head; a draft model under `mtp`), else the accepted tokens; `has_fill`: it has one;
     `draft_op`: it drafts in a launch of its own (not a lookup on the host, whose time the
     step overhead h takes);
     `cold_first_launch`: the device's first launch of an op pays one-off costs, so its

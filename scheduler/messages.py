@@ -139,6 +139,10 @@ class FillMessage(Message):
     start: np.ndarray  # [B] first position filled
     end: np.ndarray  # [B] end of the fill
     plan: AttentionPlan | None = None
+    # after a verify: the fill covers its window, launched before the accepted lengths are
+    # known -- the device reads each row's tokens up to its new last one (past it, that one
+    # again: KV the next steps overwrite) and carries the logits at the accepted index
+    window: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +309,7 @@ def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
 
 def fill_message(step: int, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                  blocks: BlockManager, spec: ProposerSpec, *, after: str,
-                 with_plan: bool = True) -> FillMessage:
+                 with_plan: bool = True, window: bool = False) -> FillMessage:
     """Proposer KV fill over positions [starts[i], ends[i]) of each row.
 
     after="forward"/"verify": a head (MTP) consumes the target hidden states of that launch,
@@ -316,7 +320,7 @@ def fill_message(step: int, slots: np.ndarray, starts: np.ndarray, ends: np.ndar
     plan = build_plan(lens, ends, page_size=blocks.page_size,
                       **_tables(blocks, slots, spec.kv_model)) if with_plan else None
     return FillMessage(step=step, slots=slots, shape=shape(lens, ends, after=after), after=after,
-                       start=starts, end=ends, plan=plan)
+                       start=starts, end=ends, plan=plan, window=window)
 
 
 def prefill_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
@@ -347,10 +351,13 @@ def prefill_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerS
 
 def verify_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
                         with_plan: bool = True) -> FillMessage:
-    """An MTP head's fill over exactly the verify batch's positions (it consumes the target's
-    hidden states of that launch), so it can be packed before acceptance."""
-    return fill_message(batch.step, batch.slots, batch.start, batch.start + 1 + batch.num_draft, blocks, spec,
-                        after="verify", with_plan=with_plan)
+    """The proposer's fill over the verify window, packed before acceptance (`FillMessage.window`):
+    an MTP head's over exactly the verify batch's positions (it consumes the target's hidden
+    states of that launch), a draft model's over those positions one ahead (it reads the tokens
+    the verify emits there: accepted drafts, then the bonus or recovered token)."""
+    start = batch.start + spec.kv_ahead
+    return fill_message(batch.step, batch.slots, start, start + 1 + batch.num_draft, blocks, spec,
+                        after="verify", with_plan=with_plan, window=True)
 
 
 def accept_fill_message(batch: StepBatch, starts_before: np.ndarray, accepted: np.ndarray,

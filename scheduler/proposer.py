@@ -44,14 +44,20 @@ class ProposerRules:
     # history, `HostDrafter`): no draft launch; the verify carries the drafts and covers what
     # each row drafted (fewer than asked, or none, where the lookup finds nothing to copy)
     host_drafts: bool = False
+    # its fill after a verify may instead cover the whole verify window, launched right behind
+    # the verify before the host knows the accepted lengths (the `mtp` schedule): the device
+    # reads each row's tokens up to its new last one and carries the logits at the accepted
+    # index. A draft model's window is the verified positions one ahead (it reads the sampled
+    # tokens); a head's fill is always its verify batch (`fill_same_batch`)
+    window_fill: bool = False
 
 
 RULES = {
     "none": ProposerRules(kv_model=None, kv_ahead=0, fill_same_batch=False, tree=False),
     "draft": ProposerRules(kv_model="draft", kv_ahead=1, fill_same_batch=False, tree=False,
-                           checkpoint="draft", agreement="teacher_forced", lazy_fill=True),
+                           checkpoint="draft", agreement="teacher_forced", lazy_fill=True, window_fill=True),
     "mtp": ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=True, tree=False,
-                         checkpoint="mtp_head", agreement="first_token", lazy_fill=True),
+                         checkpoint="mtp_head", agreement="first_token", lazy_fill=True, window_fill=True),
     "eagle": ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=False, tree=True,
                            checkpoint="mtp_head", greedy_only=True, agreement="first_token"),
     "ngram": ProposerRules(kv_model=None, kv_ahead=0, fill_same_batch=False, tree=False,
@@ -65,6 +71,9 @@ class ProposerSpec:
     kind: str = "none"  # one of PROPOSERS
     draft_len: int = 0  # D: linear draft tokens per step, or tree depth for "eagle"
     tree_parents: tuple[int, ...] = ()  # eagle: parent of tree node i (-1 = child of the root)
+    # the fill after a verify covers the verify window, launched before acceptance is known
+    # (`ProposerRules.window_fill`; the `mtp` schedule sets it for a draft model)
+    window_fill: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in PROPOSERS:
@@ -78,6 +87,8 @@ class ProposerSpec:
         if not self.is_tree and self.tree_parents:
             trees = ", ".join(repr(k) for k, r in RULES.items() if r.tree)
             raise ValueError(f"proposer {self.kind!r} drafts linearly; only {trees} takes a tree")
+        if self.window_fill and not self.rules.window_fill:
+            raise ValueError(f"proposer {self.kind!r} cannot fill over the verify window")
         for i, p in enumerate(self.tree_parents):
             if not (-1 <= p < i):
                 raise ValueError(f"tree node {i}: parent {p} must be -1 or an earlier node")
@@ -126,10 +137,10 @@ class ProposerSpec:
 
     @property
     def fill_same_batch(self) -> bool:
-        """The fill run reuses the verify batch (an MTP head), so it can be launched before
-        the host knows the accepted lengths. A draft model's fill cannot, nor can a tree
-        head's (its fill runs over the accepted path, known only after acceptance)."""
-        return self.rules.fill_same_batch
+        """The fill after a verify covers the verify window (an MTP head always; a draft model
+        with `window_fill`), so it can be launched before the host knows the accepted lengths.
+        A tree head's cannot (its fill runs over the accepted path, known only after acceptance)."""
+        return self.rules.fill_same_batch or self.window_fill
 
     def tree_depths(self) -> np.ndarray:
         d = np.zeros(len(self.tree_parents), dtype=np.int64)
@@ -184,10 +195,10 @@ def validate_combination(proposer: str, schedule: str, draft_len: int) -> None:
     if proposer != "none" and schedule == "plain_overlap":
         raise ValueError("'plain_overlap' is for plain decoding; speculative runs use sync/overlap/mtp")
     rules = RULES[proposer]
-    if schedule == "mtp" and not rules.fill_same_batch:
+    if schedule == "mtp" and not (rules.fill_same_batch or rules.window_fill):
         raise ValueError(
-            f"the 'mtp' schedule re-runs a head on the verify batch; proposer {proposer!r} "
-            "has no such head (use 'overlap' for a draft model, 'sync' for n-gram)"
+            f"the 'mtp' schedule re-runs the proposer over the verify window before acceptance is "
+            f"known; proposer {proposer!r} cannot (use 'overlap' for an EAGLE tree, 'sync' for n-gram)"
         )
     if schedule == "overlap" and (rules.kv_model is None or rules.fill_same_batch):
         raise ValueError(

@@ -16,8 +16,9 @@ from specsched.scheduler.online_cost import FEATURES, OnlineCost
 
 class StepPrice:
     """`costs`: the policy's models (target, draft, fill), updated in place as they learn;
-    `has_fill`: the proposer fills its KV, `fill_same_batch` over the verify batch (a head),
-    else over the accepted tokens and `kv_ahead` more (a draft model); `catches_up`: its fills
+    `has_fill`: the proposer fills its KV, `fill_same_batch` over the verify window (a head;
+    a draft model under `mtp`), else over the accepted tokens and `kv_ahead` more (a draft
+    model under `sync` / `overlap`); `catches_up`: its fills
     wait while speculation is off; `draft_op`: it drafts in a device launch (not on the host,
     where the step overhead takes the lookup's time)."""
 
@@ -45,8 +46,9 @@ class StepPrice:
         t = c["target"].at(verified, rows, kv_tokens + verified, 1.0)
         f = 0.0
         if self.has_fill:
-            # a head's fill covers the verify batch; a draft model's the last accepted token
-            # and the bonus (it wrote its drafts' KV while drafting); either, what it catches up
+            # a fill over the verify window covers its positions; a draft model's otherwise the
+            # last accepted token and the bonus (it wrote its drafts' KV while drafting); either,
+            # what it catches up
             fill = (verified if self.fill_same_batch else rows * (1 + self.kv_ahead)) + catch_up
             f = c["fill"].at(fill, rows, kv_tokens + verified)
         return None if dr is None or t is None or f is None else dr + t + f

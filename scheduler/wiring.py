@@ -10,6 +10,7 @@ the EAGLE tree's shape -- live here too.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from specsched.scheduler.adaptive import DraftLenPolicy
@@ -32,10 +33,20 @@ WARMUP_TOKENS = 12
 
 
 def proposer_spec(proposer: str, draft_len: int, *, tree_top_k: int = TREE_TOP_K,
-                  tree_max_nodes: int = TREE_MAX_NODES) -> ProposerSpec:
-    """The proposer as the pipeline sees it: kind, D and (eagle) the tree's parents."""
+                  tree_max_nodes: int = TREE_MAX_NODES, schedule: str | None = None) -> ProposerSpec:
+    """The proposer as the pipeline sees it: kind, D, (eagle) the tree's parents, and whether
+    its fill after a verify covers the verify window (under the `mtp` schedule, for a draft
+    model that otherwise fills the accepted tokens once the host knows them)."""
     tree = default_tree(draft_len, tree_top_k, tree_max_nodes) if proposer == "eagle" else ()
-    return ProposerSpec(proposer, draft_len if proposer != "none" else 0, tree)
+    return for_schedule(ProposerSpec(proposer, draft_len if proposer != "none" else 0, tree), schedule)
+
+
+def for_schedule(spec: ProposerSpec, schedule: str | None) -> ProposerSpec:
+    """`spec` as `schedule` runs it: under `mtp` a proposer that can fill over the verify window
+    does (a draft model), so that its fill is launched behind the verify, before acceptance."""
+    rules = spec.rules
+    window = schedule == "mtp" and rules.window_fill and not rules.fill_same_batch
+    return spec if spec.window_fill == window else replace(spec, window_fill=window)
 
 
 def scheduler_config(spec: ProposerSpec, *, max_num_seqs: int, max_num_batched_tokens: int) -> SchedulerConfig:
@@ -67,6 +78,7 @@ def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_si
     seeded from `seed_costs` (a cost profile's JSON) if given. `drafter`: a proposer's that
     drafts on the host (`ProposerRules.host_drafts`, scheduler/protocols.py `HostDrafter`).
     `max_kept_tokens`: `PipelineConfig.max_kept_tokens` (a head's deferred fills)."""
+    spec = for_schedule(spec, schedule)
     blocks = BlockManager(num_pages, page_size, ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
     builder = BatchBuilder(scheduler_config(spec, max_num_seqs=max_num_seqs,
                                             max_num_batched_tokens=max_num_batched_tokens), blocks)

@@ -281,9 +281,9 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
 
 def proposer_spec(resolved: tuple[str, str, int, dict]) -> ProposerSpec:
     """The replay's proposer, as the engine would build it from the resolved configuration."""
-    proposer, _, draft_len, engine = resolved
+    proposer, schedule, draft_len, engine = resolved
     return wiring.proposer_spec(proposer, draft_len, tree_top_k=engine.get("tree_top_k", wiring.TREE_TOP_K),
-                                tree_max_nodes=engine.get("tree_max_nodes", wiring.TREE_MAX_NODES))
+                                tree_max_nodes=engine.get("tree_max_nodes", wiring.TREE_MAX_NODES), schedule=schedule)
 
 
 def check_profile(profile: CostProfile, spec: ProposerSpec) -> None:

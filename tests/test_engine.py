@@ -21,7 +21,7 @@ from specsched.scheduler.sampling_params import SamplingParams
 PROMPTS = ["def encode(self, o):", "import json\n", "    return", "class JSONDecoder(object):\n    \"\"\"",
            "if x is None:", "for key, value in", "# Copyright", "def _make_iterencode("]
 COMBOS = [("none", "sync", None), ("none", "plain_overlap", None), ("draft", "sync", 1),
-          ("draft", "sync", 3), ("draft", "overlap", 5), ("ngram", "sync", 3)]
+          ("draft", "sync", 3), ("draft", "overlap", 5), ("draft", "mtp", 3), ("ngram", "sync", 3)]
 
 
 def _cfg(fam, **kw) -> EngineConfig:

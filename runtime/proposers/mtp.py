@@ -88,7 +88,7 @@ class HeadProposer(NoProposer):
         total = int(qo.sum())
         pos = np.arange(total) + np.repeat(msg.start - (np.cumsum(qo) - qo), qo) + 1
         row_of = np.repeat(msg.slots, qo)
-        if after == "verify" and self.spec.kind == "mtp":
+        if msg.window:
             # the verify batch runs past the accepted tokens: beyond a row's new last token
             # (start + 1 + accepted) it reads that token, and the carried logits are the ones
             # after it; both follow the accepted counts on the device

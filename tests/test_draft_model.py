@@ -1,0 +1,78 @@
+"""The draft-model proposer's fill over the verify window (the `mtp` schedule): launched before
+the host knows the accepted lengths, it must leave the draft exactly where a fill of the
+accepted tokens would -- its carried logits those of the draft run teacher-forced up to each
+row's new last token -- whatever each row accepted."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specsched.runtime import bundled
+from specsched.runtime.proposers.draft_model import DraftModelProposer
+from specsched.runtime.tokenizer import Tokenizer
+from specsched.runtime.training.mtp_eval import run_requests
+from specsched.runtime.worker import ModelWorker
+from specsched.runtime.workload import load_workload
+from specsched.scheduler import messages, wiring
+from specsched.scheduler.proposer import ProposerSpec
+from specsched.scheduler.sampling_params import SamplingParams
+
+D = 3
+
+
+def _worker(kind: str) -> ModelWorker:
+    pdir = bundled.draft_dir() if kind == "draft" else None
+    return ModelWorker(str(bundled.target_dir()), {"kind": kind, "draft_len": D if pdir else 0},
+                       proposer_dir=str(pdir) if pdir else None, num_pages=256)
+
+
+def test_only_the_mtp_schedule_fills_a_draft_model_over_the_verify_window():
+    assert wiring.proposer_spec("draft", D, schedule="mtp").fill_same_batch
+    assert not wiring.proposer_spec("draft", D, schedule="overlap").fill_same_batch
+    assert not wiring.proposer_spec("draft", D).fill_same_batch
+    assert not wiring.proposer_spec("mtp", D).window_fill  # a head's fill is its verify batch anyway
+    with pytest.raises(ValueError, match="cannot fill over the verify window"):
+        ProposerSpec("eagle", 2, (-1, 0), window_fill=True)
+
+
+def test_a_window_fill_carries_the_logits_after_each_rows_new_last_token(monkeypatch):
+    tok = Tokenizer(bundled.target_dir())
+    prompts = [tok.encode(it.prompt) for it in load_workload(bundled.workload_path(), limit=4)]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    plain = run_requests(_worker("none"), prompts, params)
+    fill = DraftModelProposer.fill
+    seen: list[tuple[int, float]] = []  # (accepted, carried logits' distance to the reference)
+
+    def checked(self, msg):
+        fill(self, msg)
+        if not msg.window:
+            return
+        w = self.worker
+        accepted = w.last_verify[2].tolist()
+        for i, slot in enumerate(msg.slots.tolist()):
+            end = int(msg.start[i]) + accepted[i]  # the row's new last token (the bonus one)
+            seq = w.tokens.data[slot, : end + 1].unsqueeze(0)
+            ref = self.model.forward_full(seq)[0][0, end]
+            seen.append((accepted[i], float((ref - w.states[slot].carried).abs().max())))
+
+    monkeypatch.setattr(DraftModelProposer, "fill", checked)
+    got = run_requests(_worker("draft"), prompts, params, schedule="mtp", max_num_seqs=2)
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]
+    counts = np.bincount([a for a, _ in seen], minlength=D + 1)
+    assert counts[0] and counts[D] and counts[1:D].any()  # rejected at once, partly, all accepted
+    assert max(err for _, err in seen) < 1e-4
+
+
+def test_the_window_fill_message_covers_the_verified_positions_one_ahead():
+    from specsched.scheduler.block_manager import BlockManager
+    from specsched.scheduler.step_batch import StepBatch
+
+    slots, start, nd = np.array([0, 1]), np.array([8, 13]), np.array([3, 1])
+    batch = StepBatch(5, [None, None], slots, start, np.ones(2, dtype=np.int64), nd, np.ones(2, dtype=bool),
+                      np.zeros(2, dtype=bool), np.zeros(2, dtype=np.int64), [], 1 + D)
+    for kind, ahead in (("draft", 1), ("mtp", 0)):  # a draft model reads the emitted tokens, a head the verified
+        spec = wiring.proposer_spec(kind, D, schedule="mtp")
+        msg = messages.verify_fill_message(batch, BlockManager(64, 4, ("target", kind)), spec, with_plan=False)
+        assert msg.window and msg.after == "verify"
+        assert msg.start.tolist() == (start + ahead).tolist()
+        assert msg.end.tolist() == (start + ahead + 1 + nd).tolist()
