@@ -65,7 +65,7 @@ class DraftModelProposer(NoProposer):
     def _window(self, msg: FillMessage, qo: np.ndarray, qo_indptr: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """A fill over the verify window, launched before the host knows the accepted lengths:
         (token ids, index of each row's carried logits), both following the accepted counts on
-        the device. Row i fills positions start..start + D, whose tokens the verify emitted
+        the device. A row fills positions start .. start + its drafts, whose tokens the verify emitted
         (accepted drafts, then the bonus or recovered token at start + accepted); past that
         last token it reads it again (KV the next draft overwrites), and it carries the logits
         after it."""
