@@ -35,11 +35,13 @@ def test_only_the_mtp_schedule_fills_a_draft_model_over_the_verify_window():
         ProposerSpec("eagle", 2, (-1, 0), window_fill=True)
 
 
-def test_a_window_fill_carries_the_logits_after_each_rows_new_last_token(monkeypatch):
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_window_fill_carries_the_logits_after_each_rows_new_last_token(monkeypatch, temperature):
+    """Greedy: outputs equal plain decoding's. Sampled (rejection sampling): the fill reads the
+    recovered token where a draft was rejected, as it reads the bonus one where none was."""
     tok = Tokenizer(bundled.target_dir())
     prompts = [tok.encode(it.prompt) for it in load_workload(bundled.workload_path(), limit=4)]
-    params = SamplingParams(max_tokens=32, ignore_eos=True)
-    plain = run_requests(_worker("none"), prompts, params)
+    params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=temperature, seed=5)
     fill = DraftModelProposer.fill
     seen: list[tuple[int, float]] = []  # (accepted, carried logits' distance to the reference)
 
@@ -57,7 +59,10 @@ def test_a_window_fill_carries_the_logits_after_each_rows_new_last_token(monkeyp
 
     monkeypatch.setattr(DraftModelProposer, "fill", checked)
     got = run_requests(_worker("draft"), prompts, params, schedule="mtp", max_num_seqs=2)
-    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]
+    assert [r.error for r in got] == [None] * len(got) and all(r.num_output_tokens == 32 for r in got)
+    if temperature == 0.0:
+        plain = run_requests(_worker("none"), prompts, params)
+        assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]
     counts = np.bincount([a for a, _ in seen], minlength=D + 1)
     assert counts[0] and counts[D] and counts[1:D].any()  # rejected at once, partly, all accepted
     assert max(err for _, err in seen) < 1e-4
