@@ -1,7 +1,7 @@
 """The adaptive draft length against every fixed one, on the bundled models and workload.
 
-For each proposer (draft model under `overlap`, MTP head under `mtp`; `--proposers ngram` adds
-the n-gram lookup under `sync`) and each concurrency
+For each proposer (draft model and MTP head under `mtp`; `--proposers ngram` adds
+the n-gram lookup under `sync`: each under its default schedule) and each concurrency
 (closed loop; output lengths spread around `--max-tokens`, see `lengths`), engine output
 tokens/s of `draft_len="auto"` (up to `--max-draft-len`) and of every fixed D in 0..max (D = 0:
 plain decoding under `plain_overlap`, its fastest schedule), in interleaved rounds (each round
@@ -28,8 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import add_device_options, bundled_items, device_fields, run  # noqa: E402
+from specsched.scheduler.wiring import NATURAL_SCHEDULE  # noqa: E402
 
-PROPOSERS = {"draft": "overlap", "mtp": "mtp", "ngram": "sync"}  # each under its natural schedule
+PROPOSERS = {k: NATURAL_SCHEDULE[k] for k in ("draft", "mtp", "ngram")}  # each under its default schedule
 DEFAULT_PROPOSERS = ["draft", "mtp"]  # the model proposers; `--proposers ngram` adds the lookup
 
 

@@ -2,7 +2,7 @@
 
 On a shared machine one engine run moves by 10-20%, more than the few percent a change to the
 draft-length policy makes. This benchmark measures the engine once and then compares in
-virtual time: per proposer (draft model under `overlap`, MTP head under `mtp`; with
+virtual time: per proposer (draft model and MTP head under `mtp`; with
 `--proposers ngram`, the n-gram lookup under `sync`) and capture
 concurrency, it runs the engine at every fixed D in 0..max (D = 0: plain decoding under
 `plain_overlap`) with traces on the bundled workload of `benchmarks/adaptive.py`, fits one cost

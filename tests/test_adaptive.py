@@ -462,7 +462,7 @@ def test_speculation_switched_off_and_on_again_stays_lossless(monkeypatch):
     assert 0 in chosen and any(d > 0 for d in chosen)
 
 
-@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("mtp", "mtp")])
+@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("draft", "mtp"), ("mtp", "mtp")])
 def test_plain_steps_run_one_ahead_and_rows_finishing_in_flight_leave_the_next_draft(monkeypatch, kind, schedule):
     """With speculation off an adaptive `overlap` / `mtp` schedule launches a plain step
     before the previous one's tokens reach the host (as `plain_overlap`); a step that drafts
@@ -576,7 +576,7 @@ def _workload_prompts(n: int) -> list[list[int]]:
     return [tok.encode(item.prompt) for item in load_workload(bundled.workload_path(), limit=n)]
 
 
-@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("mtp", "mtp")])
+@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("draft", "mtp"), ("mtp", "mtp")])
 def test_prompts_admitted_while_speculation_is_off_are_caught_up_before_drafting(monkeypatch, kind, schedule):
     """With speculation off a draft model or an MTP head skips the fills of new prompts too
     (for a head the device keeps the target's hidden states); when drafting resumes one
@@ -856,7 +856,7 @@ def test_the_overhead_residual_is_taken_against_the_updated_cost_models():
     assert policy.overhead.at(dec.draft_len) == pytest.approx(1e6, rel=1e-6)
 
 
-@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("mtp", "mtp")])
+@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("draft", "mtp"), ("mtp", "mtp")])
 def test_skipped_fills_and_their_catch_up_read_no_device_value_on_the_host(monkeypatch, kind, schedule):
     """Under the host-sync guard (runtime/sync_guard.py) a run whose proposer skips its fills
     and catches up -- a head gathering the hidden states the device kept -- serves plain
