@@ -38,6 +38,7 @@ TINY = {
     "train_throughput.py": ["--steps", "1", "--rounds", "1", "--configs", "1:fp32:2", "1:bf16:2:passive"],
     "sweep_fanout.py": ["--replicates", "2", "--rounds", "1", "--draft-lens", "1", "--concurrencies", "1"],
     "engine_warmup.py": ["--rounds", "1", "--max-tokens", "2", "--configs", "none/sync", "--processes"],
+    "kept_hidden.py": ["--num-requests", "2", "--max-tokens", "3", "--rounds", "1"],
 }
 
 
