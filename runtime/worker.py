@@ -356,8 +356,7 @@ class ModelWorker:
             self.last_verify = (msg.step, msg.slots, res.num_accepted)  # a window fill reads it (on the device)
             if self.proposer.needs_hidden:
                 self.last_hidden = {"step": msg.step, "op": "verify", "hidden": hidden,
-                                    "qo_indptr": plan.qo_indptr, "slots": slots,
-                                    "accepted": res.num_accepted}
+                                    "qo_indptr": plan.qo_indptr, "slots": slots}
         # the emitted tokens (accepted, then the recovered or bonus one) follow the last token;
         # columns past a row's count hold -1 and land beyond its end, never read
         emitted = res.output_tokens

@@ -195,7 +195,7 @@ def validate_combination(proposer: str, schedule: str, draft_len: int) -> None:
     if proposer != "none" and schedule == "plain_overlap":
         raise ValueError("'plain_overlap' is for plain decoding; speculative runs use sync/overlap/mtp")
     rules = RULES[proposer]
-    if schedule == "mtp" and not (rules.fill_same_batch or rules.window_fill):
+    if schedule == "mtp" and not rules.window_fill:
         raise ValueError(
             f"the 'mtp' schedule re-runs the proposer over the verify window before acceptance is "
             f"known; proposer {proposer!r} cannot (use 'overlap' for an EAGLE tree, 'sync' for n-gram)"

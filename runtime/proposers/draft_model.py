@@ -6,7 +6,7 @@ forward. Drafting runs D-1 single-token forwards in one launch; after verificati
 fill runs over the tokens whose draft KV is missing or wrong (the bonus token, plus the
 last draft when all D were accepted), restoring the invariant -- or, under the `mtp`
 schedule, over the whole verify window one position ahead, launched behind the verify before
-the host knows the accepted lengths (`FillMessage.window`, `_window`).
+the host knows the accepted lengths (`FillMessage.window`, `base.window_reads`).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from specsched.runtime.checkpoint import load_model
-from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or
+from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or, window_reads
 from specsched.runtime.sync_guard import to_device
 from specsched.scheduler.messages import DraftMessage, FillMessage
 from specsched.scheduler.plan import build_plan
@@ -53,34 +53,16 @@ class DraftModelProposer(NoProposer):
         w = self.worker
         rows = [w.states[s] for s in msg.slots.tolist()]
         plan, step, positions = w.plan(msg.plan)
-        if msg.window:
-            ids, carry = self._window(msg, plan.qo_lens, plan.qo_indptr)
+        if msg.window:  # the verify's emitted tokens at positions start.. (the draft reads token p at p)
+            qo, qo_indptr = plan.qo_lens, plan.qo_indptr
+            pos = np.repeat(msg.start - qo_indptr[:-1], qo) + np.arange(int(qo_indptr[-1]))
+            ids, carry = window_reads(w, msg, qo, qo_indptr, pos, msg.start)
         else:
             ids = w.tokens.ranges(msg.slots, msg.start, msg.end)
             carry = to_device(plan.qo_indptr[1:] - 1, w.device, torch.int64)
         out = self.model(ids, step, self.kv, positions, logits_indices=carry)
         for i, st in enumerate(rows):
             st.carried = out.logits[i]
-
-    def _window(self, msg: FillMessage, qo: np.ndarray, qo_indptr: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """A fill over the verify window, launched before the host knows the accepted lengths:
-        (token ids, index of each row's carried logits), both following the accepted counts on
-        the device. A row fills positions start .. start + its drafts, whose tokens the verify emitted
-        (accepted drafts, then the bonus or recovered token at start + accepted); past that
-        last token it reads it again (KV the next draft overwrites), and it carries the logits
-        after it."""
-        w = self.worker
-        got = w.last_verify
-        if got is None or got[0] != msg.step or not np.array_equal(got[1], msg.slots):
-            raise RuntimeError(f"draft fill over the verify window of step {msg.step} needs that verify's "
-                               f"accepted lengths; the latest verify is step {None if got is None else got[0]}")
-        acc = got[2]
-        total = int(qo_indptr[-1])
-        pos = np.repeat(msg.start - qo_indptr[:-1], qo) + np.arange(total)
-        last = to_device(msg.start, w.device, torch.int64) + acc
-        limit = torch.repeat_interleave(last, to_device(qo, w.device, torch.int64), output_size=total)
-        ids = w.tokens.at(np.repeat(msg.slots, qo), torch.minimum(to_device(pos, w.device, torch.int64), limit))
-        return ids, to_device(qo_indptr[:-1], w.device, torch.int64) + acc
 
     def draft_probs(self, rows, slots, starts, num: int) -> torch.Tensor | None:
         return one_hot_or(self.worker, rows, slots, starts, num, self.worker.target.config.vocab_size)

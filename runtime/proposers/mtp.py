@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from specsched.runtime.mtp_head import load_head
-from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or
+from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or, window_reads
 from specsched.runtime.proposers.hidden_log import HiddenLog
 from specsched.runtime.sync_guard import to_device
 from specsched.runtime.verify import TreeSpec, check_tree_greedy, greedy_tree_verify
@@ -74,7 +74,7 @@ class HeadProposer(NoProposer):
         where = {int(s): j for j, s in enumerate(lh["slots"])}
         hq, qo = lh["qo_indptr"], plan.qo_lens
         slots = msg.slots.tolist()
-        rows, js, gather = [], [], []
+        rows, gather = [], []
         for b, slot in enumerate(slots):
             j = where.get(slot)
             n = int(qo[b])
@@ -82,23 +82,16 @@ class HeadProposer(NoProposer):
                 raise RuntimeError(f"fill row for slot {slot} has {n} positions, the target launch "
                                    f"recorded {None if j is None else int(hq[j + 1] - hq[j])}")
             gather.extend(range(int(hq[j]), int(hq[j]) + n))  # a tree's row: its accepted path first
-            js.append(j)
             rows.append(w.states[slot])
         # the head reads, at position p, the target's hidden state there and token p + 1
         total = int(qo.sum())
         pos = np.arange(total) + np.repeat(msg.start - (np.cumsum(qo) - qo), qo) + 1
-        row_of = np.repeat(msg.slots, qo)
         if msg.window:
             # the verify batch runs past the accepted tokens: beyond a row's new last token
-            # (start + 1 + accepted) it reads that token, and the carried logits are the ones
-            # after it; both follow the accepted counts on the device
-            acc = lh["accepted"][self._tensor(js)]
-            last = self._tensor(msg.start) + 1 + acc
-            limit = torch.repeat_interleave(last, self._tensor(qo), output_size=total)
-            ids = w.tokens.at(row_of, torch.minimum(self._tensor(pos), limit))
-            carry_t = self._tensor(plan.qo_indptr[:-1]) + acc
+            # (start + 1 + accepted) it reads that token, and the carried logits are the ones after it
+            ids, carry_t = window_reads(w, msg, qo, plan.qo_indptr, pos, msg.start + 1)
         else:
-            ids = w.tokens.at(row_of, pos)
+            ids = w.tokens.at(np.repeat(msg.slots, qo), pos)
             carry_t = self._tensor(plan.qo_indptr[1:] - 1)
         hidden = lh["hidden"]
         if len(gather) != hidden.shape[0] or gather != list(range(len(gather))):
