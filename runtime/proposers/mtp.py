@@ -252,7 +252,6 @@ class EagleProposer(HeadProposer):
         w.last_hidden = {
             "step": self._draft_step, "op": "verify", "hidden": hidden.index_select(0, at),
             "qo_indptr": np.arange(b + 1, dtype=np.int64) * (depth + 1), "slots": msg.slots.tolist(),
-            "accepted": res.num_accepted,
         }
         return res
 
