@@ -1,7 +1,7 @@
 """Schedules side by side on the bundled model, measured in one run:
 
-1. bubble fraction and throughput of `overlap` (draft model), `mtp` (draft model, MTP head)
-   against `sync` with the same proposer, at 8 concurrent requests;
+1. bubble fraction and throughput of `overlap` (draft model, EAGLE tree), `mtp` (draft model,
+   MTP head, EAGLE tree) against `sync` with the same proposer, at 8 concurrent requests;
 2. speedup over plain decoding at batch 1 and with 8 concurrent requests;
 3. tracing overhead: wall time per step with the trace recorder against no tracer.
 
@@ -40,7 +40,7 @@ def main() -> None:
 def schedules_vs_sync(items, rounds: int, families: dict) -> None:
     print(f"1. schedules at 8 concurrent requests (median of {rounds} round(s))")
     groups = (("none", None, ("sync", "plain_overlap")), ("draft", 3, ("sync", "overlap", "mtp")),
-              ("mtp", 1, ("sync", "mtp")))
+              ("mtp", 1, ("sync", "mtp")), ("eagle", 3, ("sync", "overlap", "mtp")))
     runs: dict = {(f, p, s): [] for f in families for p, _, scheds in groups for s in scheds}
     for _ in range(rounds):
         for f, fam in families.items():
@@ -61,7 +61,8 @@ def schedules_vs_sync(items, rounds: int, families: dict) -> None:
 
 def speedup_over_plain(items, rounds: int, families: dict) -> None:
     print(f"\n2. speedup over plain decoding (median of {rounds} round(s))")
-    configs = (("none", "sync", None), ("draft", "overlap", 3), ("mtp", "mtp", 1), ("ngram", "sync", 4))
+    configs = (("none", "sync", None), ("draft", "overlap", 3), ("mtp", "mtp", 1), ("eagle", "mtp", 3),
+               ("ngram", "sync", 4))
     for conc in (1, 8):
         runs: dict = {(f, c): [] for f in families for c in configs}
         for _ in range(rounds):

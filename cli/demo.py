@@ -23,6 +23,7 @@ RUNS = [  # (name, proposer, schedule, draft_len)
     ("mtp-sync", "mtp", "sync", 1),
     ("mtp-mtp", "mtp", "mtp", 1),
     ("eagle-sync", "eagle", "sync", 3),
+    ("eagle-mtp", "eagle", "mtp", 3),
     ("ngram-sync", "ngram", "sync", 4),
 ]
 

@@ -353,10 +353,10 @@ class ModelWorker:
                 q = self.proposer.draft_probs(rows, slots, msg.start, width - 1)
                 res = rejection_verify(draft_t, nd, q, probs.view(b, width, -1),
                                        [st.generator for st in rows])
-            self.last_verify = (msg.step, msg.slots, res.num_accepted)  # a window fill reads it (on the device)
             if self.proposer.needs_hidden:
                 self.last_hidden = {"step": msg.step, "op": "verify", "hidden": hidden,
                                     "qo_indptr": plan.qo_indptr, "slots": slots}
+        self.last_verify = (msg.step, msg.slots, res.num_accepted)  # a window fill reads it (on the device)
         # the emitted tokens (accepted, then the recovered or bonus one) follow the last token;
         # columns past a row's count hold -1 and land beyond its end, never read
         emitted = res.output_tokens

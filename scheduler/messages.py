@@ -354,9 +354,15 @@ def verify_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSp
     """The proposer's fill over the verify window, packed before acceptance (`FillMessage.window`):
     an MTP head's over exactly the verify batch's positions (it consumes the target's hidden
     states of that launch), a draft model's over those positions one ahead (it reads the tokens
-    the verify emits there: accepted drafts, then the bonus or recovered token)."""
+    the verify emits there: accepted drafts, then the bonus or recovered token), a tree's over
+    the root and one position per depth (the verify compacts the accepted path there; a row
+    that drafted no tree accepts nothing: its root alone)."""
     start = batch.start + spec.kv_ahead
-    return fill_message(batch.step, batch.slots, start, start + 1 + batch.num_draft, blocks, spec,
+    if spec.is_tree:  # a row asked for any drafts drafts its whole tree (the worker's EagleProposer)
+        span = np.where(batch.num_draft > 0, spec.max_accept, 0)
+    else:
+        span = batch.num_draft
+    return fill_message(batch.step, batch.slots, start, start + 1 + span, blocks, spec,
                         after="verify", with_plan=with_plan, window=True)
 
 

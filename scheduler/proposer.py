@@ -48,7 +48,9 @@ class ProposerRules:
     # the verify before the host knows the accepted lengths (the `mtp` schedule): the device
     # reads each row's tokens up to its new last one and carries the logits at the accepted
     # index. A draft model's window is the verified positions one ahead (it reads the sampled
-    # tokens); a head's fill is always its verify batch (`fill_same_batch`)
+    # tokens); a tree's is its root and one node per depth, the accepted path the verify found
+    # and compacted on the device (padded past it); a linear head's fill is always its verify
+    # batch (`fill_same_batch`)
     window_fill: bool = False
 
 
@@ -59,7 +61,7 @@ RULES = {
     "mtp": ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=True, tree=False,
                          checkpoint="mtp_head", agreement="first_token", lazy_fill=True, window_fill=True),
     "eagle": ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=False, tree=True,
-                           checkpoint="mtp_head", greedy_only=True, agreement="first_token"),
+                           checkpoint="mtp_head", greedy_only=True, agreement="first_token", window_fill=True),
     "ngram": ProposerRules(kv_model=None, kv_ahead=0, fill_same_batch=False, tree=False,
                            agreement="teacher_forced", host_drafts=True),
 }
@@ -138,8 +140,9 @@ class ProposerSpec:
     @property
     def fill_same_batch(self) -> bool:
         """The fill after a verify covers the verify window (an MTP head always; a draft model
-        with `window_fill`), so it can be launched before the host knows the accepted lengths.
-        A tree head's cannot (its fill runs over the accepted path, known only after acceptance)."""
+        or a tree with `window_fill`), so it can be launched before the host knows the accepted
+        lengths. Without `window_fill` a tree's fill covers the accepted path, which the host
+        learns from the verify's result."""
         return self.rules.fill_same_batch or self.window_fill
 
     def tree_depths(self) -> np.ndarray:
@@ -198,7 +201,7 @@ def validate_combination(proposer: str, schedule: str, draft_len: int) -> None:
     if schedule == "mtp" and not rules.window_fill:
         raise ValueError(
             f"the 'mtp' schedule re-runs the proposer over the verify window before acceptance is "
-            f"known; proposer {proposer!r} cannot (use 'overlap' for an EAGLE tree, 'sync' for n-gram)"
+            f"known; proposer {proposer!r} has no such fill (use 'sync' for n-gram)"
         )
     if schedule == "overlap" and (rules.kv_model is None or rules.fill_same_batch):
         raise ValueError(

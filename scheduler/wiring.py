@@ -21,7 +21,7 @@ from specsched.scheduler.proposer import ProposerSpec, default_tree, plain_steps
 from specsched.traces.hook import NULL_TRACER
 
 # the schedule each proposer runs under unless one is chosen
-NATURAL_SCHEDULE = {"none": "sync", "draft": "mtp", "mtp": "mtp", "eagle": "sync", "ngram": "sync"}
+NATURAL_SCHEDULE = {"none": "sync", "draft": "mtp", "mtp": "mtp", "eagle": "mtp", "ngram": "sync"}
 # D when none is given (for eagle: the tree's depth)
 DEFAULT_DRAFT_LEN = {"none": 0, "draft": 4, "mtp": 1, "eagle": 3, "ngram": 4}
 TREE_TOP_K = 2  # EAGLE tree: children of the best node per level (k branches at depth 1)

@@ -12,7 +12,7 @@ CASES = {  # proposer -> (draft length, checkpoint, schedules)
     "draft": (3, "draft", ("sync", "overlap", "mtp")),
     "mtp": (2, "mtp", ("sync", "mtp")),
     "ngram": (3, None, ("sync",)),
-    "eagle": (3, "mtp", ("sync", "overlap")),
+    "eagle": (3, "mtp", ("sync", "overlap", "mtp")),
 }
 
 

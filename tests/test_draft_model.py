@@ -32,7 +32,7 @@ def test_only_the_mtp_schedule_fills_a_draft_model_over_the_verify_window():
     assert not wiring.proposer_spec("draft", D).fill_same_batch
     assert not wiring.proposer_spec("mtp", D).window_fill  # a head's fill is its verify batch anyway
     with pytest.raises(ValueError, match="cannot fill over the verify window"):
-        ProposerSpec("eagle", 2, (-1, 0), window_fill=True)
+        ProposerSpec("ngram", 2, window_fill=True)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -81,3 +81,9 @@ def test_the_window_fill_message_covers_the_verified_positions_one_ahead():
         assert msg.window and msg.after == "verify"
         assert msg.start.tolist() == (start + ahead).tolist()
         assert msg.end.tolist() == (start + ahead + 1 + nd).tolist()
+    # a tree: the root and a position per depth where the row drafted its tree, the root alone where not
+    spec = wiring.proposer_spec("eagle", D, schedule="mtp")
+    batch.num_draft = np.array([spec.num_candidates, 0])
+    msg = messages.verify_fill_message(batch, BlockManager(64, 4, ("target", "mtp")), spec, with_plan=False)
+    assert msg.window and msg.start.tolist() == start.tolist()
+    assert msg.end.tolist() == (start + 1 + np.array([spec.max_accept, 0])).tolist()

@@ -216,12 +216,52 @@ def test_accepted_path_kv_is_compacted_and_filled(head_family):
     torch.testing.assert_close(st.carried, dense.logits[0, -1], atol=1e-4, rtol=1e-4)
 
 
+def test_a_window_fill_carries_the_head_after_each_rows_accepted_path(monkeypatch, head_family, head_prompts,
+                                                                      head_reference):
+    """Under `mtp` the fill is launched right behind the tree's verify, over the root and one
+    position per depth, before the host knows which path was accepted: it must leave the head
+    exactly where a fill of the accepted path would -- its carried logits and hidden state those
+    of the head run teacher-forced on the target's hidden states up to each row's new last
+    token -- whether a row accepted no node, some, a whole branch, or drafted no tree at all."""
+    from specsched.runtime.proposers.mtp import EagleProposer
+
+    fill = EagleProposer.fill
+    seen: list[tuple[int, int, float]] = []  # (window positions, accepted, distance to the reference)
+
+    def checked(self, msg):
+        fill(self, msg)
+        if not msg.window:
+            return
+        w = self.worker
+        accepted = w.last_verify[2].tolist()
+        for i, slot in enumerate(msg.slots.tolist()):
+            end = int(msg.start[i]) + 1 + accepted[i]  # the row's new last token
+            seq = w.tokens.data[slot, : end + 1].unsqueeze(0)
+            _, hidden = w.target.forward_full(seq)
+            ref = self.head.forward_full(seq[:, 1:], hidden[:, :-1])
+            st = w.states[slot]
+            err = max(float((ref.logits[0, end - 1] - st.carried).abs().max()),
+                      float((ref.hidden[0, end - 1] - st.extra["hidden"]).abs().max()))
+            seen.append((int(msg.end[i] - msg.start[i]), accepted[i], err))
+
+    monkeypatch.setattr(EagleProposer, "fill", checked)
+    worker = eagle_worker(head_family)
+    reqs = run_requests(worker, head_prompts, SamplingParams(max_tokens=24, ignore_eos=True),
+                        schedule="mtp", num_pages=PAGES)
+    assert [r.output_token_ids for r in reqs] == head_reference
+    depth = 3
+    assert {n for n, _, _ in seen} == {1, 1 + depth}  # whole trees, and rows too near their end for one
+    counts = np.bincount([a for n, a, _ in seen if n > 1], minlength=depth + 1)
+    assert counts[0] and counts[depth] and counts[1:depth].any()
+    assert max(err for _, _, err in seen) < 1e-4
+
+
 # --- end to end -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("tree,schedule", [
-    (TREE, "sync"), (TREE, "overlap"), (default_tree(1, 3), "sync"),
-    (default_tree(5, 2, 16), "sync"), ((-1, 0, 1), "sync"),
+    (TREE, "sync"), (TREE, "overlap"), (TREE, "mtp"), (default_tree(1, 3), "sync"), (default_tree(1, 3), "mtp"),
+    (default_tree(5, 2, 16), "sync"), (default_tree(5, 2, 16), "mtp"), ((-1, 0, 1), "sync"), ((-1, 0, 1), "mtp"),
 ])
 def test_eagle_greedy_is_lossless(head_family, head_prompts, head_reference, tree, schedule):
     worker = eagle_worker(head_family, tree)
