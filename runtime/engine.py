@@ -198,7 +198,8 @@ class AsyncEngine:
         # cancelled start still keep the device, so that it is closed (below, or by __aexit__)
         with anyio.CancelScope(shield=True):
             self.device = await anyio.to_thread.run_sync(
-                lambda: make_device(c.device, self.worker_spec(), num_threads=c.worker_threads)
+                lambda: make_device(c.device, self.worker_spec(), num_threads=c.worker_threads,
+                                    **({"spin_ms": c.worker_spin_ms} if c.device == "host" else {}))
             )
         try:
             spec = c.proposer_spec()

@@ -49,6 +49,9 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     worker_threads: int = 1
+    worker_spin_ms: float = Field(5.0, ge=0, description="host device: the worker process polls for its "
+                                  "next launch this long before blocking on the pipe (a core left idle runs "
+                                  "the next op slower); 0 = block at once")
     verify_micro_batches: int = Field(1, description="run a verify's rows as this many target forwards "
                                       "back to back (1 or 2)")
     tensor_parallel_size: int = Field(1, description="shard the target (and an MTP/EAGLE head) over this "

@@ -272,3 +272,32 @@ def test_close_finishes_queued_work_and_is_idempotent():
         dev.stream("main").launch("echo", {})
     with pytest.raises(ValueError, match="unknown device kind"):
         make_device("tpu", SPEC)
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads CPU time from Linux /proc")
+def test_the_worker_polls_for_its_next_launch_then_blocks():
+    """With `spin_ms` the worker keeps its core busy while it waits (CPU time grows as the wall
+    clock does), and still serves a launch that arrives meanwhile; without it, waiting costs
+    no CPU. Past the window it blocks."""
+    with pytest.raises(ValueError, match="spin_ms"):
+        HostDevice(SPEC, spin_ms=-1.0)
+    used = {}
+    for spin_ms in (0.0, 400.0):
+        with HostDevice(SPEC, name=f"spin-{spin_ms:g}", spin_ms=spin_ms) as dev:
+            stream = dev.stream("main")
+            assert stream.launch("echo", {"x": 1}).synchronize(TIMEOUT_S) == {"x": 1}
+            before = _cpu_s(dev.pid)
+            time.sleep(0.3)  # inside the window: polling
+            used[spin_ms] = _cpu_s(dev.pid) - before
+            assert stream.launch("counter", {}).synchronize(TIMEOUT_S) == 1
+            time.sleep(0.6)  # past the window: blocked on the pipe
+            idle = _cpu_s(dev.pid)
+            time.sleep(0.3)
+            assert _cpu_s(dev.pid) - idle < 0.05
+    assert used[0.0] < 0.05 and used[400.0] > 0.1

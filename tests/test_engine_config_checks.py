@@ -46,6 +46,13 @@ def test_flashinfer_needs_cuda_and_bfloat16(kw, msg):
         EngineConfig.make(**kw)
 
 
+def test_worker_spin_must_not_be_negative():
+    assert EngineConfig.make().worker_spin_ms > 0  # the host device's worker polls by default
+    assert EngineConfig.make(worker_spin_ms=0).worker_spin_ms == 0
+    with pytest.raises(ConfigurationError, match="worker_spin_ms"):
+        EngineConfig.make(worker_spin_ms=-1)
+
+
 def test_batch_token_budget_boundary_is_accepted():
     assert EngineConfig.make(proposer="draft", draft_len=4, max_num_batched_tokens=5).max_num_batched_tokens == 5
     assert EngineConfig.make(proposer="none", max_num_batched_tokens=1).max_num_batched_tokens == 1

@@ -59,11 +59,15 @@ class HostDevice:
     kind = "host"
 
     def __init__(self, spec: WorkerSpec, *, name: str = "host", num_threads: int = 1,
-                 start_timeout_s: float = 120.0, close_timeout_s: float = 10.0):
+                 spin_ms: float = 0.0, start_timeout_s: float = 120.0, close_timeout_s: float = 10.0):
+        """`spin_ms`: how long the worker polls for its next launch before blocking
+        (worker_main.py: an idle core runs the next op slower)."""
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"HostDevice needs a WorkerSpec, got {type(spec).__name__}")
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        if not spin_ms >= 0:
+            raise ValueError(f"spin_ms must be >= 0, got {spin_ms}")
         self.name = name
         self.spec = spec
         self.num_threads = num_threads
@@ -81,7 +85,7 @@ class HostDevice:
         weakref.finalize(self, kill_quietly, self._process.popen)
         try:
             try:
-                self._process.launch.send((spec, num_threads, list(sys.path)))
+                self._process.launch.send((spec, num_threads, list(sys.path), spin_ms / 1e3))
             except OSError:
                 pass  # the process already died; the handshake reports how
             self._handshake(start_timeout_s)

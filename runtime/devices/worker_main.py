@@ -8,7 +8,7 @@ pickled payload, so a payload that fails to unpickle still names its op and sequ
 - host -> worker: header `(seq, stream, op)` + batch; header `None` asks the worker to stop.
 - worker -> host: `("ok", seq, start_ns, end_ns)` + result, or
   `("err", seq, start_ns, end_ns, message, traceback)` + `None`.
-Before any of that the host sends `(spec, num_threads, sys_path)` and the worker answers
+Before any of that the host sends `(spec, num_threads, sys_path, spin_s)` and the worker answers
 `("ready", pid)` or `("init_err", message, traceback)` (plain `send`/`recv` messages).
 Times are `time.monotonic_ns()`: the system monotonic clock, the same base as the host's.
 
@@ -18,6 +18,13 @@ GIL and, on a 2-core machine, get the host process descheduled inside its `write
 a launch, normally a fraction of a millisecond, would take several milliseconds. Launches still never block on a
 busy worker unless a megabyte of unread work is queued: the pipe is enlarged to the system's
 maximum (F_SETPIPE_SZ, usually 1 MiB), and past that the host's write simply waits.
+
+Between ops the worker polls the pipe for `spin_s` (yielding the CPU between polls) before it
+blocks on it. A core that goes idle runs the op after it slower -- on the 2-core VMs this runs
+on, a bundled target's decode forward took ~1.4x as long after the ~1 ms the worker waits for
+the host under `sync` as when launched back to back (`benchmarks/worker_spin.py`) -- so a worker
+that waits less than `spin_s` keeps its core busy, as vLLM's shared-memory readers and NCCL's
+proxies busy-poll. Yielding hands the core to any other runnable thread meanwhile.
 """
 from __future__ import annotations
 
@@ -42,14 +49,21 @@ def _set_threads(num_threads: int) -> None:
 
 
 class _PipeInbox:
-    """Launch messages read straight from the pipe, in order; None once the host is gone."""
+    """Launch messages read straight from the pipe, in order; None once the host is gone.
+    `spin_s`: how long to poll for the next one before blocking on the pipe."""
 
-    def __init__(self, conn: Any):
+    def __init__(self, conn: Any, spin_s: float = 0.0):
         self.conn = conn
+        self.spin_s = spin_s
 
     def get(self) -> bytes | None:
+        conn = self.conn
         try:
-            return self.conn.recv_bytes()
+            if self.spin_s > 0 and not conn.poll():
+                until = time.monotonic() + self.spin_s
+                while not conn.poll() and time.monotonic() < until:
+                    os.sched_yield()
+            return conn.recv_bytes()
         except (EOFError, OSError):
             return None
 
@@ -78,15 +92,15 @@ def entry() -> None:
     launch_conn = Connection(int(sys.argv[1]), readable=True, writable=False)
     reply_conn = Connection(int(sys.argv[2]), readable=False, writable=True)
     try:
-        spec, num_threads, sys_path = launch_conn.recv()
+        spec, num_threads, sys_path, spin_s = launch_conn.recv()
     except EOFError:
         return
     sys.path[:] = sys_path  # the host's import path, so specs naming its modules resolve
-    main(spec, num_threads, launch_conn, reply_conn)
+    main(spec, num_threads, launch_conn, reply_conn, spin_s)
 
 
 def main(spec: WorkerSpec, num_threads: int, launch_conn: Connection,
-         reply_conn: Connection) -> None:
+         reply_conn: Connection, spin_s: float = 0.0) -> None:
     """Build the Worker, report readiness, then serve launches until stopped."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when this process stops
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -100,7 +114,7 @@ def main(spec: WorkerSpec, num_threads: int, launch_conn: Connection,
         return
     reply_conn.send(("ready", os.getpid()))
 
-    inbox = _PipeInbox(launch_conn)
+    inbox = _PipeInbox(launch_conn, spin_s)
     builtins = _Builtins(num_threads)
     try:
         _serve(worker, builtins, inbox, reply_conn)
