@@ -39,6 +39,8 @@ TINY = {
     "sweep_fanout.py": ["--replicates", "2", "--rounds", "1", "--draft-lens", "1", "--concurrencies", "1"],
     "engine_warmup.py": ["--rounds", "1", "--max-tokens", "2", "--configs", "none/sync", "--processes"],
     "kept_hidden.py": ["--num-requests", "2", "--max-tokens", "3", "--rounds", "1"],
+    "worker_spin.py": ["--rounds", "1", "--concurrency", "1", "--configs", "none/sync", "--num-requests", "1",
+                       "--max-tokens", "3"],
 }
 
 
