@@ -16,6 +16,7 @@ from specsched.runtime.workload import load_workload
 from specsched.scheduler import messages, wiring
 from specsched.scheduler.proposer import ProposerSpec
 from specsched.scheduler.sampling_params import SamplingParams
+from tests.window_fills import record_window_fills
 
 D = 3
 
@@ -42,30 +43,22 @@ def test_a_window_fill_carries_the_logits_after_each_rows_new_last_token(monkeyp
     tok = Tokenizer(bundled.target_dir())
     prompts = [tok.encode(it.prompt) for it in load_workload(bundled.workload_path(), limit=4)]
     params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=temperature, seed=5)
-    fill = DraftModelProposer.fill
-    seen: list[tuple[int, float]] = []  # (accepted, carried logits' distance to the reference)
 
-    def checked(self, msg):
-        fill(self, msg)
-        if not msg.window:
-            return
-        w = self.worker
-        accepted = w.last_verify[2].tolist()
-        for i, slot in enumerate(msg.slots.tolist()):
-            end = int(msg.start[i]) + accepted[i]  # the row's new last token (the bonus one)
-            seq = w.tokens.data[slot, : end + 1].unsqueeze(0)
-            ref = self.model.forward_full(seq)[0][0, end]
-            seen.append((accepted[i], float((ref - w.states[slot].carried).abs().max())))
+    def distance(proposer, slot: int, end: int) -> float:
+        """The carried logits against the draft run teacher-forced up to the new last token."""
+        w = proposer.worker
+        ref = proposer.model.forward_full(w.tokens.data[slot, : end + 1].unsqueeze(0))[0][0, end]
+        return float((ref - w.states[slot].carried).abs().max())
 
-    monkeypatch.setattr(DraftModelProposer, "fill", checked)
+    seen = record_window_fills(monkeypatch, DraftModelProposer, 1, distance)
     got = run_requests(_worker("draft"), prompts, params, schedule="mtp", max_num_seqs=2)
     assert [r.error for r in got] == [None] * len(got) and all(r.num_output_tokens == 32 for r in got)
     if temperature == 0.0:
         plain = run_requests(_worker("none"), prompts, params)
         assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]
-    counts = np.bincount([a for a, _ in seen], minlength=D + 1)
+    counts = np.bincount([a for _, a, _ in seen], minlength=D + 1)
     assert counts[0] and counts[D] and counts[1:D].any()  # rejected at once, partly, all accepted
-    assert max(err for _, err in seen) < 1e-4
+    assert max(err for _, _, err in seen) < 1e-4
 
 
 def test_the_window_fill_message_covers_the_verified_positions_one_ahead():

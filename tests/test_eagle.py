@@ -19,6 +19,7 @@ from specsched.scheduler.proposer import ProposerSpec, default_tree
 from specsched.scheduler.request import Request
 from specsched.scheduler.sampling_params import SamplingParams
 from tests import device_messages
+from tests.window_fills import record_window_fills
 
 PAGE = 4
 PAGES = 256
@@ -225,26 +226,18 @@ def test_a_window_fill_carries_the_head_after_each_rows_accepted_path(monkeypatc
     token -- whether a row accepted no node, some, a whole branch, or drafted no tree at all."""
     from specsched.runtime.proposers.mtp import EagleProposer
 
-    fill = EagleProposer.fill
-    seen: list[tuple[int, int, float]] = []  # (window positions, accepted, distance to the reference)
+    def distance(proposer, slot: int, end: int) -> float:
+        """The carried logits and hidden state against the head run teacher-forced on the
+        target's hidden states up to the new last token (head position end - 1)."""
+        w = proposer.worker
+        seq = w.tokens.data[slot, : end + 1].unsqueeze(0)
+        _, hidden = w.target.forward_full(seq)
+        ref = proposer.head.forward_full(seq[:, 1:], hidden[:, :-1])
+        st = w.states[slot]
+        return max(float((ref.logits[0, end - 1] - st.carried).abs().max()),
+                   float((ref.hidden[0, end - 1] - st.extra["hidden"]).abs().max()))
 
-    def checked(self, msg):
-        fill(self, msg)
-        if not msg.window:
-            return
-        w = self.worker
-        accepted = w.last_verify[2].tolist()
-        for i, slot in enumerate(msg.slots.tolist()):
-            end = int(msg.start[i]) + 1 + accepted[i]  # the row's new last token
-            seq = w.tokens.data[slot, : end + 1].unsqueeze(0)
-            _, hidden = w.target.forward_full(seq)
-            ref = self.head.forward_full(seq[:, 1:], hidden[:, :-1])
-            st = w.states[slot]
-            err = max(float((ref.logits[0, end - 1] - st.carried).abs().max()),
-                      float((ref.hidden[0, end - 1] - st.extra["hidden"]).abs().max()))
-            seen.append((int(msg.end[i] - msg.start[i]), accepted[i], err))
-
-    monkeypatch.setattr(EagleProposer, "fill", checked)
+    seen = record_window_fills(monkeypatch, EagleProposer, 0, distance)
     worker = eagle_worker(head_family)
     reqs = run_requests(worker, head_prompts, SamplingParams(max_tokens=24, ignore_eos=True),
                         schedule="mtp", num_pages=PAGES)
