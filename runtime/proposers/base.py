@@ -22,6 +22,7 @@ from specsched.runtime.sync_guard import to_device
 if TYPE_CHECKING:
     from specsched.runtime.worker import ModelWorker, SeqState
     from specsched.scheduler.messages import DraftMessage, FillMessage
+    from specsched.scheduler.plan import AttentionPlan
 
 
 class NoProposer:
@@ -148,20 +149,23 @@ def one_hot_or(worker: "ModelWorker", rows: list["SeqState"], slots: list[int], 
     return out
 
 
-def window_reads(worker: "ModelWorker", msg: "FillMessage", qo: np.ndarray, qo_indptr: np.ndarray,
-                 pos: np.ndarray, last: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def window_reads(worker: "ModelWorker", msg: "FillMessage", plan: "AttentionPlan",
+                 shift: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A fill over the verify window (`FillMessage.window`), launched before the host knows the
     accepted lengths: (token ids, index of each row's carried logits), both following the
-    verify's accepted counts on the device. Row i reads the tokens at its positions `pos`
-    ([sum(qo)], rows concatenated), past its new last token -- at `last[i]` + accepted -- that
-    one again (KV the next steps overwrite), and carries the logits at its accepted index."""
+    verify's accepted counts on the device. At position p the proposer reads token p + `shift`
+    (a draft model 0, a head 1); past its new last token -- at start + `shift` + accepted -- a row
+    reads that one again (KV the next steps overwrite), and it carries the logits at its accepted
+    index."""
     got = worker.last_verify
     if got is None or got[0] != msg.step or not np.array_equal(got[1], msg.slots):
         raise RuntimeError(f"fill over the verify window of step {msg.step} needs that verify's accepted "
                            f"lengths; the latest verify is step {None if got is None else got[0]}")
     acc, dev = got[2], worker.device
+    qo, qo_indptr = plan.qo_lens, plan.qo_indptr
     total = int(qo_indptr[-1])
-    limit = torch.repeat_interleave(to_device(last, dev, torch.int64) + acc, to_device(qo, dev, torch.int64),
-                                    output_size=total)
-    ids = worker.tokens.at(np.repeat(msg.slots, qo), torch.minimum(to_device(pos, dev, torch.int64), limit))
+    limit = torch.repeat_interleave(to_device(msg.start + shift, dev, torch.int64) + acc,
+                                    to_device(qo, dev, torch.int64), output_size=total)
+    pos = to_device(plan.positions + shift, dev, torch.int64)
+    ids = worker.tokens.at(np.repeat(msg.slots, qo), torch.minimum(pos, limit))
     return ids, to_device(qo_indptr[:-1], dev, torch.int64) + acc

@@ -54,9 +54,7 @@ class DraftModelProposer(NoProposer):
         rows = [w.states[s] for s in msg.slots.tolist()]
         plan, step, positions = w.plan(msg.plan)
         if msg.window:  # the verify's emitted tokens at positions start.. (the draft reads token p at p)
-            qo, qo_indptr = plan.qo_lens, plan.qo_indptr
-            pos = np.repeat(msg.start - qo_indptr[:-1], qo) + np.arange(int(qo_indptr[-1]))
-            ids, carry = window_reads(w, msg, qo, qo_indptr, pos, msg.start)
+            ids, carry = window_reads(w, msg, plan, 0)
         else:
             ids = w.tokens.ranges(msg.slots, msg.start, msg.end)
             carry = to_device(plan.qo_indptr[1:] - 1, w.device, torch.int64)

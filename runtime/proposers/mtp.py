@@ -84,14 +84,12 @@ class HeadProposer(NoProposer):
             gather.extend(range(int(hq[j]), int(hq[j]) + n))  # a tree's row: its accepted path first
             rows.append(w.states[slot])
         # the head reads, at position p, the target's hidden state there and token p + 1
-        total = int(qo.sum())
-        pos = np.arange(total) + np.repeat(msg.start - (np.cumsum(qo) - qo), qo) + 1
         if msg.window:
             # the verify batch runs past the accepted tokens: beyond a row's new last token
             # (start + 1 + accepted) it reads that token, and the carried logits are the ones after it
-            ids, carry_t = window_reads(w, msg, qo, plan.qo_indptr, pos, msg.start + 1)
+            ids, carry_t = window_reads(w, msg, plan, 1)
         else:
-            ids = w.tokens.at(np.repeat(msg.slots, qo), pos)
+            ids = w.tokens.at(np.repeat(msg.slots, qo), plan.positions + 1)
             carry_t = self._tensor(plan.qo_indptr[1:] - 1)
         hidden = lh["hidden"]
         if len(gather) != hidden.shape[0] or gather != list(range(len(gather))):
