@@ -25,6 +25,10 @@ CONFIGS = {  # name -> EngineConfig fields
     "none/sync": {"proposer": "none", "schedule": "sync"},
     "draft/overlap": {"proposer": "draft", "draft_len": 4, "schedule": "overlap"},
     "mtp/mtp": {"proposer": "mtp", "draft_len": 1, "schedule": "mtp"},
+    "none/plain_overlap": {"proposer": "none", "schedule": "plain_overlap"},
+    "mtp3/mtp": {"proposer": "mtp", "draft_len": 3, "schedule": "mtp"},
+    "draft3/mtp": {"proposer": "draft", "draft_len": 3, "schedule": "mtp"},
+    "eagle/mtp": {"proposer": "eagle", "schedule": "mtp"},
     "ngram/sync": {"proposer": "ngram", "draft_len": 4, "schedule": "sync"},
     "ngram-auto/sync": {"proposer": "ngram", "draft_len": "auto", "max_draft_len": 4, "schedule": "sync"},
 }

@@ -106,6 +106,51 @@ def test_a_mixed_step_attends_its_decode_rows_apart_with_the_same_result():
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_first", [[9], [3, 17, 6], [8, 8]])
+def test_a_run_of_one_token_steps_planned_once_matches_a_plan_per_step(kv_first):
+    """`prepare_steps` (a draft launch's forwards of one token per row, each row's KV one
+    longer per step) writes every step's K/V to that step's slots and attends each step over
+    the row's keys so far only -- keys the run writes later (beyond a row's length at a step)
+    must not leak in -- as a plan per step does, and as the dense reference says."""
+    rng = np.random.default_rng(len(kv_first))
+    steps, b = 3, len(kv_first)
+    kv_last = [n + steps - 1 for n in kv_first]
+    free = list(rng.permutation(64))
+    tables = np.full((b, 8), -1, dtype=np.int64)
+    for i, n in enumerate(kv_last):
+        tables[i, : (n + PS - 1) // PS] = [int(free.pop()) for _ in range((n + PS - 1) // PS)]
+    lens = (tables >= 0).sum(1)
+    backend = get_backend("torch")
+    run = backend.prepare_steps(build_plan([1] * b, kv_last, tables, PS, table_lens=lens), steps, "cpu")
+    caches = [PagedKVCache(1, 64, PS, HKV, D) for _ in range(2)]
+    hist = [(torch.randn(n, HKV, D), torch.randn(n, HKV, D)) for n in kv_last]
+    stale = torch.randn(64, 2, PS, HKV, D) * 10  # what the pages held before: never read
+    for cache in caches:  # each row's history before the run (the run writes the rest)
+        cache.layers[0].copy_(stale)
+        for i, (k_all, v_all) in enumerate(hist):
+            for pos in range(kv_first[i] - 1):
+                cache.layers[0][tables[i, pos // PS], 0, pos % PS] = k_all[pos]
+                cache.layers[0][tables[i, pos // PS], 1, pos % PS] = v_all[pos]
+    for j in range(steps):
+        kv = [n + j for n in kv_first]
+        plan = build_plan([1] * b, kv, tables, PS, table_lens=lens)
+        np.testing.assert_array_equal(run.positions[j].numpy(), plan.positions)
+        q = torch.randn(b, HQ, D)
+        k = torch.stack([k_all[n - 1] for (k_all, _), n in zip(hist, kv)])
+        v = torch.stack([v_all[n - 1] for (_, v_all), n in zip(hist, kv)])
+        got = run.step(j).attend(0, q, k, v, caches[0].layers[0])
+        want = backend.prepare(plan, "cpu").attend(0, q, k, v, caches[1].layers[0])
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        for i, n in enumerate(kv):
+            ref = reference(q[i:i + 1], hist[i][0][:n], hist[i][1][:n], np.ones((1, n), dtype=bool))
+            torch.testing.assert_close(got[i:i + 1], ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(caches[0].data, caches[1].data)
+    with pytest.raises(ValueError, match="one new token per row"):
+        backend.prepare_steps(build_plan([2], [5], [[0, 1]], PS), 2, "cpu")
+    with pytest.raises(ValueError, match="4 steps do not fit rows of 3 KV tokens"):
+        backend.prepare_steps(build_plan([1], [3], [[0]], PS), 4, "cpu")
+
+
 def test_eager_index_and_mask_match_lazy():
     rng = np.random.default_rng(3)
     plan, cache, _, q, k, v, _ = random_case(rng, CASES["mixed_batch"])

@@ -52,6 +52,14 @@ class TorchBackend:
                                       torch.device(device))
         return self._step(plan, device)
 
+    def prepare_steps(self, last: AttentionPlan, num_steps: int, device: torch.device | str
+                      ) -> "OneTokenSteps":
+        """Attention for `num_steps` consecutive forwards of one new token per row over the
+        same rows, each row's KV one token longer at every step; `last` is the plan of the
+        final step. Planned once: every step writes its token's K/V to its own slots and
+        reads through the last step's gather, masked (or, for one row, cut) to its length."""
+        return OneTokenSteps(self._step(last, device), num_steps)
+
     def _step(self, plan: AttentionPlan, device: torch.device | str) -> "TorchStepAttention":
         step = TorchStepAttention(plan, torch.device(device))
         if self.num_kv_heads is not None:
@@ -202,6 +210,76 @@ class TorchStepAttention:
         )
         out = out.transpose(1, 2).reshape(b * self.max_q, num_heads, head_dim)
         return out.index_select(0, self.out_index)
+
+
+class OneTokenSteps:
+    """`TorchBackend.prepare_steps`: `step(j)` is the attention of the j-th of `num_steps`
+    one-token steps (0-based) whose last is `last`'s plan; `positions` [num_steps, B] their
+    RoPE positions. Why: a draft launch runs D - 1 such forwards, and planning each one
+    (page lookups, gather index, mask, host-to-device copies) cost as much host time as a
+    tenth of the forward itself on the bundled models."""
+
+    def __init__(self, last: "TorchStepAttention", num_steps: int) -> None:
+        plan = last.plan
+        if not last.is_decode or plan.custom_mask is not None:
+            raise ValueError("prepare_steps needs a plan of one new token per row and no custom mask")
+        kv_last = plan.kv_lens.astype(np.int64)
+        if num_steps < 1 or int(kv_last.min()) < num_steps:
+            raise ValueError(f"{num_steps} steps do not fit rows of {int(kv_last.min())} KV tokens")
+        self.last, self.num_steps = last, num_steps
+        b, ps, lmax = last.num_seqs, plan.page_size, last.max_kv
+        kv = kv_last[None, :] - np.arange(num_steps - 1, -1, -1)[:, None]  # [S, B] KV length at step j
+        k_rows = last._slot_rows[np.arange(b)[None, :], kv - 1]  # each step's new token
+        rows = to_device(np.stack([k_rows, k_rows + ps]), last.device)  # [2, S, B]
+        self.k_rows, self.v_rows = rows[0], rows[1]
+        self.positions = to_device(kv - 1, last.device)
+        self.kv_lens = kv[:, 0].tolist() if b == 1 else None
+        # several rows: step j's keys are the gather's first kv[j, b] of each row's lmax
+        self._allowed = (np.arange(lmax)[None, None, :] < kv[:, :, None]) if b > 1 else None
+        self._masks: dict[torch.dtype, torch.Tensor] = {}
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """[S, B, 1, 1, Lmax] additive masks (None for one row)."""
+        if self._allowed is None:
+            return None
+        m = self._masks.get(dtype)
+        if m is None:
+            allowed = to_device(self._allowed, self.last.device)
+            m = torch.zeros(allowed.shape, dtype=dtype, device=self.last.device)
+            m.masked_fill_(~allowed, float("-inf"))
+            m = self._masks[dtype] = m[:, :, None, None, :]
+        return m
+
+    def step(self, j: int) -> "OneTokenStep":
+        return OneTokenStep(self, j)
+
+
+class OneTokenStep:
+    """Step j of a `OneTokenSteps` run (the StepAttention interface)."""
+
+    def __init__(self, run: OneTokenSteps, j: int) -> None:
+        self.run, self.j = run, j
+        self.plan = run.last.plan  # the run's last step: page tables cover every step
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_layer: torch.Tensor) -> torch.Tensor:
+        run, j = self.run, self.j
+        last = run.last
+        num_kv_heads, head_dim = k.shape[-2], k.shape[-1]
+        rows = kv_layer.view(-1, num_kv_heads, head_dim)
+        rows.index_copy_(0, run.k_rows[j], k)
+        rows.index_copy_(0, run.v_rows[j], v)
+        gathered = kv_layer.view(-1, head_dim).index_select(0, last._gather_index(num_kv_heads))
+        gathered = gathered.view(last.num_seqs, 2, num_kv_heads, last.max_kv, head_dim)
+        keys, values = gathered[:, 0], gathered[:, 1]
+        if run.kv_lens is not None:  # one row: its keys so far, no mask
+            n = run.kv_lens[j]
+            out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys[:, :, :n],
+                                                 values[:, :, :n], enable_gqa=True)
+            return out[0].transpose(0, 1)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=run.mask(q.dtype)[j],
+                                             enable_gqa=True)
+        return out.squeeze(2)
 
 
 class CausalAttention:

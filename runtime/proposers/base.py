@@ -11,13 +11,14 @@ A proposer lives inside the worker next to the target. It answers four calls:
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
 from specsched.runtime.sampling import logits_to_probs, sample
 from specsched.runtime.sync_guard import to_device
+from specsched.scheduler.plan import build_plan
 
 if TYPE_CHECKING:
     from specsched.runtime.worker import ModelWorker, SeqState
@@ -79,9 +80,12 @@ class NgramDrafter(NoProposer):
         return agree
 
 
-def sample_next(worker: "ModelWorker", rows: list["SeqState"], logits: torch.Tensor
+def sample_next(worker: "ModelWorker", rows: list["SeqState"], logits: torch.Tensor, greedy: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Draft tokens [B] from logits [B, V] (on the device); probs [B, V] when any row samples."""
+    """Draft tokens [B] from logits [B, V] (on the device); probs [B, V] when any row samples.
+    `greedy`: the caller knows every row is greedy (no sampling parameters are built)."""
+    if greedy:
+        return logits.argmax(-1), None
     st = worker.sampling_tensors(rows)
     if st.all_greedy:
         return logits.argmax(-1), None
@@ -102,25 +106,38 @@ class DraftCollector:
         self.num_draft = num_draft
         self.tokens = torch.zeros((len(rows), worker.draft_width), dtype=torch.int64, device=worker.device)
         self.qs: list[list[torch.Tensor]] = [[] for _ in rows]
+        self.greedy = all(st.greedy for st in rows)
+        # every row drafts as many: each step runs over all rows (`active` None below)
+        self.uniform = len(set(num_draft)) <= 1
 
     def first(self, logits: torch.Tensor) -> None:
         """The first draft token of every row (rows drafting none get no draft) from [B, V]."""
-        toks, probs = sample_next(self.worker, self.rows, logits)
+        toks, probs = sample_next(self.worker, self.rows, logits, self.greedy)
         self.tokens[:, 0] = toks
         if probs is not None:
             for i in range(len(self.rows)):
                 self.qs[i].append(probs[i])
 
-    def last(self, active: list[int], k: int) -> torch.Tensor:
+    def active(self, k: int) -> list[int] | None:
+        """The rows that draft token k (0-based column): None where every row does."""
+        return None if self.uniform else [i for i, n in enumerate(self.num_draft) if n > k]
+
+    def last(self, active: list[int] | None, k: int) -> torch.Tensor:
         """[len(active)] the rows' draft token k-1 (the input of their k-th draft step)."""
+        if active is None:
+            return self.tokens[:, k - 1]
         return self.tokens[to_device(active, self.worker.device), k - 1]
 
-    def extend(self, active: list[int], k: int, logits: torch.Tensor) -> None:
-        """Draft token k (0-based column) for rows `active` from logits [len(active), V]."""
-        toks, probs = sample_next(self.worker, [self.rows[i] for i in active], logits)
-        self.tokens[to_device(active, self.worker.device), k] = toks
+    def extend(self, active: list[int] | None, k: int, logits: torch.Tensor) -> None:
+        """Draft token k (0-based column) for rows `active` (None: all) from logits [len(active), V]."""
+        rows = self.rows if active is None else [self.rows[i] for i in active]
+        toks, probs = sample_next(self.worker, rows, logits, self.greedy)
+        if active is None:
+            self.tokens[:, k] = toks
+        else:
+            self.tokens[to_device(active, self.worker.device), k] = toks
         if probs is not None:
-            for j, i in enumerate(active):
+            for j, i in enumerate(range(len(self.rows)) if active is None else active):
                 self.qs[i].append(probs[j])
 
     def finish(self) -> np.ndarray:
@@ -131,6 +148,28 @@ class DraftCollector:
         for i, st in enumerate(self.rows):
             st.draft_q = torch.stack(self.qs[i][: counts[i]]) if (self.qs[i] and counts[i] and not st.greedy) else None
         return np.asarray(counts, dtype=np.int64)
+
+
+def one_token_steps(worker: "ModelWorker", msg: "DraftMessage", kv_first: np.ndarray, num_steps: int
+                    ) -> Callable[[int], tuple[Any, torch.Tensor]]:
+    """`at(j)` -> (attention, RoPE positions) of forward j of `num_steps` one-token forwards over
+    every row of a draft launch, row i's KV kv_first[i] + j tokens long at forward j (its new
+    token at position kv - 1). Planned once where the attention backend plans such runs
+    (`prepare_steps`), else one plan per forward, made when it is asked for (a FlashInfer
+    wrapper holds one plan at a time)."""
+    w = worker
+    kv_first = np.asarray(kv_first, dtype=np.int64)
+    ones = np.ones(kv_first.shape[0], dtype=np.int64)
+    prepare_steps = getattr(w.backend, "prepare_steps", None)
+    if prepare_steps is not None:
+        last = build_plan(ones, kv_first + num_steps - 1, msg.page_tables, w.page_size, table_lens=msg.table_lens)
+        run = prepare_steps(last, num_steps, w.device)
+        return lambda j: (run.step(j), run.positions[j])
+
+    def at(j: int) -> tuple[Any, torch.Tensor]:
+        plan = build_plan(ones, kv_first + j, msg.page_tables, w.page_size, table_lens=msg.table_lens)
+        return w.backend.prepare(plan, w.device), to_device(plan.positions, w.device)
+    return at
 
 
 def one_hot_or(worker: "ModelWorker", rows: list["SeqState"], slots: list[int], starts: np.ndarray, num: int,

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from specsched.runtime.checkpoint import load_model
-from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or, window_reads
+from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or, one_token_steps, window_reads
 from specsched.runtime.sync_guard import to_device
 from specsched.scheduler.messages import DraftMessage, FillMessage
 from specsched.scheduler.plan import build_plan
@@ -40,12 +40,17 @@ class DraftModelProposer(NoProposer):
         L = (msg.start + 1).tolist()  # tokens per row (the last emitted one at start)
         drafts = DraftCollector(w, slots, msg.start, rows, num_draft)
         drafts.first(torch.stack([st.carried for st in rows]))
-        for k in range(1, max(num_draft, default=0)):
-            active = [i for i in range(len(rows)) if num_draft[i] > k]
-            plan = build_plan([1] * len(active), [L[i] + k for i in active], tables[active],
-                              w.page_size, table_lens=table_lens[active])
-            step = w.backend.prepare(plan, w.device)
-            pos = to_device(plan.positions, w.device)
+        steps = max(num_draft, default=0) - 1
+        if drafts.uniform and steps > 0:  # forward j drafts token j + 1 of every row, KV L + j + 1 long
+            at = one_token_steps(w, msg, msg.start + 2, steps)
+        for k in range(1, steps + 1):
+            active = drafts.active(k)
+            if active is None:
+                step, pos = at(k - 1)
+            else:
+                plan = build_plan([1] * len(active), [L[i] + k for i in active], tables[active],
+                                  w.page_size, table_lens=table_lens[active])
+                step, pos = w.backend.prepare(plan, w.device), to_device(plan.positions, w.device)
             drafts.extend(active, k, self.model(drafts.last(active, k), step, self.kv, pos).logits)
         return drafts.finish()
 

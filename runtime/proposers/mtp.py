@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from specsched.runtime.mtp_head import load_head
-from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or, window_reads
+from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or, one_token_steps, window_reads
 from specsched.runtime.proposers.hidden_log import HiddenLog
 from specsched.runtime.sync_guard import to_device
 from specsched.runtime.verify import TreeSpec, check_tree_greedy, greedy_tree_verify
@@ -136,12 +136,20 @@ class HeadProposer(NoProposer):
         drafts = DraftCollector(w, slots, msg.start, rows, num_draft)
         drafts.first(torch.stack([st.carried for st in rows]))
         hidden = torch.stack([st.extra["hidden"] for st in rows])  # [B, H]
-        for k in range(2, max(num_draft, default=0) + 1):
-            active = [i for i in range(len(rows)) if num_draft[i] >= k]
-            out = self._step(active, msg, [L[i] + k - 2 for i in active], drafts.last(active, k - 1),
-                             hidden[active])
-            hidden = hidden.clone()
-            hidden[active] = out.hidden
+        steps = max(num_draft, default=0) - 1
+        if drafts.uniform and steps > 0:  # forward j drafts token j + 2 of every row, head KV L + j long
+            at = one_token_steps(w, msg, msg.start + 1, steps)
+        for k in range(2, steps + 2):
+            active = drafts.active(k - 1)
+            if active is None:
+                step, pos = at(k - 2)
+                out = self.head(drafts.last(None, k - 1), hidden, step, self.kv, pos)
+                hidden = out.hidden
+            else:
+                out = self._step(active, msg, [L[i] + k - 2 for i in active], drafts.last(active, k - 1),
+                                 hidden[active])
+                hidden = hidden.clone()
+                hidden[active] = out.hidden
             drafts.extend(active, k - 1, out.logits)
         return drafts.finish()
 
