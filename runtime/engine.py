@@ -305,11 +305,6 @@ class AsyncEngine:
                 f"prompt of {len(ids)} tokens is longer than the model allows ({self.max_model_len - 1})"
             )
         c = self.config
-        if RULES[c.proposer].greedy_only and params.temperature > 0:
-            raise InvalidRequestError(
-                f"the {c.proposer} (tree) proposer verifies greedily only: use temperature 0, or a "
-                "linear proposer (draft, mtp, ngram) for sampling"
-            )
         need = len(ids) + params.max_tokens + c.proposer_spec().num_candidates + 1
         if need > self.max_model_len:
             raise InvalidRequestError(

@@ -23,8 +23,9 @@ tensors, column i of `draft_tokens` [B, D] holds x_{i+1} and column i of the tar
 Modes: `greedy_verify` (exact match with the target's argmax), `rejection_verify` (lossless
 sampling, Leviathan et al. 2023 / Chen et al. 2023: the emitted tokens are distributed
 exactly as sampling from the target), `threshold_verify` (LOSSY: keeps drafts the target
-finds likely enough), and `greedy_tree_verify` for token trees (greedy only). Everything is batched and loop-free over
-tokens; nothing here waits on the device except input checks, which run for CPU tensors only.
+finds likely enough), and for token trees `greedy_tree_verify` and `sampled_tree_verify` (lossless
+sampling of a tree of deterministic picks). Everything is batched and loop-free over
+tokens (a tree's walk loops over its depths and siblings, not over rows); nothing here waits on the device except input checks, which run for CPU tensors only.
 """
 from __future__ import annotations
 
@@ -180,7 +181,7 @@ def threshold_verify(
     return _emit(draft_tokens, num_accepted, next_token)
 
 
-# --- token trees (EAGLE-style): greedy only -------------------------------------------------
+# --- token trees (EAGLE-style) -------------------------------------------------------------
 
 
 @dataclass(frozen=True, eq=False)
@@ -193,6 +194,7 @@ class TreeSpec:
     depths: torch.Tensor  # [T] int64, 0 for the root
     mask: torch.Tensor  # [T, T] bool, mask[i, j]: node i attends to node j (j ancestor-or-self)
     max_depth: int  # longest root-to-leaf path, in drafts
+    children: torch.Tensor | None = None  # [T, K] int64, each node's children in index order; -1 pad
     # its copies on other devices: a tree's tensors are constant, so each device gets them once
     _copies: dict = field(default_factory=dict, repr=False)
 
@@ -210,10 +212,15 @@ class TreeSpec:
             raise ValueError(f"tree nodes must come after their parent (0 <= parent < index); bad nodes {bad}")
         depths = [0] * len(par)
         mask = torch.eye(len(par), dtype=torch.bool)
+        kids: list[list[int]] = [[] for _ in par]
         for i in range(1, len(par)):
             depths[i] = depths[par[i]] + 1
             mask[i] |= mask[par[i]]
-        return cls(torch.tensor(par, dtype=torch.int64), torch.tensor(depths, dtype=torch.int64), mask, max(depths))
+            kids[par[i]].append(i)
+        width = max(1, max(len(k) for k in kids))
+        children = torch.tensor([k + [-1] * (width - len(k)) for k in kids], dtype=torch.int64)
+        return cls(torch.tensor(par, dtype=torch.int64), torch.tensor(depths, dtype=torch.int64), mask, max(depths),
+                   children)
 
     @classmethod
     def chain(cls, num_drafts: int) -> "TreeSpec":
@@ -227,7 +234,8 @@ class TreeSpec:
             return self
         if device not in self._copies:
             self._copies[device] = TreeSpec(to_device(self.parents, device), to_device(self.depths, device),
-                                            to_device(self.mask, device), self.max_depth)
+                                            to_device(self.mask, device), self.max_depth,
+                                            to_device(self.children, device))
         return self._copies[device]
 
 
@@ -260,15 +268,80 @@ class TreeVerifyResult:
         return [row[:n] for row, n in zip(rows, self.num_output.tolist())]
 
 
+def sampled_tree_verify(
+    tree_tokens: torch.Tensor,
+    tree: TreeSpec | Sequence[int],
+    target_probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+) -> TreeVerifyResult:
+    """Lossless verification of a token tree whose nodes are deterministic picks (a head's
+    top-k), for sampled rows: the emitted tokens are distributed exactly as sampling from the
+    target (SpecInfer's multi-draft rejection with one-hot drafts; SGLang's target-only tree
+    sampling).
+
+    From the root down, a node's children are tried in index order: child token x is kept with
+    probability p(x), where p is the target's distribution at the node with the siblings tried
+    before removed and renormalized -- the rejection step of a one-hot draft, whose residual
+    max(p - q, 0) is p without x. A kept child becomes the node (its own distribution next);
+    where none is kept, the emitted token is drawn from that residual (never a rejected
+    sibling), and where the walk ends on a leaf, from the leaf's distribution (the bonus).
+
+    tree_tokens [B, T] (node 0 = root, unread; a node token < 0 is no candidate: a row without
+    a tree); target_probs [B, T, V] (row i = the target's distribution after node i; one-hot
+    rows verify greedily, exactly as `greedy_tree_verify`); one generator (or None) per row.
+    The coins are drawn up front, a fixed number per row, so a seeded row repeats itself.
+    """
+    spec = tree if isinstance(tree, TreeSpec) else TreeSpec.from_parents(tree)
+    b, t = tree_tokens.shape
+    if t != spec.num_nodes or target_probs.dim() != 3 or tuple(target_probs.shape[:2]) != (b, t):
+        raise ValueError(
+            f"tree of {spec.num_nodes} nodes needs tree_tokens [B, {spec.num_nodes}] and target_probs "
+            f"[B, {spec.num_nodes}, V]; got {tuple(tree_tokens.shape)} and {tuple(target_probs.shape)}"
+        )
+    device = tree_tokens.device
+    spec = spec.to(device)
+    probs = target_probs.float()
+    tokens = tree_tokens.to(torch.int64)
+    rows = torch.arange(b, device=device)
+    depth_max, width = spec.max_depth, spec.children.shape[1]
+    coins = uniform_noise((b, max(depth_max, 1), width), generators, device)
+    node = torch.zeros(b, dtype=torch.int64, device=device)
+    walking = torch.ones(b, dtype=torch.bool, device=device)
+    p = probs[:, 0]
+    nodes = torch.full((b, depth_max), -1, dtype=torch.int64, device=device)
+    for depth in range(depth_max):
+        kept = torch.zeros(b, dtype=torch.bool, device=device)
+        for s in range(width):
+            child = spec.children[node, s]
+            x = tokens.gather(1, child.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            tried = walking & ~kept & (child >= 0) & (x >= 0)
+            xs = x.clamp(min=0).unsqueeze(-1)
+            take = tried & (coins[:, depth, s] < p.gather(1, xs).squeeze(-1))
+            drop = (tried & ~take).unsqueeze(-1)
+            residual = p.scatter(1, xs, 0.0)
+            p = torch.where(drop, residual / residual.sum(-1, keepdim=True).clamp_min(_TINY), p)
+            kept |= take
+            node = torch.where(take, child, node)
+        nodes[:, depth] = torch.where(kept, node, -1)
+        p = torch.where(kept.unsqueeze(-1), probs[rows, node], p)
+        walking &= kept
+    num_accepted = (nodes >= 0).sum(-1)
+    path = torch.where(nodes >= 0, tokens.gather(1, nodes.clamp(min=0)), -1)
+    out = torch.cat([path, path.new_full((b, 1), -1)], dim=1)
+    out.scatter_(1, num_accepted.unsqueeze(-1), sample(p, generators).unsqueeze(-1))
+    best = torch.where(num_accepted > 0, nodes.gather(1, (num_accepted - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1),
+                       torch.zeros_like(num_accepted))
+    return TreeVerifyResult(num_accepted, best, nodes, out, num_accepted + 1)
+
+
 def check_tree_greedy(temperature: torch.Tensor | Sequence[float]) -> None:
-    """Tree proposers verify greedily; raise InvalidRequestError for any sampled row."""
+    """`greedy_tree_verify` scores greedily; raise InvalidRequestError for any sampled row."""
     temps = temperature.tolist() if isinstance(temperature, torch.Tensor) else list(temperature)
     rows = [i for i, t in enumerate(temps) if t != 0]
     if rows:
         raise InvalidRequestError(
-            "tree proposers verify greedily only (temperature 0); rows "
-            f"{rows} have temperature {[temps[i] for i in rows]}. Use a linear proposer "
-            "(draft model, MTP, n-gram) for sampled requests."
+            "greedy_tree_verify verifies greedily only (temperature 0); rows "
+            f"{rows} have temperature {[temps[i] for i in rows]}: use sampled_tree_verify for them."
         )
 
 

@@ -32,7 +32,6 @@ class ProposerRules:
     fill_same_batch: bool  # its fill reuses the verify batch (a head on the target's hidden states)
     tree: bool  # drafts a token tree, verified with a custom mask, its accepted path compacted
     checkpoint: str | None = None  # the EngineConfig option naming its weights ("draft", "mtp_head")
-    greedy_only: bool = False  # verifies greedily only (sampled requests are rejected)
     # what its per-position agreement with an output measures (traces): "teacher_forced" (a
     # model of its own, exact at any draft length) or "first_token" (a head: exact at D = 1)
     agreement: str | None = None
@@ -61,7 +60,7 @@ RULES = {
     "mtp": ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=True, tree=False,
                          checkpoint="mtp_head", agreement="first_token", lazy_fill=True, window_fill=True),
     "eagle": ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=False, tree=True,
-                           checkpoint="mtp_head", greedy_only=True, agreement="first_token", window_fill=True),
+                           checkpoint="mtp_head", agreement="first_token", window_fill=True),
     "ngram": ProposerRules(kv_model=None, kv_ahead=0, fill_same_batch=False, tree=False,
                            agreement="teacher_forced", host_drafts=True),
 }

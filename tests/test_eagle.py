@@ -12,7 +12,6 @@ from specsched.runtime.verify import greedy_verify
 from specsched.runtime.worker import ModelWorker
 from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.step_batch import StepBatch
-from specsched.scheduler.errors import InvalidRequestError
 from specsched.scheduler.messages import verify_message
 from specsched.scheduler.plan import build_plan
 from specsched.scheduler.proposer import ProposerSpec, default_tree
@@ -272,15 +271,23 @@ def test_eagle_with_preemption_is_lossless(head_family, head_prompts, head_refer
     assert any(r.num_preemptions for r in reqs)
 
 
-def test_eagle_with_temperature_raises(head_family, head_prompts):
-    worker = eagle_worker(head_family)
-    reqs = run_requests(worker, head_prompts[:2], SamplingParams(max_tokens=8, temperature=0.7, ignore_eos=True),
-                        num_pages=PAGES)
-    assert all(r.finish_reason == "error" and "greedily only" in r.error for r in reqs)
-    req, blocks = prefill(worker, [1, 2, 3])
-    worker.states[0].temperature = 0.5
-    with pytest.raises(InvalidRequestError, match="temperature"):
-        worker.execute("draft", device_messages.draft(3, blocks.page_table("r", "mtp"), PAGE, 4))
+@pytest.mark.parametrize("schedule", ["sync", "mtp"])
+def test_eagle_samples_beside_greedy_rows(head_family, head_prompts, head_reference, schedule):
+    """Sampled requests are verified by tree sampling (its distribution: tests/test_verify.py):
+    greedy requests sharing their batches stay token-identical to plain greedy decoding,
+    seeded sampled requests repeat run after run, and they accept drafts."""
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = [greedy, SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=7), greedy,
+              SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, top_p=0.9, seed=8)]
+    runs = [run_requests(eagle_worker(head_family), head_prompts, params, num_pages=PAGES, schedule=schedule)
+            for _ in range(2)]
+    for reqs in runs:
+        assert not [r.error for r in reqs if r.finish_reason == "error"]
+        assert [reqs[i].output_token_ids for i in (0, 2)] == [head_reference[i] for i in (0, 2)]
+    assert [r.output_token_ids for r in runs[0]] == [r.output_token_ids for r in runs[1]]
+    sampled = [runs[0][1], runs[0][3]]
+    assert [r.output_token_ids for r in sampled] != [head_reference[1], head_reference[3]]
+    assert summarize(sampled).mean_acceptance_length > 1.2
 
 
 @pytest.mark.cuda

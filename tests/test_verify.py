@@ -13,6 +13,7 @@ from specsched.runtime.verify import (
     greedy_verify,
     greedy_verify_ids,
     rejection_verify,
+    sampled_tree_verify,
     threshold_verify,
     tree_attention_mask,
     tree_positions,
@@ -342,10 +343,73 @@ def test_tree_chain_equals_linear_greedy() -> None:
 
 
 def test_tree_rejects_sampled_requests() -> None:
-    with pytest.raises(InvalidRequestError, match="greedily only.*rows \\[1\\]"):
+    with pytest.raises(InvalidRequestError, match="greedily only.*rows \\[1\\].*sampled_tree_verify"):
         greedy_tree_verify(TOKENS, PARENTS, logits_for([0] * 7), temperature=torch.tensor([0.0, 0.7]))
     with pytest.raises(ValueError, match="tree of 7 nodes"):
         greedy_tree_verify(TOKENS[:5], PARENTS, logits_for([0] * 5))
+
+
+def test_sampled_tree_walk_follows_the_target_along_every_path() -> None:
+    """Tree sampling is lossless: the first emitted token follows the root's distribution, and
+    each next token, given the tokens before it went down a path of the tree, follows the
+    target's distribution at that path's node (a bonus from a leaf included). Tokens that
+    are no child of the node -- recovered ones -- end the step."""
+    torch.manual_seed(13)
+    v, gen = 12, torch.Generator().manual_seed(14)
+    probs = torch.stack([random_dist(v, gen, zeros=i % 3) for i in range(len(PARENTS))])
+    probs[0, 5] = probs[0, 7] = 0.2  # the root's children are likely, and still rejected often
+    probs[0] /= probs[0].sum()
+    result = sampled_tree_verify(TOKENS.expand(N, -1), PARENTS, probs.expand(N, -1, -1), [None] * N)
+    out, n = result.output_tokens, result.num_output
+    assert chi2_pvalue(torch.bincount(out[:, 0], minlength=v), probs[0]) > 1e-3
+    children = {0: {5: 1, 7: 2}, 1: {8: 3, 9: 4}, 2: {3: 5}, 3: {4: 6}}
+    paths = [((), 0), ((5,), 1), ((7,), 2), ((5, 8), 3), ((5, 9), 4), ((7, 3), 5), ((5, 8, 4), 6)]
+    for prefix, node in paths:
+        rows = n > len(prefix)
+        for i, tok in enumerate(prefix):
+            rows &= out[:, i] == tok
+        counts = torch.bincount(out[rows, len(prefix)], minlength=v)
+        assert chi2_pvalue(counts, probs[node]) > 1e-4, prefix
+        # a token that is a child of the node continues the step; any other token ends it
+        nxt = out[rows, len(prefix)]
+        goes_on = torch.tensor([int(t) in children.get(node, {}) for t in nxt.tolist()])
+        assert torch.equal(n[rows] > len(prefix) + 1, goes_on), prefix
+    expect_nodes = {tuple(TOKENS[c].item() for c in path): path for path in ([1, 3, 6], [2, 5])}
+    for i in range(200):  # the accepted nodes are the path of the accepted tokens
+        k = int(result.num_accepted[i])
+        toks = tuple(out[i, :k].tolist())
+        path = [c for c in result.accepted_nodes[i].tolist() if c >= 0]
+        assert [int(TOKENS[c]) for c in path] == list(toks)
+        assert int(result.best_node[i]) == (path[-1] if path else 0)
+        if toks in expect_nodes:
+            assert path == expect_nodes[toks]
+
+
+def test_sampled_tree_with_one_hot_target_is_greedy_and_seeded_rows_repeat() -> None:
+    gen = torch.Generator().manual_seed(15)
+    for _ in range(20):
+        t = int(torch.randint(2, 12, (1,), generator=gen))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, t)]
+        b, v = 24, 4 * t
+        tokens = torch.randperm(v, generator=gen)[:t].expand(b, -1).clone()  # siblings distinct, as top-k picks
+        tokens[: b // 2, 1:] = torch.randint(0, v, (b // 2, t - 1), generator=gen)  # ... and some not
+        logits = torch.randn(b, t, v, generator=gen)
+        logits[b // 2:, torch.arange(t), tokens[b // 2]] += 3.0  # rows whose drafts often win
+        one_hot = torch.nn.functional.one_hot(logits.argmax(-1), v).float()
+        got = sampled_tree_verify(tokens, parents, one_hot, [None] * b)
+        want = greedy_tree_verify(tokens, parents, logits)
+        distinct = b // 2  # rows with repeated siblings may take another, equally long path
+        assert torch.equal(got.output_tokens[distinct:], want.output_tokens[distinct:])
+        assert torch.equal(got.accepted_nodes[distinct:], want.accepted_nodes[distinct:])
+        tokens[:, 0] = -1  # a row without a tree accepts nothing
+        probs = torch.softmax(logits, -1)
+        none = sampled_tree_verify(torch.full_like(tokens, -1), parents, probs, [None] * b)
+        assert (none.num_accepted == 0).all() and (none.output_tokens[:, 1:] == -1).all()
+        seeded = [sampled_tree_verify(tokens, parents, probs, [torch.Generator().manual_seed(i) for i in range(b)])
+                  for _ in range(2)]
+        assert torch.equal(seeded[0].output_tokens, seeded[1].output_tokens)
+    with pytest.raises(ValueError, match="tree of 7 nodes"):
+        sampled_tree_verify(TOKENS[:5].unsqueeze(0), PARENTS, torch.ones(1, 5, 12) / 12, [None])
 
 
 @pytest.mark.cuda

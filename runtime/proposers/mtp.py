@@ -16,9 +16,10 @@ and `SeqState.extra["hidden"]` its output hidden state there (fed back for deepe
   previous hidden, d_{k-1}), writing head KV that the next fill overwrites. One launch.
 - EAGLE draft: the same head expands spec.tree_parents (BFS): children of a node are the
   top-c tokens of its logits; one head forward per depth over that depth's parents, with a
-  custom mask (prefix + ancestors) and tree positions. `accept_tree` verifies greedily,
-  compacts the accepted path's target KV into contiguous slots, and hands the fill the
-  hidden states along that path. Trees are greedy only.
+  custom mask (prefix + ancestors) and tree positions. `accept_tree` verifies greedily (the
+  deepest path matching the target's argmax chain), compacts the accepted path's target KV into contiguous slots, and hands the fill the
+  hidden states along that path; sampled rows are verified by `sampled_tree_verify`
+  (lossless: the tree's nodes are the head's deterministic top-k picks).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from specsched.runtime.mtp_head import load_head
 from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or, one_token_steps, window_reads
 from specsched.runtime.proposers.hidden_log import HiddenLog
 from specsched.runtime.sync_guard import to_device
-from specsched.runtime.verify import TreeSpec, check_tree_greedy, greedy_tree_verify
+from specsched.runtime.sampling import logits_to_probs
+from specsched.runtime.verify import TreeSpec, greedy_tree_verify, sampled_tree_verify
 from specsched.scheduler.messages import DraftMessage, FillMessage
 from specsched.scheduler.plan import build_plan
 
@@ -188,7 +190,6 @@ class EagleProposer(HeadProposer):
         w = self.worker
         slots = msg.slots.tolist()
         rows = [w.states[s] for s in slots]
-        check_tree_greedy([st.temperature for st in rows])
         self._draft_step = msg.step
         L = (msg.start + 1).tolist()  # tokens per row
         b, t = len(rows), len(self.depths)
@@ -235,15 +236,21 @@ class EagleProposer(HeadProposer):
 
     def accept_tree(self, msg, rows, drafts: torch.Tensor, last: torch.Tensor, logits: torch.Tensor, plan,
                     hidden: torch.Tensor):
-        """Greedy tree verification of logits [B, 1+T, V] (drafts [B, T], last [B] the roots);
-        compacts the accepted path's target KV to slots of positions L, L+1, ... and records
-        its hidden states for the fill, all on the device. Returns the TreeVerifyResult."""
+        """Tree verification of logits [B, 1+T, V] (drafts [B, T], last [B] the roots): greedy
+        where every row is, else lossless sampling (greedy rows of a mixed batch keep their
+        greedy outcome); compacts the accepted path's target KV to slots of positions L, L+1,
+        ... and records its hidden states for the fill, all on the device. Returns the
+        TreeVerifyResult."""
         w = self.worker
-        check_tree_greedy([st.temperature for st in rows])
         b, width = logits.shape[:2]
         whole = to_device([st.num_drafts == width - 1 for st in rows], w.device)
         nodes = torch.where(whole.unsqueeze(-1), drafts, torch.full_like(drafts, -1))  # no tree: nothing to accept
-        res = greedy_tree_verify(torch.cat([last.unsqueeze(-1), nodes], dim=1), self.tree, logits)
+        tokens = torch.cat([last.unsqueeze(-1), nodes], dim=1)
+        if all(st.greedy for st in rows):
+            res = greedy_tree_verify(tokens, self.tree, logits)
+        else:
+            probs = logits_to_probs(logits.reshape(b * width, -1), w.sampling_tensors(rows, width))
+            res = sampled_tree_verify(tokens, self.tree, probs.view(b, width, -1), [st.generator for st in rows])
         depth = res.accepted_nodes.shape[1]
         base = self._tensor(plan.qo_indptr[:-1]).unsqueeze(-1)  # [B, 1] each row's first token
         sm = self._tensor(plan.slot_mapping)
