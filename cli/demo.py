@@ -14,14 +14,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-RUNS = [  # (name, proposer, schedule, draft_len)
+# (name, proposer, schedule, draft_len): each proposer at the draft length that ran fastest at
+# batch 1 on the bundled family (benchmarks/proposers.py: D = 3 over 4 for the draft model, 3 over
+# 1 for the MTP head under `mtp`, 2 under `sync`), about as fast as the others at 4 concurrent
+# (benchmarks/adaptive.py)
+RUNS = [
     ("plain", "none", "sync", 0),
     ("plain-overlap", "none", "plain_overlap", 0),
-    ("draft-sync", "draft", "sync", 4),
-    ("draft-overlap", "draft", "overlap", 4),
-    ("draft-mtp", "draft", "mtp", 4),
-    ("mtp-sync", "mtp", "sync", 1),
-    ("mtp-mtp", "mtp", "mtp", 1),
+    ("draft-sync", "draft", "sync", 3),
+    ("draft-overlap", "draft", "overlap", 3),
+    ("draft-mtp", "draft", "mtp", 3),
+    ("mtp-sync", "mtp", "sync", 2),
+    ("mtp-mtp", "mtp", "mtp", 3),
     ("eagle-sync", "eagle", "sync", 3),
     ("eagle-mtp", "eagle", "mtp", 3),
     ("ngram-sync", "ngram", "sync", 4),
@@ -58,7 +62,7 @@ def run_demo(out_dir: Path, num_requests: int, max_tokens: int, concurrency: int
             traces[name] = trace
             v = validate(trace, jobs=jobs)
             plot_timeline(trace, out_dir / f"timeline_{name}.png", steps=_window(trace))
-            rows.append({"run": name, "metrics": metrics, "sim_makespan_err_pct": v["makespan_err_pct"],
+            rows.append({"run": name, "draft_len": cfg.draft_len, "metrics": metrics, "sim_makespan_err_pct": v["makespan_err_pct"],
                          "sim_step_err_pct": v["step_time_err_pct"]["p50"],
                          "errors": [o.error for o in outs if o is not None and o.finish_reason == "error"]})
     base = rows[0]["metrics"]["output_tokens_per_s"]
@@ -82,16 +86,17 @@ def _window(trace) -> tuple[int, int] | None:
 def _summary(console: Console, rows: list[dict], ab_res: dict, out_dir: Path, skipped: list[str]) -> None:
     t = Table(title="specsched demo: bundled model, default workload (measured on this machine)")
     t.add_column("run", no_wrap=True)
+    t.add_column("D", justify="right")
     for col in ("tok/s", "TTFT", "TPOT", "AL", "bubble", "speedup", "sim err"):
         t.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         m = r["metrics"]
         al = m.get("mean_accept_len")
-        t.add_row(r["run"], f"{m['output_tokens_per_s']:.1f}", f"{m['ttft_ms']['p50']:.1f}",
+        t.add_row(r["run"], str(r["draft_len"] or "-"), f"{m['output_tokens_per_s']:.1f}", f"{m['ttft_ms']['p50']:.1f}",
                   f"{m['tpot_ms']['p50']:.2f}", f"{al:.2f}" if al else "-",
                   f"{m['bubble_fraction']:.2f}", f"{r['speedup']:.2f}x", f"{r['sim_makespan_err_pct']:.1f}%")
     console.print(t)
-    console.print("TTFT/TPOT: p50 ms; AL: mean acceptance length; bubble: device idle while requests "
+    console.print("D: draft length (an EAGLE tree's depth); TTFT/TPOT: p50 ms; AL: mean acceptance length; bubble: device idle while requests "
                   "pend; speedup: tokens/s over plain; sim err: simulator makespan error replaying the run")
     d = ab_res["diff_b_minus_a"]["output_tokens_per_s"]
     console.print(f"A/B in the simulator on the draft-sync trace, A = sync, B = overlap: tokens/s B - A = "
