@@ -36,7 +36,7 @@ def plain():
 def test_every_op_of_every_proposer_and_schedule_runs_without_a_host_read(kind, plain):
     guarded, free = _worker(kind, True), _worker(kind, False)
     for schedule in CASES[kind][2]:
-        for temperature in (0.0,) if kind == "eagle" else (0.0, 0.8):
+        for temperature in (0.0, 0.8):
             got = _serve(guarded, schedule, temperature)
             assert got == _serve(free, schedule, temperature), (schedule, temperature)
             if temperature == 0.0:
@@ -78,7 +78,7 @@ def test_a_verify_in_two_micro_batches_emits_the_same_tokens(kind, plain):
     two = case_worker(kind, sync_guard=True, verify_micro_batches=2)
     one = _worker(kind, False)
     for schedule in schedules:
-        for temperature in (0.0,) if kind == "eagle" else (0.0, 0.8):
+        for temperature in (0.0, 0.8):
             got = _serve(two, schedule, temperature)
             assert got == _serve(one, schedule, temperature), (schedule, temperature)
             if temperature == 0.0:
