@@ -273,23 +273,26 @@ def sampled_tree_verify(
     tree: TreeSpec | Sequence[int],
     target_probs: torch.Tensor,
     generators: Sequence[torch.Generator | None],
+    draft_probs: torch.Tensor | None = None,
 ) -> TreeVerifyResult:
-    """Lossless verification of a token tree whose nodes are deterministic picks (a head's
-    top-k), for sampled rows: the emitted tokens are distributed exactly as sampling from the
-    target (SpecInfer's multi-draft rejection with one-hot drafts; SGLang's target-only tree
-    sampling).
+    """Lossless verification of a token tree for sampled rows: the emitted tokens are
+    distributed exactly as sampling from the target (SpecInfer's multi-draft rejection).
 
-    From the root down, a node's children are tried in index order: child token x is kept with
-    probability p(x), where p is the target's distribution at the node with the siblings tried
-    before removed and renormalized -- the rejection step of a one-hot draft, whose residual
-    max(p - q, 0) is p without x. A kept child becomes the node (its own distribution next);
-    where none is kept, the emitted token is drawn from that residual (never a rejected
-    sibling), and where the walk ends on a leaf, from the leaf's distribution (the bonus).
+    From the root down, a node's children are tried in index order: child token x, drawn from
+    q, is kept with probability min(1, p(x) / q(x)), where p is the target's distribution at the
+    node with the residual of each sibling tried before taken: p <- normalize(max(p - q, 0)). A
+    kept child becomes the node (its own distribution next); where none is kept, the emitted
+    token is drawn from that residual, and where the walk ends on a leaf, from the leaf's
+    distribution (the bonus). Lossless when a node's children are independent draws from q
+    (with replacement), or deterministic picks (a head's top-k: q one-hot, so a child is kept
+    with probability p(x) and its residual is p without x, SGLang's target-only tree sampling).
 
     tree_tokens [B, T] (node 0 = root, unread; a node token < 0 is no candidate: a row without
     a tree); target_probs [B, T, V] (row i = the target's distribution after node i; one-hot
-    rows verify greedily, exactly as `greedy_tree_verify`); one generator (or None) per row.
-    The coins are drawn up front, a fixed number per row, so a seeded row repeats itself.
+    rows verify greedily, exactly as `greedy_tree_verify`); draft_probs [B, T, V] (row i = the
+    q node i was drawn from; the root's row unread) or None (every node a deterministic pick);
+    one generator (or None) per row. The coins are drawn up front, a fixed number per row, so a
+    seeded row repeats itself.
     """
     spec = tree if isinstance(tree, TreeSpec) else TreeSpec.from_parents(tree)
     b, t = tree_tokens.shape
@@ -298,6 +301,9 @@ def sampled_tree_verify(
             f"tree of {spec.num_nodes} nodes needs tree_tokens [B, {spec.num_nodes}] and target_probs "
             f"[B, {spec.num_nodes}, V]; got {tuple(tree_tokens.shape)} and {tuple(target_probs.shape)}"
         )
+    if draft_probs is not None and draft_probs.shape != target_probs.shape:
+        raise ValueError(f"draft_probs must be shaped as target_probs {tuple(target_probs.shape)}, "
+                         f"got {tuple(draft_probs.shape)}")
     device = tree_tokens.device
     spec = spec.to(device)
     probs = target_probs.float()
@@ -316,9 +322,15 @@ def sampled_tree_verify(
             x = tokens.gather(1, child.clamp(min=0).unsqueeze(-1)).squeeze(-1)
             tried = walking & ~kept & (child >= 0) & (x >= 0)
             xs = x.clamp(min=0).unsqueeze(-1)
-            take = tried & (coins[:, depth, s] < p.gather(1, xs).squeeze(-1))
+            px = p.gather(1, xs).squeeze(-1)
+            if draft_probs is None:  # q one-hot at x: kept with probability p(x), residual p without x
+                take = tried & (coins[:, depth, s] < px)
+                residual = p.scatter(1, xs, 0.0)
+            else:  # kept with probability min(1, p(x) / q(x))
+                q = draft_probs[rows, child.clamp(min=0)].float()
+                take = tried & (coins[:, depth, s] * q.gather(1, xs).squeeze(-1) < px)
+                residual = (p - q).clamp_min(0.0)
             drop = (tried & ~take).unsqueeze(-1)
-            residual = p.scatter(1, xs, 0.0)
             p = torch.where(drop, residual / residual.sum(-1, keepdim=True).clamp_min(_TINY), p)
             kept |= take
             node = torch.where(take, child, node)

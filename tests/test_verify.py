@@ -385,6 +385,52 @@ def test_sampled_tree_walk_follows_the_target_along_every_path() -> None:
             assert path == expect_nodes[toks]
 
 
+def test_a_tree_of_children_drawn_from_the_draft_follows_the_target() -> None:
+    """Children drawn independently from the head's q (with replacement: siblings may repeat)
+    and verified against q (multi-draft rejection) emit exactly the target's tokens, whose
+    distribution after a prefix depends on its tokens, as a model's would. Verified as picks
+    (no q) they are still exact -- a pick's rule holds whatever chose it -- but keep fewer
+    drafts: with q equal to the target every draft is kept. Verified against a q they were not
+    drawn from, they are biased, and the test says so."""
+    torch.manual_seed(16)
+    v, gen = 6, torch.Generator().manual_seed(17)
+    p0 = dist([4, 1, 1, 3, 1, 2])
+    q0 = dist([1, 4, 1, 1, 2, 3])  # a draft that disagrees with the target
+    tables = {name: torch.stack([random_dist(v, gen, zeros=i % 2) for i in range(v)]) for name in ("p1", "p2", "p3")}
+    q1, q2 = (torch.stack([random_dist(v, gen) for _ in range(v)]) for _ in range(2))
+    draw = lambda q: torch.multinomial(q, 1, replacement=True).squeeze(-1)  # noqa: E731
+    t1, t2 = draw(q0.expand(N, v)), draw(q0.expand(N, v))
+    t3, t4, t5 = draw(q1[t1]), draw(q1[t1]), draw(q1[t2])
+    t6 = draw(q2[t3])
+    tokens = torch.stack([torch.zeros_like(t1), t1, t2, t3, t4, t5, t6], 1)
+    q = torch.stack([q0.expand(N, v), q0.expand(N, v), q0.expand(N, v), q1[t1], q1[t1], q1[t2], q2[t3]], 1)
+    target = torch.stack([p0.expand(N, v), tables["p1"][t1], tables["p1"][t2], tables["p2"][t3], tables["p2"][t4],
+                          tables["p2"][t5], tables["p3"][t6]], 1)
+
+    def follows_the_target(result) -> bool:
+        out, n = result.output_tokens, result.num_output
+        if chi2_pvalue(torch.bincount(out[:, 0], minlength=v), p0) < 1e-4:
+            return False
+        for depth, table in ((1, tables["p1"]), (2, tables["p2"])):
+            for prev in range(v):
+                rows = (n > depth) & (out[:, depth - 1] == prev)
+                if rows.sum() > 500 and chi2_pvalue(torch.bincount(out[rows, depth], minlength=v), table[prev]) < 1e-4:
+                    return False
+        return True
+
+    assert follows_the_target(sampled_tree_verify(tokens, PARENTS, target, [None] * N, draft_probs=q))
+    assert follows_the_target(sampled_tree_verify(tokens, PARENTS, target, [None] * N))
+    uniform = torch.full_like(q, 1.0 / v)
+    assert not follows_the_target(sampled_tree_verify(tokens, PARENTS, target, [None] * N, draft_probs=uniform))
+    # a draft equal to the target: each node's children drawn from the target's distribution there
+    like = torch.stack([q0.expand(N, v), q1[t1], q1[t2], q2[t3], *[torch.full((N, v), 1.0 / v)] * 3], 1)
+    same = sampled_tree_verify(tokens, PARENTS, like, [None] * N, draft_probs=q)
+    picks = sampled_tree_verify(tokens, PARENTS, like, [None] * N)
+    assert (same.num_accepted == 3).all() and picks.num_accepted.float().mean() < 1.5
+    with pytest.raises(ValueError, match="draft_probs must be shaped"):
+        sampled_tree_verify(tokens, PARENTS, target, [None] * N, draft_probs=q[:, :3])
+
+
 def test_sampled_tree_with_one_hot_target_is_greedy_and_seeded_rows_repeat() -> None:
     gen = torch.Generator().manual_seed(15)
     for _ in range(20):

@@ -18,8 +18,9 @@ and `SeqState.extra["hidden"]` its output hidden state there (fed back for deepe
   top-c tokens of its logits; one head forward per depth over that depth's parents, with a
   custom mask (prefix + ancestors) and tree positions. `accept_tree` verifies greedily (the
   deepest path matching the target's argmax chain), compacts the accepted path's target KV into contiguous slots, and hands the fill the
-  hidden states along that path; sampled rows are verified by `sampled_tree_verify`
-  (lossless: the tree's nodes are the head's deterministic top-k picks).
+  hidden states along that path. Sampled rows draw each child from the head's distribution
+  instead of taking its top-k, and are verified by `sampled_tree_verify` against those
+  distributions (multi-draft rejection: lossless).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from specsched.runtime.mtp_head import load_head
 from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or, one_token_steps, window_reads
 from specsched.runtime.proposers.hidden_log import HiddenLog
 from specsched.runtime.sync_guard import to_device
-from specsched.runtime.sampling import logits_to_probs
+from specsched.runtime.sampling import logits_to_probs, sample
 from specsched.runtime.verify import TreeSpec, greedy_tree_verify, sampled_tree_verify
 from specsched.scheduler.messages import DraftMessage, FillMessage
 from specsched.scheduler.plan import build_plan
@@ -194,7 +195,8 @@ class EagleProposer(HeadProposer):
         L = (msg.start + 1).tolist()  # tokens per row
         b, t = len(rows), len(self.depths)
         tokens = torch.zeros(b, t, dtype=torch.int64, device=w.device)
-        self._expand(-1, torch.stack([st.carried for st in rows]), tokens)
+        draw = None if all(st.greedy for st in rows) else _TreeDraws(w, rows, t)
+        self._expand(-1, torch.stack([st.carried for st in rows]), tokens, draw)
         node_hidden: dict[int, torch.Tensor] = {}
         run_slot: dict[int, int] = {}  # node -> head-tree slot (after the L-1 prefix slots)
         carried_hidden = torch.stack([st.extra["hidden"] for st in rows])
@@ -222,17 +224,21 @@ class EagleProposer(HeadProposer):
             hs = out.hidden.view(b, len(run), -1)
             for r, n in enumerate(run):
                 node_hidden[n] = hs[:, r]
-                self._expand(n, logits[:, r], tokens)
+                self._expand(n, logits[:, r], tokens, draw)
         counts = [t if d > 0 else 0 for d in msg.num_draft.tolist()]
         w.set_drafts(slots, msg.start, tokens, counts)
-        for st in rows:
-            st.draft_q = None
+        for i, st in enumerate(rows):
+            st.draft_q = None if draw is None or st.greedy else draw.q[i]
         return np.asarray(counts, dtype=np.int64)
 
-    def _expand(self, parent: int, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+    def _expand(self, parent: int, logits: torch.Tensor, tokens: torch.Tensor, draw: "_TreeDraws | None") -> None:
+        """The children of `parent` from its logits [B, V]: its top-k tokens, or for sampled rows
+        (`draw`) k independent draws from the head's distribution there."""
         kids = self.children.get(parent, [])
-        if kids:
-            tokens[:, kids] = logits.topk(len(kids), dim=-1).indices
+        if not kids:
+            return
+        top = logits.topk(len(kids), dim=-1).indices
+        tokens[:, kids] = top if draw is None else draw.children(kids, logits, top)
 
     def accept_tree(self, msg, rows, drafts: torch.Tensor, last: torch.Tensor, logits: torch.Tensor, plan,
                     hidden: torch.Tensor):
@@ -250,7 +256,11 @@ class EagleProposer(HeadProposer):
             res = greedy_tree_verify(tokens, self.tree, logits)
         else:
             probs = logits_to_probs(logits.reshape(b * width, -1), w.sampling_tensors(rows, width))
-            res = sampled_tree_verify(tokens, self.tree, probs.view(b, width, -1), [st.generator for st in rows])
+            q = one_hot_or(w, rows, msg.slots.tolist(), msg.start, width - 1, probs.shape[-1])
+            if q is not None:  # the root's row is never read
+                q = torch.cat([q.new_zeros((b, 1, q.shape[-1])), q], dim=1)
+            res = sampled_tree_verify(tokens, self.tree, probs.view(b, width, -1), [st.generator for st in rows],
+                                      draft_probs=q)
         depth = res.accepted_nodes.shape[1]
         base = self._tensor(plan.qo_indptr[:-1]).unsqueeze(-1)  # [B, 1] each row's first token
         sm = self._tensor(plan.slot_mapping)
@@ -267,6 +277,29 @@ class EagleProposer(HeadProposer):
             "qo_indptr": np.arange(b + 1, dtype=np.int64) * (depth + 1), "slots": msg.slots.tolist(),
         }
         return res
+
+
+class _TreeDraws:
+    """A sampled tree's children: where a row samples, each child of a node is an independent
+    draw from the head's distribution q there (temperature, top-k, top-p as the row's target),
+    kept in `q` [B, T, V] for the verifier (`sampled_tree_verify`'s multi-draft rejection);
+    greedy rows keep their top-k children."""
+
+    def __init__(self, worker, rows, num_nodes: int):
+        self.worker, self.rows = worker, rows
+        self.st = worker.sampling_tensors(rows)
+        self.greedy = to_device([st.greedy for st in rows], worker.device).unsqueeze(-1)
+        self.generators = [st.generator for st in rows]
+        self.q: torch.Tensor | None = None
+        self.num_nodes = num_nodes
+
+    def children(self, kids: list[int], logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        q = logits_to_probs(logits, self.st)
+        if self.q is None:
+            self.q = q.new_zeros((q.shape[0], self.num_nodes, q.shape[1]))
+        self.q[:, kids] = q.unsqueeze(1)
+        drawn = torch.stack([sample(q, self.generators) for _ in kids], dim=1)
+        return torch.where(self.greedy, top, drawn)
 
 
 def make_head_proposer(worker, spec, proposer_dir: str | None, num_pages: int):
