@@ -1,4 +1,4 @@
-"""Tests for specsched.runtime.verify: greedy, lossless rejection sampling (chi-square), threshold mode,
+"""Tests for specsched.runtime.verify and runtime.tree_verify: greedy, lossless rejection sampling (chi-square), threshold mode,
 token trees, acceptance statistics."""
 from __future__ import annotations
 
@@ -7,17 +7,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specsched.runtime.verify import (
+from specsched.runtime.tree_verify import (
     TreeSpec,
     greedy_tree_verify,
-    greedy_verify,
-    greedy_verify_ids,
-    rejection_verify,
     sampled_tree_verify,
-    threshold_verify,
     tree_attention_mask,
     tree_positions,
 )
+from specsched.runtime.verify import greedy_verify, greedy_verify_ids, rejection_verify, threshold_verify
 from specsched.scheduler.errors import InvalidRequestError
 
 N = 100_000  # rows per statistical test, run as one batch

@@ -32,7 +32,7 @@ from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot
 from specsched.runtime.proposers.hidden_log import HiddenLog
 from specsched.runtime.sync_guard import to_device
 from specsched.runtime.sampling import logits_to_probs, sample
-from specsched.runtime.verify import TreeSpec, greedy_tree_verify, sampled_tree_verify
+from specsched.runtime.tree_verify import TreeSpec, greedy_tree_verify, sampled_tree_verify
 from specsched.scheduler.messages import DraftMessage, FillMessage
 from specsched.scheduler.plan import build_plan
 
