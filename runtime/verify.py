@@ -95,8 +95,11 @@ def greedy_verify_ids(draft_tokens: torch.Tensor, num_drafts: torch.Tensor, targ
     _check_linear(draft_tokens, num_drafts, target_ids, "target_ids")
     d = draft_tokens.shape[1]
     num_accepted = _accepted_prefix(draft_tokens == target_ids[:, :d], num_drafts)
-    next_token = target_ids.gather(1, num_accepted.unsqueeze(-1)).squeeze(-1)
-    return _emit(draft_tokens, num_accepted, next_token)
+    # the accepted drafts are the target's own tokens, and so is the next one: the emitted row
+    # is the target's, cut after position num_accepted (a third of the ops of `_emit`)
+    positions = torch.arange(d + 1, device=target_ids.device)
+    out = target_ids.to(torch.int64).masked_fill(positions > num_accepted.unsqueeze(-1), -1)
+    return VerifyResult(num_accepted=num_accepted, output_tokens=out, num_output=num_accepted + 1)
 
 
 def greedy_verify(draft_tokens: torch.Tensor, num_drafts: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
