@@ -106,8 +106,10 @@ def test_a_mixed_step_attends_its_decode_rows_apart_with_the_same_result():
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 @pytest.mark.parametrize("kv_first", [[9], [3, 17, 6], [8, 8]])
-def test_a_run_of_one_token_steps_planned_once_matches_a_plan_per_step(kv_first):
+def test_a_run_of_one_token_steps_planned_once_matches_a_plan_per_step(kv_first, device):
     """`prepare_steps` (a draft launch's forwards of one token per row, each row's KV one
     longer per step) writes every step's K/V to that step's slots and attends each step over
     the row's keys so far only -- keys the run writes later (beyond a row's length at a step)
@@ -121,10 +123,10 @@ def test_a_run_of_one_token_steps_planned_once_matches_a_plan_per_step(kv_first)
         tables[i, : (n + PS - 1) // PS] = [int(free.pop()) for _ in range((n + PS - 1) // PS)]
     lens = (tables >= 0).sum(1)
     backend = get_backend("torch")
-    run = backend.prepare_steps(build_plan([1] * b, kv_last, tables, PS, table_lens=lens), steps, "cpu")
-    caches = [PagedKVCache(1, 64, PS, HKV, D) for _ in range(2)]
-    hist = [(torch.randn(n, HKV, D), torch.randn(n, HKV, D)) for n in kv_last]
-    stale = torch.randn(64, 2, PS, HKV, D) * 10  # what the pages held before: never read
+    run = backend.prepare_steps(build_plan([1] * b, kv_last, tables, PS, table_lens=lens), steps, device)
+    caches = [PagedKVCache(1, 64, PS, HKV, D, device=device) for _ in range(2)]
+    hist = [(torch.randn(n, HKV, D, device=device), torch.randn(n, HKV, D, device=device)) for n in kv_last]
+    stale = torch.randn(64, 2, PS, HKV, D, device=device) * 10  # what the pages held before: never read
     for cache in caches:  # each row's history before the run (the run writes the rest)
         cache.layers[0].copy_(stale)
         for i, (k_all, v_all) in enumerate(hist):
@@ -134,16 +136,17 @@ def test_a_run_of_one_token_steps_planned_once_matches_a_plan_per_step(kv_first)
     for j in range(steps):
         kv = [n + j for n in kv_first]
         plan = build_plan([1] * b, kv, tables, PS, table_lens=lens)
-        np.testing.assert_array_equal(run.positions[j].numpy(), plan.positions)
-        q = torch.randn(b, HQ, D)
+        np.testing.assert_array_equal(run.positions[j].cpu().numpy(), plan.positions)
+        q = torch.randn(b, HQ, D, device=device)
         k = torch.stack([k_all[n - 1] for (k_all, _), n in zip(hist, kv)])
         v = torch.stack([v_all[n - 1] for (_, v_all), n in zip(hist, kv)])
         got = run.step(j).attend(0, q, k, v, caches[0].layers[0])
-        want = backend.prepare(plan, "cpu").attend(0, q, k, v, caches[1].layers[0])
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        want = backend.prepare(plan, device).attend(0, q, k, v, caches[1].layers[0])
+        tol = 1e-6 if device == "cpu" else 1e-4  # CUDA's attention kernels differ by shape in the last bits
+        torch.testing.assert_close(got, want, atol=tol, rtol=1e-5 if device == "cpu" else 1e-3)
         for i, n in enumerate(kv):
-            ref = reference(q[i:i + 1], hist[i][0][:n], hist[i][1][:n], np.ones((1, n), dtype=bool))
-            torch.testing.assert_close(got[i:i + 1], ref, atol=1e-5, rtol=1e-5)
+            ref = reference(q[i:i + 1], hist[i][0][:n], hist[i][1][:n], torch.ones((1, n), dtype=torch.bool, device=device))
+            torch.testing.assert_close(got[i:i + 1], ref, atol=max(tol, 1e-5), rtol=1e-5 if device == "cpu" else 1e-3)
         torch.testing.assert_close(caches[0].data, caches[1].data)
     with pytest.raises(ValueError, match="one new token per row"):
         backend.prepare_steps(build_plan([2], [5], [[0, 1]], PS), 2, "cpu")

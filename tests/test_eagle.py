@@ -304,3 +304,8 @@ def test_heads_on_cuda_are_lossless(head_family, head_prompts, kind, schedule):
     worker = ModelWorker(head_family.target, prop, proposer_dir=head_family.head, **kw)
     reqs = run_requests(worker, head_prompts, params, schedule=schedule, num_pages=PAGES)
     assert [r.output_token_ids for r in reqs] == want
+    sampled = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=3)
+    runs = [run_requests(ModelWorker(head_family.target, prop, proposer_dir=head_family.head, **kw), head_prompts,
+                         sampled, schedule=schedule, num_pages=PAGES) for _ in range(2)]
+    assert not [r.error for r in runs[0] + runs[1] if r.finish_reason == "error"]
+    assert [r.output_token_ids for r in runs[0]] == [r.output_token_ids for r in runs[1]]

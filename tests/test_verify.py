@@ -472,3 +472,7 @@ def test_verifiers_on_cuda_match_cpu() -> None:
     assert torch.equal(sampled.output_tokens.cpu(), cpu.output_tokens)
     tree = greedy_tree_verify(TOKENS.cuda(), PARENTS, logits_for([5, 9, 0, 0, 2, 0, 0]).cuda())
     assert tree.to_lists() == [[5, 9, 2]]
+    one_hot_tree = logits_for([5, 9, 0, 0, 2, 0, 0]).unsqueeze(0).cuda()
+    walk = sampled_tree_verify(TOKENS.unsqueeze(0).cuda(), PARENTS, one_hot_tree, [None],
+                               draft_probs=torch.softmax(torch.randn(1, 7, 12, generator=gen), -1).cuda())
+    assert walk.to_lists() == [[5, 9, 2]]
