@@ -34,6 +34,7 @@ class TreeSpec:
     mask: torch.Tensor  # [T, T] bool, mask[i, j]: node i attends to node j (j ancestor-or-self)
     max_depth: int  # longest root-to-leaf path, in drafts
     children: torch.Tensor | None = None  # [T, K] int64, each node's children in index order; -1 pad
+    paths: torch.Tensor | None = None  # [T, max_depth] int64, the nodes from depth 1 down to each node; -1 pad
     # its copies on other devices: a tree's tensors are constant, so each device gets them once
     _copies: dict = field(default_factory=dict, repr=False)
 
@@ -58,8 +59,13 @@ class TreeSpec:
             kids[par[i]].append(i)
         width = max(1, max(len(k) for k in kids))
         children = torch.tensor([k + [-1] * (width - len(k)) for k in kids], dtype=torch.int64)
-        return cls(torch.tensor(par, dtype=torch.int64), torch.tensor(depths, dtype=torch.int64), mask, max(depths),
-                   children)
+        top = max(depths)
+        paths = [[] for _ in par]
+        for i in range(1, len(par)):
+            paths[i] = paths[par[i]] + [i]
+        paths = torch.tensor([p + [-1] * (top - len(p)) for p in paths], dtype=torch.int64).reshape(len(par), top)
+        return cls(torch.tensor(par, dtype=torch.int64), torch.tensor(depths, dtype=torch.int64), mask, top,
+                   children, paths)
 
     @classmethod
     def chain(cls, num_drafts: int) -> "TreeSpec":
@@ -74,7 +80,7 @@ class TreeSpec:
         if device not in self._copies:
             self._copies[device] = TreeSpec(to_device(self.parents, device), to_device(self.depths, device),
                                             to_device(self.mask, device), self.max_depth,
-                                            to_device(self.children, device))
+                                            to_device(self.children, device), to_device(self.paths, device))
         return self._copies[device]
 
 
@@ -231,15 +237,7 @@ def greedy_tree_verify(
     best = score.argmax(dim=-1)
     num_accepted = spec.depths[best]
 
-    max_depth = spec.max_depth
-    nodes = torch.full((b, max_depth + 1), -1, dtype=torch.int64, device=device)
-    node = best
-    for _ in range(max_depth):
-        depth = spec.depths[node]
-        column = torch.where(depth > 0, depth - 1, torch.full_like(depth, max_depth))
-        nodes.scatter_(1, column.unsqueeze(-1), torch.where(depth > 0, node, -1).unsqueeze(-1))
-        node = parent[node]
-    nodes = nodes[:, :max_depth]
+    nodes = spec.paths[best]  # the accepted path, a node per depth
     tokens = torch.where(nodes >= 0, tree_tokens.to(torch.int64).gather(1, nodes.clamp(min=0)), -1)
     out = torch.cat([tokens, tokens.new_full((b, 1), -1)], dim=1)
     out.scatter_(1, num_accepted.unsqueeze(-1), argmax.gather(1, best.unsqueeze(-1)))

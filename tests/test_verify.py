@@ -270,6 +270,10 @@ def logits_for(argmax_per_node: list[int], v: int = 12) -> torch.Tensor:
 def test_tree_spec_mask_and_positions() -> None:
     tree = TreeSpec.from_parents(PARENTS)
     assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 3] and tree.max_depth == 3
+    assert tree.paths.tolist() == [[-1, -1, -1], [1, -1, -1], [2, -1, -1], [1, 3, -1], [1, 4, -1], [2, 5, -1],
+                                   [1, 3, 6]]
+    assert tree.children.tolist() == [[1, 2], [3, 4], [5, -1], [6, -1], [-1, -1], [-1, -1], [-1, -1]]
+    assert TreeSpec.from_parents([-1]).paths.shape == (1, 0)
     mask = tree_attention_mask(tree)
     assert torch.nonzero(mask[6]).flatten().tolist() == [0, 1, 3, 6]
     assert torch.nonzero(mask[5]).flatten().tolist() == [0, 2, 5]
