@@ -46,11 +46,13 @@ def device_fields(args) -> dict:
     return {name: getattr(args, name) for name in DEVICE_FIELDS}
 
 
-def bundled_items(num_requests: int, max_tokens: int):
+def bundled_items(num_requests: int, max_tokens: int, temperature: float | None = None):
+    """The bundled workload's first `num_requests` prompts, `max_tokens` each; `temperature`:
+    every request sampled at it (None: the workload's own, greedy)."""
     from specsched.runtime import bundled
     from specsched.runtime.workload import load_workload
 
-    return load_workload(bundled.workload_path(), limit=num_requests, max_tokens=max_tokens)
+    return load_workload(bundled.workload_path(), limit=num_requests, max_tokens=max_tokens, temperature=temperature)
 
 
 def run(items, *, concurrency: int = 1, warmup: int = 1, trace: bool = True, engine_factory=None, **engine_kw):

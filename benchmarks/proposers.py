@@ -11,6 +11,10 @@ configuration's speedup over plain decoding that hides host work alike (`plain_o
 `overlap` and `mtp`, `sync` for `sync`), the figure to hold against the bound.
 
     python benchmarks/proposers.py [--num-requests 6] [--max-tokens 64] [--rounds 3] [--baseline-family DIR]
+                                   [--temperature T]
+
+With `--temperature` every request is sampled (unseeded), plain decoding included; a sampled
+row's acceptance is random, so its AL and speedups vary between rounds more than greedy ones.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import family_kw, med, median_span_ms, parse_workload, run  # noqa: E402
+from common import bundled_items, family_kw, med, median_span_ms, parse_workload, run  # noqa: E402
 
 PROPOSERS = [("draft", "overlap", 3), ("draft", "mtp", 3), ("draft", "overlap", 4), ("mtp", "mtp", 1),
              ("mtp", "mtp", 3), ("mtp", "sync", 2), ("eagle", "sync", 3), ("eagle", "overlap", 3), ("eagle", "mtp", 3),
@@ -36,7 +40,10 @@ def main() -> None:
     ap.add_argument("--baseline-family", type=Path, default=None,
                     help="another model family (target/, draft/, mtp/ as in runtime/bundled) measured in the "
                     "same rounds, side by side")
+    ap.add_argument("--temperature", type=float, default=None, help="sample every request at this temperature")
     args, items = parse_workload(ap, 6, 64)
+    if args.temperature is not None:
+        items = bundled_items(args.num_requests, args.max_tokens, args.temperature)
     configs = [c for c in PROPOSERS if not args.only or c[0] in args.only]
     families = {"bundled": None} | ({"baseline": args.baseline_family} if args.baseline_family else {})
     runs: dict = {(f, c): [] for f in families for c in [PLAIN, PLAIN_OVERLAP, *configs]}

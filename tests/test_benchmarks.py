@@ -20,7 +20,7 @@ TINY = {
     "simulator_speed.py": ["--concurrency", "2", "8", "--repeats", "1", "--min-seconds", "0"],
     "tracing_overhead.py": ["--spans", "200"],
     "policy_overhead.py": ["--concurrency", "1", "--repeats", "1", "--baseline", ".", "--rounds", "1"],
-    "proposers.py": ["--num-requests", "1", "--max-tokens", "4", "--only", "ngram"],
+    "proposers.py": ["--num-requests", "1", "--max-tokens", "4", "--only", "eagle", "--temperature", "0.8"],
     "simulator_fidelity.py": ["--num-requests", "2", "--max-tokens", "6", "--concurrency", "2",
                               "--rounds", "2", "--pairs", "draft:sync:overlap:2",
                               "--speed-concurrency", "2", "--paced", "2"],  # paced: the wider path
