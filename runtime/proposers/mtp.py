@@ -15,12 +15,12 @@ and `SeqState.extra["hidden"]` its output hidden state there (fed back for deepe
 - MTP draft: d_1 from carried; d_k (k >= 2) from a head step at position L+k-3 on (its own
   previous hidden, d_{k-1}), writing head KV that the next fill overwrites. One launch.
 - EAGLE draft: the same head expands spec.tree_parents (BFS): children of a node are the
-  top-c tokens of its logits; one head forward per depth over that depth's parents, with a
-  custom mask (prefix + ancestors) and tree positions. `accept_tree` verifies greedily (the
-  deepest path matching the target's argmax chain), compacts the accepted path's target KV into contiguous slots, and hands the fill the
-  hidden states along that path. Sampled rows draw each child from the head's distribution
-  instead of taking its top-k, and are verified by `sampled_tree_verify` against those
-  distributions (multi-draft rejection: lossless).
+  top-c tokens of its logits (a sampled row: c draws from the head's distribution there); one
+  head forward per depth over that depth's parents, with a custom mask (prefix + ancestors)
+  and tree positions. `accept_tree` verifies greedily (the deepest path matching the target's
+  argmax chain) or, where a row samples, by `sampled_tree_verify` against the distributions
+  the children were drawn from (multi-draft rejection: lossless); it compacts the accepted
+  path's target KV into contiguous slots and hands the fill the hidden states along that path.
 """
 from __future__ import annotations
 
@@ -175,7 +175,8 @@ class HeadProposer(NoProposer):
 
 
 class EagleProposer(HeadProposer):
-    """The head expanded as a fixed top-k tree; greedy verification of the whole tree."""
+    """The head expanded as a tree of a fixed shape (top-k children, or draws for sampled
+    rows), verified in one target forward over every node."""
 
     def __init__(self, worker, spec, proposer_dir: str | None, num_pages: int):
         super().__init__(worker, spec, proposer_dir, num_pages)
