@@ -13,12 +13,14 @@ configuration's speedup over plain decoding that hides host work alike (`plain_o
     python benchmarks/proposers.py [--num-requests 6] [--max-tokens 64] [--rounds 3] [--baseline-family DIR]
                                    [--temperature T]
 
-With `--temperature` every request is sampled (unseeded), plain decoding included; a sampled
-row's acceptance is random, so its AL and speedups vary between rounds more than greedy ones.
+With `--temperature` every request is sampled (seeded by its position, past any EOS to its
+`--max-tokens`), plain decoding included; a sampled row's acceptance is random, so its AL and
+speedups vary between configurations more than greedy ones.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -42,8 +44,9 @@ def main() -> None:
                     "same rounds, side by side")
     ap.add_argument("--temperature", type=float, default=None, help="sample every request at this temperature")
     args, items = parse_workload(ap, 6, 64)
-    if args.temperature is not None:
-        items = bundled_items(args.num_requests, args.max_tokens, args.temperature)
+    if args.temperature is not None:  # seeded by position, so that every round draws alike
+        items = [dataclasses.replace(it, params=it.params.model_copy(update={"seed": i, "ignore_eos": True}))
+                 for i, it in enumerate(bundled_items(args.num_requests, args.max_tokens, args.temperature))]
     configs = [c for c in PROPOSERS if not args.only or c[0] in args.only]
     families = {"bundled": None} | ({"baseline": args.baseline_family} if args.baseline_family else {})
     runs: dict = {(f, c): [] for f in families for c in [PLAIN, PLAIN_OVERLAP, *configs]}
@@ -77,7 +80,8 @@ def table(family: str, runs: dict, configs: list, rounds: int) -> dict:
         per_step = [spec_step_means(tr) for _, tr in rs]
         emitted, t_verify, t_prop = (med(x[k] for x in per_step) for k in range(3))
         al = med(m["mean_accept_len"] or 1.0 for m, _ in rs)
-        bound = emitted / ((t_verify + t_prop) / t_decode)
+        # no speculative step (a sampled request may end at its first token): no bound
+        bound = emitted / ((t_verify + t_prop) / t_decode) if t_verify + t_prop > 0 else float("nan")
         per_pos = ", ".join(f"{med(m['accept_rate_per_pos'][k] for m, _ in rs):.2f}"
                             for k in range(min(6, len(rs[0][0]["accept_rate_per_pos"]))))
         # each round's speedup against that round's plain run, then the median
