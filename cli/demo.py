@@ -62,7 +62,8 @@ def run_demo(out_dir: Path, num_requests: int, max_tokens: int, concurrency: int
             traces[name] = trace
             v = validate(trace, jobs=jobs)
             plot_timeline(trace, out_dir / f"timeline_{name}.png", steps=_window(trace))
-            rows.append({"run": name, "draft_len": cfg.draft_len, "metrics": metrics, "sim_makespan_err_pct": v["makespan_err_pct"],
+            rows.append({"run": name, "draft_len": cfg.draft_len, "metrics": metrics,
+                         "sim_makespan_err_pct": v["makespan_err_pct"],
                          "sim_step_err_pct": v["step_time_err_pct"]["p50"],
                          "errors": [o.error for o in outs if o is not None and o.finish_reason == "error"]})
     base = rows[0]["metrics"]["output_tokens_per_s"]
@@ -92,12 +93,13 @@ def _summary(console: Console, rows: list[dict], ab_res: dict, out_dir: Path, sk
     for r in rows:
         m = r["metrics"]
         al = m.get("mean_accept_len")
-        t.add_row(r["run"], str(r["draft_len"] or "-"), f"{m['output_tokens_per_s']:.1f}", f"{m['ttft_ms']['p50']:.1f}",
-                  f"{m['tpot_ms']['p50']:.2f}", f"{al:.2f}" if al else "-",
+        t.add_row(r["run"], str(r["draft_len"] or "-"), f"{m['output_tokens_per_s']:.1f}",
+                  f"{m['ttft_ms']['p50']:.1f}", f"{m['tpot_ms']['p50']:.2f}", f"{al:.2f}" if al else "-",
                   f"{m['bubble_fraction']:.2f}", f"{r['speedup']:.2f}x", f"{r['sim_makespan_err_pct']:.1f}%")
     console.print(t)
-    console.print("D: draft length (an EAGLE tree's depth); TTFT/TPOT: p50 ms; AL: mean acceptance length; bubble: device idle while requests "
-                  "pend; speedup: tokens/s over plain; sim err: simulator makespan error replaying the run")
+    console.print("D: draft length (an EAGLE tree's depth); TTFT/TPOT: p50 ms; AL: mean acceptance length; "
+                  "bubble: device idle while requests pend; speedup: tokens/s over plain; sim err: simulator "
+                  "makespan error replaying the run")
     d = ab_res["diff_b_minus_a"]["output_tokens_per_s"]
     console.print(f"A/B in the simulator on the draft-sync trace, A = sync, B = overlap: tokens/s B - A = "
                   f"{d['diff_mean']:+.1f} (95% CI {d['ci95'][0]:+.1f} .. {d['ci95'][1]:+.1f}): {d['verdict']}")

@@ -181,15 +181,22 @@ class TorchStepAttention:
             self._mask_cache[dtype] = mask
         return self._mask_cache[dtype]
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_layer: torch.Tensor) -> torch.Tensor:
+    def write_and_gather(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
+                         v_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new K/V at rows `k_rows`/`v_rows` of the layer's cache, then gather every
+        sequence's keys and values [B, Hkv, Lmax, D] through this step's gather index."""
         num_kv_heads, head_dim = k.shape[-2], k.shape[-1]
         rows = kv_layer.view(-1, num_kv_heads, head_dim)
-        rows.index_copy_(0, self.k_rows, k)
-        rows.index_copy_(0, self.v_rows, v)
+        rows.index_copy_(0, k_rows, k)
+        rows.index_copy_(0, v_rows, v)
         gathered = kv_layer.view(-1, head_dim).index_select(0, self._gather_index(num_kv_heads))
         gathered = gathered.view(self.num_seqs, 2, num_kv_heads, self.max_kv, head_dim)
-        keys, values = gathered[:, 0], gathered[:, 1]
+        return gathered[:, 0], gathered[:, 1]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_layer: torch.Tensor) -> torch.Tensor:
+        head_dim = k.shape[-1]
+        keys, values = self.write_and_gather(kv_layer, k, v, self.k_rows, self.v_rows)
         mask = self._mask(q.dtype)
         b = self.num_seqs
         if b == 1:
@@ -264,14 +271,7 @@ class OneTokenStep:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_layer: torch.Tensor) -> torch.Tensor:
         run, j = self.run, self.j
-        last = run.last
-        num_kv_heads, head_dim = k.shape[-2], k.shape[-1]
-        rows = kv_layer.view(-1, num_kv_heads, head_dim)
-        rows.index_copy_(0, run.k_rows[j], k)
-        rows.index_copy_(0, run.v_rows[j], v)
-        gathered = kv_layer.view(-1, head_dim).index_select(0, last._gather_index(num_kv_heads))
-        gathered = gathered.view(last.num_seqs, 2, num_kv_heads, last.max_kv, head_dim)
-        keys, values = gathered[:, 0], gathered[:, 1]
+        keys, values = run.last.write_and_gather(kv_layer, k, v, run.k_rows[j], run.v_rows[j])
         if run.kv_lens is not None:  # one row: its keys so far, no mask
             n = run.kv_lens[j]
             out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys[:, :, :n],

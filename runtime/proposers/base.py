@@ -11,7 +11,8 @@ A proposer lives inside the worker next to the target. It answers four calls:
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -150,26 +151,34 @@ class DraftCollector:
         return np.asarray(counts, dtype=np.int64)
 
 
-def one_token_steps(worker: "ModelWorker", msg: "DraftMessage", kv_first: np.ndarray, num_steps: int
-                    ) -> Callable[[int], tuple[Any, torch.Tensor]]:
-    """`at(j)` -> (attention, RoPE positions) of forward j of `num_steps` one-token forwards over
-    every row of a draft launch, row i's KV kv_first[i] + j tokens long at forward j (its new
-    token at position kv - 1). Planned once where the attention backend plans such runs
-    (`prepare_steps`), else one plan per forward, made when it is asked for (a FlashInfer
-    wrapper holds one plan at a time)."""
+def one_token_forwards(worker: "ModelWorker", msg: "DraftMessage", drafts: DraftCollector, kv_first: np.ndarray
+                       ) -> Iterator[tuple[int, list[int] | None, Any, torch.Tensor]]:
+    """The forwards of a draft launch after its first token, as (j, active rows -- None: all --,
+    attention, RoPE positions): forward j reads draft column j and drafts column j + 1, row i's
+    KV kv_first[i] + j tokens long (its new token at position kv - 1). Where every row drafts as
+    many tokens and the attention backend plans runs of steps (`prepare_steps`), the run is
+    planned once; otherwise each forward is planned when it runs (a FlashInfer wrapper holds one
+    plan at a time), over the rows still drafting."""
     w = worker
+    num_steps = max(drafts.num_draft, default=0) - 1
+    if num_steps <= 0:
+        return
     kv_first = np.asarray(kv_first, dtype=np.int64)
-    ones = np.ones(kv_first.shape[0], dtype=np.int64)
-    prepare_steps = getattr(w.backend, "prepare_steps", None)
+    prepare_steps = getattr(w.backend, "prepare_steps", None) if drafts.uniform else None
     if prepare_steps is not None:
-        last = build_plan(ones, kv_first + num_steps - 1, msg.page_tables, w.page_size, table_lens=msg.table_lens)
+        last = build_plan(np.ones_like(kv_first), kv_first + num_steps - 1, msg.page_tables, w.page_size,
+                          table_lens=msg.table_lens)
         run = prepare_steps(last, num_steps, w.device)
-        return lambda j: (run.step(j), run.positions[j])
-
-    def at(j: int) -> tuple[Any, torch.Tensor]:
-        plan = build_plan(ones, kv_first + j, msg.page_tables, w.page_size, table_lens=msg.table_lens)
-        return w.backend.prepare(plan, w.device), to_device(plan.positions, w.device)
-    return at
+    for j in range(num_steps):
+        active = drafts.active(j + 1)
+        if prepare_steps is not None:
+            yield j, active, run.step(j), run.positions[j]
+            continue
+        rows = slice(None) if active is None else active
+        plan = build_plan(np.ones(len(kv_first[rows]), dtype=np.int64), kv_first[rows] + j, msg.page_tables[rows],
+                          w.page_size, table_lens=msg.table_lens[rows])
+        _, step, positions = w.plan(plan)
+        yield j, active, step, positions
 
 
 def one_hot_or(worker: "ModelWorker", rows: list["SeqState"], slots: list[int], starts: np.ndarray, num: int,

@@ -14,10 +14,9 @@ import numpy as np
 import torch
 
 from specsched.runtime.checkpoint import load_model
-from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or, one_token_steps, window_reads
+from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or, one_token_forwards, window_reads
 from specsched.runtime.sync_guard import to_device
 from specsched.scheduler.messages import DraftMessage, FillMessage
-from specsched.scheduler.plan import build_plan
 
 
 class DraftModelProposer(NoProposer):
@@ -35,23 +34,11 @@ class DraftModelProposer(NoProposer):
         w = self.worker
         slots = msg.slots.tolist()
         rows = [w.states[s] for s in slots]
-        num_draft = msg.num_draft.tolist()
-        tables, table_lens = msg.page_tables, msg.table_lens
-        L = (msg.start + 1).tolist()  # tokens per row (the last emitted one at start)
-        drafts = DraftCollector(w, slots, msg.start, rows, num_draft)
+        drafts = DraftCollector(w, slots, msg.start, rows, msg.num_draft.tolist())
         drafts.first(torch.stack([st.carried for st in rows]))
-        steps = max(num_draft, default=0) - 1
-        if drafts.uniform and steps > 0:  # forward j drafts token j + 1 of every row, KV L + j + 1 long
-            at = one_token_steps(w, msg, msg.start + 2, steps)
-        for k in range(1, steps + 1):
-            active = drafts.active(k)
-            if active is None:
-                step, pos = at(k - 1)
-            else:
-                plan = build_plan([1] * len(active), [L[i] + k for i in active], tables[active],
-                                  w.page_size, table_lens=table_lens[active])
-                step, pos = w.backend.prepare(plan, w.device), to_device(plan.positions, w.device)
-            drafts.extend(active, k, self.model(drafts.last(active, k), step, self.kv, pos).logits)
+        # forward j drafts token j + 1 over a KV of start + 2 + j tokens (the last emitted one at start)
+        for j, active, step, pos in one_token_forwards(w, msg, drafts, msg.start + 2):
+            drafts.extend(active, j + 1, self.model(drafts.last(active, j + 1), step, self.kv, pos).logits)
         return drafts.finish()
 
     def fill(self, msg: FillMessage) -> None:

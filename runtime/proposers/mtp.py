@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from specsched.runtime.mtp_head import load_head
-from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or, one_token_steps, window_reads
+from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or, one_token_forwards, window_reads
 from specsched.runtime.proposers.hidden_log import HiddenLog
 from specsched.runtime.sync_guard import to_device
 from specsched.runtime.sampling import logits_to_probs, sample
@@ -119,41 +119,23 @@ class HeadProposer(NoProposer):
             st.extra["hidden"] = carried_hidden[i]
 
     # -- linear drafting ----------------------------------------------------------------------
-    def _step(self, active: list[int], msg: DraftMessage, kv_lens: list[int], ids: torch.Tensor,
-              hidden: torch.Tensor, positions=None, masks=None):
-        """One head forward over the given rows of a draft launch (plans from the page tables)."""
-        w = self.worker
-        qo = [len(x) for x in positions] if positions is not None else [1] * len(active)
-        plan = build_plan(qo, kv_lens, msg.page_tables[active], w.page_size,
-                          table_lens=msg.table_lens[active], positions=positions, custom_masks=masks)
-        step = w.backend.prepare(plan, w.device)
-        pos = to_device(plan.positions, w.device)
-        return self.head(ids, hidden, step, self.kv, pos)
-
     def draft(self, msg: DraftMessage) -> np.ndarray:
         w = self.worker
         slots = msg.slots.tolist()
         rows = [w.states[s] for s in slots]
-        num_draft = msg.num_draft.tolist()
-        L = (msg.start + 1).tolist()  # tokens per row
-        drafts = DraftCollector(w, slots, msg.start, rows, num_draft)
+        drafts = DraftCollector(w, slots, msg.start, rows, msg.num_draft.tolist())
         drafts.first(torch.stack([st.carried for st in rows]))
         hidden = torch.stack([st.extra["hidden"] for st in rows])  # [B, H]
-        steps = max(num_draft, default=0) - 1
-        if drafts.uniform and steps > 0:  # forward j drafts token j + 2 of every row, head KV L + j long
-            at = one_token_steps(w, msg, msg.start + 1, steps)
-        for k in range(2, steps + 2):
-            active = drafts.active(k - 1)
+        # forward j drafts token j + 2 on its previous hidden state, over a head KV of start + 1 + j
+        for j, active, step, pos in one_token_forwards(w, msg, drafts, msg.start + 1):
+            out = self.head(drafts.last(active, j + 1), hidden if active is None else hidden[active],
+                            step, self.kv, pos)
             if active is None:
-                step, pos = at(k - 2)
-                out = self.head(drafts.last(None, k - 1), hidden, step, self.kv, pos)
                 hidden = out.hidden
             else:
-                out = self._step(active, msg, [L[i] + k - 2 for i in active], drafts.last(active, k - 1),
-                                 hidden[active])
                 hidden = hidden.clone()
                 hidden[active] = out.hidden
-            drafts.extend(active, k - 1, out.logits)
+            drafts.extend(active, j + 1, out.logits)
         return drafts.finish()
 
     def draft_probs(self, rows, slots, starts, num: int) -> torch.Tensor | None:
@@ -219,8 +201,10 @@ class EagleProposer(HeadProposer):
             ids = tokens[:, run].reshape(-1)
             parents = [self.spec.tree_parents[n] for n in run]
             hid = torch.stack([carried_hidden if p < 0 else node_hidden[p] for p in parents], 1)
-            out = self._step(list(range(b)), msg, [L[i] - 1 + used for i in range(b)], ids,
-                             hid.reshape(b * len(run), -1), positions, masks)
+            plan = build_plan([len(run)] * b, [L[i] - 1 + used for i in range(b)], msg.page_tables, w.page_size,
+                              table_lens=msg.table_lens, positions=positions, custom_masks=masks)
+            _, step, pos = w.plan(plan)
+            out = self.head(ids, hid.reshape(b * len(run), -1), step, self.kv, pos)
             logits = out.logits.view(b, len(run), -1)
             hs = out.hidden.view(b, len(run), -1)
             for r, n in enumerate(run):
@@ -287,7 +271,6 @@ class _TreeDraws:
     greedy rows keep their top-k children."""
 
     def __init__(self, worker, rows, num_nodes: int):
-        self.worker, self.rows = worker, rows
         self.st = worker.sampling_tensors(rows)
         self.greedy = to_device([st.greedy for st in rows], worker.device).unsqueeze(-1)
         self.generators = [st.generator for st in rows]
