@@ -147,13 +147,25 @@ def train_mtp_cmd(
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast (default: where the "
                                         "CPU has native bf16)"),
     onpolicy_frac: float = typer.Option(0.0, help="share of windows continued by the target's greedy tokens"),
+    aux_layers: str = typer.Option("", help="comma-separated earlier target layers whose outputs the head also "
+                                   "reads (EAGLE-3 features), e.g. 1,3"),
+    init_from: Optional[Path] = typer.Option(None, help="a head directory to continue training from"),
     seed: int = typer.Option(0),
 ) -> None:
     """Train an MTP head on a target's hidden states (computed with specsched's own forward)."""
     from specsched.runtime.training.mtp import train_mtp
 
-    report = train_mtp(target, out, steps, minutes=minutes, norms=not no_norms, ablation=ablation,
-                       seed=seed, num_windows=windows, num_threads=threads, bf16=bf16, onpolicy_frac=onpolicy_frac)
+    try:
+        layers = tuple(int(x) for x in aux_layers.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"not a comma-separated list of layer indices: {aux_layers!r}",
+                                 param_hint="--aux-layers") from None
+    try:
+        report = train_mtp(target, out, steps, minutes=minutes, norms=not no_norms, ablation=ablation,
+                           seed=seed, num_windows=windows, num_threads=threads, bf16=bf16,
+                           onpolicy_frac=onpolicy_frac, aux_layers=layers, init_from=init_from)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     _print_json(report)
 
 

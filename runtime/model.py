@@ -284,35 +284,45 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, step: StepAttention, kv: PagedKVCache,
                 positions: torch.Tensor, *, logits_indices: torch.Tensor | None = None,
-                return_hidden: bool = False, inputs_embeds: torch.Tensor | None = None) -> ModelOutput:
+                return_hidden: bool = False, inputs_embeds: torch.Tensor | None = None,
+                aux_layers: tuple[int, ...] = ()) -> ModelOutput:
         """One step over N packed new tokens (the layout of `step.plan`).
 
         input_ids [N] (ignored when inputs_embeds [N, H] is given), positions [N] RoPE
         positions, logits_indices [M] rows to compute logits for (None: all N; an empty
-        tensor gives [0, V] logits).
+        tensor gives [0, V] logits). With `return_hidden`, `aux_layers` (increasing indices
+        of earlier decoder layers) put those layers' outputs in front of the last layer's:
+        hidden [N, (len(aux_layers) + 1) * H], the features an EAGLE-3 head reads.
         """
         if inputs_embeds is None:
             x = F.embedding(input_ids, self.embed_tokens.weight)
         else:
             x = inputs_embeds
         cos, sin = self.rotary(positions, x.dtype)
+        aux = [] if return_hidden and aux_layers else None
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, step, kv.layers[i], i)
-        hidden = x if return_hidden else None
+            if aux is not None and i in aux_layers:
+                aux.append(x)
+        hidden = None if not return_hidden else x if aux is None else torch.cat([*aux, x], -1)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         return ModelOutput(logits=self.compute_logits(self.final_norm(x)), hidden=hidden)
 
-    def forward_full(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_full(self, input_ids: torch.Tensor, aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """Plain causal forward without a KV cache: input_ids [B, T] ->
-        (logits [B, T, V] float32, hidden [B, T, H] before the final norm)."""
+        (logits [B, T, V] float32, hidden [B, T, H] before the final norm; with `aux_layers`
+        those layers' outputs in front, [B, T, (len(aux_layers) + 1) * H], as `forward`)."""
         x = F.embedding(input_ids, self.embed_tokens.weight)
         positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
         cos, sin = self.rotary(positions, x.dtype)
         step = CausalAttention()
+        aux = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, step, None, i)
-        return self.compute_logits(self.final_norm(x)), x
+            if i in aux_layers:
+                aux.append(x)
+        return self.compute_logits(self.final_norm(x)), (torch.cat([*aux, x], -1) if aux else x)
 
     # --- Hugging Face weights -------------------------------------------------------------
 

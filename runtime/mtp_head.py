@@ -9,13 +9,19 @@ lm_head give logits for t_{i+2}. The layer's output before that norm is the head
 (trained to match H_{i+1}), which multi-token drafting feeds back in place of H.
 `norms=False` drops enorm/hnorm (EAGLE's layout), kept for the ablation in the model card.
 
+`aux_layers` (EAGLE-3's multi-layer features): the outputs of these earlier target layers
+join H_i, and a bias-free `fc` maps the concatenation [(A + 1) * H] to H before hnorm. Only
+the target's features go through it: a draft step fed the head's own hidden (width H) skips
+it. A fresh `fc` is the identity on H_i and zero on the rest, so training starts from the
+plain head.
+
 A checkpoint is a directory: config.json (`architectures: ["SpecschedMTPHead"]`, the layer's
-shape, `norms`, `target_fingerprint`) and model.safetensors with the head's own weights
+shape, `norms`, `aux_layers`, `target_fingerprint`) and model.safetensors with the head's own weights
 only. Loading checks every field and tensor and names the file and the problem.
 
 On a tensor-parallel target (`target.tp`) the head follows it: its decoder layer is sharded
 like the target's (and so is its KV cache), while enorm/hnorm, eh_proj and the final norm stay
-replicated -- they are small, and every rank needs the full [N, H] input to the layer. The
+replicated (and so is `fc`) -- they are small, and every rank needs the full [N, H] input to the layer. The
 head's file is read whole and each rank keeps its slices (one layer: no memory worth saving).
 """
 from __future__ import annotations
@@ -57,13 +63,18 @@ class MTPHead(nn.Module):
     (kept outside the module's parameters, so they are never trained or saved). With `tp`
     the decoder layer holds this rank's shard (module docstring)."""
 
-    def __init__(self, config: ModelConfig, norms: bool = True, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, norms: bool = True, tp: TPGroup | None = None,
+                 aux_layers: tuple[int, ...] = ()) -> None:
         super().__init__()
         if config.num_hidden_layers != 1:
             raise ValueError(f"an MTP head has one decoder layer, config says {config.num_hidden_layers}")
         h = config.hidden_size
         self.config = config
         self.norms = norms
+        self.aux_layers = tuple(int(i) for i in aux_layers)
+        if list(self.aux_layers) != sorted(set(self.aux_layers)) or any(i < 0 for i in self.aux_layers):
+            raise ValueError(f"aux_layers must be increasing layer indices >= 0, got {list(aux_layers)}")
+        self.fc = nn.Linear((len(self.aux_layers) + 1) * h, h, bias=False) if self.aux_layers else None
         self.enorm = RMSNorm(h, config.rms_norm_eps) if norms else None
         self.hnorm = RMSNorm(h, config.rms_norm_eps) if norms else None
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
@@ -75,20 +86,26 @@ class MTPHead(nn.Module):
 
     @classmethod
     def for_target(cls, target: LlamaModel, norms: bool = True, seed: int = 0,
-                   std: float = 0.02) -> "MTPHead":
+                   std: float = 0.02, aux_layers: tuple[int, ...] = ()) -> "MTPHead":
         """A randomly initialised, frozen head shaped like one of the target's layers, bound
-        to it (`requires_grad_(True).train()` it to train)."""
+        to it (`requires_grad_(True).train()` it to train); `fc` (with `aux_layers`) starts as
+        the identity on the last layer's hidden state."""
         config = target.config.model_copy(update={"num_hidden_layers": 1})
-        head = cls(config, norms)
+        check_aux_layers(aux_layers, target.config.num_hidden_layers)
+        head = cls(config, norms, aux_layers=aux_layers)
         gen = torch.Generator().manual_seed(seed)
+        h = config.hidden_size
         with torch.no_grad():
             for name, p in head.named_parameters():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
+                elif name == "fc.weight":
+                    p.zero_()
+                    p[:, -h:].copy_(torch.eye(h))
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
         if target.tp is not None:  # this rank's shard of the head an unsharded target gets
-            full, head = head, cls(config, norms, tp=target.tp)
+            full, head = head, cls(config, norms, tp=target.tp, aux_layers=aux_layers)
             head.load_tensors(full.state_for_save())
         head = head.to(device=target.device, dtype=target.dtype).requires_grad_(False).eval()
         return head.bind(target)
@@ -123,6 +140,8 @@ class MTPHead(nn.Module):
         return self._shared
 
     def _inputs(self, token_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if self.fc is not None and hidden.shape[-1] != self.config.hidden_size:  # the target's features
+            hidden = F.linear(hidden, self.fc.weight)
         e = self.embed(token_ids).to(hidden.dtype)
         if self.norms:
             e, hidden = self.enorm(e), self.hnorm(hidden)
@@ -136,7 +155,8 @@ class MTPHead(nn.Module):
                 kv: PagedKVCache, positions: torch.Tensor, *,
                 logits_indices: torch.Tensor | None = None) -> HeadOutput:
         """Paged step over N packed rows: token_ids [N] (t_{i+1}), hidden [N, H] (H_i or the
-        head's own hidden), positions [N] (i); logits for rows `logits_indices` (None: all)."""
+        head's own hidden; [N, (A + 1) * H] target features with A `aux_layers`), positions [N]
+        (i); logits for rows `logits_indices` (None: all)."""
         x = self._inputs(token_ids, hidden)
         cos, sin = self.rotary(positions, x.dtype)
         x = self.layer(x, cos, sin, step, kv.layers[0], 0)
@@ -163,6 +183,8 @@ class MTPHead(nn.Module):
     def state_for_save(self) -> dict[str, torch.Tensor]:
         """The head's weights under checkpoint names, full size (sharded: a collective)."""
         out = {"eh_proj.weight": self.eh_proj.weight.detach(), "norm.weight": self.norm.weight.detach()}
+        if self.fc is not None:
+            out["fc.weight"] = self.fc.weight.detach()
         if self.norms:
             out["enorm.weight"] = self.enorm.weight.detach()
             out["hnorm.weight"] = self.hnorm.weight.detach()
@@ -170,9 +192,11 @@ class MTPHead(nn.Module):
         return {k: v.contiguous() for k, v in out.items()}
 
     @staticmethod
-    def expected_shapes(config: ModelConfig, norms: bool) -> dict[str, tuple[int, ...]]:
+    def expected_shapes(config: ModelConfig, norms: bool, aux_layers: tuple[int, ...] = ()) -> dict[str, tuple[int, ...]]:
         h = config.hidden_size
         shapes = {"eh_proj.weight": (h, 2 * h), "norm.weight": (h,)}
+        if aux_layers:
+            shapes["fc.weight"] = (h, (len(aux_layers) + 1) * h)
         if norms:
             shapes["enorm.weight"] = (h,)
             shapes["hnorm.weight"] = (h,)
@@ -183,6 +207,8 @@ class MTPHead(nn.Module):
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.eh_proj.weight.copy_(tensors["eh_proj.weight"])
         self.norm.weight.copy_(tensors["norm.weight"])
+        if self.fc is not None:
+            self.fc.weight.copy_(tensors["fc.weight"])
         if self.norms:
             self.enorm.weight.copy_(tensors["enorm.weight"])
             self.hnorm.weight.copy_(tensors["hnorm.weight"])
@@ -237,7 +263,7 @@ def save_head(head: MTPHead, out_dir: str | Path, target: LlamaModel, **card_fie
         "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
         "rope_scaling": c.rope_scaling.model_dump() if c.rope_scaling is not None else None,
         "max_position_embeddings": c.max_position_embeddings,
-        "norms": head.norms, "target_fingerprint": target_fingerprint(target),
+        "norms": head.norms, "aux_layers": list(head.aux_layers), "target_fingerprint": target_fingerprint(target),
         "torch_dtype": "float32", **card_fields,
     }
     (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -272,7 +298,21 @@ def load_head_config(path: str | Path) -> tuple[ModelConfig, bool, dict]:
         errors = getattr(exc, "errors", lambda: [])()
         msg = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in errors) or str(exc)
         raise CheckpointError(f"{cfg_path}: invalid MTP head config: {msg}") from None
+    aux = raw.get("aux_layers", [])
+    if not isinstance(aux, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux) \
+            or aux != sorted(set(aux)) or any(i < 0 for i in aux):
+        raise CheckpointError(f"{cfg_path}: field 'aux_layers' must be a list of increasing layer indices "
+                              f">= 0, got {aux!r}")
     return config, norms, raw
+
+
+def check_aux_layers(aux_layers: tuple[int, ...], num_target_layers: int) -> None:
+    """ValueError unless every aux layer is a target layer before its last (whose output is
+    always read)."""
+    bad = [i for i in aux_layers if not 0 <= i < num_target_layers - 1]
+    if bad:
+        raise ValueError(f"aux_layers {bad} are not layers before the target's last "
+                         f"(it has {num_target_layers}: 0..{num_target_layers - 2} qualify)")
 
 
 def load_head(path: str | Path, target: LlamaModel, *, check_target: bool = True) -> MTPHead:
@@ -301,7 +341,12 @@ def load_head(path: str | Path, target: LlamaModel, *, check_target: bool = True
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"cannot read {weights}: {exc}") from None
     check_finite(tensors, weights)
-    expected = MTPHead.expected_shapes(config, norms)
+    aux_layers = tuple(raw.get("aux_layers", []))
+    try:
+        check_aux_layers(aux_layers, target.config.num_hidden_layers)
+    except ValueError as exc:
+        raise CheckpointError(f"{cfg_path}: {exc}") from None
+    expected = MTPHead.expected_shapes(config, norms, aux_layers)
     for name, shape in expected.items():
         if name not in tensors:
             raise CheckpointError(f"missing tensor {name!r} in {weights} (expected shape {shape})")
@@ -310,9 +355,10 @@ def load_head(path: str | Path, target: LlamaModel, *, check_target: bool = True
                                   f"{tuple(tensors[name].shape)}, config.json implies {shape}")
     for name in tensors:
         if name not in expected:
-            why = " (norms is false in config.json)" if name in ("enorm.weight", "hnorm.weight") else ""
+            why = " (norms is false in config.json)" if name in ("enorm.weight", "hnorm.weight") else \
+                " (config.json has no aux_layers)" if name == "fc.weight" else ""
             raise CheckpointError(f"unexpected tensor {name!r} in {weights}{why}")
-    head = MTPHead(config, norms, tp=target.tp)
+    head = MTPHead(config, norms, tp=target.tp, aux_layers=aux_layers)
     head.load_tensors(tensors)
     head = head.to(device=target.device, dtype=target.dtype).requires_grad_(False).eval()
     return head.bind(target)

@@ -283,7 +283,7 @@ class ModelWorker:
         out = self.target(
             input_ids, step, self.kv, positions,
             logits_indices=to_device(last[sample_rows], self.device, torch.int64),
-            return_hidden=self.proposer.needs_hidden,
+            return_hidden=self.proposer.needs_hidden, aux_layers=self.proposer.aux_layers,
         )
         if sample_rows.size:
             srows = [self.states[slots[i]] for i in sample_rows.tolist()]
@@ -376,9 +376,10 @@ class ModelWorker:
         """The target over a verify's rows: (logits [B*W, V], hidden or None), in one forward or
         in `verify_micro_batches` forwards over consecutive rows."""
         need_hidden = self.proposer.needs_hidden
+        hid = dict(return_hidden=need_hidden, aux_layers=self.proposer.aux_layers)
         parts = min(self.verify_micro_batches, b)
         if parts <= 1:
-            out = self.target(input_ids, step, self.kv, positions, return_hidden=need_hidden)
+            out = self.target(input_ids, step, self.kv, positions, **hid)
             return out.logits, out.hidden
         logits, hidden = [], []
         indptr = plan.qo_indptr
@@ -387,7 +388,7 @@ class ModelWorker:
             sub = plan.rows(lo, hi)
             a, z = int(indptr[lo]), int(indptr[hi])
             out = self.target(input_ids[a:z], self.backend.prepare(sub, self.device), self.kv,
-                              positions[a:z], return_hidden=need_hidden)
+                              positions[a:z], **hid)
             logits.append(out.logits)
             hidden.append(out.hidden)
         return torch.cat(logits), (torch.cat(hidden) if need_hidden else None)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 class NoProposer:
     needs_hidden = False
+    aux_layers: tuple[int, ...] = ()  # earlier target layers whose outputs join the hidden states (EAGLE-3)
 
     def __init__(self, worker: "ModelWorker"):
         self.worker = worker

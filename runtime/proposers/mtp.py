@@ -48,6 +48,7 @@ class HeadProposer(NoProposer):
             raise ValueError(f"proposer {spec.kind!r} needs an MTP head directory")
         self.spec = spec
         self.head = load_head(proposer_dir, worker.target)
+        self.aux_layers = self.head.aux_layers
         self.kv = self.head.make_kv_cache(num_pages, worker.page_size, backend=worker.backend)
         self.kept = HiddenLog()  # target hidden states of forwards whose fill waits
 
@@ -149,7 +150,7 @@ class HeadProposer(NoProposer):
             return []
         seq = prompt + output
         ids = self._tensor([seq])
-        _, hidden = self.worker.target.forward_full(ids)
+        _, hidden = self.worker.target.forward_full(ids, self.aux_layers)
         out = self.head.forward_full(ids[:, 1:], hidden[:, :-1])
         pred = out.logits[0].argmax(-1).tolist()  # pred[i] guesses seq[i + 2]
         p = len(prompt)

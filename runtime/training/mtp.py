@@ -66,12 +66,15 @@ class TrainStats:
 
 
 @torch.inference_mode()
-def precompute_hidden(target: LlamaModel, windows: torch.Tensor, batch: int = 16) -> torch.Tensor:
+def precompute_hidden(target: LlamaModel, windows: torch.Tensor, batch: int = 16,
+                      aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
     """Target hidden states (before the final norm) for windows [N, S] -> [N, S, H] bf16,
-    computed with the runtime's dense forward."""
-    out = torch.empty(*windows.shape, target.config.hidden_size, dtype=torch.bfloat16)
+    computed with the runtime's dense forward; with `aux_layers` those layers' outputs in
+    front, [N, S, (A + 1) * H] (the features an EAGLE-3 head reads)."""
+    width = (len(aux_layers) + 1) * target.config.hidden_size
+    out = torch.empty(*windows.shape, width, dtype=torch.bfloat16)
     for i in range(0, windows.shape[0], batch):
-        _, hidden = target.forward_full(windows[i : i + batch].to(target.device))
+        _, hidden = target.forward_full(windows[i : i + batch].to(target.device), aux_layers)
         out[i : i + batch] = hidden.to(torch.bfloat16).cpu()
     return out
 
@@ -132,12 +135,14 @@ def _terms(out, t_logp: torch.Tensor, labels: torch.Tensor, want_hidden: torch.T
 
 def head_loss(head: MTPHead, target: LlamaModel, ids: torch.Tensor, hidden: torch.Tensor,
               cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss over windows ids [B, S], hidden [B, S, H] (H_0..H_{S-1}): head positions 0..S-3,
-    plus `rollout_weight` x the same terms for the second draft step."""
-    hidden = hidden.float()
+    """Loss over windows ids [B, S], hidden [B, S, H] (H_0..H_{S-1}; with aux layers the
+    features, the last layer's state last): head positions 0..S-3, plus `rollout_weight` x the
+    same terms for the second draft step."""
+    features = hidden.float()
+    hidden = features[..., -target.config.hidden_size:]  # the last layer's: logits and the hidden term
     with torch.no_grad():
         t_logp = F.log_softmax(target.compute_logits(target.final_norm(hidden[:, 1:-1])), -1)
-    out1, out2 = head_rollout(head, ids, hidden, second=cfg.rollout_weight > 0)
+    out1, out2 = head_rollout(head, ids, features, second=cfg.rollout_weight > 0)
     kl, ce, mse = _terms(out1, t_logp, ids[:, 2:], hidden[:, 1:-1])
     loss = kl + cfg.ce_weight * ce + cfg.hidden_weight * mse
     parts = {"kl": kl.item(), "ce": ce.item(), "hidden_mse": mse.item()}
@@ -149,14 +154,26 @@ def head_loss(head: MTPHead, target: LlamaModel, ids: torch.Tensor, hidden: torc
 
 
 def train_head(target: LlamaModel, ids: torch.Tensor, hidden: torch.Tensor, *, norms: bool = True,
-               cfg: TrainConfig = TrainConfig(), log=print) -> tuple[MTPHead, TrainStats]:
-    """Train a fresh head on precomputed windows ids [N, S] / hidden [N, S, H].
+               cfg: TrainConfig = TrainConfig(), aux_layers: tuple[int, ...] = (), init: MTPHead | None = None,
+               log=print) -> tuple[MTPHead, TrainStats]:
+    """Train a head on precomputed windows ids [N, S] / hidden [N, S, (A + 1) * H] (A =
+    len(aux_layers)): a fresh one, or one starting from `init`'s weights (its norms; `fc`, where
+    `init` has none, starts as the identity on the last layer's state).
 
     With cfg.steps the schedule is by step (deterministic); otherwise by elapsed time over
     cfg.budget_s (a busy machine takes fewer steps)."""
     torch.manual_seed(cfg.seed)
     target = target.float().requires_grad_(False).eval()
-    head = MTPHead.for_target(target, norms=norms, seed=cfg.seed).float().train().requires_grad_(True)
+    head = MTPHead.for_target(target, norms=norms, seed=cfg.seed, aux_layers=aux_layers)
+    if init is not None:
+        start = init.state_for_save()
+        if init.norms != norms or (init.fc is not None and init.aux_layers != head.aux_layers):
+            raise ValueError(f"cannot start a head (norms={norms}, aux_layers={list(aux_layers)}) from one with "
+                             f"norms={init.norms}, aux_layers={list(init.aux_layers)}")
+        if head.fc is not None and init.fc is None:
+            start["fc.weight"] = head.fc.weight.detach()
+        head.load_tensors(start)
+    head = head.float().train().requires_grad_(True)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     history: list[dict[str, float]] = []
@@ -218,7 +235,8 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
               minutes: float = 6.0, norms: bool = True, ablation: bool = False, seed: int = 0,
               num_windows: int = 2400, seq_len: int = 128, batch_size: int = 8, lr: float = 2e-3,
               num_threads: int = 2, validate: bool = True, num_prompts: int = 24, bf16: bool | None = None,
-              onpolicy_frac: float = 0.0, onpolicy_prompt: int = 64, log=print) -> dict:
+              onpolicy_frac: float = 0.0, onpolicy_prompt: int = 64, aux_layers: tuple[int, ...] = (),
+              init_from: str | Path | None = None, log=print) -> dict:
     """Train an MTP head for the target in `target_dir` (HF layout with tokenizer.json) and
     save it, with a model card, to `out_dir`.
 
@@ -230,11 +248,14 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
     the card): training stats per variant and their validation numbers. bf16: autocast in the
     training loop (default: where the CPU multiplies bf16 natively). onpolicy_frac: share of the
     training windows whose tokens after the first `onpolicy_prompt` are the target's greedy
-    continuation instead of corpus text (on-policy data, onpolicy.py).
+    continuation instead of corpus text (on-policy data, onpolicy.py). aux_layers: earlier
+    target layers whose outputs the head also reads (EAGLE-3's features, `fc` maps them to H).
+    init_from: a head directory to continue training from (same norms; its `fc`, if any, must
+    read the same layers).
     """
     import tempfile
 
-    from specsched.runtime.mtp_head import save_head, target_fingerprint
+    from specsched.runtime.mtp_head import check_aux_layers, load_head, save_head, target_fingerprint
     from specsched.runtime.tokenizer import Tokenizer
     from specsched.runtime.training.corpus import function_prompts
     from specsched.runtime.training.mtp_eval import validate_head
@@ -245,6 +266,13 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
     bf16 = bf16_supported() if bf16 is None else bf16
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     target = load_model(target_dir)
+    aux_layers = tuple(aux_layers)
+    check_aux_layers(aux_layers, target.config.num_hidden_layers)
+    init = None
+    if init_from is not None:
+        if ablation:
+            raise ValueError("--ablation trains the other variant from scratch; it does not combine with --init-from")
+        init = load_head(init_from, target)
     tok = Tokenizer(target_dir)
     cfg = TrainConfig(seq_len=seq_len, batch_size=batch_size, lr=lr, budget_s=minutes * 60, steps=steps, seed=seed,
                       bf16=bf16)
@@ -262,7 +290,7 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
         del hf
         log(f"[mtp] {num_onpolicy} greedy continuations in {time.perf_counter() - t0:.0f}s")
     t0 = time.perf_counter()
-    hidden = precompute_hidden(target, train_w)
+    hidden = precompute_hidden(target, train_w, aux_layers=aux_layers)
     pre_s = time.perf_counter() - t0
     log(f"[mtp] target hidden states for {train_w.numel():,} tokens in {pre_s:.0f}s")
     prompts = [tok.encode(p) for p in
@@ -271,11 +299,13 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
         "train_files": len(corpus.train), "heldout_files": len(corpus.heldout),
         "train_windows": int(train_w.shape[0]), "window_tokens": int(train_w.shape[1]),
         "onpolicy_windows": num_onpolicy, "onpolicy_prompt": onpolicy_prompt},
-        "config": asdict(cfg), "num_threads": num_threads, "precompute_s": round(pre_s, 1), "variants": {}}
+        "config": asdict(cfg), "num_threads": num_threads, "precompute_s": round(pre_s, 1), "variants": {},
+        "aux_layers": list(aux_layers), "init_from": None if init_from is None else str(init_from)}
     variants = [norms, not norms] if ablation else [norms]
     with tempfile.TemporaryDirectory() as tmp:
         for v in variants:
-            head, stats = train_head(target, train_w, hidden, norms=v, cfg=cfg, log=log)
+            head, stats = train_head(target, train_w, hidden, norms=v, cfg=cfg, aux_layers=aux_layers,
+                                     init=init, log=log)
             cfg = replace(cfg, steps=stats.steps)  # the ablation gets the same number of steps
             stats.precompute_s = pre_s
             where = out_dir if v == norms else Path(tmp) / "ablation"
@@ -303,6 +333,9 @@ def write_card(path: Path, report: dict, shipped: str) -> None:
     if report["corpus"].get("onpolicy_windows"):
         flags += f" --onpolicy-frac {report['corpus']['onpolicy_windows'] / report['corpus']['train_windows']:g}"
     flags += " --no-norms" if shipped == "no_norms" else ""
+    aux = report.get("aux_layers") or []
+    flags += f" --aux-layers {','.join(map(str, aux))}" if aux else ""
+    flags += f" --init-from {report['init_from']}" if report.get("init_from") else ""
     if len(variants) > 1:
         flags += " --ablation"
     eagle_key = next((k for k in v if k.startswith("eagle")), None)
@@ -313,6 +346,9 @@ def write_card(path: Path, report: dict, shipped: str) -> None:
         "projected 2H -> H, one decoder layer shaped like the target's, a final RMSNorm, then the",
         "target's own embedding / lm_head (shared, frozen, not stored here). Trained by",
         "`runtime/training/mtp.py`; used by `--spec mtp` (linear drafts) and `--spec eagle` (top-k tree).",
+        *([f"The target hidden state joins the outputs of its layers {aux} (EAGLE-3's features), mapped",
+           f"{len(aux) + 1}H -> H by `fc` before hnorm."] if aux else []),
+        *([f"Training continued from the head in `{report['init_from']}`."] if report.get("init_from") else []),
         "",
         f"- target: `{Path(report['target']).name}`, fingerprint `{report['target_fingerprint']}`"
         " (loading refuses a head trained for another target)",

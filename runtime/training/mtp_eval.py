@@ -171,7 +171,7 @@ def paged_agreement(target, head, windows: torch.Tensor, page_size: int = 16) ->
         step = backend.prepare(plan, target.device)
         pos = torch.as_tensor(plan.positions, device=target.device)
         ids = w.to(target.device)
-        out = target(ids, step, kv_t, pos, return_hidden=True)
+        out = target(ids, step, kv_t, pos, return_hidden=True, aux_layers=head.aux_layers)
         hplan = build_plan([s - 1], [s - 1], [pages], page_size)
         hstep = backend.prepare(hplan, target.device)
         hout = head(ids[1:], out.hidden[:-1], hstep, kv_h, pos[:-1])
