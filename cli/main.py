@@ -115,6 +115,7 @@ def train_models(
     mtp_minutes: float = typer.Option(15.0),
     mtp_windows: int = typer.Option(16000, help="precomputed training windows for the MTP head"),
     mtp_onpolicy_frac: float = typer.Option(0.75, help="share of the head's windows continued by the target"),
+    mtp_aux_layers: str = typer.Option("", help="earlier target layers the MTP head also reads (comma-separated)"),
     state: Optional[Path] = typer.Option(None, help="checkpoint dir: a rerun continues where the last stopped"),
     tokenizer: Optional[Path] = typer.Option(None, help="reuse this tokenizer.json instead of training one"),
     threads: int = typer.Option(2),
@@ -127,11 +128,21 @@ def train_models(
     from specsched.runtime.training.bundled import main as train_main
     from specsched.runtime.training.mtp import train_mtp
 
+    aux = _layer_list(mtp_aux_layers, "--mtp-aux-layers")
     train_main(out_dir=str(out), target_minutes=target_minutes, draft_minutes=draft_minutes, seed=seed,
                target_steps=target_steps, draft_steps=draft_steps, num_threads=threads, state_dir=state,
                tokenizer=tokenizer, bf16=bf16, batch_size=batch_size)
     train_mtp(out / "target", out / "mtp", mtp_steps, minutes=mtp_minutes, ablation=True, seed=seed,
-              num_windows=mtp_windows, num_threads=threads, bf16=bf16, onpolicy_frac=mtp_onpolicy_frac)
+              num_windows=mtp_windows, num_threads=threads, bf16=bf16, onpolicy_frac=mtp_onpolicy_frac,
+              aux_layers=aux)
+
+
+def _layer_list(text: str, flag: str) -> tuple[int, ...]:
+    """'1,3' -> (1, 3); a clear usage error otherwise."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"not a comma-separated list of layer indices: {text!r}", param_hint=flag) from None
 
 
 @app.command("train-mtp")
@@ -155,17 +166,13 @@ def train_mtp_cmd(
     """Train an MTP head on a target's hidden states (computed with specsched's own forward)."""
     from specsched.runtime.training.mtp import train_mtp
 
-    try:
-        layers = tuple(int(x) for x in aux_layers.split(",") if x.strip())
-    except ValueError:
-        raise typer.BadParameter(f"not a comma-separated list of layer indices: {aux_layers!r}",
-                                 param_hint="--aux-layers") from None
+    layers = _layer_list(aux_layers, "--aux-layers")
     try:
         report = train_mtp(target, out, steps, minutes=minutes, norms=not no_norms, ablation=ablation,
                            seed=seed, num_windows=windows, num_threads=threads, bf16=bf16,
                            onpolicy_frac=onpolicy_frac, aux_layers=layers, init_from=init_from)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    except ValueError as exc:  # a layer the target lacks, a head --init-from that does not fit
+        raise typer.BadParameter(str(exc), param_hint="--aux-layers / --init-from") from None
     _print_json(report)
 
 

@@ -139,3 +139,17 @@ def test_export_to_a_dead_collector_fails_fast_with_one_line():
     text = " ".join(res.stderr.split())
     assert text.startswith("error: --otlp http://127.0.0.1:") and "batch 1 (512 spans) was not delivered" in text
     assert len(lines) <= 3, res.stderr  # one message (rich may wrap it), no SDK retry lines
+
+
+@pytest.mark.parametrize("layers,message", [
+    ("a,b", "not a comma-separated list of layer indices: 'a,b'"),
+    ("5", "aux_layers [5] are not layers before the target's last (it has 6: 0..4 qualify)"),
+])
+def test_train_mtp_refuses_aux_layers_the_target_lacks(tmp_path, layers, message):
+    from specsched.runtime import bundled
+
+    res = _cli("train-mtp", "--target", str(bundled.target_dir()), "--out", str(tmp_path / "head"),
+               "--aux-layers", layers)
+    assert res.returncode == 2
+    assert message in " ".join(res.stderr.replace("│", " ").split())
+    assert not (tmp_path / "head").exists()  # refused before any training
