@@ -3,7 +3,8 @@
 Why: the head is only useful if its guesses match the target's greedy tokens, so it learns
 from the target itself. Target hidden states are precomputed once with the runtime's own
 `LlamaModel.forward_full` (the costly part; the target's logits are recomputed from them on
-the fly, lm_head being shared), then the head trains on them:
+the fly, lm_head being shared; with `aux_layers` the earlier layers' outputs are kept in front
+of the last's, the features an EAGLE-3 head reads), then the head trains on them:
 
     loss = KL(p_target(. | x_<=i+1) || p_head(. | H_i, x_{i+1}))      next-token distillation
          + ce_weight * CE(p_head, x_{i+2})                             the corpus itself
