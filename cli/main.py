@@ -115,7 +115,8 @@ def train_models(
     mtp_minutes: float = typer.Option(15.0),
     mtp_windows: int = typer.Option(16000, help="precomputed training windows for the MTP head"),
     mtp_onpolicy_frac: float = typer.Option(0.75, help="share of the head's windows continued by the target"),
-    mtp_aux_layers: str = typer.Option("", help="earlier target layers the MTP head also reads (comma-separated)"),
+    mtp_aux_layers: str = typer.Option("1,3", help="earlier target layers the MTP head also reads (comma-separated; "
+                                       "'' for the last layer only)"),
     state: Optional[Path] = typer.Option(None, help="checkpoint dir: a rerun continues where the last stopped"),
     tokenizer: Optional[Path] = typer.Option(None, help="reuse this tokenizer.json instead of training one"),
     threads: int = typer.Option(2),
