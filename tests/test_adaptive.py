@@ -616,7 +616,7 @@ def test_prompts_admitted_while_speculation_is_off_are_caught_up_before_drafting
         catch_up(self, msg)
 
         def ref(seq, end):  # the head run teacher-forced on the target's hidden states
-            _, hidden = self.worker.target.forward_full(seq)
+            _, hidden = self.worker.target.forward_full(seq, self.aux_layers)
             return self.head.forward_full(seq[:, 1:], hidden[:, :-1]).logits[0, end - 1]
 
         record(self, msg, ref)
