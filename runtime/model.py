@@ -299,12 +299,12 @@ class LlamaModel(nn.Module):
         else:
             x = inputs_embeds
         cos, sin = self.rotary(positions, x.dtype)
-        aux = [] if return_hidden and aux_layers else None
+        aux = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, step, kv.layers[i], i)
-            if aux is not None and i in aux_layers:
+            if return_hidden and i in aux_layers:
                 aux.append(x)
-        hidden = None if not return_hidden else x if aux is None else torch.cat([*aux, x], -1)
+        hidden = _with_aux(aux, x) if return_hidden else None
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         return ModelOutput(logits=self.compute_logits(self.final_norm(x)), hidden=hidden)
@@ -322,7 +322,7 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, step, None, i)
             if i in aux_layers:
                 aux.append(x)
-        return self.compute_logits(self.final_norm(x)), (torch.cat([*aux, x], -1) if aux else x)
+        return self.compute_logits(self.final_norm(x)), _with_aux(aux, x)
 
     # --- Hugging Face weights -------------------------------------------------------------
 
@@ -368,3 +368,8 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             out.update(layer.hf_state_dict(f"model.layers.{i}."))
         return out
+
+
+def _with_aux(aux: list[torch.Tensor], last: torch.Tensor) -> torch.Tensor:
+    """The hidden states a forward returns: the last layer's, the aux layers' outputs in front."""
+    return torch.cat([*aux, last], -1) if aux else last

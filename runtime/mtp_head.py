@@ -71,9 +71,7 @@ class MTPHead(nn.Module):
         h = config.hidden_size
         self.config = config
         self.norms = norms
-        self.aux_layers = tuple(int(i) for i in aux_layers)
-        if list(self.aux_layers) != sorted(set(self.aux_layers)) or any(i < 0 for i in self.aux_layers):
-            raise ValueError(f"aux_layers must be increasing layer indices >= 0, got {list(aux_layers)}")
+        self.aux_layers = check_aux_layers(aux_layers)
         self.fc = nn.Linear((len(self.aux_layers) + 1) * h, h, bias=False) if self.aux_layers else None
         self.enorm = RMSNorm(h, config.rms_norm_eps) if norms else None
         self.hnorm = RMSNorm(h, config.rms_norm_eps) if norms else None
@@ -298,21 +296,26 @@ def load_head_config(path: str | Path) -> tuple[ModelConfig, bool, dict]:
         errors = getattr(exc, "errors", lambda: [])()
         msg = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in errors) or str(exc)
         raise CheckpointError(f"{cfg_path}: invalid MTP head config: {msg}") from None
-    aux = raw.get("aux_layers", [])
-    if not isinstance(aux, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux) \
-            or aux != sorted(set(aux)) or any(i < 0 for i in aux):
-        raise CheckpointError(f"{cfg_path}: field 'aux_layers' must be a list of increasing layer indices "
-                              f">= 0, got {aux!r}")
+    try:
+        check_aux_layers(raw.get("aux_layers", []))
+    except ValueError as exc:
+        raise CheckpointError(f"{cfg_path}: field {exc}") from None
     return config, norms, raw
 
 
-def check_aux_layers(aux_layers: tuple[int, ...], num_target_layers: int) -> None:
-    """ValueError unless every aux layer is a target layer before its last (whose output is
+def check_aux_layers(aux_layers, num_target_layers: int | None = None) -> tuple[int, ...]:
+    """`aux_layers` as a tuple; ValueError unless it is a list of increasing layer indices
+    >= 0 and, given the target's layer count, each a layer before its last (whose output is
     always read)."""
-    bad = [i for i in aux_layers if not 0 <= i < num_target_layers - 1]
+    ok = isinstance(aux_layers, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                       for i in aux_layers)
+    if not ok or list(aux_layers) != sorted(set(aux_layers)) or any(i < 0 for i in aux_layers):
+        raise ValueError(f"'aux_layers' must be a list of increasing layer indices >= 0, got {aux_layers!r}")
+    bad = [] if num_target_layers is None else [i for i in aux_layers if i >= num_target_layers - 1]
     if bad:
         raise ValueError(f"aux_layers {bad} are not layers before the target's last "
                          f"(it has {num_target_layers}: 0..{num_target_layers - 2} qualify)")
+    return tuple(aux_layers)
 
 
 def load_head(path: str | Path, target: LlamaModel, *, check_target: bool = True) -> MTPHead:
@@ -341,9 +344,8 @@ def load_head(path: str | Path, target: LlamaModel, *, check_target: bool = True
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"cannot read {weights}: {exc}") from None
     check_finite(tensors, weights)
-    aux_layers = tuple(raw.get("aux_layers", []))
     try:
-        check_aux_layers(aux_layers, target.config.num_hidden_layers)
+        aux_layers = check_aux_layers(raw.get("aux_layers", []), target.config.num_hidden_layers)
     except ValueError as exc:
         raise CheckpointError(f"{cfg_path}: {exc}") from None
     expected = MTPHead.expected_shapes(config, norms, aux_layers)

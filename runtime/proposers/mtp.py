@@ -48,12 +48,15 @@ class HeadProposer(NoProposer):
             raise ValueError(f"proposer {spec.kind!r} needs an MTP head directory")
         self.spec = spec
         self.head = load_head(proposer_dir, worker.target)
-        self.aux_layers = self.head.aux_layers
         self.kv = self.head.make_kv_cache(num_pages, worker.page_size, backend=worker.backend)
         self.kept = HiddenLog()  # target hidden states of forwards whose fill waits
 
     def _tensor(self, values) -> torch.Tensor:
         return to_device(values, self.worker.device, torch.int64)
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:  # the target layers the head reads besides the last
+        return self.head.aux_layers
 
     def release(self, slot: int) -> None:
         self.kept.release(slot)

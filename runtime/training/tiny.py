@@ -104,14 +104,21 @@ def _train_tiny_head(target, out: Path, seed: int, train_steps: int, norms: bool
     from specsched.runtime.mtp_head import save_head
     from specsched.runtime.training.mtp import TrainConfig, precompute_hidden, train_head
 
+    seqs = greedy_windows(target, seed)
+    hidden = precompute_hidden(target, seqs)
+    tcfg = TrainConfig(seq_len=seqs.shape[1] - 2, batch_size=16, lr=1e-2, steps=train_steps, seed=seed)
+    head, _ = train_head(target, seqs, hidden, norms=norms, cfg=tcfg, log=lambda *_: None)
+    save_head(head, out, target)
+    return str(out)
+
+
+def greedy_windows(target, seed: int) -> torch.Tensor:
+    """64 windows of 48 tokens a tiny head trains on: 4 random tokens, then the target's greedy
+    continuation."""
     gen = torch.Generator().manual_seed(seed)
     seqs = torch.randint(0, target.config.vocab_size, (64, 4), generator=gen)
     with torch.inference_mode():
         for _ in range(44):
             logits, _ = target.forward_full(seqs)
             seqs = torch.cat([seqs, logits[:, -1].argmax(-1, keepdim=True)], 1)
-    hidden = precompute_hidden(target, seqs)
-    tcfg = TrainConfig(seq_len=seqs.shape[1] - 2, batch_size=16, lr=1e-2, steps=train_steps, seed=seed)
-    head, _ = train_head(target, seqs, hidden, norms=norms, cfg=tcfg, log=lambda *_: None)
-    save_head(head, out, target)
-    return str(out)
+    return seqs
