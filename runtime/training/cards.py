@@ -7,6 +7,7 @@ the decode path and the exact command that reproduces it.
 from __future__ import annotations
 
 import platform
+import re
 from pathlib import Path
 
 from specsched.runtime.training.bundled import ONPOLICY_PROMPT
@@ -51,4 +52,31 @@ def write_card(path: Path, role: str, corpus: Corpus, stats: RunStats, steps_fla
         "wall-clock minutes (schedule by elapsed time), approximately, not bit-, reproducible. A",
         "different Python version changes the corpus.", "",
     ]
-    path.write_text("\n".join(lines))
+    save_card(path, lines)
+
+
+_SECTION = re.compile(r"^## ", re.MULTILINE)
+
+
+def _sections(text: str) -> dict[str, str]:
+    """A card's `## ` sections by heading line, each up to the next (the text before the first
+    is left out)."""
+    starts = [m.start() for m in _SECTION.finditer(text)] + [len(text)]
+    return {text[a:b].split("\n", 1)[0].strip(): text[a:b].rstrip("\n") for a, b in zip(starts, starts[1:])}
+
+
+def save_card(path: Path, lines: list[str]) -> None:
+    """Write a generated card (`lines`) at `path`, keeping the sections written by hand: any
+    `## ` section of the card already there whose heading the generated one lacks (an ablation
+    measured in another run, say) stays, in its order, before the generated `## Reproduce`
+    section (at the end where there is none). A rerun of a card's command then updates its
+    figures without dropping what was added to it."""
+    text = "\n".join(lines)
+    old = path.read_text() if path.exists() else ""
+    new_heads = _sections(text)
+    kept = [body for head, body in _sections(old).items() if head not in new_heads]
+    if kept:
+        notes = "\n\n".join(kept)
+        at = text.find("\n## Reproduce")
+        text = text.rstrip("\n") + "\n\n" + notes + "\n" if at < 0 else text[: at + 1] + notes + "\n\n" + text[at + 1:]
+    path.write_text(text)

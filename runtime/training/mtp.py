@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from specsched.runtime.attention.torch_backend import CausalAttention
 from specsched.runtime.checkpoint import load_model
 from specsched.runtime.model import LlamaModel
+from specsched.runtime.training.cards import save_card
 from specsched.runtime.training.loop import lr_at
 from specsched.runtime.mtp_head import MTPHead
 
@@ -397,4 +398,4 @@ def write_card(path: Path, report: dict, shipped: str) -> None:
         "retrains the variant without the norms for the table above):", "",
         f"    specsched train-mtp --target runtime/bundled/target --out runtime/bundled/mtp {flags}", "",
     ]
-    path.write_text("\n".join(lines))
+    save_card(path, lines)
