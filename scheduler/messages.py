@@ -56,9 +56,14 @@ class LaunchShape:
 
     def attrs(self) -> dict[str, Any]:
         """The shape as span attributes (fields that are set): a new dict the caller may change."""
+        return self.view().copy()
+
+    def view(self) -> dict[str, Any]:
+        """`attrs()` without the copy, for readers that do not change it (the virtual device
+        prices every launch by it)."""
         got = self._attrs
         if got is not None:
-            return got.copy()
+            return got
         out: dict[str, Any] = {"requests": self.requests, "tokens": self.tokens, "kv_tokens": self.kv_tokens}
         if self.kind is not None:
             out["kind"] = self.kind
@@ -71,7 +76,7 @@ class LaunchShape:
         if self.padded_attn is not None:
             out["padded_attn"] = self.padded_attn
         object.__setattr__(self, "_attrs", out)
-        return out.copy()
+        return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,7 +92,7 @@ class TraceResponder:
             else:
                 accepted, drafted = self._outcomes(slots, msg.num_draft)
             self.known[slots] += accepted + 1
-            attrs = msg.shape.attrs()
+            attrs = msg.shape.view()
             subs = [("verify", int(self._device_ns("verify", attrs))),
                     ("accept", int(self._device_ns("accept", attrs)) if "accept" in self.profile.device else 0)]
             tokens = self._tokens(len(slots), (largest(accepted) if len(accepted) else 0) + 1)
