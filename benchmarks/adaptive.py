@@ -15,19 +15,28 @@ the policy deciding in the replay and with each step's D taken from the run
     python benchmarks/adaptive.py [--concurrency 1 4 16 64] [--rounds 3] [--max-tokens 32]
     python benchmarks/adaptive.py --replay-only --save-traces DIR   # the replays alone, traces kept
     python benchmarks/adaptive.py --device cuda --attention flashinfer --dtype bfloat16   # on a GPU
+    python benchmarks/adaptive.py --baseline ../before   # also `auto` of another checkout's policy
+
+With `--baseline CHECKOUT` (e.g. a git worktree of an earlier commit) every round also runs
+`auto` with that checkout's code, in a process of its own, in the same rotated order: the
+column `auto@base`, and its ratio to the best fixed D next to auto's.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
-from dataclasses import replace
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import add_device_options, bundled_items, device_fields, run  # noqa: E402
+from common import add_device_options, bundled_items, device_fields, run, specsched_path  # noqa: E402
 from specsched.scheduler.wiring import NATURAL_SCHEDULE  # noqa: E402
 
 PROPOSERS = {k: NATURAL_SCHEDULE[k] for k in ("draft", "mtp", "ngram")}  # each under its default schedule
@@ -75,8 +84,13 @@ def main() -> None:
                     "with their traces and the simulator's replays of them")
     ap.add_argument("--save-traces", type=Path, help="write the auto traces to this folder "
                     "(auto_<proposer>_c<concurrency>.jsonl), e.g. to validate them with another checkout")
+    ap.add_argument("--baseline", type=Path, help="another checkout whose `auto` runs side by side (auto@base)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # one run of this configuration, its tok/s as JSON
     add_device_options(ap)
     args = ap.parse_args()
+    if args.one:
+        one_run(args)
+        return
     if min(args.concurrency) < 1 or args.rounds < 1 or args.max_draft_len < 1 or args.max_tokens < 2:
         ap.error("--concurrency, --rounds and --max-draft-len must be >= 1, --max-tokens >= 2")
     if args.replay_only and args.no_replay:
@@ -88,9 +102,12 @@ def main() -> None:
     print(("the auto runs' replays alone" if args.replay_only else
            f"output tokens/s, median of {args.rounds} interleaved rounds")
           + f"; output lengths {min(spread)}..{max(spread)} tokens (see `lengths`)")
+    base_env = None
+    if args.baseline is not None:
+        base_env = {**os.environ, "PYTHONPATH": specsched_path(args.baseline, Path(tempfile.mkdtemp()))}
     for proposer in args.proposers:
         cfgs = configs(proposer, args.max_draft_len, device_fields(args))
-        names = list(cfgs)
+        names = list(cfgs) + ([BASE] if base_env else [])
         table: dict[int, dict[str, float]] = {}
         for c in [] if args.replay_only else args.concurrency:
             items = workload(c, args.max_tokens, args.min_requests)
@@ -98,6 +115,9 @@ def main() -> None:
             for r in range(args.rounds):
                 order = names[r % len(names):] + names[: r % len(names)]
                 for name in order:
+                    if name == BASE:
+                        got[name].append(baseline_run(args, proposer, c, base_env))
+                        continue
                     m, _ = run(items, concurrency=c, warmup=1, trace=False, **cfgs[name])
                     got[name].append(m["output_tokens_per_s"])
             table[c] = {n: statistics.median(v) for n, v in got.items()}
@@ -127,17 +147,43 @@ def main() -> None:
         print("  simulator replaying the auto traces: " + "; ".join(errs))
 
 
+BASE = "auto@base"  # the baseline checkout's auto (`--baseline`)
+
+
+def one_run(args) -> None:
+    """`--one NAME`: one run of configuration NAME of the first proposer at the first
+    concurrency; its output tokens/s as JSON on the last line (a `--baseline` process)."""
+    proposer, c = args.proposers[0], args.concurrency[0]
+    cfg = configs(proposer, args.max_draft_len, device_fields(args))[args.one]
+    m, _ = run(workload(c, args.max_tokens, args.min_requests), concurrency=c, warmup=1, trace=False, **cfg)
+    print(json.dumps(m["output_tokens_per_s"]))
+
+
+def baseline_run(args, proposer: str, c: int, env: dict) -> float:
+    """Tokens/s of `auto` with the baseline checkout's code (this script's `--one` mode)."""
+    cmd = [sys.executable, __file__, "--one", "auto", "--proposers", proposer, "--concurrency", str(c),
+           "--max-tokens", str(args.max_tokens), "--min-requests", str(args.min_requests),
+           "--max-draft-len", str(args.max_draft_len), *sum(([f"--{k}", str(v)] for k, v in device_fields(args).items()), [])]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if res.returncode:
+        sys.exit(f"the baseline run failed:\n{res.stderr[-4000:]}")
+    return float(json.loads(res.stdout.strip().splitlines()[-1]))
+
+
 def print_table(table: dict[int, dict[str, float]], names: list[str]) -> None:
-    """Tokens/s per concurrency and configuration, auto against the best fixed D, geomeans."""
-    print(f"{'concurrency':>11} " + " ".join(f"{n:>8}" for n in names) + f" {'auto/best':>10} {'best':>6}")
+    """Tokens/s per concurrency and configuration, auto (and a baseline's) against the best fixed D, geomeans."""
+    autos = [n for n in ("auto", BASE) if n in names]
+    print(f"{'concurrency':>11} " + " ".join(f"{n:>9}" for n in names)
+          + "".join(f" {n + '/best':>14}" for n in autos) + f" {'best':>6}")
     for c, row in table.items():
-        fixed = {n: v for n, v in row.items() if n != "auto"}
+        fixed = {n: v for n, v in row.items() if n not in autos}
         best = max(fixed, key=fixed.get)
-        print(f"{c:>11} " + " ".join(f"{row[n]:>8.1f}" for n in names)
-              + f" {row['auto'] / fixed[best]:>9.3f}x {best:>6}")
+        print(f"{c:>11} " + " ".join(f"{row[n]:>9.1f}" for n in names)
+              + "".join(f" {row[n] / fixed[best]:>13.3f}x" for n in autos) + f" {best:>6}")
     geo = {n: math.exp(statistics.mean(math.log(table[c][n]) for c in table)) for n in names}
-    print(f"{'geomean':>11} " + " ".join(f"{geo[n]:>8.1f}" for n in names)
-          + f"   auto / best fixed geomean: {geo['auto'] / max(v for n, v in geo.items() if n != 'auto'):.3f}x")
+    best_geo = max(v for n, v in geo.items() if n not in autos)
+    print(f"{'geomean':>11} " + " ".join(f"{geo[n]:>9.1f}" for n in names)
+          + "   " + ", ".join(f"{n} / best fixed geomean: {geo[n] / best_geo:.3f}x" for n in autos))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ pipeline), and its inputs are what the pipeline already has:
   engine-wide estimate counts as `request_weight` more observations, so a request seen little
   follows the engine-wide rate as that is learned and one seen often its own. The engine-wide
   estimate starts at `prior`, counted as `prior_weight` observations, is the running mean of
-  all rows until that weighs a step less than `global_smoothing`, then an EWMA. Then
+  all rows until that weighs a step less than `global_smoothing`, then an EWMA; a deeper
+  position, seen only when the ones before it were accepted, takes the estimate of the
+  position before it in place of `prior` (`AcceptanceEstimate.engine_wide`). Then
   E_i[emitted | D] = 1 + sum_{j<=D} prod_{k<=j} p[i, k], capped by the tokens the request has
   left; where a lookup may find nothing to draft (n-gram), the chance a row asked for drafts
   drafts any is learned the same way and weighs its expected drafts and verify positions. A
@@ -33,7 +35,8 @@ pipeline), and its inputs are what the pipeline already has:
   first token comes from logits already there, each further one reads the KV); the fill),
   refitted as samples arrive (running weighted sums, folded in when next read), ridge-regularized
   toward its seed -- a fitted cost profile (`seed_costs`, the simulator's JSON format) or
-  none -- so a few samples cannot swing it. A real device's first launch of each op pays
+  none -- so a few samples cannot swing it (the draft's KV term 100 times harder:
+  `online_cost.PULL`). A real device's first launch of each op pays
   one-off costs and teaches nothing (`cold_first_launch`). While an unseeded op has fewer than two samples
   (one sample's cost is all constant: a first fill that caught up a prompt) the policy drafts
   `first_draft_len` tokens, which teaches every model.
@@ -178,7 +181,7 @@ class DraftLenPolicy:
         return self.estimate.of(np.arange(self.estimate.num_slots))
 
     @property
-    def global_accept(self) -> np.ndarray:  # the engine-wide p[k]
+    def global_accept(self) -> np.ndarray:  # the engine-wide p[k] as learned (its state; see `engine_wide`)
         return self.estimate.global_accept
 
     def observe_verify(self, slots: np.ndarray, num_draft: np.ndarray, accepted: np.ndarray,

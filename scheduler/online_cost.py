@@ -37,7 +37,8 @@ class OnlineCost:
     (n / 8)-th (early samples move the fit most), from the 64th sample on after every 8th."""
 
     def __init__(self, features: tuple[str, ...], prior: np.ndarray | None = None, lam: float = 0.1,
-                 half_life: float = 32.0, free_const: bool = True, coef: np.ndarray | None = None):
+                 half_life: float = 32.0, free_const: bool = True, coef: np.ndarray | None = None,
+                 pull: dict[str, float] | None = None):
         self.features = features
         self.prior = prior
         self.lam = lam
@@ -49,6 +50,8 @@ class OnlineCost:
         self._scale = np.ones(k)
         self._decay = 0.5 ** (1.0 / half_life)
         pen = np.full(k, lam)
+        for name, times in (pull or {}).items():  # terms pulled harder toward the prior (see `PULL`)
+            pen[features.index(name)] *= times
         if free_const:
             pen[0] = 0.0  # the constant (FEATURES put it first)
         self._pen = pen + 1e-9  # and a tiny ridge on every term (solvable)
@@ -178,6 +181,13 @@ FEATURES = {
     "draft": ("const", "draft_steps", "draft_forwards", "draft_kv"),
     "fill": ("const", "tokens", "requests", "kv_tokens"),
 }
+# terms pulled toward the prior this many times harder than the others: the draft's KV read is
+# second order where speculation is decided (one-token forwards of a small proposer: a head's
+# forward over 160 KV tokens costs what one over 16 does, within noise), and a warm-up's few
+# launches over short prompts, their noise read as a slope, priced a 3-token draft at 160 KV
+# tokens at twice its cost and kept speculation off; many launches over varied contexts (a
+# long-context batch on a GPU) still show a real slope
+PULL = {"draft": {"draft_kv": 100.0}}
 # a profile's device models that seed them (span names, see scheduler/step_trace.py)
 PROFILE_NAMES = {"target": ("verify", "decode"), "draft": ("draft",), "fill": ("draft_fill",)}
 LAUNCH_OPS = ("forward", "verify", "draft", "fill")  # the launch ops whose intervals train a model
@@ -205,8 +215,8 @@ def op_features(model: str, attrs: dict, op: str = "") -> tuple[float, ...]:
 def cost_models(seed_costs: dict | None) -> dict[str, OnlineCost]:
     """One model per `FEATURES` entry, seeded from a cost profile's JSON if given; the draft's
     constant is pulled toward the seed (see `OnlineCost.free_const`)."""
-    return {m: OnlineCost(f, prior=seed_coef(seed_costs, PROFILE_NAMES[m], f), free_const=m != "draft")
-            for m, f in FEATURES.items()}
+    return {m: OnlineCost(f, prior=seed_coef(seed_costs, PROFILE_NAMES[m], f), free_const=m != "draft",
+                          pull=PULL.get(m)) for m, f in FEATURES.items()}
 
 
 def profile_coef(model: str, coef) -> tuple[str, dict[str, float]]:

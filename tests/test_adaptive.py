@@ -775,6 +775,45 @@ def test_a_warm_up_at_one_draft_length_does_not_price_a_one_token_draft_by_the_c
     assert d.draft_len >= 1
 
 
+def test_a_warm_up_s_noise_over_short_prompts_does_not_price_long_drafts_over_long_contexts():
+    """The bundled MTP head's draft launches in a measured auto run: a warm-up over a 10-17
+    token prompt drafting 2 and 3 tokens, one-token drafts, then one 2-token draft at 65 KV
+    tokens. Their spread (1.2-1.9 ms for the same one forward) read as a KV slope priced a
+    3-token draft at 160 KV tokens at 3.9 ms -- twice what it costs (1.9 ms measured), which
+    kept speculation off where D = 3 ran 1.12x faster than plain decoding. The KV term is
+    pulled toward zero (`PULL`): the price stays near the forwards' cost."""
+    p = DraftLenPolicy(4, has_fill=False, prior=0.8, explore_every=1000, cold_first_launch=False)
+    for nd, kv, us in ((2, 10, 1930), (2, 13, 1370), (2, 15, 1479), (3, 17, 1888), (1, 107, 265), (1, 124, 274),
+                       (2, 65, 1674)):
+        p.observe_launch("draft", {"num_draft": nd, "draft_forwards": max(nd - 1, 0), "requests": 1,
+                                   "kv_tokens": kv}, us * 1000)
+    three_tokens_at_160 = p.costs["draft"].at(2, 2, 2 * 160)
+    assert 1.5e6 < three_tokens_at_160 < 2.5e6
+
+
+def test_deeper_positions_start_from_the_acceptance_before_them():
+    """A deep draft position is observed only when every one before it was accepted (rarely,
+    while speculation is off and only probes draft); until it is, its engine-wide estimate
+    follows the position before it rather than the fixed prior -- with the bundled head's 0.85
+    at the first position, 0.85 at the second too, not 0.7 -- and its own observations take
+    over as they come."""
+    p = DraftLenPolicy(4, has_fill=False, prior=0.7, explore_every=1000)
+    slots = np.arange(8)
+    rng = np.random.default_rng(0)
+    for _ in range(20):  # one-token drafts: 85% accepted
+        p.observe_verify(slots, np.ones(8, dtype=np.int64), (rng.random(8) < 0.85).astype(np.int64))
+    ew = p.estimate.engine_wide()
+    assert ew[0] == pytest.approx(p.global_accept[0]) and ew[0] > 0.75
+    assert np.allclose(ew[1:], ew[0]) and (p.global_accept[1:] == 0.7).all()  # unseen: the one before
+    p.start(20)  # a new request starts from the engine-wide estimate
+    assert np.allclose(p.acceptance(np.array([20]))[0], ew)
+    for _ in range(200):  # four-token drafts: the second position accepted half the time
+        acc = np.where(rng.random(8) < 0.85, np.where(rng.random(8) < 0.5, 4, 1), 0)
+        p.observe_verify(slots, np.full(8, 4), acc)
+    ew = p.estimate.engine_wide()
+    assert abs(ew[1] - 0.5) < 0.08 and ew[2] > 0.9  # each position's own rate once seen
+
+
 def test_one_stalled_step_does_not_move_the_overhead():
     """The overhead is the median of recent residuals: a step the machine stalled (10x its
     usual residual) leaves it where the steps around it put it."""
