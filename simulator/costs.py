@@ -166,6 +166,17 @@ class CostProfile:
             raise KeyError(f"cost profile has no model for device op {name!r} (fitted: {sorted(self.device)})")
         return self._noisy(m, m.price(attrs, self.tile))
 
+    def device_ns_with(self, cache: dict, name: str, attrs: dict) -> float:
+        """`device_ns`, with `name`'s model looked up once into `cache` (a run's own: the
+        profile does not change during a run, and every launch is priced)."""
+        try:
+            m = cache[name]
+        except KeyError:
+            m = cache[name] = self.model_for(name)
+        if m is None:
+            return self.device_ns(name, attrs)  # its error, or 0 for "accept"
+        return self._noisy(m, m.price(attrs, self.tile))
+
     def launch_lead_for(self, op: str) -> float:
         return self.launch_leads.get(op, self.launch_lead_ns)
 

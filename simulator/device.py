@@ -97,7 +97,7 @@ class VirtualStream:
         except Exception as e:  # noqa: BLE001 - surfaces at the waiter, like real devices
             result, subs, error = None, [], str(e)
         if not subs:
-            subs = [(name, int(dev.device_ns(name, attrs)))]
+            subs = [(name, int(profile.device_ns_with(dev._models, name, attrs)))]
         t = start
         stamps = []
         for sub, dur in subs:
@@ -139,7 +139,7 @@ class VirtualDevice:
         self._leads: dict[str, tuple[int, bool]] = {}
         self._gaps: dict[str, tuple[int, bool]] = {}
         self._wakeups: dict[str, tuple[int, bool]] = {}
-        self._models: dict = {}  # op span name -> the model that prices it (`device_ns`)
+        self._models: dict = {}  # op span name -> the model that prices it (`CostProfile.device_ns_with`)
 
     def note_stand_in(self, latency: str, key: str) -> None:
         k = f"{latency}: {key}"
@@ -154,16 +154,6 @@ class VirtualDevice:
             key = self._priced_as[name] = f"{name} (priced as {alt})" if alt is not None and alt != name else None
         if key is not None:
             self.note_stand_in("cost model", key)
-
-    def device_ns(self, name: str, attrs: dict) -> float:
-        """`profile.device_ns(name, attrs)` with the op's model looked up once per run."""
-        try:
-            m = self._models[name]
-        except KeyError:
-            m = self._models[name] = self.profile.model_for(name)
-        if m is None:
-            return self.profile.device_ns(name, attrs)  # its error, or 0 for "accept"
-        return self.profile._noisy(m, m.price(attrs, self.profile.tile))
 
     # The profile's latencies by op, looked up once: every launch asks (the profile does not
     # change during a run).

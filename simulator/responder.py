@@ -35,14 +35,7 @@ class TraceResponder:
         self._dummy = np.zeros((0, 0), dtype=np.int64)  # `_tokens`' block
 
     def _device_ns(self, op: str, attrs: dict) -> float:
-        """`profile.device_ns(op, attrs)` with the op's model looked up once per replay."""
-        try:
-            m = self._models[op]
-        except KeyError:
-            m = self._models[op] = self.profile.model_for(op)
-        if m is None:
-            return self.profile.device_ns(op, attrs)  # its error, or 0 for "accept"
-        return self.profile._noisy(m, m.price(attrs, self.profile.tile))
+        return self.profile.device_ns_with(self._models, op, attrs)
 
     def _register(self, regs) -> None:
         for r in regs:
