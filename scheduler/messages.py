@@ -56,7 +56,8 @@ class LaunchShape:
 
     def attrs(self) -> dict[str, Any]:
         """The shape as span attributes (fields that are set): a new dict the caller may change."""
-        return self.view().copy()
+        got = self._attrs
+        return (got if got is not None else self.view()).copy()
 
     def view(self) -> dict[str, Any]:
         """`attrs()` without the copy, for readers that do not change it (the virtual device
