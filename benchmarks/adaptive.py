@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import replace
@@ -36,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import add_device_options, bundled_items, device_fields, run, specsched_path  # noqa: E402
+from common import add_device_options, baseline_env, bundled_items, device_fields, run, run_json  # noqa: E402
 from specsched.scheduler.wiring import NATURAL_SCHEDULE  # noqa: E402
 
 PROPOSERS = {k: NATURAL_SCHEDULE[k] for k in ("draft", "mtp", "ngram")}  # each under its default schedule
@@ -95,16 +93,20 @@ def main() -> None:
         ap.error("--concurrency, --rounds and --max-draft-len must be >= 1, --max-tokens >= 2")
     if args.replay_only and args.no_replay:
         ap.error("--replay-only and --no-replay leave nothing to run")
-    from specsched.simulator.analysis import validate
-    from specsched.traces.recorder import write_trace
-
     spread = lengths(args.max_tokens, 1 + 2 * args.max_tokens)
     print(("the auto runs' replays alone" if args.replay_only else
            f"output tokens/s, median of {args.rounds} interleaved rounds")
           + f"; output lengths {min(spread)}..{max(spread)} tokens (see `lengths`)")
-    base_env = None
-    if args.baseline is not None:
-        base_env = {**os.environ, "PYTHONPATH": specsched_path(args.baseline, Path(tempfile.mkdtemp()))}
+    with tempfile.TemporaryDirectory() as tmp:
+        report(args, None if args.baseline is None else baseline_env(args.baseline, Path(tmp)))
+
+
+def report(args, base_env: dict | None) -> None:
+    """Every proposer's table and the simulator's replays of its auto runs; `base_env`: the
+    environment `--baseline`'s runs take (None: no baseline)."""
+    from specsched.simulator.analysis import validate
+    from specsched.traces.recorder import write_trace
+
     for proposer in args.proposers:
         cfgs = configs(proposer, args.max_draft_len, device_fields(args))
         names = list(cfgs) + ([BASE] if base_env else [])
@@ -164,10 +166,7 @@ def baseline_run(args, proposer: str, c: int, env: dict) -> float:
     cmd = [sys.executable, __file__, "--one", "auto", "--proposers", proposer, "--concurrency", str(c),
            "--max-tokens", str(args.max_tokens), "--min-requests", str(args.min_requests),
            "--max-draft-len", str(args.max_draft_len), *sum(([f"--{k}", str(v)] for k, v in device_fields(args).items()), [])]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if res.returncode:
-        sys.exit(f"the baseline run failed:\n{res.stderr[-4000:]}")
-    return float(json.loads(res.stdout.strip().splitlines()[-1]))
+    return float(run_json(cmd, env, "baseline"))
 
 
 def print_table(table: dict[int, dict[str, float]], names: list[str]) -> None:

@@ -134,12 +134,22 @@ def side_by_side(cmd: list[str], baseline: Path, rounds: int) -> dict[str, list]
     with its error output."""
     runs: dict[str, list] = {"this": [], "baseline": []}
     with tempfile.TemporaryDirectory() as tmp:
-        envs = {"this": dict(os.environ),
-                "baseline": {**os.environ, "PYTHONPATH": specsched_path(baseline, Path(tmp))}}
+        envs = {"this": dict(os.environ), "baseline": baseline_env(baseline, Path(tmp))}
         for r in range(rounds):
             for name in (("this", "baseline") if r % 2 == 0 else ("baseline", "this")):
-                res = subprocess.run(cmd, env=envs[name], capture_output=True, text=True)
-                if res.returncode:
-                    sys.exit(f"the {name} run failed:\n{res.stderr[-4000:]}")
-                runs[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
+                runs[name].append(run_json(cmd, envs[name], name))
     return runs
+
+
+def baseline_env(checkout: Path, workdir: Path) -> dict:
+    """This process's environment with `checkout`'s code first on PYTHONPATH (see `specsched_path`)."""
+    return {**os.environ, "PYTHONPATH": specsched_path(checkout, workdir)}
+
+
+def run_json(cmd: list[str], env: dict, name: str):
+    """Run `cmd` in `env`; the JSON value on its last line. A failing run exits with its error
+    output (`name` says which run it was)."""
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if res.returncode:
+        sys.exit(f"the {name} run failed:\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])

@@ -158,23 +158,21 @@ class CostProfile:
         key = self.priced_as(name)
         return None if key is None else self.device[key]
 
-    def device_ns(self, name: str, attrs: dict) -> float:
-        m = self.model_for(name)
+    def device_ns(self, name: str, attrs: dict, cache: dict | None = None) -> float:
+        """Device op `name`'s duration for shape `attrs`; `cache`: a run's own dict in which
+        the op's model is looked up once (the profile does not change during a run, and the
+        simulator prices every launch)."""
+        if cache is None:
+            m = self.model_for(name)
+        else:
+            try:
+                m = cache[name]
+            except KeyError:
+                m = cache[name] = self.model_for(name)
         if m is None and name == "accept":
             return 0.0
         if m is None:
             raise KeyError(f"cost profile has no model for device op {name!r} (fitted: {sorted(self.device)})")
-        return self._noisy(m, m.price(attrs, self.tile))
-
-    def device_ns_with(self, cache: dict, name: str, attrs: dict) -> float:
-        """`device_ns`, with `name`'s model looked up once into `cache` (a run's own: the
-        profile does not change during a run, and every launch is priced)."""
-        try:
-            m = cache[name]
-        except KeyError:
-            m = cache[name] = self.model_for(name)
-        if m is None:
-            return self.device_ns(name, attrs)  # its error, or 0 for "accept"
         return self._noisy(m, m.price(attrs, self.tile))
 
     def launch_lead_for(self, op: str) -> float:

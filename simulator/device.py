@@ -97,7 +97,7 @@ class VirtualStream:
         except Exception as e:  # noqa: BLE001 - surfaces at the waiter, like real devices
             result, subs, error = None, [], str(e)
         if not subs:
-            subs = [(name, int(profile.device_ns_with(dev._models, name, attrs)))]
+            subs = [(name, int(profile.device_ns(name, attrs, dev._models)))]
         t = start
         stamps = []
         for sub, dur in subs:
@@ -139,7 +139,7 @@ class VirtualDevice:
         self._leads: dict[str, tuple[int, bool]] = {}
         self._gaps: dict[str, tuple[int, bool]] = {}
         self._wakeups: dict[str, tuple[int, bool]] = {}
-        self._models: dict = {}  # op span name -> the model that prices it (`CostProfile.device_ns_with`)
+        self._models: dict = {}  # op span name -> the model that prices it (`CostProfile.device_ns`)
 
     def note_stand_in(self, latency: str, key: str) -> None:
         k = f"{latency}: {key}"

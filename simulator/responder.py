@@ -35,7 +35,7 @@ class TraceResponder:
         self._dummy = np.zeros((0, 0), dtype=np.int64)  # `_tokens`' block
 
     def _device_ns(self, op: str, attrs: dict) -> float:
-        return self.profile.device_ns_with(self._models, op, attrs)
+        return self.profile.device_ns(op, attrs, self._models)
 
     def _register(self, regs) -> None:
         for r in regs:

@@ -18,7 +18,7 @@ from specsched.runtime.model import LlamaModel
 from specsched.runtime.mtp_head import MTPHead, load_head, save_head
 from specsched.runtime.training.mtp import TrainConfig, precompute_hidden, train_head
 from specsched.runtime.training.mtp_eval import run_requests, summarize
-from specsched.runtime.training.tiny import greedy_windows
+from specsched.runtime.training.tiny import head_windows
 from specsched.runtime.worker import ModelWorker
 from specsched.scheduler.plan import build_plan
 from specsched.scheduler.sampling_params import SamplingParams
@@ -144,7 +144,7 @@ def aux_head_dir(head_family, tmp_path_factory) -> str:
     """The family's head trained on (layer 0, last layer) features for a few more steps,
     starting from its own weights."""
     target = load_model(head_family.target)
-    seqs = greedy_windows(target, 0)
+    seqs = head_windows(target, 0)
     feats = precompute_hidden(target, seqs, aux_layers=(0,))
     init = load_head(head_family.head, target)
     with pytest.raises(ValueError, match="cannot start a head"):

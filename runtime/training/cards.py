@@ -1,4 +1,5 @@
-"""The target's and the draft's model cards (README.md next to their weights).
+"""The target's and the draft's model cards (README.md next to their weights), and how every
+card (the MTP head's too, training/mtp.py) is written over an earlier one (`save_card`).
 
 Why a module of its own: the training loop (bundled.py) says how the models are trained; this
 says what a card reports of a run -- data, steps, probes, held-out figures, acceptance along

@@ -104,7 +104,7 @@ def _train_tiny_head(target, out: Path, seed: int, train_steps: int, norms: bool
     from specsched.runtime.mtp_head import save_head
     from specsched.runtime.training.mtp import TrainConfig, precompute_hidden, train_head
 
-    seqs = greedy_windows(target, seed)
+    seqs = head_windows(target, seed)
     hidden = precompute_hidden(target, seqs)
     tcfg = TrainConfig(seq_len=seqs.shape[1] - 2, batch_size=16, lr=1e-2, steps=train_steps, seed=seed)
     head, _ = train_head(target, seqs, hidden, norms=norms, cfg=tcfg, log=lambda *_: None)
@@ -112,7 +112,7 @@ def _train_tiny_head(target, out: Path, seed: int, train_steps: int, norms: bool
     return str(out)
 
 
-def greedy_windows(target, seed: int) -> torch.Tensor:
+def head_windows(target, seed: int) -> torch.Tensor:
     """64 windows of 48 tokens a tiny head trains on: 4 random tokens, then the target's greedy
     continuation."""
     gen = torch.Generator().manual_seed(seed)
