@@ -33,7 +33,8 @@ pipeline), and its inputs are what the pipeline already has:
   cost (its logits at every position) is a term of its own, so it does not inflate the price
   of a plain step; the draft over (draft steps, row-forwards, KV tokens x draft steps: the
   first token comes from logits already there, each further one reads the KV); the fill),
-  refitted as samples arrive (running weighted sums, folded in when next read), ridge-regularized
+  refitted as samples arrive (running weighted sums, folded in when a decision next weighs
+  the lengths; a held D = 0 reads them as last fitted), ridge-regularized
   toward its seed -- a fitted cost profile (`seed_costs`, the simulator's JSON format) or
   none -- so a few samples cannot swing it (the draft's KV term 100 times harder:
   `online_cost.PULL`). A real device's first launch of each op pays
@@ -80,7 +81,7 @@ from specsched.scheduler.probe_schedule import ProbeSchedule
 from specsched.scheduler.step_price import StepPrice
 from specsched.scheduler.step_overhead import StepOverhead
 
-HOLD_STEPS = 8  # decode steps a choice of D = 0 stands for over an unchanged batch (see `choose`)
+HOLD_STEPS = 32  # decode steps a choice of D = 0 stands for over an unchanged batch (see `choose`)
 PROBE_ROWS = 4  # rows a probe from D = 0 drafts with while its proposer is behind (see `choose`)
 
 
@@ -219,9 +220,10 @@ class DraftLenPolicy:
         if last.cost_args is not None and last.cost_args[4] > 0:
             return  # a catch-up step: a transition priced by `lag`, not what a step at its D costs
         # against the models as the step's launches left them (against the decision's prediction
-        # a model's correction would count twice: in the model and in h); negative where the
-        # device models overprice this D
-        predicted = self.step_ns(*last.cost_args) if last.cost_args is not None else None
+        # a model's correction would count twice: in the model and in h), as last fitted (a
+        # refit waits for the next decision that weighs the lengths); negative where the device
+        # models overprice this D
+        predicted = self.step_ns(*last.cost_args, refit=False) if last.cost_args is not None else None
         self.overhead.observe(last.draft_len, float(wall_ns - (last.device_ns if predicted is None else predicted)))
 
     # -- the decision ---------------------------------------------------------------------
@@ -234,15 +236,17 @@ class DraftLenPolicy:
 
         A choice of D = 0 (not a probe) stands for up to `HOLD_STEPS` decisions while the batch
         is the same rows and no verify brings new acceptance: nothing it depends on then moves
-        but by a token per row, and a plain decode step is the one whose host time counts most."""
+        but by a token per row, and a plain decode step is the one whose host time counts most
+        (such a decision prices its step with the cost models as last fitted: a refit waits for
+        the next decision that weighs the lengths)."""
         self.decisions += 1
         held = self._held_slots
         if (held is not None and self._held < HOLD_STEPS and not self.probes.due(self.decisions)
                 and budget == self._held_budget and held.shape == slots.shape and (held == slots).all()):
             self._held += 1
-            rows = self.last.rows
-            args = (rows, 0, 0, int(computed[:rows].sum()), 0.0)
-            dec = Decision(0, np.zeros(rows, dtype=np.int64), rows, self.last.gain, False, self.step_ns(*args), args)
+            last = self.last
+            args = (last.rows, 0, 0, int(computed[:last.rows].sum()), 0.0)
+            dec = Decision(0, last.num_draft, last.rows, last.gain, False, self.step_ns(*args, refit=False), args)
             self._accrue(dec)
             return dec
         n = len(slots)

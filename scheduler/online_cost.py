@@ -33,8 +33,9 @@ class OnlineCost:
     history costs nothing. The policy runs on the host between device steps, where a plain
     step leaves least room, so a sample is only queued (`add`): the queue is folded into the
     sums in one array operation, and the model refitted (one small solve), when the
-    coefficients are next read -- after every sample of the first 8, then after every
-    (n / 8)-th (early samples move the fit most), from the 64th sample on after every 8th."""
+    coefficients are next read with `refit` allowed -- after every sample of the first 8, then
+    after every (n / 8)-th (early samples move the fit most), from the 64th sample on after
+    every 8th. The policy allows it where it weighs the lengths, not where it holds D = 0."""
 
     def __init__(self, features: tuple[str, ...], prior: np.ndarray | None = None, lam: float = 0.1,
                  half_life: float = 32.0, free_const: bool = True, coef: np.ndarray | None = None,
@@ -139,16 +140,22 @@ class OnlineCost:
     @property
     def known(self) -> bool:
         """Whether the model prices anything: seeded, or fitted on at least MIN_SAMPLES samples."""
-        return self.coef is not None and (self.prior is not None or self._n >= MIN_SAMPLES)
+        return self.coef is not None and self._priced()
 
-    def at(self, a: float, b: float, c: float, e: float = 0.0) -> float | None:
+    def _priced(self) -> bool:
+        """Whether the coefficients as last fitted price anything (`known` without a refit)."""
+        return self._coef is not None and (self.prior is not None or self._n - self._since_fit >= MIN_SAMPLES)
+
+    def at(self, a: float, b: float, c: float, e: float = 0.0, refit: bool = True) -> float | None:
         """`predict` of (1, a, b, c[, e]) in plain floats (None while not `known`): the policy
-        prices every D each step."""
-        if self._stale:
+        prices every D each step. `refit=False` prices with the coefficients as last fitted,
+        leaving a due refit to the next read that allows one (a solve costs ~70 us: the policy
+        refits when it weighs the lengths, not on every step it holds D = 0)."""
+        if self._stale and (refit or not self._priced()):
             self.fit()
         k = self._k
         if k is None or k[0] is not self._coef:
-            if not self.known:
+            if not self._priced():
                 return None
             k = self._k = (self._coef, *map(float, self._coef), 0.0)
         v = k[1] + k[2] * a + k[3] * b + k[4] * c + k[5] * e

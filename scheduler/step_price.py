@@ -30,27 +30,28 @@ class StepPrice:
         self.catches_up = catches_up
 
     def step_ns(self, rows: int, d: int, forwards: int, kv_tokens: int, catch_up: float = 0.0,
-                drafts: int | None = None) -> float | None:
+                drafts: int | None = None, refit: bool = True) -> float | None:
         """Predicted device time of a step of `rows` at D = d whose rows make `forwards` proposer
         row-forwards and verify `drafts` drafts in all (default rows x d), a draft model's fill
-        covering `catch_up` more tokens (None while a needed model is unknown)."""
+        covering `catch_up` more tokens (None while a needed model is unknown); `refit=False`:
+        with the models as last fitted (`OnlineCost.at`)."""
         c = self.costs
         if d == 0:
-            t = c["target"].at(rows, rows, kv_tokens + rows)
+            t = c["target"].at(rows, rows, kv_tokens + rows, 0.0, refit)
             # a head without lazy fills fills after every forward
-            f = (c["fill"].at(rows, rows, kv_tokens + rows)
+            f = (c["fill"].at(rows, rows, kv_tokens + rows, 0.0, refit)
                  if self.has_fill and self.fill_same_batch and not self.catches_up else 0.0)
             return None if t is None or f is None else t + f
         verified = rows * (1 + d) if drafts is None else rows + drafts
-        dr = c["draft"].at(d - 1, forwards, kv_tokens * (d - 1)) if self.draft_op else 0.0
-        t = c["target"].at(verified, rows, kv_tokens + verified, 1.0)
+        dr = c["draft"].at(d - 1, forwards, kv_tokens * (d - 1), 0.0, refit) if self.draft_op else 0.0
+        t = c["target"].at(verified, rows, kv_tokens + verified, 1.0, refit)
         f = 0.0
         if self.has_fill:
             # a fill over the verify window covers its positions; a draft model's otherwise the
             # last accepted token and the bonus (it wrote its drafts' KV while drafting); either,
             # what it catches up
             fill = (verified if self.fill_same_batch else rows * (1 + self.kv_ahead)) + catch_up
-            f = c["fill"].at(fill, rows, kv_tokens + verified)
+            f = c["fill"].at(fill, rows, kv_tokens + verified, 0.0, refit)
         return None if dr is None or t is None or f is None else dr + t + f
 
     def per_row(self, num_draft: np.ndarray, reach: np.ndarray, rate: float, kv_rows: np.ndarray,

@@ -210,6 +210,31 @@ def test_a_plain_step_choice_stands_over_an_unchanged_batch():
     assert _choose(policy2, 3).draft_len > 0  # another batch: decided afresh
 
 
+def test_a_held_plain_step_prices_with_the_models_as_last_fitted(monkeypatch):
+    """The policy's host work at D = 0: a held choice (and the overhead estimate after its step)
+    reads the cost models as last fitted, however many samples its steps queued; the next
+    decision that weighs the lengths refits them first, and prices with what they taught."""
+    from specsched.scheduler.adaptive import HOLD_STEPS
+
+    policy = DraftLenPolicy(4, has_fill=False, prior=0.05, explore_every=1000, cold_first_launch=False)
+    _teach(policy, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
+    assert _choose(policy, 4).draft_len == 0
+    fits = []
+    real_fit = OnlineCost.fit
+    monkeypatch.setattr(OnlineCost, "fit", lambda self: (fits.append(self), real_fit(self)))
+    before = policy.costs["target"].coef.copy()
+    for _ in range(HOLD_STEPS):
+        # a plain decode's interval, twice the price the models were taught
+        policy.observe_launch("forward", {"kind": "decode", "tokens": 4, "requests": 4, "kv_tokens": 204}, int(16e6))
+        dec = _choose(policy, 4)
+        assert dec.draft_len == 0 and dec.device_ns == pytest.approx(policy.step_ns(4, 0, 0, 200, refit=False))
+        policy.observe_step(int(17e6))
+    assert fits == [] and (policy.costs["target"]._coef == before).all()
+    _choose(policy, 4)  # the hold is over: a decision over every length
+    assert policy.costs["target"] in fits
+    assert policy.costs["target"].at(4, 4, 204) > before @ np.array([1.0, 4, 4, 204, 0.0]) * 1.5
+
+
 def test_a_request_seen_little_follows_the_engine_wide_estimate_as_it_is_learned():
     """p[i, k] counts the engine-wide estimate as `request_weight` observations: a request
     admitted before the engine learned its rate follows that rate as it is learned, one
