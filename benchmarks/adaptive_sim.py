@@ -15,6 +15,11 @@ runs, so two checkouts' policies can be compared on the same saved traces (`--tr
     python benchmarks/adaptive_sim.py [--traces DIR] [--replay-at 1:1,2,3 4:3,4,5,6,7,8,10,12] [--acceptance bernoulli:0.9]
         [--acceptance 'trace>bernoulli:0.9@8']   # a change of workload after 8 requests
         [--schedule sync]   # every configuration under `sync` (D = 0: plain decoding under `sync`)
+        [--seeds 0 1 2]   # each scenario with each seed of the replays' draws (bernoulli acceptance)
+
+A probe's outcome is a few draws, so one seed's ratio for a scenario jumps by a few percent
+with a small change of the policy; `--seeds` replays every scenario with each seed (the
+fixed lengths too) and the summary is over all of them.
 """
 from __future__ import annotations
 
@@ -68,6 +73,8 @@ def main() -> None:
                     "change of workload, the first N requests A, the rest B (e.g. trace>bernoulli:0.9@8)")
     ap.add_argument("--schedule", choices=["natural", "sync"], default="natural",
                     help="natural: each proposer's own schedule, D = 0 under plain_overlap; sync: all under sync")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
+                    help="replay every scenario with each of these seeds (the replays' random draws)")
     args = ap.parse_args()
     if args.max_draft_len < 1 or args.max_tokens < 2:
         ap.error("--max-draft-len must be >= 1 and --max-tokens >= 2")
@@ -92,20 +99,25 @@ def main() -> None:
             traces = [read_trace(p) for p in paths]
             profile = fit_profile(traces)
             longest = traces[-1]  # D = max: its drafts carry every shorter length's acceptance
-            for cc in at:
+            for cc, seed in ((cc, seed) for cc in at for seed in args.seeds):
                 row = {}
                 for d in range(dmax + 1):
-                    cfg = (ReplayConfig(proposer="none", schedule=plain, draft_len=0, concurrency=cc) if d == 0
-                           else ReplayConfig(draft_len=d, concurrency=cc, acceptance=args.acceptance, schedule=sched))
+                    cfg = (ReplayConfig(proposer="none", schedule=plain, draft_len=0, concurrency=cc, seed=seed) if d == 0
+                           else ReplayConfig(draft_len=d, concurrency=cc, acceptance=args.acceptance, schedule=sched,
+                                             seed=seed))
                     row[f"D={d}"] = replay(longest, profile, cfg)[0]["output_tokens_per_s"]
                 auto = replay(longest, profile, ReplayConfig(draft_len="auto", max_draft_len=dmax, concurrency=cc,
-                                                             acceptance=args.acceptance, schedule=sched))[0]["output_tokens_per_s"]
+                                                             acceptance=args.acceptance, schedule=sched,
+                                                             seed=seed))[0]["output_tokens_per_s"]
                 best = max(row, key=row.get)
                 ratios.append(auto / row[best])
-                print(f"{proposer + ' ' + str(c) + '->' + str(cc):>16} " + " ".join(f"{row[n]:>8.1f}" for n in names)
+                label = f"{proposer} {c}->{cc}" + (f" s{seed}" if len(args.seeds) > 1 else "")
+                print(f"{label:>16} " + " ".join(f"{row[n]:>8.1f}" for n in names)
                       + f" {auto:>8.1f} {auto / row[best]:>9.3f}x {best:>6}")
     geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
-    print(f"auto / best fixed D over {len(ratios)} scenarios: geomean {geo:.3f}x, worst {min(ratios):.3f}x, "
+    over = (f"{len(ratios)} scenarios" if len(args.seeds) == 1
+            else f"{len(ratios) // len(args.seeds)} scenarios x {len(args.seeds)} seeds")
+    print(f"auto / best fixed D over {over}: geomean {geo:.3f}x, worst {min(ratios):.3f}x, "
           f"{sum(r < 0.97 for r in ratios)} below 0.97x")
 
 

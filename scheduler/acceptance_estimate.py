@@ -69,6 +69,12 @@ class AcceptanceEstimate:
             out[k] = g[k] + share[k] * (out[k - 1] - self.prior)
         return np.clip(out, 0.0, 1.0)
 
+    def optimism(self, z: float) -> np.ndarray:
+        """[Dmax] `z` standard errors of the engine-wide p[k] (its prior counting as
+        `prior_weight` observations): what an optimistic reading of position k adds."""
+        p = self.engine_wide()
+        return z * np.sqrt(p * (1.0 - p) / (self.global_seen + self.prior_weight))
+
     def drafts(self, slots: np.ndarray) -> np.ndarray | None:
         """[len(slots)] P(the row drafts anything when asked), shrunk toward `draft_rate` as `of`;
         None while no row asked for drafts has drafted none (a model always drafts)."""

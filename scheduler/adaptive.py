@@ -31,13 +31,15 @@ pipeline), and its inputs are what the pipeline already has:
   a small non-negative linear model per op (a target forward over (tokens, requests, KV
   tokens, verify) -- decode and verify forwards share their slopes, and a verify's fixed extra
   cost (its logits at every position) is a term of its own, so it does not inflate the price
-  of a plain step; the draft over (draft steps, row-forwards, KV tokens x draft steps: the
+  of a plain step; the draft over (draft steps, rows past one a step -- a step reads the
+  proposer's weights once whatever its rows, so a warm-up at batch 1 teaches a step's cost --,
+  KV tokens x draft steps: the
   first token comes from logits already there, each further one reads the KV); the fill),
   refitted as samples arrive (running weighted sums, folded in when a decision next weighs
   the lengths; a held D = 0 reads them as last fitted), ridge-regularized
   toward its seed -- a fitted cost profile (`seed_costs`, the simulator's JSON format) or
-  none -- so a few samples cannot swing it (the draft's KV term 100 times harder:
-  `online_cost.PULL`). A real device's first launch of each op pays
+  none -- so a few samples cannot swing it (the draft's KV term 100 times harder, its
+  constant 3 times: `online_cost.PULL`). A real device's first launch of each op pays
   one-off costs and teaches nothing (`cold_first_launch`). While an unseeded op has fewer than two samples
   (one sample's cost is all constant: a first fill that caught up a prompt) the policy drafts
   `first_draft_len` tokens, which teaches every model.
@@ -52,7 +54,9 @@ pipeline), and its inputs are what the pipeline already has:
   expected to draft for the rest of its output: resuming pays for a long output only.
 - **Exploration** (`scheduler/probe_schedule.py`): every `explore_every`-th decision tries a
   neighbour of the best length, so a stale estimate cannot keep speculation off, or short,
-  forever; settled choices are probed less and less often, a neighbour predicted more than
+  forever -- from D = 0 the length whose rate is highest with every acceptance read
+  `probe_optimism` standard errors above its estimate (an upper confidence bound: deep
+  positions, seen only when a probe reaches them, are what decides whether a long draft pays); settled choices are probed less and less often, a neighbour predicted more than
   `probe_margin` behind is skipped but at the longest interval, and what probes lose against
   the best (from D = 0, the probing rows' whole catch-up) is paid from a budget of
   `explore_cost` of each decided step's predicted time. From D = 0 with the proposer behind,
@@ -114,7 +118,7 @@ class DraftLenPolicy:
                  prior: float = 0.7, smoothing: float = 0.15, global_smoothing: float = 0.02, prior_weight: float = 8.0,
                  request_weight: float = 4.0, probe_margin: float = 0.1, first_draft_len: int = 2,
                  explore_every: int = 16, explore_cost: float = 0.02, seed_costs: dict | None = None,
-                 slots: int = 64, plain_ahead: bool = False):
+                 slots: int = 64, plain_ahead: bool = False, probe_optimism: float = 0.5):
         if max_draft_len < 1:
             raise ValueError(f"an adaptive draft length needs max_draft_len >= 1, got {max_draft_len}")
         if not 0.0 <= prior <= 1.0:
@@ -127,6 +131,7 @@ class DraftLenPolicy:
         # a probe's length predicted this far behind the best is skipped; a resume predicted
         # this close to plain decoding is a probe
         self.probe_margin = probe_margin
+        self.probe_optimism = probe_optimism
         self.first_draft_len = min(first_draft_len, max_draft_len)  # D while a cost is unknown
         self.estimate = AcceptanceEstimate(max_draft_len, prior=prior, smoothing=smoothing,
                                            global_smoothing=global_smoothing, prior_weight=prior_weight,
@@ -281,6 +286,7 @@ class DraftLenPolicy:
             catch_up = over_served(per_step * lag[None, :])
         best = None
         rates: dict[int, float] = {}
+        spent: dict[int, float] = {}  # each length's predicted step time, with h
         rows_l, forwards_l, kv_l, drafts_l = rows_d.tolist(), forwards.tolist(), kv.tolist(), drafts.tolist()
         expected_l = expected.tolist()
         catch_l = catch_up.tolist() if catch_up is not None else [0.0] * (dmax + 1)
@@ -291,7 +297,8 @@ class DraftLenPolicy:
             if t is None:
                 continue
             # h may be negative (it corrects a device model that overprices this D), not below -3/4 of it
-            rates[d] = expected_l[d] / max(self.overhead.at(d) + t, 0.25 * t, 1.0)
+            spent[d] = max(self.overhead.at(d) + t, 0.25 * t, 1.0)
+            rates[d] = expected_l[d] / spent[d]
             if best is None or rates[d] > rates[best]:
                 best = d
         explored, probe_rows = False, None
@@ -301,12 +308,18 @@ class DraftLenPolicy:
             best = self.first_draft_len
         elif self.probes.due(self.decisions, self.plain_seen):
             # a neighbour, so that the costs and acceptance of the lengths around the best stay
-            # known whichever way it moves -- unless it has run and is predicted far behind
-            # (`probe_margin`), which the longest interval probes all the same (no estimate
-            # stays stale for ever), or it costs more than the exploration budget holds
+            # known whichever way it moves (from D = 0: the length rated highest with its
+            # acceptance read optimistically, `_optimistic_rates`) -- unless it has run and is
+            # predicted far behind (`probe_margin`), which the longest interval probes all the
+            # same (no estimate stays stale for ever), or it costs more than the exploration
+            # budget holds
             probe = self.probes.candidate(best, dmax, self.plain_seen)
-            far = (not self.probes.at_longest and probe in rates and self.overhead.samples[probe] > 0
-                   and rates[probe] < (1.0 - self.probe_margin) * rates[best])
+            judged = rates
+            if not best and self.plain_seen:
+                judged = self._optimistic_rates(slots, spent, rows_d, cap, drawn, served)
+                probe = max((d for d in judged if d), key=judged.get, default=probe)
+            far = (not self.probes.at_longest and probe in judged and self.overhead.samples[probe] > 0
+                   and judged[probe] < (1.0 - self.probe_margin) * rates[best])
             k = rows_l[probe]
             if not best and self._behind(lag, probe, k):
                 # from D = 0 behind: the first PROBE_ROWS rows probe, the rest wait a step -- what
@@ -364,6 +377,30 @@ class DraftLenPolicy:
         self.last = dec
         self._plain_decided = self._plain_decided or dec.draft_len == 0
         self.probes.accrue(dec.device_ns or 0.0)
+
+    def _optimistic_rates(self, slots: np.ndarray, spent: dict[int, float], rows_d: np.ndarray, cap: np.ndarray,
+                          drawn: np.ndarray | None, served: np.ndarray | None) -> dict[int, float]:
+        """`choose`'s rates (tokens/ns) with every acceptance `probe_optimism` standard errors
+        above its estimate (`AcceptanceEstimate.optimism`), over the same predicted step times
+        `spent`: what each length may be worth given how little of it has been seen. From
+        D = 0 a due probe tries the length this reading rates highest -- an upper confidence
+        bound, as a bandit explores -- and skips it where even so it is far behind: a deep
+        position is seen only in probes that reach it, so the neighbour D = 1 alone never
+        tells whether a long draft pays."""
+        bonus = self.estimate.optimism(self.probe_optimism)
+        p = np.minimum(self.acceptance(slots) + bonus[None, :], 1.0)
+        reach_hi = np.cumprod(p, axis=1)
+        if drawn is not None:
+            reach_hi *= drawn[:, None]
+        n = len(slots)
+        gain = np.zeros((n, self.max_draft_len + 1))
+        np.cumsum(reach_hi, axis=1, out=gain[:, 1:])
+        use = np.minimum(cap[None, :], self._ds[:, None])
+        accepted = gain[np.arange(n)[None, :], use]
+        if served is not None:
+            accepted = accepted * served
+        expected = (rows_d + accepted.sum(axis=1)).tolist()
+        return {d: expected[d] / t for d, t in spent.items()}
 
     def _behind(self, lag: np.ndarray | None, d: int, rows: int) -> float:
         """Tokens a step of the first `rows` rows at D = d catches its proposer up on."""

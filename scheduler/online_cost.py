@@ -123,11 +123,15 @@ class OnlineCost:
         header carries it, so a replay's policy starts where the captured run's stood."""
         coef = self.coef
         self._fold()
-        return {"coef": None if coef is None else coef.tolist(), "a": self._a.tolist(),
-                "b": self._b.tolist(), "scale": self._scale.tolist(), "n": self._n, "since_fit": self._since_fit}
+        return {"features": list(self.features), "coef": None if coef is None else coef.tolist(),
+                "a": self._a.tolist(), "b": self._b.tolist(), "scale": self._scale.tolist(), "n": self._n,
+                "since_fit": self._since_fit}
 
     def restore(self, state: dict) -> None:
         k = len(self.features)
+        if "features" in state and list(state["features"]) != list(self.features):
+            raise ValueError(f"a cost model state over ({', '.join(state['features'])}), "
+                             f"this model has ({', '.join(self.features)})")
         a, b, scale = (np.asarray(state[key], dtype=float) for key in ("a", "b", "scale"))
         if a.shape != (k, k) or b.shape != (k,) or scale.shape != (k,):
             raise ValueError(f"a cost model state over {b.shape[0] if b.ndim == 1 else '?'} features, "
@@ -164,14 +168,18 @@ class OnlineCost:
 
 def seed_coef(profile: dict | None, names: tuple[str, ...], features: tuple[str, ...]) -> np.ndarray | None:
     """A cost model's seed from a cost profile's JSON (`CostProfile.to_json()` or the saved
-    file): the coefficients of the first of its device models `names` that it has."""
+    file): the coefficients of the first of its device models `names` that it has (a draft's
+    row-forwards as its rows past one a step, each step one row's forward more)."""
     if not profile:
         return None
     device = profile.get("device", {})
     for name in names:
         m = device.get(name)
         if m is not None:
-            coef = m["coef"] if isinstance(m, dict) else m.coef
+            coef = dict(m["coef"] if isinstance(m, dict) else m.coef)
+            if "draft_extra_rows" in features:
+                row = float(coef.get("draft_forwards", 0.0))
+                coef |= {"draft_extra_rows": row, "draft_steps": float(coef.get("draft_steps", 0.0)) + row}
             return np.array([float(coef.get(f, 0.0)) for f in features])
     return None
 
@@ -181,11 +189,15 @@ FEATURES = {
     # decode and verify forwards; `verify` (1 for a verify) is the fixed cost a verify adds
     # (its logits at every position, the acceptance's inputs), its slopes shared with a decode
     "target": ("const", "tokens", "requests", "kv_tokens", "verify"),
-    # the draft: its KV is read by each forward after the first token (which comes from logits
-    # already there), so the KV term is KV tokens x draft steps -- a bare KV term, learned
-    # from a warm-up whose one request's KV grew while its D stood, priced a D = 1 draft (no
-    # forward at all) by the context length
-    "draft": ("const", "draft_steps", "draft_forwards", "draft_kv"),
+    # the draft: a step (one forward over its rows) reads the proposer's weights once, and each
+    # row beyond the first adds its own work -- so its rows past one a step (`draft_extra_rows`,
+    # row-forwards minus steps), not all its row-forwards: at batch 1 (a warm-up) row-forwards
+    # equal steps, the two terms were one, and split evenly they priced a 12-row draft at 3x
+    # its cost (17.9 ms for 5.6) and kept speculation off. Its KV is read by each forward after
+    # the first token (which comes from logits already there), so the KV term is KV tokens x
+    # draft steps -- a bare KV term, learned from a warm-up whose one request's KV grew while
+    # its D stood, priced a D = 1 draft (no forward at all) by the context length
+    "draft": ("const", "draft_steps", "draft_extra_rows", "draft_kv"),
     "fill": ("const", "tokens", "requests", "kv_tokens"),
 }
 # terms pulled toward the prior this many times harder than the others: the draft's KV read is
@@ -193,8 +205,10 @@ FEATURES = {
 # forward over 160 KV tokens costs what one over 16 does, within noise), and a warm-up's few
 # launches over short prompts, their noise read as a slope, priced a 3-token draft at 160 KV
 # tokens at twice its cost and kept speculation off; many launches over varied contexts (a
-# long-context batch on a GPU) still show a real slope
-PULL = {"draft": {"draft_kv": 100.0}}
+# long-context batch on a GPU) still show a real slope. Its constant 3 times: a draft of one
+# token makes no forward (only the launch), and a run at one D cannot tell a constant from its
+# steps -- split evenly, a warm-up at D = 4 priced a one-token draft at half a 4-token one
+PULL = {"draft": {"const": 3.0, "draft_kv": 100.0}}
 # a profile's device models that seed them (span names, see scheduler/step_trace.py)
 PROFILE_NAMES = {"target": ("verify", "decode"), "draft": ("draft",), "fill": ("draft_fill",)}
 LAUNCH_OPS = ("forward", "verify", "draft", "fill")  # the launch ops whose intervals train a model
@@ -209,12 +223,18 @@ def launch_model(op: str, attrs: dict) -> str | None:
     return op if op in ("draft", "fill") else None
 
 
+def draft_terms(steps: float, forwards: float) -> tuple[float, float]:
+    """(steps, rows past one a step) of a draft of `steps` forward steps and `forwards`
+    row-forwards in all: the draft model's step and row features (`FEATURES["draft"]`)."""
+    return steps, max(forwards - steps, 0)
+
+
 def op_features(model: str, attrs: dict, op: str = "") -> tuple[float, ...]:
     """`model`'s features (`FEATURES[model]`, in order) of a launch of `op` with shape `attrs`
     (span attributes), read straight from them: the policy reads every completed launch's."""
     if model == "draft":
         steps, forwards, _ = draft_counts(attrs)
-        return 1.0, float(steps), float(forwards), float(attrs.get("kv_tokens", 0) * steps)
+        return (1.0, *map(float, draft_terms(steps, forwards)), float(attrs.get("kv_tokens", 0) * steps))
     shape = (1.0, float(attrs.get("tokens", 0)), float(attrs.get("requests", 0)), float(attrs.get("kv_tokens", 0)))
     return shape + (float(op == "verify"),) if model == "target" else shape
 
@@ -229,9 +249,30 @@ def cost_models(seed_costs: dict | None) -> dict[str, OnlineCost]:
 def profile_coef(model: str, coef) -> tuple[str, dict[str, float]]:
     """The inverse of `seed_coef`: `model`'s coefficients as the profile's device model of its
     first `PROFILE_NAMES` op (op, {feature: ns per unit}). The target's verify term joins the
-    verify's constant; the draft's KV-by-steps term becomes a KV term (exact for two-token drafts)."""
+    verify's constant; the draft's rows past one a step become its row-forwards (a step's cost
+    then less one row's), its KV-by-steps term a KV term (exact for two-token drafts)."""
     c = dict(zip(FEATURES[model], (float(v) for v in coef)))
     c["const"] += c.pop("verify", 0.0)
+    if "draft_extra_rows" in c:
+        c["draft_forwards"] = c.pop("draft_extra_rows")
+        c["draft_steps"] -= c["draft_forwards"]
     if "draft_kv" in c:
         c["kv_tokens"] = c.pop("draft_kv")
     return PROFILE_NAMES[model][0], c
+
+
+def legacy_draft_state(state: dict) -> dict:
+    """A draft cost model's state saved over (const, draft_steps, draft_forwards, draft_kv) --
+    before its rows past one a step replaced its row-forwards (`FEATURES`) -- over today's
+    features: with x' = M x (extra rows = forwards - steps), A' = M A M', b' = M b and
+    c' = M^-T c, so it prices every launch as it did."""
+    m = np.eye(4)
+    m[2, 1] = -1.0
+    out = dict(state)
+    out["a"] = (m @ np.asarray(state["a"], dtype=float) @ m.T).tolist()
+    out["b"] = (m @ np.asarray(state["b"], dtype=float)).tolist()
+    if state.get("coef") is not None:
+        out["coef"] = (np.linalg.inv(m).T @ np.asarray(state["coef"], dtype=float)).tolist()
+    # the extra rows' largest value is at most the row-forwards' (the features' scales)
+    out["features"] = list(FEATURES["draft"])
+    return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specsched.scheduler.online_cost import FEATURES, OnlineCost
+from specsched.scheduler.online_cost import FEATURES, OnlineCost, draft_terms
 
 
 class StepPrice:
@@ -43,7 +43,7 @@ class StepPrice:
                  if self.has_fill and self.fill_same_batch and not self.catches_up else 0.0)
             return None if t is None or f is None else t + f
         verified = rows * (1 + d) if drafts is None else rows + drafts
-        dr = c["draft"].at(d - 1, forwards, kv_tokens * (d - 1), 0.0, refit) if self.draft_op else 0.0
+        dr = c["draft"].at(*draft_terms(d - 1, forwards), kv_tokens * (d - 1), 0.0, refit) if self.draft_op else 0.0
         t = c["target"].at(verified, rows, kv_tokens + verified, 1.0, refit)
         f = 0.0
         if self.has_fill:
@@ -68,8 +68,8 @@ class StepPrice:
         per_token = c[0][t.index("tokens")] + c[0][t.index("kv_tokens")]
         if self.fill_same_batch and c[1] is not None:
             per_token += c[1][f.index("tokens")] + c[1][f.index("kv_tokens")]
-        names = FEATURES["draft"]  # one more forward of a row: its own cost and a read of its KV
-        per_forward = (m.coef[names.index("draft_forwards")] + m.coef[names.index("draft_kv")] * kv_rows
+        names = FEATURES["draft"]  # one more forward of a row in a step that runs: its work and a read of its KV
+        per_forward = (m.coef[names.index("draft_extra_rows")] + m.coef[names.index("draft_kv")] * kv_rows
                        if self.draft_op else np.zeros(len(kv_rows)))
         cost = np.full(reach.shape, per_token)
         cost[:, 1:] += per_forward[:, None]

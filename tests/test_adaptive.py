@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from specsched.scheduler.adaptive import PROBE_ROWS, DraftLenPolicy
-from specsched.scheduler.online_cost import FEATURES, OnlineCost, launch_model, op_features
+from specsched.scheduler.online_cost import FEATURES, OnlineCost, cost_models, launch_model, op_features
 from specsched.scheduler.step_trace import launch_features
 from specsched.simulator.replay import ReplayConfig, replay
 
@@ -88,6 +88,7 @@ def test_op_features_read_each_models_features_in_order(op, attrs):
     model = launch_model(op, attrs)
     values = launch_features(attrs) | {"verify": float(op == "verify")}
     values["draft_kv"] = values["kv_tokens"] * values["draft_steps"]
+    values["draft_extra_rows"] = values["draft_forwards"] - values["draft_steps"]  # rows past one a step
     assert op_features(model, attrs, op) == tuple(values[f] for f in FEATURES[model])
 
 
@@ -169,6 +170,29 @@ def test_plain_decoding_is_probed_early_while_no_plain_step_has_run():
     assert all(dl == 4 for i, (dl, _) in enumerate(chosen) if i != probes[0])
 
 
+def test_from_plain_decoding_a_probe_tries_the_length_that_may_pay_most():
+    """From D = 0 a due probe goes to the length rated highest with its acceptance read
+    `probe_optimism` standard errors above the estimate, not to the neighbour D = 1: here a
+    speculative step pays 3 ms of host work a plain step hides, so one draft is the worst way to
+    learn whether drafting pays, and nothing is known of the deep positions (the prior alone).
+    Read optimistically the longest draft is worth a probe; read at the estimate it is far
+    behind and is not probed."""
+    def probes(prior: float, optimism: float) -> list[int]:
+        policy = DraftLenPolicy(4, has_fill=False, prior=prior, explore_every=4, explore_cost=1.0, plain_ahead=True,
+                                probe_optimism=optimism)
+        _teach(policy, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
+        for d in range(5):
+            for _ in range(4):
+                policy.overhead.observe(d, 3e6 if d else 0.0)
+        chosen = [_choose(policy, 1, remaining=100 + i) for i in range(1, 10)]  # a new batch each step
+        assert all(c.draft_len == 0 for c in chosen if not c.explored)
+        return [c.draft_len for c in chosen if c.explored]
+
+    assert probes(0.5, 0.5) == [4, 4]
+    assert probes(0.4, 0.0) == []
+    assert probes(0.4, 2.0) == [4, 4]
+
+
 def test_a_probe_far_behind_the_best_is_skipped_until_the_longest_interval():
     """Once a length has run, a probe of a neighbour predicted far behind the best (here: every
     draft rejected, D = 0 about twice as fast) is skipped and the interval still doubles, up to
@@ -208,6 +232,45 @@ def test_a_plain_step_choice_stands_over_an_unchanged_batch():
     assert _choose(policy2, 4).draft_len == 0
     policy2.global_accept[:] = 1.0
     assert _choose(policy2, 3).draft_len > 0  # another batch: decided afresh
+
+
+def test_a_batch_1_warm_up_prices_a_many_row_draft_by_its_steps():
+    """A draft step reads the proposer's weights once, whatever its rows: a warm-up's drafts at
+    batch 1 (row-forwards = steps) teach the step's cost, and a 12-row draft is priced at what
+    its steps cost, not at 12 rows' worth of them (split between a per-step and a per-row term,
+    such a warm-up priced one at 17.9 ms where it took 5.6)."""
+    p = DraftLenPolicy(4, has_fill=False, prior=0.8, explore_every=1000, cold_first_launch=False)
+
+    def cost(steps, forwards):  # 0.2 ms a launch, 0.93 ms a step, 0.06 ms a row-forward
+        return 2e5 + 9.3e5 * steps + 6e4 * forwards
+
+    for nd in (2, 3, 4) * 8:
+        p.observe_launch("draft", {"num_draft": nd, "draft_forwards": nd - 1, "requests": 1, "kv_tokens": 60},
+                         int(cost(nd - 1, nd - 1)))
+    assert p.costs["draft"].at(3, 0, 3 * 60) == pytest.approx(cost(3, 3), rel=0.05)  # what it was taught
+    draft_12_rows = p.costs["draft"].at(3, 36 - 3, 3 * 720)
+    assert cost(3, 3) <= draft_12_rows * 1.05 and draft_12_rows < 1.1 * cost(3, 36)
+
+
+def test_a_draft_cost_state_saved_over_row_forwards_prices_as_it_did():
+    """A policy state saved before the draft's model took its rows past one a step (its cost
+    state without `features`) is converted on restore and prices every launch as before; a
+    state over other features is refused."""
+    from specsched.scheduler.online_cost import legacy_draft_state
+
+    old = OnlineCost(("const", "draft_steps", "draft_forwards", "draft_kv"), free_const=False)
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        rows, steps = int(rng.integers(1, 9)), int(rng.integers(0, 4))
+        fwd = rows * steps
+        old.add((1.0, float(steps), float(fwd), 50.0 * steps), 2e5 + 9e5 * steps + 5e4 * fwd)
+    saved = {k: v for k, v in old.state().items() if k != "features"}
+    new = cost_models(None)["draft"]
+    new.restore(legacy_draft_state(saved))
+    for steps, fwd in ((0, 0), (1, 1), (3, 3), (3, 36), (2, 9)):
+        assert new.at(steps, fwd - steps, 50.0 * steps) == pytest.approx(old.at(steps, fwd, 50.0 * steps), rel=1e-9)
+    with pytest.raises(ValueError, match="draft_forwards"):
+        new.restore(old.state())
 
 
 def test_a_held_plain_step_prices_with_the_models_as_last_fitted(monkeypatch):
@@ -812,7 +875,7 @@ def test_a_warm_up_s_noise_over_short_prompts_does_not_price_long_drafts_over_lo
                        (2, 65, 1674)):
         p.observe_launch("draft", {"num_draft": nd, "draft_forwards": max(nd - 1, 0), "requests": 1,
                                    "kv_tokens": kv}, us * 1000)
-    three_tokens_at_160 = p.costs["draft"].at(2, 2, 2 * 160)
+    three_tokens_at_160 = p.costs["draft"].at(2, 0, 2 * 160)  # two steps of one row
     assert 1.5e6 < three_tokens_at_160 < 2.5e6
 
 
