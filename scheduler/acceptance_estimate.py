@@ -122,3 +122,16 @@ class AcceptanceEstimate:
         self.global_accept = np.where(n > 0, self.global_accept + w * (mean - self.global_accept),
                                       self.global_accept)
         return True
+
+
+def accepted_drafts(p: np.ndarray, drawn: np.ndarray | None, use: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """From acceptance p [n, Dmax] (`AcceptanceEstimate.of`) and each row's chance `drawn` of
+    drafting at all: reach [n, Dmax], P(draft j made and accepted), and the expected accepted
+    drafts [1 + Dmax, n] of each row at each D, drafting `use` [1 + Dmax, n] there."""
+    reach = np.cumprod(p, axis=1)
+    if drawn is not None:
+        reach *= drawn[:, None]
+    n = p.shape[0]
+    gain = np.zeros((n, p.shape[1] + 1))
+    np.cumsum(reach, axis=1, out=gain[:, 1:])  # [n, 1 + Dmax]: expected accepted drafts at D
+    return reach, gain[np.arange(n)[None, :], use]

@@ -56,10 +56,11 @@ pipeline), and its inputs are what the pipeline already has:
   neighbour of the best length, so a stale estimate cannot keep speculation off, or short,
   forever -- from D = 0 the length whose rate is highest with every acceptance read
   `probe_optimism` standard errors above its estimate (an upper confidence bound: deep
-  positions, seen only when a probe reaches them, are what decides whether a long draft pays); settled choices are probed less and less often, a neighbour predicted more than
-  `probe_margin` behind is skipped but at the longest interval, and what probes lose against
-  the best (from D = 0, the probing rows' whole catch-up) is paid from a budget of
-  `explore_cost` of each decided step's predicted time. From D = 0 with the proposer behind,
+  positions, seen only when a probe reaches them, decide whether a long draft pays); settled
+  choices are probed less and less often, a neighbour predicted more than `probe_margin`
+  behind is skipped but at the longest interval, and what probes lose against the best (from
+  D = 0, the probing rows' whole catch-up) is paid from a budget of `explore_cost` of each
+  decided step's predicted time. From D = 0 with the proposer behind,
   the first `PROBE_ROWS` rows probe (the others wait a step); a resume predicted within
   `probe_margin` of plain decoding is such a probe too (a step that then finds D = 0 best
   wastes its catch-up), and so is one over more than twice the rows a verify has had, with
@@ -78,7 +79,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specsched.scheduler.acceptance_estimate import AcceptanceEstimate
+from specsched.scheduler.acceptance_estimate import AcceptanceEstimate, accepted_drafts
 from specsched.scheduler.online_cost import LAUNCH_OPS, cost_models, launch_model, op_features
 from specsched.scheduler.policy_state import policy_state, restore_policy_state
 from specsched.scheduler.probe_schedule import ProbeSchedule
@@ -123,6 +124,8 @@ class DraftLenPolicy:
             raise ValueError(f"an adaptive draft length needs max_draft_len >= 1, got {max_draft_len}")
         if not 0.0 <= prior <= 1.0:
             raise ValueError(f"prior acceptance must be in [0, 1], got {prior}")
+        if probe_optimism < 0.0:
+            raise ValueError(f"probe_optimism (standard errors) must be >= 0, got {probe_optimism}")
         self.max_draft_len = max_draft_len
         self._ds = np.arange(max_draft_len + 1)
         self.has_fill, self.kv_ahead, self.fill_same_batch = has_fill, kv_ahead, fill_same_batch
@@ -258,15 +261,10 @@ class DraftLenPolicy:
         dmax = self.max_draft_len
         # [n] P(the row drafts anything: a lookup may find nothing); None while every row asked did
         drawn = self.estimate.drafts(slots)
-        reach = np.cumprod(self.acceptance(slots), axis=1)  # [n, Dmax] P(draft j made and accepted)
-        if drawn is not None:
-            reach *= drawn[:, None]
-        gain = np.zeros((n, dmax + 1))
-        np.cumsum(reach, axis=1, out=gain[:, 1:])  # [n, 1 + Dmax]: expected accepted drafts at D
         cap = np.minimum(np.maximum(remaining - 1, 0), dmax)  # drafts a row may still use
         ds = self._ds
         use = np.minimum(cap[None, :], ds[:, None])  # [1 + Dmax, n] drafts per row at each D
-        accepted = gain[np.arange(n)[None, :], use]  # [1 + Dmax, n] expected accepted drafts
+        reach, accepted = accepted_drafts(self.acceptance(slots), drawn, use)
         rows_d = np.minimum(n, budget // (1 + ds))  # rows the budget holds at each D
         # [1 + Dmax, n] per row -> [1 + Dmax] over the rows served at each D (the usual case:
         # the budget holds every row at every D, and no mask is needed)
@@ -316,7 +314,7 @@ class DraftLenPolicy:
             probe = self.probes.candidate(best, dmax, self.plain_seen)
             judged = rates
             if not best and self.plain_seen:
-                judged = self._optimistic_rates(slots, spent, rows_d, cap, drawn, served)
+                judged = self._optimistic_rates(slots, spent, rows_d, use, drawn, served)
                 probe = max((d for d in judged if d), key=judged.get, default=probe)
             far = (not self.probes.at_longest and probe in judged and self.overhead.samples[probe] > 0
                    and judged[probe] < (1.0 - self.probe_margin) * rates[best])
@@ -378,7 +376,7 @@ class DraftLenPolicy:
         self._plain_decided = self._plain_decided or dec.draft_len == 0
         self.probes.accrue(dec.device_ns or 0.0)
 
-    def _optimistic_rates(self, slots: np.ndarray, spent: dict[int, float], rows_d: np.ndarray, cap: np.ndarray,
+    def _optimistic_rates(self, slots: np.ndarray, spent: dict[int, float], rows_d: np.ndarray, use: np.ndarray,
                           drawn: np.ndarray | None, served: np.ndarray | None) -> dict[int, float]:
         """`choose`'s rates (tokens/ns) with every acceptance `probe_optimism` standard errors
         above its estimate (`AcceptanceEstimate.optimism`), over the same predicted step times
@@ -387,19 +385,9 @@ class DraftLenPolicy:
         bound, as a bandit explores -- and skips it where even so it is far behind: a deep
         position is seen only in probes that reach it, so the neighbour D = 1 alone never
         tells whether a long draft pays."""
-        bonus = self.estimate.optimism(self.probe_optimism)
-        p = np.minimum(self.acceptance(slots) + bonus[None, :], 1.0)
-        reach_hi = np.cumprod(p, axis=1)
-        if drawn is not None:
-            reach_hi *= drawn[:, None]
-        n = len(slots)
-        gain = np.zeros((n, self.max_draft_len + 1))
-        np.cumsum(reach_hi, axis=1, out=gain[:, 1:])
-        use = np.minimum(cap[None, :], self._ds[:, None])
-        accepted = gain[np.arange(n)[None, :], use]
-        if served is not None:
-            accepted = accepted * served
-        expected = (rows_d + accepted.sum(axis=1)).tolist()
+        p = np.minimum(self.acceptance(slots) + self.estimate.optimism(self.probe_optimism)[None, :], 1.0)
+        accepted = accepted_drafts(p, drawn, use)[1]
+        expected = (rows_d + (accepted if served is None else accepted * served).sum(axis=1)).tolist()
         return {d: expected[d] / t for d, t in spent.items()}
 
     def _behind(self, lag: np.ndarray | None, d: int, rows: int) -> float:
@@ -411,8 +399,9 @@ class DraftLenPolicy:
         """What a step of the first `rows` rows at D = `probe` (`choose`'s drafts per row `use`,
         each row's chance `drawn` of drafting at all, KV tokens `computed`, expected accepted
         drafts `accepted`, proposer lag `lag`) costs against the best length's rate: its
-        predicted time over the time the best takes for as many tokens. Its catch-up counts whole (not spread over the output, as in the rates):
-        a probe that finds D = 0 still best has wasted it."""
+        predicted time over the time the best takes for as many tokens. Its catch-up counts
+        whole (not spread over the output, as in the rates): a probe that finds D = 0 still best
+        has wasted it."""
         u = use[probe, :rows]
         t = self.step_ns(rows, probe, int(np.maximum(u - 1, 0).sum()), int(computed[:rows].sum()),
                          self._behind(lag, probe, rows), float(_expected(u, drawn, rows).sum()))
