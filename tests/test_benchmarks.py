@@ -32,7 +32,7 @@ TINY = {
     "adaptive.py": ["--concurrency", "2", "--rounds", "1", "--max-tokens", "4", "--min-requests", "2",
                     "--max-draft-len", "2", "--proposers", "mtp"],
     "adaptive_sim.py": ["--replay-at", "2:1,2", "--max-tokens", "4", "--min-requests", "2", "--max-draft-len", "2",
-                        "--proposers", "mtp"],
+                        "--proposers", "mtp", "--acceptance", "bernoulli:0.8", "--seeds", "0", "1"],
     "tensor_parallel.py": ["--rounds", "1", "--concurrency", "1", "--num-requests", "1", "--max-tokens", "3",
                            "--configs", "none", "--sizes", "1024", "--repeats", "5"],
     "train_throughput.py": ["--steps", "1", "--rounds", "1", "--configs", "1:fp32:2", "1:bf16:2:passive"],
