@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from specsched.scheduler.adaptive import PROBE_ROWS, DraftLenPolicy
-from specsched.scheduler.online_cost import FEATURES, OnlineCost, cost_models, launch_model, op_features
+from specsched.scheduler.online_cost import FEATURES, OnlineCost, cost_models, launch_model, op_features, profile_coef
 from specsched.scheduler.step_trace import launch_features
 from specsched.simulator.replay import ReplayConfig, replay
 
@@ -271,6 +271,11 @@ def test_a_draft_cost_state_saved_over_row_forwards_prices_as_it_did():
         assert new.at(steps, fwd - steps, 50.0 * steps) == pytest.approx(old.at(steps, fwd, 50.0 * steps), rel=1e-9)
     with pytest.raises(ValueError, match="draft_forwards"):
         new.restore(old.state())
+    # a profile made from it (a replay's ops its trace never ran) prices the draft as before
+    c = dict(zip(old.features, old.coef))
+    _, coef = profile_coef("draft", legacy_draft_state(saved)["coef"])
+    assert coef["draft_steps"] == pytest.approx(c["draft_steps"])
+    assert coef["draft_forwards"] == pytest.approx(c["draft_forwards"])
 
 
 def test_a_held_plain_step_prices_with_the_models_as_last_fitted(monkeypatch):
