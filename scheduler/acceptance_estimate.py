@@ -54,8 +54,19 @@ class AcceptanceEstimate:
         over its observations there, with the engine-wide estimate counted as `request_weight`
         more -- a request seen little follows the engine-wide rate as that is learned, one seen
         often its own."""
+        return self._shrunk(slots, self.engine_wide())
+
+    def optimistic_of(self, slots: np.ndarray, z: float) -> np.ndarray:
+        """`of` with every position `z` standard errors of its engine-wide estimate higher (the
+        prior counting as `prior_weight` observations), at most 1: what each may be worth given
+        how little of it has been seen."""
+        p = self.engine_wide()
+        bonus = z * np.sqrt(p * (1.0 - p) / (self.global_seen + self.prior_weight))
+        return np.minimum(self._shrunk(slots, p) + bonus[None, :], 1.0)
+
+    def _shrunk(self, slots: np.ndarray, engine_wide: np.ndarray) -> np.ndarray:
         m = self.request_weight
-        return (m * self.engine_wide() + self._hits[slots]) / (m + self._seen[slots])
+        return (m * engine_wide + self._hits[slots]) / (m + self._seen[slots])
 
     def engine_wide(self) -> np.ndarray:
         """[Dmax] the engine-wide p[k] with position k's prior taken from position k - 1: its
@@ -68,12 +79,6 @@ class AcceptanceEstimate:
         for k in range(1, len(g)):
             out[k] = g[k] + share[k] * (out[k - 1] - self.prior)
         return np.clip(out, 0.0, 1.0)
-
-    def optimism(self, z: float) -> np.ndarray:
-        """[Dmax] `z` standard errors of the engine-wide p[k] (its prior counting as
-        `prior_weight` observations): what an optimistic reading of position k adds."""
-        p = self.engine_wide()
-        return z * np.sqrt(p * (1.0 - p) / (self.global_seen + self.prior_weight))
 
     def drafts(self, slots: np.ndarray) -> np.ndarray | None:
         """[len(slots)] P(the row drafts anything when asked), shrunk toward `draft_rate` as `of`;
@@ -135,3 +140,9 @@ def accepted_drafts(p: np.ndarray, drawn: np.ndarray | None, use: np.ndarray) ->
     gain = np.zeros((n, p.shape[1] + 1))
     np.cumsum(reach, axis=1, out=gain[:, 1:])  # [n, 1 + Dmax]: expected accepted drafts at D
     return reach, gain[np.arange(n)[None, :], use]
+
+
+def expected_drafts(drafts: np.ndarray, drawn: np.ndarray | None, rows: int | None = None) -> np.ndarray:
+    """Drafts per row (the last axis: rows) weighed by each row's chance of drafting at all
+    (`drawn`, for the first `rows` rows; None: every row drafts)."""
+    return drafts if drawn is None else drafts * drawn[:rows]

@@ -79,7 +79,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specsched.scheduler.acceptance_estimate import AcceptanceEstimate, accepted_drafts
+from specsched.scheduler.acceptance_estimate import AcceptanceEstimate, accepted_drafts, expected_drafts
 from specsched.scheduler.online_cost import LAUNCH_OPS, cost_models, launch_model, op_features
 from specsched.scheduler.policy_state import policy_state, restore_policy_state
 from specsched.scheduler.probe_schedule import ProbeSchedule
@@ -274,7 +274,7 @@ class DraftLenPolicy:
             return (per_row if served is None else per_row * served).sum(axis=1)
 
         expected = rows_d + over_served(accepted)
-        forwards, drafts = over_served(np.maximum(use - 1, 0)), over_served(_expected(use, drawn))
+        forwards, drafts = over_served(np.maximum(use - 1, 0)), over_served(expected_drafts(use, drawn))
         kv = (np.full(dmax + 1, int(computed.sum())) if served is None  # KV tokens of the first r rows
               else np.concatenate([[0], np.cumsum(computed)])[rows_d])
         catch_up = None
@@ -356,7 +356,7 @@ class DraftLenPolicy:
         behind = self._behind(lag, best, rows)
         kv_rows = kv_l[best] if rows == rows_l[best] else int(computed[:rows].sum())
         args = (rows, best, int(np.maximum(num_draft - 1, 0).sum()), kv_rows, behind,
-                float(_expected(num_draft, drawn, rows).sum()))
+                float(expected_drafts(num_draft, drawn, rows).sum()))
         dec = Decision(best, num_draft.astype(np.int64), rows, gain_over_plain, explored, self.step_ns(*args), args)
         self._accrue(dec)
         # a D = 0 the estimates chose stands, not one forced by every row's last token
@@ -378,15 +378,11 @@ class DraftLenPolicy:
 
     def _optimistic_rates(self, slots: np.ndarray, spent: dict[int, float], rows_d: np.ndarray, use: np.ndarray,
                           drawn: np.ndarray | None, served: np.ndarray | None) -> dict[int, float]:
-        """`choose`'s rates (tokens/ns) with every acceptance `probe_optimism` standard errors
-        above its estimate (`AcceptanceEstimate.optimism`), over the same predicted step times
-        `spent`: what each length may be worth given how little of it has been seen. From
-        D = 0 a due probe tries the length this reading rates highest -- an upper confidence
-        bound, as a bandit explores -- and skips it where even so it is far behind: a deep
-        position is seen only in probes that reach it, so the neighbour D = 1 alone never
-        tells whether a long draft pays."""
-        p = np.minimum(self.acceptance(slots) + self.estimate.optimism(self.probe_optimism)[None, :], 1.0)
-        accepted = accepted_drafts(p, drawn, use)[1]
+        """`choose`'s rates (tokens/ns) over the same predicted step times `spent`, with every
+        acceptance `probe_optimism` standard errors above its estimate
+        (`AcceptanceEstimate.optimistic_of`): the upper confidence bound a probe from D = 0 is
+        chosen and judged by (module docstring, Exploration)."""
+        accepted = accepted_drafts(self.estimate.optimistic_of(slots, self.probe_optimism), drawn, use)[1]
         expected = (rows_d + (accepted if served is None else accepted * served).sum(axis=1)).tolist()
         return {d: expected[d] / t for d, t in spent.items()}
 
@@ -404,14 +400,8 @@ class DraftLenPolicy:
         has wasted it."""
         u = use[probe, :rows]
         t = self.step_ns(rows, probe, int(np.maximum(u - 1, 0).sum()), int(computed[:rows].sum()),
-                         self._behind(lag, probe, rows), float(_expected(u, drawn, rows).sum()))
+                         self._behind(lag, probe, rows), float(expected_drafts(u, drawn, rows).sum()))
         if t is None:
             return 0.0
         t = max(self.overhead.at(probe) + t, 0.25 * t, 1.0)
         return max(t - (rows + float(accepted[probe, :rows].sum())) / best_rate, 0.0)
-
-
-def _expected(drafts: np.ndarray, drawn: np.ndarray | None, rows: int | None = None) -> np.ndarray:
-    """Drafts per row (the last axis: rows) weighed by each row's chance of drafting at all
-    (`drawn`, for the first `rows` rows; None: every row drafts)."""
-    return drafts if drawn is None else drafts * drawn[:rows]

@@ -261,6 +261,12 @@ def profile_coef(model: str, coef) -> tuple[str, dict[str, float]]:
     return PROFILE_NAMES[model][0], c
 
 
+def current_state(model: str, state: dict) -> dict:
+    """`model`'s saved cost state over today's `FEATURES` (`OnlineCost.restore` reads it): a
+    draft's saved before the states named their features is converted (`legacy_draft_state`)."""
+    return legacy_draft_state(state) if model == "draft" and "features" not in state else state
+
+
 def legacy_draft_state(state: dict) -> dict:
     """A draft cost model's state saved over (const, draft_steps, draft_forwards, draft_kv) --
     before its rows past one a step replaced its row-forwards (`FEATURES`) -- over today's

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specsched.scheduler.online_cost import LAUNCH_OPS, legacy_draft_state
+from specsched.scheduler.online_cost import LAUNCH_OPS, current_state
 
 # the engine-wide estimates, overheads and probe schedule (per-request estimates are not part
 # of it: a request's start resets its own): key in the state -> attribute path on the policy
@@ -58,9 +58,6 @@ def restore_policy_state(policy, state: dict) -> int | None:
                 raise ValueError(f"a draft-length policy state whose {k} has shape {v.shape}, not {cur.shape}")
         setattr(owner, attr, v)
     for m, c in policy.costs.items():
-        saved = state["costs"][m]
-        if m == "draft" and "features" not in saved:  # saved before the states named their features
-            saved = legacy_draft_state(saved)
-        c.restore(saved)
+        c.restore(current_state(m, state["costs"][m]))
     d = state["last_draft_len"]
     return None if d is None else int(d)

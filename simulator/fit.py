@@ -17,7 +17,7 @@ import bisect
 
 import numpy as np
 
-from specsched.scheduler.online_cost import legacy_draft_state, profile_coef
+from specsched.scheduler.online_cost import current_state, profile_coef
 from specsched.scheduler.step_trace import SHAPE_KEYS
 from specsched.simulator.costs import HOST_STAGES, SHAPE_FEATURES, CostProfile, StageModel, device_features, host_key
 
@@ -232,9 +232,7 @@ def _ops_from_policy(prof: CostProfile, traces: list) -> None:
         for model, state in costs.items():
             if (state or {}).get("coef") is None:
                 continue
-            if model == "draft" and "features" not in state:  # saved over row-forwards
-                state = legacy_draft_state(state)
-            op, coef = profile_coef(model, state["coef"])
+            op, coef = profile_coef(model, current_state(model, state)["coef"])
             if op in prof.device:
                 continue
             prof.device[op] = StageModel(coef=coef, mape=0.0, num_samples=int(state.get("n", 0)),
