@@ -35,8 +35,9 @@ pipeline), and its inputs are what the pipeline already has:
   proposer's weights once whatever its rows, so a warm-up at batch 1 teaches a step's cost --,
   KV tokens x draft steps: the
   first token comes from logits already there, each further one reads the KV); the fill),
-  refitted as samples arrive (running weighted sums, folded in when a decision next weighs
-  the lengths; a held D = 0 reads them as last fitted), ridge-regularized
+  refitted as samples arrive (running weighted sums, folded in when a step's residual or a
+  decision that weighs the lengths next reads them; a held D = 0 reads them as last fitted),
+  ridge-regularized
   toward its seed -- a fitted cost profile (`seed_costs`, the simulator's JSON format) or
   none -- so a few samples cannot swing it (the draft's KV term 100 times harder, its
   constant 3 times: `online_cost.PULL`). A real device's first launch of each op pays
@@ -227,11 +228,10 @@ class DraftLenPolicy:
             return
         if last.cost_args is not None and last.cost_args[4] > 0:
             return  # a catch-up step: a transition priced by `lag`, not what a step at its D costs
-        # against the models as the step's launches left them (against the decision's prediction
-        # a model's correction would count twice: in the model and in h), as last fitted (a
-        # refit waits for the next decision that weighs the lengths); negative where the device
-        # models overprice this D
-        predicted = self.step_ns(*last.cost_args, refit=False) if last.cost_args is not None else None
+        # against the models as the step's launches left them, refitted if due (against the
+        # decision's prediction a model's correction would count twice: in the model and in h);
+        # negative where the device models overprice this D
+        predicted = self.step_ns(*last.cost_args) if last.cost_args is not None else None
         self.overhead.observe(last.draft_len, float(wall_ns - (last.device_ns if predicted is None else predicted)))
 
     # -- the decision ---------------------------------------------------------------------
@@ -245,8 +245,8 @@ class DraftLenPolicy:
         A choice of D = 0 (not a probe) stands for up to `HOLD_STEPS` decisions while the batch
         is the same rows and no verify brings new acceptance: nothing it depends on then moves
         but by a token per row, and a plain decode step is the one whose host time counts most
-        (such a decision prices its step with the cost models as last fitted: a refit waits for
-        the next decision that weighs the lengths)."""
+        (such a decision prices its step with the cost models as last fitted: a due refit waits
+        for the step's residual, `observe_step`, or a decision that weighs the lengths)."""
         self.decisions += 1
         held = self._held_slots
         if (held is not None and self._held < HOLD_STEPS and not self.probes.due(self.decisions)

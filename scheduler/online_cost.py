@@ -35,7 +35,8 @@ class OnlineCost:
     sums in one array operation, and the model refitted (one small solve), when the
     coefficients are next read with `refit` allowed -- after every sample of the first 8, then
     after every (n / 8)-th (early samples move the fit most), from the 64th sample on after
-    every 8th. The policy allows it where it weighs the lengths, not where it holds D = 0."""
+    every 8th. The policy allows it where it weighs the lengths and where it takes a step's
+    residual, not where it holds D = 0."""
 
     def __init__(self, features: tuple[str, ...], prior: np.ndarray | None = None, lam: float = 0.1,
                  half_life: float = 32.0, free_const: bool = True, coef: np.ndarray | None = None,
@@ -154,7 +155,7 @@ class OnlineCost:
         """`predict` of (1, a, b, c[, e]) in plain floats (None while not `known`): the policy
         prices every D each step. `refit=False` prices with the coefficients as last fitted,
         leaving a due refit to the next read that allows one (a solve costs ~70 us: the policy
-        refits when it weighs the lengths, not on every step it holds D = 0)."""
+        refits when it weighs the lengths or takes a step's residual, not in a held D = 0)."""
         if self._stale and (refit or not self._priced()):
             self.fit()
         k = self._k
