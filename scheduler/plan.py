@@ -102,6 +102,22 @@ def attention_groups(qo_lens: np.ndarray) -> list[np.ndarray]:
     return groups if len(groups) > 1 else [np.arange(qo.size)]
 
 
+def padded_attention(qo_lens: np.ndarray, kv_lens: np.ndarray) -> int:
+    """Sum over `attention_groups` of rows x the group's longest query x its longest KV: the
+    attention work of the padding backend, in whole-array operations (numpy's `unique`, and a
+    group's rows gathered for each maximum, cost several times more at a few hundred rows).
+    A row's length class is the binary exponent `frexp` gives, which is its `bit_length`."""
+    qo = np.asarray(qo_lens, dtype=np.int64)
+    cls = np.frexp(qo)[1]
+    cls[qo <= 1] = 0
+    rows = np.bincount(cls)
+    longest_q = np.zeros(rows.size, dtype=np.int64)
+    np.maximum.at(longest_q, cls, qo)
+    longest_kv = np.zeros(rows.size, dtype=np.int64)
+    np.maximum.at(longest_kv, cls, kv_lens)
+    return int((rows * longest_q * longest_kv).sum())
+
+
 def concat_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """Concatenated aranges [starts[i], starts[i] + lens[i]) (int64), without a Python loop."""
     return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)

@@ -316,3 +316,18 @@ def test_attention_groups_of_few_rows_and_of_many_are_the_same_rule(qo: list[int
         else [list(range(len(qo)))]
     assert groups == want
     assert all(length_class(q) == (0 if q == 1 else int(np.floor(np.log2(q))) + 1) for q in qo)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 5000)), min_size=1, max_size=40))
+def test_padded_attention_is_each_groups_rows_times_its_longest_query_and_kv(rows: list[tuple[int, int]]) -> None:
+    """The whole-array padded attention (what a launch's cost model reads at many rows) is the
+    sum over `attention_groups` of rows x longest query x longest KV."""
+    from specsched.scheduler.messages import _padded
+    from specsched.scheduler.plan import attention_groups, padded_attention
+
+    qo = np.array([q for q, _ in rows], dtype=np.int64)
+    kv = np.array([k for _, k in rows], dtype=np.int64)
+    want = sum(len(g) * int(qo[g].max()) * int(kv[g].max()) for g in attention_groups(qo))
+    assert padded_attention(qo, kv) == want
+    assert _padded(len(qo), qo, kv) == want
