@@ -28,10 +28,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from specsched.scheduler.small_arrays import SMALL_BATCH, largest, smallest, total
+from specsched.scheduler.small_arrays import largest, smallest, total
 from specsched.scheduler.step_batch import StepBatch
 from specsched.scheduler.block_manager import BlockManager
-from specsched.scheduler.plan import AttentionPlan, attention_groups, build_plan, length_class, padded_attention
+from specsched.scheduler.plan import AttentionPlan, build_plan, length_class, padded_attention
 from specsched.scheduler.proposer import ProposerSpec
 
 _NO_SLOTS = np.zeros(0, dtype=np.int64)
@@ -215,10 +215,7 @@ def _padded(n: int, qo_lens: np.ndarray | int, kv_lens: np.ndarray) -> int:
         return n * qo_lens * largest(kv_lens)
     q = largest(qo_lens)
     if q > 1 and n > 1 and length_class(smallest(qo_lens)) != length_class(q):  # groups attended apart
-        if n > SMALL_BATCH:
-            return padded_attention(qo_lens, kv_lens)
-        groups = attention_groups(qo_lens)
-        return sum(len(g) * largest(qo_lens[g]) * largest(kv_lens[g]) for g in groups)
+        return padded_attention(qo_lens, kv_lens)
     return n * q * largest(kv_lens)
 
 

@@ -97,19 +97,32 @@ def attention_groups(qo_lens: np.ndarray) -> list[np.ndarray]:
         return [np.array(by[c], dtype=np.int64) for c in sorted(by)] if len(by) > 1 else [np.arange(qo.size)]
     if qo.max() <= 1:
         return [np.arange(qo.size)]
-    cls = np.where(qo <= 1, 0, np.floor(np.log2(np.maximum(qo, 1))).astype(np.int64) + 1)
+    cls = _length_classes(qo)
     groups = [(cls == c).nonzero()[0] for c in np.unique(cls)]
     return groups if len(groups) > 1 else [np.arange(qo.size)]
 
 
-def padded_attention(qo_lens: np.ndarray, kv_lens: np.ndarray) -> int:
-    """Sum over `attention_groups` of rows x the group's longest query x its longest KV: the
-    attention work of the padding backend, in whole-array operations (numpy's `unique`, and a
-    group's rows gathered for each maximum, cost several times more at a few hundred rows).
-    A row's length class is the binary exponent `frexp` gives, which is its `bit_length`."""
-    qo = np.asarray(qo_lens, dtype=np.int64)
+def _length_classes(qo: np.ndarray) -> np.ndarray:
+    """`length_class` of every row of an int64 array: the binary exponent `frexp` gives is a
+    positive int's `bit_length`."""
     cls = np.frexp(qo)[1]
     cls[qo <= 1] = 0
+    return cls
+
+
+def padded_attention(qo_lens: np.ndarray, kv_lens: np.ndarray) -> int:
+    """Sum over `attention_groups` of rows x the group's longest query x its longest KV: the
+    attention work of the padding backend. A few rows are summed in Python, many in
+    whole-array operations (numpy's `unique`, and a group's rows gathered for each maximum,
+    cost several times more at a few hundred rows)."""
+    qo = np.asarray(qo_lens, dtype=np.int64)
+    if qo.size <= SMALL_BATCH:  # a few rows: a numpy call costs more than the loop
+        by: dict[int, list[int]] = {}  # class -> [rows, longest query, longest KV]
+        for q, kv in zip(qo.tolist(), np.asarray(kv_lens).tolist()):
+            g = by.setdefault(length_class(q), [0, 0, 0])
+            g[0], g[1], g[2] = g[0] + 1, max(g[1], q), max(g[2], kv)
+        return sum(r * q * kv for r, q, kv in by.values())
+    cls = _length_classes(qo)
     rows = np.bincount(cls)
     longest_q = np.zeros(rows.size, dtype=np.int64)
     np.maximum.at(longest_q, cls, qo)
