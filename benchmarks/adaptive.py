@@ -20,6 +20,15 @@ the policy deciding in the replay and with each step's D taken from the run
 With `--baseline CHECKOUT` (e.g. a git worktree of an earlier commit) every round also runs
 `auto` with that checkout's code, in a process of its own, in the same rotated order: the
 column `auto@base`, and its ratio to the best fixed D next to auto's.
+
+With two rounds or more a second ratio is printed, `held out`: the largest of several noisy
+medians overstates the length it picks (the winner's curse: where the fixed lengths are within
+the machine's noise of each other, whichever had the luckiest rounds is "best"), so auto over
+the best of the medians reads low even for a policy that always ran the truly best length. In
+`held out` each round's auto is set against that same round's fixed D ranked best by the
+*other* rounds' medians (`held_out_ratio`): the pick is independent of the round it is judged
+on, and the pair ran minutes apart. The median over rounds, and the geometric mean of those
+over the concurrencies.
 """
 from __future__ import annotations
 
@@ -111,6 +120,7 @@ def report(args, base_env: dict | None) -> None:
         cfgs = configs(proposer, args.max_draft_len, device_fields(args))
         names = list(cfgs) + ([BASE] if base_env else [])
         table: dict[int, dict[str, float]] = {}
+        held: dict[int, dict[str, float | None]] = {}  # auto (and auto@base) / the held-out best fixed D
         for c in [] if args.replay_only else args.concurrency:
             items = workload(c, args.max_tokens, args.min_requests)
             got: dict[str, list[float]] = {n: [] for n in names}
@@ -123,9 +133,10 @@ def report(args, base_env: dict | None) -> None:
                     m, _ = run(items, concurrency=c, warmup=1, trace=False, **cfgs[name])
                     got[name].append(m["output_tokens_per_s"])
             table[c] = {n: statistics.median(v) for n, v in got.items()}
+            held[c] = {n: held_out_ratio(got, n, [f for f in got if f not in AUTOS]) for n in got if n in AUTOS}
         print(f"\n{proposer} ({PROPOSERS[proposer]}):")
         if table:
-            print_table(table, names)
+            print_table(table, names, held)
         if args.no_replay:
             continue
         errs = []
@@ -150,6 +161,22 @@ def report(args, base_env: dict | None) -> None:
 
 
 BASE = "auto@base"  # the baseline checkout's auto (`--baseline`)
+AUTOS = ("auto", BASE)
+
+
+def held_out_ratio(got: dict[str, list[float]], auto: str, fixed: list[str]) -> float | None:
+    """Median over rounds r of `got[auto][r]` / `got[best_r][r]`, where best_r is the fixed
+    configuration with the highest median over the rounds other than r (None with one round):
+    the best fixed D picked on data independent of the round it is compared in."""
+    rounds = len(got[auto])
+    if rounds < 2:
+        return None
+    ratios = []
+    for r in range(rounds):
+        others = {n: statistics.median(v[:r] + v[r + 1:]) for n, v in got.items() if n in fixed}
+        best = max(others, key=others.get)
+        ratios.append(got[auto][r] / got[best][r])
+    return statistics.median(ratios)
 
 
 def one_run(args) -> None:
@@ -169,20 +196,27 @@ def baseline_run(args, proposer: str, c: int, env: dict) -> float:
     return float(run_json(cmd, env, "baseline"))
 
 
-def print_table(table: dict[int, dict[str, float]], names: list[str]) -> None:
-    """Tokens/s per concurrency and configuration, auto (and a baseline's) against the best fixed D, geomeans."""
-    autos = [n for n in ("auto", BASE) if n in names]
+def print_table(table: dict[int, dict[str, float]], names: list[str],
+                held: dict[int, dict[str, float | None]] | None = None) -> None:
+    """Tokens/s per concurrency and configuration, auto (and a baseline's) against the best
+    fixed D (and, with `held`, against the held-out best: `held_out_ratio`), geomeans."""
+    autos = [n for n in AUTOS if n in names]
+    held_autos = [n for n in autos if held and all(held[c].get(n) is not None for c in table)]
     print(f"{'concurrency':>11} " + " ".join(f"{n:>9}" for n in names)
-          + "".join(f" {n + '/best':>14}" for n in autos) + f" {'best':>6}")
+          + "".join(f" {n + '/best':>14}" for n in autos) + f" {'best':>6}"
+          + "".join(f" {n + '/held out':>18}" for n in held_autos))
     for c, row in table.items():
         fixed = {n: v for n, v in row.items() if n not in autos}
         best = max(fixed, key=fixed.get)
         print(f"{c:>11} " + " ".join(f"{row[n]:>9.1f}" for n in names)
-              + "".join(f" {row[n] / fixed[best]:>13.3f}x" for n in autos) + f" {best:>6}")
+              + "".join(f" {row[n] / fixed[best]:>13.3f}x" for n in autos) + f" {best:>6}"
+              + "".join(f" {held[c][n]:>17.3f}x" for n in held_autos))
     geo = {n: math.exp(statistics.mean(math.log(table[c][n]) for c in table)) for n in names}
     best_geo = max(v for n, v in geo.items() if n not in autos)
     print(f"{'geomean':>11} " + " ".join(f"{geo[n]:>9.1f}" for n in names)
-          + "   " + ", ".join(f"{n} / best fixed geomean: {geo[n] / best_geo:.3f}x" for n in autos))
+          + "   " + ", ".join(f"{n} / best fixed geomean: {geo[n] / best_geo:.3f}x" for n in autos)
+          + "".join(f", {n} / held-out best, geomean over the concurrencies: "
+                    f"{math.exp(statistics.mean(math.log(held[c][n]) for c in table)):.3f}x" for n in held_autos))
 
 
 if __name__ == "__main__":

@@ -129,3 +129,27 @@ def test_gpu_check_saves_compiled_flashinfer_modules_and_installs_them_where_fla
     with pytest.raises(SystemExit, match="unexpected member '../page.so'"):
         gpu_check.install_kernels(bad, tmp_path / "aot2")
     assert not (tmp_path / "page.so").exists() and not (tmp_path / "aot2").exists()
+
+
+def test_adaptive_held_out_ratio_picks_the_best_fixed_length_on_the_other_rounds(capsys):
+    """The largest of noisy medians is a lucky pick (D=1's 101 here: one fast round, one slow);
+    `held out` ranks the fixed lengths on the other rounds and compares within each round."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import adaptive
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    got = {"D=0": [100.0, 100.0, 100.0], "D=1": [120.0, 101.0, 80.0], "auto": [100.0, 100.0, 100.0]}
+    # round 0: D=0 (100 vs 90.5 on rounds 1, 2) -> 1.0; round 1: a tie, D=0 -> 1.0;
+    # round 2: D=1 (110.5 vs 100 on rounds 0, 1) -> 100 / 80
+    assert adaptive.held_out_ratio(got, "auto", ["D=0", "D=1"]) == 1.0
+    got["auto"] = [90.0, 90.0, 125.0]  # each round against its own pick: 0.9, 0.9, 1.5625
+    assert adaptive.held_out_ratio(got, "auto", ["D=0", "D=1"]) == 0.9
+    assert adaptive.held_out_ratio({"D=0": [1.0], "auto": [1.0]}, "auto", ["D=0"]) is None
+    table = {1: {"D=0": 100.0, "D=1": 101.0, "auto": 100.0}, 4: {"D=0": 200.0, "D=1": 100.0, "auto": 196.0}}
+    adaptive.print_table(table, ["D=0", "D=1", "auto"], {1: {"auto": 1.0}, 4: {"auto": 0.98}})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].rstrip().endswith("auto/held out")
+    assert lines[1].split()[-2:] == ["D=1", "1.000x"] and lines[1].split()[-3] == "0.990x"
+    assert lines[2].split()[-2:] == ["D=0", "0.980x"]
+    assert "auto / held-out best, geomean over the concurrencies: 0.990x" in lines[3]
