@@ -9,6 +9,13 @@ cached context (median over interleaved repeats, relative to 1 token), the host-
     python benchmarks/forward_cost.py                 # bundled target/draft
     python benchmarks/forward_cost.py --random        # random models of the bundled shapes
     python benchmarks/forward_cost.py --random --hf   # also time transformers at 1 token
+    python benchmarks/forward_cost.py --random --layers 6 12 18   # targets of several depths
+
+Why several depths: on a CPU a forward of these small models costs about the same per layer
+whatever the layer's width (a few dozen small ops each), so a one-layer proposer's price
+relative to the target is set by the target's depth, and with it how far speculation can pay
+(the analytic bound AL / (T_verify(1 + D) + cost of the proposer's forwards), in units of
+one target token).
 """
 
 from __future__ import annotations
@@ -99,6 +106,8 @@ def main() -> None:
     ap.add_argument("--draft", type=Path, default=REPO / "runtime" / "bundled" / "draft")
     ap.add_argument("--random", action="store_true",
                     help="random target (6 layers) and draft (1 layer) of the bundled shapes")
+    ap.add_argument("--layers", type=int, nargs="+", default=[6],
+                    help="with --random: the random target's depths, each measured in the same rounds")
     ap.add_argument("--context", type=int, default=200, help="cached tokens before the step")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=200)
@@ -107,18 +116,25 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
+    if min(args.layers) < 1:
+        ap.error("--layers must be >= 1")
+    if args.layers != [6] and not args.random:
+        ap.error("--layers needs --random (the bundled target has its own depth)")
     if args.random:
-        target, draft = random_model(6, seed=0), random_model(1, seed=1)
+        targets = {("target" if n == 6 and len(args.layers) == 1 else f"target-{n}L"): random_model(n, seed=0)
+                   for n in args.layers}
+        draft = random_model(1, seed=1)
     else:
         if not args.target.is_dir():
             raise SystemExit(f"no model at {args.target}; pass --target DIR or --random")
-        target = load_model(args.target)
+        targets = {"target": load_model(args.target)}
         draft = load_model(args.draft) if args.draft.is_dir() else None
 
-    runners = {"target": Runner(target, args.context, args.page_size)}
+    runners = {name: Runner(model, args.context, args.page_size) for name, model in targets.items()}
     if draft is not None:
         runners["draft"] = Runner(draft, args.context, args.page_size)
-    cases = [("target", 1), ("target", 4), ("target", 8)] + ([("draft", 1)] if draft else [])
+    cases = [(name, n) for name in targets for n in (1, 4, 8)] + ([("draft", 1)] if draft else [])
+    target = next(iter(targets.values()))
     if args.hf:
         import warnings
 
@@ -136,19 +152,24 @@ def main() -> None:
             fwd[(name, n)].append(f)
 
     med = {c: statistics.median(fwd[c]) for c in cases}
-    base = med[("target", 1)]
+    first = next(iter(targets))
+    base = med[(first, 1)]
     print(f"batch 1, {args.context} cached tokens, page size {args.page_size}, "
           f"{args.threads} thread(s), median of {args.repeats}")
-    print(f"{'model':12} {'tokens':>6} {'forward ms':>11} {'vs target 1':>11} {'prepare ms':>11}")
+    print(f"{'model':12} {'tokens':>6} {'forward ms':>11} {'vs ' + first + ' 1':>15} {'prepare ms':>11}")
     for name, n in cases:
         ratio = med[(name, n)] / base
         if name == "transformers":
-            print(f"{name:12} {n:>6} {med[(name, n)] * 1e3:>11.3f} {ratio:>10.2f}x {'-':>11}")
+            print(f"{name:12} {n:>6} {med[(name, n)] * 1e3:>11.3f} {ratio:>14.2f}x {'-':>11}")
             continue
-        print(f"{name:12} {n:>6} {med[(name, n)] * 1e3:>11.3f} {ratio:>10.2f}x "
+        print(f"{name:12} {n:>6} {med[(name, n)] * 1e3:>11.3f} {ratio:>14.2f}x "
               f"{statistics.median(prep[(name, n)]) * 1e3:>11.3f}")
-    if draft is not None:
-        print(f"draft/target cost ratio (1 token): {med[('draft', 1)] / base:.3f}")
+    for name in targets:
+        one = med[(name, 1)]
+        line = f"{name}: 4 / 8 tokens cost {med[(name, 4)] / one:.2f}x / {med[(name, 8)] / one:.2f}x of one"
+        if draft is not None:
+            line += f"; draft/target cost ratio (1 token) {med[('draft', 1)] / one:.3f}"
+        print(line)
     if args.hf:
         print(f"this runtime / transformers (1 token): {base / med[('transformers', 1)]:.3f}")
 
