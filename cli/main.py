@@ -124,15 +124,21 @@ def train_models(
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast (default: where the "
                                         "CPU has native bf16)"),
     seed: int = typer.Option(0),
+    target_shape: str = typer.Option("6x256", help="the target's LAYERSxHIDDEN; the draft is 1 layer of its width"),
 ) -> None:
     """Retrain the bundled family: tokenizer, target, draft, MTP head (needs the dev extra)."""
     from specsched.runtime.training.bundled import main as train_main
+    from specsched.runtime.training.bundled import parse_shape
     from specsched.runtime.training.mtp import train_mtp
 
     aux = _layer_list(mtp_aux_layers, "--mtp-aux-layers")
+    try:
+        parse_shape(target_shape)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--target-shape") from None
     train_main(out_dir=str(out), target_minutes=target_minutes, draft_minutes=draft_minutes, seed=seed,
                target_steps=target_steps, draft_steps=draft_steps, num_threads=threads, state_dir=state,
-               tokenizer=tokenizer, bf16=bf16, batch_size=batch_size)
+               tokenizer=tokenizer, bf16=bf16, batch_size=batch_size, target_shape=target_shape)
     train_mtp(out / "target", out / "mtp", mtp_steps, minutes=mtp_minutes, ablation=True, seed=seed,
               num_windows=mtp_windows, num_threads=threads, bf16=bf16, onpolicy_frac=mtp_onpolicy_frac,
               aux_layers=aux)

@@ -208,3 +208,34 @@ def test_initial_draft_starts_from_the_target(init_layers):
     assert d_layer.keys() == t_layer.keys()
     same = [torch.equal(d_layer[k], t_layer[k]) for k in d_layer]
     assert all(same) if init_layers else not any(same)
+
+
+def test_target_shape_sets_depth_and_width_in_the_bundled_proportions():
+    """`--target-shape 6x256` is the shipped target's config; another width keeps 32-wide heads,
+    two query heads a key-value head and the SwiGLU ratio; a malformed shape is refused by name."""
+    pytest.importorskip("transformers")
+    from specsched.runtime.training.bundled import describe_shape, llama_config, parse_shape
+
+    raw = json.loads((bundled.target_dir() / "config.json").read_text())
+    layers, hidden = parse_shape("6x256")
+    cfg = llama_config(raw["vocab_size"], raw["bos_token_id"], raw["eos_token_id"], layers, hidden)
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "vocab_size", "tie_word_embeddings"):
+        assert getattr(cfg, key) == raw[key], key
+    assert parse_shape("12X192") == (12, 192)
+    cfg = llama_config(4096, 0, 1, *parse_shape("12x192"))
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.intermediate_size) == (12, 192, 6, 3, 516)
+    assert describe_shape(12, 192) == "12 layers, hidden 192, 6 query / 3 key-value heads, SwiGLU 516, tied embeddings"
+    for bad in ("12", "x192", "0x256", "6x100", "6x0", "axb"):
+        with pytest.raises(ValueError, match="target shape"):
+            parse_shape(bad)
+
+
+def test_train_models_refuses_a_malformed_target_shape_before_training():
+    from typer.testing import CliRunner
+
+    from specsched.cli.main import app
+
+    res = CliRunner().invoke(app, ["train-models", "--target-shape", "6x100", "--out", "unused"])
+    assert res.exit_code == 2 and "multiple of 64" in res.output

@@ -1,4 +1,4 @@
-"""Train the bundled tiny model family: tokenizer, 6-layer target, 1-layer distilled draft.
+"""Train the bundled tiny model family: tokenizer, target (6 layers x 256 wide by default), 1-layer distilled draft.
 
 Why: the engine, tracer and benchmarks need a real target/draft pair that runs anywhere with no
 download. The corpus is the interpreter's own standard library (see corpus.py), the models are
@@ -10,6 +10,10 @@ Budgets are wall-clock minutes (the cosine schedule follows elapsed time), so a 
 approximately, not bit-, reproducible: a busy machine takes fewer steps. `--target-steps` and
 `--draft-steps` switch to step budgets (schedule by step), which are deterministic for fixed
 seeds, library versions and thread count.
+`--target-shape LAYERSxHIDDEN` (default 6x256) sets the target's depth and width; the draft is one
+layer of the same width. On a CPU a forward costs about the same per layer whatever its width
+(benchmarks/forward_cost.py --layers), so the target's depth sets what a one-layer proposer
+costs against it, and with it how far speculation can pay.
 Needs the `dev` extra: `python -m specsched.runtime.training.bundled --out runtime/bundled`.
 """
 
@@ -36,12 +40,42 @@ ONPOLICY_PROMPT = 128  # corpus tokens before each continuation
 ONPOLICY_FRAC = 0.75  # share of each draft batch drawn from them
 
 
-def llama_config(vocab_size: int, bos_id: int, eos_id: int, num_layers: int):
+DEFAULT_SHAPE = "6x256"  # the target's LAYERSxHIDDEN (`--target-shape`)
+HEAD_DIM = 32
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """'LAYERSxHIDDEN' -> (layers, hidden); ValueError naming the problem. The hidden size is a
+    multiple of 64: heads of HEAD_DIM, two query heads a key-value head."""
+    try:
+        layers, hidden = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"target shape {text!r} is not LAYERSxHIDDEN, e.g. {DEFAULT_SHAPE}") from None
+    if layers < 1 or hidden < 64 or hidden % 64:
+        raise ValueError(f"target shape {text!r}: needs at least 1 layer and a hidden size that is a "
+                         f"positive multiple of 64, got {layers} layers x {hidden}")
+    return layers, hidden
+
+
+def shape_fields(hidden: int) -> dict[str, int]:
+    """A width's heads and MLP, in the bundled proportions (256: 8 query / 4 key-value heads of
+    32, SwiGLU 688)."""
+    heads = hidden // HEAD_DIM
+    return {"hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": heads // 2,
+            "head_dim": HEAD_DIM, "intermediate_size": hidden * 43 // 16}
+
+
+def describe_shape(layers: int, hidden: int) -> str:
+    f = shape_fields(hidden)
+    return (f"{layers} layers, hidden {hidden}, {f['num_attention_heads']} query / {f['num_key_value_heads']} "
+            f"key-value heads, SwiGLU {f['intermediate_size']}, tied embeddings")
+
+
+def llama_config(vocab_size: int, bos_id: int, eos_id: int, num_layers: int, hidden_size: int = 256):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=256, num_hidden_layers=num_layers,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=32, intermediate_size=688,
+        vocab_size=vocab_size, num_hidden_layers=num_layers, **shape_fields(hidden_size),
         max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=True,
         rms_norm_eps=1e-6, bos_token_id=bos_id, eos_token_id=eos_id,
     )
@@ -140,7 +174,8 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
          target_steps: int | None = None, draft_steps: int | None = None, num_threads: int = 2,
          state_dir: str | Path | None = None, tokenizer: str | Path | None = None,
          bf16: bool | None = None, batch_size: int = BATCH_SIZE, target_from: str | Path | None = None,
-         onpolicy_windows: int = ONPOLICY_WINDOWS, draft_init_layers: bool = True) -> tuple[RunStats, RunStats]:
+         onpolicy_windows: int = ONPOLICY_WINDOWS, draft_init_layers: bool = True,
+         target_shape: str = DEFAULT_SHAPE) -> tuple[RunStats, RunStats]:
     """Train tokenizer, target and draft into `out_dir`; returns (target_stats, draft_stats).
 
     `state_dir`: checkpoints (and the tokenizer) live there, and a rerun with the same
@@ -151,10 +186,12 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
     `target_from`: load the target from this directory instead of training it (the draft
     stage alone). `onpolicy_windows`: how many of the target's greedy continuations the draft
     is distilled on (onpolicy.py; 0: corpus windows only). `draft_init_layers`: the draft's
-    layers start as the target's first ones (otherwise random).
+    layers start as the target's first ones (otherwise random). `target_shape`: the trained
+    target's LAYERSxHIDDEN (`parse_shape`); the draft takes the target's width.
     """
     if min(target_minutes, draft_minutes) <= 0 or num_threads < 1 or batch_size < 1:
         raise ValueError("target_minutes, draft_minutes, num_threads and batch_size must be positive")
+    layers, hidden = parse_shape(target_shape)
     torch.set_num_threads(num_threads)
     bf16 = bf16_supported() if bf16 is None else bf16
     out = Path(out_dir)
@@ -191,8 +228,9 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
 
         target = LlamaForCausalLM.from_pretrained(target_from)
         t_stats = None
+        layers, hidden = target.config.num_hidden_layers, target.config.hidden_size
     else:
-        target, t_stats = train_target(llama_config(vocab, bos, eos, 6), train, heldout,
+        target, t_stats = train_target(llama_config(vocab, bos, eos, layers, hidden), train, heldout,
                                        loop("target", 3e-3, seed, target_minutes, target_steps))
         save_model(target, tok_path, out / "target")
         print(f"target: {t_stats}", flush=True)
@@ -204,7 +242,7 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
         sampler = mixed_sampler(train, pool, ONPOLICY_FRAC)
         onpolicy_heldout = greedy_windows(target, heldout, NUM_EVAL_WINDOWS, SEQ_LEN + 1, ONPOLICY_PROMPT,
                                           seed + 3, eos_id=eos)
-    draft, d_stats = distill_draft(llama_config(vocab, bos, eos, 1), target, train, heldout,
+    draft, d_stats = distill_draft(llama_config(vocab, bos, eos, 1, hidden), target, train, heldout,
                                    loop("draft", 2e-3, seed + 1, draft_minutes, draft_steps), sampler,
                                    onpolicy_heldout if onpolicy_windows > 0 else None, draft_init_layers)
     save_model(draft, tok_path, out / "draft")
@@ -217,12 +255,12 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
              else f"--target-steps {t_stats.steps}")
     flags = (f"--seed {seed} --threads {num_threads} --batch-size {batch_size} {first}"
              f" --draft-steps {d_stats.steps} --onpolicy-windows {onpolicy_windows}"
-             + (" --bf16" if bf16 else " --no-bf16") + ("" if draft_init_layers else " --no-draft-init-layers"))
+             + (" --bf16" if bf16 else " --no-bf16") + ("" if draft_init_layers else " --no-draft-init-layers")
+             + (f" --target-shape {layers}x{hidden}" if t_stats is not None and target_shape != DEFAULT_SHAPE else ""))
     from specsched.runtime.training.cards import write_card
 
     if t_stats is not None:
-        write_card(out / "target" / "README.md", "target", corpus, t_stats, flags,
-                   "6 layers, hidden 256, 8 query / 4 key-value heads, SwiGLU 688, tied embeddings")
+        write_card(out / "target" / "README.md", "target", corpus, t_stats, flags, describe_shape(layers, hidden))
     data = ("" if onpolicy_windows <= 0 else
             f"; {ONPOLICY_FRAC:.0%} of each batch from {onpolicy_windows} windows of {ONPOLICY_PROMPT} train-corpus"
             " tokens and the target's greedy continuation (on-policy data), the rest corpus windows")
@@ -255,6 +293,12 @@ if __name__ == "__main__":
                    help="target greedy continuations to distil the draft on (0: corpus only)")
     p.add_argument("--draft-init-layers", action=argparse.BooleanOptionalAction, default=True,
                    help="start the draft's layers from the target's first ones (default) or random")
+    p.add_argument("--target-shape", default=DEFAULT_SHAPE, help="the target's LAYERSxHIDDEN (the draft: 1 layer, same width)")
     a = p.parse_args()
+    try:
+        parse_shape(a.target_shape)
+    except ValueError as exc:
+        p.error(str(exc))
     main(a.out, a.target_minutes, a.draft_minutes, a.seed, a.target_steps, a.draft_steps, a.threads,
-         a.state, a.tokenizer, a.bf16, a.batch_size, a.target_from, a.onpolicy_windows, a.draft_init_layers)
+         a.state, a.tokenizer, a.bf16, a.batch_size, a.target_from, a.onpolicy_windows, a.draft_init_layers,
+         a.target_shape)
