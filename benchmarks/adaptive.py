@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -211,12 +210,12 @@ def print_table(table: dict[int, dict[str, float]], names: list[str],
         print(f"{c:>11} " + " ".join(f"{row[n]:>9.1f}" for n in names)
               + "".join(f" {row[n] / fixed[best]:>13.3f}x" for n in autos) + f" {best:>6}"
               + "".join(f" {held[c][n]:>17.3f}x" for n in held_autos))
-    geo = {n: math.exp(statistics.mean(math.log(table[c][n]) for c in table)) for n in names}
+    geo = {n: statistics.geometric_mean(table[c][n] for c in table) for n in names}
     best_geo = max(v for n, v in geo.items() if n not in autos)
     print(f"{'geomean':>11} " + " ".join(f"{geo[n]:>9.1f}" for n in names)
           + "   " + ", ".join(f"{n} / best fixed geomean: {geo[n] / best_geo:.3f}x" for n in autos)
           + "".join(f", {n} / held-out best, geomean over the concurrencies: "
-                    f"{math.exp(statistics.mean(math.log(held[c][n]) for c in table)):.3f}x" for n in held_autos))
+                    f"{statistics.geometric_mean(held[c][n] for c in table):.3f}x" for n in held_autos))
 
 
 if __name__ == "__main__":

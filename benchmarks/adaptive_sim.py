@@ -24,7 +24,7 @@ fixed lengths too) and the summary is over all of them.
 from __future__ import annotations
 
 import argparse
-import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -114,7 +114,7 @@ def main() -> None:
                 label = f"{proposer} {c}->{cc}" + (f" s{seed}" if len(args.seeds) > 1 else "")
                 print(f"{label:>16} " + " ".join(f"{row[n]:>8.1f}" for n in names)
                       + f" {auto:>8.1f} {auto / row[best]:>9.3f}x {best:>6}")
-    geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    geo = statistics.geometric_mean(ratios)
     over = (f"{len(ratios)} scenarios" if len(args.seeds) == 1
             else f"{len(ratios) // len(args.seeds)} scenarios x {len(args.seeds)} seeds")
     print(f"auto / best fixed D over {over}: geomean {geo:.3f}x, worst {min(ratios):.3f}x, "

@@ -256,7 +256,8 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
     flags = (f"--seed {seed} --threads {num_threads} --batch-size {batch_size} {first}"
              f" --draft-steps {d_stats.steps} --onpolicy-windows {onpolicy_windows}"
              + (" --bf16" if bf16 else " --no-bf16") + ("" if draft_init_layers else " --no-draft-init-layers")
-             + (f" --target-shape {layers}x{hidden}" if t_stats is not None and target_shape != DEFAULT_SHAPE else ""))
+             + (f" --target-shape {layers}x{hidden}" if t_stats is not None and (layers, hidden) != parse_shape(DEFAULT_SHAPE)
+                else ""))
     from specsched.runtime.training.cards import write_card
 
     if t_stats is not None:
