@@ -168,6 +168,7 @@ def train_mtp_cmd(
     aux_layers: str = typer.Option("", help="comma-separated earlier target layers whose outputs the head also "
                                    "reads (EAGLE-3 features), e.g. 1,3"),
     init_from: Optional[Path] = typer.Option(None, help="a head directory to continue training from"),
+    lr: float = typer.Option(2e-3, help="peak learning rate (warm-up, then cosine to a tenth of it)"),
     seed: int = typer.Option(0),
 ) -> None:
     """Train an MTP head on a target's hidden states (computed with specsched's own forward)."""
@@ -177,7 +178,7 @@ def train_mtp_cmd(
     try:
         report = train_mtp(target, out, steps, minutes=minutes, norms=not no_norms, ablation=ablation,
                            seed=seed, num_windows=windows, num_threads=threads, bf16=bf16,
-                           onpolicy_frac=onpolicy_frac, aux_layers=layers, init_from=init_from)
+                           onpolicy_frac=onpolicy_frac, aux_layers=layers, init_from=init_from, lr=lr)
     except ValueError as exc:  # a layer the target lacks, a head --init-from that does not fit
         raise typer.BadParameter(str(exc), param_hint="--aux-layers / --init-from") from None
     _print_json(report)

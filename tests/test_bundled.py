@@ -239,3 +239,63 @@ def test_train_models_refuses_a_malformed_target_shape_before_training():
 
     res = CliRunner().invoke(app, ["train-models", "--target-shape", "6x100", "--out", "unused"])
     assert res.exit_code == 2 and "multiple of 64" in res.output
+
+
+def _llama(layers: int, hidden: int = 32):
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaConfig(vocab_size=64, hidden_size=hidden, num_hidden_layers=layers,
+                                    num_attention_heads=hidden // 16, num_key_value_heads=1, head_dim=16,
+                                    intermediate_size=2 * hidden, max_position_embeddings=128,
+                                    tie_word_embeddings=True)
+
+
+def test_deepen_keeps_the_function_and_the_features():
+    """A grown target gives the source's logits exactly, and the residual stream after its
+    layer m*k+m-1 is the source's after layer k (what an MTP head's aux layers read); width
+    and depth that do not fit are refused by name."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from specsched.runtime.training.bundled import deepen
+
+    torch.manual_seed(0)
+    source = transformers.LlamaForCausalLM(_llama(2)).eval()
+    with torch.no_grad():  # every weight away from its init, so a wrong copy shows
+        for p in source.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    grown = deepen(source, _llama(6)).eval()
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a = source(input_ids=ids, output_hidden_states=True)
+        b = grown(input_ids=ids, output_hidden_states=True)
+    torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b.hidden_states[3], a.hidden_states[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b.hidden_states[2], b.hidden_states[1])  # layer 1 adds nothing yet
+    assert grown.model.layers[4].mlp.down_proj.weight.count_nonzero() == 0
+    torch.testing.assert_close(grown.model.layers[4].mlp.up_proj.weight, source.model.layers[1].mlp.up_proj.weight)
+    with pytest.raises(ValueError, match="cannot grow a 2x32 target to 5x32"):
+        deepen(source, _llama(5))
+    with pytest.raises(ValueError, match="cannot grow a 2x32 target to 4x64"):
+        deepen(source, _llama(4, hidden=64))
+
+
+def test_a_bf16_target_loads_as_the_rounded_weights(tmp_path):
+    """`save_model(bf16=True)` stores bf16 tensors; the runtime loads them into its fp32 model
+    as exactly the weights `round_to_bf16` left in the trained model."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from specsched.runtime.checkpoint import load_model
+    from specsched.runtime.training.bundled import round_to_bf16, save_model
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_llama(2))
+    round_to_bf16(model)
+    save_model(model, bundled.tokenizer_path(), tmp_path / "m", bf16=True)
+    with safe_open(str(tmp_path / "m" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.float32  # the caller's model stays fp32
+    loaded = load_model(tmp_path / "m").hf_state_dict()
+    for name, w in model.state_dict().items():
+        if name != "lm_head.weight":
+            assert torch.equal(loaded[name], w), name

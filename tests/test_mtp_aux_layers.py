@@ -167,3 +167,20 @@ def test_aux_head_drafts_are_lossless(head_family, head_prompts, head_reference,
     assert [r.error for r in reqs] == [None] * len(reqs)
     assert [r.output_token_ids for r in reqs] == head_reference
     assert summarize(reqs).mean_acceptance_length > 1.05
+
+
+def test_a_head_continues_on_as_many_other_layers():
+    """`init` may have read other layers than the head it starts (a grown target holds its
+    source's features at other depths, bundled.deepen): its fc carries over as long as it reads
+    as many layers; a different number is refused."""
+    target = LlamaModel.random(config(4), seed=1)
+    init = _aux_head(target)
+    seqs = torch.randint(0, 40, (4, 12), generator=torch.Generator().manual_seed(2))
+    cfg = TrainConfig(seq_len=10, batch_size=2, lr=1e-9, steps=1, seed=0)
+    feats = precompute_hidden(target, seqs, aux_layers=(1, 2))
+    head, _ = train_head(target, seqs, feats, cfg=cfg, aux_layers=(1, 2), init=init, log=lambda *_: None)
+    assert head.aux_layers == (1, 2)
+    torch.testing.assert_close(head.fc.weight, init.fc.weight, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="cannot start a head"):
+        train_head(target, seqs, precompute_hidden(target, seqs, aux_layers=(1,)), cfg=cfg, aux_layers=(1,),
+                   init=init, log=lambda *_: None)

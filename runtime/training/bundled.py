@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from specsched.runtime.training.corpus import Corpus, SourceFile, function_prompts, load_corpus
 from specsched.runtime.training.loop import (BATCH_SIZE, NUM_EVAL_WINDOWS, NUM_PROBE_WINDOWS, SEQ_LEN, LoopConfig,
-                                             RunStats, bf16_supported, eval_windows, greedy_agreement, logits_of,
+                                             RunStats, bf16_supported, eval_windows, greedy_agreement, heldout_ce, logits_of,
                                              run_loop)
 from specsched.runtime.training.tokenizer_train import special_ids, train_tokenizer
 
@@ -104,6 +104,58 @@ def train_target(config, stream, heldout, cfg: LoopConfig):
     return model, run_loop("target", model, ce, stream, heldout, cfg)
 
 
+GROW_LR = 1e-3  # peak learning rate when continuing a grown target (3e-3 trains one from scratch)
+
+
+def deepen(source, config):
+    """A deeper copy of a trained target that computes exactly the same function: with m =
+    config's layers / the source's, source layer k becomes layers m*k .. m*k+m-1, the first a
+    copy of it and the others copies whose residual outputs (attention o_proj, MLP down_proj)
+    are zero, so they add nothing until trained (function-preserving growth, as Net2Net's
+    identity layers). The residual stream after layer m*k+m-1 is the source's after layer k,
+    so heads that read a source layer's output read that layer of the grown target."""
+    from transformers import LlamaForCausalLM
+
+    src = source.config
+    layers = config.num_hidden_layers
+    if config.hidden_size != src.hidden_size or layers % src.num_hidden_layers:
+        raise ValueError(f"cannot grow a {src.num_hidden_layers}x{src.hidden_size} target to "
+                         f"{layers}x{config.hidden_size}: the width must match and the depth be a multiple")
+    m = layers // src.num_hidden_layers
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(source.model.embed_tokens.weight)
+        model.model.norm.weight.copy_(source.model.norm.weight)
+        for i, layer in enumerate(model.model.layers):
+            layer.load_state_dict(source.model.layers[i // m].state_dict())
+            if i % m:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+    return model
+
+
+def grow_target(source_dir, config, stream, heldout, cfg: LoopConfig):
+    """`deepen` the target in `source_dir` to `config`'s depth, then train it on CE as
+    `train_target` does (a run resumed from `cfg.state` loads its weights over the grown ones)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    model = deepen(LlamaForCausalLM.from_pretrained(source_dir, dtype=torch.float32), config)
+
+    def ce(w):
+        return F.cross_entropy(logits_of(model, w[:, :-1], cfg.bf16).flatten(0, 1), w[:, 1:].flatten())
+
+    return model, run_loop("target", model, ce, stream, heldout, cfg)
+
+
+def round_to_bf16(model) -> None:
+    """Round the weights to bf16 values in place (kept in fp32): what `save_model(bf16=True)`
+    writes, so the models trained against this one see exactly the shipped weights."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+
+
 def initial_draft(config, target, init_layers: bool = True):
     """The draft before distillation: the target's embeddings and final norm and, with
     `init_layers`, its decoder layers copied from the target's first ones (the rest random).
@@ -125,12 +177,17 @@ def initial_draft(config, target, init_layers: bool = True):
 
 
 def distill_draft(config, target, stream, heldout, cfg: LoopConfig, sampler=None, onpolicy_heldout=None,
-                  init_layers: bool = True):
-    """KL-distil a draft (`initial_draft`); `sampler` draws its batches, `onpolicy_heldout`
-    (held-out greedy continuations, onpolicy.py) replaces corpus windows as the probe and is
-    measured too."""
+                  init_layers: bool = True, init_from: str | Path | None = None):
+    """KL-distil a draft (`initial_draft`, or the draft in `init_from` continued); `sampler`
+    draws its batches, `onpolicy_heldout` (held-out greedy continuations, onpolicy.py) replaces
+    corpus windows as the probe and is measured too."""
     torch.manual_seed(cfg.seed)
-    draft = initial_draft(config, target, init_layers)
+    if init_from is None:
+        draft = initial_draft(config, target, init_layers)
+    else:
+        from transformers import LlamaForCausalLM
+
+        draft = LlamaForCausalLM.from_pretrained(init_from, dtype=torch.float32)
     target.eval().requires_grad_(False)
 
     def kl(w):
@@ -151,9 +208,15 @@ def distill_draft(config, target, stream, heldout, cfg: LoopConfig, sampler=None
     return draft, stats
 
 
-def save_model(model, tokenizer_path: Path, out: Path) -> None:
+def save_model(model, tokenizer_path: Path, out: Path, bf16: bool = False) -> None:
+    """HF layout plus the tokenizer; `bf16` stores the weights as bf16 (half the bytes; the
+    runtime loads them into its own dtype)."""
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    if bf16:
+        model.to(torch.bfloat16).save_pretrained(out)
+        model.float()
+    else:
+        model.save_pretrained(out)
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg.setdefault("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
@@ -175,7 +238,8 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
          state_dir: str | Path | None = None, tokenizer: str | Path | None = None,
          bf16: bool | None = None, batch_size: int = BATCH_SIZE, target_from: str | Path | None = None,
          onpolicy_windows: int = ONPOLICY_WINDOWS, draft_init_layers: bool = True,
-         target_shape: str = DEFAULT_SHAPE) -> tuple[RunStats, RunStats]:
+         target_shape: str = DEFAULT_SHAPE, grow_from: str | Path | None = None, target_bf16: bool = False,
+         draft_from: str | Path | None = None) -> tuple[RunStats, RunStats]:
     """Train tokenizer, target and draft into `out_dir`; returns (target_stats, draft_stats).
 
     `state_dir`: checkpoints (and the tokenizer) live there, and a rerun with the same
@@ -187,7 +251,11 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
     stage alone). `onpolicy_windows`: how many of the target's greedy continuations the draft
     is distilled on (onpolicy.py; 0: corpus windows only). `draft_init_layers`: the draft's
     layers start as the target's first ones (otherwise random). `target_shape`: the trained
-    target's LAYERSxHIDDEN (`parse_shape`); the draft takes the target's width.
+    target's LAYERSxHIDDEN (`parse_shape`); the draft takes the target's width. `grow_from`: a
+    trained target to `deepen` to that shape and continue training (at GROW_LR) instead of
+    training one from scratch. `target_bf16`: store the target's weights as bf16 (rounded before
+    the draft is distilled against it). `draft_from`: continue distilling this draft (at half
+    the learning rate) instead of starting from the target's first layer.
     """
     if min(target_minutes, draft_minutes) <= 0 or num_threads < 1 or batch_size < 1:
         raise ValueError("target_minutes, draft_minutes, num_threads and batch_size must be positive")
@@ -226,13 +294,21 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
     if target_from is not None:
         from transformers import LlamaForCausalLM
 
-        target = LlamaForCausalLM.from_pretrained(target_from)
+        target = LlamaForCausalLM.from_pretrained(target_from, dtype=torch.float32)
         t_stats = None
         layers, hidden = target.config.num_hidden_layers, target.config.hidden_size
     else:
-        target, t_stats = train_target(llama_config(vocab, bos, eos, layers, hidden), train, heldout,
-                                       loop("target", 3e-3, seed, target_minutes, target_steps))
-        save_model(target, tok_path, out / "target")
+        config = llama_config(vocab, bos, eos, layers, hidden)
+        src_layers = json.loads((Path(grow_from) / "config.json").read_text())["num_hidden_layers"] if grow_from else 0
+        if grow_from is None:
+            target, t_stats = train_target(config, train, heldout, loop("target", 3e-3, seed, target_minutes, target_steps))
+        else:
+            target, t_stats = grow_target(grow_from, config, train, heldout,
+                                          loop("target", GROW_LR, seed, target_minutes, target_steps))
+        if target_bf16:
+            round_to_bf16(target)
+            t_stats.heldout_ce = heldout_ce(target, eval_windows(heldout, NUM_EVAL_WINDOWS))
+        save_model(target, tok_path, out / "target", bf16=target_bf16)
         print(f"target: {t_stats}", flush=True)
     sampler = None
     if onpolicy_windows > 0:
@@ -243,8 +319,9 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
         onpolicy_heldout = greedy_windows(target, heldout, NUM_EVAL_WINDOWS, SEQ_LEN + 1, ONPOLICY_PROMPT,
                                           seed + 3, eos_id=eos)
     draft, d_stats = distill_draft(llama_config(vocab, bos, eos, 1, hidden), target, train, heldout,
-                                   loop("draft", 2e-3, seed + 1, draft_minutes, draft_steps), sampler,
-                                   onpolicy_heldout if onpolicy_windows > 0 else None, draft_init_layers)
+                                   loop("draft", 2e-3 if draft_from is None else 1e-3, seed + 1, draft_minutes,
+                                        draft_steps), sampler,
+                                   onpolicy_heldout if onpolicy_windows > 0 else None, draft_init_layers, draft_from)
     save_model(draft, tok_path, out / "draft")
     from specsched.runtime.training.mtp_eval import draft_acceptance
 
@@ -257,11 +334,19 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
              f" --draft-steps {d_stats.steps} --onpolicy-windows {onpolicy_windows}"
              + (" --bf16" if bf16 else " --no-bf16") + ("" if draft_init_layers else " --no-draft-init-layers")
              + (f" --target-shape {layers}x{hidden}" if t_stats is not None and (layers, hidden) != parse_shape(DEFAULT_SHAPE)
-                else ""))
+                else "")
+             + (f" --target-grow-from {grow_from}" if t_stats is not None and grow_from is not None else "")
+             + (" --target-bf16" if t_stats is not None and target_bf16 else "")
+             + (f" --draft-from {draft_from}" if draft_from is not None else ""))
     from specsched.runtime.training.cards import write_card
 
     if t_stats is not None:
-        write_card(out / "target" / "README.md", "target", corpus, t_stats, flags, describe_shape(layers, hidden))
+        grown = ("" if grow_from is None else
+                 f"; grown from a {src_layers}-layer checkpoint (`{grow_from}`) by"
+                 " `deepen` (each followed by a copy of itself whose residual outputs start at zero: the same"
+                 " function at step 0), then trained on")
+        write_card(out / "target" / "README.md", "target", corpus, t_stats, flags,
+                   describe_shape(layers, hidden) + grown + ("; weights stored as bf16" if target_bf16 else ""))
     data = ("" if onpolicy_windows <= 0 else
             f"; {ONPOLICY_FRAC:.0%} of each batch from {onpolicy_windows} windows of {ONPOLICY_PROMPT} train-corpus"
             " tokens and the target's greedy continuation (on-policy data), the rest corpus windows")
@@ -295,6 +380,10 @@ if __name__ == "__main__":
     p.add_argument("--draft-init-layers", action=argparse.BooleanOptionalAction, default=True,
                    help="start the draft's layers from the target's first ones (default) or random")
     p.add_argument("--target-shape", default=DEFAULT_SHAPE, help="the target's LAYERSxHIDDEN (the draft: 1 layer, same width)")
+    p.add_argument("--target-grow-from", default=None,
+                   help="a trained target of the same width to deepen to --target-shape and continue training")
+    p.add_argument("--target-bf16", action="store_true", help="store the target's weights as bf16")
+    p.add_argument("--draft-from", default=None, help="continue distilling this draft instead of a new one")
     a = p.parse_args()
     try:
         parse_shape(a.target_shape)
@@ -302,4 +391,4 @@ if __name__ == "__main__":
         p.error(str(exc))
     main(a.out, a.target_minutes, a.draft_minutes, a.seed, a.target_steps, a.draft_steps, a.threads,
          a.state, a.tokenizer, a.bf16, a.batch_size, a.target_from, a.onpolicy_windows, a.draft_init_layers,
-         a.target_shape)
+         a.target_shape, a.target_grow_from, a.target_bf16, a.draft_from)

@@ -160,7 +160,9 @@ def train_head(target: LlamaModel, ids: torch.Tensor, hidden: torch.Tensor, *, n
                log=print) -> tuple[MTPHead, TrainStats]:
     """Train a head on precomputed windows ids [N, S] / hidden [N, S, (A + 1) * H] (A =
     len(aux_layers)): a fresh one, or one starting from `init`'s weights (its norms; `fc`, where
-    `init` has none, starts as the identity on the last layer's state).
+    `init` has none, starts as the identity on the last layer's state; where it has one, it
+    reads as many layers, which may sit elsewhere: a grown target's layers that hold the
+    features `init`'s target had at its own, see bundled.deepen).
 
     With cfg.steps the schedule is by step (deterministic); otherwise by elapsed time over
     cfg.budget_s (a busy machine takes fewer steps)."""
@@ -169,7 +171,7 @@ def train_head(target: LlamaModel, ids: torch.Tensor, hidden: torch.Tensor, *, n
     head = MTPHead.for_target(target, norms=norms, seed=cfg.seed, aux_layers=aux_layers)
     if init is not None:
         start = init.state_for_save()
-        if init.norms != norms or (init.fc is not None and init.aux_layers != head.aux_layers):
+        if init.norms != norms or (init.fc is not None and len(init.aux_layers) != len(head.aux_layers)):
             raise ValueError(f"cannot start a head (norms={norms}, aux_layers={list(aux_layers)}) from one with "
                              f"norms={init.norms}, aux_layers={list(init.aux_layers)}")
         if head.fc is not None and init.fc is None:
@@ -253,7 +255,8 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
     continuation instead of corpus text (on-policy data, onpolicy.py). aux_layers: earlier
     target layers whose outputs the head also reads (EAGLE-3's features, `fc` maps them to H).
     init_from: a head directory to continue training from (same norms; its `fc`, if any, must
-    read the same layers).
+    read as many layers; it may have been trained for another target of the same shape, e.g.
+    the one this target was grown from).
     """
     import tempfile
 
@@ -274,7 +277,7 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
     if init_from is not None:
         if ablation:
             raise ValueError("--ablation trains the other variant from scratch; it does not combine with --init-from")
-        init = load_head(init_from, target)
+        init = load_head(init_from, target, check_target=False)
     tok = Tokenizer(target_dir)
     cfg = TrainConfig(seq_len=seq_len, batch_size=batch_size, lr=lr, budget_s=minutes * 60, steps=steps, seed=seed,
                       bf16=bf16)
@@ -286,7 +289,7 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
         from specsched.runtime.training.onpolicy import greedy_continue
 
         t0 = time.perf_counter()
-        hf = LlamaForCausalLM.from_pretrained(target_dir)
+        hf = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
         train_w[:num_onpolicy] = greedy_continue(hf, train_w[:num_onpolicy, :onpolicy_prompt], train_w.shape[1],
                                                  eos_id=tok.eos_token_id, log=log)
         del hf
@@ -338,6 +341,7 @@ def write_card(path: Path, report: dict, shipped: str) -> None:
     aux = report.get("aux_layers") or []
     flags += f" --aux-layers {','.join(map(str, aux))}" if aux else ""
     flags += f" --init-from {report['init_from']}" if report.get("init_from") else ""
+    flags += f" --lr {cfg['lr']:g}" if cfg["lr"] != TrainConfig.lr else ""
     if len(variants) > 1:
         flags += " --ablation"
     eagle_key = next((k for k in v if k.startswith("eagle")), None)
