@@ -115,8 +115,10 @@ def train_models(
     mtp_minutes: float = typer.Option(15.0),
     mtp_windows: int = typer.Option(16000, help="precomputed training windows for the MTP head"),
     mtp_onpolicy_frac: float = typer.Option(0.75, help="share of the head's windows continued by the target"),
-    mtp_aux_layers: str = typer.Option("1,3", help="earlier target layers the MTP head also reads (comma-separated; "
-                                       "'' for the last layer only)"),
+    mtp_aux_layers: Optional[str] = typer.Option(None, help="earlier target layers the MTP head also reads "
+                                                 "(comma-separated; '' for the last layer only; default 1,3, or with "
+                                                 "--grow-from the grown target's layers that hold its head's)"),
+    mtp_lr: float = typer.Option(2e-3, help="the MTP head's peak learning rate"),
     state: Optional[Path] = typer.Option(None, help="checkpoint dir: a rerun continues where the last stopped"),
     tokenizer: Optional[Path] = typer.Option(None, help="reuse this tokenizer.json instead of training one"),
     threads: int = typer.Option(2),
@@ -125,23 +127,30 @@ def train_models(
                                         "CPU has native bf16)"),
     seed: int = typer.Option(0),
     target_shape: str = typer.Option("6x256", help="the target's LAYERSxHIDDEN; the draft is 1 layer of its width"),
+    grow_from: Optional[Path] = typer.Option(None, help="a trained family (target/, draft/, mtp/) of the same width: "
+                                             "its target deepened to --target-shape and trained on, its draft and "
+                                             "MTP head continued against the result"),
+    target_bf16: bool = typer.Option(False, "--target-bf16", help="store the target's weights as bf16"),
 ) -> None:
     """Retrain the bundled family: tokenizer, target, draft, MTP head (needs the dev extra)."""
     from specsched.runtime.training.bundled import main as train_main
-    from specsched.runtime.training.bundled import parse_shape
+    from specsched.runtime.training.bundled import grow_plan, parse_shape
     from specsched.runtime.training.mtp import train_mtp
 
-    aux = _layer_list(mtp_aux_layers, "--mtp-aux-layers")
     try:
-        parse_shape(target_shape)
+        layers, _ = parse_shape(target_shape)
+        grown = None if grow_from is None else grow_plan(grow_from, layers)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--target-shape") from None
+        raise typer.BadParameter(str(exc), param_hint="--target-shape / --grow-from") from None
+    aux = _layer_list(mtp_aux_layers, "--mtp-aux-layers") if mtp_aux_layers is not None else \
+        grown.aux_layers if grown is not None else (1, 3)
     train_main(out_dir=str(out), target_minutes=target_minutes, draft_minutes=draft_minutes, seed=seed,
                target_steps=target_steps, draft_steps=draft_steps, num_threads=threads, state_dir=state,
-               tokenizer=tokenizer, bf16=bf16, batch_size=batch_size, target_shape=target_shape)
-    train_mtp(out / "target", out / "mtp", mtp_steps, minutes=mtp_minutes, ablation=True, seed=seed,
+               tokenizer=tokenizer, bf16=bf16, batch_size=batch_size, target_shape=target_shape,
+               grow_from=grown and grown.target, target_bf16=target_bf16, draft_from=grown and grown.draft)
+    train_mtp(out / "target", out / "mtp", mtp_steps, minutes=mtp_minutes, ablation=grown is None, seed=seed,
               num_windows=mtp_windows, num_threads=threads, bf16=bf16, onpolicy_frac=mtp_onpolicy_frac,
-              aux_layers=aux)
+              aux_layers=aux, init_from=grown and grown.head, lr=mtp_lr)
 
 
 def _layer_list(text: str, flag: str) -> tuple[int, ...]:

@@ -299,3 +299,27 @@ def test_a_bf16_target_loads_as_the_rounded_weights(tmp_path):
     for name, w in model.state_dict().items():
         if name != "lm_head.weight":
             assert torch.equal(loaded[name], w), name
+
+
+def test_grow_plan_maps_the_heads_layers_and_refuses_what_does_not_fit(tmp_path):
+    """`train-models --grow-from FAMILY`: the head's aux layers move to the last copy of each
+    (layer k of 6 -> 2k+1 of 12); a depth that is no multiple, or a family without one of its
+    three models, is refused before anything trains."""
+    from typer.testing import CliRunner
+
+    from specsched.cli.main import app
+    from specsched.runtime.training.bundled import grow_plan
+
+    for name, cfg in {"target": {"num_hidden_layers": 6}, "draft": {"num_hidden_layers": 1},
+                      "mtp": {"aux_layers": [1, 3]}}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+    plan = grow_plan(tmp_path, 12)
+    assert plan.aux_layers == (3, 7) and plan.draft == tmp_path / "draft"
+    assert grow_plan(tmp_path, 18).aux_layers == (5, 11)
+    res = CliRunner().invoke(app, ["train-models", "--grow-from", str(tmp_path), "--target-shape", "8x256",
+                                   "--out", str(tmp_path / "unused")])
+    assert res.exit_code == 2 and "6 layers, and 8 is not a multiple" in res.output
+    (tmp_path / "mtp" / "config.json").unlink()
+    with pytest.raises(ValueError, match="no mtp model"):
+        grow_plan(tmp_path, 12)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -146,6 +147,34 @@ def grow_target(source_dir, config, stream, heldout, cfg: LoopConfig):
         return F.cross_entropy(logits_of(model, w[:, :-1], cfg.bf16).flatten(0, 1), w[:, 1:].flatten())
 
     return model, run_loop("target", model, ce, stream, heldout, cfg)
+
+
+@dataclass(frozen=True)
+class GrowPlan:
+    """What `train-models --grow-from FAMILY` starts from: the family's target (deepened), its
+    draft and MTP head (continued), and the grown target's layers that hold the features the
+    head read (the last of each source layer's copies, see `deepen`)."""
+
+    target: Path
+    draft: Path
+    head: Path
+    aux_layers: tuple[int, ...]
+
+
+def grow_plan(family: str | Path, layers: int) -> GrowPlan:
+    """Check that `family` (target/, draft/, mtp/) can grow to `layers` layers; ValueError naming
+    what is missing or does not fit."""
+    family = Path(family)
+    dirs = {name: family / name for name in ("target", "draft", "mtp")}
+    for name, d in dirs.items():
+        if not (d / "config.json").is_file():
+            raise ValueError(f"--grow-from {family}: no {name} model ({d / 'config.json'} is missing)")
+    src = json.loads((dirs["target"] / "config.json").read_text())["num_hidden_layers"]
+    if layers % src:
+        raise ValueError(f"--grow-from {family}: its target has {src} layers, and {layers} is not a multiple of it")
+    m = layers // src
+    aux = json.loads((dirs["mtp"] / "config.json").read_text()).get("aux_layers") or []
+    return GrowPlan(dirs["target"], dirs["draft"], dirs["mtp"], tuple(a * m + m - 1 for a in aux))
 
 
 def round_to_bf16(model) -> None:
