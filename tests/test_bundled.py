@@ -26,7 +26,7 @@ def test_bundle_size_under_limit():
     assert 0 < bundled.bundle_bytes() < bundled.MAX_BUNDLE_BYTES
 
 
-@pytest.mark.parametrize(("model_dir", "num_layers"), [(bundled.target_dir(), 6), (bundled.draft_dir(), 1)])
+@pytest.mark.parametrize(("model_dir", "num_layers"), [(bundled.target_dir(), 12), (bundled.draft_dir(), 1)])
 def test_config_loads_with_transformers(model_dir, num_layers):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig.from_pretrained(model_dir)
@@ -211,13 +211,14 @@ def test_initial_draft_starts_from_the_target(init_layers):
 
 
 def test_target_shape_sets_depth_and_width_in_the_bundled_proportions():
-    """`--target-shape 6x256` is the shipped target's config; another width keeps 32-wide heads,
-    two query heads a key-value head and the SwiGLU ratio; a malformed shape is refused by name."""
+    """`--target-shape 12x256` is the shipped target's config (grown from the default 6x256);
+    another width keeps 32-wide heads, two query heads a key-value head and the SwiGLU ratio; a
+    malformed shape is refused by name."""
     pytest.importorskip("transformers")
     from specsched.runtime.training.bundled import describe_shape, llama_config, parse_shape
 
     raw = json.loads((bundled.target_dir() / "config.json").read_text())
-    layers, hidden = parse_shape("6x256")
+    layers, hidden = parse_shape("12x256")
     cfg = llama_config(raw["vocab_size"], raw["bos_token_id"], raw["eos_token_id"], layers, hidden)
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "intermediate_size", "vocab_size", "tie_word_embeddings"):

@@ -143,7 +143,7 @@ def test_export_to_a_dead_collector_fails_fast_with_one_line():
 
 @pytest.mark.parametrize("layers,message", [
     ("a,b", "not a comma-separated list of layer indices: 'a,b'"),
-    ("5", "aux_layers [5] are not layers before the target's last (it has 6: 0..4 qualify)"),
+    ("11", "aux_layers [11] are not layers before the target's last (it has 12: 0..10 qualify)"),
 ])
 def test_train_mtp_refuses_aux_layers_the_target_lacks(tmp_path, layers, message):
     from specsched.runtime import bundled

@@ -15,7 +15,7 @@ MAX_BUNDLE_BYTES = 40 * 1024 * 1024  # all bundled files together stay under thi
 
 
 def target_dir() -> Path:
-    """6-layer target model directory."""
+    """12-layer target model directory."""
     return BUNDLED_DIR / "target"
 
 

@@ -380,9 +380,11 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
             f"; {ONPOLICY_FRAC:.0%} of each batch from {onpolicy_windows} windows of {ONPOLICY_PROMPT} train-corpus"
             " tokens and the target's greedy continuation (on-policy data), the rest corpus windows")
     write_card(out / "draft" / "README.md", "draft", corpus, d_stats, flags,
-               "1 layer, same width, heads and tokenizer as the target; embeddings and final norm"
-               + (", and the layer from the target's first layer," if draft_init_layers else "")
-               + " initialised from the target, then distilled with pure KL to the target's logits" + data,
+               "1 layer, same width, heads and tokenizer as the target; "
+               + ("embeddings and final norm" + (", and the layer from the target's first layer," if draft_init_layers
+                                                 else "") + " initialised from the target" if draft_from is None
+                  else f"started from the draft in `{draft_from}`")
+               + ", then distilled with pure KL to the target's logits" + data,
                acceptance)
     print(f"draft: {d_stats}", flush=True)
     tok_path.unlink()
