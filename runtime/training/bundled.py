@@ -13,7 +13,9 @@ seeds, library versions and thread count.
 `--target-shape LAYERSxHIDDEN` (default 6x256) sets the target's depth and width; the draft is one
 layer of the same width. On a CPU a forward costs about the same per layer whatever its width
 (benchmarks/forward_cost.py --layers), so the target's depth sets what a one-layer proposer
-costs against it, and with it how far speculation can pay.
+costs against it, and with it how far speculation can pay. `--target-grow-from DIR` starts that
+target from a trained shallower one of the same width (`deepen`: the same function at step 0), so
+a deeper target costs a fraction of training one from scratch; `--draft-from` continues a draft.
 Needs the `dev` extra: `python -m specsched.runtime.training.bundled --out runtime/bundled`.
 """
 
