@@ -134,7 +134,8 @@ def train_models(
 ) -> None:
     """Retrain the bundled family: tokenizer, target, draft, MTP head (needs the dev extra)."""
     from specsched.runtime.training.bundled import main as train_main
-    from specsched.runtime.training.bundled import grow_plan, parse_shape
+    from specsched.runtime.training.bundled import parse_shape
+    from specsched.runtime.training.grow import grow_plan
     from specsched.runtime.training.mtp import train_mtp
 
     try:

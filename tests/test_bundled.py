@@ -257,7 +257,7 @@ def test_deepen_keeps_the_function_and_the_features():
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from specsched.runtime.training.bundled import deepen
+    from specsched.runtime.training.grow import deepen
 
     torch.manual_seed(0)
     source = transformers.LlamaForCausalLM(_llama(2)).eval()
@@ -287,7 +287,8 @@ def test_a_bf16_target_loads_as_the_rounded_weights(tmp_path):
     import torch
 
     from specsched.runtime.checkpoint import load_model
-    from specsched.runtime.training.bundled import round_to_bf16, save_model
+    from specsched.runtime.training.bundled import save_model
+    from specsched.runtime.training.grow import round_to_bf16
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(_llama(2))
@@ -309,7 +310,7 @@ def test_grow_plan_maps_the_heads_layers_and_refuses_what_does_not_fit(tmp_path)
     from typer.testing import CliRunner
 
     from specsched.cli.main import app
-    from specsched.runtime.training.bundled import grow_plan
+    from specsched.runtime.training.grow import grow_plan
 
     for name, cfg in {"target": {"num_hidden_layers": 6}, "draft": {"num_hidden_layers": 1},
                       "mtp": {"aux_layers": [1, 3]}}.items():

@@ -171,7 +171,7 @@ def test_aux_head_drafts_are_lossless(head_family, head_prompts, head_reference,
 
 def test_a_head_continues_on_as_many_other_layers():
     """`init` may have read other layers than the head it starts (a grown target holds its
-    source's features at other depths, bundled.deepen): its fc carries over as long as it reads
+    source's features at other depths, grow.deepen): its fc carries over as long as it reads
     as many layers; a different number is refused."""
     target = LlamaModel.random(config(4), seed=1)
     init = _aux_head(target)

@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from specsched.runtime.training.corpus import Corpus, SourceFile, function_prompts, load_corpus
+from specsched.runtime.training.grow import GROW_LR, grow_target, round_to_bf16
 from specsched.runtime.training.loop import (BATCH_SIZE, NUM_EVAL_WINDOWS, NUM_PROBE_WINDOWS, SEQ_LEN, LoopConfig,
                                              RunStats, bf16_supported, eval_windows, greedy_agreement, heldout_ce, logits_of,
                                              run_loop)
@@ -105,86 +105,6 @@ def train_target(config, stream, heldout, cfg: LoopConfig):
         return F.cross_entropy(logits_of(model, w[:, :-1], cfg.bf16).flatten(0, 1), w[:, 1:].flatten())
 
     return model, run_loop("target", model, ce, stream, heldout, cfg)
-
-
-GROW_LR = 1e-3  # peak learning rate when continuing a grown target (3e-3 trains one from scratch)
-
-
-def deepen(source, config):
-    """A deeper copy of a trained target that computes exactly the same function: with m =
-    config's layers / the source's, source layer k becomes layers m*k .. m*k+m-1, the first a
-    copy of it and the others copies whose residual outputs (attention o_proj, MLP down_proj)
-    are zero, so they add nothing until trained (function-preserving growth, as Net2Net's
-    identity layers). The residual stream after layer m*k+m-1 is the source's after layer k,
-    so heads that read a source layer's output read that layer of the grown target."""
-    from transformers import LlamaForCausalLM
-
-    src = source.config
-    layers = config.num_hidden_layers
-    if config.hidden_size != src.hidden_size or layers % src.num_hidden_layers:
-        raise ValueError(f"cannot grow a {src.num_hidden_layers}x{src.hidden_size} target to "
-                         f"{layers}x{config.hidden_size}: the width must match and the depth be a multiple")
-    m = layers // src.num_hidden_layers
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(source.model.embed_tokens.weight)
-        model.model.norm.weight.copy_(source.model.norm.weight)
-        for i, layer in enumerate(model.model.layers):
-            layer.load_state_dict(source.model.layers[i // m].state_dict())
-            if i % m:
-                layer.self_attn.o_proj.weight.zero_()
-                layer.mlp.down_proj.weight.zero_()
-    return model
-
-
-def grow_target(source_dir, config, stream, heldout, cfg: LoopConfig):
-    """`deepen` the target in `source_dir` to `config`'s depth, then train it on CE as
-    `train_target` does (a run resumed from `cfg.state` loads its weights over the grown ones)."""
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(cfg.seed)
-    model = deepen(LlamaForCausalLM.from_pretrained(source_dir, dtype=torch.float32), config)
-
-    def ce(w):
-        return F.cross_entropy(logits_of(model, w[:, :-1], cfg.bf16).flatten(0, 1), w[:, 1:].flatten())
-
-    return model, run_loop("target", model, ce, stream, heldout, cfg)
-
-
-@dataclass(frozen=True)
-class GrowPlan:
-    """What `train-models --grow-from FAMILY` starts from: the family's target (deepened), its
-    draft and MTP head (continued), and the grown target's layers that hold the features the
-    head read (the last of each source layer's copies, see `deepen`)."""
-
-    target: Path
-    draft: Path
-    head: Path
-    aux_layers: tuple[int, ...]
-
-
-def grow_plan(family: str | Path, layers: int) -> GrowPlan:
-    """Check that `family` (target/, draft/, mtp/) can grow to `layers` layers; ValueError naming
-    what is missing or does not fit."""
-    family = Path(family)
-    dirs = {name: family / name for name in ("target", "draft", "mtp")}
-    for name, d in dirs.items():
-        if not (d / "config.json").is_file():
-            raise ValueError(f"--grow-from {family}: no {name} model ({d / 'config.json'} is missing)")
-    src = json.loads((dirs["target"] / "config.json").read_text())["num_hidden_layers"]
-    if layers % src:
-        raise ValueError(f"--grow-from {family}: its target has {src} layers, and {layers} is not a multiple of it")
-    m = layers // src
-    aux = json.loads((dirs["mtp"] / "config.json").read_text()).get("aux_layers") or []
-    return GrowPlan(dirs["target"], dirs["draft"], dirs["mtp"], tuple(a * m + m - 1 for a in aux))
-
-
-def round_to_bf16(model) -> None:
-    """Round the weights to bf16 values in place (kept in fp32): what `save_model(bf16=True)`
-    writes, so the models trained against this one see exactly the shipped weights."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
 
 
 def initial_draft(config, target, init_layers: bool = True):

@@ -162,7 +162,7 @@ def train_head(target: LlamaModel, ids: torch.Tensor, hidden: torch.Tensor, *, n
     len(aux_layers)): a fresh one, or one starting from `init`'s weights (its norms; `fc`, where
     `init` has none, starts as the identity on the last layer's state; where it has one, it
     reads as many layers, which may sit elsewhere: a grown target's layers that hold the
-    features `init`'s target had at its own, see bundled.deepen).
+    features `init`'s target had at its own, see grow.deepen).
 
     With cfg.steps the schedule is by step (deterministic); otherwise by elapsed time over
     cfg.budget_s (a busy machine takes fewer steps)."""
