@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from specsched.runtime.training.corpus import Corpus, SourceFile, function_prompts, load_corpus
-from specsched.runtime.training.grow import GROW_LR, grow_target, round_to_bf16
+from specsched.runtime.training.grow import GROW_LR, deepen, round_to_bf16
 from specsched.runtime.training.loop import (BATCH_SIZE, NUM_EVAL_WINDOWS, NUM_PROBE_WINDOWS, SEQ_LEN, LoopConfig,
                                              RunStats, bf16_supported, eval_windows, greedy_agreement, heldout_ce, logits_of,
                                              run_loop)
@@ -95,11 +95,14 @@ def token_stream(tok, files: tuple[SourceFile, ...]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def train_target(config, stream, heldout, cfg: LoopConfig):
+def train_target(config, stream, heldout, cfg: LoopConfig, grow_from: str | Path | None = None):
+    """Train a target of `config` on CE: a fresh one, or the one in `grow_from` deepened to
+    its depth (`deepen`; a run resumed from `cfg.state` loads its weights over the grown ones)."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(cfg.seed)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config) if grow_from is None else \
+        deepen(LlamaForCausalLM.from_pretrained(grow_from, dtype=torch.float32), config)
 
     def ce(w):
         return F.cross_entropy(logits_of(model, w[:, :-1], cfg.bf16).flatten(0, 1), w[:, 1:].flatten())
@@ -249,13 +252,9 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
         t_stats = None
         layers, hidden = target.config.num_hidden_layers, target.config.hidden_size
     else:
-        config = llama_config(vocab, bos, eos, layers, hidden)
-        src_layers = json.loads((Path(grow_from) / "config.json").read_text())["num_hidden_layers"] if grow_from else 0
-        if grow_from is None:
-            target, t_stats = train_target(config, train, heldout, loop("target", 3e-3, seed, target_minutes, target_steps))
-        else:
-            target, t_stats = grow_target(grow_from, config, train, heldout,
-                                          loop("target", GROW_LR, seed, target_minutes, target_steps))
+        target, t_stats = train_target(llama_config(vocab, bos, eos, layers, hidden), train, heldout,
+                                       loop("target", 3e-3 if grow_from is None else GROW_LR, seed, target_minutes,
+                                            target_steps), grow_from)
         if target_bf16:
             round_to_bf16(target)
             t_stats.heldout_ce = heldout_ce(target, eval_windows(heldout, NUM_EVAL_WINDOWS))
@@ -293,7 +292,8 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
 
     if t_stats is not None:
         grown = ("" if grow_from is None else
-                 f"; grown from a {src_layers}-layer checkpoint (`{grow_from}`) by"
+                 f"; grown from a {json.loads((Path(grow_from) / 'config.json').read_text())['num_hidden_layers']}-layer"
+                 f" checkpoint (`{grow_from}`) by"
                  " `deepen` (each followed by a copy of itself whose residual outputs start at zero: the same"
                  " function at step 0), then trained on")
         write_card(out / "target" / "README.md", "target", corpus, t_stats, flags,

@@ -1,5 +1,5 @@
-"""Growing a trained target deeper: `deepen` (the same function at step 0), its training on
-(`grow_target`), bf16 storage (`round_to_bf16`) and what `train-models --grow-from` starts from
+"""Growing a trained target deeper: `deepen` (the same function at step 0; bundled.train_target
+trains it on), bf16 storage (`round_to_bf16`) and what `train-models --grow-from` starts from
 (`grow_plan`).
 
 Why: on a CPU the target's depth sets what a one-layer proposer costs against it, and a deeper
@@ -14,9 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-
-from specsched.runtime.training.loop import LoopConfig, logits_of, run_loop
 
 GROW_LR = 1e-3  # peak learning rate when continuing a grown target (3e-3 trains one from scratch)
 
@@ -46,20 +43,6 @@ def deepen(source, config):
                 layer.self_attn.o_proj.weight.zero_()
                 layer.mlp.down_proj.weight.zero_()
     return model
-
-
-def grow_target(source_dir, config, stream, heldout, cfg: LoopConfig):
-    """`deepen` the target in `source_dir` to `config`'s depth, then train it on CE as
-    `train_target` does (a run resumed from `cfg.state` loads its weights over the grown ones)."""
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(cfg.seed)
-    model = deepen(LlamaForCausalLM.from_pretrained(source_dir, dtype=torch.float32), config)
-
-    def ce(w):
-        return F.cross_entropy(logits_of(model, w[:, :-1], cfg.bf16).flatten(0, 1), w[:, 1:].flatten())
-
-    return model, run_loop("target", model, ce, stream, heldout, cfg)
 
 
 @dataclass(frozen=True)
