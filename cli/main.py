@@ -126,11 +126,13 @@ def train_models(
     bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast (default: where the "
                                         "CPU has native bf16)"),
     seed: int = typer.Option(0),
-    target_shape: str = typer.Option("6x256", help="the target's LAYERSxHIDDEN; the draft is 1 layer of its width"),
+    target_shape: str = typer.Option("6x256", help="the target's LAYERSxHIDDEN; the draft has its width"),
     grow_from: Optional[Path] = typer.Option(None, help="a trained family (target/, draft/, mtp/) of the same width: "
                                              "its target deepened to --target-shape and trained on, its draft and "
                                              "MTP head continued against the result"),
     target_bf16: bool = typer.Option(False, "--target-bf16", help="store the target's weights as bf16"),
+    draft_layers: int = typer.Option(1, min=1, help="the draft's depth (with --grow-from, a multiple of its "
+                                     "draft's: that draft deepened to it)"),
 ) -> None:
     """Retrain the bundled family: tokenizer, target, draft, MTP head (needs the dev extra)."""
     from specsched.runtime.training.bundled import main as train_main
@@ -140,15 +142,16 @@ def train_models(
 
     try:
         layers, _ = parse_shape(target_shape)
-        grown = None if grow_from is None else grow_plan(grow_from, layers)
+        grown = None if grow_from is None else grow_plan(grow_from, layers, draft_layers)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--target-shape / --grow-from") from None
+        raise typer.BadParameter(str(exc), param_hint="--target-shape / --draft-layers / --grow-from") from None
     aux = _layer_list(mtp_aux_layers, "--mtp-aux-layers") if mtp_aux_layers is not None else \
         grown.aux_layers if grown is not None else (1, 3)
     train_main(out_dir=str(out), target_minutes=target_minutes, draft_minutes=draft_minutes, seed=seed,
                target_steps=target_steps, draft_steps=draft_steps, num_threads=threads, state_dir=state,
                tokenizer=tokenizer, bf16=bf16, batch_size=batch_size, target_shape=target_shape,
-               grow_from=grown and grown.target, target_bf16=target_bf16, draft_from=grown and grown.draft)
+               grow_from=grown and grown.target, target_bf16=target_bf16, draft_from=grown and grown.draft,
+               draft_layers=draft_layers)
     train_mtp(out / "target", out / "mtp", mtp_steps, minutes=mtp_minutes, ablation=grown is None, seed=seed,
               num_windows=mtp_windows, num_threads=threads, bf16=bf16, onpolicy_frac=mtp_onpolicy_frac,
               aux_layers=aux, init_from=grown and grown.head, lr=mtp_lr)

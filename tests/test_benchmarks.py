@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
     "forward_cost.py": ["--repeats", "3", "--context", "32"],
+    "agreement.py": ["--models", "runtime/bundled/draft", "--windows", "2", "--threads", "1"],
     "device_idle.py": ["--n", "32", "--repeat", "1", "--rounds", "2"],
     "host_overhead.py": ["--requests", "4", "--steps", "5"],
     "ngram_host.py": ["--requests", "4", "--context", "64", "--steps", "5"],

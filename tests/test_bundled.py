@@ -322,6 +322,71 @@ def test_grow_plan_maps_the_heads_layers_and_refuses_what_does_not_fit(tmp_path)
     res = CliRunner().invoke(app, ["train-models", "--grow-from", str(tmp_path), "--target-shape", "8x256",
                                    "--out", str(tmp_path / "unused")])
     assert res.exit_code == 2 and "6 layers, and 8 is not a multiple" in res.output
+    assert grow_plan(tmp_path, 12, draft_layers=2).draft == tmp_path / "draft"
+    res = CliRunner().invoke(app, ["train-models", "--grow-from", str(tmp_path), "--target-shape", "12x256",
+                                   "--draft-layers", "0", "--out", str(tmp_path / "unused")])
+    assert res.exit_code == 2 and "--draft-layers" in res.output
+    (tmp_path / "draft" / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match="its draft has 2 layer"):
+        grow_plan(tmp_path, 12, draft_layers=3)
     (tmp_path / "mtp" / "config.json").unlink()
     with pytest.raises(ValueError, match="no mtp model"):
         grow_plan(tmp_path, 12)
+
+
+def test_a_continued_draft_is_deepened_to_the_asked_depth(tmp_path, monkeypatch):
+    """`--draft-from` a one-layer draft with `--draft-layers 2`: distillation starts from the
+    draft deepened by `deepen` (the same logits as the saved draft), not from a fresh one."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from specsched.runtime.training import bundled as tb
+
+    started = {}
+
+    def no_training(name, model, loss, stream, heldout, cfg, probe=None, sampler=None):
+        started["model"] = model
+        return tb.RunStats(steps=0, tokens_seen=0, wall_s=0.0, train_loss=0.0, heldout_ce=0.0)
+
+    monkeypatch.setattr(tb, "run_loop", no_training)
+    torch.manual_seed(0)
+    source = transformers.LlamaForCausalLM(_llama(1))
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    source.save_pretrained(tmp_path / "draft")
+    target = transformers.LlamaForCausalLM(_llama(2))
+    stream = torch.randint(0, 64, (40000,), generator=torch.Generator().manual_seed(1))
+    draft, _ = tb.distill_draft(_llama(2), target, stream, stream, tb.LoopConfig(peak_lr=1e-3, seed=0, steps=1),
+                                init_from=tmp_path / "draft")
+    assert draft is started["model"] and draft.config.num_hidden_layers == 2
+    ids = stream[:30].unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(draft.eval()(input_ids=ids).logits, source.eval()(input_ids=ids).logits,
+                                   atol=1e-5, rtol=1e-5)
+    assert tb.draft_source_layers(tmp_path / "draft") == 1
+
+
+def test_onpolicy_windows_are_cached_for_the_same_target_and_key(tmp_path):
+    """A state dir keeps the generated windows: the same weights and key read them back without
+    generating; other weights or another key generate anew."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from specsched.runtime.training.onpolicy import cached_windows
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_llama(1))
+    calls = []
+
+    def make():
+        calls.append(1)
+        return torch.full((2, 3), len(calls)), torch.zeros(1, 3, dtype=torch.long)
+
+    path = tmp_path / "onpolicy.pt"
+    first = cached_windows(path, model, (4, 0), make)
+    assert torch.equal(cached_windows(path, model, (4, 0), make)[0], first[0]) and len(calls) == 1
+    assert cached_windows(path, model, (5, 0), make)[0][0, 0] == 2
+    with torch.no_grad():
+        model.model.norm.weight.add_(1e-3)
+    assert cached_windows(path, model, (5, 0), make)[0][0, 0] == 3 and len(calls) == 3

@@ -132,7 +132,8 @@ def initial_draft(config, target, init_layers: bool = True):
 
 def distill_draft(config, target, stream, heldout, cfg: LoopConfig, sampler=None, onpolicy_heldout=None,
                   init_layers: bool = True, init_from: str | Path | None = None):
-    """KL-distil a draft (`initial_draft`, or the draft in `init_from` continued); `sampler`
+    """KL-distil a draft (`initial_draft`, or the draft in `init_from` continued, deepened to
+    `config`'s depth by `deepen` where it is shallower); `sampler`
     draws its batches, `onpolicy_heldout` (held-out greedy continuations, onpolicy.py) replaces
     corpus windows as the probe and is measured too."""
     torch.manual_seed(cfg.seed)
@@ -142,6 +143,8 @@ def distill_draft(config, target, stream, heldout, cfg: LoopConfig, sampler=None
         from transformers import LlamaForCausalLM
 
         draft = LlamaForCausalLM.from_pretrained(init_from, dtype=torch.float32)
+        if draft.config.num_hidden_layers != config.num_hidden_layers:
+            draft = deepen(draft, config)
     target.eval().requires_grad_(False)
 
     def kl(w):
@@ -160,6 +163,10 @@ def distill_draft(config, target, stream, heldout, cfg: LoopConfig, sampler=None
     if onpolicy_heldout is not None:
         stats.onpolicy_agreement = greedy_agreement(draft, target, onpolicy_heldout)
     return draft, stats
+
+
+def draft_source_layers(path: str | Path) -> int:
+    return json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
 
 
 def save_model(model, tokenizer_path: Path, out: Path, bf16: bool = False) -> None:
@@ -193,7 +200,7 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
          bf16: bool | None = None, batch_size: int = BATCH_SIZE, target_from: str | Path | None = None,
          onpolicy_windows: int = ONPOLICY_WINDOWS, draft_init_layers: bool = True,
          target_shape: str = DEFAULT_SHAPE, grow_from: str | Path | None = None, target_bf16: bool = False,
-         draft_from: str | Path | None = None) -> tuple[RunStats, RunStats]:
+         draft_from: str | Path | None = None, draft_layers: int = 1) -> tuple[RunStats, RunStats]:
     """Train tokenizer, target and draft into `out_dir`; returns (target_stats, draft_stats).
 
     `state_dir`: checkpoints (and the tokenizer) live there, and a rerun with the same
@@ -209,10 +216,11 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
     trained target to `deepen` to that shape and continue training (at GROW_LR) instead of
     training one from scratch. `target_bf16`: store the target's weights as bf16 (rounded before
     the draft is distilled against it). `draft_from`: continue distilling this draft (at half
-    the learning rate) instead of starting from the target's first layer.
+    the learning rate) instead of starting from the target's first layer; `draft_layers`: the
+    draft's depth (a shallower `draft_from` is deepened to it, see `deepen`).
     """
-    if min(target_minutes, draft_minutes) <= 0 or num_threads < 1 or batch_size < 1:
-        raise ValueError("target_minutes, draft_minutes, num_threads and batch_size must be positive")
+    if min(target_minutes, draft_minutes) <= 0 or min(num_threads, batch_size, draft_layers) < 1:
+        raise ValueError("target_minutes, draft_minutes, num_threads, batch_size and draft_layers must be positive")
     layers, hidden = parse_shape(target_shape)
     torch.set_num_threads(num_threads)
     bf16 = bf16_supported() if bf16 is None else bf16
@@ -262,13 +270,17 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
         print(f"target: {t_stats}", flush=True)
     sampler = None
     if onpolicy_windows > 0:
-        from specsched.runtime.training.onpolicy import greedy_windows, mixed_sampler
+        from specsched.runtime.training.onpolicy import cached_windows, greedy_windows, mixed_sampler
 
-        pool = greedy_windows(target, train, onpolicy_windows, SEQ_LEN + 1, ONPOLICY_PROMPT, seed + 2, eos_id=eos)
+        def windows():
+            return (greedy_windows(target, train, onpolicy_windows, SEQ_LEN + 1, ONPOLICY_PROMPT, seed + 2, eos_id=eos),
+                    greedy_windows(target, heldout, NUM_EVAL_WINDOWS, SEQ_LEN + 1, ONPOLICY_PROMPT, seed + 3,
+                                   eos_id=eos))
+
+        pool, onpolicy_heldout = (windows() if state is None else
+                                  cached_windows(state / "onpolicy.pt", target, (onpolicy_windows, seed), windows))
         sampler = mixed_sampler(train, pool, ONPOLICY_FRAC)
-        onpolicy_heldout = greedy_windows(target, heldout, NUM_EVAL_WINDOWS, SEQ_LEN + 1, ONPOLICY_PROMPT,
-                                          seed + 3, eos_id=eos)
-    draft, d_stats = distill_draft(llama_config(vocab, bos, eos, 1, hidden), target, train, heldout,
+    draft, d_stats = distill_draft(llama_config(vocab, bos, eos, draft_layers, hidden), target, train, heldout,
                                    loop("draft", 2e-3 if draft_from is None else 1e-3, seed + 1, draft_minutes,
                                         draft_steps), sampler,
                                    onpolicy_heldout if onpolicy_windows > 0 else None, draft_init_layers, draft_from)
@@ -287,7 +299,8 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
                 else "")
              + (f" --target-grow-from {grow_from}" if t_stats is not None and grow_from is not None else "")
              + (" --target-bf16" if t_stats is not None and target_bf16 else "")
-             + (f" --draft-from {draft_from}" if draft_from is not None else ""))
+             + (f" --draft-from {draft_from}" if draft_from is not None else "")
+             + (f" --draft-layers {draft_layers}" if draft_layers != 1 else ""))
     from specsched.runtime.training.cards import write_card
 
     if t_stats is not None:
@@ -302,10 +315,12 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
             f"; {ONPOLICY_FRAC:.0%} of each batch from {onpolicy_windows} windows of {ONPOLICY_PROMPT} train-corpus"
             " tokens and the target's greedy continuation (on-policy data), the rest corpus windows")
     write_card(out / "draft" / "README.md", "draft", corpus, d_stats, flags,
-               "1 layer, same width, heads and tokenizer as the target; "
+               f"{draft_layers} layer{'s' if draft_layers > 1 else ''}, same width, heads and tokenizer as the target; "
                + ("embeddings and final norm" + (", and the layer from the target's first layer," if draft_init_layers
                                                  else "") + " initialised from the target" if draft_from is None
-                  else f"started from the draft in `{draft_from}`")
+                  else f"started from the draft in `{draft_from}`"
+                  + ("" if draft.config.num_hidden_layers == draft_source_layers(draft_from) else
+                     f" deepened from {draft_source_layers(draft_from)} to {draft_layers} layers by `deepen`"))
                + ", then distilled with pure KL to the target's logits" + data,
                acceptance)
     print(f"draft: {d_stats}", flush=True)
@@ -337,6 +352,8 @@ if __name__ == "__main__":
                    help="a trained target of the same width to deepen to --target-shape and continue training")
     p.add_argument("--target-bf16", action="store_true", help="store the target's weights as bf16")
     p.add_argument("--draft-from", default=None, help="continue distilling this draft instead of a new one")
+    p.add_argument("--draft-layers", type=int, default=1,
+                   help="the draft's depth (a shallower --draft-from is deepened to it)")
     a = p.parse_args()
     try:
         parse_shape(a.target_shape)
@@ -344,4 +361,4 @@ if __name__ == "__main__":
         p.error(str(exc))
     main(a.out, a.target_minutes, a.draft_minutes, a.seed, a.target_steps, a.draft_steps, a.threads,
          a.state, a.tokenizer, a.bf16, a.batch_size, a.target_from, a.onpolicy_windows, a.draft_init_layers,
-         a.target_shape, a.target_grow_from, a.target_bf16, a.draft_from)
+         a.target_shape, a.target_grow_from, a.target_bf16, a.draft_from, a.draft_layers)

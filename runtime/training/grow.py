@@ -57,9 +57,9 @@ class GrowPlan:
     aux_layers: tuple[int, ...]
 
 
-def grow_plan(family: str | Path, layers: int) -> GrowPlan:
-    """Check that `family` (target/, draft/, mtp/) can grow to `layers` layers; ValueError naming
-    what is missing or does not fit."""
+def grow_plan(family: str | Path, layers: int, draft_layers: int | None = None) -> GrowPlan:
+    """Check that `family` (target/, draft/, mtp/) can grow to `layers` layers (and its draft to
+    `draft_layers`); ValueError naming what is missing or does not fit."""
     family = Path(family)
     dirs = {name: family / name for name in ("target", "draft", "mtp")}
     for name, d in dirs.items():
@@ -69,6 +69,10 @@ def grow_plan(family: str | Path, layers: int) -> GrowPlan:
     if layers % src:
         raise ValueError(f"--grow-from {family}: its target has {src} layers, and {layers} is not a multiple of it")
     m = layers // src
+    src_draft = json.loads((dirs["draft"] / "config.json").read_text())["num_hidden_layers"]
+    if draft_layers is not None and draft_layers % src_draft:
+        raise ValueError(f"--grow-from {family}: its draft has {src_draft} layer(s), and {draft_layers} is not a "
+                         "multiple of it")
     aux = json.loads((dirs["mtp"] / "config.json").read_text()).get("aux_layers") or []
     return GrowPlan(dirs["target"], dirs["draft"], dirs["mtp"], tuple(a * m + m - 1 for a in aux))
 

@@ -74,3 +74,25 @@ def mixed_sampler(stream: torch.Tensor, pool: torch.Tensor, pool_frac: float):
         return torch.cat([rows, random_windows(stream, gen, batch_size - k)])
 
     return sample
+
+
+def cached_windows(path, target, key, make):
+    """`make()`'s windows, kept in `path` (a run's state dir) for the same target weights and
+    `key`: generating thousands of continuations takes minutes that a resumed or repeated run
+    need not pay again. A file for other weights or another key is replaced."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256(repr(key).encode())
+    for name, tensor in sorted(target.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().float().contiguous().numpy().tobytes())
+    fingerprint = h.hexdigest()
+    path = Path(path)
+    if path.exists():
+        saved = torch.load(path, weights_only=True)
+        if saved.get("fingerprint") == fingerprint:
+            return saved["windows"]
+    windows = make()
+    torch.save({"fingerprint": fingerprint, "windows": windows}, path)
+    return windows
