@@ -341,3 +341,20 @@ def test_streamed_export_and_timeline_note_a_cut_off_file_and_name_a_bad_line(tm
         code, out = run(*args)
         assert code == 2 and out.startswith(f"error: {bad}:{len(lines) - 4}") and "--steps" not in out, out
     assert not (tmp_path / "b.json").exists() and not (tmp_path / "b.png").exists()
+
+
+def test_demo_figures_are_medians_over_rounds_and_speedups_ratios_within_a_round():
+    """A machine twice as fast in one round moves every run alike: the per-round ratio to plain
+    decoding stays, where the ratio of medians would not."""
+    from specsched.cli.demo import aggregate
+
+    def m(tok_s, al=None):
+        return {"output_tokens_per_s": tok_s, "ttft_ms": {"p50": 1000 / tok_s}, "tpot_ms": {"p50": 100 / tok_s},
+                "bubble_fraction": 0.1, "mean_accept_len": al}
+
+    measured = {"plain": [m(100), m(200), m(110)], "mtp": [m(150, 2.5), m(300, 2.5), m(140, 2.5)]}
+    out = aggregate(measured, base="plain")
+    assert out["plain"]["speedup"] == 1.0 and out["plain"]["mean_accept_len"] is None
+    assert out["mtp"]["tok_s"] == 150 and out["mtp"]["mean_accept_len"] == 2.5
+    assert out["mtp"]["speedup"] == pytest.approx(1.5)  # rounds: 1.5, 1.5, 1.27 (medians alone: 150 / 110)
+    assert out["mtp"]["tpot_ms"] == pytest.approx(100 / 150)
