@@ -41,10 +41,11 @@ def main() -> None:
     from specsched.runtime.training.corpus import load_corpus
     from specsched.runtime.training.loop import SEQ_LEN, eval_windows, logits_of
     from specsched.runtime.training.onpolicy import greedy_windows
+    from specsched.runtime.training.tokenizer_train import special_ids
 
     torch.set_num_threads(args.threads)
     tok = Tokenizer.from_file(str(args.target / "tokenizer.json"))
-    eos = tok.token_to_id("<|eos|>")
+    _, eos = special_ids(tok)
     heldout = token_stream(tok, load_corpus().heldout)
 
     def load(path: Path):
@@ -60,6 +61,7 @@ def main() -> None:
     models = {os.path.relpath(p): load(p) for p in args.models}
     print(f"target {os.path.relpath(args.target)}: {target.config.num_hidden_layers} layers; {args.windows} windows x {SEQ_LEN} "
           "positions of each kind")
+
     def argmax_and_top1(model, windows):
         with torch.no_grad():
             probs = [F.softmax(logits_of(model, windows[i : i + 16, :-1]), -1) for i in range(0, len(windows), 16)]
@@ -76,6 +78,7 @@ def main() -> None:
             label = f"{model.config.num_hidden_layers}-layer {name}"
             print(f"  {label:<52} {same.float().mean():>8.1%}  ({same[sure].float().mean():.1%} / "
                   f"{same[~sure].float().mean():.1%})")
+
 
 if __name__ == "__main__":
     main()

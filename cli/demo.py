@@ -57,14 +57,15 @@ def run_demo(out_dir: Path, num_requests: int, max_tokens: int, concurrency: int
     skipped = [r[0] for r in RUNS if r not in runs]
     measured: dict[str, list[dict]] = {name: [] for name, *_ in runs}
     errors: dict[str, list[str]] = {name: [] for name, *_ in runs}
-    traces, cfgs = {}, {}
+    cfgs = {name: EngineConfig.make(proposer=proposer, schedule=schedule, draft_len=d or None)
+            for name, proposer, schedule, d in runs}
+    traces = {}
     jobs = available_cpus()  # the simulator's replicates fan out over the CPUs
     columns = (TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         tasks = {name: progress.add_task(name, total=len(items) * rounds) for name, *_ in runs}
         for _ in range(rounds):
-            for name, proposer, schedule, d in runs:
-                cfg = cfgs[name] = EngineConfig.make(proposer=proposer, schedule=schedule, draft_len=d or None)
+            for name, cfg in cfgs.items():
                 path = out_dir / f"trace_{name}.jsonl"
                 metrics, trace, outs = anyio.run(lambda: run_workload(
                     cfg, items, concurrency=concurrency, warmup=1, trace_path=str(path),

@@ -364,7 +364,7 @@ def test_a_continued_draft_is_deepened_to_the_asked_depth(tmp_path, monkeypatch)
     with torch.no_grad():
         torch.testing.assert_close(draft.eval()(input_ids=ids).logits, source.eval()(input_ids=ids).logits,
                                    atol=1e-5, rtol=1e-5)
-    assert tb.draft_source_layers(tmp_path / "draft") == 1
+    assert tb.checkpoint_layers(tmp_path / "draft") == 1
 
 
 def test_onpolicy_windows_are_cached_for_the_same_target_and_key(tmp_path):

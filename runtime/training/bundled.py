@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from specsched.runtime.training.corpus import Corpus, SourceFile, function_prompts, load_corpus
-from specsched.runtime.training.grow import GROW_LR, deepen, round_to_bf16
+from specsched.runtime.training.grow import GROW_LR, checkpoint_layers, deepen, round_to_bf16
 from specsched.runtime.training.loop import (BATCH_SIZE, NUM_EVAL_WINDOWS, NUM_PROBE_WINDOWS, SEQ_LEN, LoopConfig,
                                              RunStats, bf16_supported, eval_windows, greedy_agreement, heldout_ce, logits_of,
                                              run_loop)
@@ -163,10 +163,6 @@ def distill_draft(config, target, stream, heldout, cfg: LoopConfig, sampler=None
     if onpolicy_heldout is not None:
         stats.onpolicy_agreement = greedy_agreement(draft, target, onpolicy_heldout)
     return draft, stats
-
-
-def draft_source_layers(path: str | Path) -> int:
-    return json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
 
 
 def save_model(model, tokenizer_path: Path, out: Path, bf16: bool = False) -> None:
@@ -305,8 +301,7 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
 
     if t_stats is not None:
         grown = ("" if grow_from is None else
-                 f"; grown from a {json.loads((Path(grow_from) / 'config.json').read_text())['num_hidden_layers']}-layer"
-                 f" checkpoint (`{grow_from}`) by"
+                 f"; grown from a {checkpoint_layers(grow_from)}-layer checkpoint (`{grow_from}`) by"
                  " `deepen` (each followed by a copy of itself whose residual outputs start at zero: the same"
                  " function at step 0), then trained on")
         write_card(out / "target" / "README.md", "target", corpus, t_stats, flags,
@@ -316,11 +311,11 @@ def main(out_dir: str | Path, target_minutes: float = 60.0, draft_minutes: float
             " tokens and the target's greedy continuation (on-policy data), the rest corpus windows")
     write_card(out / "draft" / "README.md", "draft", corpus, d_stats, flags,
                f"{draft_layers} layer{'s' if draft_layers > 1 else ''}, same width, heads and tokenizer as the target; "
-               + ("embeddings and final norm" + (", and the layer from the target's first layer," if draft_init_layers
+               + ("embeddings and final norm" + (", and the layers from the target's first ones," if draft_init_layers
                                                  else "") + " initialised from the target" if draft_from is None
                   else f"started from the draft in `{draft_from}`"
-                  + ("" if draft.config.num_hidden_layers == draft_source_layers(draft_from) else
-                     f" deepened from {draft_source_layers(draft_from)} to {draft_layers} layers by `deepen`"))
+                  + ("" if checkpoint_layers(draft_from) == draft_layers else
+                     f" deepened from {checkpoint_layers(draft_from)} to {draft_layers} layers by `deepen`"))
                + ", then distilled with pure KL to the target's logits" + data,
                acceptance)
     print(f"draft: {d_stats}", flush=True)

@@ -45,6 +45,11 @@ def deepen(source, config):
     return model
 
 
+def checkpoint_layers(path: str | Path) -> int:
+    """The decoder layers of the checkpoint in `path` (its config.json), without loading it."""
+    return json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
+
+
 @dataclass(frozen=True)
 class GrowPlan:
     """What `train-models --grow-from FAMILY` starts from: the family's target (deepened), its
@@ -65,11 +70,11 @@ def grow_plan(family: str | Path, layers: int, draft_layers: int | None = None) 
     for name, d in dirs.items():
         if not (d / "config.json").is_file():
             raise ValueError(f"--grow-from {family}: no {name} model ({d / 'config.json'} is missing)")
-    src = json.loads((dirs["target"] / "config.json").read_text())["num_hidden_layers"]
+    src = checkpoint_layers(dirs["target"])
     if layers % src:
         raise ValueError(f"--grow-from {family}: its target has {src} layers, and {layers} is not a multiple of it")
     m = layers // src
-    src_draft = json.loads((dirs["draft"] / "config.json").read_text())["num_hidden_layers"]
+    src_draft = checkpoint_layers(dirs["draft"])
     if draft_layers is not None and draft_layers % src_draft:
         raise ValueError(f"--grow-from {family}: its draft has {src_draft} layer(s), and {draft_layers} is not a "
                          "multiple of it")
