@@ -3,7 +3,7 @@
 Why: `ab` replicates, `tune`'s grid and `validate`'s noisy replicates are independent replays
 -- each seeded on its own, so their results do not depend on where or in which order they
 run. A replay is single-threaded Python, so a sweep gains from more cores only across
-processes (DESIGN: "large simulation sweeps fan out over processes").
+processes.
 
 How: `concurrent.futures.ProcessPoolExecutor`. The shared input (traces, cost profiles) goes
 to each worker once, as the pool's initializer argument -- inherited for free where workers

@@ -7,6 +7,7 @@ generic top-level names, which would clash with PyPI packages of the same names.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -24,6 +25,9 @@ def _config() -> dict:
 
 
 def test_every_package_of_the_tree_is_listed():
+    """Every folder that holds Python code (a `.py` file, with or without `__init__.py`) or a
+    bundled model's weights is a listed package: a folder left out is missing from a regular
+    install, and only an editable one would hide it."""
     cfg = _config()
     assert cfg["package-dir"] == {f"specsched.{f}": f for f in FOLDERS}
     found = set()
@@ -31,10 +35,12 @@ def test_every_package_of_the_tree_is_listed():
         for d in [ROOT / top, *sorted(p for p in (ROOT / top).rglob("*") if p.is_dir())]:
             if d.name == "__pycache__" or any(part == "__pycache__" for part in d.parts):
                 continue
-            has_code = (d / "__init__.py").exists()
+            has_code = any(d.glob("*.py"))
             is_data = top == "runtime" and d.parent.name == "bundled" and any(d.glob("*.safetensors"))
             if has_code or is_data:
                 found.add("specsched." + ".".join(d.relative_to(ROOT).parts))
+                if has_code:
+                    assert (d / "__init__.py").exists(), f"{d.relative_to(ROOT)} holds code but no __init__.py"
     assert set(cfg["packages"]) == found
 
 
@@ -71,3 +77,10 @@ def test_install_outside_the_repo_gives_one_package(tmp_path):
     res = subprocess.run([str(venv / "bin" / "specsched"), "--help"], cwd=tmp_path, env=env,
                          capture_output=True, text=True)
     assert res.returncode == 0 and "replay" in res.stdout, res.stdout + res.stderr
+    # tensor parallelism lives in a subpackage of its own: the installed copy must run it
+    res = subprocess.run([str(venv / "bin" / "specsched"), "generate", "def fib(n):", "--tp", "2",
+                          "--max-tokens", "4", "--json"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = json.loads(res.stdout)
+    assert len(out["token_ids"]) == 4 and out["finish_reason"] == "length", out

@@ -1,8 +1,9 @@
 """Host (CPU) device: a separate worker process that runs launched ops in order.
 
-Why: on a CPU machine the only way device work overlaps host work is another process (see
-DESIGN.md, "Devices"). `Stream.launch` pickles the batch, writes it to a pipe and returns an
-Event at once; a reader thread receives completions and finishes the Events.
+Why: on a CPU machine the only way device work overlaps host work is another process: the
+models' forwards are Python-dispatch bound and hold the GIL, so a device thread would
+serialize with the host's stages. `Stream.launch` pickles the batch, writes it to a pipe and
+returns an Event at once; a reader thread receives completions and finishes the Events.
 
 Streams: all streams of one host device execute in launch order in the one worker process.
 That is a valid in-order execution of a multi-stream device (each stream is in order, and any
