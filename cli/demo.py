@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -124,8 +125,10 @@ def _summary(console: Console, rows: list[dict], ab_res: dict, out_dir: Path, sk
              rounds: int) -> None:
     t = Table(title="specsched demo: bundled model, default workload (measured on this machine, "
                     f"median of {rounds} round{'s' if rounds > 1 else ''})")
+    # fits an 80-column terminal: no vertical rules, no column that may wrap or collapse
+    t = Table(title=t.title, box=box.SIMPLE_HEAD, pad_edge=False)
     t.add_column("run", no_wrap=True)
-    t.add_column("D", justify="right")
+    t.add_column("D", justify="right", no_wrap=True, min_width=1)
     for col in ("tok/s", "TTFT", "TPOT", "AL", "bubble", "speedup", "sim err"):
         t.add_column(col, justify="right", no_wrap=True)
     for r in rows:

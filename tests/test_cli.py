@@ -358,3 +358,21 @@ def test_demo_figures_are_medians_over_rounds_and_speedups_ratios_within_a_round
     assert out["mtp"]["tok_s"] == 150 and out["mtp"]["mean_accept_len"] == 2.5
     assert out["mtp"]["speedup"] == pytest.approx(1.5)  # rounds: 1.5, 1.5, 1.27 (medians alone: 150 / 110)
     assert out["mtp"]["tpot_ms"] == pytest.approx(100 / 150)
+
+
+def test_demo_summary_table_fits_80_columns_with_every_draft_length_shown(tmp_path):
+    from rich.console import Console
+
+    from specsched.cli.demo import RUNS, _summary
+
+    rows = [{"run": name, "draft_len": d, "tok_s": 1234.5, "ttft_ms": 123.4, "tpot_ms": 12.34,
+             "mean_accept_len": 2.31 if d else None, "bubble": 0.12, "speedup": 1.23, "sim_makespan_err_pct": -12.3}
+            for name, _, _, d in RUNS]
+    ab_res = {"diff_b_minus_a": {"output_tokens_per_s": {"diff_mean": 1.0, "ci95": [0.1, 2.0], "verdict": "B"}}}
+    console = Console(width=80, record=True)
+    _summary(console, rows, ab_res, tmp_path, [], 3)
+    lines = console.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    for name, _, _, d in RUNS:
+        row = next(line.split() for line in lines if line.split()[:1] == [name])
+        assert row[1] == (str(d) if d else "-") and row[2] == "1234.5", row
