@@ -18,18 +18,18 @@ from rich.table import Table
 
 # (name, proposer, schedule, draft_len): each proposer at the draft length that ran fastest at
 # batch 1 on the bundled family (benchmarks/proposers.py: D = 3 over 4 for the draft model, 3 over
-# 1 for the MTP head under `mtp`, 2 under `sync`), about as fast as the others at 4 concurrent
+# 1 for the MTP head under `eager_fill`, 2 under `sync`), about as fast as the others at 4 concurrent
 # (benchmarks/adaptive.py)
 RUNS = [
     ("plain", "none", "sync", 0),
     ("plain-overlap", "none", "plain_overlap", 0),
     ("draft-sync", "draft", "sync", 3),
     ("draft-overlap", "draft", "overlap", 3),
-    ("draft-mtp", "draft", "mtp", 3),
+    ("draft-eager_fill", "draft", "eager_fill", 3),
     ("mtp-sync", "mtp", "sync", 2),
-    ("mtp-mtp", "mtp", "mtp", 3),
+    ("mtp-eager_fill", "mtp", "eager_fill", 3),
     ("eagle-sync", "eagle", "sync", 3),
-    ("eagle-mtp", "eagle", "mtp", 3),
+    ("eagle-eager_fill", "eagle", "eager_fill", 3),
     ("ngram-sync", "ngram", "sync", 4),
 ]
 

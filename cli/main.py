@@ -15,6 +15,10 @@ from rich.console import Console
 
 from specsched.cli.common import (_fail, _metrics_table, _print_json, app, check_output_path, console, engine_config,
                                   fail_if_requests_failed, parse_draft_len, user_errors)
+from specsched.traces.names import PROPOSERS, SCHEDULE_ALIASES, SCHEDULES, Schedule
+
+SCHEDULE_HELP = (f"{'|'.join(SCHEDULES)} (default: the proposer's natural one; "
+                 + ", ".join(f"{old!r} = {new!r}" for old, new in SCHEDULE_ALIASES.items()) + ")")
 
 
 @app.command()
@@ -28,13 +32,13 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p"),
     seed: Optional[int] = typer.Option(None),
     stop: list[str] = typer.Option([], help="stop string (repeatable)"),
-    spec: Optional[str] = typer.Option(None, help="proposer: none|draft|mtp|eagle|ngram (default: the "
+    spec: Optional[str] = typer.Option(None, help=f"proposer: {'|'.join(PROPOSERS)} (default: the "
                                        "--config file's, else none)"),
     draft_len: Optional[str] = typer.Option(None, "--draft-len", help="D, or 'auto': chosen per step "
                                             "(up to --max-draft-len, default 4)"),
     draft: Optional[str] = typer.Option(None, help="draft checkpoint dir"),
     mtp_head: Optional[str] = typer.Option(None, "--mtp-head", help="MTP/EAGLE head dir"),
-    schedule: Optional[str] = typer.Option(None),
+    schedule: Optional[str] = typer.Option(None, help=SCHEDULE_HELP),
     tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel size: shard the target over N "
                                      "worker processes (default 1)"),
     config_file: Optional[Path] = typer.Option(None, "--config", help="EngineConfig JSON/YAML"),
@@ -222,14 +226,14 @@ def bench(
     temperature: Optional[float] = typer.Option(None, help="override every request's temperature"),
     concurrency: Optional[int] = typer.Option(None, help="closed loop: requests in flight"),
     rate: Optional[float] = typer.Option(None, help="open loop: requests per second"),
-    spec: Optional[str] = typer.Option(None, help="proposer: none|draft|mtp|eagle|ngram (default: the "
+    spec: Optional[str] = typer.Option(None, help=f"proposer: {'|'.join(PROPOSERS)} (default: the "
                                        "--config file's, else none)"),
     draft_len: Optional[str] = typer.Option(None, "--draft-len", help="D, or 'auto': chosen per step "
                                             "(up to --max-draft-len, default 4)"),
     max_draft_len: Optional[int] = typer.Option(None, "--max-draft-len", help="with --draft-len auto"),
     profile: Optional[Path] = typer.Option(None, "--profile", help="with --draft-len auto: a cost profile "
                                            "(fit-profile's JSON) seeding its step-time models"),
-    schedule: Optional[str] = typer.Option(None),
+    schedule: Optional[str] = typer.Option(None, help=SCHEDULE_HELP),
     tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel size: shard the target over N "
                                      "worker processes (default 1)"),
     warmup: int = typer.Option(1),
@@ -273,7 +277,7 @@ def bench(
     check_workload(items, AsyncEngine(cfg).validate)  # every prompt fits the model, before any run
     if concurrency is None and rate is None:
         concurrency = 1
-    runs = [("plain", cfg.model_copy(update={"proposer": "none", "draft_len": 0, "schedule": "sync"}))] if compare_plain else []
+    runs = [("plain", cfg.model_copy(update={"proposer": "none", "draft_len": 0, "schedule": Schedule.SYNC.value}))] if compare_plain else []
     runs.append((f"{cfg.proposer}/{cfg.schedule}/D={cfg.draft_len}", cfg))
     results, errors, completed, interrupted = [], [], [0], []
 

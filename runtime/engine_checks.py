@@ -99,8 +99,9 @@ def check_smallest_request_fits(c: EngineConfig, model_dir: str, max_len: int, s
     """Reject a config under which no request at all could be served (e.g. a draft length
     near the model's context), instead of rejecting every request with a request error.
     The smallest request has one prompt and one output token; `AsyncEngine.validate` sizes it."""
-    n = c.proposer_spec().num_candidates
-    what = f"the eagle tree's {n} nodes" if c.proposer == "eagle" else f"draft_len {c.spec_draft_len}"
+    spec = c.proposer_spec()
+    n = spec.num_candidates
+    what = f"the {c.proposer} tree's {n} nodes" if spec.is_tree else f"draft_len {c.spec_draft_len}"
     need = 1 + 1 + n + 1
     if need > max_len:
         raise ConfigurationError(

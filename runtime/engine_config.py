@@ -10,13 +10,14 @@ from typing import Literal
 
 import orjson
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specsched.scheduler.errors import ConfigurationError
 from specsched.scheduler.pipeline import MAX_KEPT_TOKENS
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.wiring import (DEFAULT_DRAFT_LEN, NATURAL_SCHEDULE, TREE_MAX_NODES, TREE_TOP_K,
                                         proposer_spec)
+from specsched.traces.names import ProposerKind, ProposerName, ScheduleName, schedule_name
 
 
 class EngineConfig(BaseModel):
@@ -25,15 +26,15 @@ class EngineConfig(BaseModel):
     model: str | None = Field(None, description="target checkpoint dir (HF layout); None = bundled")
     draft: str | None = Field(None, description="draft checkpoint dir; None = bundled draft")
     mtp_head: str | None = Field(None, description="MTP/EAGLE head dir; None = bundled head")
-    proposer: Literal["none", "draft", "mtp", "eagle", "ngram"] = "none"
+    proposer: ProposerName = ProposerKind.NONE.value
     draft_len: int | Literal["auto"] | None = Field(
         None, description="D (tree depth for eagle); 'auto': chosen per step up to max_draft_len "
         "(scheduler/adaptive.py); None = proposer default")
     max_draft_len: int = Field(4, description="with draft_len 'auto': the longest D it may choose")
     draft_profile: str | None = Field(None, description="with draft_len 'auto': a cost profile (JSON, "
                                       "`specsched fit-profile`) seeding its step-time models")
-    schedule: Literal["sync", "overlap", "mtp", "plain_overlap"] | None = Field(
-        None, description="None = the proposer's natural schedule"
+    schedule: ScheduleName | None = Field(
+        None, description="None = the proposer's natural schedule; 'mtp' is read as 'eager_fill'"
     )
     ngram_min: int = 1
     ngram_max: int = 3
@@ -67,12 +68,17 @@ class EngineConfig(BaseModel):
     skip_warmup: bool = Field(False, description="start serving without the warm-up request that runs "
                               "each device op once first (their first launches pay one-off costs)")
 
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _schedule_alias(cls, value: object) -> object:
+        return schedule_name(value)
+
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
         if self.draft_len is None:
             self.draft_len = DEFAULT_DRAFT_LEN[self.proposer]
         if self.draft_len == "auto":
-            if self.proposer in ("none", "eagle"):
+            if self.proposer in (ProposerKind.NONE, ProposerKind.EAGLE):
                 raise ValueError(f"draft_len 'auto' needs a linear proposer (draft, mtp, ngram), not "
                                  f"{self.proposer!r}")
             if self.max_draft_len < 1:
@@ -90,7 +96,7 @@ class EngineConfig(BaseModel):
                      "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.proposer == "ngram" and not (1 <= self.ngram_min <= self.ngram_max):
+        if self.proposer == ProposerKind.NGRAM and not (1 <= self.ngram_min <= self.ngram_max):
             raise ValueError("need 1 <= ngram_min <= ngram_max")
         if self.acceptance == "threshold" and not (0.0 < self.threshold < 1.0):
             raise ValueError("threshold must be in (0, 1)")
@@ -105,7 +111,7 @@ class EngineConfig(BaseModel):
         # or no speculative request could ever be scheduled
         width = 1 + spec.num_candidates
         if self.max_num_batched_tokens < width:
-            what = (f"1 + the eagle tree's {spec.num_candidates} nodes" if self.proposer == "eagle"
+            what = (f"1 + the eagle tree's {spec.num_candidates} nodes" if self.proposer == ProposerKind.EAGLE
                     else f"1 + draft_len ({self.spec_draft_len})")
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) cannot hold one "

@@ -5,7 +5,7 @@ on the device; a step's drafts follow each row's last token there). The host's m
 positions to compute; the tokens the device itself produced (samples, accepted drafts, bonus tokens)
 never need a round trip before the next launch, and no op reads a device value on the host: what the
 host needs back is copied into host-side buffers, read after the op's event. That is what lets the
-`overlap` and `mtp` schedules keep the host off the critical path (`sync_guard=True` fails an op
+`overlap` and `eager_fill` schedules keep the host off the critical path (`sync_guard=True` fails an op
 that does read the device; see runtime/sync_guard.py).
 
 Ops (scheduler/messages.py defines their typed messages and results):
@@ -32,7 +32,7 @@ from specsched.scheduler.messages import (AgreementMessage, AgreementResult, Dra
                                           ForwardResult, VerifyMessage, VerifyResult)
 from specsched.runtime.sync_guard import host_side, no_host_sync, to_device
 from specsched.scheduler.plan import AttentionPlan, concat_ranges
-from specsched.scheduler.proposer import ProposerSpec
+from specsched.scheduler.proposer import RULES, ProposerSpec
 from specsched.scheduler.step_trace import device_span_name
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -142,7 +142,7 @@ class ModelWorker:
         if tensor_parallel_size > 1:
             from specsched.runtime.tp.ranks import Leader
 
-            head_dir = proposer_dir if proposer["kind"] in ("mtp", "eagle") else None
+            head_dir = proposer_dir if RULES[proposer["kind"]].checkpoint == "mtp_head" else None
             self.tp_leader = Leader(tensor_parallel_size, model_dir=model_dir, head_dir=head_dir, dtype=dtype,
                                     device=device, attention=attention, num_pages=num_pages, page_size=page_size,
                                     num_threads=num_threads or 1, channel=tp_channel)

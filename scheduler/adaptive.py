@@ -107,12 +107,12 @@ class DraftLenPolicy:
     """See the module docstring. `kv_ahead`: the proposer's fill after a plain decode covers
     1 + kv_ahead tokens per row; `lazy_fill`: its fills wait while speculation is off
     (`ProposerRules.lazy_fill`); `fill_same_batch`: its fill after a verify covers the verify
-    window (an MTP head; a draft model under `mtp`), else the accepted tokens; `has_fill`: it has one;
+    window (an MTP head; a draft model under `eager_fill`), else the accepted tokens; `has_fill`: it has one;
     `draft_op`: it drafts in a launch of its own (not a lookup on the host, whose time the
     step overhead h takes);
     `cold_first_launch`: the device's first launch of an op pays one-off costs, so its
     interval teaches nothing (a real device; the simulator's prices have none); `plain_ahead`:
-    plain steps run one step ahead (`overlap`, `mtp`), hiding their host work."""
+    plain steps run one step ahead (`overlap`, `eager_fill`), hiding their host work."""
 
     def __init__(self, max_draft_len: int, *, has_fill: bool, kv_ahead: int = 0, fill_same_batch: bool = False,
                  draft_op: bool = True,

@@ -3,7 +3,7 @@ ahead of the step before it.
 
 Why a module of its own: scheduler/pipeline.py holds the step loop; a forward step -- its
 launch, the proposer's fill behind it (or none while speculation is off), and `plain_overlap`'s
-one-step-ahead launches, which an adaptive draft length's `overlap` and `mtp` schedules use
+one-step-ahead launches, which an adaptive draft length's `overlap` and `eager_fill` schedules use
 for their plain steps too -- is this mixin's, as the speculative step is spec_step.py's. It
 works on the pipeline's state and helpers (`_launch`, `_sync`, `_host`, `_output`, the
 streams, the slot table, `_inflight`).
@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 
 from specsched.scheduler import messages
-from specsched.scheduler.proposer import plain_steps_ahead
 from specsched.scheduler.protocols import DeviceError
 from specsched.scheduler.small_arrays import total
 from specsched.scheduler.step_batch import StepBatch
@@ -29,13 +28,11 @@ class ForwardStep:
 
     def _overlaps(self, batch: StepBatch) -> bool:
         """Whether this step may be launched while the previous step is in flight: a plain
-        forward step with no proposer fill, under `plain_overlap` or -- speculation off --
-        under an adaptive draft length's `overlap` or `mtp` schedule, which then runs plain
-        decoding at plain_overlap's speed (`sync` keeps every launch awaited)."""
-        sched = self.config.schedule
-        if sched == "plain_overlap":
-            return True
-        if self.builder.draft_policy is None or not plain_steps_ahead(sched) or batch.is_spec:
+        forward step with no proposer fill, under a schedule whose plain steps run ahead
+        (`ScheduleRules.plain_ahead`): `plain_overlap`'s every step and -- speculation off -- an
+        adaptive draft length's steps under `overlap` or `eager_fill`, which then run at
+        plain_overlap's speed (`sync` keeps every launch awaited)."""
+        if not self.rules.plain_ahead or batch.is_spec:
             return False
         return self.spec.kv_model is None or self._lazy(batch)
 
@@ -81,7 +78,7 @@ class ForwardStep:
             return
         await self._complete_forward(batch, launch)
         if s_fill is not None:
-            if self.config.schedule == "sync":
+            if self.rules.awaits_launches:
                 await self._await_fill(s_fill, batch)
             else:
                 self._pending_fill = s_fill

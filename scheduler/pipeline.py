@@ -8,19 +8,10 @@ Stages (host unless noted; names are span names): schedule, kv_alloc, plan, draf
 verify (device), accept (device), sync, fill (device: the proposer's KV fill, called
 `draft_fill` in traces), output.
 
-Schedules:
-  sync           every launch is awaited before the next stage: the baseline.
-  overlap        after the sync on acceptance the draft fill is launched and *not* awaited;
-                 the output stage and the next step's schedule/kv_alloc/plan run while it
-                 executes (the next draft launch queues behind it on the draft stream).
-  mtp            the head's fill re-uses the verify batch, so it is launched right behind the
-                 verify before any sync; the host learns accepted lengths when the verify's
-                 result arrives and schedules the next step while the fill runs.
-  plain_overlap  plain decoding one step ahead: step N+1 is launched before step N's tokens
-                 reach the host (finished requests waste one step's slot).
-
-With an adaptive draft length, `overlap` and `mtp` run their plain steps (speculation off) one
-step ahead too; a step that drafts waits for the one in flight (`_overlaps`).
+Schedules (scheduler/schedules.py) are rows of flags the steps read, never names: `sync`,
+`overlap`, `eager_fill`, `plain_overlap`. With an adaptive draft length, `overlap` and
+`eager_fill` run their plain steps (speculation off) one step ahead too; a step that drafts
+waits for the one in flight (`_overlaps`).
 """
 from __future__ import annotations
 
@@ -39,6 +30,7 @@ from specsched.scheduler.output_stage import OutputStage
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.protocols import Clock, Device, DeviceError, OutputSink
 from specsched.scheduler.request import Request, RequestState
+from specsched.scheduler.schedules import ScheduleRules, schedule_rules
 from specsched.scheduler.spec_step import SpeculativeStep
 from specsched.scheduler.small_arrays import total
 from specsched.scheduler.step_batch import StepBatch
@@ -85,6 +77,7 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
         if config.proposer.rules.host_drafts and drafter is None:
             raise ValueError(f"proposer {config.proposer.kind!r} drafts on the host: the pipeline needs a drafter")
         self.spec = config.proposer
+        self.rules: ScheduleRules = schedule_rules(config.schedule)
         self.builder = builder
         self.blocks = builder.blocks
         self.clock = clock

@@ -11,14 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SCHEDULES = ("sync", "overlap", "mtp", "plain_overlap")
-
-
-def plain_steps_ahead(schedule: str) -> bool:
-    """Whether a plain decode step with no proposer fill may be launched while the step before
-    it is in flight: under every schedule but `sync` (`plain_overlap` always; `overlap` and
-    `mtp` when an adaptive draft length turns speculation off), which keeps every launch awaited."""
-    return schedule != "sync"
+from specsched.scheduler.schedules import schedule_rules
+from specsched.traces.names import PROPOSERS, ProposerKind, Schedule, schedule_name
 
 
 @dataclass(frozen=True)
@@ -44,7 +38,7 @@ class ProposerRules:
     # each row drafted (fewer than asked, or none, where the lookup finds nothing to copy)
     host_drafts: bool = False
     # its fill after a verify may instead cover the whole verify window, launched right behind
-    # the verify before the host knows the accepted lengths (the `mtp` schedule): the device
+    # the verify before the host knows the accepted lengths (the `eager_fill` schedule): the device
     # reads each row's tokens up to its new last one and carries the logits at the accepted
     # index. A draft model's window is the verified positions one ahead (it reads the sampled
     # tokens); a tree's is its root and one node per depth, the accepted path the verify found
@@ -54,39 +48,39 @@ class ProposerRules:
 
 
 RULES = {
-    "none": ProposerRules(kv_model=None, kv_ahead=0, fill_same_batch=False, tree=False),
-    "draft": ProposerRules(kv_model="draft", kv_ahead=1, fill_same_batch=False, tree=False,
+    ProposerKind.NONE: ProposerRules(kv_model=None, kv_ahead=0, fill_same_batch=False, tree=False),
+    ProposerKind.DRAFT: ProposerRules(kv_model="draft", kv_ahead=1, fill_same_batch=False, tree=False,
                            checkpoint="draft", agreement="teacher_forced", lazy_fill=True, window_fill=True),
-    "mtp": ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=True, tree=False,
+    ProposerKind.MTP: ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=True, tree=False,
                          checkpoint="mtp_head", agreement="first_token", lazy_fill=True, window_fill=True),
-    "eagle": ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=False, tree=True,
+    ProposerKind.EAGLE: ProposerRules(kv_model="mtp", kv_ahead=0, fill_same_batch=False, tree=True,
                            checkpoint="mtp_head", agreement="first_token", window_fill=True),
-    "ngram": ProposerRules(kv_model=None, kv_ahead=0, fill_same_batch=False, tree=False,
+    ProposerKind.NGRAM: ProposerRules(kv_model=None, kv_ahead=0, fill_same_batch=False, tree=False,
                            agreement="teacher_forced", host_drafts=True),
 }
-PROPOSERS = tuple(RULES)
+assert set(RULES) == set(ProposerKind)
 
 
 @dataclass(frozen=True)
 class ProposerSpec:
-    kind: str = "none"  # one of PROPOSERS
+    kind: str = ProposerKind.NONE.value  # one of PROPOSERS
     draft_len: int = 0  # D: linear draft tokens per step, or tree depth for "eagle"
     tree_parents: tuple[int, ...] = ()  # eagle: parent of tree node i (-1 = child of the root)
     # the fill after a verify covers the verify window, launched before acceptance is known
-    # (`ProposerRules.window_fill`; the `mtp` schedule sets it for a draft model)
+    # (`ProposerRules.window_fill`; the `eager_fill` schedule sets it for a draft model)
     window_fill: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in PROPOSERS:
             raise ValueError(f"unknown proposer {self.kind!r}; choose one of {PROPOSERS}")
-        if self.kind == "none" and self.draft_len:
+        if self.kind == ProposerKind.NONE and self.draft_len:
             raise ValueError("proposer 'none' takes no draft length")
-        if self.kind != "none" and self.draft_len < 1:
+        if self.kind != ProposerKind.NONE and self.draft_len < 1:
             raise ValueError(f"proposer {self.kind!r} needs draft_len >= 1")
         if self.is_tree and not self.tree_parents:
             raise ValueError(f"the {self.kind} proposer needs a tree shape")
         if not self.is_tree and self.tree_parents:
-            trees = ", ".join(repr(k) for k, r in RULES.items() if r.tree)
+            trees = ", ".join(repr(k.value) for k, r in RULES.items() if r.tree)
             raise ValueError(f"proposer {self.kind!r} drafts linearly; only {trees} takes a tree")
         if self.window_fill and not self.rules.window_fill:
             raise ValueError(f"proposer {self.kind!r} cannot fill over the verify window")
@@ -100,7 +94,7 @@ class ProposerSpec:
 
     @property
     def speculative(self) -> bool:
-        return self.kind != "none"
+        return self.kind != ProposerKind.NONE
 
     @property
     def rules(self) -> ProposerRules:
@@ -183,28 +177,29 @@ def default_tree(depth: int, top_k: int = 2, max_nodes: int = 16) -> tuple[int, 
 
 def validate_combination(proposer: str, schedule: str, draft_len: int) -> None:
     """Reject schedule/proposer pairs that make no sense, with a message saying why."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+    rules = schedule_rules(schedule)  # ValueError for an unknown schedule
+    schedule = schedule_name(schedule)
     if proposer not in PROPOSERS:
         raise ValueError(f"unknown proposer {proposer!r}; choose one of {PROPOSERS}")
-    if proposer != "none" and draft_len < 1:
+    if proposer != ProposerKind.NONE and draft_len < 1:
         raise ValueError(f"proposer {proposer!r} needs draft_len >= 1, got {draft_len}")
-    if proposer == "none" and schedule in ("overlap", "mtp"):
+    if proposer == ProposerKind.NONE and rules.speculative:
         raise ValueError(
             f"schedule {schedule!r} overlaps a proposer's fill run; without a proposer use "
-            "'sync' or 'plain_overlap'"
+            f"{Schedule.SYNC.value!r} or {Schedule.PLAIN_OVERLAP.value!r}"
         )
-    if proposer != "none" and schedule == "plain_overlap":
-        raise ValueError("'plain_overlap' is for plain decoding; speculative runs use sync/overlap/mtp")
-    rules = RULES[proposer]
-    if schedule == "mtp" and not rules.window_fill:
+    if proposer != ProposerKind.NONE and rules.speculative is False:
+        raise ValueError(f"{schedule!r} is for plain decoding; speculative runs use "
+                         f"{Schedule.SYNC.value}/{Schedule.OVERLAP.value}/{Schedule.EAGER_FILL.value}")
+    prules = RULES[proposer]
+    if rules.fill_behind_verify and not prules.window_fill:
         raise ValueError(
-            f"the 'mtp' schedule re-runs the proposer over the verify window before acceptance is "
-            f"known; proposer {proposer!r} has no such fill (use 'sync' for n-gram)"
+            f"the {schedule!r} schedule re-runs the proposer over the verify window before acceptance is "
+            f"known; proposer {proposer!r} has no such fill (use {Schedule.SYNC.value!r} for n-gram)"
         )
-    if schedule == "overlap" and (rules.kv_model is None or rules.fill_same_batch):
+    if rules.defers_fill and (prules.kv_model is None or prules.fill_same_batch):
         raise ValueError(
-            f"the 'overlap' schedule overlaps a proposer's fill run with the next step's host "
-            f"work; proposer {proposer!r} has none to overlap (use 'mtp' for an MTP head, "
-            "'sync' for n-gram)"
+            f"the {schedule!r} schedule overlaps a proposer's fill run with the next step's host "
+            f"work; proposer {proposer!r} has none to overlap (use {Schedule.EAGER_FILL.value!r} for an "
+            f"MTP head, {Schedule.SYNC.value!r} for n-gram)"
         )

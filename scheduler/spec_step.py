@@ -2,7 +2,7 @@
 
 Why a module of its own: scheduler/pipeline.py holds the step loop and its plain steps; the
 speculative step -- the launches whose order and waits make up the `sync`, `overlap` and
-`mtp` schedules (see that module's docstring), and a draft model's catch-up after steps that
+`eager_fill` schedules (see scheduler/schedules.py), and a draft model's catch-up after steps that
 did not speculate -- is this mixin's. It works on the pipeline's state and helpers (`_launch`,
 `_sync`, `_host`, `_output`, the streams, the slot table).
 """
@@ -18,7 +18,7 @@ from specsched.scheduler.step_batch import StepBatch
 
 class SpeculativeStep:
     async def _spec_step(self, batch: StepBatch, t_step: int, shape: dict) -> None:
-        spec, sched, t, slots = self.spec, self.config.schedule, self.table, batch.slots
+        spec, rules, t, slots = self.spec, self.rules, self.table, batch.slots
         if spec.rules.lazy_fill:
             self._catch_up(batch)
         t0 = self._now()
@@ -42,7 +42,7 @@ class SpeculativeStep:
             # the fill computed, every further one is a proposer forward (what the cost follows)
             d_launch = self._launch(self.aux, dmsg)
             self._pending_fill = None  # the draft queues behind any pending fill on its stream
-            if sched == "sync":
+            if rules.awaits_launches:
                 try:
                     await self._sync(d_launch)
                 except DeviceError as e:
@@ -51,7 +51,7 @@ class SpeculativeStep:
             self.main.wait_event(d_launch.event)
         v_launch = self._launch(self.main, vmsg)
         f_launch = None
-        if fmsg is not None and sched == "mtp":
+        if fmsg is not None and rules.fill_behind_verify:
             self.aux.wait_event(v_launch.event)
             f_launch = self._launch(self.aux, fmsg)
         try:
@@ -80,7 +80,7 @@ class SpeculativeStep:
                    emitted=sum(out_counts))
         self.trace.step_done(batch, t_step, out_counts, num_drafts, accepted)
         if f_launch is not None:
-            if sched == "sync":
+            if rules.awaits_launches:
                 await self._await_fill(f_launch, batch)
             else:
                 self._pending_fill = f_launch

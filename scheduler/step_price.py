@@ -17,7 +17,7 @@ from specsched.scheduler.online_cost import FEATURES, OnlineCost, draft_terms
 class StepPrice:
     """`costs`: the policy's models (target, draft, fill), updated in place as they learn;
     `has_fill`: the proposer fills its KV, `fill_same_batch` over the verify window (a head;
-    a draft model under `mtp`), else over the accepted tokens and `kv_ahead` more (a draft
+    a draft model under `eager_fill`), else over the accepted tokens and `kv_ahead` more (a draft
     model under `sync` / `overlap`); `catches_up`: its fills
     wait while speculation is off; `draft_op`: it drafts in a device launch (not on the host,
     where the step overhead takes the lookup's time)."""

@@ -17,13 +17,17 @@ from specsched.scheduler.adaptive import DraftLenPolicy
 from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
 from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.pipeline import MAX_KEPT_TOKENS, Pipeline, PipelineConfig
-from specsched.scheduler.proposer import ProposerSpec, default_tree, plain_steps_ahead
+from specsched.scheduler.proposer import ProposerSpec, default_tree
+from specsched.scheduler.schedules import schedule_rules
 from specsched.traces.hook import NULL_TRACER
+from specsched.traces.names import ProposerKind as P
+from specsched.traces.names import Schedule, schedule_name
 
 # the schedule each proposer runs under unless one is chosen
-NATURAL_SCHEDULE = {"none": "sync", "draft": "mtp", "mtp": "mtp", "eagle": "mtp", "ngram": "sync"}
+NATURAL_SCHEDULE = {P.NONE: Schedule.SYNC.value, P.DRAFT: Schedule.EAGER_FILL.value, P.MTP: Schedule.EAGER_FILL.value,
+                    P.EAGLE: Schedule.EAGER_FILL.value, P.NGRAM: Schedule.SYNC.value}
 # D when none is given (for eagle: the tree's depth)
-DEFAULT_DRAFT_LEN = {"none": 0, "draft": 4, "mtp": 1, "eagle": 3, "ngram": 4}
+DEFAULT_DRAFT_LEN = {P.NONE: 0, P.DRAFT: 4, P.MTP: 1, P.EAGLE: 3, P.NGRAM: 4}
 TREE_TOP_K = 2  # EAGLE tree: children of the best node per level (k branches at depth 1)
 TREE_MAX_NODES = 8  # EAGLE tree: node budget
 # the engine's start-up warm-up request (runtime/engine.py `AsyncEngine._warm_up`, emulated by the
@@ -35,17 +39,18 @@ WARMUP_TOKENS = 12
 def proposer_spec(proposer: str, draft_len: int, *, tree_top_k: int = TREE_TOP_K,
                   tree_max_nodes: int = TREE_MAX_NODES, schedule: str | None = None) -> ProposerSpec:
     """The proposer as the pipeline sees it: kind, D, (eagle) the tree's parents, and whether
-    its fill after a verify covers the verify window (under the `mtp` schedule, for a draft
+    its fill after a verify covers the verify window (under the `eager_fill` schedule, for a draft
     model that otherwise fills the accepted tokens once the host knows them)."""
-    tree = default_tree(draft_len, tree_top_k, tree_max_nodes) if proposer == "eagle" else ()
-    return for_schedule(ProposerSpec(proposer, draft_len if proposer != "none" else 0, tree), schedule)
+    tree = default_tree(draft_len, tree_top_k, tree_max_nodes) if proposer == P.EAGLE else ()
+    return for_schedule(ProposerSpec(proposer, draft_len if proposer != P.NONE else 0, tree), schedule)
 
 
 def for_schedule(spec: ProposerSpec, schedule: str | None) -> ProposerSpec:
-    """`spec` as `schedule` runs it: under `mtp` a proposer that can fill over the verify window
-    does (a draft model), so that its fill is launched behind the verify, before acceptance."""
+    """`spec` as `schedule` runs it: under `eager_fill` a proposer that can fill over the verify
+    window does (a draft model), so that its fill is launched behind the verify, before acceptance."""
     rules = spec.rules
-    window = schedule == "mtp" and rules.window_fill and not rules.fill_same_batch
+    window = (schedule is not None and schedule_rules(schedule).fill_behind_verify
+              and rules.window_fill and not rules.fill_same_batch)
     return spec if spec.window_fill == window else replace(spec, window_fill=window)
 
 
@@ -56,7 +61,7 @@ def scheduler_config(spec: ProposerSpec, *, max_num_seqs: int, max_num_batched_t
 def draft_len_policy(spec: ProposerSpec, *, seed_costs: dict | None = None, slots: int = 64,
                      cold_first_launch: bool = True, schedule: str = "sync") -> DraftLenPolicy:
     """The adaptive draft length for `spec`, whose `draft_len` is the longest it may choose,
-    under `schedule` (`plain_steps_ahead`: its plain steps may hide their host work); ValueError for a
+    under `schedule` (`ScheduleRules.plain_ahead`: its plain steps may hide their host work); ValueError for a
     proposer it cannot drive (none; a tree's shape is fixed)."""
     if not spec.speculative or spec.is_tree:
         raise ValueError(f"draft_len 'auto' needs a linear proposer (draft, mtp, ngram), not {spec.kind!r}")
@@ -64,7 +69,7 @@ def draft_len_policy(spec: ProposerSpec, *, seed_costs: dict | None = None, slot
                           draft_op=not spec.rules.host_drafts,
                           fill_same_batch=spec.fill_same_batch, lazy_fill=spec.rules.lazy_fill,
                           seed_costs=seed_costs, slots=slots, cold_first_launch=cold_first_launch,
-                          plain_ahead=plain_steps_ahead(schedule))
+                          plain_ahead=schedule_rules(schedule).plain_ahead)
 
 
 def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_size: int,
@@ -78,6 +83,7 @@ def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_si
     seeded from `seed_costs` (a cost profile's JSON) if given. `drafter`: a proposer's that
     drafts on the host (`ProposerRules.host_drafts`, scheduler/protocols.py `HostDrafter`).
     `max_kept_tokens`: `PipelineConfig.max_kept_tokens` (a head's deferred fills)."""
+    schedule = schedule_name(schedule)
     spec = for_schedule(spec, schedule)
     blocks = BlockManager(num_pages, page_size, ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
     builder = BatchBuilder(scheduler_config(spec, max_num_seqs=max_num_seqs,

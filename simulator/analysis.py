@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from specsched.scheduler import wiring
 from specsched.simulator.acceptance import draft_rate
 from specsched.simulator.costs import CostProfile, host_key
 from specsched.simulator.fit import fit_profile
@@ -280,9 +281,11 @@ def _tune_rows(trace, profile: CostProfile, draft_lens: list[int], concurrencies
             if "draft" in profile.device:
                 td += profile.device_ns("draft", base | {"tokens": c * d, "num_draft": d})  # every row drafts d
             if "draft_fill" in profile.device:
-                # an MTP head's fill covers the whole verify batch; a draft model's (and a
-                # tree head's), the accepted path plus the bonus token: AL per row on average
-                fill_tokens = c * (1 + d) if h.proposer == "mtp" else c * al
+                # a fill over the verify window (an MTP head; a draft model under eager_fill)
+                # covers the whole verify batch; another, the accepted path plus the bonus
+                # token: AL per row on average
+                window = wiring.proposer_spec(h.proposer, max(d, 1), schedule=h.schedule).fill_same_batch
+                fill_tokens = c * (1 + d) if window else c * al
                 td += profile.device_ns("draft_fill", base | {"tokens": fill_tokens})
             formula = (t1 * al / (tv + td)) if (t1 and al) else None
             rows.append(row | {

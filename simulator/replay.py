@@ -19,6 +19,7 @@ from specsched.scheduler import wiring
 from specsched.scheduler.errors import InvalidRequestError
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.pipeline import MAX_KEPT_TOKENS
+from specsched.scheduler.schedules import schedule_rules
 from specsched.scheduler.wiring import NATURAL_SCHEDULE, build_pipeline
 from specsched.simulator.follow import follow_choices, recorded_choices
 from specsched.scheduler.request import Request
@@ -30,6 +31,7 @@ from specsched.simulator.responder import TraceResponder
 from specsched.simulator.vtime import VirtualClock, run_virtual
 from specsched.traces.metrics import compute_metrics
 from specsched.traces.recorder import MemoryRecorder
+from specsched.traces.names import PROPOSERS, schedule_name
 from specsched.traces.schema import Header, Trace
 
 # engine settings a replay may change (what-ifs on the scheduler: seats, token budget, KV pool)
@@ -65,8 +67,11 @@ class ReplayConfig:
             raise ValueError(f"draft_len must be an integer >= 0 or 'auto', got {self.draft_len!r}")
         if self.max_draft_len is not None and self.max_draft_len < 1:
             raise ValueError(f"max_draft_len must be >= 1, got {self.max_draft_len}")
-        if self.proposer is not None and self.proposer not in NATURAL_SCHEDULE:
-            raise ValueError(f"unknown proposer {self.proposer!r}; choose one of {tuple(NATURAL_SCHEDULE)}")
+        if self.proposer is not None and self.proposer not in PROPOSERS:
+            raise ValueError(f"unknown proposer {self.proposer!r}; choose one of {PROPOSERS}")
+        if self.schedule is not None:
+            schedule_rules(self.schedule)  # ValueError naming the schedules
+            self.schedule = schedule_name(self.schedule)
         for k, v in self.engine_overrides.items():
             if k not in ENGINE_KNOBS:
                 raise ValueError(f"unknown engine setting {k!r}; a replay can change {ENGINE_KNOBS}")

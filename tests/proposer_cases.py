@@ -9,10 +9,10 @@ from specsched.scheduler import wiring
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 40, 41, 40, 41], [3, 1, 4, 1, 5, 9, 2, 6, 5]]
 CASES = {  # proposer -> (draft length, checkpoint, schedules)
     "none": (0, None, ("sync", "plain_overlap")),
-    "draft": (3, "draft", ("sync", "overlap", "mtp")),
-    "mtp": (2, "mtp", ("sync", "mtp")),
+    "draft": (3, "draft", ("sync", "overlap", "eager_fill")),
+    "mtp": (2, "mtp", ("sync", "eager_fill")),
     "ngram": (3, None, ("sync",)),
-    "eagle": (3, "mtp", ("sync", "overlap", "mtp")),
+    "eagle": (3, "mtp", ("sync", "overlap", "eager_fill")),
 }
 
 

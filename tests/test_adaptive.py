@@ -476,7 +476,7 @@ def test_bad_settings_are_refused():
     assert EngineConfig.make(proposer="mtp", draft_len="auto", max_draft_len=3).proposer_spec().draft_len == 3
 
 
-@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("mtp", "mtp"), ("ngram", "sync"), ("mtp", "sync")])
+@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("mtp", "eager_fill"), ("ngram", "sync"), ("mtp", "sync")])
 def test_auto_serves_the_tokens_of_plain_greedy_decoding(kind, schedule):
     from specsched.runtime import bundled
     from specsched.runtime.training.mtp_eval import run_requests
@@ -559,7 +559,7 @@ def test_speculation_switched_off_and_on_again_stays_lossless(monkeypatch):
     assert 0 in chosen and any(d > 0 for d in chosen)
 
 
-@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("draft", "mtp"), ("mtp", "mtp")])
+@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("draft", "eager_fill"), ("mtp", "eager_fill")])
 def test_plain_steps_run_one_ahead_and_rows_finishing_in_flight_leave_the_next_draft(monkeypatch, kind, schedule):
     """With speculation off an adaptive `overlap` / `mtp` schedule launches a plain step
     before the previous one's tokens reach the host (as `plain_overlap`); a step that drafts
@@ -673,7 +673,7 @@ def _workload_prompts(n: int) -> list[list[int]]:
     return [tok.encode(item.prompt) for item in load_workload(bundled.workload_path(), limit=n)]
 
 
-@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("draft", "mtp"), ("mtp", "mtp")])
+@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("draft", "eager_fill"), ("mtp", "eager_fill")])
 def test_prompts_admitted_while_speculation_is_off_are_caught_up_before_drafting(monkeypatch, kind, schedule):
     """With speculation off a draft model or an MTP head skips the fills of new prompts too
     (for a head the device keeps the target's hidden states); when drafting resumes one
@@ -993,7 +993,7 @@ def test_the_overhead_residual_is_taken_against_the_updated_cost_models():
     assert policy.overhead.at(dec.draft_len) == pytest.approx(1e6, rel=1e-6)
 
 
-@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("draft", "mtp"), ("mtp", "mtp")])
+@pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("draft", "eager_fill"), ("mtp", "eager_fill")])
 def test_skipped_fills_and_their_catch_up_read_no_device_value_on_the_host(monkeypatch, kind, schedule):
     """Under the host-sync guard (runtime/sync_guard.py) a run whose proposer skips its fills
     and catches up -- a head gathering the hidden states the device kept -- serves plain
@@ -1282,7 +1282,7 @@ def test_a_head_past_its_kept_budget_catches_up_while_speculation_is_off(monkeyp
     for name, limit in (("unbounded", 1 << 20), ("bounded", budget)):
         kept.append(0)
         catch_ups.append(0)
-        got = run_requests(worker("mtp"), prompts, params, schedule="mtp", max_num_seqs=2, adaptive=True,
+        got = run_requests(worker("mtp"), prompts, params, schedule="eager_fill", max_num_seqs=2, adaptive=True,
                            max_kept_tokens=limit)
         outputs[name] = [r.output_token_ids for r in got]
         assert all(r.num_drafts == 0 for r in got)  # speculation stayed off

@@ -104,7 +104,7 @@ def test_ab_gives_intervals_and_verdicts():
     (("replay", SAMPLE, "--concurrency", "0", "--json"), "concurrency"),
     (("replay", SAMPLE, "--acceptance", "bernoulli:1.5", "--json"), "alpha"),
     (("replay", SAMPLE, "--schedule", "plain_overlap", "--json"), "plain_overlap"),
-    (("replay", SAMPLE, "--spec", "ngram", "--schedule", "mtp", "--json"), "'mtp'"),
+    (("replay", SAMPLE, "--spec", "ngram", "--schedule", "mtp", "--json"), "'eager_fill'"),
     # bench checks its numbers before the run
     (("bench", "--num-requests", "0"), "--num-requests must be >= 1"),
     (("bench", "--max-tokens", "0"), "--max-tokens must be >= 1"),

@@ -364,7 +364,7 @@ def test_gpu_reanchored_clock_stays_on_host_time(cycles_per_ms):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("proposer,draft_len,schedule", [("draft", 4, "overlap"), ("mtp", 1, "mtp")])
+@pytest.mark.parametrize("proposer,draft_len,schedule", [("draft", 4, "overlap"), ("mtp", 1, "eager_fill")])
 def test_engine_launches_on_the_gpu_return_at_once_and_never_sync(proposer, draft_len, schedule):
     """Under the sync guard (and CUDA's sync debug mode "error") every op of the engine on the
     GPU only enqueues work: a launch returns in well under a millisecond, median."""

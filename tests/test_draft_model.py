@@ -28,7 +28,7 @@ def _worker(kind: str) -> ModelWorker:
 
 
 def test_only_the_mtp_schedule_fills_a_draft_model_over_the_verify_window():
-    assert wiring.proposer_spec("draft", D, schedule="mtp").fill_same_batch
+    assert wiring.proposer_spec("draft", D, schedule="eager_fill").fill_same_batch
     assert not wiring.proposer_spec("draft", D, schedule="overlap").fill_same_batch
     assert not wiring.proposer_spec("draft", D).fill_same_batch
     assert not wiring.proposer_spec("mtp", D).window_fill  # a head's fill is its verify batch anyway
@@ -51,7 +51,7 @@ def test_a_window_fill_carries_the_logits_after_each_rows_new_last_token(monkeyp
         return float((ref - w.states[slot].carried).abs().max())
 
     seen = record_window_fills(monkeypatch, DraftModelProposer, 1, distance)
-    got = run_requests(_worker("draft"), prompts, params, schedule="mtp", max_num_seqs=2)
+    got = run_requests(_worker("draft"), prompts, params, schedule="eager_fill", max_num_seqs=2)
     assert [r.error for r in got] == [None] * len(got) and all(r.num_output_tokens == 32 for r in got)
     if temperature == 0.0:
         plain = run_requests(_worker("none"), prompts, params)
@@ -69,13 +69,13 @@ def test_the_window_fill_message_covers_the_verified_positions_one_ahead():
     batch = StepBatch(5, [None, None], slots, start, np.ones(2, dtype=np.int64), nd, np.ones(2, dtype=bool),
                       np.zeros(2, dtype=bool), np.zeros(2, dtype=np.int64), [], 1 + D)
     for kind, ahead in (("draft", 1), ("mtp", 0)):  # a draft model reads the emitted tokens, a head the verified
-        spec = wiring.proposer_spec(kind, D, schedule="mtp")
+        spec = wiring.proposer_spec(kind, D, schedule="eager_fill")
         msg = messages.verify_fill_message(batch, BlockManager(64, 4, ("target", kind)), spec, with_plan=False)
         assert msg.window and msg.after == "verify"
         assert msg.start.tolist() == (start + ahead).tolist()
         assert msg.end.tolist() == (start + ahead + 1 + nd).tolist()
     # a tree: the root and a position per depth where the row drafted its tree, the root alone where not
-    spec = wiring.proposer_spec("eagle", D, schedule="mtp")
+    spec = wiring.proposer_spec("eagle", D, schedule="eager_fill")
     batch.num_draft = np.array([spec.num_candidates, 0])
     msg = messages.verify_fill_message(batch, BlockManager(64, 4, ("target", "mtp")), spec, with_plan=False)
     assert msg.window and msg.start.tolist() == start.tolist()

@@ -239,7 +239,7 @@ def test_a_window_fill_carries_the_head_after_each_rows_accepted_path(monkeypatc
     seen = record_window_fills(monkeypatch, EagleProposer, 0, distance)
     worker = eagle_worker(head_family)
     reqs = run_requests(worker, head_prompts, SamplingParams(max_tokens=24, ignore_eos=True),
-                        schedule="mtp", num_pages=PAGES)
+                        schedule="eager_fill", num_pages=PAGES)
     assert [r.output_token_ids for r in reqs] == head_reference
     depth = 3
     assert {n for n, _, _ in seen} == {1, 1 + depth}  # whole trees, and rows too near their end for one
@@ -271,7 +271,7 @@ def test_eagle_with_preemption_is_lossless(head_family, head_prompts, head_refer
     assert any(r.num_preemptions for r in reqs)
 
 
-@pytest.mark.parametrize("schedule", ["sync", "mtp"])
+@pytest.mark.parametrize("schedule", ["sync", "eager_fill"])
 def test_eagle_samples_beside_greedy_rows(head_family, head_prompts, head_reference, schedule):
     """Sampled requests are verified by tree sampling (its distribution: tests/test_verify.py):
     greedy requests sharing their batches stay token-identical to plain greedy decoding,
@@ -292,7 +292,7 @@ def test_eagle_samples_beside_greedy_rows(head_family, head_prompts, head_refere
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kind,schedule", [("mtp", "mtp"), ("eagle", "overlap")])
+@pytest.mark.parametrize("kind,schedule", [("mtp", "eager_fill"), ("eagle", "overlap")])
 def test_heads_on_cuda_are_lossless(head_family, head_prompts, kind, schedule):
     kw = {"page_size": PAGE, "num_pages": PAGES, "device": "cuda"}
     plain = ModelWorker(head_family.target, {"kind": "none", "draft_len": 0}, **kw)

@@ -21,7 +21,7 @@ from specsched.scheduler.sampling_params import SamplingParams
 PROMPTS = ["def encode(self, o):", "import json\n", "    return", "class JSONDecoder(object):\n    \"\"\"",
            "if x is None:", "for key, value in", "# Copyright", "def _make_iterencode("]
 COMBOS = [("none", "sync", None), ("none", "plain_overlap", None), ("draft", "sync", 1),
-          ("draft", "sync", 3), ("draft", "overlap", 5), ("draft", "mtp", 3), ("ngram", "sync", 3)]
+          ("draft", "sync", 3), ("draft", "overlap", 5), ("draft", "eager_fill", 3), ("ngram", "sync", 3)]
 
 
 def _cfg(fam, **kw) -> EngineConfig:
@@ -223,7 +223,7 @@ def test_bad_requests_rejected_before_queueing(tiny_family, prompt, params, msg)
     ({"proposer": "bogus"}, "proposer"),
     ({"schedule": "bogus"}, "schedule"),
     ({"proposer": "ngram", "schedule": "overlap"}, "overlap"),
-    ({"proposer": "none", "schedule": "mtp"}, "mtp"),
+    ({"proposer": "none", "schedule": "mtp"}, "eager_fill"),
     ({"proposer": "draft", "draft_len": 0}, "draft_len"),
     ({"page_size": 0}, "page_size"),
     ({"proposer": "draft", "draft_len": 4, "max_num_batched_tokens": 3}, r"max_num_batched_tokens \(3\).*5 tokens"),

@@ -178,3 +178,10 @@ def test_check_workload_items_built_in_code_are_named_by_index(engine):
         check_workload(items, engine.validate)
     # the source is bookkeeping: items compare equal whoever built them
     assert WorkItem("hi", SamplingParams(), source="f:1") == WorkItem("hi", SamplingParams())
+
+
+def test_schedule_mtp_is_the_old_name_of_eager_fill():
+    assert EngineConfig(proposer="draft", schedule="mtp").schedule == "eager_fill"
+    assert EngineConfig(proposer="mtp").schedule == "eager_fill"  # the head's natural schedule
+    with pytest.raises(ValueError, match="eager_fill"):
+        EngineConfig(proposer="draft", schedule="fancy")

@@ -112,7 +112,7 @@ def test_worker_fill_carries_dense_logits(head_family, head_prompts):
 # --- greedy losslessness through the pipeline ------------------------------------------------
 
 
-@pytest.mark.parametrize("draft_len,schedule", [(1, "mtp"), (3, "mtp"), (3, "sync"), (5, "mtp")])
+@pytest.mark.parametrize("draft_len,schedule", [(1, "eager_fill"), (3, "eager_fill"), (3, "sync"), (5, "eager_fill")])
 def test_mtp_greedy_is_lossless(head_family, head_prompts, head_reference, draft_len, schedule):
     worker = ModelWorker(head_family.target, {"kind": "mtp", "draft_len": draft_len}, proposer_dir=head_family.head,
                          page_size=PAGE, num_pages=PAGES)

@@ -8,13 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specsched.scheduler.proposer import (
-    PROPOSERS,
-    SCHEDULES,
-    ProposerSpec,
-    default_tree,
-    validate_combination,
-)
+from specsched.scheduler.proposer import RULES, ProposerSpec, default_tree, validate_combination
+from specsched.scheduler.schedules import SCHEDULE_RULES, schedule_rules
+from specsched.traces.names import PROPOSERS, SCHEDULES, schedule_name
 
 # -- ProposerSpec -----------------------------------------------------------------------------
 
@@ -161,9 +157,9 @@ def test_tree_mask_is_ancestors_and_self(parents: tuple[int, ...]) -> None:
 
 NATURAL = {
     ("none", "sync"), ("none", "plain_overlap"),
-    ("draft", "sync"), ("draft", "overlap"), ("draft", "mtp"),
-    ("mtp", "sync"), ("mtp", "mtp"),
-    ("eagle", "sync"), ("eagle", "overlap"), ("eagle", "mtp"),
+    ("draft", "sync"), ("draft", "overlap"), ("draft", "eager_fill"),
+    ("mtp", "sync"), ("mtp", "eager_fill"),
+    ("eagle", "sync"), ("eagle", "overlap"), ("eagle", "eager_fill"),
     ("ngram", "sync"),
 }
 
@@ -188,7 +184,8 @@ def test_other_pairs_are_rejected_with_a_reason(proposer: str, schedule: str) ->
     assert f"'{schedule}'" in msg
     reasons = {
         "overlap": "overlaps a proposer's fill run",
-        "mtp": "re-runs the proposer over the verify window" if proposer != "none" else "overlaps a proposer's fill run",
+        "eager_fill": ("re-runs the proposer over the verify window" if proposer != "none"
+                       else "overlaps a proposer's fill run"),
         "plain_overlap": "is for plain decoding",
     }
     assert reasons[schedule] in msg
@@ -196,6 +193,22 @@ def test_other_pairs_are_rejected_with_a_reason(proposer: str, schedule: str) ->
 
 def test_rejected_pairs_cover_every_non_natural_pair() -> None:
     assert len(REJECTED) == len(PROPOSERS) * len(SCHEDULES) - len(NATURAL) == 9
+
+
+def test_names_are_defined_once_and_every_one_has_its_rules() -> None:
+    assert set(RULES) == set(PROPOSERS) and set(SCHEDULE_RULES) == set(SCHEDULES)
+
+
+@pytest.mark.parametrize("proposer", sorted(p for p, s in NATURAL if s == "eager_fill"))
+def test_the_old_schedule_name_mtp_is_read_as_eager_fill(proposer: str) -> None:
+    validate_combination(proposer, "mtp", _draft_len(proposer))
+    assert schedule_name("mtp") == "eager_fill" and schedule_rules("mtp") == schedule_rules("eager_fill")
+
+
+def test_only_sync_awaits_every_launch_and_only_eager_fill_fills_behind_the_verify() -> None:
+    assert [s for s in SCHEDULES if schedule_rules(s).awaits_launches] == ["sync"]
+    assert [s for s in SCHEDULES if schedule_rules(s).fill_behind_verify] == ["eager_fill"]
+    assert [s for s in SCHEDULES if not schedule_rules(s).plain_ahead] == ["sync"]
 
 
 @pytest.mark.parametrize(

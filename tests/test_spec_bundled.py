@@ -33,9 +33,9 @@ def reference(items):
 
 
 @pytest.mark.parametrize("proposer,schedule,d", [
-    ("draft", "sync", 1), ("draft", "overlap", 3), ("draft", "overlap", 5), ("draft", "mtp", 3),
-    ("mtp", "mtp", 1), ("mtp", "sync", 3), ("mtp", "mtp", 5),
-    ("eagle", "sync", 1), ("eagle", "overlap", 3), ("eagle", "mtp", 3), ("eagle", "sync", 5),
+    ("draft", "sync", 1), ("draft", "overlap", 3), ("draft", "overlap", 5), ("draft", "eager_fill", 3),
+    ("mtp", "eager_fill", 1), ("mtp", "sync", 3), ("mtp", "eager_fill", 5),
+    ("eagle", "sync", 1), ("eagle", "overlap", 3), ("eagle", "eager_fill", 3), ("eagle", "sync", 5),
     ("ngram", "sync", 1), ("ngram", "sync", 3), ("ngram", "sync", 5),
     ("none", "plain_overlap", None),
 ])
@@ -48,8 +48,8 @@ def test_every_proposer_is_lossless_on_the_bundled_workload(items, reference, pr
         assert m["mean_accept_len"] > 1.0  # speculation really happened and was accepted
 
 
-@pytest.mark.parametrize("proposer,schedule,d", [("mtp", "mtp", 2), ("eagle", "overlap", 3), ("eagle", "mtp", 3),
-                                                   ("draft", "mtp", 3)])
+@pytest.mark.parametrize("proposer,schedule,d", [("mtp", "eager_fill", 2), ("eagle", "overlap", 3), ("eagle", "eager_fill", 3),
+                                                   ("draft", "eager_fill", 3)])
 def test_fills_ahead_of_acceptance_survive_preemption(items, reference, proposer, schedule, d):
     out, _ = _outputs(items, 6, proposer=proposer, schedule=schedule, draft_len=d, num_pages=30)
     assert out == reference

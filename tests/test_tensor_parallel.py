@@ -85,7 +85,7 @@ def test_tp2_serves_every_schedule_with_the_tokens_of_tp1_plain_decoding(kind, p
 def test_tp2_verify_as_two_micro_batches_and_over_the_dist_channel(plain):
     worker = _worker("mtp", 2, verify_micro_batches=2, tp_channel="dist")
     try:
-        _same_or_near_tie(load_model(str(bundled.target_dir())), PROMPTS, _serve(worker, "mtp"), plain)
+        _same_or_near_tie(load_model(str(bundled.target_dir())), PROMPTS, _serve(worker, "eager_fill"), plain)
     finally:
         worker.close()
 

@@ -74,6 +74,12 @@ def test_finish_agreement_needs_a_kind_and_binary_values():
         FinishRecord(**base, agreement=[1, 2], agreement_kind="teacher_forced")
 
 
+def test_a_header_of_an_earlier_release_naming_schedule_mtp_reads_as_eager_fill():
+    line = make_header(schedule="eager_fill").model_dump_json().replace('"eager_fill"', '"mtp"')
+    assert '"schedule":"mtp"' in line
+    assert RECORD_ADAPTER.validate_json(line).schedule == "eager_fill"
+
+
 def test_records_parse_strictly_by_type_and_ignore_unknown_fields():
     rec = RECORD_ADAPTER.validate_json(
         b'{"type":"request","request_id":"r","arrival_ns":5,"prompt_len":3,"max_tokens":4,'

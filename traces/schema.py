@@ -23,13 +23,15 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationInfo, field_validator
 
+from specsched.traces.names import ProposerName, ScheduleName, schedule_name
+
 FORMAT_VERSION = "1.0"
 FORMAT_MAJOR, FORMAT_MINOR = (int(p) for p in FORMAT_VERSION.split("."))
 
 Source = Literal["engine", "simulator"]
 ClockKind = Literal["monotonic_ns", "virtual_ns"]
-Proposer = Literal["none", "draft", "mtp", "eagle", "ngram"]
-Schedule = Literal["sync", "overlap", "mtp", "plain_overlap"]
+Proposer = ProposerName
+Schedule = ScheduleName
 StepKind = Literal["prefill", "decode", "mixed", "spec"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 AgreementKind = Literal["teacher_forced", "first_token"]
@@ -81,6 +83,11 @@ class Header(_Record):
     device: Device
     library_versions: dict[str, str] = Field(default_factory=dict)
     extra: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _schedule_alias(cls, value: object) -> object:
+        return schedule_name(value)  # a trace of an earlier release names eager_fill `mtp`
 
     @classmethod
     def create(cls, *, source: Source, clock: ClockKind, model: str, proposer: Proposer,

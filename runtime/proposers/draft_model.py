@@ -4,7 +4,7 @@ Invariant between steps: the draft's KV covers every emitted token, and `carried
 logits after the last one, so the first draft token of a step is sampled without a draft
 forward. Drafting runs D-1 single-token forwards in one launch; after verification the
 fill runs over the tokens whose draft KV is missing or wrong (the bonus token, plus the
-last draft when all D were accepted), restoring the invariant -- or, under the `mtp`
+last draft when all D were accepted), restoring the invariant -- or, under the `eager_fill`
 schedule, over the whole verify window one position ahead, launched behind the verify before
 the host knows the accepted lengths (`FillMessage.window`, `base.window_reads`).
 """
