@@ -92,6 +92,8 @@ class _Sink:
     """The pipeline's side of each request's stream: raw token ids and the finish go into it;
     the step loop does no detokenizing (the consumer, `AsyncEngine.generate`, does)."""
 
+    wants_token_ids = True
+
     def __init__(self, engine: "AsyncEngine"):
         self.engine = engine
 

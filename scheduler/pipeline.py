@@ -88,9 +88,9 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
         self.eos = set(eos_token_ids)
         # a sink that needs no token ids (the simulator's) gets counts only: the output stage
         # then keeps no per-request token lists (scheduler/output_stage.py)
-        self.keep_ids = getattr(sink, "wants_token_ids", True)
+        self.keep_ids = sink.wants_token_ids
         # a device that only models time (the simulator's) needs no attention metadata
-        self.with_plan = getattr(device, "needs_plans", True)
+        self.with_plan = device.needs_plans
         self.main = device.stream("main")
         self.aux = device.stream("draft")
         self.table = builder.table  # per-slot counters (scheduler/slot_state.py)

@@ -89,6 +89,11 @@ class Stream(Protocol):
 class Device(Protocol):
     kind: str  # "host", "cuda", "virtual"
     name: str
+    # launches carry attention metadata (a device that only models time, the simulator's, says False)
+    needs_plans: bool
+    # an op's first launch costs what any other does: no one-off costs (compilation, allocation),
+    # so its interval teaches the draft-length policy's cost model (the simulator's: True)
+    warm_first_launch: bool
 
     def stream(self, name: str) -> Stream: ...
 
@@ -112,6 +117,8 @@ class OutputSink(Protocol):
     string through `Pipeline.stop_request`. A sink whose `wants_token_ids` is False (the
     simulator's) gets no `on_tokens` calls, and its requests keep counts only: their
     `output_token_ids` stay empty while `num_output_tokens` counts."""
+
+    wants_token_ids: bool
 
     def on_tokens(self, req: "Request", token_ids: list[int]) -> None:
         """The new token ids the pipeline appended to `req.output_token_ids` (already cut at

@@ -91,7 +91,7 @@ def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_si
     if adaptive:
         # a device whose first launch of an op is no slower than the next (the simulator's) says so
         builder.draft_policy = draft_len_policy(spec, seed_costs=seed_costs, slots=max(8, max_num_seqs),
-                                                cold_first_launch=not getattr(device, "warm_first_launch", False),
+                                                cold_first_launch=not device.warm_first_launch,
                                                 schedule=schedule)
     return Pipeline(PipelineConfig(schedule, spec, max_kept_tokens), builder, device, clock, sink, tracer,
                     eos_token_ids=tuple(eos_token_ids), drafter=drafter)

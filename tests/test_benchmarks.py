@@ -1,7 +1,12 @@
-"""Every benchmark script runs end to end on a tiny setting (numbers are not checked here;
-benchmarks are run by hand and reported in the README)."""
+"""Every benchmark script runs end to end on a tiny setting, and what it prints is checked:
+its table header, a row for each configuration it was asked to run, exact counts, flags that
+must hold, and ratios parsed as finite numbers in a loose range (timings at these settings
+swing 2x on a shared machine, so speed ratios are only held to 0.05-20x). The benchmarks' own
+figures are run by hand and reported in the README."""
 from __future__ import annotations
 
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,9 +50,322 @@ TINY = {
 }
 
 
+def _f(s: str) -> float:
+    """A printed figure ('1,539', '0.95x', '12.5%') as a finite float."""
+    v = float(s.rstrip("x%").replace(",", ""))
+    assert math.isfinite(v), s
+    return v
+
+
+def _pos(s: str) -> float:
+    v = _f(s)
+    assert v > 0, s
+    return v
+
+
+def _ratio(s: str, lo: float = 0.05, hi: float = 20.0) -> float:
+    """An 'N.NNx' ratio within [lo, hi]."""
+    assert s.endswith("x"), s
+    v = _f(s)
+    assert lo <= v <= hi, s
+    return v
+
+
+def _half(s: str) -> float:
+    """Half a unit in the last printed digit of a figure: how far rounding may have moved it."""
+    digits = s.rstrip("x%").partition(".")[2]
+    return 0.5 * 10.0 ** -len(digits)
+
+
+def _quotient(ratio: str, num: str, den: str) -> bool:
+    """The printed 'N.NNx' is the printed num / den, up to the rounding of all three."""
+    r, n, d = _ratio(ratio), _pos(num), _pos(den)
+    lo, hi = (n - _half(num)) / (d + _half(den)), (n + _half(num)) / (d - _half(den))
+    return lo - _half(ratio) <= r <= hi + _half(ratio)
+
+
+def _grab(out: str, pattern: str) -> tuple[str, ...]:
+    """The groups of the one line matching `pattern` (re.M)."""
+    found = re.findall(pattern, out, re.M)
+    assert len(found) == 1, f"{pattern!r}: {len(found)} matches in\n{out}"
+    return found[0] if isinstance(found[0], tuple) else (found[0],)
+
+
+def _row(out: str, label: str, n: int) -> list[str]:
+    """The n fields after `label` (compared word by word) on the one line it starts."""
+    key = label.split()
+    rows = [line.split()[len(key):] for line in out.splitlines() if line.split()[:len(key)] == key]
+    assert len(rows) == 1 and len(rows[0]) == n, f"{label!r}: {rows} in\n{out}"
+    return rows[0]
+
+
+def _check_adaptive(out):
+    _grab(out, r"^output tokens/s, median of 1 interleaved rounds; output lengths 2\.\.6 tokens")
+    _grab(out, r"^mtp \([a-z_]+\):$")  # the proposer and its natural schedule
+    _grab(out, r"^ *concurrency +D=0 +D=1 +D=2 +auto +auto/best +best$")
+    *tps, ratio, best = _row(out, "2", 6)
+    fixed = [_pos(v) for v in tps[:3]]
+    assert _quotient(ratio, tps[3], tps[int(best[2:])]) and fixed[int(best[2:])] == max(fixed)
+    assert _grab(out, r"^ *geomean +(\S+) +(\S+) +(\S+) +(\S+) +auto / best fixed geomean: \S+x$") == tuple(tps)
+    _grab(out, r"^  simulator replaying the auto traces: c=2: (?:makespan [-+]\d|not replayable)")
+
+
+def _check_adaptive_sim(out):
+    _grab(out, r"^ *scenario +D=0 +D=1 +D=2 +auto +auto/best +best$")
+    ratios = []
+    for label in ("mtp 2->1 s0", "mtp 2->1 s1", "mtp 2->2 s0", "mtp 2->2 s1"):
+        *tps, ratio, best = _row(out, label, 6)
+        assert all(_pos(v) for v in tps) and best in ("D=0", "D=1", "D=2")
+        ratios.append(_ratio(ratio))
+    geo, worst, below = _grab(out, r"^auto / best fixed D over 2 scenarios x 2 seeds: geomean (\S+)x, "
+                                   r"worst (\S+)x, (\d+) below 0\.97x$")
+    assert _f(worst) == min(ratios) <= _f(geo) <= max(ratios) and 0 <= int(below) <= 4
+
+
+def _check_agreement(out):
+    _grab(out, r"^target runtime/bundled/target: \d+ layers; 2 windows x \d+ positions of each kind$")
+    for kind in ("held-out corpus", "target's continuations"):
+        mean, *shares = _grab(out, rf"^{kind}: the target's top-1 probability, mean (\S+); positions with it "
+                                   r">= 0\.3: (\S+)%, >= 0\.5: (\S+)%, >= 0\.7: (\S+)%, >= 0\.9: (\S+)%$")
+        shares = [_f(s) for s in shares]
+        assert 0 < _f(mean) <= 1 and 100 >= shares[0] >= shares[1] >= shares[2] >= shares[3] >= 0
+    rows = re.findall(r"^  \d+-layer runtime/bundled/draft +(\S+)%  \((\S+)% / (\S+)%\)$", out, re.M)
+    assert len(rows) == 2 and all(0 <= _f(v) <= 100 for row in rows for v in row) and _f(rows[0][0]) > 0, out
+
+
+def _check_device_idle(out):
+    _grab(out, r"^op: 1 matmuls of 32 x 32, 2 rounds, shuffled$")
+    _grab(out, r"^idle before the op +median us +vs back to back$")
+    labels = ["none (queued behind the previous)", "host round trip",
+              *(f"round trip + {gap} ms" for gap in ("0.5", 1, 2, 5))]
+    for label in labels:
+        us, ratio = _row(out, label, 2)
+        assert _pos(us) and _ratio(ratio, 0.01, 1000)  # an idle gap can slow a 36 us op many times
+    assert _row(out, labels[0], 2)[1] == "1.000x"
+
+
+def _check_engine_ab(out):
+    _grab(out, r"^median of 1 alternating rounds, output tokens/s \(1 requests x 3 tokens, bundled model\)$")
+    _grab(out, r"^ *config +batch +baseline +this +ratio$")
+    table, speedups = out.split("speedup over none/sync in the same run")
+    for config in ("none/sync", "draft/overlap", "mtp/mtp"):
+        batch, base, this, ratio = _row(table, config, 4)
+        assert batch == "1" and _quotient(ratio, this, base)
+    for config in ("draft/overlap", "mtp/mtp"):
+        batch, base, this = _row(speedups, config, 3)
+        assert batch == "1" and _ratio(base) and _ratio(this)
+    assert "none/sync" not in speedups.split("\n", 1)[1]
+
+
+def _check_engine_warmup(out):
+    _grab(out, r"^median of 1 rounds \(alternating\), ms; two requests of 2 tokens, one after another; "
+               r"\w+, \w+ attention, \w+, a process per engine$")
+    _grab(out, r"^ *config +warm-up +start +1st TTFT +1st latency +2nd latency$")
+    for warm in ("yes", "no"):
+        start, ttft, first, second = (_pos(v) for v in _row(out, f"none/sync {warm}", 4))
+        assert ttft <= first
+
+
+def _check_forward_cost(out):
+    _grab(out, r"^batch 1, 32 cached tokens, page size 16, 1 thread\(s\), median of 3$")
+    _grab(out, r"^model +tokens +forward ms +vs target 1 +prepare ms$")
+    rows = re.findall(r"^(target|draft) +(\d+) +(\S+) +(\S+) +(\S+)$", out, re.M)
+    assert [r[:2] for r in rows] == [("target", "1"), ("target", "4"), ("target", "8"), ("draft", "1")], out
+    assert rows[0][3] == "1.00x" and all(_pos(ms) and _ratio(r) and _f(prep) >= 0 for _, _, ms, r, prep in rows)
+    four, eight, draft = _grab(out, r"^target: 4 / 8 tokens cost (\S+) / (\S+) of one; "
+                                    r"draft/target cost ratio \(1 token\) (\S+)$")
+    assert _ratio(four) and _ratio(eight) and _ratio(draft + "x", 0.01)  # a 1-layer draft: far below 1
+
+
+def _check_gpu_check(out):
+    _grab(out, r"^environment: torch \S+, cuda (?:True|False)")
+    assert "dry run, --dry-run: skipping the CUDA tests, the schedules on the GPU and the GPU targets" in out
+    assert not re.search(r"^(?:schedule |target: |cuda tests: )", out, re.M)  # nothing run on a GPU
+
+
+def _check_hf_compare(out):
+    _grab(out, r"^1 requests x 4 tokens, greedy, K=D=2, HF torch threads=1$")
+    _grab(out, r"^system +tok/s +vs HF plain +identical$")
+    labels = ["HF plain", "HF assisted", "HF prompt_lookup"] + [
+        f"specsched {name} ({conc})" for name in ("plain", "draft", "ngram") for conc in ("batch 1", "8 concurrent")]
+    for label in labels:
+        tps, ratio, identical = _row(out, label, 3)
+        assert _pos(tps) and _ratio(ratio) and identical == "True", label  # lossless: HF plain's tokens
+    assert _row(out, "HF plain", 3)[1] == "1.00x"
+    ratios = re.findall(r"^  specsched (plain|draft|ngram) \((1|8)\) / HF (?:plain|assisted|prompt_lookup): (\S+)$",
+                        out, re.M)
+    assert [r[:2] for r in ratios] == [(n, c) for n in ("plain", "draft", "ngram") for c in "18"], out
+    assert all(_ratio(r[2]) for r in ratios)
+
+
+def _check_host_overhead(out):
+    _grab(out, r"^ *running +step +schedule +kv_alloc +plan +accept +total ms$")
+    for step in ("decode", "verify D=4"):
+        *stages, total = (_f(v) for v in _row(out, f"4 {step}", 5))
+        assert min(stages) >= 0 and total > 0 and abs(sum(stages) - total) <= 0.003
+
+
+def _check_kept_hidden(out):
+    _grab(out, r"^2 requests x 3 tokens, 1 alternating rounds \(wall s\)$")
+    for label in ("plain (plain_overlap)", "mtp auto at D = 0 (mtp)"):
+        wall, word, median = _row(out, label, 3)
+        assert _pos(wall) and word == "median" and median == wall
+    _ratio(_grab(out, r"^mtp auto at D = 0 / plain: (\S+) wall time$")[0])
+
+
+def _check_ngram_host(out):
+    _grab(out, r"^ *running +context +ms/step +us/row$")
+    ms, us = (_pos(v) for v in _row(out, "4 64", 2))
+    assert abs(us - ms * 1e3 / 4) <= 0.2
+
+
+def _check_policy_overhead(out):
+    _grab(out, r"^ms of scheduler CPU per simulated step \(process_time, best of 1 replays\); draft model, "
+               r"auto with acceptance bernoulli:0\.05; median of 1 alternating rounds$")
+    _grab(out, r"^ *concurrency +base plain +base auto +base extra +this plain +this auto +this extra +extra ratio$")
+    *ms, ratio = _row(out, "1", 7)
+    bp, ba, bx, tp, ta, tx = (_f(v) for v in ms)
+    assert min(bp, ba, tp, ta) > 0 and abs(ba - bp - bx) <= 0.002 and abs(ta - tp - tx) <= 0.002
+    assert ratio.endswith("x")
+    _f(ratio)  # extra / extra: extras near zero, of either sign, so only finite
+
+
+def _check_proposers(out):
+    plain, ahead, ratio, decode = _grab(out, r"^\[bundled\] plain: (\S+) tok/s, plain_overlap (\S+) tok/s \((\S+)\), "
+                                             r"target decode (\S+) ms \(median of 1 round\(s\)\)$")
+    assert _pos(plain) and _pos(ahead) and _ratio(ratio) and _pos(decode)
+    _grab(out, r"^proposer +AL +per-position acceptance +tok/s +speedup +same +bound$")
+    for schedule in ("sync", "overlap", "mtp"):
+        al, *per_pos, tps, speedup, same, bound = _grab(
+            out, rf"^eagle/{schedule} D=3 +(\S+) +(\S+), (\S+), (\S+) +(\S+) +(\S+) +(\S+) +(\S+)$")
+        assert 1 <= _f(al) <= 4 and all(0 <= _f(p) <= 1 for p in per_pos) and _pos(tps)
+        assert _ratio(speedup) and _ratio(same) and _ratio(bound)
+    assert not re.search(r"^(?:draft|mtp|ngram)/", out, re.M)  # --only eagle
+
+
+def _check_schedules(out):
+    _grab(out, r"^1\. schedules at 8 concurrent requests \(median of 1 round\(s\)\)$")
+    _grab(out, r"^\[bundled\]$")
+    _grab(out, r"^proposer +schedule +tok/s +bubble +vs sync$")
+    groups = {"none": ("sync", "plain_overlap"), "draft": ("sync", "overlap", "mtp"), "mtp": ("sync", "mtp"),
+              "eagle": ("sync", "overlap", "mtp")}
+    for proposer, schedules in groups.items():
+        for i, schedule in enumerate(schedules):
+            tps, bubble, vs = _row(out, f"{proposer} {schedule}", 3)
+            assert _pos(tps) and 0 <= _f(bubble) <= 1 and _ratio(vs) and (i or vs == "1.00x")
+    assert "2. speedup" not in out and "3. tracing" not in out  # --sections 1
+
+
+def _check_simulator_fidelity(out):
+    _grab(out, r"^2 requests x 6 tokens, concurrency 2, 2 rounds per schedule \(medians over rounds\), "
+               r"paced device at 2\.0x the fitted costs$")
+    _grab(out, r"^trace +step err p50 +p90 +dist p50 +dist p90 +makespan +tok/s +bubble pp \| "
+               r"floor step +floor mksp \| x real time$")
+    for schedule in ("sync", "overlap"):
+        cells = _row(out, f"draft/{schedule}", 12)
+        assert cells[7] == cells[10] == "|" and all(_f(v) >= 0 for v in cells[:7] + cells[8:10]), cells
+        assert cells[11].endswith("x") and _pos(cells[11])
+        over = _grab(out, rf"^  paced device: (\S+)% of draft/{schedule} launches ran over their pace")[0]
+        assert 0 <= _f(over) <= 100
+    for src, dst in (("sync", "overlap"), ("overlap", "sync")):
+        pred, real, err, idle_sim, idle_real = (_f(v) for v in _grab(
+            out, rf"^  predict draft/{dst} from the {src} traces: makespan (\S+) s vs measured median (\S+) s "
+                 r"\((\S+)% error\); device idle per step (\S+) ms vs (\S+) ms$"))
+        rounding = 100 * 0.0005 * (1 + pred / real) / real + 0.005  # makespans printed to 1 ms
+        assert pred > 0 and real > 0 and abs(err - abs(pred - real) / real * 100) <= rounding
+        assert min(idle_sim, idle_real) >= 0
+    _, faster, _ = _grab(out, r"^  measured faster: (sync|overlap) \((\S+)\); "
+                              r"simulator ranks them (the same|DIFFERENTLY)$")
+    assert _ratio(faster, 1.0)  # max / min of the two makespans
+    ms, speed = _grab(out, r"^replay speed, draft/overlap at concurrency 2: (\S+) ms per real step, (\S+)x real time$")
+    assert _pos(ms) and _pos(speed)
+
+
+def _check_simulator_speed(out):
+    _grab(out, r"^best of >= 1 replays and >= 0 s CPU per row; draft / overlap, D=4$")
+    _grab(out, r"^ *concurrency +requests +steps +ms CPU/step +real-time$")
+    for conc, requests in (("2", "6"), ("8", "16")):  # the sample's 6 requests; 2 x 8 copies
+        n, steps, ms, rt = _row(out, conc, 4)
+        assert n == requests and int(steps) > 0 and _pos(ms) and rt.endswith("x") and _pos(rt)
+
+
+def _check_sweep_fanout(out):
+    steps, jobs = _grab(out, r"^draft_sync\.jsonl: (\d+) steps; (\d+) jobs against 1, 1 rounds$")
+    assert int(steps) > 0 and int(jobs) >= 1
+    _grab(out, rf"^sweep +replays +1 job s +{jobs} jobs s +ratio +identical$")
+    for sweep, replays in (("ab", "4"), ("tune", "2")):  # 2 replicate pairs; 1 concurrency x (plain + 1 D)
+        n, serial, fanned, ratio, same = _row(out, sweep, 5)
+        assert n == replays and _f(serial) >= 0 and _f(fanned) >= 0 and _ratio(ratio) and same == "yes"
+
+
+def _check_tensor_parallel(out):
+    engine, comm, message = out.strip().split("\n\n")
+    _grab(engine, r"^proposer +batch +TP=1 +TP=2 +ratio$")
+    tp1, tp2, ratio = _row(engine, "none 1", 3)
+    assert _quotient(ratio, tp2, tp1)
+    _grab(comm, r"^2\. TP=2 communication on the leader \(shm channel\), 1 requests at once$")
+    calls, bcast_us, kib, reduces, reduce_us, bcast_pct, reduce_pct = _row(comm, "none", 7)
+    assert int(calls) > 0 and int(reduces) > 0 and all(_pos(v) for v in (bcast_us, kib, reduce_us))
+    assert all(0 <= _f(p) <= 100 for p in (bcast_pct, reduce_pct))
+    _grab(message, r"^3\. one message rank 0 -> rank 1: .*\(5 messages per cell\)$")
+    shm, dist, ratio = _row(message, "1024", 3)
+    assert _pos(shm) and _pos(dist) and _ratio(ratio, 0.01, 100)
+
+
+def _check_trace_tools(out):
+    _grab(out, r"^tool +code +MB +records +s +s/MB +peak RSS MB$")
+    records = set()
+    for tool in ("stats", "export --chrome", "export --otel-json", "timeline --steps"):
+        code, mb, n, secs, per_mb, rss = _row(out, tool, 6)  # a failed tool's row carries "(exit N)"
+        assert code == "this" and abs(_f(mb) - 0.3) < 0.06 and int(n) > 0 and _pos(secs) and _pos(rss)
+        records.add(n)
+    assert len(records) == 1
+
+
+def _check_tracing_overhead(out):
+    _grab(out, r"^200 spans, one step record per 10 spans$")
+    _grab(out, r"^tracer +ns/span +x null$")
+    names = ["null tracer, guarded call site", "null tracer, unguarded call", "MemoryRecorder",
+             "TraceRecorder (JSONL file)", "OtelLiveTracer (in-memory exporter)", "OtelLiveTracer (dead collector)"]
+    for name in names:
+        ns, times_null = _row(out, name, 2)
+        assert _pos(ns) and _pos(times_null)
+    assert _row(out, names[0], 2)[1] == "1.0"
+    assert int(_grab(out, r"^dead-collector tracer close: (\d+) ms \(bounded by shutdown_timeout_s\)$")[0]) >= 0
+    *_, per_line, _ = _grab(out, r"^recorder close: (\S+) ms; file (\S+) MB; read_trace (\S+) s \((\S+) us/line\); "
+                                 r"compute_metrics (\S+) s$")
+    assert _pos(per_line)
+
+
+def _check_train_throughput(out):
+    assert "| threads | precision | batch | OpenMP wait | tokens/s (median) | vs the first row |" in out
+    rows = re.findall(r"^\| (\d+) \| (fp32|bf16) \| (\d+) \| (active|passive) \| ([\d,]+) \| (\S+) \|$", out, re.M)
+    assert [r[:4] for r in rows] == [("1", "fp32", "2", "active"), ("1", "bf16", "2", "passive")], out
+    assert all(_pos(r[4]) and _ratio(r[5]) for r in rows) and rows[0][5] == "1.00x"
+
+
+def _check_tune_accuracy(out):
+    _grab(out, r"^draft/sync, captured at D=2, concurrency 2, 2 requests x 6 tokens, 1 real runs per configuration$")
+    _grab(out, r"^ *D +sim speedup +measured +error +sim AL$")
+    for d in (1, 2):
+        sim, measured, err, al = _row(out, str(d), 4)
+        assert abs(_f(err) - abs(_ratio(sim) / _ratio(measured) - 1) * 100) < 1 and 1 <= _f(al) <= d + 1
+    _grab(out, r"^best draft length: simulated D=[12], measured D=[12]")
+
+
+def _check_worker_spin(out):
+    _grab(out, r"^1 requests, median of 1 round\(s\); worker poll \S+ ms vs 0 ")
+    _grab(out, r"^config +conc +tok/s, 0 +tok/s, poll +ratio +op ms, 0 +op ms, poll$")
+    tps0, tps_poll, ratio, op0, op_poll = _row(out, "none/sync 1", 5)
+    assert _quotient(ratio, tps_poll, tps0) and _pos(op0) and _pos(op_poll)
+
+
+CHECKS = {script: globals()["_check_" + script.removesuffix(".py")] for script in TINY}
+
+
 def test_every_benchmark_has_a_smoke_setting():
     scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "common.py"}
-    assert scripts == set(TINY)
+    assert scripts == set(TINY) == set(CHECKS)
 
 
 @pytest.mark.parametrize("script", sorted(TINY))
@@ -56,6 +374,7 @@ def test_benchmark_smoke(script):
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     assert res.stdout.strip()
+    CHECKS[script](res.stdout)
 
 
 def _table_rows(stdout: str) -> list[list[str]]:

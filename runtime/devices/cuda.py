@@ -197,6 +197,8 @@ class CudaDevice:
     """A device on one GPU of this process; the Worker is built here, inside its CUDA context."""
 
     kind = "cuda"
+    needs_plans = True
+    warm_first_launch = False  # an op's first launch pays one-off costs (kernel loads, allocation)
 
     def __init__(self, spec: WorkerSpec, *, device: str | int = "cuda", name: str | None = None,
                  num_threads: int | None = None, recalibrate_every_s: float = 5.0, dispatch: str | None = None):

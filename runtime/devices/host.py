@@ -58,6 +58,8 @@ class HostDevice:
     """A device backed by one worker process that owns the Worker (weights, KV cache)."""
 
     kind = "host"
+    needs_plans = True
+    warm_first_launch = False  # the worker's first launch of an op pays one-off costs
 
     def __init__(self, spec: WorkerSpec, *, name: str = "host", num_threads: int = 1,
                  spin_ms: float = 0.0, start_timeout_s: float = 120.0, close_timeout_s: float = 10.0):

@@ -67,6 +67,8 @@ class InlineDevice:
     """Runs a Worker's ops synchronously at launch (tests, offline evaluation)."""
 
     kind = "inline"
+    needs_plans = True
+    warm_first_launch = False
 
     def __init__(self, worker, name: str = "inline", raise_errors: bool = False):
         self.worker, self.name, self.raise_errors = worker, name, raise_errors
@@ -79,6 +81,8 @@ class InlineDevice:
 
 
 class _Sink:
+    wants_token_ids = True
+
     def __init__(self) -> None:
         self.finished: dict[str, Request] = {}
         self.done = anyio.Event()
