@@ -5,7 +5,7 @@ decoding and two speculative configurations, in alternating subprocesses -- this
 then the other, then the other way round -- and prints the median output tokens/s of each
 and their ratio. What a change to the host side costs or saves end to end.
 
-    python benchmarks/engine_ab.py --baseline ../before [--rounds 3] [--concurrency 1 8] [--configs mtp/mtp]
+    python benchmarks/engine_ab.py --baseline ../before [--rounds 3] [--concurrency 1 8] [--configs mtp/eager_fill]
 
 With none/sync among the configurations it also prints each one's speedup over plain
 decoding measured in the same process, per checkout (the n-gram ones are not in the default set).
@@ -24,15 +24,15 @@ from common import bundled_items, run, side_by_side  # noqa: E402
 CONFIGS = {  # name -> EngineConfig fields
     "none/sync": {"proposer": "none", "schedule": "sync"},
     "draft/overlap": {"proposer": "draft", "draft_len": 4, "schedule": "overlap"},
-    "mtp/mtp": {"proposer": "mtp", "draft_len": 1, "schedule": "mtp"},
+    "mtp/eager_fill": {"proposer": "mtp", "draft_len": 1, "schedule": "eager_fill"},
     "none/plain_overlap": {"proposer": "none", "schedule": "plain_overlap"},
-    "mtp3/mtp": {"proposer": "mtp", "draft_len": 3, "schedule": "mtp"},
-    "draft3/mtp": {"proposer": "draft", "draft_len": 3, "schedule": "mtp"},
-    "eagle/mtp": {"proposer": "eagle", "schedule": "mtp"},
+    "mtp3/eager_fill": {"proposer": "mtp", "draft_len": 3, "schedule": "eager_fill"},
+    "draft3/eager_fill": {"proposer": "draft", "draft_len": 3, "schedule": "eager_fill"},
+    "eagle/eager_fill": {"proposer": "eagle", "schedule": "eager_fill"},
     "ngram/sync": {"proposer": "ngram", "draft_len": 4, "schedule": "sync"},
     "ngram-auto/sync": {"proposer": "ngram", "draft_len": "auto", "max_draft_len": 4, "schedule": "sync"},
 }
-DEFAULT_CONFIGS = ["none/sync", "draft/overlap", "mtp/mtp"]
+DEFAULT_CONFIGS = ["none/sync", "draft/overlap", "mtp/eager_fill"]
 
 
 def measure(concurrencies: list[int], num_requests: int, max_tokens: int, configs: list[str]) -> dict[str, float]:

@@ -8,7 +8,7 @@ over the rounds: the start (`async with` entered), the first request's time to f
 and its whole latency, and the second request's latency -- which neither engine's cold
 launches touch any more.
 
-    python benchmarks/engine_warmup.py [--rounds 3] [--max-tokens 16] [--configs none/sync draft/overlap mtp/mtp]
+    python benchmarks/engine_warmup.py [--rounds 3] [--max-tokens 16] [--configs none/sync draft/overlap mtp/eager_fill]
         [--device cuda --attention flashinfer --dtype bfloat16] [--processes]
 
 `--processes` starts every engine in a fresh Python process: on CUDA the first engine of a
@@ -33,7 +33,7 @@ from common import add_device_options, bundled_items, device_fields  # noqa: E40
 CONFIGS = {  # name -> EngineConfig fields
     "none/sync": {"proposer": "none", "schedule": "sync"},
     "draft/overlap": {"proposer": "draft", "draft_len": 4, "schedule": "overlap"},
-    "mtp/mtp": {"proposer": "mtp", "draft_len": 1, "schedule": "mtp"},
+    "mtp/eager_fill": {"proposer": "mtp", "draft_len": 1, "schedule": "eager_fill"},
 }
 
 

@@ -3,10 +3,10 @@
 On a machine with CUDA it runs, within `--minutes`:
   1. the CUDA-marked tests (`pytest -m cuda`: CUDA streams and events, FlashInfer against the
      torch attention backend, tree verify with a custom mask, the engine on CUDA);
-  2. the bundled model on the GPU (FlashInfer attention) under `sync`, `overlap` and `mtp`:
+  2. the bundled model on the GPU (FlashInfer attention) under `sync`, `overlap` and `eager_fill`:
      tokens/s, bubble fraction and the host `launch` span (how long a launch takes to return);
   3. a summary: every figure on one line each, and whether the GPU targets hold (launch
-     return < 100 us median; `overlap` and `mtp` bubble below `sync`'s).
+     return < 100 us median; `overlap` and `eager_fill` bubble below `sync`'s).
 Without CUDA (or with `--dry-run`) it says which parts it skips and why, and exits 0.
 
     python benchmarks/gpu_check.py [--minutes 8] [--out DIR]
@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-SCHEDULES = (("draft", 4, "sync"), ("draft", 4, "overlap"), ("mtp", 1, "sync"), ("mtp", 1, "mtp"))
+SCHEDULES = (("draft", 4, "sync"), ("draft", 4, "overlap"), ("mtp", 1, "sync"), ("mtp", 1, "eager_fill"))
 
 
 def _importable_path(tmp: Path) -> str | None:
@@ -167,7 +167,7 @@ def verdicts(rows: list[dict]) -> list[str]:
     if launches:
         worst = max(launches)
         out.append(f"launch return median < 100 us: {'yes' if worst < 100 else 'no'} (largest median {worst:.1f} us)")
-    for proposer, schedule in (("draft", "overlap"), ("mtp", "mtp")):
+    for proposer, schedule in (("draft", "overlap"), ("mtp", "eager_fill")):
         a, b = by.get(f"{proposer}/sync"), by.get(f"{proposer}/{schedule}")
         if a and b and a["bubble_fraction"] is not None and b["bubble_fraction"] is not None:
             ok = b["bubble_fraction"] < a["bubble_fraction"]

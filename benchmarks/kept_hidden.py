@@ -51,7 +51,7 @@ def main() -> None:
     pages = 64 * n
     target = str(bundled.target_dir())
     workers = {"plain (plain_overlap)": ModelWorker(target, {"kind": "none", "draft_len": 0}, num_pages=pages),
-               "mtp auto at D = 0 (mtp)": ModelWorker(target, {"kind": "mtp", "draft_len": 3},
+               "mtp auto at D = 0 (eager_fill)": ModelWorker(target, {"kind": "mtp", "draft_len": 3},
                                                       proposer_dir=str(bundled.mtp_dir()), num_pages=pages)}
     walls: dict[str, list[float]] = {k: [] for k in workers}
     names = list(workers)
@@ -59,7 +59,7 @@ def main() -> None:
         for name in names if r % 2 == 0 else names[::-1]:
             head = name.startswith("mtp")
             t0 = time.perf_counter()
-            out = run_requests(workers[name], prompts, params, schedule="mtp" if head else "plain_overlap",
+            out = run_requests(workers[name], prompts, params, schedule="eager_fill" if head else "plain_overlap",
                                num_pages=pages, max_num_seqs=n, adaptive=head)
             walls[name].append(time.perf_counter() - t0)
             assert all(o.num_drafts == 0 and o.error is None for o in out)

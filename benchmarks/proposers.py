@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import bundled_items, family_kw, med, median_span_ms, parse_workload, run  # noqa: E402
 
-PROPOSERS = [("draft", "overlap", 3), ("draft", "mtp", 3), ("draft", "overlap", 4), ("mtp", "mtp", 1),
-             ("mtp", "mtp", 3), ("mtp", "sync", 2), ("eagle", "sync", 3), ("eagle", "overlap", 3), ("eagle", "mtp", 3),
+PROPOSERS = [("draft", "overlap", 3), ("draft", "eager_fill", 3), ("draft", "overlap", 4), ("mtp", "eager_fill", 1),
+             ("mtp", "eager_fill", 3), ("mtp", "sync", 2), ("eagle", "sync", 3), ("eagle", "overlap", 3), ("eagle", "eager_fill", 3),
              ("ngram", "sync", 4)]
 PLAIN, PLAIN_OVERLAP = ("none", "sync", 0), ("none", "plain_overlap", 0)
 

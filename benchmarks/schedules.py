@@ -39,8 +39,8 @@ def main() -> None:
 
 def schedules_vs_sync(items, rounds: int, families: dict) -> None:
     print(f"1. schedules at 8 concurrent requests (median of {rounds} round(s))")
-    groups = (("none", None, ("sync", "plain_overlap")), ("draft", 3, ("sync", "overlap", "mtp")),
-              ("mtp", 1, ("sync", "mtp")), ("eagle", 3, ("sync", "overlap", "mtp")))
+    groups = (("none", None, ("sync", "plain_overlap")), ("draft", 3, ("sync", "overlap", "eager_fill")),
+              ("mtp", 1, ("sync", "eager_fill")), ("eagle", 3, ("sync", "overlap", "eager_fill")))
     runs: dict = {(f, p, s): [] for f in families for p, _, scheds in groups for s in scheds}
     for _ in range(rounds):
         for f, fam in families.items():
@@ -61,7 +61,7 @@ def schedules_vs_sync(items, rounds: int, families: dict) -> None:
 
 def speedup_over_plain(items, rounds: int, families: dict) -> None:
     print(f"\n2. speedup over plain decoding (median of {rounds} round(s))")
-    configs = (("none", "sync", None), ("draft", "overlap", 3), ("mtp", "mtp", 1), ("eagle", "mtp", 3),
+    configs = (("none", "sync", None), ("draft", "overlap", 3), ("mtp", "eager_fill", 1), ("eagle", "eager_fill", 3),
                ("ngram", "sync", 4))
     for conc in (1, 8):
         runs: dict = {(f, c): [] for f in families for c in configs}

@@ -122,7 +122,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3, help="engine runs per schedule (>= 2 for the noise floor)")
-    ap.add_argument("--pairs", nargs="*", default=["draft:sync:overlap:3", "mtp:sync:mtp:1"],
+    ap.add_argument("--pairs", nargs="*", default=["draft:sync:overlap:3", "mtp:sync:eager_fill:1"],
                     help="proposer:scheduleA:scheduleB:D")
     ap.add_argument("--speed-concurrency", type=int, nargs="*", default=[16, 32],
                     help="also time replays of draft/overlap runs at these concurrencies (2x requests)")

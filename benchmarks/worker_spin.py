@@ -23,7 +23,7 @@ from common import med, median_span_ms, parse_workload, run  # noqa: E402
 
 from specsched.runtime.engine_config import EngineConfig  # noqa: E402
 
-CONFIGS = ["none/sync", "none/plain_overlap", "mtp/sync", "mtp/mtp", "draft/mtp", "eagle/sync", "eagle/mtp"]
+CONFIGS = ["none/sync", "none/plain_overlap", "mtp/sync", "mtp/eager_fill", "draft/eager_fill", "eagle/sync", "eagle/eager_fill"]
 
 
 def main() -> None:

@@ -148,10 +148,10 @@ def _check_engine_ab(out):
     _grab(out, r"^median of 1 alternating rounds, output tokens/s \(1 requests x 3 tokens, bundled model\)$")
     _grab(out, r"^ *config +batch +baseline +this +ratio$")
     table, speedups = out.split("speedup over none/sync in the same run")
-    for config in ("none/sync", "draft/overlap", "mtp/mtp"):
+    for config in ("none/sync", "draft/overlap", "mtp/eager_fill"):
         batch, base, this, ratio = _row(table, config, 4)
         assert batch == "1" and _quotient(ratio, this, base)
-    for config in ("draft/overlap", "mtp/mtp"):
+    for config in ("draft/overlap", "mtp/eager_fill"):
         batch, base, this = _row(speedups, config, 3)
         assert batch == "1" and _ratio(base) and _ratio(this)
     assert "none/sync" not in speedups.split("\n", 1)[1]
@@ -207,7 +207,7 @@ def _check_host_overhead(out):
 
 def _check_kept_hidden(out):
     _grab(out, r"^2 requests x 3 tokens, 1 alternating rounds \(wall s\)$")
-    for label in ("plain (plain_overlap)", "mtp auto at D = 0 (mtp)"):
+    for label in ("plain (plain_overlap)", "mtp auto at D = 0 (eager_fill)"):
         wall, word, median = _row(out, label, 3)
         assert _pos(wall) and word == "median" and median == wall
     _ratio(_grab(out, r"^mtp auto at D = 0 / plain: (\S+) wall time$")[0])
@@ -235,7 +235,7 @@ def _check_proposers(out):
                                              r"target decode (\S+) ms \(median of 1 round\(s\)\)$")
     assert _pos(plain) and _pos(ahead) and _ratio(ratio) and _pos(decode)
     _grab(out, r"^proposer +AL +per-position acceptance +tok/s +speedup +same +bound$")
-    for schedule in ("sync", "overlap", "mtp"):
+    for schedule in ("sync", "overlap", "eager_fill"):
         al, *per_pos, tps, speedup, same, bound = _grab(
             out, rf"^eagle/{schedule} D=3 +(\S+) +(\S+), (\S+), (\S+) +(\S+) +(\S+) +(\S+) +(\S+)$")
         assert 1 <= _f(al) <= 4 and all(0 <= _f(p) <= 1 for p in per_pos) and _pos(tps)
@@ -247,8 +247,8 @@ def _check_schedules(out):
     _grab(out, r"^1\. schedules at 8 concurrent requests \(median of 1 round\(s\)\)$")
     _grab(out, r"^\[bundled\]$")
     _grab(out, r"^proposer +schedule +tok/s +bubble +vs sync$")
-    groups = {"none": ("sync", "plain_overlap"), "draft": ("sync", "overlap", "mtp"), "mtp": ("sync", "mtp"),
-              "eagle": ("sync", "overlap", "mtp")}
+    groups = {"none": ("sync", "plain_overlap"), "draft": ("sync", "overlap", "eager_fill"),
+              "mtp": ("sync", "eager_fill"), "eagle": ("sync", "overlap", "eager_fill")}
     for proposer, schedules in groups.items():
         for i, schedule in enumerate(schedules):
             tps, bubble, vs = _row(out, f"{proposer} {schedule}", 3)
@@ -414,7 +414,7 @@ def test_gpu_check_says_what_it_skips_and_judges_the_gpu_targets():
     rows = [{"config": "draft/sync", "bubble_fraction": 0.30, "launch_us_median": 40.0},
             {"config": "draft/overlap", "bubble_fraction": 0.10, "launch_us_median": 150.0},
             {"config": "mtp/sync", "bubble_fraction": 0.20, "launch_us_median": 50.0},
-            {"config": "mtp/mtp", "error": "RuntimeError: boom"}]
+            {"config": "mtp/eager_fill", "error": "RuntimeError: boom"}]
     assert gpu_check.verdicts(rows) == [
         "launch return median < 100 us: no (largest median 150.0 us)",
         "draft: overlap bubble below sync's: yes (0.100 vs 0.300)",
