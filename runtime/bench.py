@@ -42,8 +42,8 @@ def model_label(path: str | None) -> str | None:
 def make_header(config: EngineConfig, engine: AsyncEngine, device_name: str | None = None,
                 workload: dict | None = None) -> Header:
     extra: dict = {"workload": workload or {}}
-    policy = engine._pipeline.builder.draft_policy if engine._pipeline is not None else None
-    if policy is not None:
+    policy = engine._pipeline.policy if engine._pipeline is not None else None
+    if policy is not None and policy.adaptive:
         # what the adaptive draft length has learned (e.g. in a warm-up) when recording
         # starts: a replay of the trace starts its policy from it
         extra["draft_policy"] = policy.state()

@@ -88,15 +88,19 @@ class AcceptanceEstimate:
         m, drew = self.request_weight, self._drew[slots]
         return (m * self.draft_rate + drew[:, 0]) / (m + drew[:, 1])
 
-    def observe_asked(self, slots: np.ndarray, asked: np.ndarray, drafted: np.ndarray) -> None:
-        """Rows asked for `asked` drafts drafted `drafted` (fewer, none where a lookup missed)."""
+    def observe_asked(self, slots: np.ndarray, asked: np.ndarray, drafted: np.ndarray,
+                      live: np.ndarray | None = None) -> None:
+        """Rows asked for `asked` drafts drafted `drafted` (fewer, none where a lookup missed);
+        rows not `live` count engine-wide only (their slot is no longer their request's)."""
         ask = np.asarray(asked) > 0
         n = int(ask.sum())
         if not n:
             return
         got = ask & (np.asarray(drafted) > 0)
-        rows = slots[ask]
-        self._drew[rows] = self._drew[rows] * (1.0 - self.smoothing) + np.stack([got[ask], np.ones(n)], axis=1)
+        own = ask if live is None else ask & live
+        rows = slots[own]
+        self._drew[rows] = self._drew[rows] * (1.0 - self.smoothing) + np.stack(
+            [got[own], np.ones(len(rows))], axis=1)
         self.draft_seen += n
         w = max(n / (self.draft_seen + self.prior_weight), self.global_smoothing)
         self.draft_rate += w * (int(got.sum()) / n - self.draft_rate)
@@ -105,8 +109,10 @@ class AcceptanceEstimate:
     def num_slots(self) -> int:
         return self._hits.shape[0]
 
-    def observe(self, slots: np.ndarray, num_draft: np.ndarray, accepted: np.ndarray) -> bool:
-        """Each row drafted num_draft and had `accepted` accepted; False if no row drafted."""
+    def observe(self, slots: np.ndarray, num_draft: np.ndarray, accepted: np.ndarray,
+                live: np.ndarray | None = None) -> bool:
+        """Each row drafted num_draft and had `accepted` accepted; False if no row drafted. Rows
+        not `live` (their slot no longer their request's) count engine-wide only."""
         d = np.minimum(np.asarray(num_draft, dtype=np.int64), self.max_draft_len)
         a = np.minimum(np.asarray(accepted, dtype=np.int64), d)
         if not d.size or not d.any():
@@ -115,8 +121,13 @@ class AcceptanceEstimate:
         seen = k[None, :] <= np.minimum(a + 1, d)[:, None]  # [B, Dmax]
         hit = k[None, :] <= a[:, None]  # accepted positions (seen, since a <= d)
         keep = np.where(seen, 1.0 - self.smoothing, 1.0)  # older observations fade, per position
-        self._hits[slots] = self._hits[slots] * keep + hit
-        self._seen[slots] = self._seen[slots] * keep + seen
+        if live is None or live.all():
+            self._hits[slots] = self._hits[slots] * keep + hit
+            self._seen[slots] = self._seen[slots] * keep + seen
+        else:
+            rows = slots[live]
+            self._hits[rows] = self._hits[rows] * keep[live] + hit[live]
+            self._seen[rows] = self._seen[rows] * keep[live] + seen[live]
         n = seen.sum(axis=0)
         mean = np.where(n > 0, hit.sum(axis=0) / np.maximum(n, 1), self.global_accept)
         # the running mean of every observation (and the prior as `prior_weight` of them) until

@@ -76,11 +76,10 @@ pipeline), and its inputs are what the pipeline already has:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from specsched.scheduler.acceptance_estimate import AcceptanceEstimate, accepted_drafts, expected_drafts
+from specsched.scheduler.draft_policy import Decision, StepOutcome, StepView
 from specsched.scheduler.online_cost import LAUNCH_OPS, cost_models, launch_model, op_features
 from specsched.scheduler.policy_state import policy_state, restore_policy_state
 from specsched.scheduler.probe_schedule import ProbeSchedule
@@ -89,18 +88,6 @@ from specsched.scheduler.step_overhead import StepOverhead
 
 HOLD_STEPS = 32  # decode steps a choice of D = 0 stands for over an unchanged batch (see `choose`)
 PROBE_ROWS = 4  # rows a probe from D = 0 drafts with while its proposer is behind (see `choose`)
-
-
-@dataclass
-class Decision:
-    draft_len: int  # the step's D
-    num_draft: np.ndarray  # [B] tokens each row drafts (<= draft_len)
-    rows: int  # rows the step serves (the token budget holds B·(1 + D))
-    gain: float | None  # predicted tokens/s at D over D = 0 (None before any cost is known)
-    explored: bool = False
-    device_ns: float | None = None  # the step's predicted device time
-    # `step_ns`'s arguments (rows, D, forwards, KV tokens, catch-up, drafts), re-priced by `observe_step`
-    cost_args: tuple | None = None
 
 
 class DraftLenPolicy:
@@ -112,7 +99,12 @@ class DraftLenPolicy:
     step overhead h takes);
     `cold_first_launch`: the device's first launch of an op pays one-off costs, so its
     interval teaches nothing (a real device; the simulator's prices have none); `plain_ahead`:
-    plain steps run one step ahead (`overlap`, `eager_fill`), hiding their host work."""
+    plain steps run one step ahead (`overlap`, `eager_fill`), hiding their host work.
+    A `DraftPolicy` (scheduler/draft_policy.py); a decision's `cost_args` are `step_ns`'s
+    arguments (rows, D, forwards, KV tokens, catch-up, drafts)."""
+
+    adaptive = True
+    pauses = True
 
     def __init__(self, max_draft_len: int, *, has_fill: bool, kv_ahead: int = 0, fill_same_batch: bool = False,
                  draft_op: bool = True,
@@ -154,11 +146,18 @@ class DraftLenPolicy:
         self._held_budget, self._held = 0, 0
         self._plain_decided = False
 
-    def skips_fill(self, decided: bool) -> bool:
-        """Whether a forward step leaves the proposer's fill for a catch-up: it is a draft model's,
-        and speculation is off -- this step is a plain decode the policy chose (`decided`), or it
-        prefills after one or before the policy's first decision (the first drafting step catches up)."""
-        return self.catches_up and (decided or self.last is None or self.last.draft_len == 0)
+    def observe(self, outcome: StepOutcome) -> None:
+        """One step's outcome (scheduler/draft_policy.py): its verify's acceptance, its wall
+        time against the decision's prediction, then the device intervals of the launches
+        completed since the last one (the step's residual is read against the cost models as
+        its own launches left them)."""
+        v = outcome.verify
+        if v is not None:
+            self.observe_verify(v.slots, v.drafted, v.accepted, v.asked, live=v.live)
+        if outcome.decision is not None and outcome.wall_ns is not None:
+            self.observe_step(outcome.wall_ns, outcome.decision)
+        for op, attrs, duration_ns in outcome.launches:
+            self.observe_launch(op, attrs, duration_ns)
 
     def warmed_up(self) -> None:
         """The engine's warm-up is done: what it taught stays, its last choice goes (`skips_fill`)."""
@@ -195,12 +194,13 @@ class DraftLenPolicy:
         return self.estimate.global_accept
 
     def observe_verify(self, slots: np.ndarray, num_draft: np.ndarray, accepted: np.ndarray,
-                       asked: np.ndarray | None = None) -> None:
+                       asked: np.ndarray | None = None, live: np.ndarray | None = None) -> None:
         """Each row drafted num_draft (of `asked`) and had `accepted` accepted: positions
-        1..accepted were accepted, position accepted + 1 (if drafted) rejected, later ones unobserved."""
+        1..accepted were accepted, position accepted + 1 (if drafted) rejected, later ones
+        unobserved. Rows not `live` (their request gone since) teach the engine-wide estimates only."""
         if asked is not None:
-            self.estimate.observe_asked(slots, asked, num_draft)
-        if self.estimate.observe(slots, num_draft, accepted):
+            self.estimate.observe_asked(slots, asked, num_draft, live)
+        if self.estimate.observe(slots, num_draft, accepted, live):
             self._held_slots = None  # new acceptance evidence: the next step decides afresh
 
     # -- costs ----------------------------------------------------------------------------
@@ -220,10 +220,10 @@ class DraftLenPolicy:
         if op == "verify":
             self.verify_rows = max(self.verify_rows, int(attrs.get("requests", 0)))
 
-    def observe_step(self, wall_ns: int) -> None:
-        """The last decided step took `wall_ns` (schedule to output): h follows the part of it
-        the predicted device time does not explain."""
-        last = self.last
+    def observe_step(self, wall_ns: int, last: Decision | None = None) -> None:
+        """The decided step `last` (default: the latest) took `wall_ns` (schedule to output): h
+        follows the part of it the predicted device time does not explain."""
+        last = self.last if last is None else last
         if last is None or last.rows == 0 or last.device_ns is None:
             return
         if last.cost_args is not None and last.cost_args[4] > 0:
@@ -235,9 +235,8 @@ class DraftLenPolicy:
         self.overhead.observe(last.draft_len, float(wall_ns - (last.device_ns if predicted is None else predicted)))
 
     # -- the decision ---------------------------------------------------------------------
-    def choose(self, slots: np.ndarray, remaining: np.ndarray, computed: np.ndarray, budget: int,
-               lag: np.ndarray | None = None) -> Decision:
-        """D for a decode-only step over the rows `slots` (in order; `remaining`: output
+    def choose(self, view: StepView) -> Decision:
+        """D for a decode-only step over the rows `view.slots` (in order; `remaining`: output
         tokens each has left, `computed`: its KV tokens, `lag`: tokens its draft model has not
         read), within a token budget that holds B·(1 + D) verify tokens; and how many tokens
         each served row drafts.
@@ -247,6 +246,7 @@ class DraftLenPolicy:
         but by a token per row, and a plain decode step is the one whose host time counts most
         (such a decision prices its step with the cost models as last fitted: a due refit waits
         for the step's residual, `observe_step`, or a decision that weighs the lengths)."""
+        slots, remaining, computed, budget, lag = view.slots, view.remaining, view.computed, view.budget, view.lag
         self.decisions += 1
         held = self._held_slots
         if (held is not None and self._held < HOLD_STEPS and not self.probes.due(self.decisions)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specsched.scheduler.block_manager import BlockManager
+from specsched.scheduler.draft_policy import DraftPolicy, FixedPolicy, StepView
 from specsched.scheduler.errors import InvalidRequestError
 from specsched.scheduler.request import Request, RequestState
 from specsched.scheduler.general_schedule import GeneralSchedule
@@ -41,6 +42,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # per step, verify width (1 + D) counted per spec row
     draft_len: int = 0  # D: verify candidates per speculative step (0 = no speculation)
     proposer_model: str | None = None  # second page table ("draft" / "mtp"), None if no KV
+    kv_ahead: int = 0  # tokens the proposer's KV runs ahead of the target's (`ProposerSpec.kv_ahead`)
+    # the proposer's fills may wait while a policy that pauses has speculation off, and catch up
+    # when it drafts again (`ProposerRules.lazy_fill`)
+    lazy_fill: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.draft_len < 0:
@@ -66,7 +71,7 @@ def max_pages_needed(config: SchedulerConfig, page_size: int, num_prompt_tokens:
 
 
 class BatchBuilder(RowBookkeeping, GeneralSchedule):
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, policy: DraftPolicy | None = None):
         self.config = config
         self.blocks = blocks
         # per-request counters by slot; a slot is also the request's page-table row
@@ -76,8 +81,10 @@ class BatchBuilder(RowBookkeeping, GeneralSchedule):
         self._running_slots: np.ndarray | None = None  # slots of `running`, in order
         self._ids: set[str] = set()  # ids queued or running
         self._step = 0
-        # chooses each decode-only step's D (scheduler/adaptive.py); None: always config.draft_len
-        self.draft_policy = None
+        # chooses each decode-only step's D (scheduler/draft_policy.py); a fixed D by default
+        self.policy: DraftPolicy = policy if policy is not None else FixedPolicy(config.draft_len)
+        # each row's lag (tokens its proposer has not read) goes with the view the policy decides on
+        self._lags = config.lazy_fill and self.policy.pauses
 
     # -- queue management ---------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -95,8 +102,7 @@ class BatchBuilder(RowBookkeeping, GeneralSchedule):
             )
         slot = self.table.attach(request)
         self.blocks.bind(rid, slot)
-        if self.draft_policy is not None:
-            self.draft_policy.start(slot)
+        self.policy.start(slot)
         self._ids.add(rid)
         request.state = RequestState.WAITING
         self.waiting.append(request)
@@ -209,19 +215,14 @@ class BatchBuilder(RowBookkeeping, GeneralSchedule):
         if some(todo > 1) or some(computed < prompt):
             return None  # a prefill or recompute in the batch: no speculation, the general path
         active = (todo == 1).nonzero()[0]
-        policy, decision = self.draft_policy, None
-        if policy is not None:  # D for this step, and how many rows its budget then holds
-            a_slots = slots[active]
-            lag = (np.maximum(computed[active] + policy.kv_ahead - t.proposer_computed[a_slots], 0)
-                   if policy.catches_up else None)
-            decision = policy.choose(a_slots, t.max_tokens[a_slots] - emitted[active], computed[active],
-                                     cfg.max_num_batched_tokens, lag)
-            draft, n_take = decision.draft_len, decision.rows
-        else:
-            draft = cfg.draft_len
-            n_take = cfg.max_num_batched_tokens // (1 + draft)
-        # rows in order while the token budget holds their verification (1 + D each)
-        take = active[: min(active.size, n_take)]
+        # D for this step, how many rows its budget then holds (in order) and what each drafts
+        a_slots = slots[active] if active.size < slots.size else slots
+        a_computed = computed[active] if active.size < slots.size else computed
+        lag = np.maximum(a_computed + cfg.kv_ahead - t.proposer_computed[a_slots], 0) if self._lags else None
+        remaining = t.max_tokens[a_slots] - (emitted[active] if active.size < slots.size else emitted)
+        decision = self.policy.choose(StepView(a_slots, remaining, a_computed, cfg.max_num_batched_tokens, lag))
+        draft = decision.draft_len
+        take = active[: min(active.size, decision.rows)]
         n = take.size
         if n == 0:
             return None
@@ -233,11 +234,7 @@ class BatchBuilder(RowBookkeeping, GeneralSchedule):
         cols = blocks.shortfall(rows, self._slots(computed + 1 + draft))
         if sum(total(c) for c in cols.values()) > blocks.num_free_pages:
             return None  # someone is preempted: the general path chooses whom
-        if decision is not None:
-            num_draft = decision.num_draft
-        else:
-            remaining = t.max_tokens[rows] - emitted  # `Request.remaining_tokens`
-            num_draft = np.minimum(draft, np.maximum(0, remaining - 1))
+        num_draft = decision.num_draft
         one = np.ones(n, dtype=np.int64)
         # every row computes its one last token: every row samples
         batch = self._batch(reqs, rows, computed, one, num_draft, np.zeros(n, dtype=bool), [], draft, decision,

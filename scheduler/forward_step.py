@@ -21,10 +21,14 @@ from specsched.scheduler.step_trace import Launch
 
 class ForwardStep:
     def _lazy(self, batch: StepBatch) -> bool:
-        """Whether this forward step leaves the proposer's fill for a catch-up (speculation is
-        off, `DraftLenPolicy.skips_fill`)."""
-        policy = self.builder.draft_policy
-        return policy is not None and policy.skips_fill(batch.decision is not None)
+        """Whether this forward step leaves the proposer's fill for a catch-up: its fills may
+        wait (`lazy_fills`) and speculation is off -- this step is a plain decode the policy
+        chose, or it prefills after one or before the policy's first decision (the first
+        drafting step catches up)."""
+        if not self.lazy_fills:
+            return False
+        last = self.policy.last
+        return batch.decision is not None or last is None or last.draft_len == 0
 
     def _overlaps(self, batch: StepBatch) -> bool:
         """Whether this step may be launched while the previous step is in flight: a plain
@@ -50,9 +54,8 @@ class ForwardStep:
         # up in one fill when drafting resumes (`_catch_up`), so a load at which speculation
         # does not pay costs what plain decoding does; a head then needs the target's hidden
         # states of the positions it missed, which the device keeps for it
-        policy = self.builder.draft_policy
         lazy = self._lazy(batch)
-        keep = (policy is not None and policy.catches_up and spec.kv_ahead == 0
+        keep = (self.lazy_fills and spec.kv_ahead == 0
                 and (lazy or bool((t.proposer_computed[slots] < batch.start).any())))
         msg = messages.forward_message(batch, self.blocks, self.with_plan, keep_hidden=keep)
         if spec.kv_model is not None and not lazy:

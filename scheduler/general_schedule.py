@@ -5,7 +5,7 @@ request decodes) in whole-array operations and falls back to this path for every
 running requests first (whole-array unless someone must be preempted, then one by one, most
 recently admitted preempted first), then the waiting requests admitted first come first served
 while the token budget, the seats and the pool hold them. It works on the builder's state
-(`running`, `waiting`, `table`, `blocks`, `config`, `draft_policy`) and helpers (`_slots`,
+(`running`, `waiting`, `table`, `blocks`, `config`, `policy`) and helpers (`_slots`,
 `slots_needed`, `_preempt`, `_batch`, `running_slots`).
 """
 from __future__ import annotations
@@ -58,8 +58,8 @@ class GeneralSchedule:
         # Speculate only on a decode-only batch: every running request decodes and no waiting
         # one can be admitted (none waits, or every seat is taken).
         decode_only = (not self.waiting or len(self.running) >= cfg.max_num_seqs) and not in_prefill.any()
-        draft = (cfg.draft_len if self.draft_policy is None or self.draft_policy.last is None
-                 else self.draft_policy.last.draft_len) if decode_only else 0
+        last = self.policy.last
+        draft = (cfg.draft_len if last is None else last.draft_len) if decode_only else 0
         planned = 0  # pages already promised to earlier seqs this step
         fast = self._running_rows(budget) if (vectorized and not draft and self.running) else None
 

@@ -4,8 +4,8 @@ Why a module of its own: scheduler/batch_builder.py decides what runs (the sched
 kv_alloc stages); what a launched or completed step does to its rows' counters -- positions
 computed, tokens pending on the device, accepted lengths, the proposer's KV extent,
 rejected candidates' pages given back -- is this mixin's, one whole-array update per stage
-whatever the batch. It works on the builder's slot table (scheduler/slot_state.py), block
-manager and draft-length policy. Rows whose request finished while the step was in flight
+whatever the batch. It works on the builder's slot table (scheduler/slot_state.py) and block
+manager. Rows whose request finished while the step was in flight
 (their slot given back, maybe to a new request) are told apart by the slot's generation.
 """
 from __future__ import annotations
@@ -75,8 +75,6 @@ class RowBookkeeping:
         its tokens are appended: a request that finishes on them keeps its counts)."""
         t, slots = self.table, batch.slots
         t.record_spec(slots, num_drafts, accepted)
-        if self.draft_policy is not None:
-            self.draft_policy.observe_verify(slots, num_drafts, accepted, batch.num_draft)
         # draft model: every emitted token after its fill; heads: up to the new last token
         t.proposer_computed[slots] = before + accepted + kv_ahead
 

@@ -67,10 +67,13 @@ class StepTrace:
     """Launch/device/step records of one pipeline; `now()` is the pipeline's host time."""
 
     def __init__(self, tracer: Any, now: Callable[[], int],
-                 computed_now: Callable[[StepBatch], np.ndarray]):
+                 computed_now: Callable[[StepBatch], np.ndarray], *, chosen_draft_lens: bool = False):
         self.tracer = tracer
         self.now = now
         self.computed_now = computed_now  # [B] a batch's rows' num_computed_tokens now
+        # step records carry each step's D and predicted gain (a policy chose them; a fixed D
+        # is the configuration's, in the header)
+        self.chosen_draft_lens = chosen_draft_lens
         self._unrecorded: list[Launch] = []
         self._steps_done: list[tuple] = []
         self._first_step: int | None = None  # the first step whose launches were recorded
@@ -133,7 +136,7 @@ class StepTrace:
         end = self.now()
         for batch, t_step, out_counts, drafted, accepted in self._steps_done:
             kv_lens = self.computed_now(batch)  # the rows' target KV as the step ends
-            dec = batch.decision
+            dec = batch.decision if self.chosen_draft_lens else None
             self.tracer.step(
                 step=batch.step, kind=batch.kind, start_ns=t_step, end_ns=max(end, t_step),
                 request_ids=[r.request_id for r in batch.requests],

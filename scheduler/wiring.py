@@ -16,6 +16,7 @@ from typing import Any
 from specsched.scheduler.adaptive import DraftLenPolicy
 from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
 from specsched.scheduler.block_manager import BlockManager
+from specsched.scheduler.draft_policy import DraftPolicy
 from specsched.scheduler.pipeline import MAX_KEPT_TOKENS, Pipeline, PipelineConfig
 from specsched.scheduler.proposer import ProposerSpec, default_tree
 from specsched.scheduler.schedules import schedule_rules
@@ -55,7 +56,8 @@ def for_schedule(spec: ProposerSpec, schedule: str | None) -> ProposerSpec:
 
 
 def scheduler_config(spec: ProposerSpec, *, max_num_seqs: int, max_num_batched_tokens: int) -> SchedulerConfig:
-    return SchedulerConfig(max_num_seqs, max_num_batched_tokens, spec.num_candidates, spec.kv_model)
+    return SchedulerConfig(max_num_seqs, max_num_batched_tokens, spec.num_candidates, spec.kv_model,
+                           kv_ahead=spec.kv_ahead, lazy_fill=spec.rules.lazy_fill)
 
 
 def draft_len_policy(spec: ProposerSpec, *, seed_costs: dict | None = None, slots: int = 64,
@@ -76,22 +78,22 @@ def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_si
                    max_num_seqs: int, max_num_batched_tokens: int, device: Any, clock: Any,
                    sink: Any, tracer: Any = NULL_TRACER, eos_token_ids: Sequence[int] = (),
                    adaptive: bool = False, seed_costs: dict | None = None, drafter: Any = None,
-                   max_kept_tokens: int = MAX_KEPT_TOKENS) -> Pipeline:
+                   max_kept_tokens: int = MAX_KEPT_TOKENS, policy: DraftPolicy | None = None) -> Pipeline:
     """A Pipeline over one KV page pool (a page table for the target and, when the proposer
     has a KV cache, one for it), serving on `device` with time from `clock`. `adaptive`: each
     decode step's D is chosen up to `spec.draft_len` (scheduler/adaptive.py), its cost models
-    seeded from `seed_costs` (a cost profile's JSON) if given. `drafter`: a proposer's that
+    seeded from `seed_costs` (a cost profile's JSON) if given; `policy`: another `DraftPolicy`
+    (scheduler/draft_policy.py; default: `spec.draft_len` fixed). `drafter`: a proposer's that
     drafts on the host (`ProposerRules.host_drafts`, scheduler/protocols.py `HostDrafter`).
     `max_kept_tokens`: `PipelineConfig.max_kept_tokens` (a head's deferred fills)."""
     schedule = schedule_name(schedule)
     spec = for_schedule(spec, schedule)
     blocks = BlockManager(num_pages, page_size, ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
-    builder = BatchBuilder(scheduler_config(spec, max_num_seqs=max_num_seqs,
-                                            max_num_batched_tokens=max_num_batched_tokens), blocks)
-    if adaptive:
+    if adaptive and policy is None:
         # a device whose first launch of an op is no slower than the next (the simulator's) says so
-        builder.draft_policy = draft_len_policy(spec, seed_costs=seed_costs, slots=max(8, max_num_seqs),
-                                                cold_first_launch=not device.warm_first_launch,
-                                                schedule=schedule)
+        policy = draft_len_policy(spec, seed_costs=seed_costs, slots=max(8, max_num_seqs),
+                                  cold_first_launch=not device.warm_first_launch, schedule=schedule)
+    builder = BatchBuilder(scheduler_config(spec, max_num_seqs=max_num_seqs,
+                                            max_num_batched_tokens=max_num_batched_tokens), blocks, policy)
     return Pipeline(PipelineConfig(schedule, spec, max_kept_tokens), builder, device, clock, sink, tracer,
                     eos_token_ids=tuple(eos_token_ids), drafter=drafter)

@@ -43,8 +43,9 @@ def follow_choices(policy, builder, choices: dict[tuple[str, int], tuple[int, in
     as the captured run did (see the module docstring)."""
     choose = policy.choose
 
-    def followed(slots, remaining, computed, budget, lag=None):
-        dec = choose(slots, remaining, computed, budget, lag)
+    def followed(view):
+        dec = choose(view)
+        slots, remaining, budget = view.slots, view.remaining, view.budget
         by_slot = {r.slot: r.request_id for r in builder.running}
         rec = [choices.get((by_slot.get(int(s)), int(left))) for s, left in zip(slots.tolist(), remaining.tolist())]
         seen = [c[0] for c in rec if c is not None]

@@ -189,7 +189,7 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
                           seed_costs=profile.to_json() if engine.get("draft_profile") else None,
                           drafter=responder if spec.rules.host_drafts else None,
                           max_kept_tokens=int(engine.get("max_kept_hidden_tokens", MAX_KEPT_TOKENS)))
-    policy = pipe.builder.draft_policy
+    policy = pipe.policy if pipe.policy.adaptive else None
     captured = trace.header.extra.get("draft_policy")
     warm_up = policy is not None and cfg.policy_state and not engine.get("skip_warmup", False)
     if (policy is not None and captured and cfg.policy_state and proposer == trace.header.proposer

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from specsched.scheduler.adaptive import PROBE_ROWS, DraftLenPolicy
+from specsched.scheduler.draft_policy import Decision, StepView
 from specsched.scheduler.online_cost import FEATURES, OnlineCost, cost_models, launch_model, op_features, profile_coef
 from specsched.scheduler.step_trace import launch_features
+from tests.scripted_policy import ScriptedPolicy
 from specsched.simulator.replay import ReplayConfig, replay
 
 SAMPLES = __import__("pathlib").Path(__file__).resolve().parents[1] / "traces" / "samples"
@@ -49,7 +51,11 @@ def _taught_at_batch_1() -> DraftLenPolicy:
 
 def _choose(policy: DraftLenPolicy, rows: int, remaining: int = 100):
     slots = np.arange(rows)
-    return policy.choose(slots, np.full(rows, remaining), np.full(rows, 50), budget=4096)
+    return _decide(policy, slots, np.full(rows, remaining), np.full(rows, 50), budget=4096)
+
+
+def _decide(policy: DraftLenPolicy, slots, remaining, computed, budget, lag=None):
+    return policy.choose(StepView(slots, remaining, computed, budget, lag))
 
 
 def test_online_cost_recovers_a_linear_cost_and_stays_non_negative():
@@ -348,7 +354,7 @@ def test_a_draft_model_far_behind_resumes_drafting_only_for_a_long_output():
 
     slots, computed = np.arange(1), np.full(1, 50)
     for remaining, lag, on in ((200, 0, True), (4, 0, True), (200, 400, True), (4, 400, False)):
-        d = policy().choose(slots, np.full(1, remaining), computed, 4096, np.full(1, lag))
+        d = _decide(policy(), slots, np.full(1, remaining), computed, 4096, np.full(1, lag))
         assert (d.draft_len > 0) == on, (remaining, lag, d.draft_len)
 
 
@@ -363,12 +369,12 @@ def test_a_resume_predicted_close_to_plain_decoding_waits_for_the_exploration_bu
         return p
 
     slots, remaining, computed = np.arange(1), np.full(1, 200), np.full(1, 50)
-    assert policy(0.1).choose(slots, remaining, computed, 4096, np.full(1, 400)).draft_len > 0  # a clear gain
-    assert policy(10.0).choose(slots, remaining, computed, 4096, np.zeros(1, dtype=np.int64)).draft_len > 0  # caught up
+    assert _decide(policy(0.1), slots, remaining, computed, 4096, np.full(1, 400)).draft_len > 0  # a clear gain
+    assert _decide(policy(10.0), slots, remaining, computed, 4096, np.zeros(1, dtype=np.int64)).draft_len > 0  # caught up
     p = policy(10.0)
     for first in range(400):
         before = p.probes.budget
-        d = p.choose(slots, remaining, computed, 4096, np.full(1, 400))
+        d = _decide(p, slots, remaining, computed, 4096, np.full(1, 400))
         if d.draft_len > 0:
             break
     # the catch-up (400 tokens x 0.1 ms) against 5% of ~4 ms plain steps: ~150 decisions of budget
@@ -516,27 +522,12 @@ def test_replay_auto_on_a_captured_trace_records_its_choices_and_keeps_tokens():
         replay(tr, prof, ReplayConfig(proposer="eagle", draft_len="auto"))
 
 
-def _two_plain_then_one_drafting(monkeypatch, chosen: list | None = None) -> None:
-    """The policy's choice replaced: two plain steps, then one that drafts (at the D it chose),
-    over and over (`chosen` gets each step's D)."""
-    from specsched.scheduler import adaptive
-
-    orig = adaptive.DraftLenPolicy.choose
-
-    def alternate(self, slots, remaining, computed, budget, lag=None):
-        dec = orig(self, slots, remaining, computed, budget, lag)
-        if self.decisions % 3:
-            rows = min(len(slots), budget)
-            dec = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
-        self.last = dec
-        if chosen is not None:
-            chosen.append(dec.draft_len)
-        return dec
-
-    monkeypatch.setattr(adaptive.DraftLenPolicy, "choose", alternate)
+def _two_plain_then_one_drafting() -> ScriptedPolicy:
+    """Two plain steps, then one that drafts 3 tokens a row, over and over."""
+    return ScriptedPolicy(3, lambda i, view: 0 if i % 3 else 3)
 
 
-def test_speculation_switched_off_and_on_again_stays_lossless(monkeypatch):
+def test_speculation_switched_off_and_on_again_stays_lossless():
     """Every other step plain (a draft model skips its fill then), the others drafting: the
     draft model catches up on the tokens it missed before it drafts again."""
     from specsched.runtime import bundled
@@ -545,7 +536,6 @@ def test_speculation_switched_off_and_on_again_stays_lossless(monkeypatch):
     from specsched.scheduler.sampling_params import SamplingParams
 
     chosen: list[int] = []
-    _two_plain_then_one_drafting(monkeypatch, chosen)
     prompts = [[(11 * i + j) % 400 + 5 for j in range(10 + 4 * i)] for i in range(3)]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     plain = run_requests(ModelWorker(str(bundled.target_dir()), {"kind": "none", "draft_len": 0}, num_pages=256),
@@ -554,7 +544,9 @@ def test_speculation_switched_off_and_on_again_stays_lossless(monkeypatch):
                                  ("mtp", bundled.mtp_dir(), "mtp")):
         worker = ModelWorker(str(bundled.target_dir()), {"kind": kind, "draft_len": 3}, proposer_dir=str(pdir),
                              num_pages=256)
-        got = run_requests(worker, prompts, params, schedule=schedule, adaptive=True)
+        policy = _two_plain_then_one_drafting()
+        got = run_requests(worker, prompts, params, schedule=schedule, policy=policy)
+        chosen += policy.chosen
         assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain], (kind, schedule)
     assert 0 in chosen and any(d > 0 for d in chosen)
 
@@ -585,7 +577,6 @@ def test_plain_steps_run_one_ahead_and_rows_finishing_in_flight_leave_the_next_d
         dropped.append(len(batch) - len(out))
         return out
 
-    _two_plain_then_one_drafting(monkeypatch)
     monkeypatch.setattr(Pipeline, "_overlaps", launched_ahead)
     monkeypatch.setattr(BatchBuilder, "without_finished", counted)
     # one of 3, 4 and 5 tokens ends on the second plain step, before anything was drafted (so
@@ -599,7 +590,8 @@ def test_plain_steps_run_one_ahead_and_rows_finishing_in_flight_leave_the_next_d
     worker = ModelWorker(str(bundled.target_dir()), {"kind": kind, "draft_len": 3},
                          proposer_dir=str(pdir) if pdir else None, num_pages=256)
     pipes: list = []
-    got = run_requests(worker, prompts, params, schedule=schedule, adaptive=True, pipelines=pipes)
+    got = run_requests(worker, prompts, params, schedule=schedule, policy=_two_plain_then_one_drafting(),
+                       pipelines=pipes)
     assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]
     assert [len(r.output_token_ids) for r in got] == lengths
     assert any(r.num_drafts for r in got)
@@ -627,7 +619,6 @@ def test_a_drafting_step_short_of_pages_preempts_no_request_in_flight(monkeypatc
         victims.append(inflight is not None and any(r is victim for r in inflight[0].requests))
         preempt(self, victim)
 
-    _two_plain_then_one_drafting(monkeypatch)
     monkeypatch.setattr(BatchBuilder, "_preempt", checked)
     prompts = [[(17 * i + j) % 420 + 6 for j in range(10 + 3 * i)] for i in range(4)]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
@@ -637,31 +628,23 @@ def test_a_drafting_step_short_of_pages_preempts_no_request_in_flight(monkeypatc
     # (a guard of one page a row let this run preempt a request in flight)
     worker = ModelWorker(str(bundled.target_dir()), {"kind": "draft", "draft_len": 3},
                          proposer_dir=str(bundled.draft_dir()), num_pages=256, page_size=4)
-    got = run_requests(worker, prompts, params, schedule="overlap", adaptive=True, num_pages=42, pipelines=pipes)
+    got = run_requests(worker, prompts, params, schedule="overlap", policy=_two_plain_then_one_drafting(),
+                       num_pages=42, pipelines=pipes)
     assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]
     assert victims and not any(victims)  # preempted, none while in flight
     assert pipes[0].blocks.num_used_pages == 0
 
 
-def _off_then_on(monkeypatch, fills: list) -> None:
-    """The policy's choice replaced: D = 0 for the first 30 decisions, then D = 3 (`fills`
-    gets each drafting step's largest lag)."""
-    from specsched.scheduler import adaptive
+def _off_then_on(fills: list) -> ScriptedPolicy:
+    """D = 0 for the first 30 decisions (until the first two requests are done, 24 steps, and
+    two more arrived), then D = 3 (`fills` gets each drafting step's largest lag)."""
+    def script(i, view):
+        if i <= 30:
+            return 0
+        fills.append(int(view.lag.max()))
+        return 3
 
-    orig = adaptive.DraftLenPolicy.choose
-
-    def off_then_on(self, slots, remaining, computed, budget, lag=None):
-        dec = orig(self, slots, remaining, computed, budget, lag)
-        if self.decisions <= 30:  # off until the first two requests are done (24 steps) and two more arrived
-            rows = min(len(slots), budget)
-            dec = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
-        else:
-            fills.append(int(lag.max()))
-            dec = adaptive.Decision(3, np.minimum(3, np.maximum(remaining - 1, 0)).astype(np.int64), len(slots), None)
-        self.last = dec
-        return dec
-
-    monkeypatch.setattr(adaptive.DraftLenPolicy, "choose", off_then_on)
+    return ScriptedPolicy(3, script)
 
 
 def _workload_prompts(n: int) -> list[list[int]]:
@@ -697,7 +680,6 @@ def test_prompts_admitted_while_speculation_is_off_are_caught_up_before_drafting
 
     plain = run_requests(worker("none"), prompts, params, max_num_seqs=2)
     fills: list[int] = []
-    _off_then_on(monkeypatch, fills)
     caught_up = []
     catch_up, draft_fill = HeadProposer._catch_up, DraftModelProposer.fill
 
@@ -725,7 +707,7 @@ def test_prompts_admitted_while_speculation_is_off_are_caught_up_before_drafting
 
     monkeypatch.setattr(HeadProposer, "_catch_up", checked)
     monkeypatch.setattr(DraftModelProposer, "fill", draft_checked)
-    got = run_requests(worker(kind), prompts, params, schedule=schedule, max_num_seqs=2, adaptive=True)
+    got = run_requests(worker(kind), prompts, params, schedule=schedule, max_num_seqs=2, policy=_off_then_on(fills))
     assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]
     assert max(fills) >= len(prompts[2]) - 1  # a late request's proposer had read none of its prompt
     assert all(r.num_drafts > 0 for r in got[2:])
@@ -815,7 +797,7 @@ def test_a_probe_waits_until_the_exploration_budget_pays_for_its_catch_up(monkey
         p = policy()
         probes = []
         for i in range(400):
-            d = p.choose(slots, remaining, computed, 4096, np.full(rows, lag))
+            d = _decide(p, slots, remaining, computed, 4096, np.full(rows, lag))
             assert d.explored or d.draft_len == 0  # plain decoding is the best here
             if d.explored:
                 probes.append((i, d.draft_len, d.rows))
@@ -868,7 +850,7 @@ def test_a_warm_up_at_one_draft_length_does_not_price_a_one_token_draft_by_the_c
         p.observe_launch("verify", {"tokens": 5, "requests": 1, "kv_tokens": kv + 5}, int(6e6))
         p.observe_launch("forward", {"kind": "decode", "tokens": 1, "requests": 1, "kv_tokens": kv + 1}, int(6e6))
     assert p.step_ns(1, 1, 0, 600) - p.step_ns(1, 0, 0, 600) < 1e6  # the D = 1 draft: ~0.3 ms
-    d = p.choose(np.arange(1), np.full(1, 100), np.full(1, 600), 4096)
+    d = _decide(p, np.arange(1), np.full(1, 100), np.full(1, 600), 4096)
     assert d.draft_len >= 1
 
 
@@ -980,7 +962,7 @@ def test_the_overhead_residual_is_taken_against_the_updated_cost_models():
     policy = DraftLenPolicy(4, has_fill=False, prior=0.7, explore_every=1000)
     _teach(policy, verify_ns_per_token=2e5, draft_ns_per_forward=1e5, const_ns=4e6)
     slots = np.arange(1)
-    dec = policy.choose(slots, np.array([100]), np.array([50]), budget=4096)
+    dec = _decide(policy, slots, np.array([100]), np.array([50]), budget=4096)
     # the step ran as the models now say a step of its shape costs, plus 1 ms of host work
     for _ in range(3):
         policy.observe_launch("forward" if dec.draft_len == 0 else "verify",
@@ -994,7 +976,7 @@ def test_the_overhead_residual_is_taken_against_the_updated_cost_models():
 
 
 @pytest.mark.parametrize("kind,schedule", [("draft", "overlap"), ("draft", "eager_fill"), ("mtp", "eager_fill")])
-def test_skipped_fills_and_their_catch_up_read_no_device_value_on_the_host(monkeypatch, kind, schedule):
+def test_skipped_fills_and_their_catch_up_read_no_device_value_on_the_host(kind, schedule):
     """Under the host-sync guard (runtime/sync_guard.py) a run whose proposer skips its fills
     and catches up -- a head gathering the hidden states the device kept -- serves plain
     greedy decoding's tokens with no request failing."""
@@ -1008,11 +990,10 @@ def test_skipped_fills_and_their_catch_up_read_no_device_value_on_the_host(monke
     plain = run_requests(ModelWorker(str(bundled.target_dir()), {"kind": "none", "draft_len": 0}, num_pages=256),
                          prompts, params, max_num_seqs=2)
     fills: list[int] = []
-    _off_then_on(monkeypatch, fills)
     pdir = {"draft": bundled.draft_dir(), "mtp": bundled.mtp_dir()}[kind]
     worker = ModelWorker(str(bundled.target_dir()), {"kind": kind, "draft_len": 3}, proposer_dir=str(pdir),
                          num_pages=256, sync_guard=True)
-    got = run_requests(worker, prompts, params, schedule=schedule, max_num_seqs=2, adaptive=True)
+    got = run_requests(worker, prompts, params, schedule=schedule, max_num_seqs=2, policy=_off_then_on(fills))
     assert [r.error for r in got] == [None] * len(got)
     assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]
     assert max(fills) > 0  # a catch-up happened
@@ -1029,11 +1010,11 @@ def test_a_step_that_catches_the_proposer_up_does_not_move_the_overhead():
     # each step resumes drafting: 40 tokens to catch up, 9 ms of host time more (three steps:
     # the fourth decision probes D = 0, which has not run)
     for _ in range(3):
-        dec = policy.choose(slots, np.full(2, 200), np.full(2, 50), 4096, np.full(2, 40))
+        dec = _decide(policy, slots, np.full(2, 200), np.full(2, 50), 4096, np.full(2, 40))
         assert dec.draft_len > 0
         policy.observe_step(int(policy.step_ns(*dec.cost_args) + 9e6))
     assert policy.overhead.samples.sum() == 0 and policy.overhead.at(dec.draft_len) < 1e6
-    dec = policy.choose(slots, np.full(2, 200), np.full(2, 50), 4096, np.zeros(2, dtype=np.int64))
+    dec = _decide(policy, slots, np.full(2, 200), np.full(2, 50), 4096, np.zeros(2, dtype=np.int64))
     policy.observe_step(int(policy.step_ns(*dec.cost_args) + 1e6))  # a step with nothing to catch up counts
     assert policy.overhead.at(dec.draft_len) == pytest.approx(1e6, rel=1e-6)
 
@@ -1048,10 +1029,10 @@ def test_a_load_where_speculation_never_pays_runs_no_fill(monkeypatch, sample):
     from specsched.simulator.fit import fit_profile
     from specsched.traces.reader import read_trace
 
-    def plain(self, slots, remaining, computed, budget, lag=None):
+    def plain(self, view):
         self.decisions += 1
-        rows = min(len(slots), budget)
-        dec = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
+        rows = min(len(view.slots), view.budget)
+        dec = Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
         self.last = dec
         return dec
 
@@ -1072,10 +1053,10 @@ def test_a_resume_over_more_rows_than_any_verify_had_is_a_probe_that_doubles():
     rows = 47
     slots, remaining, computed = np.arange(rows), np.full(rows, 300), np.full(rows, 100)
     lag = np.full(rows, 20)
-    assert p.choose(slots, remaining, computed, 4096, np.zeros(rows, dtype=np.int64)).rows == rows  # caught up
+    assert _decide(p, slots, remaining, computed, 4096, np.zeros(rows, dtype=np.int64)).rows == rows  # caught up
     taken = []
     for _ in range(2000):
-        d = p.choose(slots, remaining, computed, 4096, lag)
+        d = _decide(p, slots, remaining, computed, 4096, lag)
         p._held_slots = None
         if d.draft_len:
             taken.append((d.rows, d.explored))
@@ -1098,7 +1079,7 @@ def test_a_resume_beyond_the_verified_rows_is_held_back_when_a_due_probe_was_dec
     slots, remaining, computed = np.arange(rows), np.full(rows, 300), np.full(rows, 100)
     p.decisions, p.probes.budget = 10, 0.0
     assert not p.plain_seen and p.probes.due(p.decisions + 1, p.plain_seen)
-    d = p.choose(slots, remaining, computed, 4096, np.full(rows, 20))
+    d = _decide(p, slots, remaining, computed, 4096, np.full(rows, 20))
     assert d.draft_len == 0 and d.rows == rows and not d.explored
 
 
@@ -1107,10 +1088,10 @@ def test_after_the_engine_warm_up_the_next_prompts_skip_their_fills():
     before a decision (their fills wait for a step that drafts) -- what it learned stays."""
     p = _draft_model_policy(prior=0.9, explore_every=1000, verify_ns_per_token=1e4, draft_ns_per_forward=1e4)
     d = _choose(p, 1)
-    assert d.draft_len > 0 and not p.skips_fill(decided=False)
+    assert d.draft_len > 0 and p.last is d
     decisions, costs = p.decisions, p.state()["costs"]
     p.warmed_up()
-    assert p.skips_fill(decided=False)
+    assert p.last is None  # as before any decision: the pipeline's lazy fills wait (`_lazy`)
     assert p.decisions == decisions and p.state()["costs"] == costs
 
 
@@ -1150,14 +1131,14 @@ def test_an_op_seen_once_is_not_priced_and_the_warm_up_speculates_again():
         p.observe_launch("verify", {"tokens": 1 + d, "requests": 1, "kv_tokens": computed}, int(4.2e6 + 0.1e6 * d))
         p.observe_launch("fill", {"tokens": fill_tokens, "requests": 1, "kv_tokens": computed}, int(fill_ns))
 
-    first = p.choose(slots, remaining, np.full(1, 97), 4096, np.full(1, 97))
+    first = _decide(p, slots, remaining, np.full(1, 97), 4096, np.full(1, 97))
     assert first.draft_len == p.first_draft_len
     step(first.draft_len, 97, 97 + 1 + first.draft_len, 10e6)  # the catch-up and the step's own fill
-    second = p.choose(slots, remaining, np.full(1, 100), 4096, np.zeros(1, dtype=np.int64))
+    second = _decide(p, slots, remaining, np.full(1, 100), 4096, np.zeros(1, dtype=np.int64))
     assert second.draft_len == p.first_draft_len and not second.explored
     step(second.draft_len, 100, 1 + second.draft_len, 1.3e6)
     p.observe_launch("forward", {"kind": "decode", "tokens": 1, "requests": 1, "kv_tokens": 103}, int(4.1e6))
-    third = p.choose(slots, remaining, np.full(1, 103), 4096, np.zeros(1, dtype=np.int64))
+    third = _decide(p, slots, remaining, np.full(1, 103), 4096, np.zeros(1, dtype=np.int64))
     assert third.draft_len > 0 and third.gain > 1.2  # a 3-token fill is priced ~1.3 ms, not 10
 
 
@@ -1207,10 +1188,10 @@ def test_an_auto_run_that_never_drafted_replays_on_its_policy_s_prices(monkeypat
             learned.observe_launch(op[s.name], s.attrs, s.end_ns - s.start_ns)
     orig = adaptive.DraftLenPolicy.choose
 
-    def plain(self, slots, remaining, computed, budget, lag=None):
-        orig(self, slots, remaining, computed, budget, lag)
-        rows = min(len(slots), budget)
-        self.last = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
+    def plain(self, view):
+        orig(self, view)
+        rows = min(len(view.slots), view.budget)
+        self.last = Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
         return self.last
 
     with monkeypatch.context() as m:
@@ -1244,16 +1225,8 @@ def test_a_head_past_its_kept_budget_catches_up_while_speculation_is_off(monkeyp
     from specsched.runtime.proposers.mtp import HeadProposer
     from specsched.runtime.training.mtp_eval import run_requests
     from specsched.runtime.worker import ModelWorker
-    from specsched.scheduler import adaptive
     from specsched.scheduler.sampling_params import SamplingParams
 
-    def always_off(self, slots, remaining, computed, budget, lag=None):
-        rows = min(len(slots), budget)
-        self.decisions += 1
-        self.last = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
-        return self.last
-
-    monkeypatch.setattr(adaptive.DraftLenPolicy, "choose", always_off)
     kept, forward_tokens, catch_ups = [], [], []
     keep, catch_up = HiddenLog.keep, HeadProposer._catch_up
 
@@ -1282,7 +1255,8 @@ def test_a_head_past_its_kept_budget_catches_up_while_speculation_is_off(monkeyp
     for name, limit in (("unbounded", 1 << 20), ("bounded", budget)):
         kept.append(0)
         catch_ups.append(0)
-        got = run_requests(worker("mtp"), prompts, params, schedule="eager_fill", max_num_seqs=2, adaptive=True,
+        got = run_requests(worker("mtp"), prompts, params, schedule="eager_fill", max_num_seqs=2,
+                           policy=ScriptedPolicy(3, lambda i, view: 0),
                            max_kept_tokens=limit)
         outputs[name] = [r.output_token_ids for r in got]
         assert all(r.num_drafts == 0 for r in got)  # speculation stayed off

@@ -54,6 +54,7 @@ def test_replay_writes_a_trace_that_stats_reads(tmp_path):
 
 def test_replay_of_an_adaptive_trace_starts_where_its_policy_stood_unless_cold(tmp_path):
     from specsched.scheduler.adaptive import DraftLenPolicy
+    from specsched.scheduler.draft_policy import StepView
     from specsched.traces.recorder import write_trace
 
     auto = tmp_path / "auto.jsonl"
@@ -61,7 +62,7 @@ def test_replay_of_an_adaptive_trace_starts_where_its_policy_stood_unless_cold(t
     tr = read_trace(auto)
     learned = DraftLenPolicy(4, has_fill=True, kv_ahead=1, lazy_fill=True)
     for _ in range(30):  # 30 decisions in: the header says so
-        learned.choose(np.arange(2), np.full(2, 50), np.full(2, 40), 4096)
+        learned.choose(StepView(np.arange(2), np.full(2, 50), np.full(2, 40), 4096))
     tr.header.extra["draft_policy"] = learned.state()
     write_trace(tr, auto)
     for flags, decisions in (((), 30), (("--cold-policy",), 0)):
