@@ -1,10 +1,10 @@
-"""The pipeline's plain steps: prefill, mixed and plain decode forwards, and when one may run
-ahead of the step before it.
+"""The pipeline's plain steps: prefill, mixed and plain decode forwards, as primitives a
+schedule's runner orders (scheduler/schedules.py): launch, run ahead, complete.
 
-Why a module of its own: scheduler/pipeline.py holds the step loop; a forward step -- its
-launch, the proposer's fill behind it (or none while speculation is off), and `plain_overlap`'s
-one-step-ahead launches, which an adaptive draft length's `overlap` and `eager_fill` schedules use
-for their plain steps too -- is this mixin's, as the speculative step is spec_step.py's. It
+Why a module of its own: scheduler/pipeline.py holds the step loop; a forward step's launch,
+the proposer's fill behind it (or none while speculation is off), its completion and the
+one-step-ahead launches of `plain_overlap` (and of an adaptive draft length's plain steps under
+`overlap` and `eager_fill`) are this mixin's, as the speculative step's are spec_step.py's. It
 works on the pipeline's state and helpers (`_launch`, `_sync`, `_host`, `_output`, the
 streams, the slot table, `_inflight`).
 """
@@ -30,23 +30,15 @@ class ForwardStep:
         last = self.policy.last
         return batch.decision is not None or last is None or last.draft_len == 0
 
-    def _overlaps(self, batch: StepBatch) -> bool:
-        """Whether this step may be launched while the previous step is in flight: a plain
-        forward step with no proposer fill, under a schedule whose plain steps run ahead
-        (`ScheduleRules.plain_ahead`): `plain_overlap`'s every step and -- speculation off -- an
-        adaptive draft length's steps under `overlap` or `eager_fill`, which then run at
-        plain_overlap's speed (`sync` keeps every launch awaited)."""
-        if not self.rules.plain_ahead or batch.is_spec:
-            return False
-        return self.spec.kv_model is None or self._lazy(batch)
-
     async def _complete_inflight(self) -> None:
         if self._inflight is not None:
             batch, launch = self._inflight
             self._inflight = None
             await self._complete_forward(batch, launch)
 
-    async def _forward_step(self, batch: StepBatch, t_step: int, shape: dict) -> None:
+    def _launch_forward(self, batch: StepBatch, t_step: int, shape: dict) -> tuple[Launch, Launch | None]:
+        """Plan and launch a plain step's target forward and, unless it waits (`_lazy`), the
+        proposer's fill behind it; their bookkeeping. Returns (forward, fill or None)."""
         spec, t, slots = self.spec, self.table, batch.slots
         t0 = self._now()
         fill_msg = None
@@ -74,23 +66,14 @@ class ForwardStep:
         if fill_msg is not None:
             self.aux.wait_event(launch.event)
             s_fill = self._launch(self.aux, fill_msg)
-        if s_fill is None and self._overlaps(batch):
-            prev, self._inflight = self._inflight, (batch, launch)
-            if prev is not None:
-                await self._complete_forward(*prev)
-            return
-        await self._complete_forward(batch, launch)
-        if s_fill is not None:
-            if self.rules.awaits_launches:
-                await self._await_fill(s_fill, batch)
-            else:
-                self._pending_fill = s_fill
+        return launch, s_fill
 
-    async def _await_fill(self, launch: Launch, batch: StepBatch) -> None:
-        try:
-            await self._sync(launch)
-        except DeviceError as e:
-            self._fail_batch(batch, e)
+    async def _run_ahead(self, batch: StepBatch, launch: Launch) -> None:
+        """Leave this forward in flight and complete the one before it: the next step is
+        scheduled before this one's tokens reach the host."""
+        prev, self._inflight = self._inflight, (batch, launch)
+        if prev is not None:
+            await self._complete_forward(*prev)
 
     async def _complete_forward(self, batch: StepBatch, launch: Launch) -> None:
         try:

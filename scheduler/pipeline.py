@@ -8,10 +8,12 @@ Stages (host unless noted; names are span names): schedule, kv_alloc, plan, draf
 verify (device), accept (device), sync, fill (device: the proposer's KV fill, called
 `draft_fill` in traces), output.
 
-Schedules (scheduler/schedules.py) are rows of flags the steps read, never names: `sync`,
-`overlap`, `eager_fill`, `plain_overlap`. With an adaptive draft length, `overlap` and
-`eager_fill` run their plain steps (speculation off) one step ahead too; a step that drafts
-waits for the one in flight (`_overlaps`).
+A schedule (`sync`, `overlap`, `eager_fill`, `plain_overlap`) is a runner
+(scheduler/schedules.py): the order of one step's launches and waits, over the step
+primitives of scheduler/spec_step.py and scheduler/forward_step.py. The loop here knows no
+schedule or proposer by name. With an adaptive draft length, `overlap` and `eager_fill` run
+their plain steps (speculation off) one step ahead too; a step that drafts waits for the one in
+flight (`Runner.runs_ahead`).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from specsched.scheduler.output_stage import OutputStage
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.protocols import Clock, Device, DeviceError, OutputSink
 from specsched.scheduler.request import Request, RequestState
-from specsched.scheduler.schedules import ScheduleRules, schedule_rules
+from specsched.scheduler.schedules import Runner, runner
 from specsched.scheduler.spec_step import SpeculativeStep
 from specsched.scheduler.small_arrays import total
 from specsched.scheduler.step_batch import StepBatch
@@ -78,7 +80,7 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
         if config.proposer.rules.host_drafts and drafter is None:
             raise ValueError(f"proposer {config.proposer.kind!r} drafts on the host: the pipeline needs a drafter")
         self.spec = config.proposer
-        self.rules: ScheduleRules = schedule_rules(config.schedule)
+        self.runner: Runner = runner(config.schedule)
         self.builder = builder
         self.blocks = builder.blocks
         self.clock = clock
@@ -377,7 +379,7 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
             if not len(batch) and self.builder.has_work and self._inflight is None:
                 await anyio.sleep(0)
             return
-        if self._inflight is not None and not self._overlaps(batch):
+        if self._inflight is not None and not self.runner.runs_ahead(self, batch):
             # this step reads the tokens the plain step in flight samples (its drafts, its
             # proposer's fill): they reach the host first, and rows that finish on them leave
             # the batch before it holds pages. The step's time runs from here: the wait is the
@@ -391,9 +393,9 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
         self.builder.allocate(batch)
         self._host("kv_alloc", batch.step, t0, pages_used=self.blocks.num_used_pages, **shape)
         if batch.is_spec:
-            await self._spec_step(batch, t_step, shape)
+            await self.runner.spec_step(self, self._plan_spec(batch, t_step, shape))
         else:
-            await self._forward_step(batch, t_step, shape)
+            await self.runner.forward_step(self, batch, *self._launch_forward(batch, t_step, shape))
         self.num_steps += 1
         if self.policy.adaptive and batch.decision is not None:
             verify = self._outcome[2] if self._outcome is not None else None

@@ -1,8 +1,10 @@
-"""What each schedule does, as one row of flags the pipeline reads (never the schedule's name).
+"""The schedules: each a runner (the order of one step's launches and waits) and a row of
+flags for what the rest of the code must know of it.
 
-Why a table: a schedule is an ordering of the same launches and waits. The pipeline's steps
-read these flags where the orderings differ, and `validate_combination` refuses a proposer a
-schedule cannot run, so a new schedule is a new row here, not a new `if name == ...`.
+Why here: a schedule is an ordering of the same launches and waits. Its runner orders the
+pipeline's step primitives; its row of `SCHEDULE_RULES` tells `validate_combination` which
+proposers it can run and the adaptive draft length whether its plain steps hide their host
+work. A new schedule is a runner and a row here, not an `if name == ...` elsewhere.
 
   sync           every launch is awaited before the next stage: the baseline.
   overlap        after the sync on acceptance the proposer's fill is launched and not awaited;
@@ -24,7 +26,6 @@ from specsched.traces.names import Schedule, schedule_name
 @dataclass(frozen=True)
 class ScheduleRules:
     speculative: bool | None  # runs a proposer (True), plain decoding only (False), either (None)
-    awaits_launches: bool  # every launch (draft, verify, fill) is awaited before the next stage
     fill_behind_verify: bool  # the fill is launched behind the verify, before acceptance is known
     # the proposer's fill of the accepted tokens runs behind the next step's host work (so the
     # proposer needs such a fill: a KV cache of its own, filled once acceptance is known)
@@ -35,13 +36,13 @@ class ScheduleRules:
 
 
 SCHEDULE_RULES: dict[str, ScheduleRules] = {
-    Schedule.SYNC: ScheduleRules(None, awaits_launches=True, fill_behind_verify=False, defers_fill=False,
+    Schedule.SYNC: ScheduleRules(None, fill_behind_verify=False, defers_fill=False,
                                  plain_ahead=False),
-    Schedule.OVERLAP: ScheduleRules(True, awaits_launches=False, fill_behind_verify=False, defers_fill=True,
+    Schedule.OVERLAP: ScheduleRules(True, fill_behind_verify=False, defers_fill=True,
                                     plain_ahead=True),
-    Schedule.EAGER_FILL: ScheduleRules(True, awaits_launches=False, fill_behind_verify=True, defers_fill=False,
+    Schedule.EAGER_FILL: ScheduleRules(True, fill_behind_verify=True, defers_fill=False,
                                        plain_ahead=True),
-    Schedule.PLAIN_OVERLAP: ScheduleRules(False, awaits_launches=False, fill_behind_verify=False,
+    Schedule.PLAIN_OVERLAP: ScheduleRules(False, fill_behind_verify=False,
                                           defers_fill=False, plain_ahead=True),
 }
 assert set(SCHEDULE_RULES) == set(Schedule)
@@ -53,3 +54,86 @@ def schedule_rules(schedule: str) -> ScheduleRules:
     if rules is None:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {tuple(s.value for s in Schedule)}")
     return rules
+
+
+class Runner:
+    """The launches and waits of one step under a schedule, top to bottom. `p` is the pipeline,
+    whose step primitives (scheduler/spec_step.py, scheduler/forward_step.py) pack, launch,
+    wait and book; a runner only orders them."""
+
+    def runs_ahead(self, p, batch) -> bool:
+        """Whether this plain step may be launched while the step before it is in flight."""
+        return False
+
+    async def spec_step(self, p, plan) -> None:
+        raise NotImplementedError
+
+    async def forward_step(self, p, batch, forward, fill) -> None:
+        """A launched plain step: complete it (its tokens to the host), its fill left or awaited."""
+        if fill is None and self.runs_ahead(p, batch):
+            await p._run_ahead(batch, forward)
+            return
+        await p._complete_forward(batch, forward)
+        p._defer_fill(fill)
+
+
+class SyncRunner(Runner):
+    async def spec_step(self, p, plan) -> None:
+        draft = p._launch_draft(plan)
+        if draft is not None and await p._wait(draft, plan.batch) is None:
+            return
+        verify = p._launch_verify(plan, draft)
+        result = await p._wait(verify, plan.batch)
+        if result is None:
+            return
+        fill = p._accept(plan, result, verify, None)
+        if fill is not None:
+            await p._wait(fill, plan.batch)
+
+    async def forward_step(self, p, batch, forward, fill) -> None:
+        await p._complete_forward(batch, forward)
+        if fill is not None:
+            await p._wait(fill, batch)
+
+
+class _PlainAhead(Runner):
+    def runs_ahead(self, p, batch) -> bool:
+        # a plain step with no proposer fill: speculation off (an adaptive draft length at D = 0)
+        return not batch.is_spec and (p.spec.kv_model is None or p._lazy(batch))
+
+
+class OverlapRunner(_PlainAhead):
+    async def spec_step(self, p, plan) -> None:
+        draft = p._launch_draft(plan)
+        verify = p._launch_verify(plan, draft)
+        result = await p._wait(verify, plan.batch)
+        if result is None:
+            return
+        p._defer_fill(p._accept(plan, result, verify, None))  # behind the next step's host work
+
+
+class EagerFillRunner(_PlainAhead):
+    async def spec_step(self, p, plan) -> None:
+        draft = p._launch_draft(plan)
+        verify = p._launch_verify(plan, draft)
+        fill = p._launch_fill_behind(plan, verify)  # before the host knows what was accepted
+        result = await p._wait(verify, plan.batch)
+        if result is None:
+            return
+        p._defer_fill(p._accept(plan, result, verify, fill))
+
+
+class PlainOverlapRunner(Runner):
+    def runs_ahead(self, p, batch) -> bool:
+        return True
+
+
+RUNNERS: dict[str, type[Runner]] = {Schedule.SYNC: SyncRunner, Schedule.OVERLAP: OverlapRunner,
+                                    Schedule.EAGER_FILL: EagerFillRunner, Schedule.PLAIN_OVERLAP: PlainOverlapRunner}
+assert set(RUNNERS) == set(Schedule)
+
+
+def runner(schedule: str) -> Runner:
+    """The runner of `schedule` (an alias resolved); ValueError naming the schedules for another."""
+    schedule_rules(schedule)
+    return RUNNERS[schedule_name(schedule)]()

@@ -565,19 +565,18 @@ def test_plain_steps_run_one_ahead_and_rows_finishing_in_flight_leave_the_next_d
     from specsched.scheduler.sampling_params import SamplingParams
 
     ahead, dropped = [], []
-    overlaps, without = Pipeline._overlaps, BatchBuilder.without_finished
+    run_ahead, without = Pipeline._run_ahead, BatchBuilder.without_finished
 
-    def launched_ahead(self, batch):
-        ok = overlaps(self, batch)
-        ahead.append(ok and self._inflight is not None)
-        return ok
+    async def launched_ahead(self, batch, launch):
+        ahead.append(self._inflight is not None)  # the step before is still in flight
+        await run_ahead(self, batch, launch)
 
     def counted(self, batch):
         out = without(self, batch)
         dropped.append(len(batch) - len(out))
         return out
 
-    monkeypatch.setattr(Pipeline, "_overlaps", launched_ahead)
+    monkeypatch.setattr(Pipeline, "_run_ahead", launched_ahead)
     monkeypatch.setattr(BatchBuilder, "without_finished", counted)
     # one of 3, 4 and 5 tokens ends on the second plain step, before anything was drafted (so
     # whatever the proposer accepts), while the first drafting step waits for it
