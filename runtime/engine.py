@@ -27,18 +27,15 @@ from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.proposers.ngram import host_drafter
 from specsched.scheduler.batch_builder import SchedulerConfig, max_pages_needed
 from specsched.scheduler.block_manager import KVPoolStats
+from specsched.scheduler.engine_config import WARMUP_ID, WARMUP_PROMPT, warmup_params
 from specsched.scheduler.errors import EngineClosedError, InvalidRequestError
 from specsched.scheduler.pipeline import Pipeline
 from specsched.scheduler.protocols import DeviceError
 from specsched.scheduler.proposer import RULES
 from specsched.scheduler.request import Request
 from specsched.scheduler.sampling_params import SamplingParams
-from specsched.scheduler.wiring import WARMUP_TOKENS, build_pipeline, scheduler_config
+from specsched.scheduler.wiring import build_pipeline, scheduler_config
 from specsched.traces.hook import NULL_TRACER
-
-# the warm-up request's prompt (`AsyncEngine._warm_up`; its length: wiring.WARMUP_TOKENS)
-WARMUP_PROMPT = "def main():\n    return 0\n"
-WARMUP_ID = "specsched-warmup"
 
 
 class MonotonicClock:
@@ -165,26 +162,10 @@ class AsyncEngine:
 
     def worker_spec(self):
         from specsched.runtime.devices import WorkerSpec
+        from specsched.runtime.worker_config import WorkerConfig
 
-        c = self.config
-        return WorkerSpec("specsched.runtime.worker:ModelWorker", {
-            "model_dir": self.model_dir,
-            "proposer_dir": self._proposer_dir(),
-            "proposer": c.proposer_spec().__dict__ | {"tree_parents": list(c.proposer_spec().tree_parents)},
-            "num_pages": c.num_pages,
-            "page_size": c.page_size,
-            "dtype": c.dtype,
-            "attention": c.attention,
-            "device": "cuda" if c.device == "cuda" else "cpu",
-            "acceptance": c.acceptance,
-            "threshold": c.threshold,
-            "ngram": (c.ngram_min, c.ngram_max),
-            "num_threads": c.worker_threads,
-            "sync_guard": c.sync_guard,
-            "verify_micro_batches": c.verify_micro_batches,
-            "tensor_parallel_size": c.tensor_parallel_size,
-            "tp_channel": c.tp_channel,
-        })
+        config = WorkerConfig.from_engine(self.config, self.model_dir, self._proposer_dir())
+        return WorkerSpec("specsched.runtime.worker:ModelWorker", {"config": config})
 
     async def __aenter__(self) -> "AsyncEngine":
         from specsched.runtime.devices import make_device
@@ -236,8 +217,7 @@ class AsyncEngine:
         JIT compile), which no user request should, and a device that cannot serve fails the
         start rather than the first request (DeviceError). An adaptive draft length learns from
         it as from any request (its first launches, cold, teach it nothing)."""
-        ids, params = self.tokenizer.encode(WARMUP_PROMPT) or [0], SamplingParams(max_tokens=WARMUP_TOKENS,
-                                                                                    ignore_eos=True)
+        ids, params = self.tokenizer.encode(WARMUP_PROMPT) or [0], warmup_params()
         while True:  # shortened to what the model's positions and the page pool hold
             try:
                 self.validate(ids, params)

@@ -18,7 +18,7 @@ Ops (scheduler/messages.py defines their typed messages and results):
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -28,11 +28,12 @@ from specsched.runtime.checkpoint import load_model
 from specsched.runtime.proposers.factory import make_proposer
 from specsched.runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
 from specsched.runtime.verify import greedy_verify, rejection_verify, threshold_verify
+from specsched.runtime.worker_config import WorkerConfig
 from specsched.scheduler.messages import (AgreementMessage, AgreementResult, DraftMessage, DraftResult, FillMessage, FillResult, ForwardMessage,
                                           ForwardResult, VerifyMessage, VerifyResult)
 from specsched.runtime.sync_guard import host_side, no_host_sync, to_device
 from specsched.scheduler.plan import AttentionPlan, concat_ranges
-from specsched.scheduler.proposer import RULES, ProposerSpec
+from specsched.scheduler.proposer import ProposerSpec
 from specsched.scheduler.step_trace import device_span_name
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -56,14 +57,14 @@ class SeqState:
         return self.temperature == 0.0
 
 
-def _as_numpy(result: Any) -> Any:
-    """The op's result with its tensors as numpy arrays, in place: the result is new and
-    nobody else holds it (dataclasses.replace would cost more than the op's other host work)."""
+def _as_numpy(result: Any) -> dict[str, Any]:
+    """The result's tensor fields as numpy arrays, by field name (for `dataclasses.replace`)."""
+    out = {}
     for f in getattr(result, "__dataclass_fields__", ()):
         v = getattr(result, f)
         if isinstance(v, torch.Tensor):
-            object.__setattr__(result, f, v.numpy())
-    return result
+            out[f] = v.numpy()
+    return out
 
 
 class TokenBuffer:
@@ -111,63 +112,55 @@ class TokenBuffer:
 
 
 class ModelWorker:
-    def __init__(
-        self,
-        model_dir: str,
-        proposer: dict,
-        proposer_dir: str | None = None,
-        num_pages: int = 1024,
-        page_size: int = 16,
-        dtype: str = "float32",
-        attention: str = "torch",
-        device: str = "cpu",
-        acceptance: str = "lossless",
-        threshold: float = 0.3,
-        ngram: tuple[int, int] = (1, 3),
-        num_threads: int | None = None,
-        sync_guard: bool = False,
-        verify_micro_batches: int = 1,
-        tensor_parallel_size: int = 1,
-        tp_channel: str = "shm",
-    ):
-        if num_threads:
-            torch.set_num_threads(num_threads)
+    def __init__(self, config: WorkerConfig | str, proposer: ProposerSpec | dict | None = None, **settings: Any):
+        """`config`: the worker's configuration (the engine's: `WorkerConfig.from_engine`); or
+        a target checkpoint dir, with the proposer and WorkerConfig's other fields as keywords
+        (`WorkerConfig.of`: tests and tools build workers in-process this way)."""
+        if not isinstance(config, WorkerConfig):
+            if proposer is None:
+                raise TypeError("ModelWorker needs a WorkerConfig, or a model dir and a proposer")
+            config = WorkerConfig.of(config, proposer, **settings)
+        elif proposer is not None or settings:
+            raise TypeError("ModelWorker takes a WorkerConfig alone (its fields are set there)")
+        self.config = c = config
+        if c.num_threads:
+            torch.set_num_threads(c.num_threads)
         torch.set_grad_enabled(False)
-        self.device = torch.device(device)
-        self.dtype = _DTYPES[dtype]
-        self.page_size = page_size
+        self.device = torch.device(c.device)
+        self.dtype = _DTYPES[c.dtype]
+        self.page_size = c.page_size
         # tensor parallelism: this worker is rank 0 of the group; the sharded modules' calls
         # run on every rank (runtime/tp/ranks.py), everything else only here
         self.tp_leader = None
-        if tensor_parallel_size > 1:
+        if c.tensor_parallel_size > 1:
             from specsched.runtime.tp.ranks import Leader
 
-            head_dir = proposer_dir if RULES[proposer["kind"]].checkpoint == "mtp_head" else None
-            self.tp_leader = Leader(tensor_parallel_size, model_dir=model_dir, head_dir=head_dir, dtype=dtype,
-                                    device=device, attention=attention, num_pages=num_pages, page_size=page_size,
-                                    num_threads=num_threads or 1, channel=tp_channel)
+            head_dir = c.proposer_dir if c.proposer.rules.checkpoint == "mtp_head" else None
+            self.tp_leader = Leader(c.tensor_parallel_size, model_dir=c.model_dir, head_dir=head_dir, dtype=c.dtype,
+                                    device=c.device, attention=c.attention, num_pages=c.num_pages,
+                                    page_size=c.page_size, num_threads=c.num_threads or 1, channel=c.tp_channel)
         try:  # a failed start stops the ranks it started
             tp = self.tp_leader.tp if self.tp_leader is not None else None
-            self.target = load_model(model_dir, dtype=self.dtype, device=self.device, tp=tp)
-            self.backend = self.target.attention_backend(attention)
-            self.kv = self.target.make_kv_cache(num_pages, page_size, backend=self.backend)
-            self.spec = ProposerSpec(proposer["kind"], proposer["draft_len"], tuple(proposer.get("tree_parents", ())))
-            self.acceptance = acceptance
-            self.threshold = threshold
+            self.target = load_model(c.model_dir, dtype=self.dtype, device=self.device, tp=tp)
+            self.backend = self.target.attention_backend(c.attention)
+            self.kv = self.target.make_kv_cache(c.num_pages, c.page_size, backend=self.backend)
+            self.spec = c.proposer
+            self.acceptance = c.acceptance
+            self.threshold = c.threshold
             self.states: dict[int, SeqState] = {}
             # request tokens live on the device, indexed by slot; a step's drafts sit right after
             # each row's last token, where the verify reads them with it in one gather
             self.tokens = TokenBuffer(self.target.config.max_position_embeddings + 1, self.device)
             self.draft_width = max(1, self.spec.num_candidates)
-            self.ngram = ngram  # n-gram lookup lengths (the host drafts with them: `host_drafter`)
-            self.proposer = make_proposer(self, self.spec, proposer_dir, num_pages, ngram)
+            self.ngram = c.ngram  # n-gram lookup lengths (the host drafts with them: `host_drafter`)
+            self.proposer = make_proposer(self, self.spec, c.proposer_dir, c.num_pages, c.ngram)
             self.last_hidden: dict | None = None  # target hidden states of the latest target launch
             self.last_verify: tuple | None = None  # (step, slots, accepted [B] on the device) of the latest verify
             # ops enqueue device work only; with the guard a host read of a device value fails the op
-            self.sync_guard = sync_guard
+            self.sync_guard = c.sync_guard
             # a verify's rows as this many target forwards back to back (on a tensor-parallel
             # target one half's compute would overlap the other's communication)
-            self.verify_micro_batches = verify_micro_batches
+            self.verify_micro_batches = c.verify_micro_batches
             if self.tp_leader is not None:  # the sharded modules, as every rank must run them
                 self.target = self.tp_leader.wrap(self.target, "target")
                 self.kv = self.tp_leader.wrap_kv(self.kv, "target")
@@ -212,13 +205,18 @@ class ModelWorker:
                 finally:
                     if cuda:
                         torch.cuda.set_sync_debug_mode(mode)
-        if tp is not None and hasattr(result, "ranks"):  # a new result: set in place (see _as_numpy)
-            object.__setattr__(result, "ranks", tp.collect())
-            object.__setattr__(result, "comm", (tp.stats.broadcast_ns - comm0[0], tp.stats.all_reduce_ns - comm0[1]))
-        # On the CPU an op has finished when it returns: its host-side tensors go to the host
+        # The result goes back as a new (frozen) result with its final values, in one replace:
+        # on a tensor-parallel device with the other ranks' intervals and the op's communication
+        # time; on the CPU, where an op has finished when it returns, with its host-side tensors
         # as numpy arrays (the engine's process needs no torch to read them). On CUDA they are
         # read after the op's event, by whoever waits on it.
-        return _as_numpy(result) if self.device.type == "cpu" else result
+        final = {}
+        if tp is not None and hasattr(result, "ranks"):
+            final["ranks"] = tp.collect()
+            final["comm"] = (tp.stats.broadcast_ns - comm0[0], tp.stats.all_reduce_ns - comm0[1])
+        if self.device.type == "cpu":
+            final.update(_as_numpy(result))
+        return replace(result, **final) if final else result
 
     def op_ping(self, batch: dict) -> dict:
         return {"ok": True, "num_states": len(self.states)}

@@ -15,10 +15,9 @@ from typing import NamedTuple
 
 import anyio
 
-from specsched.scheduler import wiring
-from specsched.scheduler.errors import InvalidRequestError
+from specsched.scheduler.engine_config import WARMUP_ID, EngineConfig, warmup_params
+from specsched.scheduler.errors import ConfigurationError, InvalidRequestError
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
-from specsched.scheduler.pipeline import MAX_KEPT_TOKENS
 from specsched.scheduler.schedules import schedule_rules
 from specsched.scheduler.wiring import NATURAL_SCHEDULE, build_pipeline
 from specsched.simulator.follow import follow_choices, recorded_choices
@@ -134,16 +133,29 @@ class _Sink:
             wake.set_result(None)
 
 
-def resolve(trace: Trace, cfg: ReplayConfig) -> tuple[str, str, int, dict]:
-    """(proposer, schedule, D, engine settings) of the replay. An adaptive draft length -- asked
-    for, or the captured run's when the replay keeps its proposer and D -- shows as engine
-    setting `draft_len: "auto"`, D then being the longest it may choose."""
+class Resolved(NamedTuple):
+    """What a replay runs: its proposer, schedule and D (the fixed one, or the longest an
+    adaptive one may choose) and the engine configuration they make with the trace's."""
+
+    proposer: str
+    schedule: str
+    draft_len: int
+    config: EngineConfig
+
+
+def resolve(trace: Trace, cfg: ReplayConfig) -> Resolved:
+    """The replay's proposer, schedule, D and engine configuration: the trace header's
+    `engine_config` with the replay's changes, built and checked by `EngineConfig` (its
+    defaults fill what an older trace lacks). An adaptive draft length -- asked for, or the
+    captured run's when the replay keeps its proposer and D -- is `draft_len: "auto"`, D then
+    being the longest it may choose."""
     h = trace.header
     proposer = cfg.proposer or h.proposer
     captured_auto = h.engine_config.get("draft_len") == "auto" and proposer == h.proposer
     auto = cfg.draft_len == "auto" or (cfg.draft_len is None and captured_auto)
     if auto:
-        draft_len = cfg.max_draft_len or int(h.engine_config.get("max_draft_len") or 0) or max(h.draft_len, 0) or 4
+        draft_len = (cfg.max_draft_len or int(h.engine_config.get("max_draft_len") or 0) or max(h.draft_len, 0)
+                     or EngineConfig.model_fields["max_draft_len"].default)
     elif cfg.draft_len is not None:
         draft_len = cfg.draft_len
     elif proposer == "none":
@@ -156,42 +168,44 @@ def resolve(trace: Trace, cfg: ReplayConfig) -> tuple[str, str, int, dict]:
     if cfg.proposer and cfg.proposer != h.proposer and not cfg.schedule:
         schedule = NATURAL_SCHEDULE[proposer]
     validate_combination(proposer, schedule, draft_len)
-    engine = dict(h.engine_config)
-    engine.update(cfg.engine_overrides)
-    engine["draft_len"] = "auto" if auto else draft_len
+    changes = dict(cfg.engine_overrides, proposer=proposer, schedule=schedule, draft_len="auto" if auto else draft_len)
     if auto:
-        engine["max_draft_len"] = draft_len
-        if not captured_auto:
-            engine["draft_profile"] = None  # a what-if: the policy learns the costs as the engine would
-    return proposer, schedule, draft_len, engine
+        changes["max_draft_len"] = draft_len
+    if not (auto and captured_auto):
+        # a what-if: the policy learns the costs as the engine would (a fixed D has no profile)
+        changes["draft_profile"] = None
+    try:
+        config = EngineConfig.from_header(h.engine_config, **changes)
+    except ConfigurationError as e:
+        raise ConfigurationError(f"{trace.path or 'trace'}: {e}") from None
+    return Resolved(proposer, schedule, draft_len, config)
 
 
-async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolved: tuple[str, str, int, dict],
+async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolved: Resolved,
                   spec: ProposerSpec, items: list[WorkloadItem], acceptance: AcceptanceModel) -> Trace:
-    proposer, schedule, _, engine = resolved
-    page_size = int(engine.get("page_size", 16))
+    c = resolved.config
+    proposer, schedule = c.proposer, c.schedule
     responder = TraceResponder(profile, acceptance, [it.prompt_len for it in items])
     clock = VirtualClock()
     device = VirtualDevice(profile, responder, clock=clock)
     header = Header.create(source="simulator", clock="virtual_ns", model=trace.header.model,
                            draft_model=trace.header.draft_model, proposer=proposer, schedule=schedule,
                            draft_len=spec.draft_len, device={"kind": "virtual", "name": "replay"},
-                           engine_config=engine | {"proposer": proposer, "schedule": schedule},
+                           engine_config=c.model_dump(mode="json"),
                            extra={"replayed_from": trace.path, "acceptance": cfg.acceptance,
                                   "workload": trace.header.extra.get("workload", {})})
     rec = MemoryRecorder(header)
     sink = _Sink()
-    pipe = build_pipeline(spec, schedule, num_pages=int(engine.get("num_pages", 4096)), page_size=page_size,
-                          max_num_seqs=int(engine.get("max_num_seqs", 64)),
-                          max_num_batched_tokens=int(engine.get("max_num_batched_tokens", 2048)),
-                          device=device, clock=clock, sink=sink, tracer=rec, adaptive=engine["draft_len"] == "auto",
+    pipe = build_pipeline(spec, schedule, num_pages=c.num_pages, page_size=c.page_size, max_num_seqs=c.max_num_seqs,
+                          max_num_batched_tokens=c.max_num_batched_tokens,
+                          device=device, clock=clock, sink=sink, tracer=rec, adaptive=c.adaptive,
                           # seeded as the captured run was: with a profile if it had one (this one)
-                          seed_costs=profile.to_json() if engine.get("draft_profile") else None,
+                          seed_costs=profile.to_json() if c.draft_profile else None,
                           drafter=responder if spec.rules.host_drafts else None,
-                          max_kept_tokens=int(engine.get("max_kept_hidden_tokens", MAX_KEPT_TOKENS)))
+                          max_kept_tokens=c.max_kept_hidden_tokens)
     policy = pipe.policy if pipe.policy.adaptive else None
     captured = trace.header.extra.get("draft_policy")
-    warm_up = policy is not None and cfg.policy_state and not engine.get("skip_warmup", False)
+    warm_up = policy is not None and cfg.policy_state and not c.skip_warmup
     if (policy is not None and captured and cfg.policy_state and proposer == trace.header.proposer
             and captured.get("max_draft_len") == policy.max_draft_len):
         policy.restore(captured)  # where the captured run's policy stood when recording began
@@ -256,11 +270,13 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
         await submit(i, it)
 
     async def engine_warm_up() -> None:
-        """The engine's start-up warm-up (`AsyncEngine._warm_up`), untraced, of the first item's shape."""
-        ev = sink.done["warmup"] = anyio.Event()
-        params = SamplingParams(max_tokens=min(wiring.WARMUP_TOKENS, items[0].output_len), ignore_eos=True)
+        """The engine's start-up warm-up (`AsyncEngine._warm_up`: its request id and sampling),
+        untraced, with the first item's prompt length (a replay has no tokenizer for the
+        engine's warm-up prompt) and at most its output length."""
+        ev = sink.done[WARMUP_ID] = anyio.Event()
+        params = warmup_params(items[0].output_len)
         async with pipe.warming_up():
-            pipe.add_request(Request("warmup", [0] * items[0].prompt_len, params, arrival_ns=clock.now_ns()))
+            pipe.add_request(Request(WARMUP_ID, [0] * items[0].prompt_len, params, arrival_ns=clock.now_ns()))
             await ev.wait()
 
     async with anyio.create_task_group() as tg:
@@ -284,13 +300,6 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
     return rec.to_trace(validate=False)
 
 
-def proposer_spec(resolved: tuple[str, str, int, dict]) -> ProposerSpec:
-    """The replay's proposer, as the engine would build it from the resolved configuration."""
-    proposer, schedule, draft_len, engine = resolved
-    return wiring.proposer_spec(proposer, draft_len, tree_top_k=engine.get("tree_top_k", wiring.TREE_TOP_K),
-                                tree_max_nodes=engine.get("tree_max_nodes", wiring.TREE_MAX_NODES), schedule=schedule)
-
-
 def check_profile(profile: CostProfile, spec: ProposerSpec) -> None:
     """Fail before the run when `profile` cannot price an op this configuration launches (a
     profile fitted on a plain trace has no draft op): a clear error, not one mid-replay."""
@@ -310,11 +319,11 @@ def replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig | None = None) 
     cfg = cfg or ReplayConfig()
     items = workload_from_trace(trace)
     resolved = resolve(trace, cfg)
-    proposer, _, draft_len, _ = resolved
-    spec = proposer_spec(resolved)
+    proposer, _, draft_len, config = resolved
+    spec = config.proposer_spec()  # the replay's proposer, as the engine builds it
     check_profile(profile, spec)
     same = proposer == trace.header.proposer and draft_len == trace.header.draft_len
-    varying = resolved[3]["draft_len"] == "auto" or trace.header.engine_config.get("draft_len") == "auto"
+    varying = config.adaptive or trace.header.engine_config.get("draft_len") == "auto"
     acceptance = AcceptanceModel.parse(cfg.acceptance, trace, seed=cfg.seed, captured_config=same,
                                        any_length=varying)
     # The cyclic garbage collector is paused for the run: a replay allocates many short-lived
