@@ -5,8 +5,8 @@ At D = 0 the head's fills wait and the worker keeps the target's hidden states o
 forward for the catch-up (`ForwardMessage.keep_hidden`, runtime/proposers/hidden_log.py), and
 every forward returns them. This runs the same requests through a Pipeline on an in-process
 device (`run_requests`: no worker process, so no round trip's noise) as plain decoding under
-`plain_overlap` and as the MTP head under `mtp` with `draft_len="auto"` whose decisions are all
-D = 0 (the policy's choice replaced by a plain step: the policy's own host time is priced by
+`plain_overlap` and as the MTP head under `eager_fill` with a policy that pauses as the adaptive
+one does and chooses D = 0 every step (the adaptive policy's own host time is priced by
 `benchmarks/policy_overhead.py`), and prints each round's wall time and the ratio of medians.
 
     python benchmarks/kept_hidden.py [--num-requests 16] [--max-tokens 48] [--rounds 6]
@@ -17,7 +17,6 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 
 
 def main() -> None:
@@ -33,7 +32,7 @@ def main() -> None:
     from specsched.runtime.training.mtp_eval import run_requests
     from specsched.runtime.worker import ModelWorker
     from specsched.runtime.workload import load_workload
-    from specsched.scheduler import adaptive
+    from specsched.scheduler.draft_policy import FixedPolicy
     from specsched.scheduler.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
@@ -42,12 +41,10 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     n = len(prompts)
 
-    def plain_step(self, slots, remaining, computed, budget, lag=None):
-        rows = min(len(slots), budget)
-        self.last = adaptive.Decision(0, np.zeros(rows, dtype=np.int64), rows, None)
-        return self.last
+    class AlwaysPlain(FixedPolicy):
+        """D = 0 on every decode step, pausing as the adaptive policy does: the head's fills wait."""
 
-    adaptive.DraftLenPolicy.choose = plain_step
+        pauses = True
     pages = 64 * n
     target = str(bundled.target_dir())
     workers = {"plain (plain_overlap)": ModelWorker(target, {"kind": "none", "draft_len": 0}, num_pages=pages),
@@ -60,7 +57,7 @@ def main() -> None:
             head = name.startswith("mtp")
             t0 = time.perf_counter()
             out = run_requests(workers[name], prompts, params, schedule="eager_fill" if head else "plain_overlap",
-                               num_pages=pages, max_num_seqs=n, adaptive=head)
+                               num_pages=pages, max_num_seqs=n, policy=AlwaysPlain(0) if head else None)
             walls[name].append(time.perf_counter() - t0)
             assert all(o.num_drafts == 0 and o.error is None for o in out)
     print(f"{n} requests x {args.max_tokens} tokens, {args.rounds} alternating rounds (wall s)")

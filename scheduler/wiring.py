@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from specsched.scheduler.adaptive import DraftLenPolicy
+from specsched.scheduler.adaptive import AdaptivePolicy
 from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
 from specsched.scheduler.block_manager import BlockManager
+from specsched.scheduler.cost_model import StepCosts
 from specsched.scheduler.draft_policy import DraftPolicy
 from specsched.scheduler.pipeline import MAX_KEPT_TOKENS, Pipeline, PipelineConfig
 from specsched.scheduler.proposer import ProposerSpec, default_tree
@@ -61,17 +62,15 @@ def scheduler_config(spec: ProposerSpec, *, max_num_seqs: int, max_num_batched_t
 
 
 def draft_len_policy(spec: ProposerSpec, *, seed_costs: dict | None = None, slots: int = 64,
-                     cold_first_launch: bool = True, schedule: str = "sync") -> DraftLenPolicy:
-    """The adaptive draft length for `spec`, whose `draft_len` is the longest it may choose,
-    under `schedule` (`ScheduleRules.plain_ahead`: its plain steps may hide their host work); ValueError for a
+                     cold_first_launch: bool = True) -> AdaptivePolicy:
+    """The adaptive draft length for `spec`, whose `draft_len` is the longest it may choose, its
+    cost models seeded from `seed_costs` (a cost profile's JSON) if given; ValueError for a
     proposer it cannot drive (none; a tree's shape is fixed)."""
     if not spec.speculative or spec.is_tree:
         raise ValueError(f"draft_len 'auto' needs a linear proposer (draft, mtp, ngram), not {spec.kind!r}")
-    return DraftLenPolicy(spec.draft_len, has_fill=spec.kv_model is not None, kv_ahead=spec.kv_ahead,
-                          draft_op=not spec.rules.host_drafts,
-                          fill_same_batch=spec.fill_same_batch, lazy_fill=spec.rules.lazy_fill,
-                          seed_costs=seed_costs, slots=slots, cold_first_launch=cold_first_launch,
-                          plain_ahead=schedule_rules(schedule).plain_ahead)
+    costs = StepCosts(draft_op=not spec.rules.host_drafts, has_fill=spec.kv_model is not None,
+                      window_fill=spec.fill_same_batch, seed=seed_costs, cold_first_launch=cold_first_launch)
+    return AdaptivePolicy(spec.draft_len, costs, slots=slots)
 
 
 def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_size: int,
@@ -92,7 +91,7 @@ def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_si
     if adaptive and policy is None:
         # a device whose first launch of an op is no slower than the next (the simulator's) says so
         policy = draft_len_policy(spec, seed_costs=seed_costs, slots=max(8, max_num_seqs),
-                                  cold_first_launch=not device.warm_first_launch, schedule=schedule)
+                                  cold_first_launch=not device.warm_first_launch)
     builder = BatchBuilder(scheduler_config(spec, max_num_seqs=max_num_seqs,
                                             max_num_batched_tokens=max_num_batched_tokens), blocks, policy)
     return Pipeline(PipelineConfig(schedule, spec, max_kept_tokens), builder, device, clock, sink, tracer,

@@ -38,13 +38,14 @@ from pathlib import Path
 
 import numpy as np
 
+from specsched.scheduler.cost_model import DRAFT_FEATURES, OP_FEATURES
 from specsched.scheduler.step_trace import LAUNCH_FEATURES, draft_counts, launch_features
 
 FEATURES = LAUNCH_FEATURES
-DRAFT_FEATURES = ("const", "draft_steps", "draft_forwards", "kv_tokens")  # fitted for the draft op
 SHAPE_FEATURES = FEATURES[:4]  # host stages
-# every other device op: the shape, and the padded attention's query x key cells
-OP_FEATURES = SHAPE_FEATURES + ("padded_attn",)
+# device ops: the draft's and every other op's features, one table with the adaptive draft
+# length's cost models (scheduler/cost_model.py)
+assert OP_FEATURES[:4] == SHAPE_FEATURES
 HOST_STAGES = ("schedule", "kv_alloc", "plan", "launch", "output", "draft")  # draft: a lookup on the host
 _PER_OP_LATENCIES = {"launch lead": "launch_leads", "wake-up": "wakeups", "queue gap": "op_gaps"}
 

@@ -17,7 +17,7 @@ import bisect
 
 import numpy as np
 
-from specsched.scheduler.online_cost import current_state, profile_coef
+from specsched.scheduler.adaptive import STATE_FORMAT
 from specsched.scheduler.step_trace import SHAPE_KEYS
 from specsched.simulator.costs import HOST_STAGES, SHAPE_FEATURES, CostProfile, StageModel, device_features, host_key
 
@@ -223,20 +223,20 @@ def fit_profile(traces: list, *, tile: int | str = "auto") -> CostProfile:
 
 def _ops_from_policy(prof: CostProfile, traces: list) -> None:
     """Device ops no trace ran, priced by the cost models of an adaptive run's policy (the
-    state its header carries, learned in the run's warm-up; `online_cost.profile_coef`). Why:
-    at a load where speculation does not pay the policy drafts nothing, so the trace has no
-    draft, verify or fill span, and a replay whose policy drafts after all must price them.
-    Such a model's fit error is unknown (mape 0)."""
+    state its header carries, learned in the run's warm-up: one model per device op over the
+    profile's own features, scheduler/cost_model.py). Why: at a load where speculation does not
+    pay the policy drafts nothing, so the trace has no draft, verify or fill span, and a replay
+    whose policy drafts after all must price them. Such a model's fit error is unknown (mape 0).
+    A state of another format (an earlier release's policy) prices nothing."""
     for tr in traces:
-        costs = (tr.header.extra.get("draft_policy") or {}).get("costs") or {}
-        for model, state in costs.items():
-            if (state or {}).get("coef") is None:
+        state = tr.header.extra.get("draft_policy") or {}
+        if state.get("format") != STATE_FORMAT:
+            continue
+        for op, model in (state.get("costs") or {}).items():
+            if op in prof.device or not model.get("n"):
                 continue
-            op, coef = profile_coef(model, current_state(model, state)["coef"])
-            if op in prof.device:
-                continue
-            prof.device[op] = StageModel(coef=coef, mape=0.0, num_samples=int(state.get("n", 0)),
-                                         median_ns=coef["const"])
+            coef = {f: float(model["coef"].get(f, 0.0)) for f in device_features(op)}
+            prof.device[op] = StageModel(coef=coef, mape=0.0, num_samples=int(model["n"]), median_ns=coef["const"])
             prof.source.append(f"{tr.path or '<memory>'} (the run's draft-length policy: {op})")
 
 

@@ -53,27 +53,30 @@ def test_replay_writes_a_trace_that_stats_reads(tmp_path):
 
 
 def test_replay_of_an_adaptive_trace_starts_where_its_policy_stood_unless_cold(tmp_path):
-    from specsched.scheduler.adaptive import DraftLenPolicy
-    from specsched.scheduler.draft_policy import StepView
+    from specsched.scheduler import wiring
+    from specsched.scheduler.draft_policy import StepOutcome, VerifyOutcome
     from specsched.traces.recorder import write_trace
 
     auto = tmp_path / "auto.jsonl"
     assert run("replay", SAMPLE, "--draft-len", "auto", "--trace", auto)[0] == 0
     tr = read_trace(auto)
-    learned = DraftLenPolicy(4, has_fill=True, kv_ahead=1, lazy_fill=True)
-    for _ in range(30):  # 30 decisions in: the header says so
-        learned.choose(StepView(np.arange(2), np.full(2, 50), np.full(2, 40), 4096))
+    learned = wiring.draft_len_policy(wiring.proposer_spec("draft", 4))
+    two = np.arange(2)
+    for _ in range(30):  # 30 verifies in, every draft rejected: the header says so
+        learned.observe(StepOutcome(None, None, VerifyOutcome(two, np.ones(2, bool), np.full(2, 4), np.full(2, 4),
+                                                              np.zeros(2, dtype=np.int64))))
     tr.header.extra["draft_policy"] = learned.state()
     write_trace(tr, auto)
-    for flags, decisions in (((), 30), (("--cold-policy",), 0)):
-        out = tmp_path / f"again{decisions}.jsonl"
+    for flags, restored in (((), True), (("--cold-policy",), False)):
+        out = tmp_path / f"again{restored}.jsonl"
         code, text = run("replay", auto, *flags, "--trace", out)
         assert code == 0, text
-        assert read_trace(out).header.extra["draft_policy"]["decisions"] == decisions
-    tr.header.extra["draft_policy"] = {**learned.state(), "overhead_by_d": [0.0]}  # a damaged header
+        seen = read_trace(out).header.extra["draft_policy"]["seen"]
+        assert (seen == learned.state()["seen"]) is restored
+    tr.header.extra["draft_policy"] = {**learned.state(), "format": 1}  # an earlier release's policy
     write_trace(tr, auto)
     code, text = run("replay", auto)
-    assert code == 2 and "overhead_by_d has shape (1,)" in text
+    assert code == 2 and "format 1" in text, text
 
 
 def test_validate_reports_step_makespan_and_distribution_errors():

@@ -1,0 +1,161 @@
+"""Device cost models of a step's launches: one non-negative linear model per op, fitted online.
+
+Why: the adaptive draft length prices a step at every D before it runs. Each op's device time
+is linear in its launch shape, over the features the simulator's profiles use
+(scheduler/step_trace.py `launch_features`): a target forward or a fill over (const, tokens,
+requests, kv_tokens, padded_attn), the draft over (const, draft_steps, draft_forwards,
+kv_tokens) -- rows stop drafting at their own count, and a step's first token comes from logits
+already there. `OnlineModel` fits one from device intervals as they arrive; `StepCosts` prices
+a step's launches with them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from specsched.scheduler.step_trace import device_span_name, launch_features
+
+OP_FEATURES = ("const", "tokens", "requests", "kv_tokens", "padded_attn")
+DRAFT_FEATURES = ("const", "draft_steps", "draft_forwards", "kv_tokens")
+MIN_SAMPLES = 2  # samples an unseeded model needs before it prices anything
+
+
+class OnlineModel:
+    """Exponentially weighted least squares (each sample's weight halves every `half_life`
+    samples) over features scaled to their largest value seen, a small ridge toward `prior`
+    (a seed profile's coefficients, or zeros); negative coefficients are dropped and the rest
+    refitted. Refitted lazily, when priced after new samples."""
+
+    def __init__(self, features: tuple[str, ...], prior: dict | None = None, half_life: float = 64.0,
+                 ridge: float = 1e-3):
+        self.features = features
+        k = len(features)
+        self.prior = np.array([float((prior or {}).get(f, 0.0)) for f in features])
+        self.seeded = prior is not None
+        self.a, self.b = np.zeros((k, k)), np.zeros(k)
+        self.scale = np.ones(k)
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.ridge, self.n = ridge, 0
+        self.coef = self.prior.copy()
+        self._dirty = False
+
+    @property
+    def known(self) -> bool:
+        return self.seeded or self.n >= MIN_SAMPLES
+
+    def add(self, attrs: dict, ns: float) -> None:
+        feats = launch_features(attrs)
+        x = np.array([feats[f] for f in self.features])
+        self.scale = np.maximum(self.scale, np.abs(x))
+        self.a = self.a * self.decay + np.outer(x, x)
+        self.b = self.b * self.decay + x * ns
+        self.n += 1
+        self._dirty = True
+
+    def _fit(self) -> None:
+        s = self.scale
+        a = self.a / np.outer(s, s)
+        lam = self.ridge * max(float(np.trace(a)), 1.0)
+        b = self.b / s + lam * self.prior * s
+        active = np.ones(len(s), dtype=bool)
+        for _ in range(len(s)):
+            sub = np.linalg.solve(a[np.ix_(active, active)] + lam * np.eye(int(active.sum())), b[active])
+            coef = np.zeros(len(s))
+            coef[active] = sub
+            if (coef >= 0).all():
+                break
+            active &= coef > 0
+        self.coef = np.maximum(coef, 0.0) / s
+        self._dirty = False
+
+    def ns(self, feats: dict) -> float:
+        if self._dirty and self.n:
+            self._fit()
+        return float(sum(c * feats.get(f, 0.0) for f, c in zip(self.features, self.coef)))
+
+
+class StepCosts:
+    """A decode-only step's device time at a draft length: the target forward (a plain decode,
+    or the verify of each row's drafts), the proposer's draft launch (`draft_op`) and its fill
+    (`has_fill`: over the verify window -- `window_fill` -- or the accepted tokens), priced by
+    one `OnlineModel` per launch op (seeded from a cost profile's JSON, `seed`). On a device whose
+    first launch of an op pays one-off costs (`cold_first_launch`: allocations, kernel loads) that
+    interval is not a sample."""
+
+    def __init__(self, *, draft_op: bool, has_fill: bool, window_fill: bool, seed: dict | None = None,
+                 cold_first_launch: bool = False):
+        dev = (seed or {}).get("device", {})
+
+        def model(name, feats):
+            return OnlineModel(feats, (dev.get(name) or {}).get("coef"))
+
+        self.models = {"decode": model("decode", OP_FEATURES), "verify": model("verify", OP_FEATURES)}
+        if draft_op:
+            self.models["draft"] = model("draft", DRAFT_FEATURES)
+        if has_fill:
+            self.models["draft_fill"] = model("draft_fill", OP_FEATURES)
+        self.window_fill = window_fill
+        self.cold = set(self.models) if cold_first_launch else set()  # ops whose first launch is still to come
+
+    @property
+    def known(self) -> bool:
+        return all(m.known for m in self.models.values())
+
+    def observe(self, op: str, attrs: dict, ns: float) -> None:
+        name = device_span_name(op, attrs)
+        m = self.models.get(name)
+        if m is not None and name in self.cold:
+            self.cold.discard(name)
+        elif m is not None:
+            m.add(attrs, ns)
+
+    def step_ns(self, computed: np.ndarray, drafts: np.ndarray, d: int) -> float:
+        n = len(computed)
+        if not n:
+            return 0.0
+        ends = computed + 1 + drafts
+        width = 1 + int(drafts.max())
+        fwd = {"const": 1.0, "requests": n, "tokens": float(ends.sum() - computed.sum()),
+               "kv_tokens": float(ends.sum()), "padded_attn": float(n * width * ends.max())}
+        if not d:
+            return self.models["decode"].ns(fwd)
+        t = self.models["verify"].ns(fwd)
+        if "draft" in self.models:
+            t += self.models["draft"].ns({"const": 1.0, "draft_steps": float(d - 1), "kv_tokens": float(ends.sum()),
+                                          "draft_forwards": float(np.maximum(drafts - 1, 0).sum())})
+        if "draft_fill" in self.models:
+            # over the verify window, or the accepted tokens (about half the drafts)
+            fill = fwd if self.window_fill else fwd | {"tokens": n + 0.5 * float(drafts.sum())}
+            t += self.models["draft_fill"].ns(fill)
+        return t
+
+    def per_draft_ns(self) -> float:
+        """What one more draft of one row costs: a verify position (a token and a KV token), a
+        draft forward, and a fill position where the fill covers the verify window."""
+        def slope(name, *feats):
+            m = self.models.get(name)
+            if m is None:
+                return 0.0
+            m.ns({})  # refit if due
+            return sum(float(m.coef[m.features.index(f)]) for f in feats)
+        t = slope("verify", "tokens", "kv_tokens") + slope("draft", "draft_forwards")
+        return t + (slope("draft_fill", "tokens", "kv_tokens") if self.window_fill else 0.0)
+
+    def fill_ns(self, tokens: np.ndarray, computed: np.ndarray) -> float:
+        """A catch-up fill of `tokens` per row."""
+        m = self.models.get("draft_fill")
+        rows = tokens > 0
+        if m is None or not rows.any():
+            return 0.0
+        return m.ns({"const": 1.0, "requests": float(rows.sum()), "tokens": float(tokens.sum()),
+                     "kv_tokens": float(computed[rows].sum()), "padded_attn": float(rows.sum() * tokens.max()
+                                                                                     * computed.max())})
+
+    def state(self) -> dict:
+        return {k: {"coef": dict(zip(m.features, m.coef.tolist())), "n": m.n} for k, m in self.models.items()}
+
+    def restore(self, state: dict) -> None:
+        for k, m in self.models.items():
+            s = state.get(k)
+            if s:
+                m.coef = np.array([s["coef"].get(f, 0.0) for f in m.features])
+                m.prior, m.seeded, m._dirty = m.coef.copy(), True, False
