@@ -16,6 +16,7 @@ runs, so two checkouts' policies can be compared on the same saved traces (`--tr
         [--acceptance 'trace>bernoulli:0.9@8']   # a change of workload after 8 requests
         [--schedule sync]   # every configuration under `sync` (D = 0: plain decoding under `sync`)
         [--seeds 0 1 2]   # each scenario with each seed of the replays' draws (bernoulli acceptance)
+        [--ablation]   # also the policy with one rule more or less (benchmarks/RESULTS.md's ablation table)
 
 A probe's outcome is a few draws, so one seed's ratio for a scenario jumps by a few percent
 with a small change of the policy; `--seeds` replays every scenario with each seed (the
@@ -59,6 +60,78 @@ def scenarios(spec: list[str]) -> dict[int, list[int]]:
     return out
 
 
+def _variants() -> dict:
+    """The policy, and it with one rule more or less: `--ablation` replays each (a rule earns its
+    lines with 1% of geometric mean over the scenarios)."""
+    import numpy as np
+
+    from specsched.scheduler.adaptive import AdaptivePolicy
+
+    class WithOverhead(AdaptivePolicy):
+        """+ host time a schedule does not hide: h(D), the median residual of the last 15 steps'
+        wall time over their priced device time, plain and speculative steps apart."""
+
+        def _h(self, d: int) -> float:
+            r = sorted(self.__dict__.setdefault("residuals", ([], []))[d > 0])
+            return r[len(r) // 2] if r else 0.0
+
+        def _step_ns(self, view, drafts, d):
+            return super()._step_ns(view, drafts, d) + self._h(d)
+
+        def observe(self, outcome):
+            dec = outcome.decision
+            if dec is not None and outcome.wall_ns is not None and dec.device_ns is not None:
+                ring = self.__dict__.setdefault("residuals", ([], []))[dec.draft_len > 0]
+                ring.append(outcome.wall_ns - (dec.device_ns - self._h(dec.draft_len)))
+                del ring[:-15]
+            super().observe(outcome)
+
+    class WithCatchUp(AdaptivePolicy):
+        """+ a lazy proposer's catch-up fill charged to resuming, spread over the steps left."""
+
+        def _step_ns(self, view, drafts, d):
+            t = super()._step_ns(view, drafts, d)
+            if d and view.lag is not None and view.lag.any():
+                t += self.costs.fill_ns(view.lag, view.computed) / max(float(np.mean(view.remaining)) / (1 + d / 2), 1)
+            return t
+
+    class NoTrim(AdaptivePolicy):
+        """- rows drafting only what is worth it: every row drafts min(D, its room)."""
+
+        def _worth(self, view, num_draft, rate, probe):
+            return num_draft
+
+    def swap(cls):
+        def f(p):
+            p.__class__ = cls
+        return f
+
+    def no_explore(p):
+        p.explore = 0.0
+
+    def engine_wide(p):
+        p.accept.shrink = 1e12
+
+    return {"the policy": lambda p: None, "+ unhidden host time": swap(WithOverhead),
+            "+ catch-up charge": swap(WithCatchUp), "- rows draft what is worth it": swap(NoTrim),
+            "- exploration": no_explore, "- per-request acceptance": engine_wide}
+
+
+def use_variant(change) -> None:
+    """Replays in this process (and its forks) build the adaptive draft length changed by `change`."""
+    from specsched.scheduler import wiring
+
+    make = getattr(wiring.draft_len_policy, "__wrapped__", wiring.draft_len_policy)
+
+    def changed(spec, **kw):
+        p = make(spec, **kw)
+        change(p)
+        return p
+
+    changed.__wrapped__ = make
+    wiring.draft_len_policy = changed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", type=Path, help="folder for the fixed-D traces (reused when present)")
@@ -75,6 +148,9 @@ def main() -> None:
                     help="natural: each proposer's own schedule, D = 0 under plain_overlap; sync: all under sync")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0],
                     help="replay every scenario with each of these seeds (the replays' random draws)")
+    ap.add_argument("--ablation", action="store_true",
+                    help="also replay `auto` with one rule of the policy more or less, and print each variant's "
+                         "geometric mean")
     args = ap.parse_args()
     if args.max_draft_len < 1 or args.max_tokens < 2:
         ap.error("--max-draft-len must be >= 1 and --max-tokens >= 2")
@@ -91,6 +167,8 @@ def main() -> None:
     print(f"simulated output tokens/s; traces in {folder}")
     print(f"{'scenario':>16} " + " ".join(f"{n:>8}" for n in names) + f" {'auto':>8} {'auto/best':>10} {'best':>6}")
     ratios = []
+    variants = _variants() if args.ablation else {}
+    by_variant: dict[str, list[float]] = {name: [] for name in variants}
     sched = "sync" if args.schedule == "sync" else None  # None: the trace's (the proposer's own)
     plain = "sync" if args.schedule == "sync" else "plain_overlap"
     for proposer in args.proposers:
@@ -111,6 +189,13 @@ def main() -> None:
                                                              seed=seed))[0]["output_tokens_per_s"]
                 best = max(row, key=row.get)
                 ratios.append(auto / row[best])
+                for name, change in variants.items():
+                    use_variant(change)
+                    got = replay(longest, profile, ReplayConfig(draft_len="auto", max_draft_len=dmax, concurrency=cc,
+                                                                acceptance=args.acceptance, schedule=sched,
+                                                                seed=seed))[0]["output_tokens_per_s"]
+                    by_variant[name].append(got / row[best])
+                use_variant(lambda p: None)
                 label = f"{proposer} {c}->{cc}" + (f" s{seed}" if len(args.seeds) > 1 else "")
                 print(f"{label:>16} " + " ".join(f"{row[n]:>8.1f}" for n in names)
                       + f" {auto:>8.1f} {auto / row[best]:>9.3f}x {best:>6}")
@@ -119,6 +204,8 @@ def main() -> None:
             else f"{len(ratios) // len(args.seeds)} scenarios x {len(args.seeds)} seeds")
     print(f"auto / best fixed D over {over}: geomean {geo:.3f}x, worst {min(ratios):.3f}x, "
           f"{sum(r < 0.97 for r in ratios)} below 0.97x")
+    for name, got in by_variant.items():
+        print(f"ablation: {name:<30} geomean {statistics.geometric_mean(got):.3f}x, worst {min(got):.3f}x")
 
 
 if __name__ == "__main__":

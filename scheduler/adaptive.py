@@ -92,7 +92,7 @@ class AdaptivePolicy:
     adaptive = True
     pauses = True
 
-    def __init__(self, max_draft_len: int, costs: StepCosts, *, slots: int = 64, explore: float = 0.02,
+    def __init__(self, max_draft_len: int, costs: StepCosts, *, slots: int = 64, explore: float = 0.05,
                  first_draft_len: int = 2, prior: float = 0.7):
         if max_draft_len < 1:
             raise ValueError(f"an adaptive draft length needs max_draft_len >= 1, got {max_draft_len}")

@@ -3,7 +3,8 @@
 Why: the adaptive draft length prices a step at every D before it runs. Each op's device time
 is linear in its launch shape, over the features the simulator's profiles use
 (scheduler/step_trace.py `launch_features`): a target forward or a fill over (const, tokens,
-requests, kv_tokens, padded_attn), the draft over (const, draft_steps, draft_forwards,
+requests, kv_tokens, padded_attn) -- decodes and verifies in one target model with a verify's
+extra cost a term of its own --, the draft over (const, draft_steps, draft_forwards,
 kv_tokens) -- rows stop drafting at their own count, and a step's first token comes from logits
 already there. `OnlineModel` fits one from device intervals as they arrive; `StepCosts` prices
 a step's launches with them.
@@ -16,6 +17,7 @@ from specsched.scheduler.step_trace import device_span_name, launch_features
 
 OP_FEATURES = ("const", "tokens", "requests", "kv_tokens", "padded_attn")
 DRAFT_FEATURES = ("const", "draft_steps", "draft_forwards", "kv_tokens")
+TARGET_FEATURES = OP_FEATURES + ("verify",)  # decodes and verifies: one model, a verify's own term
 MIN_SAMPLES = 2  # samples an unseeded model needs before it prices anything
 
 
@@ -42,9 +44,9 @@ class OnlineModel:
     def known(self) -> bool:
         return self.seeded or self.n >= MIN_SAMPLES
 
-    def add(self, attrs: dict, ns: float) -> None:
-        feats = launch_features(attrs)
-        x = np.array([feats[f] for f in self.features])
+    def add(self, feats: dict, ns: float) -> None:
+        """A sample: the launch's features (`launch_features`) and its device time."""
+        x = np.array([feats.get(f, 0.0) for f in self.features])
         self.scale = np.maximum(self.scale, np.abs(x))
         self.a = self.a * self.decay + np.outer(x, x)
         self.b = self.b * self.decay + x * ns
@@ -88,7 +90,13 @@ class StepCosts:
         def model(name, feats):
             return OnlineModel(feats, (dev.get(name) or {}).get("coef"))
 
-        self.models = {"decode": model("decode", OP_FEATURES), "verify": model("verify", OP_FEATURES)}
+        # a decode and a verify are the same forward over their tokens; a verify's extra cost (its
+        # logits at every position, acceptance) is a term of its own, so the decode's price is
+        # known once verifies ran (a profile seeds it from its verify model)
+        target = dict((dev.get("verify") or {}).get("coef") or {})
+        if target:
+            target["verify"] = 0.0
+        self.models = {"target": OnlineModel(TARGET_FEATURES, target or None)}
         if draft_op:
             self.models["draft"] = model("draft", DRAFT_FEATURES)
         if has_fill:
@@ -102,11 +110,14 @@ class StepCosts:
 
     def observe(self, op: str, attrs: dict, ns: float) -> None:
         name = device_span_name(op, attrs)
+        feats = launch_features(attrs)
+        if name in ("decode", "verify"):
+            name, feats["verify"] = "target", float(name == "verify")
         m = self.models.get(name)
         if m is not None and name in self.cold:
             self.cold.discard(name)
         elif m is not None:
-            m.add(attrs, ns)
+            m.add(feats, ns)
 
     def step_ns(self, computed: np.ndarray, drafts: np.ndarray, d: int) -> float:
         n = len(computed)
@@ -117,8 +128,8 @@ class StepCosts:
         fwd = {"const": 1.0, "requests": n, "tokens": float(ends.sum() - computed.sum()),
                "kv_tokens": float(ends.sum()), "padded_attn": float(n * width * ends.max())}
         if not d:
-            return self.models["decode"].ns(fwd)
-        t = self.models["verify"].ns(fwd)
+            return self.models["target"].ns(fwd)
+        t = self.models["target"].ns(fwd | {"verify": 1.0})
         if "draft" in self.models:
             t += self.models["draft"].ns({"const": 1.0, "draft_steps": float(d - 1), "kv_tokens": float(ends.sum()),
                                           "draft_forwards": float(np.maximum(drafts - 1, 0).sum())})
@@ -137,7 +148,7 @@ class StepCosts:
                 return 0.0
             m.ns({})  # refit if due
             return sum(float(m.coef[m.features.index(f)]) for f in feats)
-        t = slope("verify", "tokens", "kv_tokens") + slope("draft", "draft_forwards")
+        t = slope("target", "tokens", "kv_tokens") + slope("draft", "draft_forwards")
         return t + (slope("draft_fill", "tokens", "kv_tokens") if self.window_fill else 0.0)
 
     def fill_ns(self, tokens: np.ndarray, computed: np.ndarray) -> float:

@@ -3,8 +3,8 @@ flags for what the rest of the code must know of it.
 
 Why here: a schedule is an ordering of the same launches and waits. Its runner orders the
 pipeline's step primitives; its row of `SCHEDULE_RULES` tells `validate_combination` which
-proposers it can run and the adaptive draft length whether its plain steps hide their host
-work. A new schedule is a runner and a row here, not an `if name == ...` elsewhere.
+proposers it can run and `for_schedule` whether a proposer fills over the verify window. A new
+schedule is a runner and a row here, not an `if name == ...` elsewhere.
 
   sync           every launch is awaited before the next stage: the baseline.
   overlap        after the sync on acceptance the proposer's fill is launched and not awaited;
@@ -30,20 +30,13 @@ class ScheduleRules:
     # the proposer's fill of the accepted tokens runs behind the next step's host work (so the
     # proposer needs such a fill: a KV cache of its own, filled once acceptance is known)
     defers_fill: bool
-    # a plain step with no proposer fill may launch while the step before it is in flight
-    # (under `overlap` and `eager_fill`: an adaptive draft length's steps at D = 0)
-    plain_ahead: bool
 
 
 SCHEDULE_RULES: dict[str, ScheduleRules] = {
-    Schedule.SYNC: ScheduleRules(None, fill_behind_verify=False, defers_fill=False,
-                                 plain_ahead=False),
-    Schedule.OVERLAP: ScheduleRules(True, fill_behind_verify=False, defers_fill=True,
-                                    plain_ahead=True),
-    Schedule.EAGER_FILL: ScheduleRules(True, fill_behind_verify=True, defers_fill=False,
-                                       plain_ahead=True),
-    Schedule.PLAIN_OVERLAP: ScheduleRules(False, fill_behind_verify=False,
-                                          defers_fill=False, plain_ahead=True),
+    Schedule.SYNC: ScheduleRules(None, fill_behind_verify=False, defers_fill=False),
+    Schedule.OVERLAP: ScheduleRules(True, fill_behind_verify=False, defers_fill=True),
+    Schedule.EAGER_FILL: ScheduleRules(True, fill_behind_verify=True, defers_fill=False),
+    Schedule.PLAIN_OVERLAP: ScheduleRules(False, fill_behind_verify=False, defers_fill=False),
 }
 assert set(SCHEDULE_RULES) == set(Schedule)
 

@@ -232,12 +232,18 @@ def _ops_from_policy(prof: CostProfile, traces: list) -> None:
         state = tr.header.extra.get("draft_policy") or {}
         if state.get("format") != STATE_FORMAT:
             continue
-        for op, model in (state.get("costs") or {}).items():
-            if op in prof.device or not model.get("n"):
+        for name, model in (state.get("costs") or {}).items():
+            if not model.get("n"):
                 continue
-            coef = {f: float(model["coef"].get(f, 0.0)) for f in device_features(op)}
-            prof.device[op] = StageModel(coef=coef, mape=0.0, num_samples=int(model["n"]), median_ns=coef["const"])
-            prof.source.append(f"{tr.path or '<memory>'} (the run's draft-length policy: {op})")
+            # the target model prices decodes and, with its verify term, verifies
+            ops = {"decode": 0.0, "verify": float(model["coef"].get("verify", 0.0))} if name == "target" else {name: 0.0}
+            for op, extra in ops.items():
+                if op in prof.device:
+                    continue
+                coef = {f: float(model["coef"].get(f, 0.0)) for f in device_features(op)}
+                coef["const"] += extra
+                prof.device[op] = StageModel(coef=coef, mape=0.0, num_samples=int(model["n"]), median_ns=coef["const"])
+                prof.source.append(f"{tr.path or '<memory>'} (the run's draft-length policy: {op})")
 
 
 def _features(prof: CostProfile, tr, span) -> dict[str, float]:

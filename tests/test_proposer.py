@@ -205,9 +205,9 @@ def test_the_old_schedule_name_mtp_is_read_as_eager_fill(proposer: str) -> None:
     assert schedule_name("mtp") == "eager_fill" and schedule_rules("mtp") == schedule_rules("eager_fill")
 
 
-def test_only_eager_fill_fills_behind_the_verify_and_only_sync_keeps_plain_steps_in_order() -> None:
+def test_only_eager_fill_fills_behind_the_verify_and_only_overlap_defers_the_fill_after_acceptance() -> None:
     assert [s for s in SCHEDULES if schedule_rules(s).fill_behind_verify] == ["eager_fill"]
-    assert [s for s in SCHEDULES if not schedule_rules(s).plain_ahead] == ["sync"]
+    assert [s for s in SCHEDULES if schedule_rules(s).defers_fill] == ["overlap"]
 
 
 @pytest.mark.parametrize(

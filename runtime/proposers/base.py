@@ -27,7 +27,11 @@ if TYPE_CHECKING:
     from specsched.scheduler.plan import AttentionPlan
 
 
-class NoProposer:
+class Proposer:
+    """The interface every device-side proposer implements (see the module docstring), with the
+    hooks a proposer may leave alone: requests registered and released, emitted tokens, no draft
+    distributions (one-hot), no agreement."""
+
     needs_hidden = False
     aux_layers: tuple[int, ...] = ()  # earlier target layers whose outputs join the hidden states (EAGLE-3)
 
@@ -47,10 +51,10 @@ class NoProposer:
         accepted counts [B] (row i's first accepted[i] + 1 tokens)."""
 
     def draft(self, msg: "DraftMessage") -> np.ndarray:
-        raise RuntimeError("no proposer configured: this engine does not speculate")
+        raise NotImplementedError
 
     def fill(self, msg: "FillMessage") -> None:
-        raise RuntimeError("no proposer configured: nothing to fill")
+        raise NotImplementedError
 
     def draft_probs(self, rows: list["SeqState"], slots: list[int], starts: np.ndarray, num: int
                     ) -> torch.Tensor | None:
@@ -60,7 +64,17 @@ class NoProposer:
         return []
 
 
-class NgramDrafter(NoProposer):
+class NoProposer(Proposer):
+    """Plain decoding: nothing is drafted or filled."""
+
+    def draft(self, msg: "DraftMessage") -> np.ndarray:
+        raise RuntimeError("no proposer configured: this engine does not speculate")
+
+    def fill(self, msg: "FillMessage") -> None:
+        raise RuntimeError("no proposer configured: nothing to fill")
+
+
+class NgramDrafter(Proposer):
     """Prompt lookup on the worker side: only its teacher-forced agreement (for trace replay).
     Its drafts are made on the host, where the tokens are (`NgramHostDrafter`, the pipeline's
     `HostDrafter`), and reach the worker in the verify message: it makes no draft launch and

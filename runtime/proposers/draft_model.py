@@ -14,12 +14,12 @@ import numpy as np
 import torch
 
 from specsched.runtime.checkpoint import load_model
-from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or, one_token_forwards, window_reads
+from specsched.runtime.proposers.base import DraftCollector, Proposer, one_hot_or, one_token_forwards, window_reads
 from specsched.runtime.sync_guard import to_device
 from specsched.scheduler.messages import DraftMessage, FillMessage
 
 
-class DraftModelProposer(NoProposer):
+class DraftModelProposer(Proposer):
     def __init__(self, worker, proposer_dir: str, num_pages: int):
         super().__init__(worker)
         self.model = load_model(proposer_dir, dtype=worker.dtype, device=worker.device)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from specsched.runtime.mtp_head import load_head
-from specsched.runtime.proposers.base import DraftCollector, NoProposer, one_hot_or, one_token_forwards, window_reads
+from specsched.runtime.proposers.base import DraftCollector, Proposer, one_hot_or, one_token_forwards, window_reads
 from specsched.runtime.proposers.hidden_log import HiddenLog
 from specsched.runtime.sync_guard import to_device
 from specsched.runtime.sampling import logits_to_probs, sample
@@ -37,7 +37,7 @@ from specsched.scheduler.messages import DraftMessage, FillMessage
 from specsched.scheduler.plan import build_plan
 
 
-class HeadProposer(NoProposer):
+class HeadProposer(Proposer):
     """A linear MTP head (spec.kind == "mtp"); `EagleProposer` adds the tree."""
 
     needs_hidden = True
