@@ -75,8 +75,8 @@ def _variants() -> dict:
             r = sorted(self.__dict__.setdefault("residuals", ([], []))[d > 0])
             return r[len(r) // 2] if r else 0.0
 
-        def _step_ns(self, view, drafts, d):
-            return super()._step_ns(view, drafts, d) + self._h(d)
+        def _step_ns(self, view, use):
+            return super()._step_ns(view, use) + np.array([self._h(d) for d in range(len(use))])
 
         def observe(self, outcome):
             dec = outcome.decision
@@ -89,10 +89,12 @@ def _variants() -> dict:
     class WithCatchUp(AdaptivePolicy):
         """+ a lazy proposer's catch-up fill charged to resuming, spread over the steps left."""
 
-        def _step_ns(self, view, drafts, d):
-            t = super()._step_ns(view, drafts, d)
-            if d and view.lag is not None and view.lag.any():
-                t += self.costs.fill_ns(view.lag, view.computed) / max(float(np.mean(view.remaining)) / (1 + d / 2), 1)
+        def _step_ns(self, view, use):
+            t = super()._step_ns(view, use)
+            if view.lag is not None and view.lag.any():
+                fill = self.costs.fill_ns(view.lag, view.computed)
+                for d in range(1, len(use)):
+                    t[d] += fill / max(float(np.mean(view.remaining)) / (1 + d / 2), 1)
             return t
 
     class NoTrim(AdaptivePolicy):

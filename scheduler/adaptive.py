@@ -114,11 +114,12 @@ class AdaptivePolicy:
         gain = np.concatenate([np.zeros((len(p), 1)), np.cumsum(reach, axis=1)], axis=1)
         rows = np.arange(len(p))
         emitted = (1.0 + gain[rows[None, :], use]).sum(axis=1)  # [1 + Dmax]
-        ns = np.array([self._step_ns(view, use[d], d) for d in range(self.max_draft_len + 1)])
+        ns = self._step_ns(view, use)
         return emitted / ns, ns
 
-    def _step_ns(self, view: StepView, drafts: np.ndarray, d: int) -> float:
-        return max(self.costs.step_ns(view.computed, drafts, d), 1.0)
+    def _step_ns(self, view: StepView, use: np.ndarray) -> np.ndarray:
+        """[1 + Dmax] the step's predicted device time at each D (rows drafting `use`)."""
+        return np.maximum(self.costs.step_ns(view.computed, use), 1.0)
 
     def choose(self, view: StepView) -> Decision:
         n = len(view.slots)

@@ -38,7 +38,7 @@ class OnlineModel:
         self.decay = 0.5 ** (1.0 / half_life)
         self.ridge, self.n = ridge, 0
         self.coef = self.prior.copy()
-        self._dirty = False
+        self._dirty, self._fitted = False, 0
 
     @property
     def known(self) -> bool:
@@ -51,7 +51,9 @@ class OnlineModel:
         self.a = self.a * self.decay + np.outer(x, x)
         self.b = self.b * self.decay + x * ns
         self.n += 1
-        self._dirty = True
+        # refitted when priced after new samples: after each of the first 8, then once an eighth
+        # more (at least every 8th): early samples move the fit most, and a fit is a small solve
+        self._dirty = self.n <= 8 or 8 * (self.n - self._fitted) >= min(self.n, 64)
 
     def _fit(self) -> None:
         s = self.scale
@@ -67,12 +69,16 @@ class OnlineModel:
                 break
             active &= coef > 0
         self.coef = np.maximum(coef, 0.0) / s
-        self._dirty = False
+        self._dirty, self._fitted = False, self.n
 
-    def ns(self, feats: dict) -> float:
+    def coefficients(self) -> np.ndarray:
+        """[k] ns per unit of each feature (refitted if due)."""
         if self._dirty and self.n:
             self._fit()
-        return float(sum(c * feats.get(f, 0.0) for f, c in zip(self.features, self.coef)))
+        return self.coef
+
+    def ns(self, feats: dict) -> float:
+        return float(sum(c * feats.get(f, 0.0) for f, c in zip(self.features, self.coefficients())))
 
 
 class StepCosts:
@@ -119,24 +125,25 @@ class StepCosts:
         elif m is not None:
             m.add(feats, ns)
 
-    def step_ns(self, computed: np.ndarray, drafts: np.ndarray, d: int) -> float:
+    def step_ns(self, computed: np.ndarray, use: np.ndarray) -> np.ndarray:
+        """[1 + Dmax] the step's device time at each D, row i drafting use[D, i] tokens there."""
         n = len(computed)
-        if not n:
-            return 0.0
-        ends = computed + 1 + drafts
-        width = 1 + int(drafts.max())
-        fwd = {"const": 1.0, "requests": n, "tokens": float(ends.sum() - computed.sum()),
-               "kv_tokens": float(ends.sum()), "padded_attn": float(n * width * ends.max())}
-        if not d:
-            return self.models["target"].ns(fwd)
-        t = self.models["target"].ns(fwd | {"verify": 1.0})
+        drafted = use.sum(axis=1).astype(float)  # [1 + Dmax]
+        d = np.arange(len(use), dtype=float)
+        kv = float(computed.sum()) + n + drafted
+        # (const, tokens, requests, kv_tokens, padded_attn): the decode (D = 0) or the verify
+        fwd = np.stack([np.ones_like(d), n + drafted, np.full_like(d, n), kv,
+                        n * (1 + d) * (float(computed.max(initial=0)) + 1 + d)], axis=1)
+        verify = (d > 0).astype(float)
+        t = np.column_stack([fwd, verify]) @ self.models["target"].coefficients()
         if "draft" in self.models:
-            t += self.models["draft"].ns({"const": 1.0, "draft_steps": float(d - 1), "kv_tokens": float(ends.sum()),
-                                          "draft_forwards": float(np.maximum(drafts - 1, 0).sum())})
+            # (const, draft_steps, draft_forwards, kv_tokens)
+            feats = np.stack([np.ones_like(d), np.maximum(d - 1, 0), np.maximum(use - 1, 0).sum(axis=1), kv], axis=1)
+            t += verify * (feats @ self.models["draft"].coefficients())
         if "draft_fill" in self.models:
             # over the verify window, or the accepted tokens (about half the drafts)
-            fill = fwd if self.window_fill else fwd | {"tokens": n + 0.5 * float(drafts.sum())}
-            t += self.models["draft_fill"].ns(fill)
+            fill = fwd if self.window_fill else np.column_stack([fwd[:, :1], n + 0.5 * drafted, fwd[:, 2:]])
+            t += verify * (fill @ self.models["draft_fill"].coefficients())
         return t
 
     def per_draft_ns(self) -> float:
