@@ -91,8 +91,12 @@ def _variants() -> dict:
 
         def _step_ns(self, view, use):
             t = super()._step_ns(view, use)
-            if view.lag is not None and view.lag.any():
-                fill = self.costs.fill_ns(view.lag, view.computed)
+            m = self.costs.models.get("draft_fill")
+            if m is not None and view.lag is not None and view.lag.any():
+                rows = view.lag > 0
+                fill = m.ns({"const": 1.0, "requests": float(rows.sum()), "tokens": float(view.lag.sum()),
+                             "kv_tokens": float(view.computed[rows].sum()),
+                             "padded_attn": float(rows.sum() * view.lag.max() * view.computed.max())})
                 for d in range(1, len(use)):
                     t[d] += fill / max(float(np.mean(view.remaining)) / (1 + d / 2), 1)
             return t
@@ -100,7 +104,7 @@ def _variants() -> dict:
     class NoTrim(AdaptivePolicy):
         """- rows drafting only what is worth it: every row drafts min(D, its room)."""
 
-        def _worth(self, view, num_draft, rate, probe):
+        def _worth(self, reach, num_draft, rate, probe):
             return num_draft
 
     def swap(cls):

@@ -36,7 +36,6 @@ from specsched.scheduler.draft_policy import Decision, StepOutcome, StepView
 STATE_FORMAT = 2  # `AdaptivePolicy.state`'s layout (format 1: the policy of earlier releases)
 
 
-
 class Acceptance:
     """Per-position acceptance: engine-wide counts (an exponentially weighted mean started at
     `prior`) and per-slot counts that fade by `decay` a verify, the engine-wide estimate
@@ -108,11 +107,11 @@ class AdaptivePolicy:
     def warmed_up(self) -> None:
         self.last = None
 
-    def _rates(self, view: StepView, use: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(rate, predicted step ns) at each D; rate nan where a cost is unknown."""
-        reach = np.cumprod(p, axis=1)
-        gain = np.concatenate([np.zeros((len(p), 1)), np.cumsum(reach, axis=1)], axis=1)
-        rows = np.arange(len(p))
+    def _rates(self, view: StepView, use: np.ndarray, reach: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rate, predicted step ns) at each D, from each row's reach [rows, Dmax]: P(draft k made
+        and accepted); rate nan where a cost is unknown."""
+        gain = np.concatenate([np.zeros((len(reach), 1)), np.cumsum(reach, axis=1)], axis=1)
+        rows = np.arange(len(reach))
         emitted = (1.0 + gain[rows[None, :], use]).sum(axis=1)  # [1 + Dmax]
         ns = self._step_ns(view, use)
         return emitted / ns, ns
@@ -129,9 +128,10 @@ class AdaptivePolicy:
         keep = int(rows_at[-1])  # every length is priced over the rows the longest one holds
         sl = slice(0, keep)
         use = np.minimum(room[None, sl], ds[:, None])  # [1 + Dmax, rows] drafts per row
-        sub = StepView(view.slots[sl], view.remaining[sl], view.computed[sl], view.budget,
-                       None if view.lag is None else view.lag[sl])
-        rate, ns = self._rates(sub, use, self.accept.of(sub.slots))
+        sub = view if keep == n else StepView(view.slots[sl], view.remaining[sl], view.computed[sl], view.budget,
+                                              None if view.lag is None else view.lag[sl])
+        reach = np.cumprod(self.accept.of(sub.slots), axis=1)
+        rate, ns = self._rates(sub, use, reach)
         explored = False
         if not self.costs.known or not np.isfinite(rate).all():
             best = self.first_draft_len
@@ -139,7 +139,7 @@ class AdaptivePolicy:
             best = int(np.argmax(rate))
             self.budget += self.explore * ns[best]
             if ns.max() <= self.budget:  # a probe is paid its whole step: at most `explore` of the time
-                optimistic, _ = self._rates(sub, use, self.accept.of(sub.slots, z=1.0))
+                optimistic, _ = self._rates(sub, use, np.cumprod(self.accept.of(sub.slots, z=1.0), axis=1))
                 optimistic[best] = -np.inf
                 probe = int(np.argmax(optimistic))
                 self.budget -= ns[probe]
@@ -147,7 +147,7 @@ class AdaptivePolicy:
         rows = int(rows_at[best])
         num_draft = np.minimum(room[:rows], best).astype(np.int64)
         if best and np.isfinite(rate[best]):
-            num_draft = self._worth(sub, num_draft, rate[best], explored)
+            num_draft = self._worth(reach[:rows], num_draft, rate[best], explored)
         if best and not num_draft.any():
             best, rows = 0, min(n, view.budget)
             num_draft = np.zeros(rows, dtype=np.int64)
@@ -155,14 +155,13 @@ class AdaptivePolicy:
         self.last = Decision(best, num_draft, rows, gain, explored, float(ns[best]))
         return self.last
 
-    def _worth(self, view: StepView, num_draft: np.ndarray, rate: float, probe: bool) -> np.ndarray:
+    def _worth(self, reach: np.ndarray, num_draft: np.ndarray, rate: float, probe: bool) -> np.ndarray:
         """Each row's drafts cut to the leading positions worth their cost at the step's rate:
         P(reached and accepted) >= rate x what one more draft costs (a verify position, a draft
         forward, a fill position), so a request whose drafts keep failing stops costing the
         batch -- but in a probe, which is there to find out whether they still fail."""
         if probe:
             return num_draft
-        reach = np.cumprod(self.accept.of(view.slots[: len(num_draft)]), axis=1)
         worth = reach >= rate * self.costs.per_draft_ns()
         keep = np.cumprod(worth, axis=1).sum(axis=1)
         return np.minimum(num_draft, keep)

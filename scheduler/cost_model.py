@@ -153,20 +153,10 @@ class StepCosts:
             m = self.models.get(name)
             if m is None:
                 return 0.0
-            m.ns({})  # refit if due
-            return sum(float(m.coef[m.features.index(f)]) for f in feats)
+            coef = m.coefficients()
+            return sum(float(coef[m.features.index(f)]) for f in feats)
         t = slope("target", "tokens", "kv_tokens") + slope("draft", "draft_forwards")
         return t + (slope("draft_fill", "tokens", "kv_tokens") if self.window_fill else 0.0)
-
-    def fill_ns(self, tokens: np.ndarray, computed: np.ndarray) -> float:
-        """A catch-up fill of `tokens` per row."""
-        m = self.models.get("draft_fill")
-        rows = tokens > 0
-        if m is None or not rows.any():
-            return 0.0
-        return m.ns({"const": 1.0, "requests": float(rows.sum()), "tokens": float(tokens.sum()),
-                     "kv_tokens": float(computed[rows].sum()), "padded_attn": float(rows.sum() * tokens.max()
-                                                                                     * computed.max())})
 
     def state(self) -> dict:
         return {k: {"coef": dict(zip(m.features, m.coef.tolist())), "n": m.n} for k, m in self.models.items()}

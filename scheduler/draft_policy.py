@@ -22,8 +22,6 @@ class Decision:
     gain: float | None  # predicted tokens/s at D over D = 0 (None where nothing was predicted)
     explored: bool = False
     device_ns: float | None = None  # the step's predicted device time
-    # the adaptive policy's pricing arguments of the step, re-priced when its outcome arrives
-    cost_args: tuple | None = None
 
 
 @dataclass(frozen=True)

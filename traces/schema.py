@@ -30,8 +30,6 @@ FORMAT_MAJOR, FORMAT_MINOR = (int(p) for p in FORMAT_VERSION.split("."))
 
 Source = Literal["engine", "simulator"]
 ClockKind = Literal["monotonic_ns", "virtual_ns"]
-Proposer = ProposerName
-Schedule = ScheduleName
 StepKind = Literal["prefill", "decode", "mixed", "spec"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 AgreementKind = Literal["teacher_forced", "first_token"]
@@ -76,8 +74,8 @@ class Header(_Record):
     engine_config: dict[str, Any] = Field(default_factory=dict)
     model: str
     draft_model: str | None = None
-    proposer: Proposer
-    schedule: Schedule
+    proposer: ProposerName
+    schedule: ScheduleName
     draft_len: int = Field(ge=0)  # D: tokens proposed per speculative step
     max_agreement_len: int = Field(ge=0)  # cap on len(FinishRecord.agreement)
     device: Device
@@ -90,8 +88,8 @@ class Header(_Record):
         return schedule_name(value)  # a trace of an earlier release names eager_fill `mtp`
 
     @classmethod
-    def create(cls, *, source: Source, clock: ClockKind, model: str, proposer: Proposer,
-               schedule: Schedule, draft_len: int, device: Device | dict,
+    def create(cls, *, source: Source, clock: ClockKind, model: str, proposer: ProposerName,
+               schedule: ScheduleName, draft_len: int, device: Device | dict,
                max_agreement_len: int = 4096, created_clock_ns: int | None = None,
                **fields: Any) -> Header:
         """A header stamped with the current time and installed library versions.
