@@ -78,6 +78,53 @@ class DraftPolicy(Protocol):
         ...
 
 
+class PolicyFeed:
+    """What an adaptive policy is told, gathered over a step and delivered once (`deliver`)
+    before the next choice: the step's verify, its wall time, and the device intervals of the
+    launches completed since. A fixed policy is told nothing, so nothing is gathered for it."""
+
+    def __init__(self, policy: DraftPolicy):
+        self.policy = policy
+        self._launches: list = []  # launches whose device intervals are still to come
+        self._step: tuple | None = None  # (batch, wall_ns or None, (drafted, accepted) or None)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._launches) or self._step is not None
+
+    def launched(self, launch) -> None:
+        if self.policy.adaptive:
+            self._launches.append(launch)
+
+    def verified(self, batch, drafted: np.ndarray, accepted: np.ndarray) -> None:
+        if self.policy.adaptive:
+            self._step = (batch, None, (drafted, accepted))
+
+    def stepped(self, batch, wall_ns: int) -> None:
+        """A step whose D the policy chose ended after `wall_ns`."""
+        self._step = (batch, wall_ns, self._step[2] if self._step is not None else None)
+
+    def deliver(self, gen: np.ndarray) -> None:
+        """The gathered `StepOutcome`; `gen` [slots]: each slot's generation now (a verified
+        row whose request is gone since teaches the engine-wide estimates only)."""
+        keep, done = [], []
+        for launch in self._launches:
+            ev = launch.event
+            if not ev.query():
+                keep.append(launch)
+            elif ev.start_ns is not None and ev.end_ns is not None:
+                done.append((launch.op, launch.attrs, ev.end_ns - ev.start_ns))
+        self._launches = keep
+        step, self._step = self._step, None
+        if step is None and not done:
+            return
+        batch, wall_ns, verify = step if step is not None else (None, None, None)
+        if verify is not None:
+            verify = VerifyOutcome(batch.slots, gen[batch.slots] == batch.gen, batch.num_draft, *verify)
+        self.policy.observe(StepOutcome(batch.decision if batch is not None else None, wall_ns, verify,
+                                        tuple(done)))
+
+
 class FixedPolicy:
     """Every decode-only step drafts D tokens a row (fewer where a request has fewer left)."""
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from specsched.scheduler import messages
 from specsched.scheduler.batch_builder import BatchBuilder
-from specsched.scheduler.draft_policy import Decision, StepOutcome, VerifyOutcome
+from specsched.scheduler.draft_policy import PolicyFeed
 from specsched.scheduler.forward_step import ForwardStep
 from specsched.scheduler.output_stage import OutputStage
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
@@ -88,8 +88,9 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
         # the clock's reading, bound once (the pipeline reads it ~40 times a step)
         self._now = clock.now_ns
         # the draft length's policy: the builder asks it each decode-only step's D; an adaptive
-        # one is told what each step did (`_observe`), a fixed one nothing
+        # one is told what each step did (`PolicyFeed`), a fixed one nothing
         self.policy = builder.policy
+        self.feed = PolicyFeed(self.policy)
         self.trace = StepTrace(tracer if tracer is not None else NULL_TRACER, self._now, builder.computed_now,
                                chosen_draft_lens=self.policy.adaptive)
         # the proposer's fills wait while speculation is off and catch up when it resumes
@@ -115,9 +116,6 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
         self._stopping = False
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
-        self._costed: list[Launch] = []  # launches whose device time an adaptive policy awaits
-        # the last step's outcome for the policy, told before the next step's choice (`_observe`)
-        self._outcome: tuple[Decision | None, int | None, tuple | None] | None = None
         # Simulator hook: virtual nanoseconds a host stage costs, given its attributes; the
         # pipeline passes them on the clock's `advance_ns` (busy time). The engine leaves it
         # None: real host work takes real time.
@@ -263,34 +261,8 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
         self._charge("launch:" + msg.op, attrs)
         if self.trace.tracer.enabled:
             self.trace.launched(launch, t0)
-        if self.policy.adaptive:
-            self._costed.append(launch)
+        self.feed.launched(launch)
         return launch
-
-    def _observe(self) -> None:
-        """Tell an adaptive policy the last step's outcome (`StepOutcome`), with the device
-        intervals of the launches completed since: once per step, before the next choice."""
-        keep, done = [], []
-        for launch in self._costed:
-            ev = launch.event
-            if not ev.query():
-                keep.append(launch)
-            elif ev.start_ns is not None and ev.end_ns is not None:
-                done.append((launch.op, launch.attrs, ev.end_ns - ev.start_ns))
-        self._costed = keep
-        outcome, self._outcome = self._outcome, None
-        decision, wall_ns, verify = outcome if outcome is not None else (None, None, None)
-        if verify is not None:
-            batch, drafted, accepted = verify
-            live = self.table.gen[batch.slots] == batch.gen  # a request since gone teaches engine-wide only
-            verify = VerifyOutcome(batch.slots, live, batch.num_draft, drafted, accepted)
-        if outcome is not None or done:
-            self.policy.observe(StepOutcome(decision, wall_ns, verify, tuple(done)))
-
-    def _verified(self, batch: StepBatch, drafted: np.ndarray, accepted: np.ndarray) -> None:
-        """A speculative step's acceptance, for the policy's next outcome (`_observe`)."""
-        if self.policy.adaptive:
-            self._outcome = (batch.decision, None, (batch, drafted, accepted))
 
     async def _sync(self, launch: Launch) -> Any:
         t0 = self._now()
@@ -332,8 +304,8 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
             await self._idle.wait()
         finally:
             self._idle, self.tracer = None, tracer
-        if self.policy.adaptive:
-            self._observe()  # the warm-up's last step teaches too
+        if self.feed.pending:
+            self.feed.deliver(self.table.gen)  # the warm-up's last step teaches too
         self.policy.warmed_up()
 
     def stop(self) -> None:
@@ -367,8 +339,8 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
         if self._inflight is not None and self.blocks.num_free_pages < self._most_pages():
             await self._drain()  # preemption may be needed: never preempt a request in flight
         self._charge("step_gap", {})  # host work between steps that no stage span covers
-        if self._costed or self._outcome is not None:
-            self._observe()
+        if self.feed.pending:
+            self.feed.deliver(self.table.gen)
         t_step = self._now()
         t0 = t_step
         batch = self.builder.schedule()
@@ -398,8 +370,7 @@ class Pipeline(OutputStage, ForwardStep, SpeculativeStep):
             await self.runner.forward_step(self, batch, *self._launch_forward(batch, t_step, shape))
         self.num_steps += 1
         if self.policy.adaptive and batch.decision is not None:
-            verify = self._outcome[2] if self._outcome is not None else None
-            self._outcome = (batch.decision, self._now() - t_step, verify)
+            self.feed.stepped(batch, self._now() - t_step)
         self.trace.flush_steps()
         # no pause between steps: the real pipeline goes from one step's output straight into
         # the next step's schedule (a request submitted meanwhile waits for the step after)

@@ -103,7 +103,7 @@ class SpeculativeStep:
             fill = self._launch(self.aux, fm)
         t0 = self._now()
         self.builder.record_verify(batch, starts_before, accepted, num_drafts, spec.kv_ahead)
-        self._verified(batch, num_drafts, accepted)
+        self.feed.verified(batch, num_drafts, accepted)
         # [B, W] emitted tokens, row i's first accepted[i] + 1 valid
         out_counts = self._output(batch, np.arange(len(batch)), np.asarray(result.tokens), accepted + 1)
         self.builder.trim_rejected(batch)
