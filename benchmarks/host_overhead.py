@@ -1,8 +1,8 @@
 """Scheduler host cost per step (schedule + kv_alloc + plan + accept) at 64, 256 and 1024 running requests.
 
-Runs the real scheduler code (BatchBuilder, BlockManager, message packing with the
+Runs the real scheduler code (Scheduler, BlockManager, message packing with the
 FlashInfer-layout plan, the bookkeeping of the device's result: counters, accepted lengths,
-speculation statistics and trimming of rejected slots) on N decoding requests, for plain
+speculation statistics, output counts and trimming of rejected slots) on N decoding requests, for plain
 decode steps and speculative (verify, D=4) steps, and prints the median milliseconds per
 stage. No model is involved:
 this is the CPU work that must hide behind the device.
@@ -19,12 +19,17 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import add_side_by_side_options, side_by_side  # noqa: E402
 
 from specsched.scheduler import messages  # noqa: E402
-from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig  # noqa: E402
+try:  # noqa: E402
+    from specsched.scheduler.scheduler import Scheduler, SchedulerConfig
+except ImportError:  # a checkout from before the Scheduler (--baseline)
+    from specsched.scheduler.batch_builder import BatchBuilder as Scheduler, SchedulerConfig
 from specsched.scheduler.block_manager import BlockManager  # noqa: E402
 from specsched.scheduler.proposer import ProposerSpec  # noqa: E402
 from specsched.scheduler.request import Request  # noqa: E402
@@ -35,8 +40,9 @@ def measure(num_requests: int, steps: int, draft_len: int, prompt_len: int = 512
     spec = ProposerSpec("draft", draft_len) if draft_len else ProposerSpec()
     blocks = BlockManager(2 * num_requests * ((prompt_len + steps * (draft_len + 1) + 8) // 16 + 2) + 64, 16,
                           ("target", "draft") if draft_len else ("target",))
-    builder = BatchBuilder(SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=1 << 20,
-                                           draft_len=draft_len, proposer_model="draft" if draft_len else None), blocks)
+    config = SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=1 << 20,
+                             draft_len=draft_len, proposer_model="draft" if draft_len else None)
+    builder = Scheduler(config, blocks, keep_ids=False) if hasattr(Scheduler, "update") else Scheduler(config, blocks)
     params = SamplingParams(max_tokens=steps * (draft_len + 1) + 8, ignore_eos=True)
     for i in range(num_requests):
         builder.add(Request(f"r{i}", list(range(prompt_len)), params, arrival_ns=0))
@@ -68,11 +74,24 @@ def measure(num_requests: int, steps: int, draft_len: int, prompt_len: int = 512
 
 
 def _bookkeeping(builder, spec):
-    """The pipeline's bookkeeping after a step's device result (every draft accepted), timed
-    without the output stage's appends: the counters, speculation statistics and trimming of
-    rejected slots. Code without the batch builder's whole-array bookkeeping runs the
-    pipeline's per-row loop it had instead."""
+    """The bookkeeping of a step's launch and device result (every draft accepted): the
+    counters, speculation statistics, output counts and trimming of rejected slots (one
+    `Scheduler.update`; code from before it runs what it had instead)."""
     kv_ahead = spec.kv_ahead if spec.kv_model is not None else None
+
+    def update(batch):
+        n = len(batch)
+        if batch.is_spec:
+            d = batch.num_draft
+            result = messages.VerifyResult(accepted=d, tokens=np.ones((n, 1 + int(d.max())), dtype=np.int64),
+                                           num_drafts=d)
+            t0 = time.perf_counter()
+        else:
+            result = messages.ForwardResult(tokens=np.ones(n, dtype=np.int64))
+            t0 = time.perf_counter()
+            builder.launched(batch, fills=True)
+        builder.update(batch, result, 0)
+        run.seconds = time.perf_counter() - t0
 
     def arrays(batch):
         t0 = time.perf_counter()
@@ -80,18 +99,16 @@ def _bookkeeping(builder, spec):
             accepted = batch.num_draft
             before = builder.advance_verify(batch, accepted)
             builder.record_verify(batch, before, accepted, batch.num_draft, spec.kv_ahead)
-            run.seconds = time.perf_counter() - t0
             for r, d in zip(batch.requests, batch.num_draft.tolist()):
                 r.extend_output([1] * (1 + d))
-            t1 = time.perf_counter()
             builder.trim_rejected(batch)
-            run.seconds += time.perf_counter() - t1
+            run.seconds = time.perf_counter() - t0
         else:
             builder.advance_forward(batch, kv_ahead)
             builder.complete_forward(batch)
-            run.seconds = time.perf_counter() - t0
             for r in batch.requests:
                 r.extend_output([1])
+            run.seconds = time.perf_counter() - t0
 
     def rows(batch):
         t0 = time.perf_counter()
@@ -127,7 +144,7 @@ def _bookkeeping(builder, spec):
             for s in seqs:
                 s.request.output_token_ids.append(1)
 
-    run = arrays if hasattr(builder, "advance_verify") else rows
+    run = update if hasattr(builder, "update") else arrays if hasattr(builder, "advance_verify") else rows
     run.seconds = 0.0
     return run
 

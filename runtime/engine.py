@@ -25,7 +25,7 @@ from specsched.runtime.detokenize import Detokenizer
 from specsched.runtime.engine_checks import check_engine
 from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.proposers.ngram import host_drafter
-from specsched.scheduler.batch_builder import SchedulerConfig, max_pages_needed
+from specsched.scheduler.scheduler import SchedulerConfig, max_pages_needed
 from specsched.scheduler.block_manager import KVPoolStats
 from specsched.scheduler.engine_config import WARMUP_ID, WARMUP_PROMPT, warmup_params
 from specsched.scheduler.errors import EngineClosedError, InvalidRequestError
@@ -264,7 +264,7 @@ class AsyncEngine:
         (read-only; a finished or aborted request holds none)."""
         if self._pipeline is None:
             raise EngineClosedError("engine has not started: kv_stats() needs `async with AsyncEngine(...)`")
-        return self._pipeline.builder.blocks.stats()
+        return self._pipeline.scheduler.blocks.stats()
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:

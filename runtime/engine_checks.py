@@ -14,7 +14,7 @@ import orjson
 
 from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.tokenizer import Tokenizer
-from specsched.scheduler.batch_builder import SchedulerConfig, max_pages_needed
+from specsched.scheduler.scheduler import SchedulerConfig, max_pages_needed
 from specsched.scheduler.errors import ConfigurationError
 from specsched.scheduler.proposer import RULES
 

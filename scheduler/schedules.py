@@ -50,74 +50,74 @@ def schedule_rules(schedule: str) -> ScheduleRules:
 
 
 class Runner:
-    """The launches and waits of one step under a schedule, top to bottom. `p` is the pipeline,
-    whose step primitives (scheduler/spec_step.py, scheduler/forward_step.py) pack, launch,
-    wait and book; a runner only orders them."""
+    """The launches and waits of one step under a schedule, top to bottom. `o` holds the step's
+    primitives (scheduler/step_ops.py), which pack, launch, wait and book; a runner only orders
+    them."""
 
-    def runs_ahead(self, p, batch) -> bool:
+    def runs_ahead(self, o, batch) -> bool:
         """Whether this plain step may be launched while the step before it is in flight."""
         return False
 
-    async def spec_step(self, p, plan) -> None:
+    async def spec_step(self, o, plan) -> None:
         raise NotImplementedError
 
-    async def forward_step(self, p, batch, forward, fill) -> None:
+    async def forward_step(self, o, batch, forward, fill) -> None:
         """A launched plain step: complete it (its tokens to the host), its fill left or awaited."""
-        if fill is None and self.runs_ahead(p, batch):
-            await p._run_ahead(batch, forward)
+        if fill is None and self.runs_ahead(o, batch):
+            await o.run_ahead(batch, forward)
             return
-        await p._complete_forward(batch, forward)
-        p._defer_fill(fill)
+        await o.complete_forward(batch, forward)
+        o.defer_fill(fill)
 
 
 class SyncRunner(Runner):
-    async def spec_step(self, p, plan) -> None:
-        draft = p._launch_draft(plan)
-        if draft is not None and await p._wait(draft, plan.batch) is None:
+    async def spec_step(self, o, plan) -> None:
+        draft = o.launch_draft(plan)
+        if draft is not None and await o.wait(draft, plan.batch) is None:
             return
-        verify = p._launch_verify(plan, draft)
-        result = await p._wait(verify, plan.batch)
+        verify = o.launch_verify(plan, draft)
+        result = await o.wait(verify, plan.batch)
         if result is None:
             return
-        fill = p._accept(plan, result, verify, None)
+        fill = o.accept(plan, result, verify, None)
         if fill is not None:
-            await p._wait(fill, plan.batch)
+            await o.wait(fill, plan.batch)
 
-    async def forward_step(self, p, batch, forward, fill) -> None:
-        await p._complete_forward(batch, forward)
+    async def forward_step(self, o, batch, forward, fill) -> None:
+        await o.complete_forward(batch, forward)
         if fill is not None:
-            await p._wait(fill, batch)
+            await o.wait(fill, batch)
 
 
 class _PlainAhead(Runner):
-    def runs_ahead(self, p, batch) -> bool:
+    def runs_ahead(self, o, batch) -> bool:
         # a plain step with no proposer fill: speculation off (an adaptive draft length at D = 0)
-        return not batch.is_spec and (p.spec.kv_model is None or p._lazy(batch))
+        return not batch.is_spec and (o.spec.kv_model is None or o.lazy(batch))
 
 
 class OverlapRunner(_PlainAhead):
-    async def spec_step(self, p, plan) -> None:
-        draft = p._launch_draft(plan)
-        verify = p._launch_verify(plan, draft)
-        result = await p._wait(verify, plan.batch)
+    async def spec_step(self, o, plan) -> None:
+        draft = o.launch_draft(plan)
+        verify = o.launch_verify(plan, draft)
+        result = await o.wait(verify, plan.batch)
         if result is None:
             return
-        p._defer_fill(p._accept(plan, result, verify, None))  # behind the next step's host work
+        o.defer_fill(o.accept(plan, result, verify, None))  # behind the next step's host work
 
 
 class EagerFillRunner(_PlainAhead):
-    async def spec_step(self, p, plan) -> None:
-        draft = p._launch_draft(plan)
-        verify = p._launch_verify(plan, draft)
-        fill = p._launch_fill_behind(plan, verify)  # before the host knows what was accepted
-        result = await p._wait(verify, plan.batch)
+    async def spec_step(self, o, plan) -> None:
+        draft = o.launch_draft(plan)
+        verify = o.launch_verify(plan, draft)
+        fill = o.launch_fill_behind(plan, verify)  # before the host knows what was accepted
+        result = await o.wait(verify, plan.batch)
         if result is None:
             return
-        p._defer_fill(p._accept(plan, result, verify, fill))
+        o.defer_fill(o.accept(plan, result, verify, fill))
 
 
 class PlainOverlapRunner(Runner):
-    def runs_ahead(self, p, batch) -> bool:
+    def runs_ahead(self, o, batch) -> bool:
         return True
 
 

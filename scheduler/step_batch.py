@@ -1,8 +1,9 @@
-"""One scheduled step as arrays over its rows: what the batch builder hands the pipeline.
+"""One scheduled step as arrays over its rows: what the scheduler hands the pipeline.
 
-Why a module of its own: the builder (scheduler/batch_builder.py) decides the rows; the
-pipeline, the message packing, the output stage and the trace read them. Every reader needs
-this type, none needs the builder.
+Why a module of its own: the scheduler (scheduler/scheduler.py) decides the rows; the
+pipeline, the message packing, the outputs and the trace read them. Every reader needs this
+type, none needs the scheduler. A step's rows whose request finished while it was in flight
+(its slot given back, maybe to a new request) are told apart by the slot's generation.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specsched.scheduler.request import Request
-from specsched.scheduler.small_arrays import some, total
+from specsched.scheduler.slot_state import SlotTable
+from specsched.scheduler.small_arrays import every, some, total
 
 
 @dataclass(eq=False)
@@ -66,3 +68,32 @@ class StepBatch:
 def empty_batch(step: int, preempted: list[Request]) -> StepBatch:
     z = np.zeros(0, dtype=np.int64)
     return StepBatch(step, [], z, z, z, z, z.astype(bool), z.astype(bool), z, preempted)
+
+
+def live_rows(batch: StepBatch, table: SlotTable) -> np.ndarray:
+    """[B] rows whose request still holds its slot (one that finished while the batch was in
+    flight gave it back; a new request may hold it now)."""
+    return table.gen[batch.slots] == batch.gen
+
+
+def without_finished(batch: StepBatch, table: SlotTable) -> StepBatch:
+    """The batch without the rows whose request finished since it was scheduled (on the tokens
+    of a step then in flight), before it is allocated; the batch itself if none did."""
+    live = live_rows(batch, table)
+    if every(live):
+        return batch
+    keep = live.nonzero()[0]
+    return StepBatch(batch.step, [batch.requests[i] for i in keep.tolist()], batch.slots[keep],
+                     batch.start[keep], batch.num_new[keep], batch.num_draft[keep], batch.samples[keep],
+                     batch.prefill[keep], batch.gen[keep], batch.preempted, batch.width, batch.decision)
+
+
+def computed_now(batch: StepBatch, table: SlotTable) -> np.ndarray:
+    """[B] num_computed_tokens of the batch's rows now (a finished row's own, kept in its handle
+    once its slot went back)."""
+    computed = table.computed[batch.slots]
+    gone = table.gen[batch.slots] != batch.gen
+    if some(gone):
+        for i in gone.nonzero()[0].tolist():
+            computed[i] = batch.requests[i].num_computed_tokens
+    return computed

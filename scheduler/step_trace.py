@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from specsched.scheduler.step_batch import StepBatch
+from specsched.scheduler.slot_state import SlotTable
+from specsched.scheduler.step_batch import StepBatch, computed_now
 from specsched.scheduler.protocols import Event
 from specsched.traces.schema import RANK_TRACK_PREFIX
 
@@ -66,11 +67,11 @@ def device_span_name(op: str, attrs: dict) -> str:
 class StepTrace:
     """Launch/device/step records of one pipeline; `now()` is the pipeline's host time."""
 
-    def __init__(self, tracer: Any, now: Callable[[], int],
-                 computed_now: Callable[[StepBatch], np.ndarray], *, chosen_draft_lens: bool = False):
+    def __init__(self, tracer: Any, now: Callable[[], int], table: SlotTable, *,
+                 chosen_draft_lens: bool = False):
         self.tracer = tracer
         self.now = now
-        self.computed_now = computed_now  # [B] a batch's rows' num_computed_tokens now
+        self.table = table  # the scheduler's per-slot counters (a step's rows' KV as it ends)
         # step records carry each step's D and predicted gain (a policy chose them; a fixed D
         # is the configuration's, in the header)
         self.chosen_draft_lens = chosen_draft_lens
@@ -135,7 +136,7 @@ class StepTrace:
     def flush_steps(self) -> None:
         end = self.now()
         for batch, t_step, out_counts, drafted, accepted in self._steps_done:
-            kv_lens = self.computed_now(batch)  # the rows' target KV as the step ends
+            kv_lens = computed_now(batch, self.table)  # the rows' target KV as the step ends
             dec = batch.decision if self.chosen_draft_lens else None
             self.tracer.step(
                 step=batch.step, kind=batch.kind, start_ns=t_step, end_ns=max(end, t_step),

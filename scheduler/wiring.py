@@ -2,7 +2,7 @@
 
 Why: the engine (real clock, worker-process or CUDA device), the simulator's replay (virtual
 clock and device) and the MTP head's evaluation (an in-process device) run the same
-pipeline; if each assembled the block manager, batch builder and proposer spec itself, a
+pipeline; if each assembled the block manager, scheduler and proposer spec itself, a
 change to one (a page table per KV model, a default) would silently miss the others. The
 defaults a configuration leaves open -- each proposer's natural schedule and draft length,
 the EAGLE tree's shape -- live here too.
@@ -14,12 +14,12 @@ from dataclasses import replace
 from typing import Any
 
 from specsched.scheduler.adaptive import AdaptivePolicy
-from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
 from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.cost_model import StepCosts
 from specsched.scheduler.draft_policy import DraftPolicy
 from specsched.scheduler.pipeline import MAX_KEPT_TOKENS, Pipeline, PipelineConfig
 from specsched.scheduler.proposer import ProposerSpec, default_tree
+from specsched.scheduler.scheduler import Scheduler, SchedulerConfig
 from specsched.scheduler.schedules import schedule_rules
 from specsched.traces.hook import NULL_TRACER
 from specsched.traces.names import ProposerKind as P
@@ -92,7 +92,8 @@ def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_si
         # a device whose first launch of an op is no slower than the next (the simulator's) says so
         policy = draft_len_policy(spec, seed_costs=seed_costs, slots=max(8, max_num_seqs),
                                   cold_first_launch=not device.warm_first_launch)
-    builder = BatchBuilder(scheduler_config(spec, max_num_seqs=max_num_seqs,
-                                            max_num_batched_tokens=max_num_batched_tokens), blocks, policy)
-    return Pipeline(PipelineConfig(schedule, spec, max_kept_tokens), builder, device, clock, sink, tracer,
-                    eos_token_ids=tuple(eos_token_ids), drafter=drafter)
+    scheduler = Scheduler(scheduler_config(spec, max_num_seqs=max_num_seqs,
+                                           max_num_batched_tokens=max_num_batched_tokens), blocks, policy,
+                          eos_token_ids=tuple(eos_token_ids), keep_ids=sink.wants_token_ids)
+    return Pipeline(PipelineConfig(schedule, spec, max_kept_tokens), scheduler, device, clock, sink, tracer,
+                    drafter=drafter)

@@ -38,7 +38,7 @@ def recorded_choices(trace) -> dict[tuple[str, int], tuple[int, int]]:
     return out
 
 
-def follow_choices(policy, builder, choices: dict[tuple[str, int], tuple[int, int]]) -> None:
+def follow_choices(policy, scheduler, choices: dict[tuple[str, int], tuple[int, int]]) -> None:
     """Make `policy` (the replay's, which still learns from what it observes) decide each step
     as the captured run did (see the module docstring)."""
     choose = policy.choose
@@ -46,7 +46,7 @@ def follow_choices(policy, builder, choices: dict[tuple[str, int], tuple[int, in
     def followed(view):
         dec = choose(view)
         slots, remaining, budget = view.slots, view.remaining, view.budget
-        by_slot = {r.slot: r.request_id for r in builder.running}
+        by_slot = {r.slot: r.request_id for r in scheduler.running}
         rec = [choices.get((by_slot.get(int(s)), int(left))) for s, left in zip(slots.tolist(), remaining.tolist())]
         seen = [c[0] for c in rec if c is not None]
         if not seen:

@@ -287,7 +287,7 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
         if policy is not None:
             header.extra["draft_policy"] = policy.state()  # as an engine trace records it
             if cfg.follow_choices:
-                follow_choices(policy, pipe.builder, recorded_choices(trace))
+                follow_choices(policy, pipe.scheduler, recorded_choices(trace))
         async with anyio.create_task_group() as clients:
             if concurrency is None:  # open loop: each request at its arrival time
                 for i, it in enumerate(items):

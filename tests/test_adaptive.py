@@ -217,24 +217,24 @@ def test_plain_steps_run_one_ahead_and_rows_finishing_in_flight_leave_the_next_d
     from specsched.runtime import bundled
     from specsched.runtime.training.mtp_eval import run_requests
     from specsched.runtime.worker import ModelWorker
-    from specsched.scheduler.batch_builder import BatchBuilder
-    from specsched.scheduler.pipeline import Pipeline
+    from specsched.scheduler import pipeline
     from specsched.scheduler.sampling_params import SamplingParams
+    from specsched.scheduler.step_ops import StepOps
 
     ahead, dropped = [], []
-    run_ahead, without = Pipeline._run_ahead, BatchBuilder.without_finished
+    run_ahead, without = StepOps.run_ahead, pipeline.without_finished
 
     async def launched_ahead(self, batch, launch):
-        ahead.append(self._inflight is not None)  # the step before is still in flight
+        ahead.append(self.l.inflight is not None)  # the step before is still in flight
         await run_ahead(self, batch, launch)
 
-    def counted(self, batch):
-        out = without(self, batch)
+    def counted(batch, table):
+        out = without(batch, table)
         dropped.append(len(batch) - len(out))
         return out
 
-    monkeypatch.setattr(Pipeline, "_run_ahead", launched_ahead)
-    monkeypatch.setattr(BatchBuilder, "without_finished", counted)
+    monkeypatch.setattr(StepOps, "run_ahead", launched_ahead)
+    monkeypatch.setattr(pipeline, "without_finished", counted)
     # one of 3, 4 and 5 tokens ends on the second plain step, before anything was drafted (so
     # whatever the proposer accepts), while the first drafting step waits for it
     prompts = [[(13 * i + j) % 450 + 4 for j in range(8 + 3 * i)] for i in range(9)]
@@ -263,19 +263,19 @@ def test_a_drafting_step_short_of_pages_preempts_no_request_in_flight(monkeypatc
     from specsched.runtime import bundled
     from specsched.runtime.training.mtp_eval import run_requests
     from specsched.runtime.worker import ModelWorker
-    from specsched.scheduler.batch_builder import BatchBuilder
+    from specsched.scheduler.scheduler import Scheduler
     from specsched.scheduler.sampling_params import SamplingParams
 
     pipes: list = []
     victims = []
-    preempt = BatchBuilder._preempt
+    preempt = Scheduler.preempt
 
     def checked(self, victim):
-        inflight = pipes[0]._inflight
+        inflight = pipes[0].launcher.inflight
         victims.append(inflight is not None and any(r is victim for r in inflight[0].requests))
         preempt(self, victim)
 
-    monkeypatch.setattr(BatchBuilder, "_preempt", checked)
+    monkeypatch.setattr(Scheduler, "preempt", checked)
     prompts = [[(17 * i + j) % 420 + 6 for j in range(10 + 3 * i)] for i in range(4)]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     plain = run_requests(ModelWorker(str(bundled.target_dir()), {"kind": "none", "draft_len": 0}, num_pages=256),

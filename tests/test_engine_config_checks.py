@@ -86,7 +86,7 @@ def test_page_pool_too_small_for_any_request_rejected(tiny_family):
 def test_request_check_and_pool_check_count_pages_alike(engine):
     """The per-request check and the construction check use one page count: a request that
     needs exactly the pool passes, one page more is rejected, naming both numbers."""
-    from specsched.scheduler.batch_builder import max_pages_needed
+    from specsched.scheduler.scheduler import max_pages_needed
 
     c = engine.config  # plain decoding, page_size 4, num_pages 512
     params = SamplingParams(max_tokens=40)

@@ -134,17 +134,17 @@ def test_the_engine_runs_every_op_once_before_it_serves_untraced(tiny_family, mo
     """The warm-up request launches the draft, verify and fill ops as well as forwards before
     `async with` returns (their first launches pay one-off costs), frees its pages, and stays
     out of the trace; `skip_warmup` starts cold."""
-    from specsched.scheduler.pipeline import Pipeline
+    from specsched.scheduler.launcher import Launcher
     from specsched.traces import Header, MemoryRecorder
 
     ops = []
-    launch = Pipeline._launch
+    launch = Launcher.launch
 
     def counted(self, stream, msg):
         ops.append(msg.op)
         return launch(self, stream, msg)
 
-    monkeypatch.setattr(Pipeline, "_launch", counted)
+    monkeypatch.setattr(Launcher, "launch", counted)
     rec = MemoryRecorder(Header.create(source="engine", clock="monotonic_ns", model="tiny", proposer="draft",
                                        schedule="overlap", draft_len=2, device={"kind": "host", "name": "host"}))
     cfg = _cfg(tiny_family, proposer="draft", schedule="overlap", draft_len=2, skip_warmup=skip)

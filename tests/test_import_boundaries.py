@@ -47,7 +47,7 @@ def test_source_imports_point_one_way(package):
 
 
 @pytest.mark.parametrize("package,modules", [
-    ("scheduler", ["pipeline", "batch_builder", "block_manager", "plan", "messages", "proposer"]),
+    ("scheduler", ["pipeline", "scheduler", "block_manager", "plan", "messages", "proposer"]),
     ("simulator", ["replay", "analysis", "synthetic", "sweep", "fit"]),
 ])
 def test_loaded_modules_point_one_way(package, modules):

@@ -10,7 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
+from specsched.scheduler.messages import ForwardResult, VerifyResult
+from specsched.scheduler.scheduler import Scheduler, SchedulerConfig
 from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.request import Request, RequestState
 from specsched.scheduler.sampling_params import SamplingParams
@@ -34,15 +35,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                 seed=st.integers(0, 2**16))
     def setup(self, page_size, draft_len, draft_model, max_num_seqs, budget, extra, seed):
         self.proposer = "draft" if (draft_len and draft_model) else None
-        cfg = SchedulerConfig(max_num_seqs, max(budget, 1 + draft_len), draft_len, self.proposer)
+        cfg = SchedulerConfig(max_num_seqs, max(budget, 1 + draft_len), draft_len, self.proposer,
+                              kv_ahead=1 if self.proposer else 0)
         self.max_prompt, self.max_out = 12, 8
         probe = Request("probe", [0] * self.max_prompt, SamplingParams(max_tokens=self.max_out), 0)
         models = ("target",) + ((self.proposer,) if self.proposer else ())
         self.blocks = BlockManager(1, page_size, models)
-        self.b = BatchBuilder(cfg, self.blocks)
+        self.b = Scheduler(cfg, self.blocks)
         num_pages = self.b.max_pages_needed(probe) + extra  # the largest request fits alone
         self.blocks = BlockManager(num_pages, page_size, models)
-        self.b = BatchBuilder(cfg, self.blocks)
+        self.b = Scheduler(cfg, self.blocks)
         self.kv_ahead = 1 if self.proposer else None
         self.rng = random.Random(seed)
         self.refs: dict[str, Ref] = {}
@@ -64,21 +66,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     def abort(self, data):
         if not self.live:
             return
-        rid = data.draw(st.sampled_from(sorted(self.live)))
-        self._finish(self.live[rid], RequestState.ABORTED)
-
-    @rule(data=st.data())
-    def abort_several(self, data):
-        """Several requests at once, waiting or running (`remove_many`, as the pipeline's
-        finishes by length take them)."""
-        if not self.live:
-            return
-        rids = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, unique=True))
-        reqs = [self.live.pop(rid) for rid in rids]
-        for r in reqs:
-            r.state = RequestState.ABORTED
-        self.b.remove_many(reqs)
-        self.done.extend(reqs)
+        rids = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, max_size=3, unique=True))
+        for rid in rids:
+            assert self.b.abort(rid)
+        out = self.b.finish_marked(None, 0)  # no step in flight: every abort ends now
+        assert sorted(r.request_id for r in out.finished) == sorted(rids)
+        for r in out.finished:
+            assert r.state is RequestState.ABORTED
+            self._done(r)
 
     @rule()
     def step(self):
@@ -91,11 +86,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         b.allocate(batch)
         if batch.is_spec:
             accepted = np.array([self.rng.randint(0, d) for d in batch.num_draft.tolist()], dtype=np.int64)
-            before = b.advance_verify(batch, accepted)
-            b.record_verify(batch, before, accepted, batch.num_draft, self.kv_ahead or 0)
+            tokens = np.ones((len(batch), batch.width), dtype=np.int64)
+            out = b.update(batch, VerifyResult(accepted, tokens, batch.num_draft), 0)
             for r, d, a in zip(batch.requests, batch.num_draft.tolist(), accepted.tolist()):
                 ref = refs[r.request_id]
-                assert before[batch.requests.index(r)] == ref.prompt + ref.output
                 ref.computed += 1 + a
                 ref.proposer = ref.prompt + ref.output + a + (self.kv_ahead or 0)
                 if d:
@@ -106,8 +100,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     for k in range(d):
                         ref.drafted_pos[k] += 1
                         ref.accepted_pos[k] += k < a
-                self._emit(r, 1 + a)
-            b.trim_rejected(batch)
+                self._emit(r, 1 + a, out.finished)
             ps = self.blocks.page_size
             width = 1 + self.b.config.draft_len
             for r, start in zip(batch.requests, batch.start.tolist()):
@@ -116,27 +109,26 @@ class SchedulerMachine(RuleBasedStateMachine):
                     assert len(self.blocks.page_table(r.request_id)) == min(reserved, -(-r.num_tokens // ps))
             self.num_spec += 1
         else:
-            b.advance_forward(batch, self.kv_ahead)
-            b.complete_forward(batch)
+            b.launched(batch, fills=True)
+            out = b.update(batch, ForwardResult(np.ones(len(batch), dtype=np.int64)), 0)
             for r, n, s in zip(batch.requests, batch.num_new.tolist(), batch.samples.tolist()):
                 ref = refs[r.request_id]
                 ref.computed += n
                 if self.kv_ahead is not None:
                     ref.proposer = ref.computed + (self.kv_ahead if s else 0)
                 if s:
-                    self._emit(r, 1)
+                    self._emit(r, 1, out.finished)
 
-    def _emit(self, r: Request, n: int) -> None:
+    def _emit(self, r: Request, n: int, finished: list[Request]) -> None:
+        """The reference's output; a request that reaches max_tokens is among those the update finished."""
         ref = self.refs[r.request_id]
-        n = min(n, ref.max_tokens - ref.output)
-        ref.output += n
-        r.extend_output([1] * n)
-        if ref.output == ref.max_tokens:
-            self._finish(r, RequestState.FINISHED)
+        ref.output += min(n, ref.max_tokens - ref.output)
+        assert (ref.output == ref.max_tokens) == (r in finished), r.request_id
+        if r in finished:
+            assert r.state is RequestState.FINISHED and r.finish_reason == "length"
+            self._done(r)
 
-    def _finish(self, r: Request, state: RequestState) -> None:
-        r.state = state
-        self.b.remove(r)
+    def _done(self, r: Request) -> None:
         del self.live[r.request_id]
         self.done.append(r)
 

@@ -1,6 +1,6 @@
-"""Tests for specsched.scheduler.batch_builder: budgets, FCFS admission, chunked prefill, speculation on
-decode-only batches, preemption and recompute, driven to completion through the builder's
-own bookkeeping functions (the ones the pipeline calls)."""
+"""Tests for specsched.scheduler.scheduler: budgets, FCFS admission, chunked prefill, speculation on
+decode-only batches, preemption and recompute, aborts, driven to completion through the
+scheduler's own calls (the ones the pipeline makes) with device results made up here."""
 from __future__ import annotations
 
 import copy
@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specsched.scheduler import messages
-from specsched.scheduler.batch_builder import BatchBuilder, SchedulerConfig
+from specsched.scheduler import batching, messages
+from specsched.scheduler.messages import ForwardResult, VerifyResult
+from specsched.scheduler.scheduler import Scheduler, SchedulerConfig
 from specsched.scheduler.step_batch import StepBatch
 from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.errors import InvalidRequestError
@@ -34,10 +35,11 @@ def make_builder(
     max_num_batched_tokens: int = 64,
     draft_len: int = 0,
     proposer_model: str | None = None,
-) -> BatchBuilder:
+) -> Scheduler:
     models = ("target",) + ((proposer_model,) if proposer_model else ())
-    cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, draft_len, proposer_model)
-    return BatchBuilder(cfg, BlockManager(num_pages, page_size, models))
+    cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, draft_len, proposer_model,
+                          kv_ahead=1 if proposer_model == "draft" else 0)
+    return Scheduler(cfg, BlockManager(num_pages, page_size, models))
 
 
 @dataclass(frozen=True)
@@ -57,12 +59,10 @@ def rows(batch: StepBatch) -> list[Row]:
 
 
 class Sim:
-    """Drives a builder through the pipeline's host bookkeeping -- the builder's own
-    `advance_forward` / `complete_forward` / `advance_verify` / `record_verify` /
-    `trim_rejected` -- with random acceptance; tokens are appended and requests finish at
-    max_tokens as the pipeline's output stage does."""
+    """Drives a scheduler as the pipeline does -- `schedule`, `allocate`, `launched`, `update`
+    -- with random acceptance; each row's tokens are its output positions (0, 1, 2, ...)."""
 
-    def __init__(self, builder: BatchBuilder, accept_rng: random.Random | None = None):
+    def __init__(self, builder: Scheduler, accept_rng: random.Random | None = None):
         self.b = builder
         self.rng = accept_rng or random.Random(0)
         self.finished: list[Request] = []
@@ -74,26 +74,32 @@ class Sim:
     def add(self, req: Request) -> None:
         self.b.add(req)
 
-    def _emit(self, r: Request, n: int) -> None:
-        start = r.num_output_tokens
-        r.extend_output(list(range(start, start + n)))
-        assert r.num_output_tokens <= r.params.max_tokens
-        if r.num_output_tokens == r.params.max_tokens:
-            r.state = RequestState.FINISHED
-            self.b.remove(r)
-            self.finished.append(r)
+    def _update(self, batch: StepBatch, result, emitted: list[int]) -> None:
+        """The result's update: each row keeps what it emitted up to max_tokens, and a request
+        that reaches it finishes, its pages and slot freed."""
+        room = [r.params.max_tokens - r.num_output_tokens for r in batch.requests]
+        out = self.b.update(batch, result, 0)
+        assert out.counts == [min(n, left) for n, left in zip(emitted, room)]
+        assert out.finished == [r for r, n, left in zip(batch.requests, emitted, room) if n >= left]
+        for r in out.finished:
+            assert r.state is RequestState.FINISHED and r.finish_reason == "length"
+            assert r.num_output_tokens == r.params.max_tokens and r.request_id not in self.b.requests
+            assert self.b.blocks.page_table(r.request_id) == []
+        self.finished.extend(out.finished)
+
+    @staticmethod
+    def _tokens(batch: StepBatch, width: int) -> np.ndarray:
+        have = np.array([r.num_output_tokens for r in batch.requests], dtype=np.int64)
+        return have[:, None] + np.arange(width)
 
     def step(self) -> StepBatch:
         b, cfg = self.b, self.b.config
         # what the one-row-at-a-time path decides; the whole-array paths must agree with it
-        general = copy.deepcopy(b)._schedule_general(vectorized=False)
-        assert _summary(copy.deepcopy(b)._schedule_general()) == _summary(general)
-        fast = copy.deepcopy(b)._schedule_decode_only()
+        general = batching.general(copy.deepcopy(b), vectorized=False)
+        assert _summary(batching.general(copy.deepcopy(b))) == _summary(general)
         batch = b.schedule()
         assert _summary(batch) == _summary(general)
-        if fast is not None:
-            self.num_fast += 1
-            assert _summary(fast) == _summary(general)
+        self.num_fast += batch.shortfall is not None  # the whole-array path found the pages it needs
         self.batches.append(batch)
         check_batch(b, batch)
         b.allocate(batch)
@@ -104,21 +110,19 @@ class Sim:
                 assert row.request.num_computed_tokens + row.num_new_tokens == row.request.num_tokens
         if batch.is_spec:
             accepted = np.array([self.rng.randint(0, d) for d in batch.num_draft.tolist()], dtype=np.int64)
-            before = b.advance_verify(batch, accepted)
-            assert (before == batch.start + 1).all()
-            b.record_verify(batch, before, accepted, batch.num_draft, self.kv_ahead or 0)
+            tokens = self._tokens(batch, batch.width)
+            self._update(batch, VerifyResult(accepted, tokens, batch.num_draft), (1 + accepted).tolist())
             for r, a in zip(batch.requests, accepted.tolist()):
-                self._emit(r, 1 + a)
-            b.trim_rejected(batch)
-            for r in batch.requests:
-                if not r.is_finished:
+                if not r.is_finished:  # rejected candidates' pages went back
+                    assert r.num_computed_tokens == r.num_tokens - 1
                     assert b.blocks.num_slots(r.request_id) < r.num_tokens + b.blocks.page_size
+                    if self.kv_ahead is not None:
+                        assert r.num_proposer_computed == r.num_computed_tokens + self.kv_ahead
         else:
-            b.advance_forward(batch, self.kv_ahead)
-            b.complete_forward(batch)
-            for row in rows(batch):
-                if row.samples:
-                    self._emit(row.request, 1)
+            b.launched(batch, fills=True)
+            assert all(r.num_pending_tokens == int(s) for r, s in zip(batch.requests, batch.samples.tolist()))
+            tokens = self._tokens(batch, 1)[:, 0]
+            self._update(batch, ForwardResult(tokens), batch.samples.astype(int).tolist())
         b.blocks.check_invariants()
         check_slots(b)
         for r in b.running:
@@ -137,7 +141,7 @@ class Sim:
         raise AssertionError("the scheduler made no progress (livelock)")
 
 
-def check_slots(b: BatchBuilder) -> None:
+def check_slots(b: Scheduler) -> None:
     """Queued and running requests hold distinct slots, each the request's page-table row."""
     held = [r.slot for r in list(b.running) + list(b.waiting)]
     assert len(held) == len(set(held)) and all(s >= 0 for s in held)
@@ -150,7 +154,7 @@ def _summary(batch: StepBatch) -> tuple:
                                      for s in rows(batch)], [r.request_id for r in batch.preempted])
 
 
-def check_batch(b: BatchBuilder, batch: StepBatch) -> None:
+def check_batch(b: Scheduler, batch: StepBatch) -> None:
     cfg = b.config
     ids = [s.request.request_id for s in rows(batch)]
     assert len(ids) == len(set(ids)), "a request scheduled twice"
@@ -175,7 +179,7 @@ def check_batch(b: BatchBuilder, batch: StepBatch) -> None:
         assert b.blocks.page_table(r.request_id) == []
 
 
-def check_allocation(b: BatchBuilder, batch: StepBatch) -> None:
+def check_allocation(b: Scheduler, batch: StepBatch) -> None:
     cfg, bm = b.config, b.blocks
     for s in rows(batch):
         r = s.request
@@ -192,7 +196,7 @@ def spec_of(cfg: SchedulerConfig) -> ProposerSpec:
     return ProposerSpec("draft" if cfg.proposer_model == "draft" else "ngram", cfg.draft_len)
 
 
-def check_messages(b: BatchBuilder, batch: StepBatch) -> None:
+def check_messages(b: Scheduler, batch: StepBatch) -> None:
     """The plan stage must succeed on what kv_alloc reserved, and no two tokens of the step
     may write the same KV slot."""
     if not len(batch):
@@ -463,9 +467,12 @@ def test_remove_frees_pages_and_dequeues() -> None:
     sim.step()
     b.add(w)
     assert b.blocks.num_used_pages > 0
-    b.remove(a)
-    b.remove(w)
+    assert b.abort("a") and b.abort("w") and not b.abort("unknown")
+    assert b.has_work  # until the step boundary
+    out = b.finish_marked(None, 7)
+    assert out.finished == [a, w] and all(r.finish_reason == "abort" and r.finish_ns == 7 for r in out.finished)
     assert not b.has_work and b.blocks.num_free_pages == b.blocks.num_pages
+    assert not b.abort("a")
 
 
 # -- randomized end-to-end ---------------------------------------------------------------------------
@@ -492,7 +499,8 @@ def workloads(draw: st.DrawFn) -> dict:
 @given(workloads())
 @settings(max_examples=120, deadline=None, database=None)
 def test_random_workloads_finish_with_every_token(w: dict) -> None:
-    cfg = SchedulerConfig(w["max_num_seqs"], w["max_num_batched_tokens"], w["draft_len"], w["proposer_model"])
+    cfg = SchedulerConfig(w["max_num_seqs"], w["max_num_batched_tokens"], w["draft_len"], w["proposer_model"],
+                          kv_ahead=1 if w["proposer_model"] else 0)
     reqs = [make_req(f"r{i}", p, m, arrival_ns=i) for i, (p, m, _) in enumerate(w["requests"])]
     ps, d = w["page_size"], w["draft_len"]
 
@@ -502,7 +510,7 @@ def test_random_workloads_finish_with_every_token(w: dict) -> None:
 
     num_pages = max(bound(r) for r in reqs) + w["extra_pages"]
     models = ("target",) + ((w["proposer_model"],) if w["proposer_model"] else ())
-    b = BatchBuilder(cfg, BlockManager(num_pages, ps, models))
+    b = Scheduler(cfg, BlockManager(num_pages, ps, models))
     assert all(b.max_pages_needed(r) == bound(r) for r in reqs)
     sim = Sim(b, random.Random(w["seed"]))
     arrivals = sorted(((delay, i) for i, (_, _, delay) in enumerate(w["requests"])))

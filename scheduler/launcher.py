@@ -1,0 +1,128 @@
+"""The host's side of every device launch, and what is in flight.
+
+Why a class of its own: a step's primitives (scheduler/step_ops.py) pack messages and book
+results; the pipeline loop (scheduler/pipeline.py) decides when a step runs. Between them,
+every launch goes the same way -- the slots whose device state is to be released ride along,
+the launch and its wait are recorded as spans (and, in the simulator, charged as host time),
+the draft-length policy's feed hears of it -- and a step's outcome goes the same way to the
+sink and the trace. The launcher holds what is in flight across steps: a plain step launched
+ahead (`inflight`) and the proposer's fill left running (`pending_fill`).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from specsched.scheduler import messages
+from specsched.scheduler.draft_policy import PolicyFeed
+from specsched.scheduler.outputs import StepOutput
+from specsched.scheduler.protocols import Clock, Device, DeviceError, OutputSink
+from specsched.scheduler.scheduler import Scheduler
+from specsched.scheduler.small_arrays import total
+from specsched.scheduler.step_batch import StepBatch
+from specsched.scheduler.step_trace import Launch, StepTrace
+
+
+class Launcher:
+    def __init__(self, scheduler: Scheduler, device: Device, clock: Clock, sink: OutputSink,
+                 trace: StepTrace, feed: PolicyFeed):
+        self.scheduler = scheduler
+        self.clock = clock
+        self.now = clock.now_ns  # bound once: read ~40 times a step
+        self.sink = sink
+        self.trace = trace
+        self.feed = feed
+        # a device that only models time (the simulator's) needs no attention metadata
+        self.with_plan = device.needs_plans
+        self.main = device.stream("main")
+        self.aux = device.stream("draft")
+        self.release: list[int] = []  # slots whose device state goes with the next launch
+        self.pending_fill: Launch | None = None  # the proposer's fill left running
+        self.inflight: tuple[StepBatch, Launch] | None = None  # a plain step launched ahead
+        # Simulator hook: virtual nanoseconds a host stage costs, given its attributes, passed
+        # on the clock's `advance_ns` (busy time). The engine leaves it None: real host work
+        # takes real time.
+        self.host_cost: Any = None
+
+    # -- launches and waits ------------------------------------------------------------------
+    def launch(self, stream: Any, msg: messages.Message) -> Launch:
+        if self.release:
+            msg = replace(msg, release=tuple(self.release))
+            self.release = []
+        t0 = self.now()
+        attrs = msg.shape.attrs()  # the launch's spans' attributes
+        launch = Launch(stream.launch(msg.op, msg), msg.step, msg.op, attrs)
+        # simulator: the host's launch work is charged after the virtual device took the
+        # launch, whose lead (launch start -> device start) covers the packing already
+        self.charge("launch:" + msg.op, attrs)
+        if self.trace.tracer.enabled:
+            self.trace.launched(launch, t0)
+        self.feed.launched(launch)
+        return launch
+
+    async def sync(self, launch: Launch) -> Any:
+        t0 = self.now()
+        try:
+            return await launch.event.wait()
+        finally:
+            self.span("sync", launch.step, t0, op=launch.op)
+
+    async def wait(self, launch: Launch, batch: StepBatch):
+        """The launch's result; None after a device error, which failed the batch."""
+        try:
+            return await self.sync(launch)
+        except DeviceError as e:
+            self.fail(batch, e)
+            return None
+
+    # -- host stages ---------------------------------------------------------------------------
+    def charge(self, name: str, attrs: dict) -> None:
+        """Simulator: a host stage's modelled cost passes as busy time -- the virtual clock
+        advances and no other task runs meanwhile, as during a CPU stage on the real event
+        loop (a request submitted then is seen at the pipeline's next real wait)."""
+        if self.host_cost is not None:
+            self.clock.advance_ns(int(self.host_cost(name, attrs)))
+
+    def host(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
+        """End of a host stage: charge its modelled cost (simulator), then record its span."""
+        if self.host_cost is not None:
+            self.clock.advance_ns(int(self.host_cost(name, attrs)))
+        self.trace.tracer.span("host", name, step, start_ns, self.now(), **attrs)
+
+    def span(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
+        self.trace.tracer.span("host", name, step, start_ns, self.now(), **attrs)
+
+    @staticmethod
+    def attrs(batch: StepBatch, computed: np.ndarray | None = None) -> dict:
+        """The step's shape as span attributes; with `computed` (the rows' computed tokens
+        after the step's bookkeeping) the output stage's."""
+        attrs = messages.batch_shape(batch, batch.width).attrs()
+        if computed is not None:
+            attrs["kv_tokens"] = total(computed + batch.num_new + batch.num_draft)
+        return attrs
+
+    # -- outcomes ------------------------------------------------------------------------------
+    def deliver(self, out: StepOutput) -> list[int]:
+        """What the scheduler did to a step's requests, passed on: new tokens to the sink, each
+        finish to the device (its state goes with the next launch), the trace and the sink.
+        Returns [B] tokens each row kept."""
+        on_tokens = self.sink.on_tokens
+        for r, tokens in out.tokens:
+            on_tokens(r, tokens)
+        if out.finished:
+            self.release.extend([r.slot for r in out.finished])
+            finish, on_finish = self.trace.tracer.finish, self.sink.on_finish
+            for r in out.finished:
+                first = r.first_token_ns
+                finish(request_id=r.request_id, finish_ns=r.finish_ns, finish_reason=r.finish_reason,
+                       output_len=r.num_output_tokens, first_token_ns=first,
+                       ttft_ns=(first - r.arrival_ns) if first else None, error=r.error)
+                on_finish(r)
+        return out.counts
+
+    def fail(self, batch: StepBatch, err: Exception) -> None:
+        """A device error: the batch's requests finish with reason "error"."""
+        self.deliver(self.scheduler.fail(batch, str(err), self.now()))
+        self.trace.tracer.span("host", "error", batch.step, self.now(), self.now(), error=str(err))
