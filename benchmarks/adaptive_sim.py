@@ -91,7 +91,7 @@ def _variants() -> dict:
 
         def _step_ns(self, view, use):
             t = super()._step_ns(view, use)
-            m = self.costs.models.get("draft_fill")
+            m = self.costs.models.get("fill")
             if m is not None and view.lag is not None and view.lag.any():
                 rows = view.lag > 0
                 fill = m.ns({"const": 1.0, "requests": float(rows.sum()), "tokens": float(view.lag.sum()),
@@ -104,8 +104,8 @@ def _variants() -> dict:
     class NoTrim(AdaptivePolicy):
         """- rows drafting only what is worth it: every row drafts min(D, its room)."""
 
-        def _worth(self, reach, num_draft, rate, probe):
-            return num_draft
+        def _worth(self, reach, draft_lens, rate, probe):
+            return draft_lens
 
     def swap(cls):
         def f(p):

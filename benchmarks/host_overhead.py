@@ -76,15 +76,15 @@ def measure(num_requests: int, steps: int, draft_len: int, prompt_len: int = 512
 def _bookkeeping(builder, spec):
     """The bookkeeping of a step's launch and device result (every draft accepted): the
     counters, speculation statistics, output counts and trimming of rejected slots (one
-    `Scheduler.update`; code from before it runs what it had instead)."""
+    `Scheduler.update`; the previous release's batch builder runs what it had instead)."""
     kv_ahead = spec.kv_ahead if spec.kv_model is not None else None
 
     def update(batch):
         n = len(batch)
         if batch.is_spec:
-            d = batch.num_draft
+            d = batch.draft_lens
             result = messages.VerifyResult(accepted=d, tokens=np.ones((n, 1 + int(d.max())), dtype=np.int64),
-                                           num_drafts=d)
+                                           draft_lens=d)
             t0 = time.perf_counter()
         else:
             result = messages.ForwardResult(tokens=np.ones(n, dtype=np.int64))
@@ -110,41 +110,7 @@ def _bookkeeping(builder, spec):
                 r.extend_output([1])
             run.seconds = time.perf_counter() - t0
 
-    def rows(batch):
-        t0 = time.perf_counter()
-        seqs = batch.seqs
-        if batch.is_spec:
-            accepted = [s.num_draft for s in seqs]
-            before = [s.request.num_tokens for s in seqs]
-            for s, a in zip(seqs, accepted):
-                s.request.num_computed_tokens += 1 + a
-            for s, L, a in zip(seqs, before, accepted):
-                r = s.request
-                r.record_spec(s.num_draft, a)
-                r.num_proposer_computed = L + a + spec.kv_ahead
-            run.seconds = time.perf_counter() - t0
-            for s in seqs:
-                s.request.output_token_ids.extend([1] * (1 + s.num_draft))
-            t1 = time.perf_counter()
-            for s in seqs:
-                builder.blocks.trim(s.request.request_id, "target", s.request.num_tokens)
-            run.seconds += time.perf_counter() - t1
-        else:
-            for s in seqs:
-                r = s.request
-                r.num_computed_tokens += s.num_new_tokens
-                if s.samples:
-                    r.num_pending_tokens += 1
-                if kv_ahead is not None:
-                    r.num_proposer_computed = r.num_computed_tokens + (kv_ahead if s.samples else 0)
-            for s in seqs:
-                if s.samples:
-                    s.request.num_pending_tokens -= 1
-            run.seconds = time.perf_counter() - t0
-            for s in seqs:
-                s.request.output_token_ids.append(1)
-
-    run = update if hasattr(builder, "update") else arrays if hasattr(builder, "advance_verify") else rows
+    run = update if hasattr(builder, "update") else arrays
     run.seconds = 0.0
     return run
 

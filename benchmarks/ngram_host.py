@@ -52,7 +52,7 @@ def measure(num_requests: int, context: int, steps: int, seed: int = 0) -> float
         r.slot = i
         reqs.append(r)
     drafter = NgramHostDrafter(1, 4, DRAFT_LEN)
-    batch = SimpleNamespace(requests=reqs, num_draft=np.full(num_requests, DRAFT_LEN, dtype=np.int64))
+    batch = SimpleNamespace(requests=reqs, draft_lens=np.full(num_requests, DRAFT_LEN, dtype=np.int64))
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()

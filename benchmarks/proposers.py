@@ -98,13 +98,13 @@ def spec_step_means(trace) -> tuple[float, float, float]:
     steps = {s.step: s for s in trace.steps if s.kind == "spec"}
     if not steps:
         return 1.0, 0.0, 0.0
-    ms = {"verify": 0.0, "draft": 0.0, "draft_fill": 0.0}
+    ms = {"verify": 0.0, "draft": 0.0, "fill": 0.0}
     for s in trace.spans:
         if s.step in steps and s.name in ms and s.track.startswith("device:"):
             ms[s.name] += (s.end_ns - s.start_ns) / 1e6
     n = len(steps)
     return (sum(sum(s.num_output) for s in steps.values()) / n, ms["verify"] / n,
-            (ms["draft"] + ms["draft_fill"]) / n)
+            (ms["draft"] + ms["fill"]) / n)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def make_header(config: EngineConfig, engine: AsyncEngine, device_name: str | No
     return Header.create(
         source="engine", clock="monotonic_ns", model=model_label(engine.model_dir),
         draft_model=model_label(engine._proposer_dir()), proposer=config.proposer, schedule=config.schedule,
-        draft_len=config.spec_draft_len, device={"kind": config.device, "name": device_name or config.device},
+        draft_len=config.longest_draft_len, device={"kind": config.device, "name": device_name or config.device},
         engine_config=config.model_dump(mode="json"), extra=extra,
     )
 

@@ -101,7 +101,7 @@ def check_smallest_request_fits(c: EngineConfig, model_dir: str, max_len: int, s
     The smallest request has one prompt and one output token; `AsyncEngine.validate` sizes it."""
     spec = c.proposer_spec()
     n = spec.num_candidates
-    what = f"the {c.proposer} tree's {n} nodes" if spec.is_tree else f"draft_len {c.spec_draft_len}"
+    what = f"the {c.proposer} tree's {n} nodes" if spec.is_tree else f"draft_len {c.longest_draft_len}"
     need = 1 + 1 + n + 1
     if need > max_len:
         raise ConfigurationError(

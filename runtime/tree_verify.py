@@ -68,9 +68,9 @@ class TreeSpec:
                    children, paths)
 
     @classmethod
-    def chain(cls, num_drafts: int) -> "TreeSpec":
-        """The linear special case: root followed by num_drafts drafts."""
-        return cls.from_parents([-1, *range(num_drafts)])
+    def chain(cls, draft_len: int) -> "TreeSpec":
+        """The linear special case: root followed by draft_len drafts."""
+        return cls.from_parents([-1, *range(draft_len)])
 
     def to(self, device: torch.device | str) -> "TreeSpec":
         """This tree on `device` (itself where it is there; a copy made once per device)."""

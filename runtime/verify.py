@@ -3,17 +3,17 @@
 Definitions used throughout specsched:
 
 - **draft tokens** x_1..x_D: what a proposer guessed to follow the last emitted token. Rows of
-  a batch may draft fewer: `num_drafts` [B] <= D; positions past it are padding, never read.
+  a batch may draft fewer: `draft_lens` [B] <= D; positions past it are padding, never read.
 - **target distributions** p_0..p_D: one target forward over [last token, x_1..x_D] gives
   D+1 next-token distributions; p_i is what the target predicts after x_i (p_0: after the
   last emitted token). q_1..q_D are the distributions the drafts were sampled from (one-hot
   for deterministic proposers such as n-gram lookup or a greedy draft).
 - **accepted tokens**: the longest prefix x_1..x_a of the drafts the verifier keeps,
-  0 <= a <= num_drafts.
-- **recovered token**: when a < num_drafts, x_{a+1} was rejected and one token is drawn in
+  0 <= a <= draft_lens.
+- **recovered token**: when a < draft_lens, x_{a+1} was rejected and one token is drawn in
   its place from the target at that position: argmax p_a when greedy, otherwise from the
   residual normalize(max(p_a - q_{a+1}, 0)).
-- **bonus token**: when every draft is accepted (a = num_drafts), one token drawn from
+- **bonus token**: when every draft is accepted (a = draft_lens), one token drawn from
   p_a, the target's distribution after the last draft token.
 
 A step emits a + 1 tokens: the accepted ones, then the recovered or the bonus token. In
@@ -52,24 +52,24 @@ class VerifyResult:
         return [row[:n] for row, n in zip(rows, self.num_output.tolist())]
 
 
-def _check_linear(draft_tokens: torch.Tensor, num_drafts: torch.Tensor, target: torch.Tensor, what: str) -> None:
+def _check_linear(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target: torch.Tensor, what: str) -> None:
     if draft_tokens.dim() != 2:
         raise ValueError(f"draft_tokens must be [B, D], got {tuple(draft_tokens.shape)}")
     b, d = draft_tokens.shape
-    if num_drafts.shape != (b,):
-        raise ValueError(f"num_drafts must be [B={b}], got {tuple(num_drafts.shape)}")
+    if draft_lens.shape != (b,):
+        raise ValueError(f"draft_lens must be [B={b}], got {tuple(draft_lens.shape)}")
     if tuple(target.shape[:2]) != (b, d + 1):
         raise ValueError(f"{what} must be [B={b}, D+1={d + 1}, ...], got {tuple(target.shape)}")
-    if num_drafts.device.type == "cpu":  # a host array's check reads no device value
-        counts = num_drafts.numpy()
+    if draft_lens.device.type == "cpu":  # a host array's check reads no device value
+        counts = draft_lens.numpy()
         if ((counts < 0) | (counts > d)).any():
-            raise ValueError(f"num_drafts must lie in [0, D={d}], got {counts.tolist()}")
+            raise ValueError(f"draft_lens must lie in [0, D={d}], got {counts.tolist()}")
 
 
-def _accepted_prefix(keep: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
-    """Length of the leading run of True in keep [B, D], counting only the first num_drafts."""
+def _accepted_prefix(keep: torch.Tensor, draft_lens: torch.Tensor) -> torch.Tensor:
+    """Length of the leading run of True in keep [B, D], counting only the first draft_lens."""
     positions = torch.arange(keep.shape[1], device=keep.device)
-    keep = keep & (positions < num_drafts.unsqueeze(-1))
+    keep = keep & (positions < draft_lens.unsqueeze(-1))
     return keep.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
 
 
@@ -82,19 +82,19 @@ def _emit(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, next_token: to
     return VerifyResult(num_accepted=num_accepted, output_tokens=out, num_output=num_accepted + 1)
 
 
-def _draft_prob(probs: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+def _draft_prob(probs: torch.Tensor, draft_tokens: torch.Tensor, draft_lens: torch.Tensor) -> torch.Tensor:
     """probs [B, >=D, V] read at each draft token -> [B, D] (padded positions read token 0)."""
     d = draft_tokens.shape[1]
-    valid = torch.arange(d, device=draft_tokens.device) < num_drafts.unsqueeze(-1)
+    valid = torch.arange(d, device=draft_tokens.device) < draft_lens.unsqueeze(-1)
     tokens = torch.where(valid, draft_tokens, torch.zeros_like(draft_tokens)).to(torch.int64)
     return probs[:, :d].gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float()
 
 
-def greedy_verify_ids(draft_tokens: torch.Tensor, num_drafts: torch.Tensor, target_ids: torch.Tensor) -> VerifyResult:
+def greedy_verify_ids(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_ids: torch.Tensor) -> VerifyResult:
     """Greedy verification from the target's argmax tokens [B, D+1]."""
-    _check_linear(draft_tokens, num_drafts, target_ids, "target_ids")
+    _check_linear(draft_tokens, draft_lens, target_ids, "target_ids")
     d = draft_tokens.shape[1]
-    num_accepted = _accepted_prefix(draft_tokens == target_ids[:, :d], num_drafts)
+    num_accepted = _accepted_prefix(draft_tokens == target_ids[:, :d], draft_lens)
     # the accepted drafts are the target's own tokens, and so is the next one: the emitted row
     # is the target's, cut after position num_accepted (a third of the ops of `_emit`)
     positions = torch.arange(d + 1, device=target_ids.device)
@@ -102,16 +102,16 @@ def greedy_verify_ids(draft_tokens: torch.Tensor, num_drafts: torch.Tensor, targ
     return VerifyResult(num_accepted=num_accepted, output_tokens=out, num_output=num_accepted + 1)
 
 
-def greedy_verify(draft_tokens: torch.Tensor, num_drafts: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
+def greedy_verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
     """Accept drafts while they equal the target's argmax; the next argmax is recovered/bonus."""
     if target_logits.dim() != 3:
         raise ValueError(f"target_logits must be [B, D+1, V], got {tuple(target_logits.shape)}")
-    return greedy_verify_ids(draft_tokens, num_drafts, target_logits.argmax(dim=-1))
+    return greedy_verify_ids(draft_tokens, draft_lens, target_logits.argmax(dim=-1))
 
 
 def rejection_verify(
     draft_tokens: torch.Tensor,
-    num_drafts: torch.Tensor,
+    draft_lens: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     generators: Sequence[torch.Generator | None],
@@ -120,23 +120,23 @@ def rejection_verify(
 
     Accept x_i with probability min(1, p(x_i) / q(x_i)) (uniform u < p/q, computed as
     u*q < p); at the first rejection draw the recovered token from normalize(max(p - q, 0));
-    if all are accepted draw the bonus token from p at column num_drafts. `draft_probs`
+    if all are accepted draw the bonus token from p at column draft_lens. `draft_probs`
     [B, D, V] must be the distributions the drafts were actually sampled from (after the
     draft's own temperature / top-k / top-p); None means one-hot q (deterministic proposer).
     `target_probs` [B, D+1, V] come from `logits_to_probs`, so greedy requests (one-hot p)
     reduce to exact greedy verification. Per row: D uniforms, then V exponentials, from that
     row's generator (global RNG for None).
     """
-    _check_linear(draft_tokens, num_drafts, target_probs, "target_probs")
+    _check_linear(draft_tokens, draft_lens, target_probs, "target_probs")
     b, d = draft_tokens.shape
     vocab = target_probs.shape[-1]
     if draft_probs is not None and tuple(draft_probs.shape) != (b, d, vocab):
         raise ValueError(f"draft_probs must be [B={b}, D={d}, V={vocab}], got {tuple(draft_probs.shape)}")
     device = target_probs.device
-    p_draft = _draft_prob(target_probs, draft_tokens, num_drafts)
-    q_draft = torch.ones_like(p_draft) if draft_probs is None else _draft_prob(draft_probs, draft_tokens, num_drafts)
+    p_draft = _draft_prob(target_probs, draft_tokens, draft_lens)
+    q_draft = torch.ones_like(p_draft) if draft_probs is None else _draft_prob(draft_probs, draft_tokens, draft_lens)
     u = uniform_noise((b, d), generators, device)
-    num_accepted = _accepted_prefix(u * q_draft < p_draft, num_drafts)
+    num_accepted = _accepted_prefix(u * q_draft < p_draft, draft_lens)
 
     rows = torch.arange(b, device=device)
     p_next = target_probs[rows, num_accepted].float()
@@ -150,7 +150,7 @@ def rejection_verify(
         residual = (p_next - q_next).clamp_min_(0.0)
         mass = residual.sum(dim=-1, keepdim=True)
         residual = torch.where(mass > _TINY, residual / mass.clamp_min(_TINY), p_next)
-        rejected = (num_accepted < num_drafts).unsqueeze(-1)
+        rejected = (num_accepted < draft_lens).unsqueeze(-1)
         p_next = torch.where(rejected, residual, p_next)
     next_token = sample(p_next, generators)
     return _emit(draft_tokens, num_accepted, next_token)
@@ -158,7 +158,7 @@ def rejection_verify(
 
 def threshold_verify(
     draft_tokens: torch.Tensor,
-    num_drafts: torch.Tensor,
+    draft_lens: torch.Tensor,
     target_probs: torch.Tensor,
     threshold: float,
     generators: Sequence[torch.Generator | None] | None = None,
@@ -172,9 +172,9 @@ def threshold_verify(
     """
     if not (0.0 < threshold <= 1.0):
         raise ValueError(f"threshold must be in (0, 1], got {threshold}")
-    _check_linear(draft_tokens, num_drafts, target_probs, "target_probs")
-    p_draft = _draft_prob(target_probs, draft_tokens, num_drafts)
-    num_accepted = _accepted_prefix(p_draft >= threshold, num_drafts)
+    _check_linear(draft_tokens, draft_lens, target_probs, "target_probs")
+    p_draft = _draft_prob(target_probs, draft_tokens, draft_lens)
+    num_accepted = _accepted_prefix(p_draft >= threshold, draft_lens)
     rows = torch.arange(draft_tokens.shape[0], device=target_probs.device)
     p_next = target_probs[rows, num_accepted]
     next_token = p_next.argmax(dim=-1) if generators is None else sample(p_next, generators)

@@ -48,7 +48,7 @@ class SeqState:
     top_p: float
     generator: torch.Generator | None
     carried: torch.Tensor | None = None  # [V] proposer logits for the next token
-    num_drafts: int = 0  # this step's drafts in the worker's draft buffer (known without a sync)
+    draft_len: int = 0  # this step's drafts in the worker's draft buffer (known without a sync)
     draft_q: torch.Tensor | None = None  # [D, V] draft distributions (sampled requests)
     extra: dict = field(default_factory=dict)  # proposer-specific state
 
@@ -252,7 +252,7 @@ class ModelWorker:
             pos = (np.asarray(starts)[:, None] + 1 + np.arange(w)).reshape(-1)
             self.tokens.write(np.repeat(np.asarray(slots), w), pos, drafts)
         for s, n in zip(slots, counts):
-            self.states[s].num_drafts = n
+            self.states[s].draft_len = n
 
     def get_drafts(self, slots: list[int], starts: np.ndarray, width: int) -> torch.Tensor:
         """[B, width] the rows' drafts (positions past a row's count hold other tokens)."""
@@ -312,13 +312,13 @@ class ModelWorker:
         slots = msg.slots.tolist()
         rows = [self.states[s] for s in slots]
         if msg.drafts is not None:  # drafted on the host (a lookup): after each row's last token
-            self.set_drafts(slots, msg.start, to_device(msg.drafts, self.device, torch.int64), msg.num_draft.tolist())
+            self.set_drafts(slots, msg.start, to_device(msg.drafts, self.device, torch.int64), msg.draft_lens.tolist())
         plan, step, positions = self.plan(msg.plan)
         qo = plan.qo_lens
         width = int(qo.max())
-        counts = [min(st.num_drafts, int(w) - 1) for st, w in zip(rows, qo.tolist())]
+        counts = [min(st.draft_len, int(w) - 1) for st, w in zip(rows, qo.tolist())]
         # a tree is scored by depth: position k = a node at depth k accepted
-        num_drafts = [min(n, self.spec.max_accept) for n in counts] if self.spec.is_tree else counts
+        draft_lens = [min(n, self.spec.max_accept) for n in counts] if self.spec.is_tree else counts
         b = len(rows)
         # each row's last token and its drafts, side by side in the token buffer; a row verifies
         # the drafts it was planned for (where it drafted fewer, other valid tokens: never
@@ -337,7 +337,7 @@ class ModelWorker:
         if self.spec.is_tree:
             res = self.proposer.accept_tree(msg, rows, draft_t, last, logits, plan, hidden)
         else:
-            nd = torch.tensor(num_drafts, dtype=torch.int64)  # counts known on the host
+            nd = torch.tensor(draft_lens, dtype=torch.int64)  # counts known on the host
             nd = host_side(nd) if self.device.type == "cpu" else to_device(nd, self.device)
             all_greedy = all(st.greedy for st in rows)
             if self.acceptance == "threshold":
@@ -361,12 +361,12 @@ class ModelWorker:
         k = emitted.shape[1]
         self.tokens.write(np.repeat(msg.slots, k), (msg.start[:, None] + 1 + np.arange(k)).reshape(-1), emitted)
         for st in rows:
-            st.num_drafts = 0
+            st.draft_len = 0
             st.draft_q = None
         accepted, tokens = self.to_host(res.num_accepted), self.to_host(emitted)
         self.proposer.emitted(slots, tokens, accepted)
         t2 = time.monotonic_ns()
-        return VerifyResult(accepted, tokens, np.asarray(num_drafts, dtype=np.int64),
+        return VerifyResult(accepted, tokens, np.asarray(draft_lens, dtype=np.int64),
                             (("verify", t0, t1), ("accept", t1, t2)))
 
     def _verify_forward(self, plan: AttentionPlan, step: Any, positions: torch.Tensor, input_ids: torch.Tensor,

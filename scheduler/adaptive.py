@@ -33,7 +33,17 @@ import numpy as np
 from specsched.scheduler.cost_model import StepCosts
 from specsched.scheduler.draft_policy import Decision, StepOutcome, StepView
 
-STATE_FORMAT = 2  # `AdaptivePolicy.state`'s layout (format 1: the policy of earlier releases)
+STATE_FORMAT = 3  # `AdaptivePolicy.state`'s layout (format 1: the policy of earlier releases)
+
+
+def current_state(state: dict) -> dict | None:
+    """A saved state in this release's layout: format 2 named the fill's cost model
+    `draft_fill`; None for format 1 (another policy) or an unknown format."""
+    fmt = state.get("format", 1)
+    if fmt == 2:
+        costs = {("fill" if k == "draft_fill" else k): v for k, v in (state.get("costs") or {}).items()}
+        return {**state, "format": STATE_FORMAT, "costs": costs}
+    return state if fmt == STATE_FORMAT else None
 
 
 class Acceptance:
@@ -145,26 +155,26 @@ class AdaptivePolicy:
                 self.budget -= ns[probe]
                 best, explored = probe, True
         rows = int(rows_at[best])
-        num_draft = np.minimum(room[:rows], best).astype(np.int64)
+        draft_lens = np.minimum(room[:rows], best).astype(np.int64)
         if best and np.isfinite(rate[best]):
-            num_draft = self._worth(reach[:rows], num_draft, rate[best], explored)
-        if best and not num_draft.any():
+            draft_lens = self._worth(reach[:rows], draft_lens, rate[best], explored)
+        if best and not draft_lens.any():
             best, rows = 0, min(n, view.budget)
-            num_draft = np.zeros(rows, dtype=np.int64)
+            draft_lens = np.zeros(rows, dtype=np.int64)
         gain = float(rate[best] / rate[0]) if np.isfinite(rate).all() and rate[0] > 0 else None
-        self.last = Decision(best, num_draft, rows, gain, explored, float(ns[best]))
+        self.last = Decision(best, draft_lens, rows, gain, explored, float(ns[best]))
         return self.last
 
-    def _worth(self, reach: np.ndarray, num_draft: np.ndarray, rate: float, probe: bool) -> np.ndarray:
+    def _worth(self, reach: np.ndarray, draft_lens: np.ndarray, rate: float, probe: bool) -> np.ndarray:
         """Each row's drafts cut to the leading positions worth their cost at the step's rate:
         P(reached and accepted) >= rate x what one more draft costs (a verify position, a draft
         forward, a fill position), so a request whose drafts keep failing stops costing the
         batch -- but in a probe, which is there to find out whether they still fail."""
         if probe:
-            return num_draft
+            return draft_lens
         worth = reach >= rate * self.costs.per_draft_ns()
         keep = np.cumprod(worth, axis=1).sum(axis=1)
-        return np.minimum(num_draft, keep)
+        return np.minimum(draft_lens, keep)
 
     def observe(self, outcome: StepOutcome) -> None:
         v = outcome.verify
@@ -180,10 +190,10 @@ class AdaptivePolicy:
 
     def restore(self, state: dict) -> None:
         """Continue from `state`; ValueError naming the format or draft length it does not fit."""
-        fmt = state.get("format", 1)
-        if fmt != STATE_FORMAT:
-            raise ValueError(f"a draft-length policy state of format {fmt}; this release reads format "
-                             f"{STATE_FORMAT} (replay from a cold policy instead)")
+        fmt, state = state.get("format", 1), current_state(state)
+        if state is None:
+            raise ValueError(f"a draft-length policy state of format {fmt}; this release reads formats 2 "
+                             f"and {STATE_FORMAT} (replay from a cold policy instead)")
         if state.get("max_draft_len") != self.max_draft_len:
             raise ValueError(f"a draft-length policy state for max_draft_len={state.get('max_draft_len')}, "
                              f"this policy has {self.max_draft_len}")

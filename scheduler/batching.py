@@ -102,7 +102,7 @@ def decode_only(s: "Scheduler") -> StepBatch | None:
     if sum(total(c) for c in cols.values()) > s.blocks.num_free_pages:
         return None  # someone is preempted: the general path chooses whom
     # every row computes its one last token: every row samples
-    batch = s.make_batch(reqs, rows, computed, np.ones(n, dtype=np.int64), decision.num_draft,
+    batch = s.make_batch(reqs, rows, computed, np.ones(n, dtype=np.int64), decision.draft_lens,
                             np.zeros(n, dtype=bool), [], draft, decision, samples=np.ones(n, dtype=bool))
     batch.shortfall = (s.blocks.version, cols)  # what `allocate` reserves: 1 + D slots per row
     return batch
@@ -230,12 +230,12 @@ def general(s: "Scheduler", vectorized: bool = True) -> StepBatch:
     if not reqs:
         return s.empty_batch(preempted)
     prefill = np.array(prefill_l, dtype=bool)
-    num_draft = np.array(draft_l, dtype=np.int64)
+    draft_lens = np.array(draft_l, dtype=np.int64)
     if draft and prefill.any():
-        num_draft[:] = 0
+        draft_lens[:] = 0
     slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
     return s.make_batch(reqs, slots, s.table.computed[slots], np.array(new_l, dtype=np.int64),
-                       num_draft, prefill, preempted, draft)
+                       draft_lens, prefill, preempted, draft)
 
 
 def _admissions(s: "Scheduler", budget: int, planned: int, draft: int

@@ -106,7 +106,7 @@ class StepCosts:
         if draft_op:
             self.models["draft"] = model("draft", DRAFT_FEATURES)
         if has_fill:
-            self.models["draft_fill"] = model("draft_fill", OP_FEATURES)
+            self.models["fill"] = model("fill", OP_FEATURES)
         self.window_fill = window_fill
         self.cold = set(self.models) if cold_first_launch else set()  # ops whose first launch is still to come
 
@@ -140,10 +140,10 @@ class StepCosts:
             # (const, draft_steps, draft_forwards, kv_tokens)
             feats = np.stack([np.ones_like(d), np.maximum(d - 1, 0), np.maximum(use - 1, 0).sum(axis=1), kv], axis=1)
             t += verify * (feats @ self.models["draft"].coefficients())
-        if "draft_fill" in self.models:
+        if "fill" in self.models:
             # over the verify window, or the accepted tokens (about half the drafts)
             fill = fwd if self.window_fill else np.column_stack([fwd[:, :1], n + 0.5 * drafted, fwd[:, 2:]])
-            t += verify * (fill @ self.models["draft_fill"].coefficients())
+            t += verify * (fill @ self.models["fill"].coefficients())
         return t
 
     def per_draft_ns(self) -> float:
@@ -156,7 +156,7 @@ class StepCosts:
             coef = m.coefficients()
             return sum(float(coef[m.features.index(f)]) for f in feats)
         t = slope("target", "tokens", "kv_tokens") + slope("draft", "draft_forwards")
-        return t + (slope("draft_fill", "tokens", "kv_tokens") if self.window_fill else 0.0)
+        return t + (slope("fill", "tokens", "kv_tokens") if self.window_fill else 0.0)
 
     def state(self) -> dict:
         return {k: {"coef": dict(zip(m.features, m.coef.tolist())), "n": m.n} for k, m in self.models.items()}

@@ -17,7 +17,7 @@ import numpy as np
 @dataclass
 class Decision:
     draft_len: int  # the step's D
-    num_draft: np.ndarray  # [B] tokens each row drafts (<= draft_len)
+    draft_lens: np.ndarray  # [B] tokens each row drafts (<= draft_len)
     rows: int  # rows the step serves (the token budget holds B·(1 + D))
     gain: float | None  # predicted tokens/s at D over D = 0 (None where nothing was predicted)
     explored: bool = False
@@ -120,7 +120,7 @@ class PolicyFeed:
             return
         batch, wall_ns, verify = step if step is not None else (None, None, None)
         if verify is not None:
-            verify = VerifyOutcome(batch.slots, gen[batch.slots] == batch.gen, batch.num_draft, *verify)
+            verify = VerifyOutcome(batch.slots, gen[batch.slots] == batch.gen, batch.draft_lens, *verify)
         self.policy.observe(StepOutcome(batch.decision if batch is not None else None, wall_ns, verify,
                                         tuple(done)))
 
@@ -143,8 +143,8 @@ class FixedPolicy:
     def choose(self, view: StepView) -> Decision:
         d = self.max_draft_len
         rows = min(len(view.slots), view.budget // (1 + d))
-        num_draft = np.minimum(d, np.maximum(0, view.remaining[:rows] - 1))
-        self.last = Decision(d, num_draft, rows, None)
+        draft_lens = np.minimum(d, np.maximum(0, view.remaining[:rows] - 1))
+        self.last = Decision(d, draft_lens, rows, None)
         return self.last
 
     def observe(self, outcome: StepOutcome) -> None:

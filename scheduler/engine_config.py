@@ -121,14 +121,14 @@ class EngineConfig(BaseModel):
         if self.attention == "flashinfer" and self.dtype != "bfloat16":
             # FlashInfer's kernels take 16-bit queries and caches; a float32 model is not cast silently
             raise ValueError(f"attention 'flashinfer' needs dtype 'bfloat16' (got {self.dtype!r})")
-        validate_combination(self.proposer, self.schedule, self.spec_draft_len)
+        validate_combination(self.proposer, self.schedule, self.longest_draft_len)
         spec = self.proposer_spec()  # validates the draft length
         # a step must hold at least one verification row (the last token + the candidates),
         # or no speculative request could ever be scheduled
         width = 1 + spec.num_candidates
         if self.max_num_batched_tokens < width:
             what = (f"1 + the eagle tree's {spec.num_candidates} nodes" if self.proposer == ProposerKind.EAGLE
-                    else f"1 + draft_len ({self.spec_draft_len})")
+                    else f"1 + draft_len ({self.longest_draft_len})")
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) cannot hold one "
                 f"verification of {what} = {width} tokens; raise it to at least {width}"
@@ -140,12 +140,12 @@ class EngineConfig(BaseModel):
         return self.draft_len == "auto"
 
     @property
-    def spec_draft_len(self) -> int:
+    def longest_draft_len(self) -> int:
         """The proposer's D: the fixed one, or the longest the adaptive one may choose."""
         return self.max_draft_len if self.draft_len == "auto" else self.draft_len
 
     def proposer_spec(self) -> ProposerSpec:
-        return proposer_spec(self.proposer, self.spec_draft_len, tree_top_k=self.tree_top_k,
+        return proposer_spec(self.proposer, self.longest_draft_len, tree_top_k=self.tree_top_k,
                              tree_max_nodes=self.tree_max_nodes, schedule=self.schedule)
 
     @classmethod

@@ -98,9 +98,9 @@ class Launcher:
     def attrs(batch: StepBatch, computed: np.ndarray | None = None) -> dict:
         """The step's shape as span attributes; with `computed` (the rows' computed tokens
         after the step's bookkeeping) the output stage's."""
-        attrs = messages.batch_shape(batch, batch.width).attrs()
+        attrs = messages.batch_shape(batch, (1 + batch.draft_len)).attrs()
         if computed is not None:
-            attrs["kv_tokens"] = total(computed + batch.num_new + batch.num_draft)
+            attrs["kv_tokens"] = total(computed + batch.num_new + batch.draft_lens)
         return attrs
 
     # -- outcomes ------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ host need not wait for them (the basis of the no-sync schedules).
 
 Ops and their messages (per-row fields are [B] numpy arrays over the scheduled rows):
   forward  `ForwardMessage`: target forward of prefill chunks / decodes; samples where `samples`
-  draft    `DraftMessage`: the proposer makes up to `num_draft` tokens per row (one launch)
+  draft    `DraftMessage`: the proposer makes up to `draft_lens` tokens per row (one launch)
   verify   `VerifyMessage`: target over the last token + candidates, acceptance, bonus token
   fill     `FillMessage`: proposer KV fill (draft model: unseen tokens; head: a target batch)
 and, outside the step loop, `AgreementMessage` (the proposer's agreement with an output).
@@ -46,7 +46,7 @@ class LaunchShape:
     kv_tokens: int
     kind: str | None = None  # a forward: prefill / decode / mixed
     after: str | None = None  # a fill: the target launch it follows ("forward" / "verify")
-    num_draft: int | None = None  # a draft: the longest row's draft count
+    draft_len: int | None = None  # a draft: the longest row's draft length
     draft_tokens: int | None = None
     draft_forwards: int | None = None
     # requests x longest query x longest KV: the cells of an attention padded to the longest row
@@ -70,8 +70,8 @@ class LaunchShape:
             out["kind"] = self.kind
         if self.after is not None:
             out["after"] = self.after
-        if self.num_draft is not None:
-            out["num_draft"] = self.num_draft
+        if self.draft_len is not None:
+            out["draft_len"] = self.draft_len
             out["draft_tokens"] = self.draft_tokens
             out["draft_forwards"] = self.draft_forwards
         if self.padded_attn is not None:
@@ -118,7 +118,7 @@ class ForwardMessage(Message):
 class DraftMessage(Message):
     op: ClassVar[str] = "draft"
     start: np.ndarray  # [B] position of each row's last token (its length - 1)
-    num_draft: np.ndarray  # [B] tokens to draft
+    draft_lens: np.ndarray  # [B] tokens to draft
     page_size: int
     page_tables: np.ndarray | None = None  # [B, max_pages] the proposer's KV pages
     table_lens: np.ndarray | None = None  # [B] pages in each row
@@ -128,10 +128,10 @@ class DraftMessage(Message):
 class VerifyMessage(Message):
     op: ClassVar[str] = "verify"
     start: np.ndarray  # [B] position of each row's last token
-    num_draft: np.ndarray  # [B] drafts planned
+    draft_lens: np.ndarray  # [B] drafts planned
     plan: AttentionPlan | None = None
     # [B, W] int64 drafts made on the host (`ProposerRules.host_drafts`; row i's first
-    # num_draft[i] valid), which the device puts after each row's last token; None: the
+    # draft_lens[i] valid), which the device puts after each row's last token; None: the
     # proposer's draft launch put them there
     drafts: np.ndarray | None = None
 
@@ -176,7 +176,7 @@ class ForwardResult:
 
 @dataclass(frozen=True, slots=True)
 class DraftResult:
-    num_drafts: np.ndarray  # [B] tokens drafted per row
+    draft_lens: np.ndarray  # [B] tokens drafted per row
     substages: tuple[tuple[str, int, int], ...] = ()
     ranks: tuple[tuple[int, str, int, int, int], ...] = ()
     comm: tuple[int, int] = ()
@@ -186,7 +186,7 @@ class DraftResult:
 class VerifyResult:
     accepted: np.ndarray  # [B] drafts accepted per row
     tokens: np.ndarray  # [B, W] emitted tokens (accepted, then the bonus): row i's first accepted[i] + 1
-    num_drafts: np.ndarray  # [B] drafts each row was scored on
+    draft_lens: np.ndarray  # [B] drafts each row was scored on
     substages: tuple[tuple[str, int, int], ...] = ()
     ranks: tuple[tuple[int, str, int, int, int], ...] = ()
     comm: tuple[int, int] = ()
@@ -219,26 +219,26 @@ def _padded(n: int, qo_lens: np.ndarray | int, kv_lens: np.ndarray) -> int:
     return n * q * largest(kv_lens)
 
 
-def batch_shape(batch: StepBatch, width: int = 0, **extra: Any) -> LaunchShape:
+def batch_shape(batch: StepBatch, row_tokens: int = 0, **extra: Any) -> LaunchShape:
     """Shape of a step for traces and cost models: requests, tokens, KV tokens. With a `width`
     a speculative step counts that many tokens per row (a tree's verify: 1 + its nodes; the
     schedule's token budget: 1 + D); without, each row's own (1 + its drafts)."""
     cache = batch.shape_cache  # asked for by several stages of the step
     if not extra:
-        got = cache.get(width)
+        got = cache.get(row_tokens)
         if got is not None:
             return got
     n = len(batch)
-    spec = width and batch.is_spec
-    tokens = n * width if spec else batch.num_tokens
+    spec = row_tokens and batch.is_spec
+    tokens = n * row_tokens if spec else batch.num_tokens
     kv = cache.get("kv_tokens")
     if kv is None:
-        ends = cache["ends"] = batch.start + batch.num_new + batch.num_draft
+        ends = cache["ends"] = batch.start + batch.num_new + batch.draft_lens
         kv = cache["kv_tokens"] = total(ends)
-    padded = _padded(n, width if spec else batch.num_new + batch.num_draft, cache["ends"])
+    padded = _padded(n, row_tokens if spec else batch.num_new + batch.draft_lens, cache["ends"])
     if extra:
         return LaunchShape(n, tokens, kv, padded_attn=padded, **extra)
-    got = cache[width] = LaunchShape(n, tokens, kv, padded_attn=padded)
+    got = cache[row_tokens] = LaunchShape(n, tokens, kv, padded_attn=padded)
     return got
 
 
@@ -270,28 +270,27 @@ def forward_message(batch: StepBatch, blocks: BlockManager, with_plan: bool = Tr
 
 
 def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
-                   with_plan: bool = True, num_draft: np.ndarray | None = None,
+                   with_plan: bool = True, draft_lens: np.ndarray | None = None,
                    drafts: np.ndarray | None = None) -> VerifyMessage:
-    """Target over each row's last token and its candidates: 1 + the row's drafts (`num_draft`,
+    """Target over each row's last token and its candidates: 1 + the row's drafts (`draft_lens`,
     default the batch's: what it was asked to draft) -- a row that drafts less computes less
     -- or, for a tree, 1 + its nodes in every row. `drafts`: the draft tokens, where the host
     made them."""
-    nd = batch.num_draft if num_draft is None else num_draft
+    nd = batch.draft_lens if draft_lens is None else draft_lens
     start = batch.start
     n = len(batch)
     if spec.is_tree:
-        width = 1 + spec.num_candidates
-        qo = np.full(n, width)
-        shape_ = batch_shape(batch, width)
+        qo = np.full(n, 1 + spec.num_candidates)
+        shape_ = batch_shape(batch, 1 + spec.num_candidates)
     else:
         qo = 1 + nd
-        shape_ = batch_shape(batch) if num_draft is None else shape(qo, start + qo)
+        shape_ = batch_shape(batch) if draft_lens is None else shape(qo, start + qo)
     plan = None
     if with_plan:
         # a tree: node j at the last token's position + its depth, the root the last token
         tree = (np.concatenate([[0], spec.tree_depths()]), spec.tree_mask()) if spec.is_tree else None
         plan = build_plan(qo, start + qo, page_size=blocks.page_size, **_tables(blocks, batch.slots), tree=tree)
-    return VerifyMessage(step=batch.step, slots=batch.slots, shape=shape_, start=start, num_draft=nd, plan=plan,
+    return VerifyMessage(step=batch.step, slots=batch.slots, shape=shape_, start=start, draft_lens=nd, plan=plan,
                          drafts=drafts)
 
 
@@ -300,14 +299,14 @@ def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
     """The proposer's D steps in one launch; the device derives per-step plans from the
     page tables (multi-step work that belongs together is one launch). Without plans (a
     device that only models time) no page tables are sent."""
-    nd = batch.num_draft
-    s = batch_shape(batch, batch.width)
-    shape_ = LaunchShape(s.requests, s.tokens, s.kv_tokens, num_draft=largest(nd) if nd.size else 0,
+    nd = batch.draft_lens
+    s = batch_shape(batch, (1 + batch.draft_len))
+    shape_ = LaunchShape(s.requests, s.tokens, s.kv_tokens, draft_len=largest(nd) if nd.size else 0,
                          draft_tokens=total(nd), draft_forwards=total(np.maximum(nd - 1, 0)))
     tables = counts = None
     if spec.kv_model is not None and with_plan:
         tables, counts = blocks.tables(spec.kv_model, batch.slots)
-    return DraftMessage(step=batch.step, slots=batch.slots, shape=shape_, start=batch.start, num_draft=nd,
+    return DraftMessage(step=batch.step, slots=batch.slots, shape=shape_, start=batch.start, draft_lens=nd,
                         page_size=blocks.page_size, page_tables=tables, table_lens=counts)
 
 
@@ -363,9 +362,9 @@ def verify_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSp
     that drafted no tree accepts nothing: its root alone)."""
     start = batch.start + spec.kv_ahead
     if spec.is_tree:  # a row asked for any drafts drafts its whole tree (the worker's EagleProposer)
-        span = np.where(batch.num_draft > 0, spec.max_accept, 0)
+        span = np.where(batch.draft_lens > 0, spec.max_accept, 0)
     else:
-        span = batch.num_draft
+        span = batch.draft_lens
     return fill_message(batch.step, batch.slots, start, start + 1 + span, blocks, spec,
                         after="verify", with_plan=with_plan, window=True)
 
@@ -382,6 +381,6 @@ def accept_fill_message(batch: StepBatch, starts_before: np.ndarray, accepted: n
     if spec.is_tree:  # a tree's accepted path is compacted in place: rewritten from the last token
         valid = starts_before - 1
     else:
-        valid = proposer_computed + np.minimum(accepted, np.maximum(batch.num_draft - 1, 0))
+        valid = proposer_computed + np.minimum(accepted, np.maximum(batch.draft_lens - 1, 0))
     return fill_message(batch.step, batch.slots, np.minimum(valid, end), end + spec.kv_ahead, blocks,
                         spec, after="verify", with_plan=with_plan)

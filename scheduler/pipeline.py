@@ -5,8 +5,7 @@ the simulator (virtual clock and device). It only sees the Clock/Device protocol
 for outputs and a tracer, so a simulated schedule *is* the production schedule.
 
 Stages (host unless noted; names are span names): schedule, kv_alloc, plan, draft (device),
-verify (device), accept (device), sync, fill (device: the proposer's KV fill, called
-`draft_fill` in traces), output.
+verify (device), accept (device), sync, fill (device: the proposer's KV fill), output.
 
 Each step: the scheduler (scheduler/scheduler.py) picks its batch and allocates its pages; the
 schedule's runner (scheduler/schedules.py) orders its launches and waits over the step

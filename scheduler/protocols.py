@@ -135,5 +135,5 @@ class HostDrafter(Protocol):
 
     def draft(self, batch: Any) -> tuple[Any, Any]:
         """(tokens [B, W] int64 or None where only counts are modelled, counts [B] int64) for
-        the rows of a speculative `StepBatch`, each asked for up to `num_draft[i]`."""
+        the rows of a speculative `StepBatch`, each asked for up to `draft_lens[i]`."""
         ...

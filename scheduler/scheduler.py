@@ -149,8 +149,8 @@ class Scheduler:
         if batch.shortfall is not None and batch.shortfall[0] == self.blocks.version:
             self.blocks.allocate_many(batch.slots, shortfall=batch.shortfall[1])
             return
-        extra = np.where(batch.num_new == 1, batch.width - 1, batch.num_draft) if batch.is_spec \
-            else batch.num_draft
+        extra = np.where(batch.num_new == 1, batch.draft_len, batch.draft_lens) if batch.is_spec \
+            else batch.draft_lens
         self.blocks.allocate_many(batch.slots, self.kv_slots(batch.start + batch.num_new + extra))
 
     # -- a step's launches and results ------------------------------------------------------
@@ -182,7 +182,7 @@ class Scheduler:
         accepted = np.asarray(accepted, dtype=np.int64)
         before = t.num_tokens(slots)
         t.computed[slots] += 1 + accepted  # the KV covers the last token and the accepted drafts
-        t.record_spec(slots, np.asarray(result.num_drafts, dtype=np.int64), accepted)
+        t.record_spec(slots, np.asarray(result.draft_lens, dtype=np.int64), accepted)
         # draft model: every emitted token after its fill; heads: up to the new last token
         t.proposer_computed[slots] = before + accepted + self.config.kv_ahead
         out = self._emit(batch, np.arange(len(batch)), np.asarray(result.tokens), accepted + 1, now)
@@ -239,13 +239,13 @@ class Scheduler:
         self.waiting.appendleft(victim)
 
     def make_batch(self, reqs: list[Request], slots: np.ndarray, start: np.ndarray, num_new: np.ndarray,
-                   num_draft: np.ndarray, prefill: np.ndarray, preempted: list[Request], draft: int = 0,
+                   draft_lens: np.ndarray, prefill: np.ndarray, preempted: list[Request], draft: int = 0,
                    decision: object = None, samples: np.ndarray | None = None) -> StepBatch:
         """The step's batch; `samples` (rows that reach their last token) unless given."""
         if samples is None:
             samples = start + num_new >= self.table.num_tokens(slots)
-        batch = StepBatch(self._step, reqs, slots, start, num_new, num_draft, samples,
-                          prefill, self.table.gen[slots], preempted, 1 + draft, decision)
+        batch = StepBatch(self._step, reqs, slots, start, num_new, draft_lens, samples,
+                          prefill, self.table.gen[slots], preempted, draft, decision)
         self._step += 1
         return batch
 

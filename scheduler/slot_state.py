@@ -44,20 +44,20 @@ def own_counters(prompt_len: int, max_tokens: int) -> dict:
 
 class SlotTable:
     """Counters of up to `capacity` requests (grows on demand), plus per slot how many
-    drafts had d tokens and how many verifications accepted a of them (`[slots, width+1]`
+    drafts had d tokens and how many verifications accepted a of them (`[slots, max_draft_len + 1]`
     histograms: one element each per verification, whatever the draft length)."""
 
-    def __init__(self, capacity: int = 8, width: int = 4):
+    def __init__(self, capacity: int = 8, max_draft_len: int = 4):
         self._capacity = max(1, capacity)
-        self._width = max(1, width)
+        self._max_draft_len = max(1, max_draft_len)
         self._counters = np.zeros((self._capacity, len(COUNTERS)), dtype=np.int64)
         self._views()
         # bumped whenever a slot changes hands: rows of a batch whose request finished while
         # it was in flight are told apart from a new request in the same slot
         self.gen = np.zeros(self._capacity, dtype=np.int64)
-        # [slots, width + 1]: verifications that drafted exactly d tokens / accepted exactly a
-        self.drafted_hist = np.zeros((self._capacity, self._width + 1), dtype=np.int64)
-        self.accepted_hist = np.zeros((self._capacity, self._width + 1), dtype=np.int64)
+        # [slots, max_draft_len + 1]: verifications that drafted exactly d tokens / accepted exactly a
+        self.drafted_hist = np.zeros((self._capacity, self._max_draft_len + 1), dtype=np.int64)
+        self.accepted_hist = np.zeros((self._capacity, self._max_draft_len + 1), dtype=np.int64)
         self._free: list[int] = []  # freed slots, reused last-freed first
         self._next = 0  # slots ever handed out
 
@@ -82,11 +82,11 @@ class SlotTable:
         own = req._own
         self._counters[slot] = [own[name] for name in COUNTERS]
         if own["drafted_hist"] is not None:
-            width = own["drafted_hist"].shape[0] - 1
-            if width > self._width:
-                self._grow(width=width)
-            self.drafted_hist[slot, : width + 1] = own["drafted_hist"]
-            self.accepted_hist[slot, : width + 1] = own["accepted_hist"]
+            max_draft_len = own["drafted_hist"].shape[0] - 1
+            if max_draft_len > self._max_draft_len:
+                self._grow(max_draft_len=max_draft_len)
+            self.drafted_hist[slot, : max_draft_len + 1] = own["drafted_hist"]
+            self.accepted_hist[slot, : max_draft_len + 1] = own["accepted_hist"]
         self.gen[slot] += 1
         req._table, req._row, req._own, req.slot = self, slot, None, slot
         return slot
@@ -143,8 +143,8 @@ class SlotTable:
             if not slots.size:
                 return
         widest = largest(drafted)
-        if widest > self._width:
-            self._grow(width=widest)
+        if widest > self._max_draft_len:
+            self._grow(max_draft_len=widest)
         self.drafted_hist[slots, drafted] += 1  # slots are distinct
         self.accepted_hist[slots, np.minimum(accepted, drafted)] += 1  # <= drafted, as verify guarantees
 
@@ -170,9 +170,9 @@ class SlotTable:
         for j, name in enumerate(COUNTERS):
             setattr(self, name, self._counters[:, j])
 
-    def _grow(self, rows: int | None = None, width: int | None = None) -> None:
+    def _grow(self, rows: int | None = None, max_draft_len: int | None = None) -> None:
         rows = max(rows or 0, self._capacity)
-        width = max(width or 0, self._width)
+        max_draft_len = max(max_draft_len or 0, self._max_draft_len)
         if rows > self._counters.shape[0]:
             counters = np.zeros((rows, len(COUNTERS)), dtype=np.int64)
             counters[: self._counters.shape[0]] = self._counters
@@ -183,10 +183,10 @@ class SlotTable:
             self.gen = gen
         for name in ("drafted_hist", "accepted_hist"):
             old = getattr(self, name)
-            new = np.zeros((rows, width + 1), dtype=np.int64)
+            new = np.zeros((rows, max_draft_len + 1), dtype=np.int64)
             new[: old.shape[0], : old.shape[1]] = old
             setattr(self, name, new)
-        self._capacity, self._width = rows, width
+        self._capacity, self._max_draft_len = rows, max_draft_len
 
 
 
@@ -207,9 +207,9 @@ def per_pos(drafted_hist: np.ndarray | None, accepted_hist: np.ndarray | None) -
     used = np.flatnonzero(drafted_hist)
     if not used.size:
         return [], []
-    width = int(used[-1])
+    max_draft_len = int(used[-1])
 
     def at_least(h: np.ndarray) -> list[int]:
-        return np.cumsum(h[::-1])[::-1][1 : width + 1].tolist()
+        return np.cumsum(h[::-1])[::-1][1 : max_draft_len + 1].tolist()
 
     return at_least(drafted_hist), at_least(accepted_hist)

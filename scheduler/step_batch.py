@@ -21,20 +21,20 @@ class StepBatch:
     """One step's rows as arrays over the B scheduled requests (in `requests` order).
 
     Every row computes target tokens [start, start + num_new) and samples iff that reaches
-    its last token; a speculative row also drafts `num_draft` tokens and its verification
-    covers 1 + num_draft positions (budget and pages are reserved for `width`)."""
+    its last token; a speculative row also drafts `draft_lens` tokens and its verification
+    covers 1 + that many positions (budget and pages are reserved for 1 + `draft_len`)."""
 
     step: int
     requests: list[Request]
     slots: np.ndarray  # [B] int64: each request's slot (page-table row, device state)
     start: np.ndarray  # [B] int64: num_computed_tokens when scheduled
     num_new: np.ndarray  # [B] int64: target tokens computed this step (prefill chunk or 1)
-    num_draft: np.ndarray  # [B] int64: tokens to draft (decode-only batches; <= D)
+    draft_lens: np.ndarray  # [B] int64: tokens to draft (decode-only batches; <= D)
     samples: np.ndarray  # [B] bool: this step produces an output token for the row
     prefill: np.ndarray  # [B] bool: the request was in prefill when scheduled
     gen: np.ndarray  # [B] int64: the slots' generations when scheduled (see `live`)
     preempted: list[Request] = field(default_factory=list)
-    width: int = 1  # what a speculative step reserves per row (budget, pages): 1 + the step's D
+    draft_len: int = 0  # the step's D: a speculative step reserves 1 + D tokens per row (budget, pages)
     decision: object = None  # the adaptive draft length's `Decision` for this step, if one chose D
 
     # A batch's rows and draft counts are fixed once `schedule` returns it, so whether it
@@ -48,7 +48,7 @@ class StepBatch:
     shortfall: tuple[int, dict[str, np.ndarray]] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.is_spec = some(self.num_draft)
+        self.is_spec = some(self.draft_lens)
         num_prefill = total(self.prefill)
         if self.is_spec:
             self.kind = "spec"
@@ -59,7 +59,7 @@ class StepBatch:
 
     @property
     def num_tokens(self) -> int:
-        return total(self.num_new) + total(self.num_draft)
+        return total(self.num_new) + total(self.draft_lens)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -84,8 +84,8 @@ def without_finished(batch: StepBatch, table: SlotTable) -> StepBatch:
         return batch
     keep = live.nonzero()[0]
     return StepBatch(batch.step, [batch.requests[i] for i in keep.tolist()], batch.slots[keep],
-                     batch.start[keep], batch.num_new[keep], batch.num_draft[keep], batch.samples[keep],
-                     batch.prefill[keep], batch.gen[keep], batch.preempted, batch.width, batch.decision)
+                     batch.start[keep], batch.num_new[keep], batch.draft_lens[keep], batch.samples[keep],
+                     batch.prefill[keep], batch.gen[keep], batch.preempted, batch.draft_len, batch.decision)
 
 
 def computed_now(batch: StepBatch, table: SlotTable) -> np.ndarray:

@@ -145,10 +145,10 @@ class StepOps:
             # a lookup on the host: no draft launch; the verify carries the drafts and covers
             # what each row drafted (a row whose lookup found nothing verifies its last token)
             drafts, nd = self.drafter.draft(batch)
-            nd = np.minimum(np.asarray(nd, dtype=np.int64), batch.num_draft)
+            nd = np.minimum(np.asarray(nd, dtype=np.int64), batch.draft_lens)
             l.host("draft", batch.step, t0, requests=len(batch), tokens=total(nd))
             t0 = l.now()
-            vmsg = messages.verify_message(batch, self.blocks, spec, l.with_plan, num_draft=nd, drafts=drafts)
+            vmsg = messages.verify_message(batch, self.blocks, spec, l.with_plan, draft_lens=nd, drafts=drafts)
             l.host("plan", batch.step, t0, **shape)
             return SpecPlan(batch, t_step, vmsg, None, None)
         vmsg = messages.verify_message(batch, self.blocks, spec, l.with_plan)
@@ -184,7 +184,7 @@ class StepOps:
         tokens output, rejected candidates' pages given back). Returns the step's fill, if any."""
         l, batch, spec, t, slots = self.l, plan.batch, self.spec, self.table, plan.batch.slots
         accepted = np.asarray(result.accepted, dtype=np.int64)
-        num_drafts = np.asarray(result.num_drafts, dtype=np.int64)
+        draft_lens = np.asarray(result.draft_lens, dtype=np.int64)
         if spec.kv_model is not None and fill is None:
             t0 = l.now()
             fm = plan.fill if spec.fill_same_batch else messages.accept_fill_message(
@@ -193,10 +193,10 @@ class StepOps:
             l.aux.wait_event(verify.event)
             fill = l.launch(l.aux, fm)
         t0 = l.now()
-        l.feed.verified(batch, num_drafts, accepted)
+        l.feed.verified(batch, draft_lens, accepted)
         out_counts = l.deliver(self.scheduler.update(batch, result, t0))
         l.host("output", batch.step, t0, **l.attrs(batch, computed_now(batch, self.table)), emitted=sum(out_counts))
-        l.trace.step_done(batch, plan.t_step, out_counts, num_drafts, accepted)
+        l.trace.step_done(batch, plan.t_step, out_counts, draft_lens, accepted)
         return fill
 
     def defer_fill(self, fill: Launch | None) -> None:

@@ -32,16 +32,16 @@ class Launch:
 
 LAUNCH_FEATURES = ("const", "tokens", "requests", "kv_tokens", "draft_steps", "draft_forwards", "draft_tokens",
                    "padded_attn")
-SHAPE_KEYS = ("tokens", "requests", "kv_tokens", "num_draft", "draft_tokens", "draft_forwards",
+SHAPE_KEYS = ("tokens", "requests", "kv_tokens", "draft_len", "draft_tokens", "draft_forwards",
               "padded_attn")  # what they read
 
 
 def draft_counts(attrs: dict) -> tuple[int, int, int]:
     """(draft_steps, draft_forwards, draft_tokens) of a draft launch from its attributes;
-    traces from before these were recorded fall back to num_draft (the longest row's count),
+    traces from before these were recorded fall back to draft_lens (the longest row's count),
     requests and draft_tokens."""
     req = attrs.get("requests", 0)
-    nd = attrs.get("num_draft", 0)
+    nd = attrs.get("draft_len", 0)
     drafted = attrs.get("draft_tokens", req * nd)
     forwards = attrs.get("draft_forwards", max(drafted - req, 0))
     return max(nd - 1, 0), forwards, drafted
@@ -58,10 +58,8 @@ def launch_features(attrs: dict) -> dict[str, float]:
 
 def device_span_name(op: str, attrs: dict) -> str:
     """The name a launched op's device span carries (and its cost model is fitted under): a
-    forward is named for its kind (prefill / decode / mixed), a fill `draft_fill`."""
-    if op == "forward":
-        return attrs.get("kind", "forward")
-    return "draft_fill" if op == "fill" else op
+    forward is named for its kind (prefill / decode / mixed), any other op for itself."""
+    return attrs.get("kind", "forward") if op == "forward" else op
 
 
 class StepTrace:
@@ -141,7 +139,7 @@ class StepTrace:
             self.tracer.step(
                 step=batch.step, kind=batch.kind, start_ns=t_step, end_ns=max(end, t_step),
                 request_ids=[r.request_id for r in batch.requests],
-                num_new_tokens=(batch.num_new + batch.num_draft).tolist(),
+                num_new_tokens=(batch.num_new + batch.draft_lens).tolist(),
                 kv_lens=np.asarray(kv_lens).tolist(),
                 num_drafted=np.asarray(drafted).tolist(), num_accepted=np.asarray(accepted).tolist(),
                 num_output=list(out_counts),

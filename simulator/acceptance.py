@@ -101,54 +101,54 @@ class AcceptanceModel:
             self._rng = np.random.default_rng(self._seed)
         return self._rng
 
-    def _recorded_holds(self, rec_acc, rec_drafted, num_drafts):
-        """Whether a recorded (accepted, drafted) decides a row drafting `num_drafts` now: at
+    def _recorded_holds(self, rec_acc, rec_drafted, draft_len):
+        """Whether a recorded (accepted, drafted) decides a row drafting `draft_len` now: at
         a fixed draft length always (as captured); with varying lengths when the row drafts no
         more than was recorded, or the recorded drafts met a rejection (acceptance stops at
         the first one, whatever follows)."""
         if not self.any_length:
             return True
-        return (num_drafts <= rec_drafted) | (rec_acc < rec_drafted)
+        return (draft_len <= rec_drafted) | (rec_acc < rec_drafted)
 
-    def outcome(self, request_index: int, out_pos: int, num_drafts: int) -> tuple[int, int]:
-        """(accepted, drafted) for a row that may draft `num_drafts` tokens at this output
+    def outcome(self, request_index: int, out_pos: int, draft_len: int) -> tuple[int, int]:
+        """(accepted, drafted) for a row that may draft `draft_len` tokens at this output
         position. Drafted is less where the proposer drafts nothing (an n-gram miss): as
         recorded at the captured configuration, else at the trace's rate of such rows."""
-        if num_drafts <= 0:
+        if draft_len <= 0:
             return 0, 0
         if self.mode == "bernoulli":
-            fails = self.rng.random(num_drafts) >= self.alpha
-            return (int(np.argmax(fails)) if fails.any() else num_drafts), num_drafts
+            fails = self.rng.random(draft_len) >= self.alpha
+            return (int(np.argmax(fails)) if fails.any() else draft_len), draft_len
         if self.mode == "trace":
             rec = self.recorded.get(request_index, {}).get(out_pos)
-            if rec is not None and self._recorded_holds(rec[0], rec[1], num_drafts):
-                return min(rec[0], num_drafts), min(rec[1], num_drafts)
+            if rec is not None and self._recorded_holds(rec[0], rec[1], draft_len):
+                return min(rec[0], draft_len), min(rec[1], draft_len)
         agree = self.agreement.get(request_index) if self.mode == "trace" else None
-        if agree is not None and (self.exact_max_d is None or num_drafts <= self.exact_max_d):
+        if agree is not None and (self.exact_max_d is None or draft_len <= self.exact_max_d):
             a = 0
-            while a < num_drafts and out_pos + a < len(agree) and agree[out_pos + a]:
+            while a < draft_len and out_pos + a < len(agree) and agree[out_pos + a]:
                 a += 1
-            return a, num_drafts
+            return a, draft_len
         if self.draft_rate < 1.0 and self.rng.random() >= self.draft_rate:
             return 0, 0  # this row drafts nothing, as that share of the trace's rows did
         a = 0
-        while a < num_drafts:
+        while a < draft_len:
             p = self.rates[a] if a < len(self.rates) else (self.rates[-1] if self.rates else 0.0)
             if self.rng.random() >= p:
                 break
             a += 1
-        return a, num_drafts
+        return a, draft_len
 
-    def outcomes(self, index: np.ndarray, out_pos: np.ndarray, num_drafts: np.ndarray
+    def outcomes(self, index: np.ndarray, out_pos: np.ndarray, draft_len: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
         """`outcome` for a verify's rows at once: ([B] accepted, [B] drafted). Rows replayed
         from the trace's data are whole-array lookups; rows priced from rates or Bernoulli
         draws take their random numbers row by row, in row order (as `outcome` does)."""
-        num_drafts = np.asarray(num_drafts, dtype=np.int64)
-        accepted = np.zeros(num_drafts.shape[0], dtype=np.int64)
-        drafted = np.zeros(num_drafts.shape[0], dtype=np.int64)
-        todo = num_drafts > 0
-        if num_drafts.shape[0] <= SMALL_BATCH:  # a handful of rows: the array calls would cost more
+        draft_len = np.asarray(draft_len, dtype=np.int64)
+        accepted = np.zeros(draft_len.shape[0], dtype=np.int64)
+        drafted = np.zeros(draft_len.shape[0], dtype=np.int64)
+        todo = draft_len > 0
+        if draft_len.shape[0] <= SMALL_BATCH:  # a handful of rows: the array calls would cost more
             todo[:] = True
         elif self.mode == "trace" and todo.any():
             if self._tables is None:
@@ -158,27 +158,27 @@ class AcceptanceModel:
             if inside.any():
                 i, p = np.where(inside, index, 0), np.where(inside, out_pos, 0)
                 ra, rd = rec_acc[i, p], rec_drafted[i, p]
-                hit = todo & inside & (ra >= 0) & self._recorded_holds(ra, rd, num_drafts)
-                accepted[hit] = np.minimum(ra, num_drafts)[hit]
-                drafted[hit] = np.minimum(rd, num_drafts)[hit]
+                hit = todo & inside & (ra >= 0) & self._recorded_holds(ra, rd, draft_len)
+                accepted[hit] = np.minimum(ra, draft_len)[hit]
+                drafted[hit] = np.minimum(rd, draft_len)[hit]
                 todo &= ~hit
             if has_agree.size and runs.shape[1]:
                 known = index < has_agree.shape[0]
                 i = np.where(known, index, 0)
                 agree = todo & known & has_agree[i]
                 if self.exact_max_d is not None:
-                    agree &= num_drafts <= self.exact_max_d
+                    agree &= draft_len <= self.exact_max_d
                 inside = (out_pos >= 0) & (out_pos < runs.shape[1])
                 run = np.where(inside, runs[i, np.where(inside, out_pos, 0)], 0)
-                accepted[agree] = np.minimum(run, num_drafts)[agree]
-                drafted[agree] = num_drafts[agree]
+                accepted[agree] = np.minimum(run, draft_len)[agree]
+                drafted[agree] = draft_len[agree]
                 todo &= ~agree
         for r in todo.nonzero()[0].tolist():
-            accepted[r], drafted[r] = self.outcome(int(index[r]), int(out_pos[r]), int(num_drafts[r]))
+            accepted[r], drafted[r] = self.outcome(int(index[r]), int(out_pos[r]), int(draft_len[r]))
         return accepted, drafted
 
-    def accept(self, request_index: int, out_pos: int, num_drafts: int) -> int:
-        return self.outcome(request_index, out_pos, num_drafts)[0]
+    def accept(self, request_index: int, out_pos: int, draft_len: int) -> int:
+        return self.outcome(request_index, out_pos, draft_len)[0]
 
 
 def step_rates(trace) -> list[float]:
@@ -213,22 +213,22 @@ class SwitchedAcceptance:
     def __init__(self, first: AcceptanceModel, second: AcceptanceModel, at: int):
         self.first, self.second, self.at = first, second, at
 
-    def outcome(self, request_index: int, out_pos: int, num_drafts: int) -> tuple[int, int]:
-        return (self.first if request_index < self.at else self.second).outcome(request_index, out_pos, num_drafts)
+    def outcome(self, request_index: int, out_pos: int, draft_len: int) -> tuple[int, int]:
+        return (self.first if request_index < self.at else self.second).outcome(request_index, out_pos, draft_len)
 
-    def outcomes(self, index: np.ndarray, out_pos: np.ndarray, num_drafts: np.ndarray
+    def outcomes(self, index: np.ndarray, out_pos: np.ndarray, draft_len: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
         index = np.asarray(index)
         later = index >= self.at
         if not later.any():
-            return self.first.outcomes(index, out_pos, num_drafts)
+            return self.first.outcomes(index, out_pos, draft_len)
         if later.all():
-            return self.second.outcomes(index, out_pos, num_drafts)
-        out_pos, num_drafts = np.asarray(out_pos), np.asarray(num_drafts)
+            return self.second.outcomes(index, out_pos, draft_len)
+        out_pos, draft_len = np.asarray(out_pos), np.asarray(draft_len)
         accepted = np.zeros(index.shape[0], dtype=np.int64)
         drafted = np.zeros(index.shape[0], dtype=np.int64)
         for model, rows in ((self.first, ~later), (self.second, later)):
-            accepted[rows], drafted[rows] = model.outcomes(index[rows], out_pos[rows], num_drafts[rows])
+            accepted[rows], drafted[rows] = model.outcomes(index[rows], out_pos[rows], draft_len[rows])
         return accepted, drafted
 
 

@@ -279,14 +279,14 @@ def _tune_rows(trace, profile: CostProfile, draft_lens: list[int], concurrencies
             tv = profile.device_ns(verify_name, base | {"tokens": c * (1 + d * drawn)})
             td = 0.0
             if "draft" in profile.device:
-                td += profile.device_ns("draft", base | {"tokens": c * d, "num_draft": d})  # every row drafts d
-            if "draft_fill" in profile.device:
+                td += profile.device_ns("draft", base | {"tokens": c * d, "draft_len": d})  # every row drafts d
+            if "fill" in profile.device:
                 # a fill over the verify window (an MTP head; a draft model under eager_fill)
                 # covers the whole verify batch; another, the accepted path plus the bonus
                 # token: AL per row on average
                 window = wiring.proposer_spec(h.proposer, max(d, 1), schedule=h.schedule).fill_same_batch
                 fill_tokens = c * (1 + d) if window else c * al
-                td += profile.device_ns("draft_fill", base | {"tokens": fill_tokens})
+                td += profile.device_ns("fill", base | {"tokens": fill_tokens})
             formula = (t1 * al / (tv + td)) if (t1 and al) else None
             rows.append(row | {
                 "sim_tokens_per_s": m["output_tokens_per_s"],

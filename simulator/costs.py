@@ -50,6 +50,9 @@ HOST_STAGES = ("schedule", "kv_alloc", "plan", "launch", "output", "draft")  # d
 _PER_OP_LATENCIES = {"launch lead": "launch_leads", "wake-up": "wakeups", "queue gap": "op_gaps"}
 
 
+_FILL = {"draft_fill": "fill"}
+
+
 def device_features(op: str) -> tuple[str, ...]:
     """The features a device op's model is fitted on."""
     return DRAFT_FEATURES if op == "draft" else OP_FEATURES
@@ -230,7 +233,9 @@ class CostProfile:
             launch = data.get("host", {}).get("launch", {})
             data["launch_lead_ns"] = data.pop("launch_latency_ns") + launch.get("median_ns", 0.0)
             data.pop("launch_latencies", None)
-        data["device"] = {k: StageModel(**v) for k, v in data.get("device", {}).items()}
+        # profiles saved before format 2.0 of traces name the proposer's fill `draft_fill`
+        data["device"] = {_FILL.get(k, k): StageModel(**v) for k, v in data.get("device", {}).items()}
+        data["op_gaps"] = {_FILL.get(k, k): v for k, v in data.get("op_gaps", {}).items()}
         data["host"] = {k: StageModel(**v) for k, v in data.get("host", {}).items()}
         return cls(**data)
 

@@ -17,7 +17,7 @@ import bisect
 
 import numpy as np
 
-from specsched.scheduler.adaptive import STATE_FORMAT
+from specsched.scheduler.adaptive import current_state
 from specsched.scheduler.step_trace import SHAPE_KEYS
 from specsched.simulator.costs import HOST_STAGES, SHAPE_FEATURES, CostProfile, StageModel, device_features, host_key
 
@@ -229,8 +229,8 @@ def _ops_from_policy(prof: CostProfile, traces: list) -> None:
     whose policy drafts after all must price them. Such a model's fit error is unknown (mape 0).
     A state of another format (an earlier release's policy) prices nothing."""
     for tr in traces:
-        state = tr.header.extra.get("draft_policy") or {}
-        if state.get("format") != STATE_FORMAT:
+        state = current_state(tr.header.extra.get("draft_policy") or {"format": 0})
+        if state is None:
             continue
         for name, model in (state.get("costs") or {}).items():
             if not model.get("n"):

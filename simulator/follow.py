@@ -54,11 +54,11 @@ def follow_choices(policy, scheduler, choices: dict[tuple[str, int], tuple[int, 
         d = Counter(seen).most_common(1)[0][0]
         rows = int(min(len(slots), budget // (1 + d)))
         fallback = np.minimum(np.maximum(remaining[:rows] - 1, 0), d)
-        num_draft = np.array([c[1] if c is not None and c[0] == d else f for c, f in zip(rec[:rows], fallback.tolist())],
+        draft_lens = np.array([c[1] if c is not None and c[0] == d else f for c, f in zip(rec[:rows], fallback.tolist())],
                              dtype=np.int64)
-        if d and not num_draft.any():
-            d, rows, num_draft = 0, int(min(len(slots), budget)), np.zeros(min(len(slots), budget), dtype=np.int64)
-        out = replace(dec, draft_len=d, num_draft=num_draft, rows=rows, explored=False, device_ns=None)
+        if d and not draft_lens.any():
+            d, rows, draft_lens = 0, int(min(len(slots), budget)), np.zeros(min(len(slots), budget), dtype=np.int64)
+        out = replace(dec, draft_len=d, draft_lens=draft_lens, rows=rows, explored=False, device_ns=None)
         policy.last = out
         return out
 

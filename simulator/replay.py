@@ -306,7 +306,7 @@ def check_profile(profile: CostProfile, spec: ProposerSpec) -> None:
     needed = ["prefill"] + ((["verify"] if spec.rules.host_drafts else ["draft", "verify"]) if spec.speculative
                             else ["decode"])
     if spec.kv_model is not None:
-        needed.append("draft_fill")
+        needed.append("fill")
     missing = [op for op in needed if profile.priced_as(op) is None]
     if missing:
         raise ValueError(f"the cost profile has no model for device op(s) {', '.join(missing)} (fitted: "

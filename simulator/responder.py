@@ -56,16 +56,16 @@ class TraceResponder:
             block.flags.writeable = False
         return block[:rows, :width]
 
-    def _outcomes(self, slots: np.ndarray, num_draft: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """([B] accepted, [B] drafted) of rows drafting up to `num_draft` at their positions now."""
+    def _outcomes(self, slots: np.ndarray, draft_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """([B] accepted, [B] drafted) of rows drafting up to `draft_lens` at their positions now."""
         idx = self.index[slots]
-        return self.acceptance.outcomes(idx, self.known[slots] - self.prompt_lens[idx], num_draft)
+        return self.acceptance.outcomes(idx, self.known[slots] - self.prompt_lens[idx], draft_lens)
 
     def draft(self, batch) -> tuple[None, np.ndarray]:
         """The pipeline's `HostDrafter` for a proposer that drafts on the host: each row's
         drafted count (none where a lookup finds nothing, at the trace's rate) drawn with its
         accepted length, which the row's verify then returns; no tokens (counts are modelled)."""
-        accepted, drafted = self._outcomes(batch.slots, batch.num_draft)
+        accepted, drafted = self._outcomes(batch.slots, batch.draft_lens)
         self._drawn = (batch.slots, accepted, drafted)
         return None, drafted
 
@@ -76,14 +76,14 @@ class TraceResponder:
             self.known[msg.slots[msg.samples]] += 1
             return ForwardResult(np.where(msg.samples, DUMMY_TOKEN, -1)), []
         if op == "draft":
-            return DraftResult(msg.num_draft), []
+            return DraftResult(msg.draft_lens), []
         if op == "verify":
             slots = msg.slots
             drawn, self._drawn = self._drawn, None
             if drawn is not None and drawn[0].shape == slots.shape and (drawn[0] == slots).all():
-                accepted, drafted = np.minimum(drawn[1], msg.num_draft), np.minimum(drawn[2], msg.num_draft)
+                accepted, drafted = np.minimum(drawn[1], msg.draft_lens), np.minimum(drawn[2], msg.draft_lens)
             else:
-                accepted, drafted = self._outcomes(slots, msg.num_draft)
+                accepted, drafted = self._outcomes(slots, msg.draft_lens)
             self.known[slots] += accepted + 1
             attrs = msg.shape.view()
             subs = [("verify", int(self._device_ns("verify", attrs))),

@@ -43,5 +43,5 @@ def analytic_profile(target_forward_ns: float, draft_ratio: float) -> CostProfil
         prof.device[op] = _const(t)
     prof.device["accept"] = _const(0)
     prof.device["draft"] = StageModel({"draft_forwards": c * t}, 0.0, 0, c * t)
-    prof.device["draft_fill"] = _const(c * t)
+    prof.device["fill"] = _const(c * t)
     return prof

@@ -27,8 +27,8 @@ def fill(plan: AttentionPlan, start: int, end: int, after: str, step: int = 0) -
                        start=_one(start), end=_one(end), plan=plan)
 
 
-def draft(num_draft: int, table: list[int], page_size: int, num_tokens: int, step: int = 1) -> DraftMessage:
+def draft(draft_lens: int, table: list[int], page_size: int, num_tokens: int, step: int = 1) -> DraftMessage:
     """Draft for slot 0, whose sequence has `num_tokens` tokens."""
-    return DraftMessage(step=step, slots=SLOT0, shape=LaunchShape(1, 1, 0, num_draft=num_draft),
-                        start=_one(num_tokens - 1), num_draft=_one(num_draft), page_size=page_size,
+    return DraftMessage(step=step, slots=SLOT0, shape=LaunchShape(1, 1, 0, draft_len=draft_lens),
+                        start=_one(num_tokens - 1), draft_lens=_one(draft_lens), page_size=page_size,
                         page_tables=np.array([table], dtype=np.int32), table_lens=_one(len(table)))

@@ -30,11 +30,11 @@ class ScriptedPolicy:
     def choose(self, view: StepView) -> Decision:
         d = min(self.script(len(self.chosen) + 1, view), self.max_draft_len)
         rows = min(len(view.slots), view.budget // (1 + d))
-        num_draft = np.minimum(d, np.maximum(view.remaining[:rows] - 1, 0)).astype(np.int64)
-        if d and not num_draft.any():  # nobody has room to draft: a plain step
+        draft_lens = np.minimum(d, np.maximum(view.remaining[:rows] - 1, 0)).astype(np.int64)
+        if d and not draft_lens.any():  # nobody has room to draft: a plain step
             d, rows = 0, min(len(view.slots), view.budget)
-            num_draft = np.zeros(rows, dtype=np.int64)
-        self.last = Decision(d, num_draft, rows, None)
+            draft_lens = np.zeros(rows, dtype=np.int64)
+        self.last = Decision(d, draft_lens, rows, None)
         self.chosen.append(d)
         return self.last
 

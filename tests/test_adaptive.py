@@ -47,14 +47,14 @@ def test_free_drafting_and_certain_acceptance_pick_the_longest_draft():
     p = _policy(token_ns=0.0)
     _verified(p, 1.0)
     d = p.choose(_view(1))
-    assert d.draft_len == 4 and d.num_draft.tolist() == [4]
+    assert d.draft_len == 4 and d.draft_lens.tolist() == [4]
 
 
 def test_a_verify_priced_too_high_for_the_acceptance_turns_speculation_off():
     p = _policy(token_ns=5e6)  # each verified token costs five forwards' fixed cost
     _verified(p, 0.5)
     d = p.choose(_view(4))
-    assert d.draft_len == 0 and d.num_draft.tolist() == [0, 0, 0, 0] and d.rows == 4
+    assert d.draft_len == 0 and d.draft_lens.tolist() == [0, 0, 0, 0] and d.rows == 4
 
 
 def test_speculation_pays_at_batch_1_and_stops_paying_as_the_batch_grows():
@@ -68,7 +68,7 @@ def test_a_request_whose_drafts_keep_failing_stops_costing_the_batch():
     p = _policy(token_ns=1e5, draft_forward_ns=1e5, const_ns=4e6)
     _verified(p, [0.0, 0.9, 0.9, 0.9], rows=4)
     d = p.choose(_view(4))
-    assert d.draft_len >= 2 and d.num_draft[0] == 0 and (d.num_draft[1:] == d.draft_len).all()
+    assert d.draft_len >= 2 and d.draft_lens[0] == 0 and (d.draft_lens[1:] == d.draft_len).all()
 
 
 def test_the_policy_recovers_after_a_change_of_workload():
@@ -84,7 +84,7 @@ def test_the_policy_recovers_after_a_change_of_workload():
         if d.draft_len:
             ok = rng.random((2, d.draft_len)) < accept
             acc = np.cumprod(ok, axis=1).sum(axis=1)
-            p.observe(StepOutcome(d, None, VerifyOutcome(np.arange(2), np.ones(2, bool), d.num_draft, d.num_draft, acc)))
+            p.observe(StepOutcome(d, None, VerifyOutcome(np.arange(2), np.ones(2, bool), d.draft_lens, d.draft_lens, acc)))
     assert np.mean(chosen[100:150]) >= 2  # drafting pays
     assert np.mean([d == 0 for d in chosen[250:300]]) > 0.8  # it stopped
     assert np.mean(chosen[550:600]) >= 2  # and resumed
@@ -96,7 +96,7 @@ def test_while_a_cost_is_unknown_it_drafts_to_learn_it():
     assert p.choose(_view(2)).draft_len == 2
     for op, kind in (("forward", "decode"), ("verify", None), ("draft", None), ("fill", None)):
         for n in (1, 2, 4):
-            attrs = {"requests": n, "tokens": 3 * n, "kv_tokens": 50 * n, "num_draft": 2, "draft_forwards": n}
+            attrs = {"requests": n, "tokens": 3 * n, "kv_tokens": 50 * n, "draft_len": 2, "draft_forwards": n}
             costs.observe(op, attrs | ({"kind": kind} if kind else {}), int(1e6 + 1e4 * n))
     assert costs.known and p.choose(_view(2)).gain is not None
 
@@ -443,7 +443,7 @@ def test_a_load_where_speculation_never_pays_runs_no_fill(monkeypatch, sample):
     tr = read_trace(SAMPLES / sample)
     m, sim = replay(tr, fit_profile([tr]), ReplayConfig(draft_len="auto", max_draft_len=4))
     assert m["draft_len_counts"] == {"0": sum(1 for s in sim.steps if s.draft_len is not None)}
-    assert [s.name for s in sim.spans if s.name in ("draft", "draft_fill", "verify")] == []
+    assert [s.name for s in sim.spans if s.name in ("draft", "fill", "verify")] == []
 
 
 def test_a_head_past_its_kept_budget_catches_up_while_speculation_is_off(monkeypatch):

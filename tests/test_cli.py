@@ -292,7 +292,7 @@ def test_a_profile_that_cannot_price_the_replay_and_a_bad_shape_are_named(tmp_pa
     plain_spans.write_text("\n".join(ln for ln in lines if '"device:' not in ln or '"verify"' in ln or
                                      '"prefill"' in ln or '"mixed"' in ln) + "\n")
     code, out = run("replay", plain_spans)
-    assert code == 2 and "no model for device op(s) draft (fitted: draft_fill, mixed, prefill, verify)" in out
+    assert code == 2 and "no model for device op(s) draft (fitted: fill, mixed, prefill, verify)" in out
     bad = tmp_path / "bad_shape.jsonl"
     i = next(i for i, ln in enumerate(lines) if '"name":"schedule"' in ln.replace(" ", ""))
     rec = json.loads(lines[i])

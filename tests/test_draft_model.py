@@ -76,7 +76,7 @@ def test_the_window_fill_message_covers_the_verified_positions_one_ahead():
         assert msg.end.tolist() == (start + ahead + 1 + nd).tolist()
     # a tree: the root and a position per depth where the row drafted its tree, the root alone where not
     spec = wiring.proposer_spec("eagle", D, schedule="eager_fill")
-    batch.num_draft = np.array([spec.num_candidates, 0])
+    batch.draft_lens = np.array([spec.num_candidates, 0])
     msg = messages.verify_fill_message(batch, BlockManager(64, 4, ("target", "mtp")), spec, with_plan=False)
     assert msg.window and msg.start.tolist() == start.tolist()
     assert msg.end.tolist() == (start + 1 + np.array([spec.max_accept, 0])).tolist()

@@ -51,9 +51,9 @@ def hand_trace() -> Trace:
         r.span("host", name, step, ms(start), ms(end))
     device = [("device:main", "prefill", 1, 0.5, 2), ("device:main", "prefill", 2, 2.5, 4),
               ("device:main", "draft", 3, 4.5, 5), ("device:main", "verify", 3, 5, 5.5),
-              ("device:main", "accept", 3, 5.5, 6), ("device:draft", "draft_fill", 3, 6, 6.5),
+              ("device:main", "accept", 3, 5.5, 6), ("device:draft", "fill", 3, 6, 6.5),
               ("device:main", "draft", 4, 6.25, 7), ("device:main", "verify", 4, 7, 7.75),
-              ("device:main", "verify", 5, 8.5, 10), ("device:draft", "draft_fill", 5, 9.5, 10.5)]
+              ("device:main", "verify", 5, 8.5, 10), ("device:draft", "fill", 5, 9.5, 10.5)]
     for track, name, step, start, end in device:
         r.span(track, name, step, ms(start), ms(end))
     r.finish("A", ms(8), "length", 9, ms(2))

@@ -86,9 +86,9 @@ def test_argument_validation() -> None:
         NgramProposer(1, 2, 3).propose(np.zeros((2, 2), dtype=np.int64))
 
 
-def _host_batch(reqs, num_draft):
+def _host_batch(reqs, draft_lens):
     from types import SimpleNamespace
-    return SimpleNamespace(requests=reqs, num_draft=np.asarray(num_draft, dtype=np.int64))
+    return SimpleNamespace(requests=reqs, draft_lens=np.asarray(draft_lens, dtype=np.int64))
 
 
 @settings(max_examples=60, deadline=None)

@@ -62,7 +62,7 @@ def feed(tracer) -> None:
                 [3, 2])
     tracer.finish("A", 41_000, "length", 4, 31_000, ttft_ns=21_000)
     tracer.finish("B", 41_500, "error", 3, 31_000, ttft_ns=19_000, error="boom")
-    tracer.span("device:main", "draft_fill", 2, 41_000, 45_000, launch_id=3)
+    tracer.span("device:main", "fill", 2, 41_000, 45_000, launch_id=3)
 
 
 def hand_trace() -> Trace:
@@ -81,7 +81,7 @@ def by_name(spans) -> dict:
 def check_export(spans) -> None:
     named = by_name(spans)
     assert set(named) == {"text_completion tiny-llama", "step", "schedule", "prefill", "plan",
-                          "spec.draft", "spec.verify", "spec.accept", "sync", "spec.draft_fill"}
+                          "spec.draft", "spec.verify", "spec.accept", "sync", "spec.fill"}
     requests = {s.attributes["specsched.request_id"]: s
                 for s in named["text_completion tiny-llama"]}
     a, b = requests["A"], requests["B"]
@@ -108,7 +108,7 @@ def check_export(spans) -> None:
     assert steps[2].attributes["specsched.step.kind"] == "spec"
     linked = {link.context.span_id for link in steps[2].links}
     assert linked == {a.context.span_id, b.context.span_id}
-    for name in ("plan", "spec.draft", "spec.verify", "spec.accept", "sync", "spec.draft_fill"):
+    for name in ("plan", "spec.draft", "spec.verify", "spec.accept", "sync", "spec.fill"):
         (stage,) = named[name]
         assert stage.parent.span_id == steps[2].context.span_id, name
         assert stage.context.trace_id == steps[2].context.trace_id, name

@@ -27,8 +27,8 @@ def test_paced_ns_prices_a_launch_shape_with_the_cost_model_features():
             "draft": {"const": MS, "draft_steps": 3 * MS, "draft_forwards": 50_000}}
     assert paced_ns(pace, "verify", {"tokens": 8, "requests": 2, "kv_tokens": 1000}) == 2 * MS + 80_000 + 100_000
     # draft steps: the longest row's count - 1 (the first token comes from the fill's logits)
-    assert launch_features({"num_draft": 4, "draft_forwards": 7})["draft_steps"] == 3
-    assert paced_ns(pace, "draft", {"num_draft": 4, "draft_forwards": 7}) == MS + 9 * MS + 350_000
+    assert launch_features({"draft_len": 4, "draft_forwards": 7})["draft_steps"] == 3
+    assert paced_ns(pace, "draft", {"draft_len": 4, "draft_forwards": 7}) == MS + 9 * MS + 350_000
     assert paced_ns(pace, "decode", {"tokens": 4}) == 0  # not paced: runs at its own speed
 
 
@@ -56,7 +56,7 @@ def test_paced_worker_rejects_a_pace_on_unknown_features():
 # a pace well above what the tiny model's ops take on any CPU
 TINY_PACE = {name: {"const": 6 * MS, "tokens": 20_000} for name in ("prefill", "mixed", "decode")} | {
     "draft": {"const": 2 * MS, "draft_steps": 1 * MS}, "verify": {"const": 7 * MS, "requests": 300_000},
-    "draft_fill": {"const": 2 * MS}}
+    "fill": {"const": 2 * MS}}
 
 
 def test_a_paced_engine_run_is_lossless_and_the_simulator_replays_it_closely(tiny_family):

@@ -47,14 +47,14 @@ class Row:
     """One row of a StepBatch, for assertions."""
     request: Request
     num_new_tokens: int
-    num_draft: int
+    draft_lens: int
     samples: bool
     prefill: bool
 
 
 def rows(batch: StepBatch) -> list[Row]:
     return [Row(r, n, d, s, p) for r, n, d, s, p in zip(
-        batch.requests, batch.num_new.tolist(), batch.num_draft.tolist(), batch.samples.tolist(),
+        batch.requests, batch.num_new.tolist(), batch.draft_lens.tolist(), batch.samples.tolist(),
         batch.prefill.tolist())]
 
 
@@ -109,9 +109,9 @@ class Sim:
             if row.samples:
                 assert row.request.num_computed_tokens + row.num_new_tokens == row.request.num_tokens
         if batch.is_spec:
-            accepted = np.array([self.rng.randint(0, d) for d in batch.num_draft.tolist()], dtype=np.int64)
-            tokens = self._tokens(batch, batch.width)
-            self._update(batch, VerifyResult(accepted, tokens, batch.num_draft), (1 + accepted).tolist())
+            accepted = np.array([self.rng.randint(0, d) for d in batch.draft_lens.tolist()], dtype=np.int64)
+            tokens = self._tokens(batch, (1 + batch.draft_len))
+            self._update(batch, VerifyResult(accepted, tokens, batch.draft_lens), (1 + accepted).tolist())
             for r, a in zip(batch.requests, accepted.tolist()):
                 if not r.is_finished:  # rejected candidates' pages went back
                     assert r.num_computed_tokens == r.num_tokens - 1
@@ -150,7 +150,7 @@ def check_slots(b: Scheduler) -> None:
 
 
 def _summary(batch: StepBatch) -> tuple:
-    return (batch.step, batch.kind, [(s.request.request_id, s.num_new_tokens, s.num_draft, s.samples, s.prefill)
+    return (batch.step, batch.kind, [(s.request.request_id, s.num_new_tokens, s.draft_lens, s.samples, s.prefill)
                                      for s in rows(batch)], [r.request_id for r in batch.preempted])
 
 
@@ -164,11 +164,11 @@ def check_batch(b: Scheduler, batch: StepBatch) -> None:
         assert s.request in b.running
         assert s.num_new_tokens >= 1
         assert s.request.num_computed_tokens + s.num_new_tokens <= s.request.num_tokens
-        assert s.num_draft <= max(0, s.request.remaining_tokens - 1)
+        assert s.draft_lens <= max(0, s.request.remaining_tokens - 1)
     if batch.is_spec:
         assert not any(s.request.in_prefill for s in rows(batch))
         assert all(s.num_new_tokens == 1 and s.samples for s in rows(batch))
-        assert all(s.num_draft == min(cfg.draft_len, s.request.remaining_tokens - 1) for s in rows(batch))
+        assert all(s.draft_lens == min(cfg.draft_len, s.request.remaining_tokens - 1) for s in rows(batch))
         assert batch.kind == "spec"
         # the verify computes 1 + D tokens for every row
         assert len(batch) * (1 + cfg.draft_len) <= cfg.max_num_batched_tokens
@@ -285,13 +285,13 @@ def test_speculation_only_on_decode_only_batches() -> None:
     batch = sim.step()
     assert batch.kind == "prefill" and not batch.is_spec
     batch = sim.step()
-    assert batch.is_spec and rows(batch)[0].num_draft == 3
+    assert batch.is_spec and rows(batch)[0].draft_lens == 3
     sim.add(make_req("b", 6, 20))
     batch = sim.step()  # b prefills: nobody speculates in this step
     assert batch.kind == "mixed" and not batch.is_spec
-    assert all(s.num_draft == 0 for s in rows(batch))
+    assert all(s.draft_lens == 0 for s in rows(batch))
     batch = sim.step()
-    assert batch.is_spec and [s.num_draft for s in rows(batch)] == [3, 3]
+    assert batch.is_spec and [s.draft_lens for s in rows(batch)] == [3, 3]
 
 
 def test_speculation_continues_when_waiting_requests_cannot_get_a_seat() -> None:
@@ -323,7 +323,7 @@ def test_num_draft_capped_by_remaining_tokens() -> None:
     sim.add(r)
     sim.step()  # prefill -> 1 token, 3 remaining
     batch = sim.step()
-    assert rows(batch)[0].num_draft == 2  # 1 + 2 drafts = the 3 remaining tokens
+    assert rows(batch)[0].draft_lens == 2  # 1 + 2 drafts = the 3 remaining tokens
     assert r.num_output_tokens == 4 and r.state is RequestState.FINISHED
 
 
@@ -340,13 +340,13 @@ def test_spec_rows_reserve_the_whole_verify_width() -> None:
     sim.step()  # both prefill, one token each
     batch = b.schedule()
     assert batch.is_spec
-    assert {s.request.request_id: s.num_draft for s in rows(batch)} == {"long": 3, "short": 0}
+    assert {s.request.request_id: s.draft_lens for s in rows(batch)} == {"long": 3, "short": 0}
     b.allocate(batch)
     for s in rows(batch):
         assert b.blocks.num_slots(s.request.request_id) >= s.request.num_computed_tokens + 1 + 3
     msg = messages.verify_message(batch, b.blocks, ProposerSpec("ngram", 3))
     assert list(msg.plan.qo_indptr) == [0, 4, 5]
-    assert list(msg.plan.kv_lens) == [s.request.num_computed_tokens + 1 + s.num_draft for s in rows(batch)]
+    assert list(msg.plan.kv_lens) == [s.request.num_computed_tokens + 1 + s.draft_lens for s in rows(batch)]
     assert msg.shape.tokens == 5
 
 

@@ -211,15 +211,15 @@ def test_draft_cost_follows_the_proposer_forwards_really_run():
     spans = [s for s in sim.spans if s.name == "draft"]
     assert spans and all(s.attrs["draft_tokens"] == sum(drafted[s.step]) for s in spans)
     assert all(s.attrs["draft_forwards"] == sum(max(n - 1, 0) for n in drafted[s.step]) for s in spans)
-    assert any(s.attrs["draft_tokens"] < s.attrs["requests"] * s.attrs["num_draft"] for s in spans)
+    assert any(s.attrs["draft_tokens"] < s.attrs["requests"] * s.attrs["draft_len"] for s in spans)
     prof = CostProfile()
     prof.device["draft"] = StageModel({"const": 1e6, "draft_steps": 2e6, "draft_forwards": 1e6}, 0.0, 0, 0.0)
     # two rows drafting 4 and 2: 3 forward passes, 3 + 1 row-forwards
-    attrs = {"requests": 2, "num_draft": 4, "draft_tokens": 6, "draft_forwards": 4}
+    attrs = {"requests": 2, "draft_len": 4, "draft_tokens": 6, "draft_forwards": 4}
     assert prof.device_ns("draft", attrs) == 1e6 + 3 * 2e6 + 4 * 1e6
-    assert prof.device_ns("draft", {"requests": 2, "num_draft": 1, "draft_tokens": 2, "draft_forwards": 0}) == 1e6
-    assert prof.device_ns("draft", {"requests": 2, "num_draft": 4}) == 1e6 + 3 * 2e6 + 6 * 1e6  # older traces
-    for a in (attrs, {"requests": 2, "num_draft": 4}):
+    assert prof.device_ns("draft", {"requests": 2, "draft_len": 1, "draft_tokens": 2, "draft_forwards": 0}) == 1e6
+    assert prof.device_ns("draft", {"requests": 2, "draft_len": 4}) == 1e6 + 3 * 2e6 + 6 * 1e6  # older traces
+    for a in (attrs, {"requests": 2, "draft_len": 4}):
         assert prof.device["draft"].predict(prof.features(a)) == prof.device_ns("draft", a)
     legacy = CostProfile()  # a profile saved with the per-drafted-token feature
     legacy.device["draft"] = StageModel({"const": 1e6, "draft_tokens": 1e6}, 0.0, 0, 0.0)
@@ -317,11 +317,11 @@ def test_op_gaps_are_fitted_per_op_from_whole_launches():
         tr.add(SpanRecord(track="device:main", name="accept", step=step, start_ns=v0 + 5000, end_ns=v0 + 5400,
                           attrs=attrs | {"launch_id": lid_v}))
         f0 = v0 + 5400 + 300  # 300 ns after accept: the fill's gap
-        tr.add(SpanRecord(track="device:draft", name="draft_fill", step=step, start_ns=f0, end_ns=f0 + 2000,
+        tr.add(SpanRecord(track="device:draft", name="fill", step=step, start_ns=f0, end_ns=f0 + 2000,
                           attrs=attrs | {"launch_id": lid_f}))
         t = f0 + 2000 + 50_000  # the next verify is launched after the device went idle
     prof = fit_profile([tr])
-    assert prof.gap_ns("draft_fill") == pytest.approx(300)
+    assert prof.gap_ns("fill") == pytest.approx(300)
     assert prof.op_gap_ns == pytest.approx(300)
     assert prof.gap_ns("verify") == prof.op_gap_ns  # never seen queued: the overall gap
 

@@ -85,10 +85,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             refs[r.request_id].computed = refs[r.request_id].proposer = 0
         b.allocate(batch)
         if batch.is_spec:
-            accepted = np.array([self.rng.randint(0, d) for d in batch.num_draft.tolist()], dtype=np.int64)
-            tokens = np.ones((len(batch), batch.width), dtype=np.int64)
-            out = b.update(batch, VerifyResult(accepted, tokens, batch.num_draft), 0)
-            for r, d, a in zip(batch.requests, batch.num_draft.tolist(), accepted.tolist()):
+            accepted = np.array([self.rng.randint(0, d) for d in batch.draft_lens.tolist()], dtype=np.int64)
+            tokens = np.ones((len(batch), (1 + batch.draft_len)), dtype=np.int64)
+            out = b.update(batch, VerifyResult(accepted, tokens, batch.draft_lens), 0)
+            for r, d, a in zip(batch.requests, batch.draft_lens.tolist(), accepted.tolist()):
                 ref = refs[r.request_id]
                 ref.computed += 1 + a
                 ref.proposer = ref.prompt + ref.output + a + (self.kv_ahead or 0)
@@ -185,7 +185,7 @@ def test_a_handle_keeps_its_counters_after_its_slot_is_reused():
 
 
 def test_the_table_grows_past_its_capacity_and_width():
-    table = SlotTable(1, width=1)
+    table = SlotTable(1, max_draft_len=1)
     reqs = [Request(f"r{i}", [i], SamplingParams(max_tokens=9), 0) for i in range(5)]
     for i, r in enumerate(reqs):
         table.attach(r)
@@ -197,7 +197,7 @@ def test_the_table_grows_past_its_capacity_and_width():
 
 
 def test_detach_many_leaves_what_detaching_one_by_one_leaves():
-    tables = SlotTable(4, width=2), SlotTable(4, width=2)
+    tables = SlotTable(4, max_draft_len=2), SlotTable(4, max_draft_len=2)
     handles = []
     for table in tables:
         reqs = [Request(f"r{i}", [i] * (i + 1), SamplingParams(max_tokens=9), 0) for i in range(6)]

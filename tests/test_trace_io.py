@@ -149,12 +149,12 @@ def test_error_empty_file_and_missing_header(tmp_path):
 
 def test_error_newer_major_version_and_minor_forward_compat(tmp_path):
     path = tmp_path / "run.jsonl"
-    write_lines(path, header_line(format_version="2.0"), SPAN)
+    write_lines(path, header_line(format_version="3.0"), SPAN)
     err = read_error(path)
     assert (err.line, err.field) == (1, "header.format_version")
-    assert str(err).startswith(f"{path}:1: header.format_version: format version 2.0 is newer")
+    assert str(err).startswith(f"{path}:1: header.format_version: format version 3.0 is newer")
     # a newer minor version: unknown fields ignored, unknown record types skipped
-    write_lines(path, header_line(format_version="1.9", new_field=1),
+    write_lines(path, header_line(format_version="2.9", new_field=1),
                 SPAN[:-1] + b',"new_field":[1]}', b'{"type":"gpu_counter","value":3}', SPAN)
     trace = read_trace(path)
     assert len(trace.spans) == 2 and trace.num_skipped == 1
@@ -162,6 +162,19 @@ def test_error_newer_major_version_and_minor_forward_compat(tmp_path):
     write_lines(path, header_line(), SPAN, b'{"type":"gpu_counter","value":3}')
     err = read_error(path)
     assert (err.line, err.field) == (3, "type") and "unknown record type 'gpu_counter'" in str(err)
+
+
+def test_a_format_1_trace_reads_under_the_current_names_and_older_ones_are_refused(tmp_path):
+    path = tmp_path / "run.jsonl"
+    fill = b'{"type":"span","track":"device:draft","name":"draft_fill","step":1,"start_ns":1,"end_ns":2,"attrs":{}}'
+    draft = (b'{"type":"span","track":"device:draft","name":"draft","step":1,"start_ns":1,"end_ns":2,'
+             b'"attrs":{"num_draft":3,"requests":2}}')
+    write_lines(path, header_line(format_version="1.0"), fill, draft, SPAN)
+    spans = read_trace(path).spans
+    assert [s.name for s in spans] == ["fill", "draft", "plan"]
+    assert spans[1].attrs == {"draft_len": 3, "requests": 2}
+    write_lines(path, header_line(format_version="0.9"), SPAN)
+    assert "format version 0.9 is older than this reader supports (1.0 to 2.0)" in str(read_error(path))
 
 
 def test_error_corrupt_line(tmp_path):

@@ -96,7 +96,7 @@ def test_records_parse_strictly_by_type_and_ignore_unknown_fields():
 def test_trace_helpers():
     trace = synthetic_trace(num_requests=2, max_tokens=4, draft_stream="draft")
     assert trace.start_ns() == 0
-    assert trace.end_ns() == max(s.end_ns for s in trace.spans)  # a trailing draft_fill
+    assert trace.end_ns() == max(s.end_ns for s in trace.spans)  # a trailing fill
     assert trace.end_ns() > max(f.finish_ns for f in trace.finishes)
     assert trace.device_tracks() == ["device:draft", "device:main"]
     names = trace.stage_names()
@@ -149,7 +149,7 @@ def test_replay_orders_by_time_known():
     replay(trace, rec)
     kinds = [k for k, _ in rec.calls]
     assert kinds.count("span") == len(trace.spans) and kinds.count("step") == len(trace.steps)
-    assert kinds[0] == "request" and kinds[-2:] == ["finish", "span"]  # then draft_fill
+    assert kinds[0] == "request" and kinds[-2:] == ["finish", "span"]  # then the fill
     # a step is reported after all of its spans that ended before the step did
     first_step = kinds.index("step")
     assert kinds[:first_step].count("span") >= 4

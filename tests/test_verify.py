@@ -62,12 +62,12 @@ def test_greedy_verify_matches_reference_loop(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     b, d, v = 64, 5, 3  # tiny vocabulary: long accepted runs happen often
     draft = torch.randint(0, v, (b, d), generator=gen)
-    num_drafts = torch.randint(0, d + 1, (b,), generator=gen)
+    draft_lens = torch.randint(0, d + 1, (b,), generator=gen)
     logits = torch.randn(b, d + 1, v, generator=gen)
-    result = greedy_verify(draft, num_drafts, logits)
+    result = greedy_verify(draft, draft_lens, logits)
     target_ids = logits.argmax(-1)
     for i in range(b):
-        expected = reference_greedy(draft[i].tolist(), int(num_drafts[i]), target_ids[i].tolist())
+        expected = reference_greedy(draft[i].tolist(), int(draft_lens[i]), target_ids[i].tolist())
         assert result.to_lists()[i] == expected
         assert int(result.num_accepted[i]) == len(expected) - 1
         assert result.output_tokens[i, len(expected):].eq(-1).all()
@@ -86,7 +86,7 @@ def test_greedy_verify_edge_cases() -> None:
 
 
 def test_verify_input_errors() -> None:
-    with pytest.raises(ValueError, match="num_drafts must lie"):
+    with pytest.raises(ValueError, match="draft_lens must lie"):
         greedy_verify_ids(torch.zeros(1, 2, dtype=torch.int64), torch.tensor([3]), torch.zeros(1, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match="target_ids must be"):
         greedy_verify_ids(torch.zeros(1, 2, dtype=torch.int64), torch.tensor([2]), torch.zeros(1, 2, dtype=torch.int64))
@@ -112,13 +112,13 @@ def run_first_token(verifier, p0: torch.Tensor, q0: torch.Tensor | None, draft_t
     return torch.bincount(result.output_tokens[:, 0], minlength=v)
 
 
-def accept_always_verify(draft, num_drafts, draft_probs, target_probs, generators):
+def accept_always_verify(draft, draft_lens, draft_probs, target_probs, generators):
     """WRONG: keeps every draft, so the first token follows q, not p."""
     bonus = target_probs[:, -1].argmax(-1, keepdim=True)
-    return greedy_verify_ids(draft, num_drafts, torch.cat([draft, bonus], 1))
+    return greedy_verify_ids(draft, draft_lens, torch.cat([draft, bonus], 1))
 
 
-def resample_from_p_verify(draft, num_drafts, draft_probs, target_probs, generators):
+def resample_from_p_verify(draft, draft_lens, draft_probs, target_probs, generators):
     """WRONG: correct accept test, but a rejected draft is replaced by a sample from p."""
     p = target_probs[:, 0].gather(1, draft)
     q = torch.ones_like(p) if draft_probs is None else draft_probs[:, 0].gather(1, draft)
@@ -171,10 +171,10 @@ def test_rejection_second_token_conditional_on_first() -> None:
     x1 = torch.multinomial(q0, N, replacement=True)
     x2 = torch.multinomial(q1_table[x1], 1).squeeze(-1)
     draft = torch.stack([x1, x2], 1)
-    num_drafts = torch.randint(1, 3, (N,))
+    draft_lens = torch.randint(1, 3, (N,))
     draft_probs = torch.stack([q0.expand(N, v), q1_table[x1]], 1)
     target = torch.stack([p0.expand(N, v), p1_table[x1], p1_table[x2]], 1)
-    result = rejection_verify(draft, num_drafts, draft_probs, target, [None] * N)
+    result = rejection_verify(draft, draft_lens, draft_probs, target, [None] * N)
     first, second = result.output_tokens[:, 0], result.output_tokens[:, 1]
     assert chi2_pvalue(torch.bincount(first, minlength=v), p0) > 1e-3
     kept = result.num_accepted >= 1
@@ -192,10 +192,10 @@ def test_rejection_with_one_hot_target_is_greedy() -> None:
     one_hot = torch.nn.functional.one_hot(logits.argmax(-1), v).float()
     q = torch.softmax(torch.randn(b, d, v, generator=gen), -1)
     draft = torch.multinomial(q.reshape(-1, v), 1, generator=gen).reshape(b, d)
-    num_drafts = torch.randint(0, d + 1, (b,), generator=gen)
-    expected = greedy_verify(draft, num_drafts, logits)
+    draft_lens = torch.randint(0, d + 1, (b,), generator=gen)
+    expected = greedy_verify(draft, draft_lens, logits)
     for probs in (q, None):
-        got = rejection_verify(draft, num_drafts, probs, one_hot, [None] * b)
+        got = rejection_verify(draft, draft_lens, probs, one_hot, [None] * b)
         assert torch.equal(got.output_tokens, expected.output_tokens)
 
 
@@ -244,10 +244,10 @@ def test_threshold_with_one_hot_target_equals_greedy() -> None:
     gen = torch.Generator().manual_seed(10)
     logits = torch.randn(100, 4, 3, generator=gen)
     draft = torch.randint(0, 3, (100, 3), generator=gen)
-    num_drafts = torch.randint(0, 4, (100,), generator=gen)
+    draft_lens = torch.randint(0, 4, (100,), generator=gen)
     one_hot = torch.nn.functional.one_hot(logits.argmax(-1), 3).float()
-    got = threshold_verify(draft, num_drafts, one_hot, 0.3)
-    assert torch.equal(got.output_tokens, greedy_verify(draft, num_drafts, logits).output_tokens)
+    got = threshold_verify(draft, draft_lens, one_hot, 0.3)
+    assert torch.equal(got.output_tokens, greedy_verify(draft, draft_lens, logits).output_tokens)
 
 
 # --- trees ---------------------------------------------------------------------------
@@ -466,13 +466,13 @@ def test_verifiers_on_cuda_match_cpu() -> None:
     b, d, v = 32, 4, 5
     logits = torch.randn(b, d + 1, v, generator=gen)
     draft = torch.randint(0, v, (b, d), generator=gen)
-    num_drafts = torch.randint(0, d + 1, (b,), generator=gen)
-    cpu = greedy_verify(draft, num_drafts, logits)
-    gpu = greedy_verify(draft.cuda(), num_drafts.cuda(), logits.cuda())
+    draft_lens = torch.randint(0, d + 1, (b,), generator=gen)
+    cpu = greedy_verify(draft, draft_lens, logits)
+    gpu = greedy_verify(draft.cuda(), draft_lens.cuda(), logits.cuda())
     assert torch.equal(gpu.output_tokens.cpu(), cpu.output_tokens)
     one_hot = torch.nn.functional.one_hot(logits.argmax(-1), v).float().cuda()
     gens = [torch.Generator(device="cuda").manual_seed(i) for i in range(b)]
-    sampled = rejection_verify(draft.cuda(), num_drafts.cuda(), None, one_hot, gens)
+    sampled = rejection_verify(draft.cuda(), draft_lens.cuda(), None, one_hot, gens)
     assert torch.equal(sampled.output_tokens.cpu(), cpu.output_tokens)
     tree = greedy_tree_verify(TOKENS.cuda(), PARENTS, logits_for([5, 9, 0, 0, 2, 0, 0]).cuda())
     assert tree.to_lists() == [[5, 9, 2]]

@@ -9,7 +9,7 @@ the service that called the engine. Shape of the export:
   (seconds, named after the semconv metric) and a `first_token` event;
 - one span per scheduler step, `step`, linked (span links) to the request spans of its batch;
 - one span per stage, a child of its step's span: `spec.draft`, `spec.verify`,
-  `spec.accept`, `spec.draft_fill`, `spec.mtp`, and `schedule`, `kv_alloc`, `plan`,
+  `spec.accept`, `spec.fill`, `spec.mtp`, and `schedule`, `kv_alloc`, `plan`,
   `sync`, `output`, ... as recorded; device spans carry `specsched.device.stream`.
 
 Span attributes from the trace are exported as `specsched.<key>`. Trace timestamps are

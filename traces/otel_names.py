@@ -13,7 +13,7 @@ import orjson
 
 from specsched.traces.schema import Header, Trace
 
-SPEC_STAGES = frozenset({"draft", "verify", "accept", "draft_fill", "mtp"})
+SPEC_STAGES = frozenset({"draft", "verify", "accept", "fill", "mtp"})
 OPERATION = "text_completion"
 
 

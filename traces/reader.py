@@ -73,7 +73,9 @@ def _iter_records(name: str, allow_truncated_tail: bool, state: _ReadState) -> I
     with open(name, "rb") as f:
         header = _parse_header(name, f.readline())
         yield header
-        newer_minor = int(header.format_version.split(".")[1]) > FORMAT_MINOR
+        major, minor = (int(p) for p in header.format_version.split("."))
+        newer_minor = major == FORMAT_MAJOR and minor > FORMAT_MINOR
+        renamed = major < FORMAT_MAJOR  # a 1.x trace: spans read under their 2.0 names
         max_agreement_len = header.max_agreement_len
         lifecycles = _Lifecycles(name)
         line_no = 1
@@ -99,6 +101,8 @@ def _iter_records(name: str, allow_truncated_tail: bool, state: _ReadState) -> I
                     state.num_skipped += 1
                     continue
                 raise _validation_error(name, line_no, err) from None
+            if renamed and record.type == "span":
+                record = _renamed(record)
             if record.type == "header":
                 raise TraceFormatError(name, line_no, "type",
                                        "a second header; the header must be the first line only")
@@ -216,15 +220,32 @@ def _parse_header(name: str, raw: bytes) -> Header:
         raise TraceFormatError(name, 1, "header.format_version", f"format version {version} is "
                                f"newer than this reader supports ({FORMAT_VERSION}; same major "
                                "version required); upgrade specsched to read it")
-    if major < FORMAT_MAJOR:
+    if major < OLDEST_MAJOR:
         raise TraceFormatError(name, 1, "header.format_version", f"format version {version} is "
-                               f"older than this reader supports ({FORMAT_VERSION})")
+                               f"older than this reader supports ({OLDEST_MAJOR}.0 to {FORMAT_VERSION})")
     try:
         return Header.model_validate_json(raw)
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         err["loc"] = ("header", *err["loc"])
         raise _validation_error(name, 1, err) from None
+
+
+# format 1.x names -> 2.0: the proposer's fill span, a draft launch's longest draft length
+OLDEST_MAJOR = 1
+_RENAMED_SPANS = {"draft_fill": "fill"}
+_RENAMED_ATTRS = {"num_draft": "draft_len"}
+
+
+def _renamed(span):
+    """A format 1.x span under its 2.0 names."""
+    name = _RENAMED_SPANS.get(span.name, span.name)
+    attrs = span.attrs
+    if not _RENAMED_ATTRS.keys().isdisjoint(attrs):
+        attrs = {_RENAMED_ATTRS.get(k, k): v for k, v in attrs.items()}
+    if name is span.name and attrs is span.attrs:
+        return span
+    return span.model_copy(update={"name": name, "attrs": attrs})
 
 
 def _validation_error(name: str, line_no: int, err: dict[str, Any]) -> TraceFormatError:

@@ -7,7 +7,9 @@ the same fields, the reader validates every line against these models.
 
 Versioning: `FORMAT_VERSION` is "MAJOR.MINOR". A minor bump only adds optional fields or new
 record types; readers ignore unknown fields and skip unknown record types from a newer minor
-version. A major bump is incompatible: a reader rejects a newer major version.
+version. A major bump is incompatible: a reader rejects a newer major version. Format 1.x
+traces are read under 2.0's names (the fill span `draft_fill` is `fill`, a draft's `num_draft`
+attribute `draft_len`; traces/reader.py).
 
 Time: every `*_ns` is an integer on the clock named by `Header.clock` (`monotonic_ns`: the
 system monotonic clock shared by host and device lanes; `virtual_ns`: the simulator's clock).
@@ -25,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationInfo, 
 
 from specsched.traces.names import ProposerName, ScheduleName, schedule_name
 
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "2.0"
 FORMAT_MAJOR, FORMAT_MINOR = (int(p) for p in FORMAT_VERSION.split("."))
 
 Source = Literal["engine", "simulator"]
@@ -45,7 +47,7 @@ RANK_TRACK_PREFIX = "device:rank"
 TRACK_PATTERN = r"^(host|device:[A-Za-z0-9_.\-]+)$"
 # Known stage (span) names in pipeline order; tools list and color stages in this order.
 STAGES = ("schedule", "kv_alloc", "plan", "prefill", "decode", "draft", "mtp", "verify",
-          "accept", "sync", "draft_fill", "output")
+          "accept", "sync", "fill", "output")
 
 # Packages whose versions a header records (looked up without importing them).
 _VERSIONED_PACKAGES = ("specsched", "numpy", "torch", "pydantic", "orjson", "transformers",

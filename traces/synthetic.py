@@ -107,7 +107,7 @@ def drive(tracer: Tracer, *, num_requests: int, max_tokens: int, draft_len: int,
                     launch_id=launch_id)
         fill_start = t + 5 * US
         fill_end = fill_start + 60 * US + 10 * US * sum(accepted)
-        tracer.span(draft_track, "draft_fill", step, fill_start, fill_end, launch_id=launch_id,
+        tracer.span(draft_track, "fill", step, fill_start, fill_end, launch_id=launch_id,
                     accepted=sum(accepted))
         t += out_dur
         tracer.step(step, kind, start, t, active, new_tokens, [state[r]["kv"] for r in active],

@@ -29,7 +29,7 @@ from specsched.traces.schema import HOST_TRACK, Header, SpanRecord, StepRecord, 
 STAGE_COLORS = {
     "schedule": "#4e79a7", "kv_alloc": "#76b7b2", "plan": "#59a14f", "prefill": "#b07aa1",
     "decode": "#9c755f", "draft": "#f28e2b", "mtp": "#edc948", "verify": "#e15759",
-    "accept": "#ff9da7", "sync": "#bab0ac", "draft_fill": "#f1ce63", "output": "#86bcb6",
+    "accept": "#ff9da7", "sync": "#bab0ac", "fill": "#f1ce63", "output": "#86bcb6",
 }
 _EXTRA_COLORS = matplotlib.colormaps["tab20"].colors
 IDLE_COLOR = "#d62728"

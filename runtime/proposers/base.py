@@ -114,17 +114,17 @@ class DraftCollector:
     distributions q they were drawn from, stacked into `SeqState.draft_q` by `finish`."""
 
     def __init__(self, worker: "ModelWorker", slots: list[int], starts: np.ndarray, rows: list["SeqState"],
-                 num_draft: list[int]):
+                 draft_lens: list[int]):
         self.worker = worker
         self.slots = slots
         self.starts = starts
         self.rows = rows
-        self.num_draft = num_draft
+        self.draft_lens = draft_lens
         self.tokens = torch.zeros((len(rows), worker.draft_width), dtype=torch.int64, device=worker.device)
         self.qs: list[list[torch.Tensor]] = [[] for _ in rows]
         self.greedy = all(st.greedy for st in rows)
         # every row drafts as many: each step runs over all rows (`active` None below)
-        self.uniform = len(set(num_draft)) <= 1
+        self.uniform = len(set(draft_lens)) <= 1
 
     def first(self, logits: torch.Tensor) -> None:
         """The first draft token of every row (rows drafting none get no draft) from [B, V]."""
@@ -136,7 +136,7 @@ class DraftCollector:
 
     def active(self, k: int) -> list[int] | None:
         """The rows that draft token k (0-based column): None where every row does."""
-        return None if self.uniform else [i for i, n in enumerate(self.num_draft) if n > k]
+        return None if self.uniform else [i for i, n in enumerate(self.draft_lens) if n > k]
 
     def last(self, active: list[int] | None, k: int) -> torch.Tensor:
         """[len(active)] the rows' draft token k-1 (the input of their k-th draft step)."""
@@ -159,7 +159,7 @@ class DraftCollector:
     def finish(self) -> np.ndarray:
         """Store the drafts in the worker's draft buffer and sampled rows' draft_q [n, V];
         returns the draft counts (what each row was asked for: a model always drafts them)."""
-        counts = [d if d > 0 else 0 for d in self.num_draft]
+        counts = [d if d > 0 else 0 for d in self.draft_lens]
         self.worker.set_drafts(self.slots, self.starts, self.tokens, counts)
         for i, st in enumerate(self.rows):
             st.draft_q = torch.stack(self.qs[i][: counts[i]]) if (self.qs[i] and counts[i] and not st.greedy) else None
@@ -175,7 +175,7 @@ def one_token_forwards(worker: "ModelWorker", msg: "DraftMessage", drafts: Draft
     planned once; otherwise each forward is planned when it runs (a FlashInfer wrapper holds one
     plan at a time), over the rows still drafting."""
     w = worker
-    num_steps = max(drafts.num_draft, default=0) - 1
+    num_steps = max(drafts.draft_lens, default=0) - 1
     if num_steps <= 0:
         return
     kv_first = np.asarray(kv_first, dtype=np.int64)

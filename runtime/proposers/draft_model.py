@@ -34,7 +34,7 @@ class DraftModelProposer(Proposer):
         w = self.worker
         slots = msg.slots.tolist()
         rows = [w.states[s] for s in slots]
-        drafts = DraftCollector(w, slots, msg.start, rows, msg.num_draft.tolist())
+        drafts = DraftCollector(w, slots, msg.start, rows, msg.draft_lens.tolist())
         drafts.first(torch.stack([st.carried for st in rows]))
         # forward j drafts token j + 1 over a KV of start + 2 + j tokens (the last emitted one at start)
         for j, active, step, pos in one_token_forwards(w, msg, drafts, msg.start + 2):

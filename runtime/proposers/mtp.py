@@ -127,7 +127,7 @@ class HeadProposer(Proposer):
         w = self.worker
         slots = msg.slots.tolist()
         rows = [w.states[s] for s in slots]
-        drafts = DraftCollector(w, slots, msg.start, rows, msg.num_draft.tolist())
+        drafts = DraftCollector(w, slots, msg.start, rows, msg.draft_lens.tolist())
         drafts.first(torch.stack([st.carried for st in rows]))
         hidden = torch.stack([st.extra["hidden"] for st in rows])  # [B, H]
         # forward j drafts token j + 2 on its previous hidden state, over a head KV of start + 1 + j
@@ -214,7 +214,7 @@ class EagleProposer(HeadProposer):
             for r, n in enumerate(run):
                 node_hidden[n] = hs[:, r]
                 self._expand(n, logits[:, r], tokens, draw)
-        counts = [t if d > 0 else 0 for d in msg.num_draft.tolist()]
+        counts = [t if d > 0 else 0 for d in msg.draft_lens.tolist()]
         w.set_drafts(slots, msg.start, tokens, counts)
         for i, st in enumerate(rows):
             st.draft_q = None if draw is None or st.greedy else draw.q[i]
@@ -238,7 +238,7 @@ class EagleProposer(HeadProposer):
         TreeVerifyResult."""
         w = self.worker
         b, width = logits.shape[:2]
-        whole = to_device([st.num_drafts == width - 1 for st in rows], w.device)
+        whole = to_device([st.draft_len == width - 1 for st in rows], w.device)
         nodes = torch.where(whole.unsqueeze(-1), drafts, torch.full_like(drafts, -1))  # no tree: nothing to accept
         tokens = torch.cat([last.unsqueeze(-1), nodes], dim=1)
         if all(st.greedy for st in rows):

@@ -111,7 +111,7 @@ class NgramHostDrafter:
         return row.buf[: row.filled]
 
     def draft(self, batch) -> tuple[np.ndarray, np.ndarray]:
-        nd = batch.num_draft.tolist()
+        nd = batch.draft_lens.tolist()
         tokens = np.zeros((len(nd), max(nd, default=0) or 1), dtype=np.int64)
         counts = np.zeros(len(nd), dtype=np.int64)
         find = self.lookup.find_match
