@@ -94,7 +94,7 @@ def _variants() -> dict:
             m = self.costs.models.get("fill")
             if m is not None and view.lag is not None and view.lag.any():
                 rows = view.lag > 0
-                fill = m.ns({"const": 1.0, "requests": float(rows.sum()), "tokens": float(view.lag.sum()),
+                fill = m.model().predict({"const": 1.0, "requests": float(rows.sum()), "tokens": float(view.lag.sum()),
                              "kv_tokens": float(view.computed[rows].sum()),
                              "padded_attn": float(rows.sum() * view.lag.max() * view.computed.max())})
                 for d in range(1, len(use)):

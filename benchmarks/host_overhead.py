@@ -26,10 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_side_by_side_options, side_by_side  # noqa: E402
 
 from specsched.scheduler import messages  # noqa: E402
+
 try:  # noqa: E402
+    from specsched.scheduler import packing
     from specsched.scheduler.scheduler import Scheduler, SchedulerConfig
-except ImportError:  # a checkout from before the Scheduler (--baseline)
+except ImportError:  # the previous release's batch builder, which packed in messages.py (--baseline)
     from specsched.scheduler.batch_builder import BatchBuilder as Scheduler, SchedulerConfig
+    packing = messages
 from specsched.scheduler.block_manager import BlockManager  # noqa: E402
 from specsched.scheduler.proposer import ProposerSpec  # noqa: E402
 from specsched.scheduler.request import Request  # noqa: E402
@@ -58,10 +61,10 @@ def measure(num_requests: int, steps: int, draft_len: int, prompt_len: int = 512
         builder.allocate(batch)
         t2 = time.perf_counter()
         if batch.is_spec:
-            messages.verify_message(batch, blocks, spec)
-            messages.draft_message(batch, blocks, spec)
+            packing.verify_message(batch, blocks, spec)
+            packing.draft_message(batch, blocks, spec)
         else:
-            messages.forward_message(batch, blocks)
+            packing.forward_message(batch, blocks)
         t3 = time.perf_counter()
         book(batch)  # every draft accepted: sequences grow by D + 1
         times["schedule"].append(t1 - t0)

@@ -11,7 +11,7 @@ first come first served while the token budget, the seats and the pool hold them
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -128,94 +128,123 @@ def _running_rows(s: "Scheduler", budget: int) -> tuple[np.ndarray, np.ndarray, 
     return rows, n, pages
 
 
+@dataclass
+class _Rows:
+    """The rows the general path has taken so far, and what is left of the step's budget."""
+
+    budget: int  # tokens
+    reqs: list[Request] = field(default_factory=list)
+    new: list[int] = field(default_factory=list)  # tokens each computes
+    drafts: list[int] = field(default_factory=list)  # tokens each drafts
+    prefill: list[bool] = field(default_factory=list)
+    planned: int = 0  # pages promised to the rows taken
+    preempted: list[Request] = field(default_factory=list)
+
+    def take(self, req: Request, n: int, d: int, pages: int) -> None:
+        self.reqs.append(req)
+        self.new.append(n)
+        self.drafts.append(d)
+        self.prefill.append(req.in_prefill)
+        self.planned += pages
+        self.budget -= n + d
+
+
 def general(s: "Scheduler", vectorized: bool = True) -> StepBatch:
     """Any step: running requests first (whole-array unless someone must be preempted),
     then admission of waiting ones (whole-array, `_admissions`); with `vectorized=False`
     both one request at a time (the reference the whole-array paths are tested against)."""
     cfg = s.config
-    budget = cfg.max_num_batched_tokens
-    reqs: list[Request] = []
-    new_l: list[int] = []
-    draft_l: list[int] = []
-    prefill_l: list[bool] = []
-    preempted: list[Request] = []
+    rows = _Rows(cfg.max_num_batched_tokens)
     t = s.table
     slots = s.running_slots()
     computed = t.computed[slots]
-    prompt = t.prompt_len[slots]
     length = t.num_tokens(slots)
-    in_prefill = (computed < prompt) | (computed < length - 1)  # `Request.in_prefill`
+    in_prefill = (computed < t.prompt_len[slots]) | (computed < length - 1)  # `Request.in_prefill`
     # Speculate only on a decode-only batch: every running request decodes and no waiting
     # one can be admitted (none waits, or every seat is taken).
     decodes_only = (not s.waiting or len(s.running) >= cfg.max_num_seqs) and not in_prefill.any()
     last = s.policy.last
     draft = (cfg.draft_len if last is None else last.draft_len) if decodes_only else 0
-    planned = 0  # pages already promised to earlier seqs this step
-    fast = _running_rows(s, budget) if (vectorized and not draft and s.running) else None
-
-    def need(req: Request, n: int) -> int:
-        # a row's verification computes (and writes KV for) up to 1 + D positions
-        d = draft if n == 1 else 0
-        return s.blocks.pages_needed(req.request_id, s.kv_slots(req.num_computed_tokens + n + d))
-
-    def take(req: Request, n: int, d: int) -> None:
-        reqs.append(req)
-        new_l.append(n)
-        draft_l.append(d)
-        prefill_l.append(req.in_prefill)
-
-    gone: set[int] = set()  # ids of requests preempted in this loop
+    fast = _running_rows(s, rows.budget) if (vectorized and not draft and s.running) else None
     if fast is not None:
-        rows, n, planned = fast
-        running = s.running
-        reqs = [running[i] for i in rows.tolist()]
-        new_l = n.tolist()
-        draft_l = [0] * len(reqs)
-        prefill_l = in_prefill[rows].tolist()
-        budget -= int(n.sum())
-    for req in (list(s.running) if fast is None else ()):
+        taken, n, rows.planned = fast
+        rows.reqs = [s.running[i] for i in taken.tolist()]
+        rows.new = n.tolist()
+        rows.drafts = [0] * len(rows.reqs)
+        rows.prefill = in_prefill[taken].tolist()
+        rows.budget -= int(n.sum())
+    else:
+        _running_one_by_one(s, rows, draft)
+    if s.waiting and not rows.preempted:  # admit waiting requests while budget, seats and pages allow
+        if vectorized:
+            adm, n, pre, rows.budget, rows.planned = _admissions(s, rows.budget, rows.planned, draft)
+            rows.reqs.extend(adm)
+            rows.new.extend(n)
+            rows.drafts.extend([0] * len(adm))
+            rows.prefill.extend(pre)
+        else:
+            _admit_one_by_one(s, rows, draft)
+    if not rows.reqs:
+        return s.empty_batch(rows.preempted)
+    prefill = np.array(rows.prefill, dtype=bool)
+    draft_lens = np.array(rows.drafts, dtype=np.int64)
+    if draft and prefill.any():
+        draft_lens[:] = 0
+    slots = np.fromiter((r.slot for r in rows.reqs), dtype=np.int64, count=len(rows.reqs))
+    return s.make_batch(rows.reqs, slots, s.table.computed[slots], np.array(rows.new, dtype=np.int64),
+                        draft_lens, prefill, rows.preempted, draft)
+
+
+def _pages(s: "Scheduler", req: Request, n: int, draft: int) -> int:
+    """Pages a row computing `n` tokens needs: a decoding row's verification computes (and writes
+    KV for) up to 1 + D positions."""
+    return s.blocks.pages_needed(req.request_id, s.kv_slots(req.num_computed_tokens + n + (draft if n == 1 else 0)))
+
+
+def _running_one_by_one(s: "Scheduler", rows: _Rows, draft: int) -> None:
+    """The running requests one at a time, in order, each taking what is left of the budget;
+    when the pool cannot hold a row, the most recently admitted request is preempted (the
+    row's own request last, and a lone one that does not fit is an error)."""
+    gone: set[int] = set()  # ids of requests preempted here
+    for req in list(s.running):
         if id(req) in gone:
             continue
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        n = min(req.num_tokens - req.num_computed_tokens, rows.budget)
         if n <= 0:
             continue
-        if n == 1 and draft and budget < 1 + draft:
+        if n == 1 and draft and rows.budget < 1 + draft:
             break
-        pages = need(req, n)
-        while pages + planned > s.blocks.num_free_pages and s.running[-1] is not req:
+        pages = _pages(s, req, n, draft)
+        while pages + rows.planned > s.blocks.num_free_pages and s.running[-1] is not req:
             victim = s.running[-1]
             s.preempt(victim)
-            preempted.append(victim)
+            rows.preempted.append(victim)
             gone.add(id(victim))
-        if pages + planned > s.blocks.num_free_pages:
+        if pages + rows.planned > s.blocks.num_free_pages:
             if len(s.running) == 1:
                 raise RuntimeError(
                     f"request {req.request_id} does not fit in the KV pool even alone "
                     f"({pages} pages needed, {s.blocks.num_free_pages} free)"
                 )
             s.preempt(req)
-            preempted.append(req)
+            rows.preempted.append(req)
             gone.add(id(req))
             continue
-        planned += pages
-        take(req, n, min(draft, max(0, req.remaining_tokens - 1)) if n == 1 else 0)
-        budget -= n + (draft if n == 1 else 0)
-        if budget <= 0:
+        d = min(draft, max(0, req.remaining_tokens - 1)) if n == 1 else 0
+        rows.take(req, n, d, pages)
+        rows.budget -= (draft if n == 1 else 0) - d  # the budget counts the whole verify width
+        if rows.budget <= 0:
             break
 
-    # Admit waiting requests (prefill) while budget, seats and pages allow.
-    if vectorized and s.waiting and not preempted:
-        adm, n, pre, budget, planned = _admissions(s, budget, planned, draft)
-        reqs.extend(adm)
-        new_l.extend(n)
-        draft_l.extend([0] * len(adm))
-        prefill_l.extend(pre)
-    while not vectorized and s.waiting and budget > 0 and len(s.running) < cfg.max_num_seqs \
-            and not preempted:
+
+def _admit_one_by_one(s: "Scheduler", rows: _Rows, draft: int) -> None:
+    """Waiting requests admitted one at a time while budget, seats and pages allow (the
+    reference `_admissions` is tested against)."""
+    while s.waiting and rows.budget > 0 and len(s.running) < s.config.max_num_seqs:
         req = s.waiting[0]
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
-        pages = need(req, n)
-        if pages + planned > s.blocks.num_free_pages:
+        n = min(req.num_tokens - req.num_computed_tokens, rows.budget)
+        pages = _pages(s, req, n, draft)
+        if pages + rows.planned > s.blocks.num_free_pages:
             if not s.running:
                 raise RuntimeError(
                     f"request {req.request_id} does not fit in the KV pool even alone "
@@ -223,19 +252,7 @@ def general(s: "Scheduler", vectorized: bool = True) -> StepBatch:
                 )
             break
         s.admit([req])
-        planned += pages
-        take(req, n, 0)
-        budget -= n
-
-    if not reqs:
-        return s.empty_batch(preempted)
-    prefill = np.array(prefill_l, dtype=bool)
-    draft_lens = np.array(draft_l, dtype=np.int64)
-    if draft and prefill.any():
-        draft_lens[:] = 0
-    slots = np.fromiter((r.slot for r in reqs), dtype=np.int64, count=len(reqs))
-    return s.make_batch(reqs, slots, s.table.computed[slots], np.array(new_l, dtype=np.int64),
-                       draft_lens, prefill, preempted, draft)
+        rows.take(req, n, 0, pages)
 
 
 def _admissions(s: "Scheduler", budget: int, planned: int, draft: int

@@ -1,24 +1,70 @@
-"""Device cost models of a step's launches: one non-negative linear model per op, fitted online.
+"""Device cost models of a step's launches: one non-negative linear model per op.
 
-Why: the adaptive draft length prices a step at every D before it runs. Each op's device time
-is linear in its launch shape, over the features the simulator's profiles use
-(scheduler/step_trace.py `launch_features`): a target forward or a fill over (const, tokens,
-requests, kv_tokens, padded_attn) -- decodes and verifies in one target model with a verify's
-extra cost a term of its own --, the draft over (const, draft_steps, draft_forwards,
-kv_tokens) -- rows stop drafting at their own count, and a step's first token comes from logits
-already there. `OnlineModel` fits one from device intervals as they arrive; `StepCosts` prices
-a step's launches with them.
+Why: the adaptive draft length prices a step at every D before it runs, the simulator's
+virtual device prices every launch, `tune` prices the steps of its formula. All of them price
+with one function, `LinearModel`: ns linear in the launch's shape over its op's feature table
+(scheduler/step_trace.py `launch_features`): a target forward or a fill over `OP_FEATURES`
+(const, tokens, requests, kv_tokens, padded_attn), the draft over `DRAFT_FEATURES` (const,
+draft_steps, draft_forwards, kv_tokens) -- rows stop drafting at their own count, and a step's
+first token comes from logits already there. The simulator fits its models in batch from
+traces (simulator/fit.py, `StageModel`); `OnlineModel` fits one from device intervals as
+they arrive, and `StepCosts` prices a decode-only step's launches with them: decodes and
+verifies in one target model, a verify's extra cost a term of its own.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 
-from specsched.scheduler.step_trace import device_span_name, launch_features
+from specsched.scheduler.step_trace import LAUNCH_FEATURES, device_span_name, draft_counts, launch_features
 
 OP_FEATURES = ("const", "tokens", "requests", "kv_tokens", "padded_attn")
 DRAFT_FEATURES = ("const", "draft_steps", "draft_forwards", "kv_tokens")
 TARGET_FEATURES = OP_FEATURES + ("verify",)  # decodes and verifies: one model, a verify's own term
 MIN_SAMPLES = 2  # samples an unseeded model needs before it prices anything
+
+
+@dataclass
+class LinearModel:
+    """A launch's (or host stage's) cost: ns = sum of coef[f] * feature f over its feature table,
+    floored at 0. The one price every reader uses: the adaptive draft length's online models
+    (`OnlineModel.model`), a fitted cost profile's (simulator/costs.py `StageModel`: the virtual
+    device, host costs, `tune`) and fit's error."""
+
+    coef: dict[str, float]  # feature -> ns per unit
+
+    def price(self, attrs: dict, tile: int = 1) -> float:
+        """The cost of a launch of shape `attrs` (its span attributes); `tile` pads the token
+        count up to a multiple (a GPU's matrix instructions)."""
+        c = self.__dict__.get("_c")
+        if c is None:  # the coefficients in LAUNCH_FEATURES order, once (priced per simulated launch)
+            c = self.__dict__["_c"] = tuple(self.coef.get(f, 0.0) for f in LAUNCH_FEATURES)
+        tok = attrs.get("tokens", 0)
+        if tile > 1:
+            tok = math.ceil(tok / tile) * tile
+        total = c[0] + c[1] * tok + c[2] * attrs.get("requests", 0) + c[3] * attrs.get("kv_tokens", 0)
+        if c[4] or c[5] or c[6]:
+            steps, forwards, drafted = draft_counts(attrs)
+            total += c[4] * steps + c[5] * forwards + c[6] * drafted
+        if c[7]:
+            total += c[7] * attrs.get("padded_attn", 0)
+        return total if total > 0.0 else 0.0
+
+    def predict(self, feats: dict[str, float]) -> float:
+        """The cost from features (`launch_features`, or any the coefficients name)."""
+        total = sum(c * feats.get(f, 0.0) for f, c in self.coef.items() if c)
+        return total if total > 0.0 else 0.0
+
+    def price_rows(self, features: tuple[str, ...], x: np.ndarray) -> np.ndarray:
+        """[n] costs of n shapes given as rows of `features` ([n, len(features)]): the same
+        price at many shapes at once (the policy's step at every draft length)."""
+        cache = self.__dict__.setdefault("_rows", {})  # features -> coefficient vector
+        v = cache.get(features)
+        if v is None:
+            v = cache[features] = np.array([self.coef.get(f, 0.0) for f in features])
+        return np.maximum(x @ v, 0.0)
 
 
 class OnlineModel:
@@ -39,6 +85,8 @@ class OnlineModel:
         self.ridge, self.n = ridge, 0
         self.coef = self.prior.copy()
         self._dirty, self._fitted = False, 0
+        self._model: LinearModel | None = None
+        self._model_of: np.ndarray | None = None  # the coefficients `_model` was made of
 
     @property
     def known(self) -> bool:
@@ -77,8 +125,12 @@ class OnlineModel:
             self._fit()
         return self.coef
 
-    def ns(self, feats: dict) -> float:
-        return float(sum(c * feats.get(f, 0.0) for f, c in zip(self.features, self.coefficients())))
+    def model(self) -> LinearModel:
+        """The fit as of now (refitted if due), priced like any other cost model."""
+        coef = self.coefficients()
+        if self._model is None or self._model_of is not coef:
+            self._model, self._model_of = LinearModel(dict(zip(self.features, coef.tolist()))), coef
+        return self._model
 
 
 class StepCosts:
@@ -135,15 +187,15 @@ class StepCosts:
         fwd = np.stack([np.ones_like(d), n + drafted, np.full_like(d, n), kv,
                         n * (1 + d) * (float(computed.max(initial=0)) + 1 + d)], axis=1)
         verify = (d > 0).astype(float)
-        t = np.column_stack([fwd, verify]) @ self.models["target"].coefficients()
+        t = self.models["target"].model().price_rows(TARGET_FEATURES, np.column_stack([fwd, verify]))
         if "draft" in self.models:
             # (const, draft_steps, draft_forwards, kv_tokens)
             feats = np.stack([np.ones_like(d), np.maximum(d - 1, 0), np.maximum(use - 1, 0).sum(axis=1), kv], axis=1)
-            t += verify * (feats @ self.models["draft"].coefficients())
+            t += verify * self.models["draft"].model().price_rows(DRAFT_FEATURES, feats)
         if "fill" in self.models:
             # over the verify window, or the accepted tokens (about half the drafts)
             fill = fwd if self.window_fill else np.column_stack([fwd[:, :1], n + 0.5 * drafted, fwd[:, 2:]])
-            t += verify * (fill @ self.models["fill"].coefficients())
+            t += verify * self.models["fill"].model().price_rows(OP_FEATURES, fill)
         return t
 
     def per_draft_ns(self) -> float:
@@ -153,8 +205,8 @@ class StepCosts:
             m = self.models.get(name)
             if m is None:
                 return 0.0
-            coef = m.coefficients()
-            return sum(float(coef[m.features.index(f)]) for f in feats)
+            coef = m.model().coef
+            return sum(coef[f] for f in feats)
         t = slope("target", "tokens", "kv_tokens") + slope("draft", "draft_forwards")
         return t + (slope("fill", "tokens", "kv_tokens") if self.window_fill else 0.0)
 

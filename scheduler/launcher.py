@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from specsched.scheduler import messages
+from specsched.scheduler import messages, packing
 from specsched.scheduler.draft_policy import PolicyFeed
 from specsched.scheduler.outputs import StepOutput
 from specsched.scheduler.protocols import Clock, Device, DeviceError, OutputSink
@@ -98,7 +98,7 @@ class Launcher:
     def attrs(batch: StepBatch, computed: np.ndarray | None = None) -> dict:
         """The step's shape as span attributes; with `computed` (the rows' computed tokens
         after the step's bookkeeping) the output stage's."""
-        attrs = messages.batch_shape(batch, (1 + batch.draft_len)).attrs()
+        attrs = packing.batch_shape(batch, (1 + batch.draft_len)).attrs()
         if computed is not None:
             attrs["kv_tokens"] = total(computed + batch.num_new + batch.draft_lens)
         return attrs

@@ -148,20 +148,66 @@ def build_plan(
     custom_masks: Sequence[np.ndarray | None] | None = None,
     tree: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> AttentionPlan:
-    """Build the step's attention plan.
-
-    qo_lens[i]: new tokens of sequence i; kv_lens[i]: its KV length including them;
-    page_tables[i]: its page ids (at least ceil(kv_len / page_size) of them; extra pages,
-    e.g. reserved for drafts, are ignored) -- a list per sequence, or one [B, max_pages]
-    array with each row's page count in `table_lens` (the block manager's layout: the plan is
-    then whole-array operations); with `table_rows`, `page_tables` is the whole table and
-    sequence i's pages are its row table_rows[i] (no copy of the rows is made). New tokens occupy KV slots [kv_len - qo_len, kv_len).
+    """The step's attention plan. qo_lens[i]: new tokens of sequence i, which occupy KV slots
+    [kv_len - qo_len, kv_len); kv_lens[i]: its KV length including them; page_tables[i]: its
+    page ids (at least ceil(kv_len / page_size); extra ones, e.g. reserved for drafts, ignored)
+    -- a list per sequence, or one [B, max_pages] array with each row's page count in
+    `table_lens` (the block manager's layout: whole-array operations); with `table_rows`,
+    `page_tables` is the whole table and sequence i's pages are its row table_rows[i] (no copy).
     positions[i] overrides their RoPE positions (trees); custom_masks[i] is a bool
     [qo_len, kv_len] mask (None: causal). `tree` = (offsets [W], mask [W, W]): every
     sequence computes the same token tree of W nodes -- node j at RoPE position
     (kv_len - W) + offsets[j], attending to the whole prefix and to the nodes mask[j] marks --
     built in whole-array operations (a verification of a tree for every row).
     """
+    qo, kv = _checked(qo_lens, kv_lens, page_tables, page_size, table_rows, positions, custom_masks)
+    num_seqs = qo.shape[0]
+    num_pages = (kv + page_size - 1) // page_size
+    indices, kv_indptr = _page_indices(page_tables, table_lens, table_rows, num_pages, kv)
+    qo_indptr = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(qo, out=qo_indptr[1:])
+    last_page_len = kv - (num_pages - 1) * page_size
+
+    pos, slot_mapping = _slot_mapping(qo, kv, qo_indptr, indices, kv_indptr, page_size)
+    mask = None
+    if tree is not None:
+        pos, mask = _tree(tree, qo, kv)
+    if positions is not None:
+        for i, p in enumerate(positions):
+            if p is not None:
+                if len(p) != qo[i]:
+                    raise ValueError(f"sequence {i}: {len(p)} positions for {qo[i]} tokens")
+                pos[qo_indptr[i] : qo_indptr[i + 1]] = p
+    if custom_masks is not None and any(m is not None for m in custom_masks):
+        mask = _custom_masks(custom_masks, qo, kv)
+
+    return AttentionPlan(
+        qo_indptr=qo_indptr.astype(np.int32),
+        paged_kv_indptr=kv_indptr.astype(np.int32),
+        paged_kv_indices=np.asarray(indices, dtype=np.int32),
+        paged_kv_last_page_len=last_page_len.astype(np.int32),
+        kv_lens=kv.astype(np.int32),
+        positions=pos,
+        slot_mapping=slot_mapping,
+        page_size=page_size,
+        custom_mask=mask,
+    )
+
+
+def _slot_mapping(qo, kv, qo_indptr, indices, kv_indptr, page_size) -> tuple[np.ndarray, np.ndarray]:
+    """(logical KV index, physical KV slot) of every new token: its position in its sequence,
+    then through the page table to a slot (a fresh array each: tree positions may overwrite
+    the first)."""
+    seq_of_tok = np.repeat(np.arange(qo.shape[0]), qo)
+    offset_in_seq = np.arange(int(qo_indptr[-1])) - qo_indptr[:-1][seq_of_tok]
+    logical = (kv - qo)[seq_of_tok] + offset_in_seq
+    page_of_tok = indices[kv_indptr[:-1][seq_of_tok] + logical // page_size].astype(np.int64)
+    return logical, page_of_tok * page_size + logical % page_size
+
+
+def _checked(qo_lens, kv_lens, page_tables, page_size, table_rows, positions, custom_masks
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """[B] query and KV lengths as int64; ValueError naming the first argument that does not fit."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     qo = np.asarray(qo_lens, dtype=np.int64).reshape(-1)
@@ -182,7 +228,14 @@ def build_plan(
         raise ValueError(
             f"sequence {i}: qo_len {qo[i]}, kv_len {kv[i]}; need qo_len >= 1 and kv_len >= qo_len"
         )
-    num_pages = (kv + page_size - 1) // page_size
+    return qo, kv
+
+
+def _page_indices(page_tables, table_lens, table_rows, num_pages: np.ndarray, kv: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(every sequence's first num_pages page ids, concatenated; [B + 1] their offsets) from
+    the page tables `build_plan` takes: an array (whole-array) or a list per sequence."""
+    num_seqs = num_pages.shape[0]
     if isinstance(page_tables, np.ndarray):
         lens = np.asarray(table_lens, dtype=np.int64)
         short = np.flatnonzero(lens < num_pages)
@@ -208,63 +261,39 @@ def build_plan(
         indices = np.array(flat, dtype=np.int32)
         kv_indptr = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(num_pages, out=kv_indptr[1:])
-    qo_indptr = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(qo, out=qo_indptr[1:])
-    last_page_len = kv - (num_pages - 1) * page_size
+    return indices, kv_indptr
 
-    # Logical KV index of every new token, then through the page table to a physical slot.
-    total = int(qo_indptr[-1])
-    seq_of_tok = np.repeat(np.arange(num_seqs), qo)
-    offset_in_seq = np.arange(total) - qo_indptr[:-1][seq_of_tok]
-    logical = (kv - qo)[seq_of_tok] + offset_in_seq
-    page_of_tok = indices[kv_indptr[:-1][seq_of_tok] + logical // page_size].astype(np.int64)
-    slot_mapping = page_of_tok * page_size + logical % page_size
 
-    pos = logical  # a fresh array: tree positions may overwrite it
-    mask = None
-    if tree is not None:
-        offsets, tree_mask = np.asarray(tree[0], dtype=np.int64), np.asarray(tree[1], dtype=bool)
-        width = offsets.shape[0]
-        if tree_mask.shape != (width, width) or (qo != width).any():
-            raise ValueError(f"a tree of {width} nodes needs a [{width}, {width}] mask and {width} new "
-                             f"tokens per sequence (mask {tree_mask.shape}, qo_lens {sorted(set(qo.tolist()))})")
-        prefix = kv - width
-        pos = (prefix[:, None] + offsets[None, :]).reshape(-1)
-        # row-major [W, kv_len] per sequence, concatenated: all True, then the tree block
-        sizes = width * kv
-        base = np.cumsum(sizes) - sizes
-        mask = np.ones(int(sizes.sum()), dtype=bool)
-        q = np.arange(width)
-        at = base[:, None, None] + q[None, :, None] * kv[:, None, None] + prefix[:, None, None] + q[None, None, :]
-        mask[at.reshape(-1)] = np.broadcast_to(tree_mask, (num_seqs, width, width)).reshape(-1)
-    if positions is not None:
-        for i, p in enumerate(positions):
-            if p is not None:
-                if len(p) != qo[i]:
-                    raise ValueError(f"sequence {i}: {len(p)} positions for {qo[i]} tokens")
-                pos[qo_indptr[i] : qo_indptr[i + 1]] = p
+def _tree(tree: tuple[np.ndarray, np.ndarray], qo: np.ndarray, kv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, mask) of every sequence computing the same token tree (`build_plan`'s
+    `tree`): node j at (kv_len - W) + offsets[j], attending to the prefix and its mask row."""
+    num_seqs = qo.shape[0]
+    offsets, tree_mask = np.asarray(tree[0], dtype=np.int64), np.asarray(tree[1], dtype=bool)
+    width = offsets.shape[0]
+    if tree_mask.shape != (width, width) or (qo != width).any():
+        raise ValueError(f"a tree of {width} nodes needs a [{width}, {width}] mask and {width} new "
+                         f"tokens per sequence (mask {tree_mask.shape}, qo_lens {sorted(set(qo.tolist()))})")
+    prefix = kv - width
+    pos = (prefix[:, None] + offsets[None, :]).reshape(-1)
+    # row-major [W, kv_len] per sequence, concatenated: all True, then the tree block
+    sizes = width * kv
+    base = np.cumsum(sizes) - sizes
+    mask = np.ones(int(sizes.sum()), dtype=bool)
+    q = np.arange(width)
+    at = base[:, None, None] + q[None, :, None] * kv[:, None, None] + prefix[:, None, None] + q[None, None, :]
+    mask[at.reshape(-1)] = np.broadcast_to(tree_mask, (num_seqs, width, width)).reshape(-1)
+    return pos, mask
 
-    if custom_masks is not None and any(m is not None for m in custom_masks):
-        parts = []
-        for i in range(num_seqs):
-            m = custom_masks[i]
-            q_i, k_i = int(qo[i]), int(kv[i])
-            if m is None:
-                m = np.arange(k_i)[None, :] <= (k_i - q_i + np.arange(q_i))[:, None]
-            m = np.asarray(m, dtype=bool)
-            if m.shape != (q_i, k_i):
-                raise ValueError(f"sequence {i}: custom mask {m.shape}, expected {(q_i, k_i)}")
-            parts.append(m.reshape(-1))
-        mask = np.concatenate(parts)
 
-    return AttentionPlan(
-        qo_indptr=qo_indptr.astype(np.int32),
-        paged_kv_indptr=kv_indptr.astype(np.int32),
-        paged_kv_indices=np.asarray(indices, dtype=np.int32),
-        paged_kv_last_page_len=last_page_len.astype(np.int32),
-        kv_lens=kv.astype(np.int32),
-        positions=pos,
-        slot_mapping=slot_mapping,
-        page_size=page_size,
-        custom_mask=mask,
-    )
+def _custom_masks(custom_masks, qo: np.ndarray, kv: np.ndarray) -> np.ndarray:
+    """Every sequence's [qo_len, kv_len] mask (None: causal), row-major, concatenated."""
+    parts = []
+    for i, m in enumerate(custom_masks):
+        q_i, k_i = int(qo[i]), int(kv[i])
+        if m is None:
+            m = np.arange(k_i)[None, :] <= (k_i - q_i + np.arange(q_i))[:, None]
+        m = np.asarray(m, dtype=bool)
+        if m.shape != (q_i, k_i):
+            raise ValueError(f"sequence {i}: custom mask {m.shape}, expected {(q_i, k_i)}")
+        parts.append(m.reshape(-1))
+    return np.concatenate(parts)

@@ -42,7 +42,7 @@ class StepBatch:
     # step; a plain attribute, as functools.cached_property takes a lock on Python 3.11).
     is_spec: bool = field(init=False)
     kind: str = field(init=False)  # spec / decode / prefill / mixed, as scheduled
-    shape_cache: dict = field(init=False, default_factory=dict)  # `messages.batch_shape`'s sums
+    shape_cache: dict = field(init=False, default_factory=dict)  # `packing.batch_shape`'s sums
     # the pages each row is short of, as scheduling found them (per model), and the block
     # manager's version then: `allocate` reuses them while no pages changed hands
     shortfall: tuple[int, dict[str, np.ndarray]] | None = field(init=False, default=None)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from specsched.scheduler import messages
+from specsched.scheduler import messages, packing
 from specsched.scheduler.launcher import Launcher
 from specsched.scheduler.proposer import ProposerSpec
 from specsched.scheduler.protocols import DeviceError
@@ -76,9 +76,9 @@ class StepOps:
         lazy = self.lazy(batch)
         keep = (self.lazy_fills and spec.kv_ahead == 0
                 and (lazy or bool((t.proposer_computed[slots] < batch.start).any())))
-        msg = messages.forward_message(batch, self.blocks, l.with_plan, keep_hidden=keep)
+        msg = packing.forward_message(batch, self.blocks, l.with_plan, keep_hidden=keep)
         if spec.kv_model is not None and not lazy:
-            fill_msg = messages.prefill_fill_message(batch, self.blocks, spec, t.proposer_computed[slots], l.with_plan)
+            fill_msg = packing.prefill_fill_message(batch, self.blocks, spec, t.proposer_computed[slots], l.with_plan)
         l.host("plan", batch.step, t0, **shape)
         launch = l.launch(l.main, msg)
         launch.t_step = t_step
@@ -148,12 +148,12 @@ class StepOps:
             nd = np.minimum(np.asarray(nd, dtype=np.int64), batch.draft_lens)
             l.host("draft", batch.step, t0, requests=len(batch), tokens=total(nd))
             t0 = l.now()
-            vmsg = messages.verify_message(batch, self.blocks, spec, l.with_plan, draft_lens=nd, drafts=drafts)
+            vmsg = packing.verify_message(batch, self.blocks, spec, l.with_plan, draft_lens=nd, drafts=drafts)
             l.host("plan", batch.step, t0, **shape)
             return SpecPlan(batch, t_step, vmsg, None, None)
-        vmsg = messages.verify_message(batch, self.blocks, spec, l.with_plan)
-        dmsg = messages.draft_message(batch, self.blocks, spec, l.with_plan)
-        fmsg = messages.verify_fill_message(batch, self.blocks, spec, l.with_plan) if spec.fill_same_batch else None
+        vmsg = packing.verify_message(batch, self.blocks, spec, l.with_plan)
+        dmsg = packing.draft_message(batch, self.blocks, spec, l.with_plan)
+        fmsg = packing.verify_fill_message(batch, self.blocks, spec, l.with_plan) if spec.fill_same_batch else None
         l.host("plan", batch.step, t0, **shape)
         return SpecPlan(batch, t_step, vmsg, dmsg, fmsg)
 
@@ -187,7 +187,7 @@ class StepOps:
         draft_lens = np.asarray(result.draft_lens, dtype=np.int64)
         if spec.kv_model is not None and fill is None:
             t0 = l.now()
-            fm = plan.fill if spec.fill_same_batch else messages.accept_fill_message(
+            fm = plan.fill if spec.fill_same_batch else packing.accept_fill_message(
                 batch, t.num_tokens(slots), accepted, t.proposer_computed[slots], self.blocks, spec, l.with_plan)
             self._plan_fill(batch, t0, fm)
             l.aux.wait_event(verify.event)
@@ -216,7 +216,7 @@ class StepOps:
         if not behind.size:
             return
         t0 = l.now()
-        msg = messages.fill_message(batch.step, slots[behind], have[behind], known[behind], self.blocks, self.spec,
+        msg = packing.fill_message(batch.step, slots[behind], have[behind], known[behind], self.blocks, self.spec,
                                     after="catch_up", with_plan=l.with_plan)
         self._plan_fill(batch, t0, msg)
         l.pending_fill = l.launch(l.aux, msg)

@@ -32,14 +32,13 @@ same hardware.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from specsched.scheduler.cost_model import DRAFT_FEATURES, OP_FEATURES
-from specsched.scheduler.step_trace import LAUNCH_FEATURES, draft_counts, launch_features
+from specsched.scheduler.cost_model import DRAFT_FEATURES, OP_FEATURES, LinearModel
+from specsched.scheduler.step_trace import LAUNCH_FEATURES, launch_features
 
 FEATURES = LAUNCH_FEATURES
 SHAPE_FEATURES = FEATURES[:4]  # host stages
@@ -59,39 +58,13 @@ def device_features(op: str) -> tuple[str, ...]:
 
 
 @dataclass
-class StageModel:
-    coef: dict[str, float]  # feature -> ns per unit
-    mape: float  # mean absolute percentage error on the fitting data, percent
-    num_samples: int
-    median_ns: float
+class StageModel(LinearModel):
+    """A fitted stage's cost model (`LinearModel.price`, the policy's too) and its fit's quality."""
+
+    mape: float = 0.0  # mean absolute percentage error on the fitting data, percent
+    num_samples: int = 0
+    median_ns: float = 0.0
     cv: float = 0.0  # relative std of the residuals (noise for replicated replays)
-
-    def predict(self, feats: dict[str, float]) -> float:
-        terms = self.__dict__.get("_terms")
-        if terms is None:  # the non-zero coefficients, once (predict runs per simulated stage)
-            terms = self.__dict__["_terms"] = tuple((k, c) for k, c in self.coef.items() if c)
-        total = 0.0
-        for k, c in terms:
-            total += c * feats.get(k, 0.0)
-        return total if total > 0.0 else 0.0
-
-    def price(self, attrs: dict, tile: int = 1) -> float:
-        """`predict(profile.features(attrs))` without building the features dict: the
-        simulator prices every launch and host stage this way."""
-        c = self.__dict__.get("_c")
-        if c is None:
-            c = self.__dict__["_c"] = tuple(self.coef.get(f, 0.0) for f in FEATURES)
-        tok = attrs.get("tokens", 0)
-        if tile > 1:
-            tok = math.ceil(tok / tile) * tile
-        req = attrs.get("requests", 0)
-        total = c[0] + c[1] * tok + c[2] * req + c[3] * attrs.get("kv_tokens", 0)
-        if c[4] or c[5] or c[6]:
-            steps, forwards, drafted = draft_counts(attrs)
-            total += c[4] * steps + c[5] * forwards + c[6] * drafted
-        if c[7]:
-            total += c[7] * attrs.get("padded_attn", 0)
-        return total if total > 0.0 else 0.0
 
 
 @dataclass

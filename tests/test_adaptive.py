@@ -107,7 +107,7 @@ def test_online_model_recovers_a_linear_cost_and_stays_non_negative():
     for _ in range(200):
         t, r = int(rng.integers(1, 64)), int(rng.integers(1, 8))
         m.add({"const": 1.0, "tokens": t, "requests": r, "kv_tokens": 50 * r}, 2e6 + 3e4 * t)
-    assert m.ns({"const": 1, "tokens": 10, "requests": 2, "kv_tokens": 100}) == pytest.approx(2.3e6, rel=0.01)
+    assert m.model().predict({"const": 1, "tokens": 10, "requests": 2, "kv_tokens": 100}) == pytest.approx(2.3e6, rel=0.01)
     assert (m.coef >= 0).all()
 
 
@@ -117,7 +117,7 @@ def test_the_first_launch_of_each_op_teaches_nothing_on_a_device_where_it_is_col
         costs.observe("verify", {"requests": 1, "tokens": 2, "kv_tokens": 10}, int(5e7))  # one-off costs
         for n in (1, 2, 3):
             costs.observe("verify", {"requests": n, "tokens": 2 * n, "kv_tokens": 10 * n}, int(1e6 + 1e5 * n))
-        priced = costs.models["target"].ns({"const": 1, "requests": 1, "tokens": 2, "kv_tokens": 10, "verify": 1})
+        priced = costs.models["target"].model().predict({"const": 1, "requests": 1, "tokens": 2, "kv_tokens": 10, "verify": 1})
         assert (priced == pytest.approx(1.1e6, rel=0.01)) is cold
 
 

@@ -13,7 +13,7 @@ from specsched.runtime.tokenizer import Tokenizer
 from specsched.runtime.training.mtp_eval import run_requests
 from specsched.runtime.worker import ModelWorker
 from specsched.runtime.workload import load_workload
-from specsched.scheduler import messages, wiring
+from specsched.scheduler import packing, wiring
 from specsched.scheduler.proposer import ProposerSpec
 from specsched.scheduler.sampling_params import SamplingParams
 from tests.window_fills import record_window_fills
@@ -70,13 +70,13 @@ def test_the_window_fill_message_covers_the_verified_positions_one_ahead():
                       np.zeros(2, dtype=bool), np.zeros(2, dtype=np.int64), [], 1 + D)
     for kind, ahead in (("draft", 1), ("mtp", 0)):  # a draft model reads the emitted tokens, a head the verified
         spec = wiring.proposer_spec(kind, D, schedule="eager_fill")
-        msg = messages.verify_fill_message(batch, BlockManager(64, 4, ("target", kind)), spec, with_plan=False)
+        msg = packing.verify_fill_message(batch, BlockManager(64, 4, ("target", kind)), spec, with_plan=False)
         assert msg.window and msg.after == "verify"
         assert msg.start.tolist() == (start + ahead).tolist()
         assert msg.end.tolist() == (start + ahead + 1 + nd).tolist()
     # a tree: the root and a position per depth where the row drafted its tree, the root alone where not
     spec = wiring.proposer_spec("eagle", D, schedule="eager_fill")
     batch.draft_lens = np.array([spec.num_candidates, 0])
-    msg = messages.verify_fill_message(batch, BlockManager(64, 4, ("target", "mtp")), spec, with_plan=False)
+    msg = packing.verify_fill_message(batch, BlockManager(64, 4, ("target", "mtp")), spec, with_plan=False)
     assert msg.window and msg.start.tolist() == start.tolist()
     assert msg.end.tolist() == (start + 1 + np.array([spec.max_accept, 0])).tolist()

@@ -12,7 +12,7 @@ from specsched.runtime.verify import greedy_verify
 from specsched.runtime.worker import ModelWorker
 from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.step_batch import StepBatch
-from specsched.scheduler.messages import verify_message
+from specsched.scheduler.packing import verify_message
 from specsched.scheduler.plan import build_plan
 from specsched.scheduler.proposer import ProposerSpec, default_tree
 from specsched.scheduler.request import Request

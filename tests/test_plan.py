@@ -323,7 +323,7 @@ def test_attention_groups_of_few_rows_and_of_many_are_the_same_rule(qo: list[int
 def test_padded_attention_is_each_groups_rows_times_its_longest_query_and_kv(rows: list[tuple[int, int]]) -> None:
     """The whole-array padded attention (what a launch's cost model reads at many rows) is the
     sum over `attention_groups` of rows x longest query x longest KV."""
-    from specsched.scheduler.messages import _padded
+    from specsched.scheduler.packing import _padded
     from specsched.scheduler.plan import attention_groups, padded_attention
 
     qo = np.array([q for q, _ in rows], dtype=np.int64)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specsched.scheduler import batching, messages
+from specsched.scheduler import batching, packing
 from specsched.scheduler.messages import ForwardResult, VerifyResult
 from specsched.scheduler.scheduler import Scheduler, SchedulerConfig
 from specsched.scheduler.step_batch import StepBatch
@@ -202,10 +202,10 @@ def check_messages(b: Scheduler, batch: StepBatch) -> None:
     if not len(batch):
         return
     if batch.is_spec:
-        msg = messages.verify_message(batch, b.blocks, spec_of(b.config))
-        messages.draft_message(batch, b.blocks, spec_of(b.config))
+        msg = packing.verify_message(batch, b.blocks, spec_of(b.config))
+        packing.draft_message(batch, b.blocks, spec_of(b.config))
     else:
-        msg = messages.forward_message(batch, b.blocks)
+        msg = packing.forward_message(batch, b.blocks)
     slots = msg.plan.slot_mapping.tolist()
     assert len(slots) == len(set(slots))
 
@@ -344,7 +344,7 @@ def test_spec_rows_reserve_the_whole_verify_width() -> None:
     b.allocate(batch)
     for s in rows(batch):
         assert b.blocks.num_slots(s.request.request_id) >= s.request.num_computed_tokens + 1 + 3
-    msg = messages.verify_message(batch, b.blocks, ProposerSpec("ngram", 3))
+    msg = packing.verify_message(batch, b.blocks, ProposerSpec("ngram", 3))
     assert list(msg.plan.qo_indptr) == [0, 4, 5]
     assert list(msg.plan.kv_lens) == [s.request.num_computed_tokens + 1 + s.draft_lens for s in rows(batch)]
     assert msg.shape.tokens == 5
@@ -473,6 +473,42 @@ def test_remove_frees_pages_and_dequeues() -> None:
     assert out.finished == [a, w] and all(r.finish_reason == "abort" and r.finish_ns == 7 for r in out.finished)
     assert not b.has_work and b.blocks.num_free_pages == b.blocks.num_pages
     assert not b.abort("a")
+
+
+@pytest.mark.parametrize("n", [5, 12])  # a handful of rows one by one; many whole-array
+def test_update_cuts_at_eos_and_max_tokens_and_ends_aborts_and_stops(n: int) -> None:
+    """One decode step's result: a row that samples EOS finishes "stop" with it, one at
+    max_tokens "length", an abort asked for while the step was in flight ends it without its
+    tokens, a stop string's cut keeps the first tokens; the rest get their token. Every finished
+    request's pages and slot are freed; the sink's tokens are exactly what each kept."""
+    eos = 2
+    b = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256), BlockManager(256, 4),
+                  eos_token_ids=(eos,))
+    reqs = [Request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=2 if i == 1 else 8), 0) for i in range(n)]
+    for r in reqs:
+        b.add(r)
+    prefill = b.schedule()
+    b.allocate(prefill)
+    b.launched(prefill, fills=False)
+    first = b.update(prefill, ForwardResult(np.full(n, 9, dtype=np.int64)), 10)
+    assert first.counts == [1] * n and first.finished == [] and [r.first_token_ns for r in reqs] == [10] * n
+    step = b.schedule()
+    b.allocate(step)
+    b.launched(step, fills=False)
+    assert b.abort("r2") and b.stop("r0", 0)  # asked while the step is in flight
+    sampled = np.full(n, 11, dtype=np.int64)
+    sampled[3] = eos
+    out = b.update(step, ForwardResult(sampled), 20)
+    want = {"r0": "stop", "r1": "length", "r2": "abort", "r3": "stop"}
+    assert {r.request_id: r.finish_reason for r in out.finished} == want
+    assert reqs[0].output_token_ids == [] and reqs[1].output_token_ids == [9, 11]
+    assert reqs[2].output_token_ids == [9] and reqs[3].output_token_ids == [9, eos]
+    assert out.counts == [0, 1, 0, 1] + [1] * (n - 4)
+    assert sorted((r.request_id, t) for r, t in out.tokens) == \
+        sorted([("r1", [11]), ("r3", [eos])] + [(r.request_id, [11]) for r in reqs[4:]])
+    assert all(r.finish_ns == 20 and b.blocks.page_table(r.request_id) == [] for r in out.finished)
+    assert sorted(b.requests) == sorted(r.request_id for r in reqs[4:])
+    assert b.finish_marked(None, 30).finished == []  # nothing asked for is left
 
 
 # -- randomized end-to-end ---------------------------------------------------------------------------

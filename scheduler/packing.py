@@ -1,0 +1,208 @@
+"""Packing a scheduled step into its device messages (scheduler/messages.py): each op's rows,
+positions, launch shape and attention plan, from the `StepBatch` and the block manager's page
+tables.
+
+Why a module of its own: the message types are what every reader of a launch imports (the
+worker, the proposers, the paced worker, the virtual device); how a step becomes those
+messages is the pipeline's step primitives' (scheduler/step_ops.py) alone.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from specsched.scheduler.block_manager import BlockManager
+from specsched.scheduler.messages import (DraftMessage, FillMessage, ForwardMessage, LaunchShape, Registration,
+                                          VerifyMessage)
+from specsched.scheduler.plan import build_plan, length_class, padded_attention
+from specsched.scheduler.proposer import ProposerSpec
+from specsched.scheduler.small_arrays import largest, smallest, total
+from specsched.scheduler.step_batch import StepBatch
+
+
+def shape(qo_lens: np.ndarray, kv_lens: np.ndarray, **extra: Any) -> LaunchShape:
+    """A launch's shape from its rows' computed and KV tokens."""
+    n = len(qo_lens)
+    return LaunchShape(n, total(qo_lens), total(kv_lens), padded_attn=_padded(n, qo_lens, kv_lens), **extra)
+
+
+def _padded(n: int, qo_lens: np.ndarray | int, kv_lens: np.ndarray) -> int:
+    """`LaunchShape.padded_attn` of rows computing `qo_lens` tokens (an int: every row) with KV
+    `kv_lens`: the rows padded to the longest query and KV of the group the torch backend attends
+    them in (`plan.attention_groups`: one-token rows apart, longer ones by length class)."""
+    if not n:
+        return 0
+    if isinstance(qo_lens, int):
+        return n * qo_lens * largest(kv_lens)
+    q = largest(qo_lens)
+    if q > 1 and n > 1 and length_class(smallest(qo_lens)) != length_class(q):  # groups attended apart
+        return padded_attention(qo_lens, kv_lens)
+    return n * q * largest(kv_lens)
+
+
+def batch_shape(batch: StepBatch, row_tokens: int = 0, **extra: Any) -> LaunchShape:
+    """Shape of a step for traces and cost models: requests, tokens, KV tokens. With a `width`
+    a speculative step counts that many tokens per row (a tree's verify: 1 + its nodes; the
+    schedule's token budget: 1 + D); without, each row's own (1 + its drafts)."""
+    cache = batch.shape_cache  # asked for by several stages of the step
+    if not extra:
+        got = cache.get(row_tokens)
+        if got is not None:
+            return got
+    n = len(batch)
+    spec = row_tokens and batch.is_spec
+    tokens = n * row_tokens if spec else batch.num_tokens
+    kv = cache.get("kv_tokens")
+    if kv is None:
+        ends = cache["ends"] = batch.start + batch.num_new + batch.draft_lens
+        kv = cache["kv_tokens"] = total(ends)
+    padded = _padded(n, row_tokens if spec else batch.num_new + batch.draft_lens, cache["ends"])
+    if extra:
+        return LaunchShape(n, tokens, kv, padded_attn=padded, **extra)
+    got = cache[row_tokens] = LaunchShape(n, tokens, kv, padded_attn=padded)
+    return got
+
+
+def _tables(blocks: BlockManager, slots: np.ndarray, model: str = "target") -> dict:
+    """The rows' page tables as the plan takes them: the model's whole table, the rows in
+    it and their page counts (the plan gathers the pages it needs, nothing more)."""
+    table, counts = blocks.table_of(model)
+    return {"page_tables": table, "table_rows": slots, "table_lens": counts[slots]}
+
+
+def registrations(batch: StepBatch) -> tuple[Registration, ...]:
+    """Rows the device has no state for yet (nothing computed): prefill rows only."""
+    out = []
+    for i in (batch.start == 0).nonzero()[0].tolist():
+        r = batch.requests[i]
+        p = r.params
+        out.append(Registration(r.slot, r.all_token_ids, p.temperature, p.top_k, p.top_p, p.seed))
+    return tuple(out)
+
+
+def forward_message(batch: StepBatch, blocks: BlockManager, with_plan: bool = True,
+                    keep_hidden: bool = False) -> ForwardMessage:
+    ends = batch.start + batch.num_new
+    plan = build_plan(batch.num_new, ends, page_size=blocks.page_size,
+                      **_tables(blocks, batch.slots)) if with_plan else None
+    return ForwardMessage(step=batch.step, slots=batch.slots, shape=batch_shape(batch, kind=batch.kind),
+                          start=batch.start, num_new=batch.num_new, samples=batch.samples,
+                          register=registrations(batch), plan=plan, keep_hidden=keep_hidden)
+
+
+def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
+                   with_plan: bool = True, draft_lens: np.ndarray | None = None,
+                   drafts: np.ndarray | None = None) -> VerifyMessage:
+    """Target over each row's last token and its candidates: 1 + the row's drafts (`draft_lens`,
+    default the batch's: what it was asked to draft) -- a row that drafts less computes less
+    -- or, for a tree, 1 + its nodes in every row. `drafts`: the draft tokens, where the host
+    made them."""
+    nd = batch.draft_lens if draft_lens is None else draft_lens
+    start = batch.start
+    n = len(batch)
+    if spec.is_tree:
+        qo = np.full(n, 1 + spec.num_candidates)
+        shape_ = batch_shape(batch, 1 + spec.num_candidates)
+    else:
+        qo = 1 + nd
+        shape_ = batch_shape(batch) if draft_lens is None else shape(qo, start + qo)
+    plan = None
+    if with_plan:
+        # a tree: node j at the last token's position + its depth, the root the last token
+        tree = (np.concatenate([[0], spec.tree_depths()]), spec.tree_mask()) if spec.is_tree else None
+        plan = build_plan(qo, start + qo, page_size=blocks.page_size, **_tables(blocks, batch.slots), tree=tree)
+    return VerifyMessage(step=batch.step, slots=batch.slots, shape=shape_, start=start, draft_lens=nd, plan=plan,
+                         drafts=drafts)
+
+
+def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
+                  with_plan: bool = True) -> DraftMessage:
+    """The proposer's D steps in one launch; the device derives per-step plans from the
+    page tables (multi-step work that belongs together is one launch). Without plans (a
+    device that only models time) no page tables are sent."""
+    nd = batch.draft_lens
+    s = batch_shape(batch, (1 + batch.draft_len))
+    shape_ = LaunchShape(s.requests, s.tokens, s.kv_tokens, draft_len=largest(nd) if nd.size else 0,
+                         draft_tokens=total(nd), draft_forwards=total(np.maximum(nd - 1, 0)))
+    tables = counts = None
+    if spec.kv_model is not None and with_plan:
+        tables, counts = blocks.tables(spec.kv_model, batch.slots)
+    return DraftMessage(step=batch.step, slots=batch.slots, shape=shape_, start=batch.start, draft_lens=nd,
+                        page_size=blocks.page_size, page_tables=tables, table_lens=counts)
+
+
+def fill_message(step: int, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                 blocks: BlockManager, spec: ProposerSpec, *, after: str,
+                 with_plan: bool = True, window: bool = False) -> FillMessage:
+    """Proposer KV fill over positions [starts[i], ends[i]) of each row.
+
+    after="forward"/"verify": a head (MTP) consumes the target hidden states of that launch,
+    so its rows and positions equal the target batch's; a draft model only needs tokens.
+    """
+    assert spec.kv_model is not None
+    lens = ends - starts
+    plan = build_plan(lens, ends, page_size=blocks.page_size,
+                      **_tables(blocks, slots, spec.kv_model)) if with_plan else None
+    return FillMessage(step=step, slots=slots, shape=shape(lens, ends, after=after), after=after,
+                       start=starts, end=ends, plan=plan, window=window)
+
+
+def prefill_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
+                         proposer_computed: np.ndarray, with_plan: bool = True) -> FillMessage | None:
+    """The proposer's fill after a forward step (None if no row needs one); computed from the
+    step's rows as scheduled. A head (or EAGLE) fills the target's new positions, and a row it
+    is behind on (its fills waited, `ProposerRules.lazy_fill`) from what it has read: then the
+    whole fill reads the hidden states the device kept (after="catch_up"; the forward must keep
+    its own, `forward_message(keep_hidden=True)`). A draft model catches up from what it has
+    seen (`proposer_computed`, [B]) to the new last token (including a sampled one: its KV runs
+    one token ahead of the target's)."""
+    after = "forward"
+    if spec.kv_ahead == 0:  # a head: the target's new positions, and any it missed before them
+        a, b = np.minimum(proposer_computed, batch.start), batch.start + batch.num_new
+        if (a < batch.start).any():
+            after = "catch_up"
+    else:  # a model of its own: from what it has read up to the sampled token
+        a = proposer_computed
+        b = batch.start + batch.num_new + spec.kv_ahead * batch.samples
+    rows = (b > a).nonzero()[0]
+    if not rows.size:
+        return None
+    if rows.size < len(batch):
+        return fill_message(batch.step, batch.slots[rows], a[rows], b[rows], blocks, spec,
+                            after=after, with_plan=with_plan)
+    return fill_message(batch.step, batch.slots, a, b, blocks, spec, after=after, with_plan=with_plan)
+
+
+def verify_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
+                        with_plan: bool = True) -> FillMessage:
+    """The proposer's fill over the verify window, packed before acceptance (`FillMessage.window`):
+    an MTP head's over exactly the verify batch's positions (it consumes the target's hidden
+    states of that launch), a draft model's over those positions one ahead (it reads the tokens
+    the verify emits there: accepted drafts, then the bonus or recovered token), a tree's over
+    the root and one position per depth (the verify compacts the accepted path there; a row
+    that drafted no tree accepts nothing: its root alone)."""
+    start = batch.start + spec.kv_ahead
+    if spec.is_tree:  # a row asked for any drafts drafts its whole tree (the worker's EagleProposer)
+        span = np.where(batch.draft_lens > 0, spec.max_accept, 0)
+    else:
+        span = batch.draft_lens
+    return fill_message(batch.step, batch.slots, start, start + 1 + span, blocks, spec,
+                        after="verify", with_plan=with_plan, window=True)
+
+
+def accept_fill_message(batch: StepBatch, starts_before: np.ndarray, accepted: np.ndarray,
+                        proposer_computed: np.ndarray, blocks: BlockManager, spec: ProposerSpec,
+                        with_plan: bool = True) -> FillMessage:
+    """The proposer's fill after a verification whose accepted lengths the host now knows.
+    `starts_before[i]` is row i's token count before the step, `proposer_computed[i]` its
+    proposer KV length then. Positions the proposer already wrote while drafting stay valid
+    up to the first rejection; the fill covers the rest of the accepted tokens (and, for a
+    draft model, the bonus token)."""
+    end = starts_before + accepted
+    if spec.is_tree:  # a tree's accepted path is compacted in place: rewritten from the last token
+        valid = starts_before - 1
+    else:
+        valid = proposer_computed + np.minimum(accepted, np.maximum(batch.draft_lens - 1, 0))
+    return fill_message(batch.step, batch.slots, np.minimum(valid, end), end + spec.kv_ahead, blocks,
+                        spec, after="verify", with_plan=with_plan)
