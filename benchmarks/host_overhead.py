@@ -45,7 +45,7 @@ def measure(num_requests: int, steps: int, draft_len: int, prompt_len: int = 512
                           ("target", "draft") if draft_len else ("target",))
     config = SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=1 << 20,
                              draft_len=draft_len, proposer_model="draft" if draft_len else None)
-    builder = Scheduler(config, blocks, keep_ids=False) if hasattr(Scheduler, "update") else Scheduler(config, blocks)
+    builder = Scheduler(config, blocks)  # token ids kept, as the engine keeps them
     params = SamplingParams(max_tokens=steps * (draft_len + 1) + 8, ignore_eos=True)
     for i in range(num_requests):
         builder.add(Request(f"r{i}", list(range(prompt_len)), params, arrival_ns=0))
@@ -97,21 +97,33 @@ def _bookkeeping(builder, spec):
         run.seconds = time.perf_counter() - t0
 
     def arrays(batch):
+        # the previous release: the batch builder's bookkeeping and the pipeline's output stage
         t0 = time.perf_counter()
         if batch.is_spec:
             accepted = batch.num_draft
             before = builder.advance_verify(batch, accepted)
             builder.record_verify(batch, before, accepted, batch.num_draft, spec.kv_ahead)
-            for r, d in zip(batch.requests, batch.num_draft.tolist()):
-                r.extend_output([1] * (1 + d))
+            n = len(batch)
+            output._output(batch, np.arange(n), np.ones((n, 1 + int(accepted.max())), dtype=np.int64), accepted + 1)
             builder.trim_rejected(batch)
-            run.seconds = time.perf_counter() - t0
         else:
             builder.advance_forward(batch, kv_ahead)
             builder.complete_forward(batch)
-            for r in batch.requests:
-                r.extend_output([1])
-            run.seconds = time.perf_counter() - t0
+            rows = batch.samples.nonzero()[0]
+            output._output(batch, rows, np.ones((len(rows), 1), dtype=np.int64))
+        run.seconds = time.perf_counter() - t0
+
+    if not hasattr(builder, "update"):
+        from specsched.scheduler.output_stage import OutputStage
+
+        class Output(OutputStage):  # the pipeline's state the output stage reads
+            table, keep_ids, eos, _aborts, _now = builder.table, True, set(), set(), staticmethod(lambda: 0)
+            sink = type("Sink", (), {"on_tokens": staticmethod(lambda r, t: None)})()
+
+            def _finish_many(self, reqs, reason):
+                builder.remove_many(reqs)
+
+        output = Output()
 
     run = update if hasattr(builder, "update") else arrays
     run.seconds = 0.0

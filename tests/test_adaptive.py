@@ -281,7 +281,7 @@ def test_a_drafting_step_short_of_pages_preempts_no_request_in_flight(monkeypatc
     plain = run_requests(ModelWorker(str(bundled.target_dir()), {"kind": "none", "draft_len": 0}, num_pages=256),
                          prompts, params)
     # pages of 4 tokens: a drafting step's row may take 2 pages in each of the two tables
-    # (a guard of one page a row let this run preempt a request in flight)
+    # (a guard of one page a row would let this run preempt a request in flight)
     worker = ModelWorker(str(bundled.target_dir()), {"kind": "draft", "draft_len": 3},
                          proposer_dir=str(bundled.draft_dir()), num_pages=256, page_size=4)
     got = run_requests(worker, prompts, params, schedule="overlap", policy=_two_plain_then_one_drafting(),
