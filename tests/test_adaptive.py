@@ -217,24 +217,9 @@ def test_plain_steps_run_one_ahead_and_rows_finishing_in_flight_leave_the_next_d
     from specsched.runtime import bundled
     from specsched.runtime.training.mtp_eval import run_requests
     from specsched.runtime.worker import ModelWorker
-    from specsched.scheduler import pipeline
     from specsched.scheduler.sampling_params import SamplingParams
-    from specsched.scheduler.step_ops import StepOps
+    from specsched.traces import Header, MemoryRecorder
 
-    ahead, dropped = [], []
-    run_ahead, without = StepOps.run_ahead, pipeline.without_finished
-
-    async def launched_ahead(self, batch, launch):
-        ahead.append(self.l.inflight is not None)  # the step before is still in flight
-        await run_ahead(self, batch, launch)
-
-    def counted(batch, table):
-        out = without(batch, table)
-        dropped.append(len(batch) - len(out))
-        return out
-
-    monkeypatch.setattr(StepOps, "run_ahead", launched_ahead)
-    monkeypatch.setattr(pipeline, "without_finished", counted)
     # one of 3, 4 and 5 tokens ends on the second plain step, before anything was drafted (so
     # whatever the proposer accepts), while the first drafting step waits for it
     prompts = [[(13 * i + j) % 450 + 4 for j in range(8 + 3 * i)] for i in range(9)]
@@ -246,13 +231,27 @@ def test_plain_steps_run_one_ahead_and_rows_finishing_in_flight_leave_the_next_d
     worker = ModelWorker(str(bundled.target_dir()), {"kind": kind, "draft_len": 3},
                          proposer_dir=str(pdir) if pdir else None, num_pages=256)
     pipes: list = []
+    rec = MemoryRecorder(Header.create(source="engine", clock="monotonic_ns", model="bundled", proposer=kind,
+                                       schedule=schedule, draft_len=3, device={"kind": "host", "name": "host"}))
     got = run_requests(worker, prompts, params, schedule=schedule, policy=_two_plain_then_one_drafting(),
-                       pipelines=pipes)
+                       pipelines=pipes, tracer=rec)
     assert [r.output_token_ids for r in got] == [r.output_token_ids for r in plain]
     assert [len(r.output_token_ids) for r in got] == lengths
     assert any(r.num_drafts for r in got)
-    assert sum(ahead) >= 5  # plain steps launched with the one before still in flight
-    assert sum(dropped) >= 1  # a request finished on the tokens a drafting step waited for
+    trace = rec.to_trace()
+    host = {}
+    for sp in trace.spans:
+        if sp.track == "host" and sp.name in ("schedule", "kv_alloc", "output") or sp.name == "launch":
+            host.setdefault((sp.name, sp.step, sp.attrs.get("op")), sp)
+    # plain steps launched with the one before still in flight: its output comes after their launch
+    ahead = [k for (name, k, op), sp in host.items() if name == "launch" and op == "forward"
+             and ("output", k - 1, None) in host and host[("output", k - 1, None)].start_ns >= sp.end_ns]
+    assert len(ahead) >= 5
+    # a drafting step waits for the step in flight: a request finishing on its tokens does so
+    # after the drafting step was scheduled and before it holds pages
+    spec_steps = [st.step for st in trace.steps if st.kind == "spec"]
+    assert any(host[("schedule", k, None)].end_ns <= f.finish_ns <= host[("kv_alloc", k, None)].start_ns
+               for k in spec_steps for f in trace.finishes)
     assert pipes[0].blocks.num_used_pages == 0
 
 

@@ -101,7 +101,7 @@ def run_requests(worker, prompts: list[list[int]], params: SamplingParams | list
                  schedule: str | None = None, num_pages: int = 512, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, adaptive: bool = False,
                  pipelines: list | None = None, max_kept_tokens: int = MAX_KEPT_TOKENS,
-                 policy=None) -> list[Request]:
+                 policy=None, tracer=None) -> list[Request]:
     """Serve `prompts` (token ids) to completion through a Pipeline on an InlineDevice running
     `worker` (a ModelWorker whose proposer defines the spec); returns the finished requests
     in prompt order. `params`: one for every request, or one per prompt. `num_pages` must not
@@ -109,7 +109,8 @@ def run_requests(worker, prompts: list[list[int]], params: SamplingParams | list
     length (scheduler/adaptive.py); `pipelines`:
     a list the pipeline is appended to (to inspect it after the run); `max_kept_tokens`:
     `PipelineConfig.max_kept_tokens`; `policy`: a `DraftPolicy` of the caller's
-    (scheduler/draft_policy.py) choosing each step's D up to the worker's draft length."""
+    (scheduler/draft_policy.py) choosing each step's D up to the worker's draft length; `tracer`:
+    one recording the run (traces/hook.py)."""
     spec = worker.spec
     sink = _Sink()
     per = params if isinstance(params, list) else [params] * len(prompts)
@@ -120,7 +121,8 @@ def run_requests(worker, prompts: list[list[int]], params: SamplingParams | list
                           page_size=worker.page_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, device=InlineDevice(worker),
                           clock=MonotonicClock(), sink=sink, eos_token_ids=eos, adaptive=adaptive, policy=policy,
-                          drafter=host_drafter(spec, *worker.ngram), max_kept_tokens=max_kept_tokens)
+                          drafter=host_drafter(spec, *worker.ngram), max_kept_tokens=max_kept_tokens,
+                          **({} if tracer is None else {"tracer": tracer}))
     sink.expected = len(prompts)
     if pipelines is not None:
         pipelines.append(pipe)
