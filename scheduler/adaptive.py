@@ -22,9 +22,8 @@ failing stops costing the batch.
   highest, the best one aside, with every acceptance read one standard error up -- so a stale
   estimate cannot keep speculation off, or short, for ever.
 
-Host time the schedule does not hide and a lazy proposer's catch-up fill are not priced: in the
-simulator's scenarios neither gained 1% (benchmarks/RESULTS.md, "Adaptive draft length").
-The state (`state`, the JSON a trace's header carries) is versioned (`STATE_FORMAT`).
+Unhidden host time and a lazy proposer's catch-up fill are not priced: neither gained 1% in the
+simulator's scenarios (benchmarks/RESULTS.md). The state a trace's header carries is versioned.
 """
 from __future__ import annotations
 
@@ -37,13 +36,12 @@ STATE_FORMAT = 3  # `AdaptivePolicy.state`'s layout (format 1: the policy of ear
 
 
 def current_state(state: dict) -> dict | None:
-    """A saved state in this release's layout: format 2 named the fill's cost model
-    `draft_fill`; None for format 1 (another policy) or an unknown format."""
-    fmt = state.get("format", 1)
-    if fmt == 2:
+    """A saved state in this release's layout (format 2 named the fill's model `draft_fill`);
+    None for another format (format 1: another policy)."""
+    if state.get("format") == 2:
         costs = {("fill" if k == "draft_fill" else k): v for k, v in (state.get("costs") or {}).items()}
-        return {**state, "format": STATE_FORMAT, "costs": costs}
-    return state if fmt == STATE_FORMAT else None
+        state = {**state, "format": STATE_FORMAT, "costs": costs}
+    return state if state.get("format") == STATE_FORMAT else None
 
 
 class Acceptance:
@@ -126,8 +124,7 @@ class AdaptivePolicy:
         ns = self._step_ns(view, use)
         return emitted / ns, ns
 
-    def _step_ns(self, view: StepView, use: np.ndarray) -> np.ndarray:
-        """[1 + Dmax] the step's predicted device time at each D (rows drafting `use`)."""
+    def _step_ns(self, view: StepView, use: np.ndarray) -> np.ndarray:  # [1 + Dmax] at each D
         return np.maximum(self.costs.step_ns(view.computed, use), 1.0)
 
     def choose(self, view: StepView) -> Decision:
@@ -173,8 +170,7 @@ class AdaptivePolicy:
         if probe:
             return draft_lens
         worth = reach >= rate * self.costs.per_draft_ns()
-        keep = np.cumprod(worth, axis=1).sum(axis=1)
-        return np.minimum(draft_lens, keep)
+        return np.minimum(draft_lens, np.cumprod(worth, axis=1).sum(axis=1))
 
     def observe(self, outcome: StepOutcome) -> None:
         v = outcome.verify

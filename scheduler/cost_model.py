@@ -1,15 +1,11 @@
 """Device cost models of a step's launches: one non-negative linear model per op.
 
-Why: the adaptive draft length prices a step at every D before it runs, the simulator's
-virtual device prices every launch, `tune` prices the steps of its formula. All of them price
-with one function, `LinearModel`: ns linear in the launch's shape over its op's feature table
-(scheduler/step_trace.py `launch_features`): a target forward or a fill over `OP_FEATURES`
-(const, tokens, requests, kv_tokens, padded_attn), the draft over `DRAFT_FEATURES` (const,
-draft_steps, draft_forwards, kv_tokens) -- rows stop drafting at their own count, and a step's
-first token comes from logits already there. The simulator fits its models in batch from
-traces (simulator/fit.py, `StageModel`); `OnlineModel` fits one from device intervals as
-they arrive, and `StepCosts` prices a decode-only step's launches with them: decodes and
-verifies in one target model, a verify's extra cost a term of its own.
+Every reader prices with one function, `LinearModel` -- the adaptive draft length (a step at every
+D before it runs), the simulator's virtual device and host costs, `tune`: ns linear in a launch's
+shape over its op's feature table (`launch_features`): a target forward or a fill over `OP_FEATURES`,
+the draft over `DRAFT_FEATURES` (rows stop drafting at their own count; a step's first token comes
+from logits already there). simulator/fit.py fits them from traces (`StageModel`); `OnlineModel`
+fits one from device intervals as they arrive, and `StepCosts` prices a decode-only step with them.
 """
 from __future__ import annotations
 
@@ -23,15 +19,12 @@ from specsched.scheduler.step_trace import LAUNCH_FEATURES, device_span_name, dr
 OP_FEATURES = ("const", "tokens", "requests", "kv_tokens", "padded_attn")
 DRAFT_FEATURES = ("const", "draft_steps", "draft_forwards", "kv_tokens")
 TARGET_FEATURES = OP_FEATURES + ("verify",)  # decodes and verifies: one model, a verify's own term
-MIN_SAMPLES = 2  # samples an unseeded model needs before it prices anything
 
 
 @dataclass
 class LinearModel:
     """A launch's (or host stage's) cost: ns = sum of coef[f] * feature f over its feature table,
-    floored at 0. The one price every reader uses: the adaptive draft length's online models
-    (`OnlineModel.model`), a fitted cost profile's (simulator/costs.py `StageModel`: the virtual
-    device, host costs, `tune`) and fit's error."""
+    floored at 0."""
 
     coef: dict[str, float]  # feature -> ns per unit
 
@@ -83,14 +76,12 @@ class OnlineModel:
         self.scale = np.ones(k)
         self.decay = 0.5 ** (1.0 / half_life)
         self.ridge, self.n = ridge, 0
-        self.coef = self.prior.copy()
         self._dirty, self._fitted = False, 0
-        self._model: LinearModel | None = None
-        self._model_of: np.ndarray | None = None  # the coefficients `_model` was made of
+        self._set(self.prior)
 
     @property
     def known(self) -> bool:
-        return self.seeded or self.n >= MIN_SAMPLES
+        return self.seeded or self.n >= 2  # an unseeded model prices once it has two samples
 
     def add(self, feats: dict, ns: float) -> None:
         """A sample: the launch's features (`launch_features`) and its device time."""
@@ -116,37 +107,31 @@ class OnlineModel:
             if (coef >= 0).all():
                 break
             active &= coef > 0
-        self.coef = np.maximum(coef, 0.0) / s
+        self._set(np.maximum(coef, 0.0) / s)
         self._dirty, self._fitted = False, self.n
 
-    def coefficients(self) -> np.ndarray:
-        """[k] ns per unit of each feature (refitted if due)."""
-        if self._dirty and self.n:
-            self._fit()
-        return self.coef
+    def _set(self, coef: np.ndarray) -> None:
+        self.coef = coef  # [k] ns per unit of each feature
+        self._model = LinearModel(dict(zip(self.features, coef.tolist())))
 
     def model(self) -> LinearModel:
-        """The fit as of now (refitted if due), priced like any other cost model."""
-        coef = self.coefficients()
-        if self._model is None or self._model_of is not coef:
-            self._model, self._model_of = LinearModel(dict(zip(self.features, coef.tolist()))), coef
+        """The fit as of now (refitted if samples came since it was due), priced like any other
+        cost model."""
+        if self._dirty and self.n:
+            self._fit()
         return self._model
 
 
 class StepCosts:
-    """A decode-only step's device time at a draft length: the target forward (a plain decode,
-    or the verify of each row's drafts), the proposer's draft launch (`draft_op`) and its fill
-    (`has_fill`: over the verify window -- `window_fill` -- or the accepted tokens), priced by
-    one `OnlineModel` per launch op (seeded from a cost profile's JSON, `seed`). On a device whose
-    first launch of an op pays one-off costs (`cold_first_launch`: allocations, kernel loads) that
-    interval is not a sample."""
+    """A decode-only step's device time at each draft length: the target forward (decode or
+    verify), the draft launch (`draft_op`) and the fill (`has_fill`: over the verify window --
+    `window_fill` -- or the accepted tokens), one `OnlineModel` per op (seeded from a cost
+    profile's JSON, `seed`). Where an op's first launch pays one-off costs (`cold_first_launch`)
+    that interval is not a sample."""
 
     def __init__(self, *, draft_op: bool, has_fill: bool, window_fill: bool, seed: dict | None = None,
                  cold_first_launch: bool = False):
         dev = (seed or {}).get("device", {})
-
-        def model(name, feats):
-            return OnlineModel(feats, (dev.get(name) or {}).get("coef"))
 
         # a decode and a verify are the same forward over their tokens; a verify's extra cost (its
         # logits at every position, acceptance) is a term of its own, so the decode's price is
@@ -156,9 +141,10 @@ class StepCosts:
             target["verify"] = 0.0
         self.models = {"target": OnlineModel(TARGET_FEATURES, target or None)}
         if draft_op:
-            self.models["draft"] = model("draft", DRAFT_FEATURES)
+            self.models["draft"] = OnlineModel(DRAFT_FEATURES, (dev.get("draft") or {}).get("coef"))
         if has_fill:
-            self.models["fill"] = model("fill", OP_FEATURES)
+            # (a profile of the previous trace format names it draft_fill)
+            self.models["fill"] = OnlineModel(OP_FEATURES, (dev.get("fill") or dev.get("draft_fill") or {}).get("coef"))
         self.window_fill = window_fill
         self.cold = set(self.models) if cold_first_launch else set()  # ops whose first launch is still to come
 
@@ -172,10 +158,9 @@ class StepCosts:
         if name in ("decode", "verify"):
             name, feats["verify"] = "target", float(name == "verify")
         m = self.models.get(name)
-        if m is not None and name in self.cold:
-            self.cold.discard(name)
-        elif m is not None:
+        if m is not None and name not in self.cold:
             m.add(feats, ns)
+        self.cold.discard(name)
 
     def step_ns(self, computed: np.ndarray, use: np.ndarray) -> np.ndarray:
         """[1 + Dmax] the step's device time at each D, row i drafting use[D, i] tokens there."""
@@ -201,14 +186,10 @@ class StepCosts:
     def per_draft_ns(self) -> float:
         """What one more draft of one row costs: a verify position (a token and a KV token), a
         draft forward, and a fill position where the fill covers the verify window."""
-        def slope(name, *feats):
-            m = self.models.get(name)
-            if m is None:
-                return 0.0
-            coef = m.model().coef
-            return sum(coef[f] for f in feats)
-        t = slope("target", "tokens", "kv_tokens") + slope("draft", "draft_forwards")
-        return t + (slope("fill", "tokens", "kv_tokens") if self.window_fill else 0.0)
+        terms = [("target", ("tokens", "kv_tokens")), ("draft", ("draft_forwards",))]
+        if self.window_fill:
+            terms.append(("fill", ("tokens", "kv_tokens")))
+        return sum(self.models[name].model().coef[f] for name, feats in terms if name in self.models for f in feats)
 
     def state(self) -> dict:
         return {k: {"coef": dict(zip(m.features, m.coef.tolist())), "n": m.n} for k, m in self.models.items()}
@@ -217,5 +198,5 @@ class StepCosts:
         for k, m in self.models.items():
             s = state.get(k)
             if s:
-                m.coef = np.array([s["coef"].get(f, 0.0) for f in m.features])
+                m._set(np.array([s["coef"].get(f, 0.0) for f in m.features]))
                 m.prior, m.seeded, m._dirty = m.coef.copy(), True, False

@@ -19,8 +19,14 @@ schedule is a runner and a row here, not an `if name == ...` elsewhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specsched.traces.names import Schedule, schedule_name
+
+if TYPE_CHECKING:
+    from specsched.scheduler.step_batch import StepBatch
+    from specsched.scheduler.step_ops import SpecPlan, StepOps
+    from specsched.scheduler.step_trace import Launch
 
 
 @dataclass(frozen=True)
@@ -54,14 +60,14 @@ class Runner:
     primitives (scheduler/step_ops.py), which pack, launch, wait and book; a runner only orders
     them."""
 
-    def runs_ahead(self, o, batch) -> bool:
+    def runs_ahead(self, o: "StepOps", batch: "StepBatch") -> bool:
         """Whether this plain step may be launched while the step before it is in flight."""
         return False
 
-    async def spec_step(self, o, plan) -> None:
+    async def spec_step(self, o: "StepOps", plan: "SpecPlan") -> None:
         raise NotImplementedError
 
-    async def forward_step(self, o, batch, forward, fill) -> None:
+    async def forward_step(self, o: "StepOps", batch: "StepBatch", forward: "Launch", fill: "Launch | None") -> None:
         """A launched plain step: complete it (its tokens to the host), its fill left or awaited."""
         if fill is None and self.runs_ahead(o, batch):
             await o.run_ahead(batch, forward)
@@ -71,7 +77,7 @@ class Runner:
 
 
 class SyncRunner(Runner):
-    async def spec_step(self, o, plan) -> None:
+    async def spec_step(self, o: "StepOps", plan: "SpecPlan") -> None:
         draft = o.launch_draft(plan)
         if draft is not None and await o.wait(draft, plan.batch) is None:
             return
@@ -83,20 +89,20 @@ class SyncRunner(Runner):
         if fill is not None:
             await o.wait(fill, plan.batch)
 
-    async def forward_step(self, o, batch, forward, fill) -> None:
+    async def forward_step(self, o: "StepOps", batch: "StepBatch", forward: "Launch", fill: "Launch | None") -> None:
         await o.complete_forward(batch, forward)
         if fill is not None:
             await o.wait(fill, batch)
 
 
 class _PlainAhead(Runner):
-    def runs_ahead(self, o, batch) -> bool:
+    def runs_ahead(self, o: "StepOps", batch: "StepBatch") -> bool:
         # a plain step with no proposer fill: speculation off (an adaptive draft length at D = 0)
         return not batch.is_spec and (o.spec.kv_model is None or o.lazy(batch))
 
 
 class OverlapRunner(_PlainAhead):
-    async def spec_step(self, o, plan) -> None:
+    async def spec_step(self, o: "StepOps", plan: "SpecPlan") -> None:
         draft = o.launch_draft(plan)
         verify = o.launch_verify(plan, draft)
         result = await o.wait(verify, plan.batch)
@@ -106,7 +112,7 @@ class OverlapRunner(_PlainAhead):
 
 
 class EagerFillRunner(_PlainAhead):
-    async def spec_step(self, o, plan) -> None:
+    async def spec_step(self, o: "StepOps", plan: "SpecPlan") -> None:
         draft = o.launch_draft(plan)
         verify = o.launch_verify(plan, draft)
         fill = o.launch_fill_behind(plan, verify)  # before the host knows what was accepted
@@ -117,7 +123,7 @@ class EagerFillRunner(_PlainAhead):
 
 
 class PlainOverlapRunner(Runner):
-    def runs_ahead(self, o, batch) -> bool:
+    def runs_ahead(self, o: "StepOps", batch: "StepBatch") -> bool:
         return True
 
 

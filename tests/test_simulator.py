@@ -156,6 +156,12 @@ def test_cost_fit_recovers_a_linear_model_and_roundtrips(tmp_path):
     legacy["launch_latency_ns"] = 100.0
     legacy["host"] = {"launch": {"coef": {"const": 50.0}, "mape": 0.0, "num_samples": 9, "median_ns": 50.0}}
     assert CostProfile.from_json(legacy).launch_lead_ns == 150.0
+    # one of the previous trace format names the proposer's fill `draft_fill`
+    legacy["device"]["draft_fill"], legacy["op_gaps"] = legacy["device"]["verify"], {"draft_fill": 7.0}
+    old = CostProfile.from_json(legacy)
+    assert "draft_fill" not in old.device and old.device_ns("fill", {"tokens": 10, "requests": 2, "kv_tokens": 100}) \
+        == pytest.approx(prof.device_ns("verify", {"tokens": 10, "requests": 2, "kv_tokens": 100}))
+    assert old.gap_ns("fill") == 7.0
     (tmp_path / "bad.json").write_text("{nope")
     with pytest.raises(ValueError, match="not a cost profile"):
         CostProfile.load(tmp_path / "bad.json")
