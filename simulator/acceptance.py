@@ -13,7 +13,11 @@ Modes:
              D > 1) fall back to the trace's per-position acceptance rates.
   rates      per-position conditional acceptance rates measured from the trace's steps, and
              the share of rows the proposer drafted nothing for (n-gram misses).
-  bernoulli  synthetic: every draft position accepted independently with probability alpha.
+  bernoulli  every draft position accepted independently with probability alpha.
+  synthetic  vLLM's synthetic acceptance (scheduler/synthetic.py, the engine's definition):
+             `synthetic:AL` (the minimum-variance rates for that acceptance length),
+             `synthetic:r1,r2,...` (per-position unconditional rates), `synthetic:independent:...`
+             (each position drawn on its own); a step's rows drawn whole-array.
 
 `A>B@N` (e.g. `trace>bernoulli:0.9@8`) is a change of workload: the first N requests in arrival
 order take acceptance A, the rest B (`SwitchedAcceptance`) -- what an adaptive draft length
@@ -26,6 +30,7 @@ import itertools
 import numpy as np
 
 from specsched.scheduler.small_arrays import SMALL_BATCH  # `outcomes` takes up to this many rows one by one
+from specsched.scheduler.synthetic import SyntheticAcceptance
 
 
 class AcceptanceModel:
@@ -33,12 +38,15 @@ class AcceptanceModel:
                  rates: list[float] | None = None, alpha: float | None = None,
                  exact_max_d: int | None = None, seed: int = 0,
                  recorded: dict[int, dict[int, tuple[int, int]]] | None = None,
-                 draft_rate: float = 1.0):
-        if mode not in ("trace", "rates", "bernoulli"):
+                 draft_rate: float = 1.0, synthetic: SyntheticAcceptance | None = None):
+        if mode not in ("trace", "rates", "bernoulli", "synthetic"):
             raise ValueError(f"unknown acceptance mode {mode!r}")
         if mode == "bernoulli" and not (alpha is not None and 0.0 <= alpha <= 1.0):
             raise ValueError("bernoulli acceptance needs 0 <= alpha <= 1")
+        if mode == "synthetic" and synthetic is None:
+            raise ValueError("synthetic acceptance needs its definition (SyntheticAcceptance)")
         self.mode = mode
+        self.synthetic = synthetic
         self.agreement = agreement or {}
         self.rates = list(rates or [])
         self.alpha = alpha
@@ -51,8 +59,10 @@ class AcceptanceModel:
 
     @classmethod
     def parse(cls, spec: str, trace, seed: int = 0, captured_config: bool = False,
-              any_length: bool = False) -> "AcceptanceModel":
-        """'trace' | 'rates' | 'bernoulli:ALPHA' against a trace's data. `captured_config`:
+              any_length: bool = False, max_accept: int | None = None) -> "AcceptanceModel":
+        """'trace' | 'rates' | 'bernoulli:ALPHA' | 'synthetic:...' against a trace's data; a
+        synthetic acceptance length is checked against `max_accept` (the most drafts a row may
+        have accepted). `captured_config`:
         the replay drafts with the trace's own proposer and draft length. `any_length`: the
         draft length varies by step (an adaptive one, in the capture or the replay), so a
         recorded outcome replays a step that drafts another count only where it still
@@ -67,8 +77,13 @@ class AcceptanceModel:
             if not first or not second or n < 0:
                 raise ValueError(f"bad acceptance {spec!r}: a change of workload is A>B@N (N >= 0 requests "
                                  "with A, then B), e.g. trace>bernoulli:0.9@8")
-            return SwitchedAcceptance(cls.parse(first, trace, seed, captured_config, any_length),
-                                      cls.parse(second, trace, seed + 1, captured_config, any_length), n)
+            return SwitchedAcceptance(cls.parse(first, trace, seed, captured_config, any_length, max_accept),
+                                      cls.parse(second, trace, seed + 1, captured_config, any_length, max_accept), n)
+        if spec.startswith("synthetic:"):
+            synthetic = SyntheticAcceptance.parse(spec.split(":", 1)[1])
+            if max_accept is not None:
+                synthetic.check(max_accept)  # an acceptance length the draft length cannot reach is refused
+            return cls("synthetic", synthetic=synthetic, seed=seed)
         if spec.startswith("bernoulli:"):
             try:
                 alpha = float(spec.split(":", 1)[1])
@@ -76,7 +91,8 @@ class AcceptanceModel:
                 raise ValueError(f"bad acceptance {spec!r}: use bernoulli:ALPHA") from None
             return cls("bernoulli", alpha=alpha, seed=seed)
         if spec not in ("trace", "rates"):
-            raise ValueError(f"bad acceptance {spec!r}: use trace, rates or bernoulli:ALPHA")
+            raise ValueError(f"bad acceptance {spec!r}: use trace, rates, bernoulli:ALPHA or synthetic:AL "
+                             "(or synthetic:r1,r2,...)")
         agreement = {}
         exact = None
         if spec == "trace":
@@ -116,6 +132,8 @@ class AcceptanceModel:
         recorded at the captured configuration, else at the trace's rate of such rows."""
         if draft_len <= 0:
             return 0, 0
+        if self.mode == "synthetic":
+            return int(self.synthetic.draw(np.array([draft_len]), self.rng)[0]), draft_len
         if self.mode == "bernoulli":
             fails = self.rng.random(draft_len) >= self.alpha
             return (int(np.argmax(fails)) if fails.any() else draft_len), draft_len
@@ -145,6 +163,8 @@ class AcceptanceModel:
         from the trace's data are whole-array lookups; rows priced from rates or Bernoulli
         draws take their random numbers row by row, in row order (as `outcome` does)."""
         draft_len = np.asarray(draft_len, dtype=np.int64)
+        if self.mode == "synthetic":  # every row drafts what it was asked to; one draw for them all
+            return self.synthetic.draw(draft_len, self.rng), np.maximum(draft_len, 0)
         accepted = np.zeros(draft_len.shape[0], dtype=np.int64)
         drafted = np.zeros(draft_len.shape[0], dtype=np.int64)
         todo = draft_len > 0

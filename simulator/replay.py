@@ -43,7 +43,7 @@ class ReplayConfig:
     proposer: str | None = None
     draft_len: int | str | None = None  # a fixed D, "auto" (chosen per step), None = the trace's
     max_draft_len: int | None = None  # with "auto": the longest D (None: the trace's, else 4)
-    acceptance: str = "trace"  # trace | rates | bernoulli:ALPHA
+    acceptance: str = "trace"  # trace | rates | bernoulli:ALPHA | synthetic:AL | synthetic:r1,r2,...
     rate_scale: float = 1.0  # open loop: arrival rate multiplier
     concurrency: int | None = None  # closed loop; None = the trace's
     seed: int = 0
@@ -325,7 +325,7 @@ def replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig | None = None) 
     same = proposer == trace.header.proposer and draft_len == trace.header.draft_len
     varying = config.adaptive or trace.header.engine_config.get("draft_len") == "auto"
     acceptance = AcceptanceModel.parse(cfg.acceptance, trace, seed=cfg.seed, captured_config=same,
-                                       any_length=varying)
+                                       any_length=varying, max_accept=spec.max_accept)
     # The cyclic garbage collector is paused for the run: a replay allocates many short-lived
     # objects, and with a large trace in memory the collections it triggers scan that trace
     # again and again. The rest is collected later.

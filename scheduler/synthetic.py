@@ -1,0 +1,96 @@
+"""Synthetic acceptance: how many drafts a verify accepts, forced to a given rate instead of
+decided by the target (vLLM's `rejection_sample_method="synthetic"`).
+
+Why: a benchmark's speculative figures then depend on the acceptance asked for, not on the
+proposer at hand, so a schedule or a draft length can be judged at the acceptance a production
+model reaches, and set beside vLLM's or SGLang's figures taken the same way. One definition
+serves every reader (the simulator's acceptance model today).
+
+Names and semantics are vLLM's. `synthetic_acceptance_rates` are unconditional per-position
+rates r_1 >= r_2 >= ... in [0, 1]: the share of rows whose draft k is accepted (a row drafting
+fewer than k reads past its drafts as rejected). `synthetic_acceptance_length` (AL, counting
+the bonus token: AL = 1 + sum r_k) is turned into the minimum-variance rates -- 1 up to
+floor(AL - 1), then the fraction, then 0 (AL 3.78 at D = 7: 1, 1, 0.78, 0, ...). A row draws
+one uniform u and accepts the drafts k with u < r_k (a prefix: the rates do not increase), so
+P(accepted >= k) = r_k with the least variance any draw gives; `independent` draws each position
+on its own instead, accepting draft k with probability r_k / r_(k-1) once k - 1 were.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SyntheticAcceptance:
+    synthetic_acceptance_length: float | None = None
+    synthetic_acceptance_rates: tuple[float, ...] | None = None
+    independent: bool = False  # each position drawn on its own (not one uniform per row)
+
+    def __post_init__(self) -> None:
+        length, rates = self.synthetic_acceptance_length, self.synthetic_acceptance_rates
+        if (length is None) == (rates is None):
+            raise ValueError("synthetic acceptance needs exactly one of synthetic_acceptance_length and "
+                             "synthetic_acceptance_rates")
+        if length is not None and not (math.isfinite(length) and length >= 1.0):
+            raise ValueError(f"synthetic_acceptance_length must be a number >= 1 (it counts the bonus token), "
+                             f"got {length!r}")
+        if rates is not None:
+            object.__setattr__(self, "synthetic_acceptance_rates", tuple(float(r) for r in rates))
+            rates = self.synthetic_acceptance_rates
+            if not rates or any(not (0.0 <= r <= 1.0) for r in rates):
+                raise ValueError(f"synthetic_acceptance_rates must be one or more rates in [0, 1], got {list(rates)}")
+            if any(b > a for a, b in zip(rates, rates[1:])):
+                raise ValueError(f"synthetic_acceptance_rates must not increase (draft k is reached only "
+                                 f"when k - 1 were accepted), got {list(rates)}")
+
+    @classmethod
+    def parse(cls, spec: str) -> "SyntheticAcceptance":
+        """'AL' or 'r1,r2,...' (a rate per position), with an 'independent:' prefix for draws per
+        position: the value of `--acceptance synthetic:...`."""
+        independent = spec.startswith("independent:")
+        body = spec.removeprefix("independent:")
+        try:
+            values = tuple(float(v) for v in body.split(","))
+        except ValueError:
+            raise ValueError(f"bad synthetic acceptance {spec!r}: use AL (e.g. 2.5) or rates r1,r2,... "
+                             "(e.g. 0.9,0.7,0.5), optionally after 'independent:'") from None
+        if "," in body:
+            return cls(synthetic_acceptance_rates=values, independent=independent)
+        return cls(synthetic_acceptance_length=values[0], independent=independent)
+
+    def check(self, max_draft_len: int) -> None:
+        """ValueError where an acceptance length asks for more than a step of `max_draft_len`
+        drafts can emit (max_draft_len + 1, counting the bonus token)."""
+        length = self.synthetic_acceptance_length
+        if length is not None and length > max_draft_len + 1 + 1e-9:
+            raise ValueError(f"synthetic_acceptance_length {length} cannot be reached at draft length "
+                             f"{max_draft_len} (at most {max_draft_len + 1}, counting the bonus token)")
+
+    def rates(self, draft_len: int) -> np.ndarray:
+        """[draft_len] unconditional per-position rates (0 past the rates given)."""
+        length = self.synthetic_acceptance_length
+        if length is None:
+            r = np.zeros(draft_len)
+            given = self.synthetic_acceptance_rates[:draft_len]
+            r[: len(given)] = given
+            return r
+        return np.clip(length - 1.0 - np.arange(draft_len), 0.0, 1.0)
+
+    def draw(self, draft_lens: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """[B] drafts accepted of rows drafting `draft_lens`, whole-array."""
+        draft_lens = np.maximum(np.asarray(draft_lens, dtype=np.int64), 0)
+        width = int(draft_lens.max(initial=0))
+        if width == 0:
+            return np.zeros(draft_lens.shape[0], dtype=np.int64)
+        r = self.rates(width)
+        if self.independent:  # P(draft k | k - 1 accepted) = r_k / r_(k-1), one uniform per position
+            before = np.concatenate([[1.0], r[:-1]])
+            step = np.divide(r, before, out=np.zeros_like(r), where=before > 0)
+            ok = rng.random((draft_lens.shape[0], width)) < step
+            accepted = np.cumprod(ok, axis=1).sum(axis=1)
+        else:
+            accepted = (rng.random(draft_lens.shape[0])[:, None] < r[None, :]).sum(axis=1)
+        return np.minimum(accepted, draft_lens)
