@@ -15,6 +15,7 @@ time. Each figure is the best of at least `--repeats` replays, more while they h
 than `--min-seconds` of CPU, after one untimed warm-up replay.
 
     python benchmarks/simulator_speed.py [--concurrency 4 64 256] [--repeats 5] [--min-seconds 1]
+                                         [--acceptance synthetic:2.5]   # default: trace
     python benchmarks/simulator_speed.py --baseline ../before   # side by side with another checkout
 """
 from __future__ import annotations
@@ -52,20 +53,22 @@ def workload(sample: Trace, num_requests: int) -> Trace:
     return out
 
 
-def case(sample: Trace, concurrency: int) -> tuple[Trace, ReplayConfig]:
+def case(sample: Trace, concurrency: int, acceptance: str = "trace") -> tuple[Trace, ReplayConfig]:
     """The trace and replay configuration measured at `concurrency`."""
     if concurrency <= len(sample.requests):
-        return sample, ReplayConfig(concurrency=concurrency)
+        return sample, ReplayConfig(concurrency=concurrency, acceptance=acceptance)
     seats = int(sample.header.engine_config.get("max_num_seqs", 64))
     overrides = {"max_num_seqs": concurrency} if concurrency > seats else {}
-    return workload(sample, 2 * concurrency), ReplayConfig(concurrency=concurrency, engine_overrides=overrides)
+    return workload(sample, 2 * concurrency), ReplayConfig(concurrency=concurrency, engine_overrides=overrides,
+                                                          acceptance=acceptance)
 
 
-def measure(concurrencies: list[int], repeats: int, min_seconds: float) -> list[dict[str, float]]:
+def measure(concurrencies: list[int], repeats: int, min_seconds: float,
+            acceptance: str = "trace") -> list[dict[str, float]]:
     sample = read_trace(SAMPLE)
     profile = fit_profile([sample])
-    cases = [case(sample, c) for c in concurrencies]
-    warm_trace, warm_cfg = case(sample, min(4, len(sample.requests)))
+    cases = [case(sample, c, acceptance) for c in concurrencies]
+    warm_trace, warm_cfg = case(sample, min(4, len(sample.requests)), acceptance)
     replay(warm_trace, profile, warm_cfg)  # warm-up, untimed
     out = []
     for c, (trace, cfg) in zip(concurrencies, cases):
@@ -83,25 +86,30 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="replays per concurrency, at least (best of)")
     ap.add_argument("--min-seconds", type=float, default=1.0,
                     help="more replays per concurrency until they have taken this much CPU time")
+    ap.add_argument("--acceptance", default="trace", help="the replays' acceptance (`specsched replay --acceptance`)")
     add_side_by_side_options(ap)
     args = ap.parse_args()
     if min(args.concurrency) < 1 or args.repeats < 1 or args.rounds < 1 or args.min_seconds < 0:
         ap.error("--concurrency, --repeats and --rounds must be >= 1, --min-seconds >= 0")
     if args.json:
-        print(json.dumps(measure(args.concurrency, args.repeats, args.min_seconds)))
+        print(json.dumps(measure(args.concurrency, args.repeats, args.min_seconds, args.acceptance)))
         return
     if args.baseline is None:
-        print(f"best of >= {args.repeats} replays and >= {args.min_seconds:g} s CPU per row; draft / overlap, D=4")
+        print(f"best of >= {args.repeats} replays and >= {args.min_seconds:g} s CPU per row; draft / overlap, D=4; "
+              f"acceptance {args.acceptance}")
         print(f"{'concurrency':>11} {'requests':>8} {'steps':>6} {'ms CPU/step':>11} {'real-time':>10}")
-        for m in measure(args.concurrency, args.repeats, args.min_seconds):
+        for m in measure(args.concurrency, args.repeats, args.min_seconds, args.acceptance):
             print(f"{m['concurrency']:>11} {m['requests']:>8} {m['steps']:>6} {m['cpu_ms_per_step']:>11.3f} "
                   f"{m['realtime_x']:>9.1f}x")
         return
     cmd = [sys.executable, __file__, "--json", "--repeats", str(args.repeats),
-               "--min-seconds", str(args.min_seconds), "--concurrency", *map(str, args.concurrency)]
+           "--min-seconds", str(args.min_seconds), "--concurrency", *map(str, args.concurrency)]
+    if args.acceptance != "trace":  # (a baseline from before the option replays the trace's own)
+        cmd += ["--acceptance", args.acceptance]
     runs = side_by_side(cmd, args.baseline, args.rounds)
     print(f"median of {args.rounds} alternating rounds, each row the best of >= {args.repeats} replays and "
-          f">= {args.min_seconds:g} s CPU; draft / overlap, D=4; ratio = this / baseline")
+          f">= {args.min_seconds:g} s CPU; draft / overlap, D=4; acceptance {args.acceptance}; "
+          "ratio = this / baseline")
     print(f"{'concurrency':>11} {'steps':>7} {'base ms':>8} {'this ms':>8} {'ratio':>6} "
           f"{'base RT':>8} {'this RT':>8} {'ratio':>6}   (ms CPU per simulated step; RT: real-time ratio)")
     for i, c in enumerate(args.concurrency):

@@ -23,7 +23,8 @@ TINY = {
     "gpu_check.py": ["--dry-run"],
     "engine_ab.py": ["--baseline", ".", "--rounds", "1", "--concurrency", "1", "--num-requests", "1",
                      "--max-tokens", "3"],
-    "simulator_speed.py": ["--concurrency", "2", "8", "--repeats", "1", "--min-seconds", "0"],
+    "simulator_speed.py": ["--concurrency", "2", "8", "--repeats", "1", "--min-seconds", "0",
+                           "--acceptance", "synthetic:2.5"],
     "tracing_overhead.py": ["--spans", "200"],
     "policy_overhead.py": ["--concurrency", "1", "--repeats", "1", "--baseline", ".", "--rounds", "1"],
     "proposers.py": ["--num-requests", "1", "--max-tokens", "4", "--only", "eagle", "--temperature", "0.8"],
@@ -282,7 +283,7 @@ def _check_simulator_fidelity(out):
 
 
 def _check_simulator_speed(out):
-    _grab(out, r"^best of >= 1 replays and >= 0 s CPU per row; draft / overlap, D=4$")
+    _grab(out, r"^best of >= 1 replays and >= 0 s CPU per row; draft / overlap, D=4; acceptance synthetic:2\.5$")
     _grab(out, r"^ *concurrency +requests +steps +ms CPU/step +real-time$")
     for conc, requests in (("2", "6"), ("8", "16")):  # the sample's 6 requests; 2 x 8 copies
         n, steps, ms, rt = _row(out, conc, 4)
