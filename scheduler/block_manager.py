@@ -13,7 +13,7 @@ State is arrays, so that a step over hundreds of rows is a few whole-array opera
 scheduler/block_batch_ops.py): per model a page table
 `[rows, max_pages]` (int32) with a page count per row, and the free pages as an array stack
 (LIFO: recently freed pages are reused first, which keeps a cache warm). A request's row is
-its slot: the batch builder `bind`s it when the request is added (rows are then the same
+its slot: the scheduler `bind`s it when the request is added (rows are then the same
 indices as the scheduler's per-slot arrays, scheduler/slot_state.py) and the whole-array
 methods take rows; the methods keyed by request id serve the general path and tests, and
 give a row of their own to an id that was never bound (a manager used on its own).

@@ -1,6 +1,6 @@
 """The draft length of each decode-only step: the `DraftPolicy` seam and the fixed policy.
 
-Why a protocol: the batch builder asks a policy for each decode-only step's D, and the
+Why a protocol: the scheduler asks a policy for each decode-only step's D, and the
 pipeline tells it once per step what that step did (`StepOutcome`: its verify's acceptance,
 the device intervals of the launches completed since, the step's wall time). A fixed D is
 `FixedPolicy`; the adaptive one is scheduler/adaptive.py's `DraftLenPolicy`; a test that needs

@@ -43,8 +43,8 @@ def _counter(name: str, doc: str) -> property:
 
 class Request:
     """A request's public handle: id, prompt, params, output ids, timings and outcome. Its
-    scheduler counters live in arrays indexed by its slot (`SlotTable`), so the batch
-    builder and the pipeline update every running request with whole-array operations."""
+    scheduler counters live in arrays indexed by its slot (`SlotTable`), so the scheduler
+    updates every running request with whole-array operations."""
 
     __slots__ = ("request_id", "prompt_token_ids", "params", "arrival_ns", "slot", "state",
                  "output_token_ids", "abort_requested", "stop_at", "num_preemptions",
