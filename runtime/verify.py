@@ -179,3 +179,30 @@ def threshold_verify(
     p_next = target_probs[rows, num_accepted]
     next_token = p_next.argmax(dim=-1) if generators is None else sample(p_next, generators)
     return _emit(draft_tokens, num_accepted, next_token)
+
+
+def synthetic_accepted(rates: torch.Tensor, rows: int, generator: torch.Generator | None,
+                       independent: bool = False) -> torch.Tensor:
+    """[rows] drafts accepted under synthetic acceptance (scheduler/synthetic.py: the rates
+    [D] are its unconditional per-position ones): one uniform per row, accepting the positions
+    whose rate exceeds it, or with `independent` one per position, each accepted with
+    r_k / r_(k-1) once the ones before were. Drawn on the rates' device, no host read."""
+    d = rates.shape[0]
+    if independent:
+        before = torch.cat([rates.new_ones(1), rates[:-1]])
+        step = torch.where(before > 0, rates / before.clamp_min(_TINY), torch.zeros_like(rates))
+        ok = torch.rand((rows, d), generator=generator, device=rates.device) < step
+        return ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    u = torch.rand(rows, generator=generator, device=rates.device)
+    return (u.unsqueeze(-1) < rates).sum(dim=1).to(torch.int64)
+
+
+def synthetic_verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_probs: torch.Tensor,
+                     num_accepted: torch.Tensor, generators: Sequence[torch.Generator | None]) -> VerifyResult:
+    """Forced acceptance: row i keeps its first num_accepted[i] drafts (at most draft_lens[i]),
+    then the target's token after them, drawn from p there (`sample`: a greedy row's is its
+    argmax) -- the drafts at accepted positions and the target's bonus token, as vLLM emits."""
+    _check_linear(draft_tokens, draft_lens, target_probs, "target_probs")
+    accepted = torch.minimum(num_accepted.to(draft_lens.device), draft_lens).to(target_probs.device)
+    rows = torch.arange(draft_tokens.shape[0], device=target_probs.device)
+    return _emit(draft_tokens, accepted, sample(target_probs[rows, accepted].float(), generators))

@@ -27,7 +27,8 @@ import torch
 from specsched.runtime.checkpoint import load_model
 from specsched.runtime.proposers.factory import make_proposer
 from specsched.runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
-from specsched.runtime.verify import greedy_verify, rejection_verify, threshold_verify
+from specsched.runtime.verify import (greedy_verify, rejection_verify, synthetic_accepted, synthetic_verify,
+                                     threshold_verify)
 from specsched.runtime.worker_config import WorkerConfig
 from specsched.scheduler.messages import (AgreementMessage, AgreementResult, DraftMessage, DraftResult, FillMessage, FillResult, ForwardMessage,
                                           ForwardResult, VerifyMessage, VerifyResult)
@@ -147,6 +148,12 @@ class ModelWorker:
             self.spec = c.proposer
             self.acceptance = c.acceptance
             self.threshold = c.threshold
+            if c.acceptance == "synthetic" and c.synthetic is None:
+                raise ValueError("acceptance 'synthetic' needs its definition (WorkerConfig.synthetic)")
+            self.synthetic = c.synthetic
+            # the synthetic draws' generator, seeded: a run's forced acceptance repeats
+            self.synthetic_gen = make_generator(0, self.device) if c.synthetic is not None else None
+            self._synthetic_rates: dict[int, torch.Tensor] = {}  # draft width -> rates on the device
             self.states: dict[int, SeqState] = {}
             # request tokens live on the device, indexed by slot; a step's drafts sit right after
             # each row's last token, where the verify reads them with it in one gather
@@ -340,7 +347,11 @@ class ModelWorker:
             nd = torch.tensor(draft_lens, dtype=torch.int64)  # counts known on the host
             nd = host_side(nd) if self.device.type == "cpu" else to_device(nd, self.device)
             all_greedy = all(st.greedy for st in rows)
-            if self.acceptance == "threshold":
+            if self.acceptance == "synthetic":
+                probs = logits_to_probs(logits.reshape(b * width, -1), self.sampling_tensors(rows, width))
+                drawn = synthetic_accepted(self._rates(width - 1), b, self.synthetic_gen, self.synthetic.independent)
+                res = synthetic_verify(draft_t, nd, probs.view(b, width, -1), drawn, [st.generator for st in rows])
+            elif self.acceptance == "threshold":
                 probs = logits_to_probs(logits.reshape(b * width, -1), self.sampling_tensors(rows, width))
                 res = threshold_verify(draft_t, nd, probs.view(b, width, -1), self.threshold,
                                        generators=[st.generator for st in rows])
@@ -368,6 +379,14 @@ class ModelWorker:
         t2 = time.monotonic_ns()
         return VerifyResult(accepted, tokens, np.asarray(draft_lens, dtype=np.int64),
                             (("verify", t0, t1), ("accept", t1, t2)))
+
+    def _rates(self, width: int) -> torch.Tensor:
+        """Synthetic acceptance's per-position rates for drafts of `width`, on the device (copied once)."""
+        rates = self._synthetic_rates.get(width)
+        if rates is None:
+            rates = self._synthetic_rates[width] = to_device(
+                torch.tensor(self.synthetic.rates(width), dtype=torch.float32), self.device)
+        return rates
 
     def _verify_forward(self, plan: AttentionPlan, step: Any, positions: torch.Tensor, input_ids: torch.Tensor,
                         b: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:

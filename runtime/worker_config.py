@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from specsched.scheduler.proposer import ProposerSpec
+from specsched.scheduler.synthetic import SyntheticAcceptance
 
 if TYPE_CHECKING:
     from specsched.scheduler.engine_config import EngineConfig
@@ -28,8 +29,9 @@ class WorkerConfig:
     dtype: str = "float32"
     attention: str = "torch"
     device: str = "cpu"  # the torch device: "cpu" or "cuda"
-    acceptance: str = "lossless"  # or "threshold"
+    acceptance: str = "lossless"  # or "threshold", "synthetic"
     threshold: float = 0.3
+    synthetic: SyntheticAcceptance | None = None  # with acceptance "synthetic": what it forces
     ngram: tuple[int, int] = (1, 3)  # n-gram lookup lengths (min, max)
     num_threads: int | None = None  # torch's intra-op threads (None: torch's default)
     sync_guard: bool = False
@@ -68,6 +70,7 @@ class WorkerConfig:
             device="cuda" if c.device == "cuda" else "cpu",
             acceptance=c.acceptance,
             threshold=c.threshold,
+            synthetic=c.synthetic(),
             ngram=(c.ngram_min, c.ngram_max),
             num_threads=c.worker_threads,
             sync_guard=c.sync_guard,

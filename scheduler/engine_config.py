@@ -19,6 +19,7 @@ from specsched.scheduler.errors import ConfigurationError
 from specsched.scheduler.pipeline import MAX_KEPT_TOKENS
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.sampling_params import SamplingParams
+from specsched.scheduler.synthetic import SyntheticAcceptance
 from specsched.scheduler.wiring import (DEFAULT_DRAFT_LEN, NATURAL_SCHEDULE, TREE_MAX_NODES, TREE_TOP_K,
                                         WARMUP_TOKENS, proposer_spec)
 from specsched.traces.names import ProposerKind, ProposerName, ScheduleName, schedule_name
@@ -56,8 +57,16 @@ class EngineConfig(BaseModel):
     ngram_max: int = 3
     tree_top_k: int = TREE_TOP_K
     tree_max_nodes: int = TREE_MAX_NODES
-    acceptance: Literal["lossless", "threshold"] = "lossless"
+    acceptance: Literal["lossless", "threshold", "synthetic"] = Field(
+        "lossless", description="how a verify accepts drafts: lossless, threshold (lossy), or synthetic "
+        "(vLLM's: forced to the acceptance below, for benchmarks; scheduler/synthetic.py)")
     threshold: float = Field(0.3, description="lossy threshold mode: min target prob per token")
+    synthetic_acceptance_length: float | None = Field(
+        None, description="acceptance 'synthetic': the mean acceptance length, bonus token counted")
+    synthetic_acceptance_rates: list[float] | None = Field(
+        None, description="acceptance 'synthetic': per-position unconditional rates, non-increasing")
+    synthetic_acceptance_independent: bool = Field(
+        False, description="acceptance 'synthetic': draw each position on its own, not one uniform per row")
     device: Literal["host", "cuda"] = "host"
     attention: Literal["torch", "flashinfer"] = "torch"
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -123,6 +132,7 @@ class EngineConfig(BaseModel):
             raise ValueError(f"attention 'flashinfer' needs dtype 'bfloat16' (got {self.dtype!r})")
         validate_combination(self.proposer, self.schedule, self.longest_draft_len)
         spec = self.proposer_spec()  # validates the draft length
+        self._check_synthetic(spec)
         # a step must hold at least one verification row (the last token + the candidates),
         # or no speculative request could ever be scheduled
         width = 1 + spec.num_candidates
@@ -134,6 +144,24 @@ class EngineConfig(BaseModel):
                 f"verification of {what} = {width} tokens; raise it to at least {width}"
             )
         return self
+
+    def _check_synthetic(self, spec: ProposerSpec) -> None:
+        given = [k for k in ("synthetic_acceptance_length", "synthetic_acceptance_rates") if getattr(self, k) is not None]
+        if self.acceptance != "synthetic":
+            if given:
+                raise ValueError(f"{given[0]} needs acceptance 'synthetic' (acceptance is {self.acceptance!r})")
+            return
+        if self.proposer in (ProposerKind.NONE, ProposerKind.EAGLE):
+            raise ValueError(f"acceptance 'synthetic' needs a linear proposer (draft, mtp, ngram), not {self.proposer!r}")
+        self.synthetic().check(spec.max_accept)
+
+    def synthetic(self) -> SyntheticAcceptance | None:
+        """The synthetic acceptance asked for (None unless acceptance is 'synthetic')."""
+        if self.acceptance != "synthetic":
+            return None
+        rates = self.synthetic_acceptance_rates
+        return SyntheticAcceptance(self.synthetic_acceptance_length, None if rates is None else tuple(rates),
+                                   self.synthetic_acceptance_independent)
 
     @property
     def adaptive(self) -> bool:

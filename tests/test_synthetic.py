@@ -78,3 +78,85 @@ def test_the_simulators_synthetic_acceptance_draws_a_step_at_once():
         AcceptanceModel.parse("synthetic:4", None, max_accept=2)
     with pytest.raises(ValueError, match=r"bad synthetic acceptance 'x'"):
         AcceptanceModel.parse("synthetic:x", None)
+
+
+# -- the engine ------------------------------------------------------------------------------------
+
+
+def _engine_steps(fam, prompts, max_tokens, **cfg):
+    """The spec steps' (drafted, accepted) rows of an engine run, and its outputs."""
+    import anyio
+
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.scheduler.sampling_params import SamplingParams
+    from specsched.traces import Header, MemoryRecorder
+
+    config = EngineConfig.make(model=str(fam["target"]), draft=str(fam["draft"]), num_pages=512, page_size=4, **cfg)
+    # the header a bench writes: the configuration, synthetic acceptance included
+    rec = MemoryRecorder(Header.create(source="engine", clock="monotonic_ns", model="tiny", proposer=config.proposer,
+                                       schedule=config.schedule, draft_len=config.draft_len,
+                                       device={"kind": "host", "name": "host"},
+                                       engine_config=config.model_dump(mode="json")))
+
+    async def main():
+        outs = [None] * len(prompts)
+        async with AsyncEngine(config, tracer=rec) as eng:
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+            async def one(i):
+                outs[i] = await eng.generate_all(prompts[i], params)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+        return outs
+
+    outs = anyio.run(main)
+    rows = [(d, a) for st in rec.to_trace().steps if st.kind == "spec" for d, a in zip(st.num_drafted, st.num_accepted)]
+    return rows, outs, rec.to_trace()
+
+
+def test_the_engine_forces_the_acceptance_asked_for(tiny_family):
+    """An acceptance length of 3 at D = 3 (rates 1, 1, 0): every verify accepts exactly two of
+    the drafts it made, whatever the target says; requests still finish at max_tokens, and a
+    trace's header (the configuration) says the acceptance was synthetic."""
+    rows, outs, trace = _engine_steps(tiny_family, [[5, 6, 7], [9, 10, 11, 12]], 24, proposer="draft", draft_len=3,
+                                      schedule="overlap", acceptance="synthetic", synthetic_acceptance_length=3.0,
+                                      sync_guard=True)  # drawn on the device: no host read
+    assert len(rows) > 10 and all(a == min(2, d) for d, a in rows)
+    assert [len(o.token_ids) for o in outs] == [24, 24]
+    assert trace.header.engine_config["acceptance"] == "synthetic"
+    assert trace.header.engine_config["synthetic_acceptance_length"] == 3.0
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_the_engines_synthetic_rates_are_met_on_average(tiny_family, proposer):
+    """Rates 0.8, 0.5, 0.2 at D = 3 over a few hundred verifies: the first draft accepted in 80%
+    of the rows that drafted one (within 0.07), and for the draft model, which always drafts
+    three, a mean acceptance length within 6% of 2.5; for a model and a host proposer alike."""
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10]] * 4
+    rows, _, _ = _engine_steps(tiny_family, prompts, 64, proposer=proposer, draft_len=3, acceptance="synthetic",
+                               synthetic_acceptance_rates=[0.8, 0.5, 0.2])
+    drafted = [a for d, a in rows if d >= 1]
+    assert len(drafted) > 150
+    assert np.mean(np.array(drafted) >= 1) == pytest.approx(0.8, abs=0.07)
+    if proposer == "draft":
+        assert 1 + np.mean([a for d, a in rows if d == 3]) == pytest.approx(2.5, rel=0.06)
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"proposer": "draft", "synthetic_acceptance_length": 2.0}, "synthetic_acceptance_length needs acceptance 'synthetic'"),
+    ({"proposer": "draft", "acceptance": "synthetic"}, "exactly one of synthetic_acceptance_length"),
+    ({"proposer": "draft", "draft_len": 2, "acceptance": "synthetic", "synthetic_acceptance_length": 3.5},
+     r"synthetic_acceptance_length 3.5 cannot be reached at draft length 2"),
+    ({"proposer": "draft", "acceptance": "synthetic", "synthetic_acceptance_rates": [0.2, 0.4]},
+     "synthetic_acceptance_rates must not increase"),
+    ({"acceptance": "synthetic", "synthetic_acceptance_length": 2.0}, "needs a linear proposer"),
+])
+def test_the_engine_refuses_a_bad_synthetic_setting_by_name(tiny_family, cfg, message):
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.scheduler.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=message):
+        EngineConfig.make(model=str(tiny_family["target"]), draft=str(tiny_family["draft"]), **cfg)
