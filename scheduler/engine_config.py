@@ -37,6 +37,37 @@ def warmup_params(max_tokens: int = WARMUP_TOKENS) -> SamplingParams:
     return SamplingParams(max_tokens=min(WARMUP_TOKENS, max_tokens), ignore_eos=True)
 
 
+# vLLM's `speculative_config`: its method names, and its keys onto these fields
+VLLM_METHODS = {"draft_model": ProposerKind.DRAFT.value, "mtp": ProposerKind.MTP.value,
+                "eagle": ProposerKind.EAGLE.value, "eagle3": ProposerKind.EAGLE.value,
+                "ngram": ProposerKind.NGRAM.value}
+VLLM_KEYS = {"num_speculative_tokens": "draft_len", "prompt_lookup_min": "ngram_min",
+             "prompt_lookup_max": "ngram_max", "synthetic_acceptance_length": "synthetic_acceptance_length",
+             "synthetic_acceptance_rates": "synthetic_acceptance_rates"}
+
+
+def speculative_fields(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The `EngineConfig` fields vLLM's `speculative_config` dict means; ValueError naming a key
+    or value it does not support."""
+    known = set(VLLM_KEYS) | {"method", "model", "rejection_sample_method"}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ValueError(f"speculative_config: unsupported key {unknown[0]!r} (supported: {', '.join(sorted(known))})")
+    method = spec.get("method")
+    if method not in VLLM_METHODS:
+        raise ValueError(f"speculative_config: method {method!r} is not one of {', '.join(VLLM_METHODS)}")
+    out: dict[str, Any] = {"proposer": VLLM_METHODS[method]}
+    out.update({VLLM_KEYS[k]: v for k, v in spec.items() if k in VLLM_KEYS})
+    if spec.get("model") is not None:
+        out["draft" if method == "draft_model" else "mtp_head"] = spec["model"]
+    sampler = spec.get("rejection_sample_method")
+    if sampler is not None:
+        if sampler not in ("standard", "synthetic"):
+            raise ValueError(f"speculative_config: rejection_sample_method {sampler!r} is not 'standard' or 'synthetic'")
+        out["acceptance"] = "lossless" if sampler == "standard" else "synthetic"
+    return out
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -65,6 +96,10 @@ class EngineConfig(BaseModel):
         None, description="acceptance 'synthetic': the mean acceptance length, bonus token counted")
     synthetic_acceptance_rates: list[float] | None = Field(
         None, description="acceptance 'synthetic': per-position unconditional rates, non-increasing")
+    speculative_config: dict | str | None = Field(
+        None, description="vLLM's speculative_config (a dict or its JSON: method, num_speculative_tokens, model, "
+        "rejection_sample_method, synthetic_acceptance_length / _rates, prompt_lookup_min / _max), read onto "
+        "the fields above")
     synthetic_acceptance_independent: bool = Field(
         False, description="acceptance 'synthetic': draw each position on its own, not one uniform per row")
     device: Literal["host", "cuda"] = "host"
@@ -92,6 +127,27 @@ class EngineConfig(BaseModel):
                                         "past it the head catches up at D = 0, which frees them")
     skip_warmup: bool = Field(False, description="start serving without the warm-up request that runs "
                               "each device op once first (their first launches pay one-off costs)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _speculative_config(cls, data: Any) -> Any:
+        """vLLM's `speculative_config` (a dict, or its JSON) read onto these fields."""
+        if not isinstance(data, Mapping) or data.get("speculative_config") is None:
+            return data
+        data = dict(data)
+        raw = data.pop("speculative_config")
+        if isinstance(raw, (str, bytes)):
+            try:
+                raw = orjson.loads(raw)
+            except orjson.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not JSON: {e}") from None
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(raw).__name__}")
+        for field, value in speculative_fields(raw).items():
+            if data.get(field) is not None and data[field] != value:
+                raise ValueError(f"speculative_config sets {field}={value!r}, the configuration {data[field]!r}")
+            data[field] = value
+        return data
 
     @field_validator("schedule", mode="before")
     @classmethod

@@ -160,3 +160,35 @@ def test_the_engine_refuses_a_bad_synthetic_setting_by_name(tiny_family, cfg, me
 
     with pytest.raises(ConfigurationError, match=message):
         EngineConfig.make(model=str(tiny_family["target"]), draft=str(tiny_family["draft"]), **cfg)
+
+
+def test_vllms_speculative_config_is_read_onto_the_configuration(tiny_family):
+    from specsched.runtime.engine_config import EngineConfig
+
+    base = {"model": str(tiny_family["target"]), "draft": str(tiny_family["draft"])}
+    c = EngineConfig.make(**base, speculative_config='{"method": "ngram", "num_speculative_tokens": 3, '
+                          '"prompt_lookup_min": 2, "prompt_lookup_max": 4, "rejection_sample_method": "synthetic", '
+                          '"synthetic_acceptance_rates": [0.9, 0.6]}')
+    assert (c.proposer, c.draft_len, c.ngram_min, c.ngram_max, c.acceptance, c.synthetic_acceptance_rates) == \
+        ("ngram", 3, 2, 4, "synthetic", [0.9, 0.6])
+    d = EngineConfig.make(model=base["model"], speculative_config={"method": "draft_model", "model": base["draft"],
+                                                                    "num_speculative_tokens": 2})
+    assert (d.proposer, d.draft, d.draft_len, d.acceptance) == ("draft", base["draft"], 2, "lossless")
+    assert EngineConfig.make(**base, speculative_config={"method": "eagle3"}).proposer == "eagle"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "medusa"}, "method 'medusa' is not one of draft_model, mtp, eagle, eagle3, ngram"),
+    ({"method": "ngram", "spec_decode_window": 2}, "unsupported key 'spec_decode_window'"),
+    ({"method": "ngram", "rejection_sample_method": "strict"}, "rejection_sample_method 'strict'"),
+    ("{not json", "speculative_config is not JSON"),
+    ('["ngram"]', "speculative_config must be a JSON object"),
+])
+def test_a_speculative_config_it_cannot_read_is_refused_by_name(spec, message):
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.scheduler.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=message):
+        EngineConfig.make(speculative_config=spec)
+    with pytest.raises(ConfigurationError, match=r"speculative_config sets proposer='ngram', the configuration 'draft'"):
+        EngineConfig.make(proposer="draft", speculative_config={"method": "ngram"})
