@@ -42,6 +42,9 @@ def generate(
     tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel size: shard the target over N "
                                      "worker processes (default 1)"),
     config_file: Optional[Path] = typer.Option(None, "--config", help="EngineConfig JSON/YAML"),
+    load_format: Optional[str] = typer.Option(None, "--load-format", help="auto | dummy: random weights "
+                                              "from config.json alone (--model may name a shipped shape: "
+                                              "llama-3.2-1b, llama-3.1-8b)"),
     speculative_config: Optional[str] = typer.Option(None, "--speculative-config", help="vLLM's speculative "
                                                      "config as JSON, e.g. '{\"method\": \"ngram\", "
                                                      "\"num_speculative_tokens\": 4}'"),
@@ -56,7 +59,7 @@ def generate(
 
     cfg = engine_config(model=model, proposer=spec, draft_len=parse_draft_len(draft_len), draft=draft,
                         mtp_head=mtp_head, schedule=schedule, tensor_parallel_size=tp, config_file=config_file,
-                        speculative_config=speculative_config)
+                        speculative_config=speculative_config, load_format=load_format)
     try:
         params = SamplingParams.make(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, stop=list(stop))
@@ -246,6 +249,9 @@ def bench(
     otlp: Optional[str] = typer.Option(None, help="export spans live over OTLP/HTTP to this URL "
                                        "(default: on when OTEL_EXPORTER_OTLP_ENDPOINT is set)"),
     config_file: Optional[Path] = typer.Option(None, "--config"),
+    load_format: Optional[str] = typer.Option(None, "--load-format", help="auto | dummy: random weights "
+                                              "from config.json alone (--model may name a shipped shape: "
+                                              "llama-3.2-1b, llama-3.1-8b)"),
     speculative_config: Optional[str] = typer.Option(None, "--speculative-config", help="vLLM's speculative "
                                                      "config as JSON, e.g. '{\"method\": \"ngram\", "
                                                      "\"num_speculative_tokens\": 4}'"),
@@ -276,7 +282,8 @@ def bench(
     cfg = engine_config(model=model, draft=draft, mtp_head=mtp_head, proposer=spec,
                         draft_len=parse_draft_len(draft_len), max_draft_len=max_draft_len,
                         draft_profile=str(profile) if profile else None, schedule=schedule,
-                        tensor_parallel_size=tp, config_file=config_file, speculative_config=speculative_config)
+                        tensor_parallel_size=tp, config_file=config_file, speculative_config=speculative_config,
+                        load_format=load_format)
     items = _workload(workload, num_requests, max_tokens, temperature)
     from specsched.runtime.engine import AsyncEngine
     from specsched.runtime.workload import check_workload

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from pathlib import Path
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -135,24 +136,34 @@ class AsyncEngine:
         self._entered = False
         self._closed = False
         if self.config.model:
-            self.model_dir = self.config.model
+            self.model_dir = self._shape_or(self.config.model)
         else:
             from specsched.runtime import bundled
 
             self.model_dir = str(bundled.target_dir())
         setup = check_engine(self.config, self.model_dir, self._proposer_dir(), self._scheduler_config())
-        self.tokenizer, self.max_model_len, self._seed_costs = setup
+        self.tokenizer, self.max_model_len, self._seed_costs, self.vocab_size = setup
 
     # -- setup --------------------------------------------------------------------------------
+    def _shape_or(self, path: str) -> str:
+        """With dummy weights, a shipped shape's name (runtime/shapes) names its folder."""
+        if self.config.load_format == "dummy" and not Path(path).exists():
+            from specsched.runtime.shapes import shape_dir
+
+            found = shape_dir(path)
+            if found is not None:
+                return str(found)
+        return path
+
     def _proposer_dir(self) -> str | None:
         from specsched.runtime import bundled
 
         c = self.config
         option = RULES[c.proposer].checkpoint
         if option == "draft":
-            return c.draft or str(bundled.draft_dir())
+            return self._shape_or(c.draft) if c.draft else str(bundled.draft_dir())
         if option == "mtp_head":
-            return c.mtp_head or str(bundled.mtp_dir())
+            return self._shape_or(c.mtp_head) if c.mtp_head else str(bundled.mtp_dir())
         return None
 
     def _scheduler_config(self) -> SchedulerConfig:
@@ -277,7 +288,7 @@ class AsyncEngine:
             ids = self.tokenizer.encode(prompt)
         else:
             ids = _token_ids(prompt)
-            bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequestError(f"token ids outside the vocabulary: {bad[:5]}")
         if not ids:

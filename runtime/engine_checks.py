@@ -23,18 +23,33 @@ class EngineSetup(NamedTuple):
     tokenizer: Tokenizer  # the target's
     max_model_len: int  # the target's max_position_embeddings
     seed_costs: dict | None  # the adaptive draft length's cost profile (`draft_profile`), checked
+    vocab_size: int  # the target's: the token ids a prompt may hold
 
 
 def check_engine(c: EngineConfig, model_dir: str, proposer_dir: str | None,
                  scheduler: SchedulerConfig) -> EngineSetup:
     """Every start-up check, in the order a user would fix them; returns what they read."""
+    from specsched.runtime.checkpoint import load_config
+
     check_inputs(c, model_dir, proposer_dir)
-    tok = Tokenizer(model_dir)
-    check_tokenizers(c, model_dir, proposer_dir, tok)
-    max_len = max_model_len(model_dir)
+    tok = tokenizer(c, model_dir)
+    if c.load_format != "dummy":
+        check_tokenizers(c, model_dir, proposer_dir, tok)
+    config = load_config(model_dir)
+    max_len = config.max_position_embeddings
     check_smallest_request_fits(c, model_dir, max_len, scheduler)
     check_tensor_parallel(c, model_dir)
-    return EngineSetup(tok, max_len, draft_profile(c))
+    return EngineSetup(tok, max_len, draft_profile(c), config.vocab_size)
+
+
+def tokenizer(c: EngineConfig, model_dir: str) -> Tokenizer:
+    """The target's tokenizer; with dummy weights and none beside the config, the bundled one
+    (its text is meaningless anyway: token ids it does not know decode to nothing)."""
+    if c.load_format == "dummy" and not (Path(model_dir) / "tokenizer.json").is_file():
+        from specsched.runtime import bundled
+
+        return Tokenizer(str(bundled.target_dir()))
+    return Tokenizer(model_dir)
 
 
 def check_inputs(c: EngineConfig, model_dir: str, proposer_dir: str | None) -> None:
@@ -87,12 +102,6 @@ def check_tensor_parallel(c: EngineConfig, model_dir: str) -> None:
         check_tp_config(load_config(model_dir), c.tensor_parallel_size)
     except ValueError as e:
         raise ConfigurationError(f"model {model_dir}: {e}") from None
-
-
-def max_model_len(model_dir: str) -> int:
-    from specsched.runtime.checkpoint import load_config
-
-    return load_config(model_dir).max_position_embeddings
 
 
 def check_smallest_request_fits(c: EngineConfig, model_dir: str, max_len: int, scheduler: SchedulerConfig) -> None:

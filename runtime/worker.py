@@ -142,7 +142,8 @@ class ModelWorker:
                                     page_size=c.page_size, num_threads=c.num_threads or 1, channel=c.tp_channel)
         try:  # a failed start stops the ranks it started
             tp = self.tp_leader.tp if self.tp_leader is not None else None
-            self.target = load_model(c.model_dir, dtype=self.dtype, device=self.device, tp=tp)
+            self.load_format = c.load_format
+            self.target = self.load_model(c.model_dir, tp=tp)
             self.backend = self.target.attention_backend(c.attention)
             self.kv = self.target.make_kv_cache(c.num_pages, c.page_size, backend=self.backend)
             self.spec = c.proposer
@@ -379,6 +380,15 @@ class ModelWorker:
         t2 = time.monotonic_ns()
         return VerifyResult(accepted, tokens, np.asarray(draft_lens, dtype=np.int64),
                             (("verify", t0, t1), ("accept", t1, t2)))
+
+    def load_model(self, path: str, tp=None):
+        """A checkpoint in this worker's dtype and device, or with `load_format="dummy"` its
+        shape alone with random weights (runtime/dummy.py)."""
+        if self.load_format == "dummy":
+            from specsched.runtime.dummy import dummy_model
+
+            return dummy_model(path, dtype=self.dtype, device=self.device, tp=tp)
+        return load_model(path, dtype=self.dtype, device=self.device, tp=tp)
 
     def _rates(self, width: int) -> torch.Tensor:
         """Synthetic acceptance's per-position rates for drafts of `width`, on the device (copied once)."""

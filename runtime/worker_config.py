@@ -27,6 +27,7 @@ class WorkerConfig:
     num_pages: int = 1024
     page_size: int = 16
     dtype: str = "float32"
+    load_format: str = "auto"  # "dummy": random weights from config.json (runtime/dummy.py)
     attention: str = "torch"
     device: str = "cpu"  # the torch device: "cpu" or "cuda"
     acceptance: str = "lossless"  # or "threshold", "synthetic"
@@ -66,6 +67,7 @@ class WorkerConfig:
             num_pages=c.num_pages,
             page_size=c.page_size,
             dtype=c.dtype,
+            load_format=c.load_format,
             attention=c.attention,
             device="cuda" if c.device == "cuda" else "cpu",
             acceptance=c.acceptance,

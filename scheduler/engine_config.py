@@ -74,6 +74,10 @@ class EngineConfig(BaseModel):
     model: str | None = Field(None, description="target checkpoint dir (HF layout); None = bundled")
     draft: str | None = Field(None, description="draft checkpoint dir; None = bundled draft")
     mtp_head: str | None = Field(None, description="MTP/EAGLE head dir; None = bundled head")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto", description="'dummy': random weights from each checkpoint's config.json alone (vLLM's "
+        "--load-format dummy, to measure speed); model / draft / mtp_head may then name a shipped shape "
+        "(runtime/shapes: llama-3.2-1b, llama-3.1-8b, their -draft and -mtp)")
     proposer: ProposerName = ProposerKind.NONE.value
     draft_len: int | Literal["auto"] | None = Field(
         None, description="D (tree depth for eagle); 'auto': chosen per step up to max_draft_len "
@@ -170,6 +174,8 @@ class EngineConfig(BaseModel):
             self.schedule = NATURAL_SCHEDULE[self.proposer]
         if self.verify_micro_batches not in (1, 2):
             raise ValueError(f"verify_micro_batches must be 1 or 2, got {self.verify_micro_batches}")
+        if self.load_format == "dummy" and self.tensor_parallel_size > 1:
+            raise ValueError("load_format 'dummy' runs unsharded for now: tensor_parallel_size must be 1")
         if self.tensor_parallel_size > 1 and self.device != "host":
             raise ValueError("tensor_parallel_size > 1 runs on the host device (CPU ranks over gloo); "
                              f"device {self.device!r} needs tensor_parallel_size 1")

@@ -67,12 +67,14 @@ def test_install_outside_the_repo_gives_one_package(tmp_path):
     probe = ("import importlib.util, specsched.scheduler, specsched.runtime.bundled as b, pathlib;"
              "print(specsched.scheduler.__file__);"
              "print(sorted(p.parent.name for p in pathlib.Path(b.__file__).parent.glob('*/model.safetensors')));"
+             "from specsched.runtime.shapes import SHAPES; print(sorted(SHAPES));"
              f"print([n for n in {FOLDERS!r} if importlib.util.find_spec(n) is not None])")
     res = subprocess.run([str(py), "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
-    where, models, leaked = res.stdout.splitlines()
+    where, models, shapes, leaked = res.stdout.splitlines()
     assert Path(where).is_relative_to(venv), where
     assert models == str(["draft", "mtp", "target"])
+    assert "llama-3.1-8b" in shapes and "llama-3.2-1b-mtp" in shapes, shapes  # config files alone
     assert leaked == "[]", f"generic top-level modules installed: {leaked}"
     res = subprocess.run([str(venv / "bin" / "specsched"), "--help"], cwd=tmp_path, env=env,
                          capture_output=True, text=True)

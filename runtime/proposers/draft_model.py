@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specsched.runtime.checkpoint import load_model
 from specsched.runtime.proposers.base import DraftCollector, Proposer, one_hot_or, one_token_forwards, window_reads
 from specsched.runtime.sync_guard import to_device
 from specsched.scheduler.messages import DraftMessage, FillMessage
@@ -22,7 +21,7 @@ from specsched.scheduler.messages import DraftMessage, FillMessage
 class DraftModelProposer(Proposer):
     def __init__(self, worker, proposer_dir: str, num_pages: int):
         super().__init__(worker)
-        self.model = load_model(proposer_dir, dtype=worker.dtype, device=worker.device)
+        self.model = worker.load_model(proposer_dir)
         if self.model.config.vocab_size != worker.target.config.vocab_size:
             raise ValueError(
                 f"draft vocab {self.model.config.vocab_size} != target vocab "

@@ -47,7 +47,12 @@ class HeadProposer(Proposer):
         if proposer_dir is None:
             raise ValueError(f"proposer {spec.kind!r} needs an MTP head directory")
         self.spec = spec
-        self.head = load_head(proposer_dir, worker.target)
+        if worker.load_format == "dummy":
+            from specsched.runtime.dummy import dummy_head
+
+            self.head = dummy_head(proposer_dir, worker.target)
+        else:
+            self.head = load_head(proposer_dir, worker.target)
         self.kv = self.head.make_kv_cache(num_pages, worker.page_size, backend=worker.backend)
         self.kept = HiddenLog()  # target hidden states of forwards whose fill waits
 
