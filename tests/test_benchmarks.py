@@ -369,7 +369,13 @@ def test_every_benchmark_has_a_smoke_setting():
     assert scripts == set(TINY) == set(CHECKS)
 
 
-@pytest.mark.parametrize("script", sorted(TINY))
+# the heaviest smoke runs, over what other tests cover too (a model served, a training step, two ranks): in
+# the slow suite, so the default one stays within its budget
+SLOW_SMOKE = {"hf_compare.py", "train_throughput.py", "engine_warmup.py", "schedules.py", "tensor_parallel.py"}
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SMOKE else s
+                                    for s in sorted(TINY)])
 def test_benchmark_smoke(script):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *TINY[script]],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
