@@ -169,6 +169,21 @@ def _metrics_table(title: str, rows: list[tuple[str, dict]]) -> None:
             Console().print(f"{name}: steps by chosen draft length: {shares}")
 
 
+def acceptance_note(engine_config: dict, extra: dict | None = None) -> str | None:
+    """"acceptance: synthetic (...)" for a run whose acceptance was forced (an engine's
+    `acceptance="synthetic"`, or a replay's `--acceptance synthetic:...`), else None: its
+    acceptance figures are what was asked for, not what a proposer reached."""
+    c = engine_config or {}
+    if c.get("acceptance") == "synthetic":
+        length, rates = c.get("synthetic_acceptance_length"), c.get("synthetic_acceptance_rates")
+        what = f"AL {length:g}" if length is not None else "rates " + ", ".join(f"{r:g}" for r in rates or ())
+        return f"acceptance: synthetic ({what}{', independent' if c.get('synthetic_acceptance_independent') else ''})"
+    simulated = (extra or {}).get("acceptance")
+    if isinstance(simulated, str) and "synthetic:" in simulated:
+        return f"acceptance: {simulated} (simulated)"
+    return None
+
+
 def _num(value, fmt: str) -> str:
     """A number for a table cell; "-" for a metric a run does not have (no finished request)."""
     return "-" if value is None else format(value, fmt)

@@ -13,8 +13,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from specsched.cli.common import (_fail, _metrics_table, _print_json, app, check_output_path, console, engine_config,
-                                  fail_if_requests_failed, parse_draft_len, user_errors)
+from specsched.cli.common import (_fail, _metrics_table, _print_json, acceptance_note, app, check_output_path, console,
+                                  engine_config, fail_if_requests_failed, parse_draft_len, user_errors)
 from specsched.traces.names import PROPOSERS, SCHEDULE_ALIASES, SCHEDULES, Schedule
 
 SCHEDULE_HELP = (f"{'|'.join(SCHEDULES)} (default: the proposer's natural one; "
@@ -331,6 +331,9 @@ def bench(
         _print_json(final)
     else:
         _metrics_table("bench", results)
+        note = acceptance_note(cfg.model_dump())
+        if note:
+            console.print(note)
         if trace:
             console.print(f"trace written to {trace}")
     fail_if_requests_failed(errors, len(items) * len(runs))

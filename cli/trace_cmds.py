@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from specsched.cli.common import _fail, _metrics_table, _print_json, app, check_output_path, console, user_errors
+from specsched.cli.common import (_fail, _metrics_table, _print_json, acceptance_note, app, check_output_path, console,
+                                  user_errors)
 
 
 @app.command()
@@ -23,7 +24,13 @@ def stats(trace: Path, json_out: bool = typer.Option(False, "--json")) -> None:
     if json_out:
         _print_json(m)
     else:
+        from specsched.traces.reader import iter_records
+
         _metrics_table(str(trace), [(trace.name, m)])
+        header = next(iter_records(trace, allow_truncated_tail=True))
+        note = acceptance_note(header.engine_config, header.extra)
+        if note:
+            console.print(note)
 
 
 @app.command()

@@ -380,3 +380,24 @@ def test_demo_summary_table_fits_80_columns_with_every_draft_length_shown(tmp_pa
     for name, _, _, d in RUNS:
         row = next(line.split() for line in lines if line.split()[:1] == [name])
         assert row[1] == (str(d) if d else "-") and row[2] == "1234.5", row
+
+
+def test_stats_says_when_the_acceptance_was_synthetic(tmp_path):
+    """A replay forced to a synthetic acceptance writes a trace whose stats say so; a captured
+    run's do not; an engine configuration's note names what was forced."""
+    from specsched.cli.common import acceptance_note
+
+    out = tmp_path / "synthetic.jsonl"
+    code, _ = run("replay", SAMPLE, "--acceptance", "synthetic:2.5", "--trace", out)
+    assert code == 0
+    code, text = run("stats", out)
+    assert code == 0 and "acceptance: synthetic:2.5 (simulated)" in text
+    code, text = run("stats", SAMPLE)
+    assert code == 0 and "acceptance: synthetic" not in text
+    assert acceptance_note({"acceptance": "synthetic", "synthetic_acceptance_length": 2.5}) == \
+        "acceptance: synthetic (AL 2.5)"
+    assert acceptance_note({"acceptance": "synthetic", "synthetic_acceptance_rates": [0.9, 0.5],
+                            "synthetic_acceptance_independent": True}) == \
+        "acceptance: synthetic (rates 0.9, 0.5, independent)"
+    assert acceptance_note({"acceptance": "lossless"}, {"acceptance": "trace"}) is None
+
