@@ -21,6 +21,13 @@ SCHEDULE_HELP = (f"{'|'.join(SCHEDULES)} (default: the proposer's natural one; "
                  + ", ".join(f"{old!r} = {new!r}" for old, new in SCHEDULE_ALIASES.items()) + ")")
 
 
+# options generate and bench share
+LOAD_FORMAT = typer.Option(None, "--load-format", help="auto | dummy: random weights from config.json alone "
+                           "(--model may name a shipped shape: llama-3.2-1b, llama-3.1-8b)")
+SPECULATIVE_CONFIG = typer.Option(None, "--speculative-config", help="vLLM's speculative config as JSON, e.g. "
+                                  "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
+
+
 @app.command()
 @user_errors
 def generate(
@@ -42,12 +49,8 @@ def generate(
     tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel size: shard the target over N "
                                      "worker processes (default 1)"),
     config_file: Optional[Path] = typer.Option(None, "--config", help="EngineConfig JSON/YAML"),
-    load_format: Optional[str] = typer.Option(None, "--load-format", help="auto | dummy: random weights "
-                                              "from config.json alone (--model may name a shipped shape: "
-                                              "llama-3.2-1b, llama-3.1-8b)"),
-    speculative_config: Optional[str] = typer.Option(None, "--speculative-config", help="vLLM's speculative "
-                                                     "config as JSON, e.g. '{\"method\": \"ngram\", "
-                                                     "\"num_speculative_tokens\": 4}'"),
+    load_format: Optional[str] = LOAD_FORMAT,
+    speculative_config: Optional[str] = SPECULATIVE_CONFIG,
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Generate text from the bundled model (or any HF-layout Llama checkpoint)."""
@@ -249,12 +252,8 @@ def bench(
     otlp: Optional[str] = typer.Option(None, help="export spans live over OTLP/HTTP to this URL "
                                        "(default: on when OTEL_EXPORTER_OTLP_ENDPOINT is set)"),
     config_file: Optional[Path] = typer.Option(None, "--config"),
-    load_format: Optional[str] = typer.Option(None, "--load-format", help="auto | dummy: random weights "
-                                              "from config.json alone (--model may name a shipped shape: "
-                                              "llama-3.2-1b, llama-3.1-8b)"),
-    speculative_config: Optional[str] = typer.Option(None, "--speculative-config", help="vLLM's speculative "
-                                                     "config as JSON, e.g. '{\"method\": \"ngram\", "
-                                                     "\"num_speculative_tokens\": 4}'"),
+    load_format: Optional[str] = LOAD_FORMAT,
+    speculative_config: Optional[str] = SPECULATIVE_CONFIG,
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Run a workload through the engine; metrics from the run's own trace."""

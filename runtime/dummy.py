@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specsched.runtime.checkpoint import CheckpointError, load_config
+from specsched.runtime.checkpoint import CheckpointError, load_config, load_model
 from specsched.runtime.model import LlamaModel
-from specsched.runtime.mtp_head import MTPHead, check_aux_layers, load_head_config
+from specsched.runtime.mtp_head import MTPHead, check_aux_layers, load_head, load_head_config
 from specsched.runtime.parallel import TPGroup, check_tp_config
 
 STD = 0.02
@@ -64,3 +64,16 @@ def dummy_head(path: str | Path, target: LlamaModel, seed: int = 0) -> MTPHead:
         head = MTPHead(config, norms, tp=target.tp, aux_layers=aux)
     head = fill_random_(head.to(dtype=target.dtype), seed)
     return head.requires_grad_(False).eval().bind(target)
+
+
+def load(path: str | Path, load_format: str, dtype: torch.dtype, device: torch.device | str,
+         tp: TPGroup | None = None) -> LlamaModel:
+    """A target or draft model: the checkpoint's weights, or with `load_format="dummy"` its shape alone."""
+    if load_format == "dummy":
+        return dummy_model(path, dtype=dtype, device=device, tp=tp)
+    return load_model(path, dtype=dtype, device=device, tp=tp)
+
+
+def load_head_for(path: str | Path, target: LlamaModel, load_format: str) -> MTPHead:
+    """An MTP (or EAGLE) head bound to `target`: the checkpoint's, or with `load_format="dummy"` its shape alone."""
+    return dummy_head(path, target) if load_format == "dummy" else load_head(path, target)

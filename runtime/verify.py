@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from specsched.runtime.sampling import sample, uniform_noise
+from specsched.runtime.sync_guard import to_device
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -195,6 +196,24 @@ def synthetic_accepted(rates: torch.Tensor, rows: int, generator: torch.Generato
         return ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
     u = torch.rand(rows, generator=generator, device=rates.device)
     return (u.unsqueeze(-1) < rates).sum(dim=1).to(torch.int64)
+
+
+class SyntheticDraws:
+    """A worker's synthetic acceptance (scheduler/synthetic.py): its per-position rates on the
+    device (copied once per draft width) and a seeded generator, so a run's forced acceptance
+    repeats."""
+
+    def __init__(self, synthetic, device: torch.device):
+        self.synthetic, self.device = synthetic, device
+        self.generator = torch.Generator(device=device).manual_seed(0)
+        self._rates: dict[int, torch.Tensor] = {}
+
+    def accepted(self, width: int, rows: int) -> torch.Tensor:
+        """[rows] drafts accepted of rows drafting up to `width`."""
+        rates = self._rates.get(width)
+        if rates is None:
+            rates = self._rates[width] = to_device(self.synthetic.rates(width), self.device, torch.float32)
+        return synthetic_accepted(rates, rows, self.generator, self.synthetic.independent)
 
 
 def synthetic_verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_probs: torch.Tensor,

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from specsched.runtime.checkpoint import load_model
+from specsched.runtime.dummy import load
 from specsched.runtime.proposers.factory import make_proposer
 from specsched.runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
-from specsched.runtime.verify import (greedy_verify, rejection_verify, synthetic_accepted, synthetic_verify,
+from specsched.runtime.verify import (SyntheticDraws, greedy_verify, rejection_verify, synthetic_verify,
                                      threshold_verify)
 from specsched.runtime.worker_config import WorkerConfig
 from specsched.scheduler.messages import (AgreementMessage, AgreementResult, DraftMessage, DraftResult, FillMessage, FillResult, ForwardMessage,
@@ -143,7 +143,7 @@ class ModelWorker:
         try:  # a failed start stops the ranks it started
             tp = self.tp_leader.tp if self.tp_leader is not None else None
             self.load_format = c.load_format
-            self.target = self.load_model(c.model_dir, tp=tp)
+            self.target = load(c.model_dir, c.load_format, self.dtype, self.device, tp)
             self.backend = self.target.attention_backend(c.attention)
             self.kv = self.target.make_kv_cache(c.num_pages, c.page_size, backend=self.backend)
             self.spec = c.proposer
@@ -151,10 +151,7 @@ class ModelWorker:
             self.threshold = c.threshold
             if c.acceptance == "synthetic" and c.synthetic is None:
                 raise ValueError("acceptance 'synthetic' needs its definition (WorkerConfig.synthetic)")
-            self.synthetic = c.synthetic
-            # the synthetic draws' generator, seeded: a run's forced acceptance repeats
-            self.synthetic_gen = make_generator(0, self.device) if c.synthetic is not None else None
-            self._synthetic_rates: dict[int, torch.Tensor] = {}  # draft width -> rates on the device
+            self.synthetic = SyntheticDraws(c.synthetic, self.device) if c.synthetic is not None else None
             self.states: dict[int, SeqState] = {}
             # request tokens live on the device, indexed by slot; a step's drafts sit right after
             # each row's last token, where the verify reads them with it in one gather
@@ -350,7 +347,7 @@ class ModelWorker:
             all_greedy = all(st.greedy for st in rows)
             if self.acceptance == "synthetic":
                 probs = logits_to_probs(logits.reshape(b * width, -1), self.sampling_tensors(rows, width))
-                drawn = synthetic_accepted(self._rates(width - 1), b, self.synthetic_gen, self.synthetic.independent)
+                drawn = self.synthetic.accepted(width - 1, b)
                 res = synthetic_verify(draft_t, nd, probs.view(b, width, -1), drawn, [st.generator for st in rows])
             elif self.acceptance == "threshold":
                 probs = logits_to_probs(logits.reshape(b * width, -1), self.sampling_tensors(rows, width))
@@ -380,23 +377,6 @@ class ModelWorker:
         t2 = time.monotonic_ns()
         return VerifyResult(accepted, tokens, np.asarray(draft_lens, dtype=np.int64),
                             (("verify", t0, t1), ("accept", t1, t2)))
-
-    def load_model(self, path: str, tp=None):
-        """A checkpoint in this worker's dtype and device, or with `load_format="dummy"` its
-        shape alone with random weights (runtime/dummy.py)."""
-        if self.load_format == "dummy":
-            from specsched.runtime.dummy import dummy_model
-
-            return dummy_model(path, dtype=self.dtype, device=self.device, tp=tp)
-        return load_model(path, dtype=self.dtype, device=self.device, tp=tp)
-
-    def _rates(self, width: int) -> torch.Tensor:
-        """Synthetic acceptance's per-position rates for drafts of `width`, on the device (copied once)."""
-        rates = self._synthetic_rates.get(width)
-        if rates is None:
-            rates = self._synthetic_rates[width] = to_device(
-                torch.tensor(self.synthetic.rates(width), dtype=torch.float32), self.device)
-        return rates
 
     def _verify_forward(self, plan: AttentionPlan, step: Any, positions: torch.Tensor, input_ids: torch.Tensor,
                         b: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specsched.runtime.dummy import load
 from specsched.runtime.proposers.base import DraftCollector, Proposer, one_hot_or, one_token_forwards, window_reads
 from specsched.runtime.sync_guard import to_device
 from specsched.scheduler.messages import DraftMessage, FillMessage
@@ -21,7 +22,7 @@ from specsched.scheduler.messages import DraftMessage, FillMessage
 class DraftModelProposer(Proposer):
     def __init__(self, worker, proposer_dir: str, num_pages: int):
         super().__init__(worker)
-        self.model = worker.load_model(proposer_dir)
+        self.model = load(proposer_dir, worker.load_format, worker.dtype, worker.device)
         if self.model.config.vocab_size != worker.target.config.vocab_size:
             raise ValueError(
                 f"draft vocab {self.model.config.vocab_size} != target vocab "

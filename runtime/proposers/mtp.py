@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specsched.runtime.mtp_head import load_head
+from specsched.runtime.dummy import load_head_for
 from specsched.runtime.proposers.base import DraftCollector, Proposer, one_hot_or, one_token_forwards, window_reads
 from specsched.runtime.proposers.hidden_log import HiddenLog
 from specsched.runtime.sync_guard import to_device
@@ -47,12 +47,7 @@ class HeadProposer(Proposer):
         if proposer_dir is None:
             raise ValueError(f"proposer {spec.kind!r} needs an MTP head directory")
         self.spec = spec
-        if worker.load_format == "dummy":
-            from specsched.runtime.dummy import dummy_head
-
-            self.head = dummy_head(proposer_dir, worker.target)
-        else:
-            self.head = load_head(proposer_dir, worker.target)
+        self.head = load_head_for(proposer_dir, worker.target, worker.load_format)
         self.kv = self.head.make_kv_cache(num_pages, worker.page_size, backend=worker.backend)
         self.kept = HiddenLog()  # target hidden states of forwards whose fill waits
 
