@@ -29,7 +29,7 @@ import itertools
 
 import numpy as np
 
-from specsched.scheduler.small_arrays import SMALL_BATCH  # `outcomes` takes up to this many rows one by one
+from specsched.scheduler.small_arrays import SMALL_BATCH  # `outcomes` looks up to this many rows one by one
 from specsched.scheduler.synthetic import SyntheticAcceptance
 
 
@@ -130,46 +130,55 @@ class AcceptanceModel:
         """(accepted, drafted) for a row that may draft `draft_len` tokens at this output
         position. Drafted is less where the proposer drafts nothing (an n-gram miss): as
         recorded at the captured configuration, else at the trace's rate of such rows."""
-        if draft_len <= 0:
-            return 0, 0
-        if self.mode == "synthetic":
-            return int(self.synthetic.draw(np.array([draft_len]), self.rng)[0]), draft_len
-        if self.mode == "bernoulli":
-            fails = self.rng.random(draft_len) >= self.alpha
-            return (int(np.argmax(fails)) if fails.any() else draft_len), draft_len
-        if self.mode == "trace":
-            rec = self.recorded.get(request_index, {}).get(out_pos)
-            if rec is not None and self._recorded_holds(rec[0], rec[1], draft_len):
-                return min(rec[0], draft_len), min(rec[1], draft_len)
-        agree = self.agreement.get(request_index) if self.mode == "trace" else None
+        accepted, drafted = self.outcomes(np.array([request_index]), np.array([out_pos]), np.array([draft_len]))
+        return int(accepted[0]), int(drafted[0])
+
+    def _known(self, request_index: int, out_pos: int, draft_len: int) -> tuple[int, int] | None:
+        """A row's outcome from the trace's data (its recorded step, else its agreement run),
+        None where the trace does not decide it."""
+        rec = self.recorded.get(request_index, {}).get(out_pos)
+        if rec is not None and self._recorded_holds(rec[0], rec[1], draft_len):
+            return min(rec[0], draft_len), min(rec[1], draft_len)
+        agree = self.agreement.get(request_index)
         if agree is not None and (self.exact_max_d is None or draft_len <= self.exact_max_d):
             a = 0
             while a < draft_len and out_pos + a < len(agree) and agree[out_pos + a]:
                 a += 1
             return a, draft_len
-        if self.draft_rate < 1.0 and self.rng.random() >= self.draft_rate:
-            return 0, 0  # this row drafts nothing, as that share of the trace's rows did
-        a = 0
-        while a < draft_len:
-            p = self.rates[a] if a < len(self.rates) else (self.rates[-1] if self.rates else 0.0)
-            if self.rng.random() >= p:
-                break
-            a += 1
-        return a, draft_len
+        return None
+
+    def _drawn(self, draft_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(accepted, drafted) of rows the trace does not decide, drawn whole-array: first
+        whether each drafts at all (the trace's share of rows that drafted something), then
+        each position accepted with its conditional rate (Bernoulli: alpha) until one fails."""
+        n, width = draft_len.shape[0], int(draft_len.max(initial=0))
+        drafted = draft_len.copy()
+        if self.draft_rate < 1.0:
+            drafted[self.rng.random(n) >= self.draft_rate] = 0  # drafts nothing, as that share of the trace's rows
+        if self.mode == "bernoulli":
+            p = np.full(width, self.alpha)
+        else:
+            p = np.array([self.rates[k] if k < len(self.rates) else (self.rates[-1] if self.rates else 0.0)
+                          for k in range(width)])
+        ok = self.rng.random((n, width)) < p[None, :]
+        return np.minimum(np.cumprod(ok, axis=1).sum(axis=1), drafted), drafted
 
     def outcomes(self, index: np.ndarray, out_pos: np.ndarray, draft_len: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
-        """`outcome` for a verify's rows at once: ([B] accepted, [B] drafted). Rows replayed
-        from the trace's data are whole-array lookups; rows priced from rates or Bernoulli
-        draws take their random numbers row by row, in row order (as `outcome` does)."""
+        """(accepted, drafted) of a verify's rows at once ([B] each). Rows the trace decides
+        (`trace` mode: recorded steps, agreement runs) are looked up, whole-array past a few
+        rows; the others are drawn for all of them at once (`_drawn`)."""
         draft_len = np.asarray(draft_len, dtype=np.int64)
         if self.mode == "synthetic":  # every row drafts what it was asked to; one draw for them all
             return self.synthetic.draw(draft_len, self.rng), np.maximum(draft_len, 0)
         accepted = np.zeros(draft_len.shape[0], dtype=np.int64)
         drafted = np.zeros(draft_len.shape[0], dtype=np.int64)
         todo = draft_len > 0
-        if draft_len.shape[0] <= SMALL_BATCH:  # a handful of rows: the array calls would cost more
-            todo[:] = True
+        if self.mode == "trace" and draft_len.shape[0] <= SMALL_BATCH:  # a handful of rows: one by one
+            for r in todo.nonzero()[0].tolist():
+                known = self._known(int(index[r]), int(out_pos[r]), int(draft_len[r]))
+                if known is not None:
+                    (accepted[r], drafted[r]), todo[r] = known, False
         elif self.mode == "trace" and todo.any():
             if self._tables is None:
                 self._tables = _lookup_tables(self.recorded, self.agreement)
@@ -182,19 +191,19 @@ class AcceptanceModel:
                 accepted[hit] = np.minimum(ra, draft_len)[hit]
                 drafted[hit] = np.minimum(rd, draft_len)[hit]
                 todo &= ~hit
-            if has_agree.size and runs.shape[1]:
+            if has_agree.size:
                 known = index < has_agree.shape[0]
                 i = np.where(known, index, 0)
                 agree = todo & known & has_agree[i]
                 if self.exact_max_d is not None:
                     agree &= draft_len <= self.exact_max_d
-                inside = (out_pos >= 0) & (out_pos < runs.shape[1])
-                run = np.where(inside, runs[i, np.where(inside, out_pos, 0)], 0)
+                inside = (out_pos >= 0) & (out_pos < runs.shape[1])  # past its agreement: none agrees
+                run = np.where(inside, runs[i, np.where(inside, out_pos, 0)], 0) if runs.shape[1] else 0
                 accepted[agree] = np.minimum(run, draft_len)[agree]
                 drafted[agree] = draft_len[agree]
                 todo &= ~agree
-        for r in todo.nonzero()[0].tolist():
-            accepted[r], drafted[r] = self.outcome(int(index[r]), int(out_pos[r]), int(draft_len[r]))
+        if todo.any():
+            accepted[todo], drafted[todo] = self._drawn(draft_len[todo])
         return accepted, drafted
 
     def accept(self, request_index: int, out_pos: int, draft_len: int) -> int:

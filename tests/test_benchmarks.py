@@ -409,6 +409,22 @@ def test_simulator_speed_table():
         assert all(v.endswith("x") and float(v[:-1]) > 0 for v in (ms_ratio, base_rt, this_rt, rt_ratio))
 
 
+def test_simulator_speed_replays_a_serving_sized_workload():
+    """`--requests N --output-len L`: N copies each generating L tokens; at synthetic AL 1 (no
+    draft accepted) and one seat every step emits one token, so the steps are N x L plus the
+    prefills; an acceptance the sample cannot replay at that length is refused."""
+    script = str(ROOT / "benchmarks" / "simulator_speed.py")
+    args = [sys.executable, script, "--concurrency", "1", "--repeats", "1", "--min-seconds", "0",
+            "--requests", "3", "--output-len", "20"]
+    res = subprocess.run([*args, "--acceptance", "synthetic:1"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-4000:]
+    (row,) = _table_rows(res.stdout)
+    assert row[:3] == ["1", "3", str(3 * 20)]  # the first token comes from the prefill: 19 + 1 steps each
+    res = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--output-len needs --acceptance synthetic" in res.stderr
+
+
 def test_gpu_check_says_what_it_skips_and_judges_the_gpu_targets():
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -448,6 +448,27 @@ def test_acceptance_modes():
         AcceptanceModel.parse("magic", trace)
 
 
+@pytest.mark.parametrize("rows", [3, 4000])  # a step's few rows, or many at once
+def test_drawn_acceptance_has_the_asked_rates(rows):
+    """Rows the trace does not decide are drawn whole-array: Bernoulli alpha accepts k or more
+    drafts with probability alpha^k; trace rates are conditional per position, and the trace's
+    share of rows that drafted nothing drafts nothing."""
+    n = 12000
+    draws = lambda m: np.concatenate([np.stack(m.outcomes(np.zeros(rows, dtype=np.int64),  # noqa: E731
+                                                          np.zeros(rows, dtype=np.int64), np.full(rows, 4)))
+                                      for _ in range(n // rows)], axis=1)
+    acc, drafted = draws(AcceptanceModel("bernoulli", alpha=0.7, seed=1))
+    assert (drafted == 4).all()
+    for k in range(1, 5):
+        assert np.mean(acc >= k) == pytest.approx(0.7 ** k, abs=0.02)
+    acc, drafted = draws(AcceptanceModel("rates", rates=[0.8, 0.5], draft_rate=0.9, seed=2))
+    assert np.mean(drafted == 0) == pytest.approx(0.1, abs=0.015) and (acc[drafted == 0] == 0).all()
+    acc = acc[drafted > 0]
+    assert np.mean(acc >= 1) == pytest.approx(0.8, abs=0.02)
+    assert np.mean(acc[acc >= 1] >= 2) == pytest.approx(0.5, abs=0.02)
+    assert np.mean(acc[acc >= 2] >= 3) == pytest.approx(0.5, abs=0.03)  # past the rates: the last one
+
+
 def test_a_change_of_workload_switches_acceptance_at_a_request():
     """`A>B@N`: the first N requests (arrival order) draw from A, the rest from B, in a batch
     that mixes both; a malformed spec names the form."""
@@ -569,15 +590,15 @@ def test_replay_of_a_measured_run_is_close_and_writes_a_readable_trace(tiny_fami
 @settings(max_examples=60, deadline=None, database=None)
 def test_a_verify_s_outcomes_at_once_equal_row_by_row(data):
     """The responder's whole-array acceptance gives each row what `outcome` gives it: recorded
-    steps first, then agreement runs (up to exact_max_d), then the trace's rates (drawn in row
-    order, so the random numbers line up too)."""
+    steps first, then agreement runs (up to exact_max_d), then the trace's rates (here 1, 1, 0,
+    so that the drawn rows are known too: accepted min(2, D))."""
     n_req = data.draw(st.integers(1, 6))
     recorded = {i: {p: (a, d) for p, (a, d) in data.draw(st.dictionaries(
         st.integers(0, 12), st.tuples(st.integers(0, 4), st.integers(0, 4)), max_size=6)).items()}
         for i in range(n_req) if data.draw(st.booleans())}
     agreement = {i: data.draw(st.lists(st.integers(0, 1), max_size=14)) for i in range(n_req)
                  if data.draw(st.booleans())}
-    kw = dict(agreement=agreement, rates=[0.8, 0.5, 0.3], recorded=recorded, draft_rate=0.9,
+    kw = dict(agreement=agreement, rates=[1.0, 1.0, 0.0], recorded=recorded, draft_rate=1.0,
               exact_max_d=data.draw(st.sampled_from([None, 1, 2])))
     rows = data.draw(st.integers(1, 3 * SMALL_BATCH))
     index = np.array(data.draw(st.lists(st.integers(0, n_req - 1), min_size=rows, max_size=rows)))
