@@ -169,15 +169,17 @@ def _metrics_table(title: str, rows: list[tuple[str, dict]]) -> None:
             Console().print(f"{name}: steps by chosen draft length: {shares}")
 
 
-def acceptance_note(engine_config: dict, extra: dict | None = None) -> str | None:
+def acceptance_note(engine_config: dict, extra: dict | None = None, own: int = 0) -> str | None:
     """"acceptance: synthetic (...)" for a run whose acceptance was forced (an engine's
     `acceptance="synthetic"`, or a replay's `--acceptance synthetic:...`), else None: its
-    acceptance figures are what was asked for, not what a proposer reached."""
+    acceptance figures are what was asked for, not what a proposer reached. `own`: how many
+    requests set their own (the workload's `synthetic_acceptance_*`)."""
     c = engine_config or {}
     if c.get("acceptance") == "synthetic":
         length, rates = c.get("synthetic_acceptance_length"), c.get("synthetic_acceptance_rates")
         what = f"AL {length:g}" if length is not None else "rates " + ", ".join(f"{r:g}" for r in rates or ())
-        return f"acceptance: synthetic ({what}{', independent' if c.get('synthetic_acceptance_independent') else ''})"
+        mine = f"; {own} requests their own" if own else ""
+        return f"acceptance: synthetic ({what}{', independent' if c.get('synthetic_acceptance_independent') else ''}{mine})"
     simulated = (extra or {}).get("acceptance")
     if isinstance(simulated, str) and "synthetic:" in simulated:
         return f"acceptance: {simulated} (simulated)"

@@ -213,11 +213,11 @@ def train_mtp_cmd(
 
 
 def _workload(workload: str, num_requests: Optional[int], max_tokens: Optional[int], temperature: Optional[float]):
-    from specsched.runtime.bundled import workload_path
+    from specsched.runtime.bundled import transition_workload_path, workload_path
     from specsched.runtime.workload import load_workload
     from specsched.scheduler.errors import InvalidRequestError
 
-    path = workload_path() if workload == "default" else Path(workload)
+    path = {"default": workload_path, "transition": transition_workload_path}.get(workload, lambda: Path(workload))()
     try:
         return load_workload(path, limit=num_requests, max_tokens=max_tokens, temperature=temperature)
     except InvalidRequestError as e:
@@ -230,7 +230,8 @@ def bench(
     model: Optional[str] = typer.Option(None),
     draft: Optional[str] = typer.Option(None),
     mtp_head: Optional[str] = typer.Option(None, "--mtp-head"),
-    workload: str = typer.Option("default", help="'default' (bundled prompts) or a JSONL file"),
+    workload: str = typer.Option("default", help="'default' (bundled prompts), 'transition' (the same in four "
+                                 "phases of synthetic AL 1.5 / 3.5 / 1.5 / 3.5) or a JSONL file"),
     num_requests: Optional[int] = typer.Option(None, "--num-requests"),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="override every request's max_tokens"),
     temperature: Optional[float] = typer.Option(None, help="override every request's temperature"),
@@ -326,11 +327,17 @@ def bench(
     final = results[-1][1]
     if compare_plain:
         final["speedup_vs_plain"] = final["output_tokens_per_s"] / results[0][1]["output_tokens_per_s"]
+    own = sum(it.params.synthetic() is not None for it in items)
+    note = acceptance_note(cfg.model_dump(), own=own)
     if json_out:
+        if note:  # the acceptance figures were forced: the JSON says so as the table does
+            final["synthetic_acceptance"] = {"length": cfg.synthetic_acceptance_length,
+                                             "rates": cfg.synthetic_acceptance_rates,
+                                             "independent": cfg.synthetic_acceptance_independent,
+                                             "requests_with_their_own": own}
         _print_json(final)
     else:
         _metrics_table("bench", results)
-        note = acceptance_note(cfg.model_dump())
         if note:
             console.print(note)
         if trace:

@@ -85,7 +85,7 @@ def replay_cmd(
                                      "nothing, not from what the captured run's had learned (its trace header)"),
     rate_scale: float = typer.Option(1.0, "--rate-scale"),
     concurrency: Optional[int] = typer.Option(None),
-    acceptance: str = typer.Option("trace", help="trace | rates | bernoulli:ALPHA | synthetic:AL | synthetic:r1,r2,... | A>B@N (a change of workload: the first N requests A, the rest B)"),
+    acceptance: str = typer.Option("trace", help="trace | rates | bernoulli:ALPHA | synthetic (the trace's) | synthetic:AL | synthetic:r1,r2,... | A>B@N (a change of workload: the first N requests A, the rest B)"),
     profile: Optional[Path] = typer.Option(None, help="cost profile JSON (default: fit from the trace)"),
     trace_out: Optional[Path] = typer.Option(None, "--trace", help="write the simulated trace"),
     settings: list[str] = typer.Option([], "--set", help="engine what-if, KEY=VALUE: max_num_seqs, "

@@ -304,6 +304,15 @@ class AsyncEngine:
                 f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the model's "
                 f"{self.max_model_len} positions"
             )
+        own = params.synthetic()
+        if own is not None:
+            if c.acceptance != "synthetic":
+                raise InvalidRequestError("synthetic_acceptance_length / _rates need an engine with acceptance "
+                                          f"'synthetic' (this one's is {c.acceptance!r})")
+            try:
+                own.check(c.proposer_spec().max_accept)
+            except ValueError as e:
+                raise InvalidRequestError(str(e)) from None
         pages = max_pages_needed(self._scheduler_config(), c.page_size, len(ids), params.max_tokens)
         if pages > c.num_pages:
             raise InvalidRequestError(

@@ -242,3 +242,29 @@ def greedy_tree_verify(
     out = torch.cat([tokens, tokens.new_full((b, 1), -1)], dim=1)
     out.scatter_(1, num_accepted.unsqueeze(-1), argmax.gather(1, best.unsqueeze(-1)))
     return TreeVerifyResult(num_accepted, best, nodes, out, num_accepted + 1)
+
+
+def synthetic_tree_verify(
+    tree_tokens: torch.Tensor,
+    tree: TreeSpec,
+    target_probs: torch.Tensor,
+    num_accepted: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+) -> TreeVerifyResult:
+    """Forced acceptance on a tree (`runtime.verify.synthetic_verify`'s for chains): row i keeps
+    the path to the first node (lowest index) at depth num_accepted[i], then the target's token
+    after it, drawn from p there (a greedy row's is its argmax). tree_tokens [B, T],
+    target_probs [B, T, V] (row j: after node j), num_accepted [B] drawn on the device."""
+    spec = tree.to(tree_tokens.device)
+    b, t = tree_tokens.shape
+    nodes = torch.arange(t, device=tree_tokens.device)
+    first = torch.full((spec.max_depth + 1,), t, dtype=torch.int64, device=tree_tokens.device)
+    first = first.scatter_reduce(0, spec.depths, nodes, reduce="amin")  # the first node at each depth
+    depth = num_accepted.to(tree_tokens.device).clamp(0, spec.max_depth)
+    best = first[depth]
+    path = spec.paths[best]
+    tokens = torch.where(path >= 0, tree_tokens.to(torch.int64).gather(1, path.clamp(min=0)), -1)
+    bonus = sample(target_probs[torch.arange(b, device=tree_tokens.device), best].float(), generators)
+    out = torch.cat([tokens, tokens.new_full((b, 1), -1)], dim=1)
+    out.scatter_(1, depth.unsqueeze(-1), bonus.to(torch.int64).unsqueeze(-1))
+    return TreeVerifyResult(depth, best, path, out, depth + 1)

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from specsched.runtime.sampling import sample, uniform_noise
@@ -185,12 +187,13 @@ def threshold_verify(
 def synthetic_accepted(rates: torch.Tensor, rows: int, generator: torch.Generator | None,
                        independent: bool = False) -> torch.Tensor:
     """[rows] drafts accepted under synthetic acceptance (scheduler/synthetic.py: the rates
-    [D] are its unconditional per-position ones): one uniform per row, accepting the positions
-    whose rate exceeds it, or with `independent` one per position, each accepted with
-    r_k / r_(k-1) once the ones before were. Drawn on the rates' device, no host read."""
-    d = rates.shape[0]
+    [D], or [rows, D] one set per row, are its unconditional per-position ones): one uniform
+    per row, accepting the positions whose rate exceeds it, or with `independent` one per
+    position, each accepted with r_k / r_(k-1) once the ones before were. Drawn on the rates'
+    device, no host read."""
+    d = rates.shape[-1]
     if independent:
-        before = torch.cat([rates.new_ones(1), rates[:-1]])
+        before = torch.cat([torch.ones_like(rates[..., :1]), rates[..., :-1]], dim=-1)
         step = torch.where(before > 0, rates / before.clamp_min(_TINY), torch.zeros_like(rates))
         ok = torch.rand((rows, d), generator=generator, device=rates.device) < step
         return ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
@@ -201,15 +204,21 @@ def synthetic_accepted(rates: torch.Tensor, rows: int, generator: torch.Generato
 class SyntheticDraws:
     """A worker's synthetic acceptance (scheduler/synthetic.py): its per-position rates on the
     device (copied once per draft width) and a seeded generator, so a run's forced acceptance
-    repeats."""
+    repeats. A request with its own (`SamplingParams.synthetic_acceptance_*`) gets its rates
+    in a step's [rows, D] table, built on the host from what it knows."""
 
     def __init__(self, synthetic, device: torch.device):
         self.synthetic, self.device = synthetic, device
         self.generator = torch.Generator(device=device).manual_seed(0)
         self._rates: dict[int, torch.Tensor] = {}
 
-    def accepted(self, width: int, rows: int) -> torch.Tensor:
-        """[rows] drafts accepted of rows drafting up to `width`."""
+    def accepted(self, width: int, rows: int, own: Sequence[Any] = ()) -> torch.Tensor:
+        """[rows] drafts accepted of rows drafting up to `width`; `own[i]`: row i's own
+        synthetic acceptance, or None for the engine's."""
+        if any(a is not None for a in own):
+            table = np.stack([(a or self.synthetic).rates(width) for a in own])
+            return synthetic_accepted(to_device(table, self.device, torch.float32), rows, self.generator,
+                                      self.synthetic.independent)
         rates = self._rates.get(width)
         if rates is None:
             rates = self._rates[width] = to_device(self.synthetic.rates(width), self.device, torch.float32)

@@ -48,6 +48,7 @@ class SeqState:
     top_k: int
     top_p: float
     generator: torch.Generator | None
+    synthetic: Any = None  # its own synthetic acceptance (a SyntheticAcceptance), None: the engine's
     carried: torch.Tensor | None = None  # [V] proposer logits for the next token
     draft_len: int = 0  # this step's drafts in the worker's draft buffer (known without a sync)
     draft_q: torch.Tensor | None = None  # [D, V] draft distributions (sampled requests)
@@ -236,7 +237,7 @@ class ModelWorker:
     def _register(self, msg: ForwardMessage) -> None:
         for r in msg.register:
             self.states[r.slot] = SeqState(float(r.temperature), int(r.top_k), float(r.top_p),
-                                           make_generator(r.seed, self.device))
+                                           make_generator(r.seed, self.device), r.synthetic)
             self.tokens.register(r.slot, list(r.token_ids))
             self.proposer.register(r.slot, r.token_ids)
 
@@ -347,7 +348,7 @@ class ModelWorker:
             all_greedy = all(st.greedy for st in rows)
             if self.acceptance == "synthetic":
                 probs = logits_to_probs(logits.reshape(b * width, -1), self.sampling_tensors(rows, width))
-                drawn = self.synthetic.accepted(width - 1, b)
+                drawn = self.synthetic.accepted(width - 1, b, [st.synthetic for st in rows])
                 res = synthetic_verify(draft_t, nd, probs.view(b, width, -1), drawn, [st.generator for st in rows])
             elif self.acceptance == "threshold":
                 probs = logits_to_probs(logits.reshape(b * width, -1), self.sampling_tensors(rows, width))

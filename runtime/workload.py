@@ -1,6 +1,11 @@
 """Workload files: one request per line (prompt, max_tokens, optional arrival and sampling).
 
     {"prompt": "def f(x):", "max_tokens": 64, "arrival_s": 0.5, "temperature": 0.0}
+    {"prompt": [1, 2, 3], "max_tokens": 64, "synthetic_acceptance_length": 3.5}
+
+A request's `synthetic_acceptance_length` / `_rates` force its acceptance under an engine with
+synthetic acceptance (`SamplingParams`): a workload that changes them midway has acceptance
+phases (runtime/bundled/transition.jsonl).
 
 Bad lines are rejected with file:line and the field, before anything runs: `load_workload`
 checks each line's shape and sampling parameters; whether a prompt suits the model (its
@@ -18,7 +23,8 @@ import orjson
 from specsched.scheduler.errors import InvalidRequestError
 from specsched.scheduler.sampling_params import SamplingParams
 
-_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+                  "synthetic_acceptance_length", "synthetic_acceptance_rates")
 MAX_ARRIVAL_S = 86_400  # a benchmark's arrivals lie within a day (1e308 s would sleep forever)
 
 

@@ -54,9 +54,13 @@ def speculative_fields(spec: Mapping[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"speculative_config: unsupported key {unknown[0]!r} (supported: {', '.join(sorted(known))})")
     method = spec.get("method")
-    if method not in VLLM_METHODS:
+    if method is None and spec.get("model") is not None:
+        method = "draft_model"  # vLLM's reading of a model without a method
+    if method is not None and method not in VLLM_METHODS:
         raise ValueError(f"speculative_config: method {method!r} is not one of {', '.join(VLLM_METHODS)}")
-    out: dict[str, Any] = {"proposer": VLLM_METHODS[method]}
+    # without a method (and model) the configuration's own proposer speculates: e.g. only the
+    # synthetic acceptance given here
+    out: dict[str, Any] = {} if method is None else {"proposer": VLLM_METHODS[method]}
     out.update({VLLM_KEYS[k]: v for k, v in spec.items() if k in VLLM_KEYS})
     if spec.get("model") is not None:
         out["draft" if method == "draft_model" else "mtp_head"] = spec["model"]
@@ -213,8 +217,8 @@ class EngineConfig(BaseModel):
             if given:
                 raise ValueError(f"{given[0]} needs acceptance 'synthetic' (acceptance is {self.acceptance!r})")
             return
-        if self.proposer in (ProposerKind.NONE, ProposerKind.EAGLE):
-            raise ValueError(f"acceptance 'synthetic' needs a linear proposer (draft, mtp, ngram), not {self.proposer!r}")
+        if self.proposer == ProposerKind.NONE:
+            raise ValueError("acceptance 'synthetic' needs a proposer (draft, mtp, eagle, ngram), not 'none'")
         self.synthetic().check(spec.max_accept)
 
     def synthetic(self) -> SyntheticAcceptance | None:

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from specsched.scheduler.plan import AttentionPlan
+from specsched.scheduler.synthetic import SyntheticAcceptance
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +86,7 @@ class Registration:
     top_k: int
     top_p: float
     seed: int | None
+    synthetic: SyntheticAcceptance | None = None  # its own synthetic acceptance (SamplingParams.synthetic)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -77,7 +77,7 @@ def registrations(batch: StepBatch) -> tuple[Registration, ...]:
     for i in (batch.start == 0).nonzero()[0].tolist():
         r = batch.requests[i]
         p = r.params
-        out.append(Registration(r.slot, r.all_token_ids, p.temperature, p.top_k, p.top_p, p.seed))
+        out.append(Registration(r.slot, r.all_token_ids, p.temperature, p.top_k, p.top_p, p.seed, p.synthetic()))
     return tuple(out)
 
 

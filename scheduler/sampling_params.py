@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import math
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specsched.scheduler.errors import InvalidRequestError
+from specsched.scheduler.synthetic import SyntheticAcceptance
 
 # torch.Generator.manual_seed takes any value that fits 64 bits (negative ones wrap around) and
 # overflows -- failing the whole device op, so every request batched with this one -- beyond.
@@ -25,6 +26,12 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, description="per-request generator seed")
     stop: list[str] = Field(default_factory=list, description="stop strings (not included)")
     ignore_eos: bool = False
+    # an engine with synthetic acceptance forces this request's to these instead of its own
+    # (scheduler/synthetic.py): a workload then alternates low- and high-acceptance phases
+    synthetic_acceptance_length: float | None = Field(
+        None, description="with synthetic acceptance: this request's acceptance length, bonus token counted")
+    synthetic_acceptance_rates: list[float] | None = Field(
+        None, description="with synthetic acceptance: this request's per-position rates, non-increasing")
 
     @field_validator("max_tokens", "top_k", "seed", mode="before")
     @classmethod
@@ -76,6 +83,19 @@ class SamplingParams(BaseModel):
             raise ValueError(f"stop strings must be non-empty, got {v!r}")
         return v
 
+    @model_validator(mode="after")
+    def _synthetic(self) -> "SamplingParams":
+        if self.synthetic_acceptance_length is not None or self.synthetic_acceptance_rates is not None:
+            self.synthetic()  # ValueError naming the field
+        return self
+
+    def synthetic(self, independent: bool = False) -> SyntheticAcceptance | None:
+        """This request's own synthetic acceptance, None if it has none."""
+        length, rates = self.synthetic_acceptance_length, self.synthetic_acceptance_rates
+        if length is None and rates is None:
+            return None
+        return SyntheticAcceptance(length, None if rates is None else tuple(rates), independent)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -89,4 +109,5 @@ class SamplingParams(BaseModel):
             err = e.errors()[0]
             field = ".".join(str(x) for x in err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
-            raise InvalidRequestError(f"invalid sampling parameter {field}: {msg}") from None
+            where = f" {field}" if field else ""  # a check over several fields names them itself
+            raise InvalidRequestError(f"invalid sampling parameter{where}: {msg}") from None

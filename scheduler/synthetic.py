@@ -4,7 +4,9 @@ decided by the target (vLLM's `rejection_sample_method="synthetic"`).
 Why: a benchmark's speculative figures then depend on the acceptance asked for, not on the
 proposer at hand, so a schedule or a draft length can be judged at the acceptance a production
 model reaches, and set beside vLLM's or SGLang's figures taken the same way. One definition
-serves every reader (the simulator's acceptance model today).
+serves every reader: the engine's verify (runtime/verify.py draws the same way on the device) and
+the simulator's acceptance model. A request may carry its own (`SamplingParams`), so that one
+workload alternates low- and high-acceptance phases.
 
 Names and semantics are vLLM's. `synthetic_acceptance_rates` are unconditional per-position
 rates r_1 >= r_2 >= ... in [0, 1]: the share of rows whose draft k is accepted (a row drafting
@@ -79,18 +81,22 @@ class SyntheticAcceptance:
             return r
         return np.clip(length - 1.0 - np.arange(draft_len), 0.0, 1.0)
 
-    def draw(self, draft_lens: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """[B] drafts accepted of rows drafting `draft_lens`, whole-array."""
+    def draw(self, draft_lens: np.ndarray, rng: np.random.Generator,
+             own: "list[SyntheticAcceptance | None] | None" = None) -> np.ndarray:
+        """[B] drafts accepted of rows drafting `draft_lens`, whole-array; `own[i]`: row i's own
+        synthetic acceptance (a request's `SamplingParams.synthetic_acceptance_*`), None for this."""
         draft_lens = np.maximum(np.asarray(draft_lens, dtype=np.int64), 0)
         width = int(draft_lens.max(initial=0))
         if width == 0:
             return np.zeros(draft_lens.shape[0], dtype=np.int64)
         r = self.rates(width)
+        if own is not None and any(a is not None for a in own):
+            r = np.stack([r if a is None else a.rates(width) for a in own])  # [B, width]
         if self.independent:  # P(draft k | k - 1 accepted) = r_k / r_(k-1), one uniform per position
-            before = np.concatenate([[1.0], r[:-1]])
+            before = np.concatenate([np.ones_like(r[..., :1]), r[..., :-1]], axis=-1)
             step = np.divide(r, before, out=np.zeros_like(r), where=before > 0)
             ok = rng.random((draft_lens.shape[0], width)) < step
             accepted = np.cumprod(ok, axis=1).sum(axis=1)
         else:
-            accepted = (rng.random(draft_lens.shape[0])[:, None] < r[None, :]).sum(axis=1)
+            accepted = (rng.random(draft_lens.shape[0])[:, None] < r).sum(axis=1)
         return np.minimum(accepted, draft_lens)

@@ -17,7 +17,9 @@ Modes:
   synthetic  vLLM's synthetic acceptance (scheduler/synthetic.py, the engine's definition):
              `synthetic:AL` (the minimum-variance rates for that acceptance length),
              `synthetic:r1,r2,...` (per-position unconditional rates), `synthetic:independent:...`
-             (each position drawn on its own); a step's rows drawn whole-array.
+             (each position drawn on its own), or bare `synthetic`: what the trace's engine
+             forced; a request recorded with its own (`RequestRecord.synthetic_acceptance_*`)
+             keeps it, as in the engine. A step's rows drawn whole-array.
 
 `A>B@N` (e.g. `trace>bernoulli:0.9@8`) is a change of workload: the first N requests in arrival
 order take acceptance A, the rest B (`SwitchedAcceptance`) -- what an adaptive draft length
@@ -38,7 +40,8 @@ class AcceptanceModel:
                  rates: list[float] | None = None, alpha: float | None = None,
                  exact_max_d: int | None = None, seed: int = 0,
                  recorded: dict[int, dict[int, tuple[int, int]]] | None = None,
-                 draft_rate: float = 1.0, synthetic: SyntheticAcceptance | None = None):
+                 draft_rate: float = 1.0, synthetic: SyntheticAcceptance | None = None,
+                 own: dict[int, SyntheticAcceptance] | None = None):
         if mode not in ("trace", "rates", "bernoulli", "synthetic"):
             raise ValueError(f"unknown acceptance mode {mode!r}")
         if mode == "bernoulli" and not (alpha is not None and 0.0 <= alpha <= 1.0):
@@ -47,6 +50,7 @@ class AcceptanceModel:
             raise ValueError("synthetic acceptance needs its definition (SyntheticAcceptance)")
         self.mode = mode
         self.synthetic = synthetic
+        self.own = own or {}  # request index -> its own synthetic acceptance
         self.agreement = agreement or {}
         self.rates = list(rates or [])
         self.alpha = alpha
@@ -79,11 +83,18 @@ class AcceptanceModel:
                                  "with A, then B), e.g. trace>bernoulli:0.9@8")
             return SwitchedAcceptance(cls.parse(first, trace, seed, captured_config, any_length, max_accept),
                                       cls.parse(second, trace, seed + 1, captured_config, any_length, max_accept), n)
-        if spec.startswith("synthetic:"):
-            synthetic = SyntheticAcceptance.parse(spec.split(":", 1)[1])
-            if max_accept is not None:
-                synthetic.check(max_accept)  # an acceptance length the draft length cannot reach is refused
-            return cls("synthetic", synthetic=synthetic, seed=seed)
+        if spec == "synthetic" or spec.startswith("synthetic:"):
+            synthetic = recorded_synthetic(trace) if spec == "synthetic" else \
+                SyntheticAcceptance.parse(spec.split(":", 1)[1])
+            reqs = sorted(trace.requests, key=lambda r: r.arrival_ns) if trace is not None else []
+            own = {i: SyntheticAcceptance(r.synthetic_acceptance_length, None if r.synthetic_acceptance_rates is None
+                                          else tuple(r.synthetic_acceptance_rates), synthetic.independent)
+                   for i, r in enumerate(reqs)
+                   if r.synthetic_acceptance_length is not None or r.synthetic_acceptance_rates is not None}
+            if max_accept is not None:  # an acceptance length the draft length cannot reach is refused
+                for a in (synthetic, *own.values()):
+                    a.check(max_accept)
+            return cls("synthetic", synthetic=synthetic, seed=seed, own=own)
         if spec.startswith("bernoulli:"):
             try:
                 alpha = float(spec.split(":", 1)[1])
@@ -91,8 +102,8 @@ class AcceptanceModel:
                 raise ValueError(f"bad acceptance {spec!r}: use bernoulli:ALPHA") from None
             return cls("bernoulli", alpha=alpha, seed=seed)
         if spec not in ("trace", "rates"):
-            raise ValueError(f"bad acceptance {spec!r}: use trace, rates, bernoulli:ALPHA or synthetic:AL "
-                             "(or synthetic:r1,r2,...)")
+            raise ValueError(f"bad acceptance {spec!r}: use trace, rates, bernoulli:ALPHA, synthetic (the "
+                             "trace's) or synthetic:AL (or synthetic:r1,r2,...)")
         agreement = {}
         exact = None
         if spec == "trace":
@@ -170,7 +181,8 @@ class AcceptanceModel:
         rows; the others are drawn for all of them at once (`_drawn`)."""
         draft_len = np.asarray(draft_len, dtype=np.int64)
         if self.mode == "synthetic":  # every row drafts what it was asked to; one draw for them all
-            return self.synthetic.draw(draft_len, self.rng), np.maximum(draft_len, 0)
+            own = [self.own.get(i) for i in np.asarray(index).tolist()] if self.own else None
+            return self.synthetic.draw(draft_len, self.rng, own), np.maximum(draft_len, 0)
         accepted = np.zeros(draft_len.shape[0], dtype=np.int64)
         drafted = np.zeros(draft_len.shape[0], dtype=np.int64)
         todo = draft_len > 0
@@ -208,6 +220,21 @@ class AcceptanceModel:
 
     def accept(self, request_index: int, out_pos: int, draft_len: int) -> int:
         return self.outcome(request_index, out_pos, draft_len)[0]
+
+
+def recorded_synthetic(trace) -> SyntheticAcceptance:
+    """The synthetic acceptance the trace's engine forced, or its replay simulated (bare
+    `--acceptance synthetic`)."""
+    c = trace.header.engine_config
+    simulated = (trace.header.extra or {}).get("acceptance")
+    if c.get("acceptance") != "synthetic" and isinstance(simulated, str) and simulated.startswith("synthetic:"):
+        return SyntheticAcceptance.parse(simulated.split(":", 1)[1])
+    if c.get("acceptance") != "synthetic":
+        raise ValueError(f"{trace.path or 'the trace'} was not captured with synthetic acceptance (acceptance "
+                         f"{c.get('acceptance', 'lossless')!r}): name one, e.g. --acceptance synthetic:2.5")
+    rates = c.get("synthetic_acceptance_rates")
+    return SyntheticAcceptance(c.get("synthetic_acceptance_length"), None if rates is None else tuple(rates),
+                               bool(c.get("synthetic_acceptance_independent", False)))
 
 
 def step_rates(trace) -> list[float]:

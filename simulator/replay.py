@@ -43,7 +43,7 @@ class ReplayConfig:
     proposer: str | None = None
     draft_len: int | str | None = None  # a fixed D, "auto" (chosen per step), None = the trace's
     max_draft_len: int | None = None  # with "auto": the longest D (None: the trace's, else 4)
-    acceptance: str = "trace"  # trace | rates | bernoulli:ALPHA | synthetic:AL | synthetic:r1,r2,...
+    acceptance: str = "trace"  # trace | rates | bernoulli:ALPHA | synthetic (the trace's) | synthetic:AL | synthetic:r1,r2,...
     rate_scale: float = 1.0  # open loop: arrival rate multiplier
     concurrency: int | None = None  # closed loop; None = the trace's
     seed: int = 0
@@ -98,11 +98,14 @@ def workload_from_trace(trace: Trace) -> list[WorkloadItem]:
     for r in reqs:
         f = fin.get(r.request_id)
         out_len = max(1, f.output_len if f is not None else r.max_tokens)
-        key = (out_len, r.temperature, r.top_p, r.top_k, r.seed)
+        rates = None if r.synthetic_acceptance_rates is None else tuple(r.synthetic_acceptance_rates)
+        key = (out_len, r.temperature, r.top_p, r.top_k, r.seed, r.synthetic_acceptance_length, rates)
         params = made.get(key)
-        if params is None:
+        if params is None:  # (a request's own synthetic acceptance is kept for the replay's trace)
             params = made[key] = SamplingParams(max_tokens=out_len, temperature=r.temperature, top_p=r.top_p,
-                                                top_k=r.top_k, seed=r.seed, ignore_eos=True)
+                                                top_k=r.top_k, seed=r.seed, ignore_eos=True,
+                                                synthetic_acceptance_length=r.synthetic_acceptance_length,
+                                                synthetic_acceptance_rates=r.synthetic_acceptance_rates)
         items.append(WorkloadItem(r.prompt_len, out_len, r.arrival_ns - t0, params))
     return items
 

@@ -394,6 +394,12 @@ def test_stats_says_when_the_acceptance_was_synthetic(tmp_path):
     assert code == 0 and "acceptance: synthetic:2.5 (simulated)" in text
     code, text = run("stats", SAMPLE)
     assert code == 0 and "acceptance: synthetic" not in text
+    code, text = run("replay", SAMPLE, "--acceptance", "synthetic")  # the trace's own: it has none
+    assert code != 0 and "was not captured with synthetic acceptance" in text
+    code, text = run("replay", out, "--acceptance", "synthetic")  # a synthetic trace's: replayed as such
+    assert code == 0
+    assert acceptance_note({"acceptance": "synthetic", "synthetic_acceptance_length": 2.5}, own=3) == \
+        "acceptance: synthetic (AL 2.5; 3 requests their own)"
     assert acceptance_note({"acceptance": "synthetic", "synthetic_acceptance_length": 2.5}) == \
         "acceptance: synthetic (AL 2.5)"
     assert acceptance_note({"acceptance": "synthetic", "synthetic_acceptance_rates": [0.9, 0.5],

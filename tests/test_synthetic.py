@@ -83,8 +83,9 @@ def test_the_simulators_synthetic_acceptance_draws_a_step_at_once():
 # -- the engine ------------------------------------------------------------------------------------
 
 
-def _engine_steps(fam, prompts, max_tokens, **cfg):
-    """The spec steps' (drafted, accepted) rows of an engine run, and its outputs."""
+def _engine_steps(fam, prompts, max_tokens, own=None, **cfg):
+    """The spec steps' (drafted, accepted) rows of an engine run, and its outputs; `own[i]`:
+    prompt i's own synthetic acceptance (SamplingParams fields)."""
     import anyio
 
     from specsched.runtime.engine import AsyncEngine
@@ -102,9 +103,8 @@ def _engine_steps(fam, prompts, max_tokens, **cfg):
     async def main():
         outs = [None] * len(prompts)
         async with AsyncEngine(config, tracer=rec) as eng:
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-
             async def one(i):
+                params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **((own or {}).get(i) or {}))
                 outs[i] = await eng.generate_all(prompts[i], params)
 
             async with anyio.create_task_group() as tg:
@@ -145,6 +145,128 @@ def test_the_engines_synthetic_rates_are_met_on_average(tiny_family, proposer):
         assert 1 + np.mean([a for d, a in rows if d == 3]) == pytest.approx(2.5, rel=0.06)
 
 
+def test_a_request_s_own_acceptance_replaces_the_engine_s(tiny_family):
+    """A request that sets its own synthetic acceptance length gets it, batched with ones that
+    take the engine's: AL 1 (no draft accepted) and AL 4 (every draft) at D = 3 beside the
+    engine's 3 (two of three), in the same verifies; the trace records each request's own, and
+    the simulator's bare `synthetic` replays the same three."""
+    prompts = [[5, 6, 7], [9, 10, 11, 12], [3, 4, 5, 6]]
+    own = {0: {"synthetic_acceptance_length": 1.0}, 1: {"synthetic_acceptance_rates": [1.0, 1.0, 1.0]}}
+    rows, outs, trace = _engine_steps(tiny_family, prompts, 24, own=own, proposer="draft", draft_len=3,
+                                      acceptance="synthetic", synthetic_acceptance_length=3.0)
+    assert [len(o.token_ids) for o in outs] == [24, 24, 24]
+    ids = {r.request_id: i for i, r in enumerate(sorted(trace.requests, key=lambda r: r.arrival_ns))}
+    by_request: dict[int, set] = {}
+    for st in trace.steps:
+        if st.kind == "spec":
+            for rid, d, a in zip(st.request_ids, st.num_drafted, st.num_accepted):
+                by_request.setdefault(ids[rid], set()).add(a - min(d, {0: 0, 1: 3, 2: 2}[ids[rid]]))
+    assert by_request == {0: {0}, 1: {0}, 2: {0}}
+    recorded = [(r.synthetic_acceptance_length, r.synthetic_acceptance_rates)
+                for r in sorted(trace.requests, key=lambda r: r.arrival_ns)]
+    assert recorded == [(1.0, None), (None, [1.0, 1.0, 1.0]), (None, None)]
+    model = AcceptanceModel.parse("synthetic", trace, max_accept=3)
+    accepted, _ = model.outcomes(np.array([0, 1, 2] * 50), np.zeros(150, dtype=np.int64), np.full(150, 3))
+    assert set(accepted[0::3]) == {0} and set(accepted[1::3]) == {3} and set(accepted[2::3]) == {2}
+
+
+def test_an_eagle_tree_accepts_a_path_of_the_drawn_depth():
+    """EAGLE (the bundled head, a top-2 tree of depth 3): an acceptance length of 3 accepts
+    exactly two drafts in every verify, and a request with its own AL 1 none, drawn on the
+    device (sync guard on); the emitted tokens are that path's drafts and the target's bonus
+    token, so every request still finishes at max_tokens."""
+    import anyio
+
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.scheduler.sampling_params import SamplingParams
+    from specsched.traces import Header, MemoryRecorder
+
+    config = EngineConfig.make(proposer="eagle", draft_len=3, schedule="sync", acceptance="synthetic",
+                               synthetic_acceptance_length=3.0, sync_guard=True, num_pages=256)
+    rec = MemoryRecorder(Header.create(source="engine", clock="monotonic_ns", model="bundled", proposer="eagle",
+                                       schedule="sync", draft_len=3, device={"kind": "host", "name": "host"}))
+
+    async def main():
+        async with AsyncEngine(config, tracer=rec) as eng:
+            a = await eng.generate_all([5, 6, 7, 8], SamplingParams(max_tokens=20, ignore_eos=True))
+            b = await eng.generate_all([9, 10, 11], SamplingParams(max_tokens=20, ignore_eos=True,
+                                                                    synthetic_acceptance_length=1.0))
+        return a, b
+
+    a, b = anyio.run(main)
+    assert len(a.token_ids) == 20 and len(b.token_ids) == 20
+    trace = rec.to_trace()
+    first = min(trace.requests, key=lambda r: r.arrival_ns).request_id
+    rows = [(rid == first, d, acc) for st in trace.steps if st.kind == "spec"
+            for rid, d, acc in zip(st.request_ids, st.num_drafted, st.num_accepted)]
+    assert len(rows) > 5
+    assert all(acc == (min(2, d) if mine else 0) for mine, d, acc in rows)
+
+
+def test_a_synthetic_tree_verify_keeps_the_first_path_of_each_depth():
+    """The path kept at depth k ends at the lowest-index node of that depth; its tokens are the
+    path's, then the target's token after its last node."""
+    import torch
+
+    from specsched.runtime.tree_verify import TreeSpec, synthetic_tree_verify
+
+    tree = TreeSpec.from_parents([-1, 0, 0, 1, 1, 2, 3])  # depths 0, 1, 1, 2, 2, 2, 3
+    tokens = torch.tensor([[100, 11, 12, 13, 14, 15, 16]] * 4)
+    probs = torch.zeros(4, 7, 50)
+    probs[:, torch.arange(7), torch.arange(7) + 40] = 1.0  # after node j the target says 40 + j
+    res = synthetic_tree_verify(tokens, tree, probs, torch.tensor([0, 1, 2, 3]), [None] * 4)
+    assert res.best_node.tolist() == [0, 1, 3, 6]
+    assert res.to_lists() == [[40], [11, 41], [11, 13, 43], [11, 13, 16, 46]]
+
+
+def test_a_request_s_own_acceptance_is_checked(tiny_family):
+    """Its own acceptance needs an engine with synthetic acceptance and a reachable length;
+    a malformed one is refused when the parameters are made, naming the field."""
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.scheduler.errors import InvalidRequestError
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    base = dict(model=str(tiny_family["target"]), draft=str(tiny_family["draft"]), proposer="draft", draft_len=3)
+    plain = AsyncEngine(EngineConfig.make(**base))
+    with pytest.raises(InvalidRequestError, match="need an engine with acceptance 'synthetic'"):
+        plain.validate([5, 6, 7], SamplingParams(synthetic_acceptance_length=2.0))
+    forced = AsyncEngine(EngineConfig.make(**base, acceptance="synthetic", synthetic_acceptance_length=2.0))
+    assert forced.validate([5, 6, 7], SamplingParams(synthetic_acceptance_length=4.0)) == [5, 6, 7]
+    with pytest.raises(InvalidRequestError, match="synthetic_acceptance_length 4.5 cannot be reached at draft length 3"):
+        forced.validate([5, 6, 7], SamplingParams(synthetic_acceptance_length=4.5))
+    with pytest.raises(InvalidRequestError, match="synthetic_acceptance_rates must not increase"):
+        SamplingParams.make(synthetic_acceptance_rates=[0.5, 0.9])
+    with pytest.raises(InvalidRequestError, match="exactly one of synthetic_acceptance_length"):
+        SamplingParams.make(synthetic_acceptance_length=2.0, synthetic_acceptance_rates=[0.5])
+
+
+def test_the_transition_workload_alternates_acceptance_phases():
+    """The bundled transition workload: the bundled prompts in four phases of 16 requests at
+    synthetic acceptance lengths 1.5, 3.5, 1.5, 3.5; a workload line's own acceptance is read
+    and checked like its other sampling fields."""
+    from specsched.runtime.bundled import transition_workload_path, workload_path
+    from specsched.runtime.workload import load_workload
+
+    items = load_workload(transition_workload_path())
+    assert [it.params.synthetic_acceptance_length for it in items] == [1.5] * 16 + [3.5] * 16 + [1.5] * 16 + [3.5] * 16
+    assert [it.prompt for it in items] == [it.prompt for it in load_workload(workload_path())]
+
+
+def test_a_workload_line_s_own_acceptance_is_checked(tmp_path):
+    from specsched.runtime.workload import load_workload
+    from specsched.scheduler.errors import InvalidRequestError
+
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": [1, 2], "synthetic_acceptance_rates": [0.9, 0.5]}\n'
+                    '{"prompt": [1, 2], "synthetic_acceptance_length": 0.5}\n')
+    with pytest.raises(InvalidRequestError, match=r"w.jsonl:2: invalid sampling parameter: "
+                                                  r"synthetic_acceptance_length must be a number >= 1"):
+        load_workload(path)
+    assert load_workload(path, limit=1)[0].params.synthetic_acceptance_rates == [0.9, 0.5]
+
+
 @pytest.mark.parametrize("cfg, message", [
     ({"proposer": "draft", "synthetic_acceptance_length": 2.0}, "synthetic_acceptance_length needs acceptance 'synthetic'"),
     ({"proposer": "draft", "acceptance": "synthetic"}, "exactly one of synthetic_acceptance_length"),
@@ -152,7 +274,7 @@ def test_the_engines_synthetic_rates_are_met_on_average(tiny_family, proposer):
      r"synthetic_acceptance_length 3.5 cannot be reached at draft length 2"),
     ({"proposer": "draft", "acceptance": "synthetic", "synthetic_acceptance_rates": [0.2, 0.4]},
      "synthetic_acceptance_rates must not increase"),
-    ({"acceptance": "synthetic", "synthetic_acceptance_length": 2.0}, "needs a linear proposer"),
+    ({"acceptance": "synthetic", "synthetic_acceptance_length": 2.0}, "needs a proposer"),
 ])
 def test_the_engine_refuses_a_bad_synthetic_setting_by_name(tiny_family, cfg, message):
     from specsched.runtime.engine_config import EngineConfig
@@ -175,6 +297,11 @@ def test_vllms_speculative_config_is_read_onto_the_configuration(tiny_family):
                                                                     "num_speculative_tokens": 2})
     assert (d.proposer, d.draft, d.draft_len, d.acceptance) == ("draft", base["draft"], 2, "lossless")
     assert EngineConfig.make(**base, speculative_config={"method": "eagle3"}).proposer == "eagle"
+    # without a method: the configuration's own proposer, or with a model vLLM's draft_model
+    e = EngineConfig.make(**base, proposer="mtp", draft_len=2, speculative_config={
+        "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.5})
+    assert (e.proposer, e.acceptance, e.synthetic_acceptance_length) == ("mtp", "synthetic", 2.5)
+    assert EngineConfig.make(model=base["model"], speculative_config={"model": base["draft"]}).proposer == "draft"
 
 
 @pytest.mark.parametrize("spec, message", [

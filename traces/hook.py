@@ -24,7 +24,8 @@ class Tracer(Protocol):
 
     def request(self, request_id: str, arrival_ns: int, prompt_len: int, max_tokens: int,
                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                seed: int | None = None) -> None: ...
+                seed: int | None = None, synthetic_acceptance_length: float | None = None,
+                synthetic_acceptance_rates: list[float] | None = None) -> None: ...
 
     def span(self, track: str, name: str, step: int | None, start_ns: int, end_ns: int,
              **attrs: Any) -> None: ...

@@ -118,7 +118,8 @@ class OtlpJsonTracer(SpanMapper):
     # -- the Tracer hook ----------------------------------------------------------------------
     def request(self, request_id: str, arrival_ns: int, prompt_len: int, max_tokens: int,
                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                seed: int | None = None) -> None:
+                seed: int | None = None, synthetic_acceptance_length: float | None = None,
+                synthetic_acceptance_rates: list[float] | None = None) -> None:
         attrs = request_attributes(self.header.model, request_id, prompt_len, max_tokens, temperature,
                                    top_p, top_k, seed)
         self._open[request_id] = (_trace_id(), _span_id(), arrival_ns, attrs)

@@ -50,12 +50,17 @@ class _RecordBuilder:
 
     def request(self, request_id: str, arrival_ns: int, prompt_len: int, max_tokens: int,
                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                seed: int | None = None) -> None:
+                seed: int | None = None, synthetic_acceptance_length: float | None = None,
+                synthetic_acceptance_rates: list[float] | None = None) -> None:
         self._arrival_ns[request_id] = arrival_ns
-        self._emit({"type": "request", "request_id": request_id, "arrival_ns": arrival_ns,
-                    "prompt_len": prompt_len, "max_tokens": max_tokens,
-                    "temperature": temperature, "top_p": top_p, "top_k": top_k,
-                    "seed": seed})
+        record = {"type": "request", "request_id": request_id, "arrival_ns": arrival_ns,
+                  "prompt_len": prompt_len, "max_tokens": max_tokens,
+                  "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+        if synthetic_acceptance_length is not None:  # (written only where given: most requests have none)
+            record["synthetic_acceptance_length"] = synthetic_acceptance_length
+        if synthetic_acceptance_rates is not None:
+            record["synthetic_acceptance_rates"] = list(synthetic_acceptance_rates)
+        self._emit(record)
 
     def span(self, track: str, name: str, step: int | None, start_ns: int, end_ns: int,
              **attrs: Any) -> None:

@@ -7,7 +7,8 @@ the same fields, the reader validates every line against these models.
 
 Versioning: `FORMAT_VERSION` is "MAJOR.MINOR". A minor bump only adds optional fields or new
 record types; readers ignore unknown fields and skip unknown record types from a newer minor
-version. A major bump is incompatible: a reader rejects a newer major version. Format 1.x
+version. A major bump is incompatible: a reader rejects a newer major version. 2.1 added a request's
+own synthetic acceptance (`RequestRecord.synthetic_acceptance_*`). Format 1.x
 traces are read under 2.0's names (the fill span `draft_fill` is `fill`, a draft's `num_draft`
 attribute `draft_len`; traces/reader.py).
 
@@ -27,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationInfo, 
 
 from specsched.traces.names import ProposerName, ScheduleName, schedule_name
 
-FORMAT_VERSION = "2.0"
+FORMAT_VERSION = "2.1"
 FORMAT_MAJOR, FORMAT_MINOR = (int(p) for p in FORMAT_VERSION.split("."))
 
 Source = Literal["engine", "simulator"]
@@ -120,6 +121,9 @@ class RequestRecord(_Record):
     top_p: float = Field(gt=0.0, le=1.0)
     top_k: int  # <= 0: disabled
     seed: int | None = None
+    # its own synthetic acceptance, where it had one (`SamplingParams.synthetic_acceptance_*`)
+    synthetic_acceptance_length: float | None = Field(None, ge=1.0)
+    synthetic_acceptance_rates: list[float] | None = None
 
 
 class SpanRecord(_Record):

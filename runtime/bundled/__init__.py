@@ -34,6 +34,14 @@ def workload_path() -> Path:
     return BUNDLED_DIR / "workload.jsonl"
 
 
+def transition_workload_path() -> Path:
+    """The bundled workload's 64 requests in four phases of 16 whose synthetic acceptance
+    length alternates 1.5, 3.5, 1.5, 3.5 (`synthetic_acceptance_length` on each line): what an
+    adaptive draft length must follow, run under an engine with synthetic acceptance. Made
+    from workload.jsonl by adding that key to line i: 1.5 if (i // 16) is even, else 3.5."""
+    return BUNDLED_DIR / "transition.jsonl"
+
+
 def tokenizer_path(model_dir: Path | None = None) -> Path:
     """tokenizer.json of a bundled model directory (default: the target's)."""
     return (model_dir or target_dir()) / "tokenizer.json"

@@ -32,7 +32,7 @@ from specsched.runtime.proposers.base import DraftCollector, Proposer, one_hot_o
 from specsched.runtime.proposers.hidden_log import HiddenLog
 from specsched.runtime.sync_guard import to_device
 from specsched.runtime.sampling import logits_to_probs, sample
-from specsched.runtime.tree_verify import TreeSpec, greedy_tree_verify, sampled_tree_verify
+from specsched.runtime.tree_verify import TreeSpec, greedy_tree_verify, sampled_tree_verify, synthetic_tree_verify
 from specsched.scheduler.messages import DraftMessage, FillMessage
 from specsched.scheduler.plan import build_plan
 
@@ -241,7 +241,12 @@ class EagleProposer(HeadProposer):
         whole = to_device([st.draft_len == width - 1 for st in rows], w.device)
         nodes = torch.where(whole.unsqueeze(-1), drafts, torch.full_like(drafts, -1))  # no tree: nothing to accept
         tokens = torch.cat([last.unsqueeze(-1), nodes], dim=1)
-        if all(st.greedy for st in rows):
+        if w.acceptance == "synthetic":  # a path of the drawn depth (none where the row has no tree)
+            probs = logits_to_probs(logits.reshape(b * width, -1), w.sampling_tensors(rows, width))
+            drawn = w.synthetic.accepted(self.tree.max_depth, b, [st.synthetic for st in rows])
+            res = synthetic_tree_verify(tokens, self.tree, probs.view(b, width, -1), torch.where(whole, drawn, 0),
+                                        [st.generator for st in rows])
+        elif all(st.greedy for st in rows):
             res = greedy_tree_verify(tokens, self.tree, logits)
         else:
             probs = logits_to_probs(logits.reshape(b * width, -1), w.sampling_tensors(rows, width))
