@@ -10,7 +10,9 @@ Modes:
              the run of 1s in agreement[p : p + D] -- exact for a draft model at any D up to
              the captured maximum (teacher-forced agreement), exact for D = 1 with heads
              (first-token agreement). Requests without agreement data (sampled, or heads at
-             D > 1) fall back to the trace's per-position acceptance rates.
+             D > 1) fall back to the trace's per-position acceptance rates -- or, in a trace
+             captured with synthetic acceptance, to draws from its definition (each
+             request's own where it had one).
   rates      per-position conditional acceptance rates measured from the trace's steps, and
              the share of rows the proposer drafted nothing for (n-gram misses).
   bernoulli  every draft position accepted independently with probability alpha.
@@ -48,6 +50,8 @@ class AcceptanceModel:
             raise ValueError("bernoulli acceptance needs 0 <= alpha <= 1")
         if mode == "synthetic" and synthetic is None:
             raise ValueError("synthetic acceptance needs its definition (SyntheticAcceptance)")
+        # in `trace` mode: the definition a synthetic trace was captured with, for the rows its
+        # records do not decide
         self.mode = mode
         self.synthetic = synthetic
         self.own = own or {}  # request index -> its own synthetic acceptance
@@ -86,11 +90,7 @@ class AcceptanceModel:
         if spec == "synthetic" or spec.startswith("synthetic:"):
             synthetic = recorded_synthetic(trace) if spec == "synthetic" else \
                 SyntheticAcceptance.parse(spec.split(":", 1)[1])
-            reqs = sorted(trace.requests, key=lambda r: r.arrival_ns) if trace is not None else []
-            own = {i: SyntheticAcceptance(r.synthetic_acceptance_length, None if r.synthetic_acceptance_rates is None
-                                          else tuple(r.synthetic_acceptance_rates), synthetic.independent)
-                   for i, r in enumerate(reqs)
-                   if r.synthetic_acceptance_length is not None or r.synthetic_acceptance_rates is not None}
+            own = _own_synthetic(trace, synthetic.independent)
             if max_accept is not None:  # an acceptance length the draft length cannot reach is refused
                 for a in (synthetic, *own.values()):
                     a.check(max_accept)
@@ -114,8 +114,9 @@ class AcceptanceModel:
                     if f.agreement_kind == "first_token":
                         exact = 1
         recorded = recorded_acceptance(trace) if (spec == "trace" and captured_config) else None
+        forced, own = _synthetic_of(trace) if spec == "trace" else (None, None)
         model = cls(spec, agreement=agreement, rates=step_rates(trace), exact_max_d=exact, seed=seed,
-                    recorded=recorded, draft_rate=draft_rate(trace))
+                    recorded=recorded, draft_rate=draft_rate(trace), synthetic=forced, own=own)
         model.any_length = any_length
         return model
 
@@ -158,10 +159,14 @@ class AcceptanceModel:
             return a, draft_len
         return None
 
-    def _drawn(self, draft_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _drawn(self, index: np.ndarray, draft_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(accepted, drafted) of rows the trace does not decide, drawn whole-array: first
         whether each drafts at all (the trace's share of rows that drafted something), then
-        each position accepted with its conditional rate (Bernoulli: alpha) until one fails."""
+        each position accepted with its conditional rate (Bernoulli: alpha) until one fails.
+        A trace captured with synthetic acceptance draws from its definition instead."""
+        if self.synthetic is not None:
+            own = [self.own.get(i) for i in index.tolist()] if self.own else None
+            return self.synthetic.draw(draft_len, self.rng, own), draft_len
         n, width = draft_len.shape[0], int(draft_len.max(initial=0))
         drafted = draft_len.copy()
         if self.draft_rate < 1.0:
@@ -215,11 +220,29 @@ class AcceptanceModel:
                 drafted[agree] = draft_len[agree]
                 todo &= ~agree
         if todo.any():
-            accepted[todo], drafted[todo] = self._drawn(draft_len[todo])
+            accepted[todo], drafted[todo] = self._drawn(np.asarray(index)[todo], draft_len[todo])
         return accepted, drafted
 
     def accept(self, request_index: int, out_pos: int, draft_len: int) -> int:
         return self.outcome(request_index, out_pos, draft_len)[0]
+
+
+def _own_synthetic(trace, independent: bool) -> dict[int, SyntheticAcceptance]:
+    """Request index (arrival order) -> the request's own synthetic acceptance, where it has one."""
+    reqs = sorted(trace.requests, key=lambda r: r.arrival_ns) if trace is not None else []
+    return {i: SyntheticAcceptance(r.synthetic_acceptance_length, None if r.synthetic_acceptance_rates is None
+                                   else tuple(r.synthetic_acceptance_rates), independent)
+            for i, r in enumerate(reqs)
+            if r.synthetic_acceptance_length is not None or r.synthetic_acceptance_rates is not None}
+
+
+def _synthetic_of(trace) -> tuple[SyntheticAcceptance | None, dict[int, SyntheticAcceptance] | None]:
+    """A synthetic trace's definition and its requests' own (None, None for any other trace)."""
+    try:
+        forced = recorded_synthetic(trace)
+    except ValueError:
+        return None, None
+    return forced, _own_synthetic(trace, forced.independent)
 
 
 def recorded_synthetic(trace) -> SyntheticAcceptance:

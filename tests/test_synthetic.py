@@ -168,6 +168,10 @@ def test_a_request_s_own_acceptance_replaces_the_engine_s(tiny_family):
     model = AcceptanceModel.parse("synthetic", trace, max_accept=3)
     accepted, _ = model.outcomes(np.array([0, 1, 2] * 50), np.zeros(150, dtype=np.int64), np.full(150, 3))
     assert set(accepted[0::3]) == {0} and set(accepted[1::3]) == {3} and set(accepted[2::3]) == {2}
+    # `trace` replays recorded steps, and draws the rest (here: positions past the run) the same way
+    model = AcceptanceModel.parse("trace", trace, max_accept=3)
+    accepted, _ = model.outcomes(np.array([0, 1, 2] * 50), np.full(150, 1000), np.full(150, 3))
+    assert set(accepted[0::3]) == {0} and set(accepted[1::3]) == {3} and set(accepted[2::3]) == {2}
 
 
 def test_an_eagle_tree_accepts_a_path_of_the_drawn_depth():

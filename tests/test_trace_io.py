@@ -174,7 +174,7 @@ def test_a_format_1_trace_reads_under_the_current_names_and_older_ones_are_refus
     assert [s.name for s in spans] == ["fill", "draft", "plan"]
     assert spans[1].attrs == {"draft_len": 3, "requests": 2}
     write_lines(path, header_line(format_version="0.9"), SPAN)
-    assert "format version 0.9 is older than this reader supports (1.0 to 2.0)" in str(read_error(path))
+    assert "format version 0.9 is older than this reader supports (1.0 to 2.1)" in str(read_error(path))
 
 
 def test_error_corrupt_line(tmp_path):
