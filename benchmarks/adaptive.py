@@ -16,6 +16,15 @@ the policy deciding in the replay and with each step's D taken from the run
     python benchmarks/adaptive.py --replay-only --save-traces DIR   # the replays alone, traces kept
     python benchmarks/adaptive.py --device cuda --attention flashinfer --dtype bfloat16   # on a GPU
     python benchmarks/adaptive.py --baseline ../before   # also `auto` of another checkout's policy
+    python benchmarks/adaptive.py --synthetic 1.5 2.5 3.5 transition --proposers mtp   # forced acceptance
+
+With `--synthetic` each setting gets its own table: an acceptance length AL forces every
+verify's acceptance to vLLM's minimum-variance rates of that length at the longest D
+(`acceptance="synthetic"`; a shorter D keeps the first of those rates; D = 0 runs plain), so the draft length is judged at the acceptance a production model
+reaches, not the bundled proposers'; `transition` runs the workload in four phases of 2 x
+concurrency requests (at least a quarter of `--min-requests`) whose own acceptance lengths
+alternate 1.5, 3.5, 1.5, 3.5 (`synthetic_acceptance_rates` per request, as the bundled
+transition workload), what an adaptive draft length must follow.
 
 With `--baseline CHECKOUT` (e.g. a git worktree of an earlier commit) every round also runs
 `auto` with that checkout's code, in a process of its own, in the same rotated order: the
@@ -68,13 +77,46 @@ def workload(concurrency: int, max_tokens: int, min_requests: int):
             for i, t in enumerate(lengths(max_tokens, n))]
 
 
-def configs(proposer: str, max_d: int, where: dict | None = None) -> dict[str, dict]:
-    """EngineConfig fields of each configuration; `where`: the device fields every one shares."""
+PHASES = (1.5, 3.5, 1.5, 3.5)  # `transition`'s acceptance lengths, a phase each
+
+
+def rates(length: float, max_d: int) -> list[float]:
+    """The minimum-variance per-position rates of acceptance length `length` at D = max_d."""
+    from specsched.scheduler.synthetic import SyntheticAcceptance
+
+    return SyntheticAcceptance(synthetic_acceptance_length=length).rates(max_d).tolist()
+
+
+def transition_workload(concurrency: int, max_tokens: int, min_requests: int, max_d: int):
+    """`workload`'s requests in len(PHASES) phases of max(2 x concurrency, min_requests / 4)
+    requests each, every request of phase k with its own synthetic acceptance of length
+    PHASES[k] at D = max_d."""
+    per = max(2 * concurrency, -(-min_requests // len(PHASES)))
+    items = workload(concurrency, max_tokens, per * len(PHASES))[: per * len(PHASES)]
+    return [replace(it, params=it.params.model_copy(update={"synthetic_acceptance_rates": rates(PHASES[i // per], max_d)}))
+            for i, it in enumerate(items)]
+
+
+def configs(proposer: str, max_d: int, where: dict | None = None, synthetic: str | None = None) -> dict[str, dict]:
+    """EngineConfig fields of each configuration; `where`: the device fields every one shares;
+    `synthetic`: an acceptance length every speculative one forces, or "transition" (each
+    request's own; the engine's default is the phases' mean)."""
     out = {"D=0": {"proposer": "none", "schedule": "plain_overlap"}}
     for d in range(1, max_d + 1):
         out[f"D={d}"] = {"proposer": proposer, "schedule": PROPOSERS[proposer], "draft_len": d}
     out["auto"] = {"proposer": proposer, "schedule": PROPOSERS[proposer], "draft_len": "auto", "max_draft_len": max_d}
+    if synthetic is not None:  # as rates at the longest D, which a shorter one truncates
+        length = statistics.mean(PHASES) if synthetic == "transition" else float(synthetic)
+        forced = {"acceptance": "synthetic", "synthetic_acceptance_rates": rates(length, max_d)}
+        out = {name: cfg | (forced if name != "D=0" else {}) for name, cfg in out.items()}
     return {name: cfg | (where or {}) for name, cfg in out.items()}
+
+
+def items_for(synthetic: str | None, concurrency: int, max_tokens: int, min_requests: int, max_d: int):
+    """The requests one configuration runs at `concurrency`."""
+    if synthetic == "transition":
+        return transition_workload(concurrency, max_tokens, min_requests, max_d)
+    return workload(concurrency, max_tokens, min_requests)
 
 
 def main() -> None:
@@ -91,6 +133,9 @@ def main() -> None:
     ap.add_argument("--save-traces", type=Path, help="write the auto traces to this folder "
                     "(auto_<proposer>_c<concurrency>.jsonl), e.g. to validate them with another checkout")
     ap.add_argument("--baseline", type=Path, help="another checkout whose `auto` runs side by side (auto@base)")
+    ap.add_argument("--synthetic", nargs="+", metavar="AL|transition",
+                    help="forced acceptance: a table per acceptance length (bonus token counted), and with "
+                         "`transition` one for the phased workload")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # one run of this configuration, its tok/s as JSON
     add_device_options(ap)
     args = ap.parse_args()
@@ -101,6 +146,15 @@ def main() -> None:
         ap.error("--concurrency, --rounds and --max-draft-len must be >= 1, --max-tokens >= 2")
     if args.replay_only and args.no_replay:
         ap.error("--replay-only and --no-replay leave nothing to run")
+    for value in args.synthetic or ():
+        try:
+            ok = value == "transition" or 1.0 <= float(value) <= args.max_draft_len + 1
+        except ValueError:
+            ok = False
+        if not ok:
+            ap.error(f"--synthetic takes acceptance lengths in [1, --max-draft-len + 1] or 'transition', got {value!r}")
+    if args.synthetic and args.baseline:
+        ap.error("--synthetic and --baseline: run the baseline's policy without --synthetic")
     spread = lengths(args.max_tokens, 1 + 2 * args.max_tokens)
     print(("the auto runs' replays alone" if args.replay_only else
            f"output tokens/s, median of {args.rounds} interleaved rounds")
@@ -112,51 +166,82 @@ def main() -> None:
 def report(args, base_env: dict | None) -> None:
     """Every proposer's table and the simulator's replays of its auto runs; `base_env`: the
     environment `--baseline`'s runs take (None: no baseline)."""
+    for proposer in args.proposers:
+        for synthetic in args.synthetic or [None]:
+            report_one(args, proposer, synthetic, base_env)
+
+
+def report_one(args, proposer: str, synthetic: str | None, base_env: dict | None) -> None:
+    """One proposer's table (at one synthetic setting) and the replays of its auto runs."""
     from specsched.simulator.analysis import validate
     from specsched.traces.recorder import write_trace
 
-    for proposer in args.proposers:
-        cfgs = configs(proposer, args.max_draft_len, device_fields(args))
-        names = list(cfgs) + ([BASE] if base_env else [])
-        table: dict[int, dict[str, float]] = {}
-        held: dict[int, dict[str, float | None]] = {}  # auto (and auto@base) / the held-out best fixed D
-        for c in [] if args.replay_only else args.concurrency:
-            items = workload(c, args.max_tokens, args.min_requests)
-            got: dict[str, list[float]] = {n: [] for n in names}
-            for r in range(args.rounds):
-                order = names[r % len(names):] + names[: r % len(names)]
-                for name in order:
-                    if name == BASE:
-                        got[name].append(baseline_run(args, proposer, c, base_env))
-                        continue
-                    m, _ = run(items, concurrency=c, warmup=1, trace=False, **cfgs[name])
-                    got[name].append(m["output_tokens_per_s"])
-            table[c] = {n: statistics.median(v) for n, v in got.items()}
-            held[c] = {n: held_out_ratio(got, n, [f for f in got if f not in AUTOS]) for n in got if n in AUTOS}
-        print(f"\n{proposer} ({PROPOSERS[proposer]}):")
-        if table:
-            print_table(table, names, held)
-        if args.no_replay:
+    cfgs = configs(proposer, args.max_draft_len, device_fields(args), synthetic)
+    names = list(cfgs) + ([BASE] if base_env else [])
+    table: dict[int, dict[str, float]] = {}
+    held: dict[int, dict[str, float | None]] = {}  # auto (and auto@base) / the held-out best fixed D
+    for c in [] if args.replay_only else args.concurrency:
+        items = items_for(synthetic, c, args.max_tokens, args.min_requests, args.max_draft_len)
+        got: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[: r % len(names)]
+            for name in order:
+                if name == BASE:
+                    got[name].append(baseline_run(args, proposer, c, base_env))
+                    continue
+                m, _ = run(items, concurrency=c, warmup=1, trace=False, **cfgs[name])
+                got[name].append(m["output_tokens_per_s"])
+        table[c] = {n: statistics.median(v) for n, v in got.items()}
+        held[c] = {n: held_out_ratio(got, n, [f for f in got if f not in AUTOS]) for n in got if n in AUTOS}
+    what = "" if synthetic is None else (", synthetic acceptance: transition (AL " + " / ".join(map(str, PHASES))
+                                         + ")" if synthetic == "transition" else f", synthetic AL {synthetic}")
+    print(f"\n{proposer} ({PROPOSERS[proposer]}{what}):")
+    if table:
+        print_table(table, names, held)
+    if args.no_replay:
+        return
+    errs, pays = [], []
+    for c in args.concurrency:
+        items = items_for(synthetic, c, args.max_tokens, args.min_requests, args.max_draft_len)
+        _, trace = run(items, concurrency=c, warmup=1, trace=True, **cfgs["auto"])
+        if args.save_traces is not None:
+            args.save_traces.mkdir(parents=True, exist_ok=True)
+            tag = "" if synthetic is None else f"_synthetic_{synthetic}"
+            write_trace(trace, args.save_traces / f"auto_{proposer}{tag}_c{c}.jsonl")
+        try:
+            v = validate(trace, replicates=1)
+        except ValueError as exc:
+            # e.g. a run whose policy, having learned its costs in the warm-up pass, never
+            # drafted in the measured one: no draft launch to fit the replay's costs from
+            errs.append(f"c={c}: not replayable ({exc})")
             continue
-        errs = []
-        for c in args.concurrency:
-            items = workload(c, args.max_tokens, args.min_requests)
-            _, trace = run(items, concurrency=c, warmup=1, trace=True, **cfgs["auto"])
-            if args.save_traces is not None:
-                args.save_traces.mkdir(parents=True, exist_ok=True)
-                write_trace(trace, args.save_traces / f"auto_{proposer}_c{c}.jsonl")
-            try:
-                v = validate(trace, replicates=1)
-            except ValueError as exc:
-                # e.g. a run whose policy, having learned its costs in the warm-up pass, never
-                # drafted in the measured one: no draft launch to fit the replay's costs from
-                errs.append(f"c={c}: not replayable ({exc})")
-                continue
-            counts = v["real"]["draft_len_counts"]
-            errs.append(f"c={c}: makespan {v['makespan_err_pct']:+.2f}%, each step's D as captured "
-                        f"{v['makespan_err_followed_pct']:+.2f}% (steps by D: "
-                        + ", ".join(f"{d}:{n}" for d, n in counts.items()) + ")")
-        print("  simulator replaying the auto traces: " + "; ".join(errs))
+        counts = v["real"]["draft_len_counts"]
+        errs.append(f"c={c}: makespan {v['makespan_err_pct']:+.2f}%, each step's D as captured "
+                    f"{v['makespan_err_followed_pct']:+.2f}% (steps by D: "
+                    + ", ".join(f"{d}:{n}" for d, n in counts.items()) + ")")
+        if synthetic is not None and c in table:
+            pays.append(speculation_pays(trace, c, table[c], args.max_draft_len))
+    print("  simulator replaying the auto traces: " + "; ".join(errs))
+    if pays:
+        print("  where speculation pays (speedup of the best fixed D over D=0): measured; the NVIDIA formula "
+              "T_verif(B) AL / (T_verif(B(1+D)) + T_draft) on the costs fitted from the auto trace (`tune`)")
+        for line in pays:
+            print("    " + line)
+
+
+def speculation_pays(trace, c: int, row: dict[str, float], max_d: int) -> str:
+    """One line: at concurrency c, the measured speedup of the best fixed D over plain decoding
+    against the formula's best over D = 1..max_d (`tune`'s `formula_speedup`)."""
+    from specsched.simulator.analysis import tune
+
+    fixed = {int(n[2:]): v for n, v in row.items() if n.startswith("D=")}
+    best = max((d for d in fixed if d), key=fixed.get)
+    rows = [r for r in tune(trace, draft_lens=list(range(1, max_d + 1)), concurrencies=[c])["rows"]
+            if isinstance(r["draft_len"], int) and r.get("formula_speedup")]
+    pick = max(rows, key=lambda r: r["formula_speedup"]) if rows else None
+    predicted = "-" if pick is None else f"{pick['formula_speedup']:.2f}x at D={pick['draft_len']}"
+    return (f"c={c}: measured {fixed[best] / fixed[0]:.2f}x at D={best} "
+            f"({'pays' if fixed[best] > fixed[0] else 'does not pay'}); formula {predicted}")
 
 
 BASE = "auto@base"  # the baseline checkout's auto (`--baseline`)

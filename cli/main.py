@@ -231,7 +231,7 @@ def bench(
     draft: Optional[str] = typer.Option(None),
     mtp_head: Optional[str] = typer.Option(None, "--mtp-head"),
     workload: str = typer.Option("default", help="'default' (bundled prompts), 'transition' (the same in four "
-                                 "phases of synthetic AL 1.5 / 3.5 / 1.5 / 3.5) or a JSONL file"),
+                                 "phases of synthetic acceptance, AL 1.5 / 3.5 / 1.5 / 3.5) or a JSONL file"),
     num_requests: Optional[int] = typer.Option(None, "--num-requests"),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="override every request's max_tokens"),
     temperature: Optional[float] = typer.Option(None, help="override every request's temperature"),

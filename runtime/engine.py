@@ -305,7 +305,7 @@ class AsyncEngine:
                 f"{self.max_model_len} positions"
             )
         own = params.synthetic()
-        if own is not None:
+        if own is not None and c.proposer_spec().speculative:  # (plain decoding accepts nothing: no effect)
             if c.acceptance != "synthetic":
                 raise InvalidRequestError("synthetic_acceptance_length / _rates need an engine with acceptance "
                                           f"'synthetic' (this one's is {c.acceptance!r})")

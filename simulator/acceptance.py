@@ -114,7 +114,7 @@ class AcceptanceModel:
                     if f.agreement_kind == "first_token":
                         exact = 1
         recorded = recorded_acceptance(trace) if (spec == "trace" and captured_config) else None
-        forced, own = _synthetic_of(trace) if spec == "trace" else (None, None)
+        forced, own = synthetic_of(trace) if spec == "trace" else (None, None)
         model = cls(spec, agreement=agreement, rates=step_rates(trace), exact_max_d=exact, seed=seed,
                     recorded=recorded, draft_rate=draft_rate(trace), synthetic=forced, own=own)
         model.any_length = any_length
@@ -236,7 +236,7 @@ def _own_synthetic(trace, independent: bool) -> dict[int, SyntheticAcceptance]:
             if r.synthetic_acceptance_length is not None or r.synthetic_acceptance_rates is not None}
 
 
-def _synthetic_of(trace) -> tuple[SyntheticAcceptance | None, dict[int, SyntheticAcceptance] | None]:
+def synthetic_of(trace) -> tuple[SyntheticAcceptance | None, dict[int, SyntheticAcceptance] | None]:
     """A synthetic trace's definition and its requests' own (None, None for any other trace)."""
     try:
         forced = recorded_synthetic(trace)

@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 
 from specsched.scheduler import wiring
-from specsched.simulator.acceptance import draft_rate
+from specsched.simulator.acceptance import draft_rate, synthetic_of
 from specsched.simulator.costs import CostProfile, host_key
 from specsched.simulator.fit import fit_profile
 from specsched.simulator.replay import ReplayConfig, replay
@@ -165,7 +165,18 @@ def ab(trace, a: ReplayConfig, b: ReplayConfig, *, profile: CostProfile | None =
 
 
 def accept_len(trace, d: int) -> float | None:
-    """Mean accepted length per step at draft length d, from per-position agreement."""
+    """Mean accepted length per step at draft length d, from per-position agreement -- or, for
+    a trace captured with synthetic acceptance, from its definition (1 + the sum of its first d
+    rates; where requests had their own, per step: their tokens over the steps they take)."""
+    forced, own = synthetic_of(trace)
+    if forced is not None:
+        if not own:
+            return 1 + float(forced.rates(d).sum())
+        out = {f.request_id: f.output_len for f in trace.finishes}
+        reqs = sorted(trace.requests, key=lambda r: r.arrival_ns)
+        tokens = np.array([out.get(r.request_id, r.max_tokens) for r in reqs], dtype=float)
+        lengths = np.array([1 + (own.get(i) or forced).rates(d).sum() for i in range(len(reqs))])
+        return float(tokens.sum() / (tokens / lengths).sum())
     vals = []
     for f in trace.finishes:
         ag = f.agreement

@@ -177,6 +177,9 @@ def resolve(trace: Trace, cfg: ReplayConfig) -> Resolved:
     if not (auto and captured_auto):
         # a what-if: the policy learns the costs as the engine would (a fixed D has no profile)
         changes["draft_profile"] = None
+    if proposer == "none" and h.engine_config.get("acceptance") == "synthetic":
+        # plain decoding accepts nothing: a synthetic trace's forced acceptance does not apply
+        changes.update(acceptance="lossless", synthetic_acceptance_length=None, synthetic_acceptance_rates=None)
     try:
         config = EngineConfig.from_header(h.engine_config, **changes)
     except ConfigurationError as e:

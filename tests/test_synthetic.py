@@ -225,8 +225,9 @@ def test_a_synthetic_tree_verify_keeps_the_first_path_of_each_depth():
 
 
 def test_a_request_s_own_acceptance_is_checked(tiny_family):
-    """Its own acceptance needs an engine with synthetic acceptance and a reachable length;
-    a malformed one is refused when the parameters are made, naming the field."""
+    """Its own acceptance needs an engine that speculates to have synthetic acceptance (plain
+    decoding has nothing to accept) and a reachable length; a malformed one is refused when the
+    parameters are made, naming the field."""
     from specsched.runtime.engine import AsyncEngine
     from specsched.runtime.engine_config import EngineConfig
     from specsched.scheduler.errors import InvalidRequestError
@@ -236,6 +237,8 @@ def test_a_request_s_own_acceptance_is_checked(tiny_family):
     plain = AsyncEngine(EngineConfig.make(**base))
     with pytest.raises(InvalidRequestError, match="need an engine with acceptance 'synthetic'"):
         plain.validate([5, 6, 7], SamplingParams(synthetic_acceptance_length=2.0))
+    plain = AsyncEngine(EngineConfig.make(model=base["model"]))  # no drafts to accept: a phased workload's baseline
+    assert plain.validate([5, 6, 7], SamplingParams(synthetic_acceptance_length=2.0)) == [5, 6, 7]
     forced = AsyncEngine(EngineConfig.make(**base, acceptance="synthetic", synthetic_acceptance_length=2.0))
     assert forced.validate([5, 6, 7], SamplingParams(synthetic_acceptance_length=4.0)) == [5, 6, 7]
     with pytest.raises(InvalidRequestError, match="synthetic_acceptance_length 4.5 cannot be reached at draft length 3"):
@@ -248,13 +251,14 @@ def test_a_request_s_own_acceptance_is_checked(tiny_family):
 
 def test_the_transition_workload_alternates_acceptance_phases():
     """The bundled transition workload: the bundled prompts in four phases of 16 requests at
-    synthetic acceptance lengths 1.5, 3.5, 1.5, 3.5; a workload line's own acceptance is read
-    and checked like its other sampling fields."""
+    synthetic acceptance lengths 1.5, 3.5, 1.5, 3.5 (at draft lengths >= 3: given as rates, so
+    that a shorter one runs it too)."""
     from specsched.runtime.bundled import transition_workload_path, workload_path
     from specsched.runtime.workload import load_workload
 
     items = load_workload(transition_workload_path())
-    assert [it.params.synthetic_acceptance_length for it in items] == [1.5] * 16 + [3.5] * 16 + [1.5] * 16 + [3.5] * 16
+    lengths = [1 + sum(it.params.synthetic().rates(4)) for it in items]
+    assert lengths == [1.5] * 16 + [3.5] * 16 + [1.5] * 16 + [3.5] * 16
     assert [it.prompt for it in items] == [it.prompt for it in load_workload(workload_path())]
 
 

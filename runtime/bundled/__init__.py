@@ -36,9 +36,11 @@ def workload_path() -> Path:
 
 def transition_workload_path() -> Path:
     """The bundled workload's 64 requests in four phases of 16 whose synthetic acceptance
-    length alternates 1.5, 3.5, 1.5, 3.5 (`synthetic_acceptance_length` on each line): what an
-    adaptive draft length must follow, run under an engine with synthetic acceptance. Made
-    from workload.jsonl by adding that key to line i: 1.5 if (i // 16) is even, else 3.5."""
+    alternates low, high, low, high (`synthetic_acceptance_rates` on each line: [0.5], an
+    acceptance length of 1.5, and [1, 1, 0.5], 3.5 at any draft length >= 3; rates rather than
+    lengths, so that every draft length can run it): what an adaptive draft length must follow,
+    under an engine with synthetic acceptance. Made from workload.jsonl by adding that key to
+    line i: the low rates if (i // 16) is even, else the high ones."""
     return BUNDLED_DIR / "transition.jsonl"
 
 
