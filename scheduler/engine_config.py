@@ -178,8 +178,6 @@ class EngineConfig(BaseModel):
             self.schedule = NATURAL_SCHEDULE[self.proposer]
         if self.verify_micro_batches not in (1, 2):
             raise ValueError(f"verify_micro_batches must be 1 or 2, got {self.verify_micro_batches}")
-        if self.load_format == "dummy" and self.tensor_parallel_size > 1:
-            raise ValueError("load_format 'dummy' runs unsharded for now: tensor_parallel_size must be 1")
         if self.tensor_parallel_size > 1 and self.device != "host":
             raise ValueError("tensor_parallel_size > 1 runs on the host device (CPU ranks over gloo); "
                              f"device {self.device!r} needs tensor_parallel_size 1")

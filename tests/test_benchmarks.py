@@ -474,6 +474,29 @@ def test_gpu_check_saves_compiled_flashinfer_modules_and_installs_them_where_fla
     assert not (tmp_path / "page.so").exists() and not (tmp_path / "aot2").exists()
 
 
+def test_adaptive_at_synthetic_acceptance_prints_its_table_and_where_speculation_pays():
+    """`--synthetic transition`: the phased workload's table (auto against each fixed D), the
+    replay of the auto trace, and the measured best speedup over plain decoding beside the
+    formula's; an acceptance length the draft length cannot reach is refused."""
+    script = str(ROOT / "benchmarks" / "adaptive.py")
+    res = subprocess.run([sys.executable, script, "--synthetic", "transition", "--concurrency", "1", "--rounds", "1",
+                          "--max-tokens", "4", "--min-requests", "4", "--max-draft-len", "1", "--proposers", "mtp"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = res.stdout
+    _grab(out, r"^mtp \(eager_fill, synthetic acceptance: transition \(AL 1\.5 / 3\.5 / 1\.5 / 3\.5\)\):$")
+    *tps, ratio, best = _row(out, "1", 5)
+    assert all(_pos(v) for v in tps) and _quotient(ratio, tps[2], tps[int(best[2:])])
+    _grab(out, r"^  simulator replaying the auto traces: c=1: (?:makespan [-+]\d|not replayable)")
+    measured, d, pays, formula = _grab(out, r"^    c=1: measured (\S+)x at D=(\d) \((pays|does not pay)\); "
+                                            r"formula (\S+)x at D=1$")
+    assert _f(measured) == pytest.approx(_f(tps[1]) / _f(tps[0]), rel=0.01) and d == "1"
+    assert (pays == "pays") == (_f(tps[1]) > _f(tps[0])) and _ratio(formula + "x")
+    res = subprocess.run([sys.executable, script, "--synthetic", "3.5", "--max-draft-len", "2"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--synthetic takes acceptance lengths in [1, --max-draft-len + 1]" in res.stderr
+
+
 def test_adaptive_held_out_ratio_picks_the_best_fixed_length_on_the_other_rounds(capsys):
     """The largest of noisy medians is a lucky pick (D=1's 101 here: one fast round, one slow);
     `held out` ranks the fixed lengths on the other rounds and compares within each round."""

@@ -80,6 +80,37 @@ def test_the_engine_serves_dummy_weights(tiny_shapes, proposer, schedule):
     assert any(t >= 4096 for o in first for t in o.token_ids)  # beyond the tokenizer: still decoded
 
 
+def test_dummy_weights_shard_over_tensor_parallel_ranks_with_synthetic_acceptance(tiny_shapes):
+    """Two ranks each make their shard in place (seeded per parameter name), with a draft model
+    and synthetic acceptance drawn on every rank alike: requests finish, every verify accepts
+    exactly the forced count, and the run repeats token for token."""
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.scheduler.sampling_params import SamplingParams
+    from specsched.traces import Header, MemoryRecorder
+
+    cfg = EngineConfig.make(model=tiny_shapes["target"], draft=tiny_shapes["draft"], load_format="dummy",
+                            proposer="draft", draft_len=3, schedule="overlap", tensor_parallel_size=2,
+                            acceptance="synthetic", synthetic_acceptance_length=3.0, num_pages=128, page_size=4)
+
+    def run():
+        rec = MemoryRecorder(Header.create(source="engine", clock="monotonic_ns", model="dummy", proposer="draft",
+                                           schedule="overlap", draft_len=3, device={"kind": "host", "name": "host"}))
+
+        async def main():
+            async with AsyncEngine(cfg, tracer=rec) as eng:
+                params = SamplingParams(max_tokens=12, ignore_eos=True)
+                return [(await eng.generate_all(p, params)).token_ids for p in ([5, 6, 7], [4500, 4999, 7, 8])]
+
+        outs = anyio.run(main)
+        rows = [(d, a) for st in rec.to_trace().steps if st.kind == "spec" for d, a in zip(st.num_drafted, st.num_accepted)]
+        return outs, rows
+
+    first, rows = run()
+    assert [len(t) for t in first] == [12, 12] and rows and all(a == min(2, d) for d, a in rows)
+    assert run()[0] == first
+
+
 def test_the_shipped_shapes_are_the_published_ones():
     assert {"llama-3.2-1b", "llama-3.2-1b-draft", "llama-3.2-1b-mtp",
             "llama-3.1-8b", "llama-3.1-8b-draft", "llama-3.1-8b-mtp"} <= set(SHAPES)
