@@ -24,7 +24,10 @@ verify's acceptance to vLLM's minimum-variance rates of that length at the longe
 reaches, not the bundled proposers'; `transition` runs the workload in four phases of 2 x
 concurrency requests (at least a quarter of `--min-requests`) whose own acceptance lengths
 alternate 1.5, 3.5, 1.5, 3.5 (`synthetic_acceptance_rates` per request, as the bundled
-transition workload), what an adaptive draft length must follow.
+transition workload), what an adaptive draft length must follow. After each such table, where
+speculation pays: per concurrency the measured speedup of the best fixed D over plain decoding,
+beside the NVIDIA formula's best (`simulator.analysis.formula_speedup`, as `tune` prices it) on
+device costs fitted from one traced run at D = 0 and one at the longest D.
 
 With `--baseline CHECKOUT` (e.g. a git worktree of an earlier commit) every round also runs
 `auto` with that checkout's code, in a process of its own, in the same rotated order: the
@@ -220,26 +223,35 @@ def report_one(args, proposer: str, synthetic: str | None, base_env: dict | None
                     f"{v['makespan_err_followed_pct']:+.2f}% (steps by D: "
                     + ", ".join(f"{d}:{n}" for d, n in counts.items()) + ")")
         if synthetic is not None and c in table:
-            pays.append(speculation_pays(trace, c, table[c], args.max_draft_len))
+            pays.append(speculation_pays(items, c, table[c], cfgs, args.max_draft_len))
     print("  simulator replaying the auto traces: " + "; ".join(errs))
     if pays:
         print("  where speculation pays (speedup of the best fixed D over D=0): measured; the NVIDIA formula "
-              "T_verif(B) AL / (T_verif(B(1+D)) + T_draft) on the costs fitted from the auto trace (`tune`)")
+              "T_verif(B) AL / (T_verif(B(1+D)) + T_draft) on costs fitted from traced runs at D=0 and the longest D")
         for line in pays:
             print("    " + line)
 
 
-def speculation_pays(trace, c: int, row: dict[str, float], max_d: int) -> str:
+def speculation_pays(items, c: int, row: dict[str, float], cfgs: dict[str, dict], max_d: int) -> str:
     """One line: at concurrency c, the measured speedup of the best fixed D over plain decoding
-    against the formula's best over D = 1..max_d (`tune`'s `formula_speedup`)."""
-    from specsched.simulator.analysis import tune
+    against the NVIDIA formula's best over D = 1..max_d (`formula_speedup`, as `tune` prices it)
+    on device costs fitted from two traced runs of the same requests: plain decoding and D = max_d."""
+    import numpy as np
+
+    from specsched.simulator.analysis import accept_len, formula_speedup
+    from specsched.simulator.fit import fit_profile
 
     fixed = {int(n[2:]): v for n, v in row.items() if n.startswith("D=")}
     best = max((d for d in fixed if d), key=fixed.get)
-    rows = [r for r in tune(trace, draft_lens=list(range(1, max_d + 1)), concurrencies=[c])["rows"]
-            if isinstance(r["draft_len"], int) and r.get("formula_speedup")]
-    pick = max(rows, key=lambda r: r["formula_speedup"]) if rows else None
-    predicted = "-" if pick is None else f"{pick['formula_speedup']:.2f}x at D={pick['draft_len']}"
+    _, plain = run(items, concurrency=c, warmup=1, trace=True, **cfgs["D=0"])
+    _, spec = run(items, concurrency=c, warmup=1, trace=True, **cfgs[f"D={max_d}"])
+    profile = fit_profile([plain, spec])
+    kv_mean = float(np.mean([r.prompt_len for r in spec.requests]))
+    h = spec.header
+    formula = {d: formula_speedup(profile, h.proposer, h.schedule, c, d, accept_len(spec, d), kv_mean)
+               for d in range(1, max_d + 1)}
+    pick = max((d for d in formula if formula[d]), key=formula.get, default=None)
+    predicted = "-" if pick is None else f"{formula[pick]:.2f}x at D={pick}"
     return (f"c={c}: measured {fixed[best] / fixed[0]:.2f}x at D={best} "
             f"({'pays' if fixed[best] > fixed[0] else 'does not pay'}); formula {predicted}")
 

@@ -255,6 +255,26 @@ def _tune_replay(shared: tuple, task: tuple[int, int, int | str]) -> dict:
         return {"error": str(e)}
 
 
+def formula_speedup(profile: CostProfile, proposer: str, schedule: str, c: int, d: int, al: float | None,
+                    kv_mean: float, drawn: float = 1.0) -> float | None:
+    """The NVIDIA criterion T_verif(B) AL / (T_verif(B(1 + D)) + T_draft(B, D)) on `profile`'s
+    device costs: c rows of `kv_mean` KV tokens drafting d each (`drawn`: the share that draft at
+    all), AL their mean acceptance length. None without a decode price or an AL."""
+    verify_name = "verify" if "verify" in profile.device else "decode"
+    base = {"requests": c, "kv_tokens": c * kv_mean}
+    t1 = profile.device_ns("decode", base | {"tokens": c})  # falls back to the verify model
+    tv = profile.device_ns(verify_name, base | {"tokens": c * (1 + d * drawn)})
+    td = 0.0
+    if "draft" in profile.device:
+        td += profile.device_ns("draft", base | {"tokens": c * d, "draft_len": d})  # every row drafts d
+    if "fill" in profile.device:
+        # a fill over the verify window (an MTP head; a draft model under eager_fill) covers the
+        # whole verify batch; another, the accepted path plus the bonus token: AL per row on average
+        window = wiring.proposer_spec(proposer, max(d, 1), schedule=schedule).fill_same_batch
+        td += profile.device_ns("fill", base | {"tokens": c * (1 + d) if window else c * (al or 1.0)})
+    return (t1 * al / (tv + td)) if (t1 and al) else None
+
+
 def _tune_rows(trace, profile: CostProfile, draft_lens: list[int], concurrencies: list[int], metrics) -> list[dict]:
     """Tune's rows for one trace; `metrics(c, d)` is the replay at concurrency c and draft
     length d (0: plain decoding)."""
@@ -284,21 +304,7 @@ def _tune_rows(trace, profile: CostProfile, draft_lens: list[int], concurrencies
                 rows.append(row | m)
                 continue
             al = accept_len(trace, d) or m["mean_accept_len"]
-            verify_name = "verify" if "verify" in profile.device else "decode"
-            base = {"requests": c, "kv_tokens": c * kv_mean}
-            t1 = profile.device_ns("decode", base | {"tokens": c})  # falls back to the verify model
-            tv = profile.device_ns(verify_name, base | {"tokens": c * (1 + d * drawn)})
-            td = 0.0
-            if "draft" in profile.device:
-                td += profile.device_ns("draft", base | {"tokens": c * d, "draft_len": d})  # every row drafts d
-            if "fill" in profile.device:
-                # a fill over the verify window (an MTP head; a draft model under eager_fill)
-                # covers the whole verify batch; another, the accepted path plus the bonus
-                # token: AL per row on average
-                window = wiring.proposer_spec(h.proposer, max(d, 1), schedule=h.schedule).fill_same_batch
-                fill_tokens = c * (1 + d) if window else c * al
-                td += profile.device_ns("fill", base | {"tokens": fill_tokens})
-            formula = (t1 * al / (tv + td)) if (t1 and al) else None
+            formula = formula_speedup(profile, h.proposer, h.schedule, c, d, al, kv_mean, drawn)
             rows.append(row | {
                 "sim_tokens_per_s": m["output_tokens_per_s"],
                 "sim_speedup": m["output_tokens_per_s"] / plain["output_tokens_per_s"],
