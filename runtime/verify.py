@@ -37,6 +37,7 @@ import torch
 
 from specsched.runtime.sampling import sample, uniform_noise
 from specsched.runtime.sync_guard import to_device
+from specsched.scheduler.synthetic import accepted_counts
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -184,45 +185,33 @@ def threshold_verify(
     return _emit(draft_tokens, num_accepted, next_token)
 
 
-def synthetic_accepted(rates: torch.Tensor, rows: int, generator: torch.Generator | None,
-                       independent: bool = False) -> torch.Tensor:
-    """[rows] drafts accepted under synthetic acceptance (scheduler/synthetic.py: the rates
-    [D], or [rows, D] one set per row, are its unconditional per-position ones): one uniform
-    per row, accepting the positions whose rate exceeds it, or with `independent` one per
-    position, each accepted with r_k / r_(k-1) once the ones before were. Drawn on the rates'
-    device, no host read."""
-    d = rates.shape[-1]
-    if independent:
-        before = torch.cat([torch.ones_like(rates[..., :1]), rates[..., :-1]], dim=-1)
-        step = torch.where(before > 0, rates / before.clamp_min(_TINY), torch.zeros_like(rates))
-        ok = torch.rand((rows, d), generator=generator, device=rates.device) < step
-        return ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
-    u = torch.rand(rows, generator=generator, device=rates.device)
-    return (u.unsqueeze(-1) < rates).sum(dim=1).to(torch.int64)
-
-
 class SyntheticDraws:
-    """A worker's synthetic acceptance (scheduler/synthetic.py): its per-position rates on the
-    device (copied once per draft width) and a seeded generator, so a run's forced acceptance
-    repeats. A request with its own (`SamplingParams.synthetic_acceptance_*`) gets its rates
-    in a step's [rows, D] table, built on the host from what it knows."""
+    """A worker's synthetic acceptance (scheduler/synthetic.py): its thresholds on the device
+    (copied once per draft width) and the engine's seed. A row's draw is a hash of the seed,
+    its request's key and its last token's position (`accepted_counts`, computed on the
+    device): the same on every tensor-parallel rank and in the simulator's replay. A request
+    with its own (`SamplingParams.synthetic_acceptance_*`) gets its thresholds in a step's
+    [rows, D] table, built on the host from what it knows."""
 
-    def __init__(self, synthetic, device: torch.device):
-        self.synthetic, self.device = synthetic, device
-        self.generator = torch.Generator(device=device).manual_seed(0)
-        self._rates: dict[int, torch.Tensor] = {}
+    def __init__(self, synthetic, device: torch.device, seed: int = 0):
+        self.synthetic, self.device, self.seed = synthetic, device, seed
+        self._thresholds: dict[int, torch.Tensor] = {}
 
-    def accepted(self, width: int, rows: int, own: Sequence[Any] = ()) -> torch.Tensor:
-        """[rows] drafts accepted of rows drafting up to `width`; `own[i]`: row i's own
-        synthetic acceptance, or None for the engine's."""
+    def accepted(self, width: int, keys: Sequence[int], positions: np.ndarray, own: Sequence[Any] = ()) -> torch.Tensor:
+        """[rows] drafts accepted of rows drafting up to `width`: row i is request `keys[i]`
+        with its last token at `positions[i]`; `own[i]`: its own synthetic acceptance, or None."""
+        independent = self.synthetic.independent
         if any(a is not None for a in own):
-            table = np.stack([(a or self.synthetic).rates(width) for a in own])
-            return synthetic_accepted(to_device(table, self.device, torch.float32), rows, self.generator,
-                                      self.synthetic.independent)
-        rates = self._rates.get(width)
-        if rates is None:
-            rates = self._rates[width] = to_device(self.synthetic.rates(width), self.device, torch.float32)
-        return synthetic_accepted(rates, rows, self.generator, self.synthetic.independent)
+            table = np.stack([(a or self.synthetic).thresholds(width, independent) for a in own])
+            thresholds = to_device(table, self.device, torch.int64)
+        else:
+            thresholds = self._thresholds.get(width)
+            if thresholds is None:
+                thresholds = self._thresholds[width] = to_device(self.synthetic.thresholds(width), self.device,
+                                                                 torch.int64)
+        return accepted_counts(thresholds, None, self.seed, to_device(np.asarray(keys, dtype=np.int64), self.device,
+                                                                       torch.int64),
+                               to_device(np.asarray(positions, dtype=np.int64), self.device, torch.int64), independent)
 
 
 def synthetic_verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_probs: torch.Tensor,

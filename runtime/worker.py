@@ -49,6 +49,7 @@ class SeqState:
     top_p: float
     generator: torch.Generator | None
     synthetic: Any = None  # its own synthetic acceptance (a SyntheticAcceptance), None: the engine's
+    key: int = 0  # its synthetic draws' key (scheduler/synthetic.py `request_key`)
     carried: torch.Tensor | None = None  # [V] proposer logits for the next token
     draft_len: int = 0  # this step's drafts in the worker's draft buffer (known without a sync)
     draft_q: torch.Tensor | None = None  # [D, V] draft distributions (sampled requests)
@@ -152,7 +153,7 @@ class ModelWorker:
             self.threshold = c.threshold
             if c.acceptance == "synthetic" and c.synthetic is None:
                 raise ValueError("acceptance 'synthetic' needs its definition (WorkerConfig.synthetic)")
-            self.synthetic = SyntheticDraws(c.synthetic, self.device) if c.synthetic is not None else None
+            self.synthetic = SyntheticDraws(c.synthetic, self.device, c.seed) if c.synthetic is not None else None
             self.states: dict[int, SeqState] = {}
             # request tokens live on the device, indexed by slot; a step's drafts sit right after
             # each row's last token, where the verify reads them with it in one gather
@@ -237,7 +238,7 @@ class ModelWorker:
     def _register(self, msg: ForwardMessage) -> None:
         for r in msg.register:
             self.states[r.slot] = SeqState(float(r.temperature), int(r.top_k), float(r.top_p),
-                                           make_generator(r.seed, self.device), r.synthetic)
+                                           make_generator(r.seed, self.device), r.synthetic, r.key)
             self.tokens.register(r.slot, list(r.token_ids))
             self.proposer.register(r.slot, r.token_ids)
 
@@ -348,7 +349,8 @@ class ModelWorker:
             all_greedy = all(st.greedy for st in rows)
             if self.acceptance == "synthetic":
                 probs = logits_to_probs(logits.reshape(b * width, -1), self.sampling_tensors(rows, width))
-                drawn = self.synthetic.accepted(width - 1, b, [st.synthetic for st in rows])
+                drawn = self.synthetic.accepted(width - 1, [st.key for st in rows], msg.start,
+                                                [st.synthetic for st in rows])
                 res = synthetic_verify(draft_t, nd, probs.view(b, width, -1), drawn, [st.generator for st in rows])
             elif self.acceptance == "threshold":
                 probs = logits_to_probs(logits.reshape(b * width, -1), self.sampling_tensors(rows, width))

@@ -33,6 +33,7 @@ class WorkerConfig:
     acceptance: str = "lossless"  # or "threshold", "synthetic"
     threshold: float = 0.3
     synthetic: SyntheticAcceptance | None = None  # with acceptance "synthetic": what it forces
+    seed: int = 0  # the engine's seed: its synthetic draws
     ngram: tuple[int, int] = (1, 3)  # n-gram lookup lengths (min, max)
     num_threads: int | None = None  # torch's intra-op threads (None: torch's default)
     sync_guard: bool = False
@@ -73,6 +74,7 @@ class WorkerConfig:
             acceptance=c.acceptance,
             threshold=c.threshold,
             synthetic=c.synthetic(),
+            seed=c.seed,
             ngram=(c.ngram_min, c.ngram_max),
             num_threads=c.worker_threads,
             sync_guard=c.sync_guard,

@@ -108,6 +108,8 @@ class EngineConfig(BaseModel):
         None, description="vLLM's speculative_config (a dict or its JSON: method, num_speculative_tokens, model, "
         "rejection_sample_method, synthetic_acceptance_length / _rates, prompt_lookup_min / _max), read onto "
         "the fields above")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="the seed of the engine's own draws (synthetic "
+                      "acceptance); a request's sampling is seeded by its SamplingParams.seed")
     synthetic_acceptance_independent: bool = Field(
         False, description="acceptance 'synthetic': draw each position on its own, not one uniform per row")
     device: Literal["host", "cuda"] = "host"

@@ -87,6 +87,7 @@ class Registration:
     top_p: float
     seed: int | None
     synthetic: SyntheticAcceptance | None = None  # its own synthetic acceptance (SamplingParams.synthetic)
+    key: int = 0  # its synthetic draws' key (`request_key` of its id)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

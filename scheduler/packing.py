@@ -19,6 +19,7 @@ from specsched.scheduler.plan import build_plan, length_class, padded_attention
 from specsched.scheduler.proposer import ProposerSpec
 from specsched.scheduler.small_arrays import largest, smallest, total
 from specsched.scheduler.step_batch import StepBatch
+from specsched.scheduler.synthetic import request_key
 
 
 def shape(qo_lens: np.ndarray, kv_lens: np.ndarray, **extra: Any) -> LaunchShape:
@@ -77,7 +78,8 @@ def registrations(batch: StepBatch) -> tuple[Registration, ...]:
     for i in (batch.start == 0).nonzero()[0].tolist():
         r = batch.requests[i]
         p = r.params
-        out.append(Registration(r.slot, r.all_token_ids, p.temperature, p.top_k, p.top_p, p.seed, p.synthetic()))
+        out.append(Registration(r.slot, r.all_token_ids, p.temperature, p.top_k, p.top_p, p.seed, p.synthetic(),
+                                request_key(r.request_id)))
     return tuple(out)
 
 

@@ -16,13 +16,74 @@ floor(AL - 1), then the fraction, then 0 (AL 3.78 at D = 7: 1, 1, 0.78, 0, ...).
 one uniform u and accepts the drafts k with u < r_k (a prefix: the rates do not increase), so
 P(accepted >= k) = r_k with the least variance any draw gives; `independent` draws each position
 on its own instead, accepting draft k with probability r_k / r_(k-1) once k - 1 were.
+
+The uniforms are not drawn from a generator's stream: each is a hash of (seed, the request's
+key, the position of the row's last token) -- with `independent`, of each draft's position --
+in 31-bit integer arithmetic that numpy arrays and torch tensors compute alike, compared with
+integer thresholds. So a request's acceptance at a position is one value whatever the batch,
+the schedule, the draft length or the tensor-parallel rank, and the simulator replaying an
+engine's run draws exactly the engine's acceptance (`keyed_uniforms`).
 """
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
+
+
+M31 = (1 << 31) - 1
+ONE = 1 << 31  # a rate r is the threshold round(r * ONE) on a uniform in [0, ONE)
+
+
+def request_key(request_id: str) -> int:
+    """A request's 31-bit key for its synthetic draws (the same in the engine and a replay)."""
+    return zlib.crc32(request_id.encode()) & M31
+
+
+def _mix31(x):
+    """A 31-bit integer hash, elementwise on numpy int64 arrays and torch int64 tensors alike:
+    every product stays below 2^58, so nothing overflows on either."""
+    x = x & M31
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & M31
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & M31
+    return x ^ (x >> 16)
+
+
+def keyed_uniforms(seed: int, keys, positions):
+    """Uniform integers in [0, ONE), one per (key, position) under `seed` (numpy or torch int64)."""
+    return _mix31(_mix31(keys * 0x9E37 + (seed & M31)) + (positions & M31) * 0x85EB)
+
+
+def accepted_counts(thresholds, draft_lens, seed: int, keys, positions, independent: bool):
+    """[B] drafts accepted: thresholds [W] or [B, W] (`SyntheticAcceptance.thresholds`), rows
+    drafting `draft_lens` (<= W; None: W each) whose last token is at `positions`; numpy or
+    torch alike (the engine's verify computes it on the device, the simulator on the host)."""
+    width = thresholds.shape[-1]
+    if independent:  # draft k (at position p + 1 + k) on its own uniform
+        steps = positions[:, None] + 1 + _arange_like(positions, width)[None, :]
+        ok = keyed_uniforms(seed + 1, keys[:, None], steps) < thresholds
+        accepted = ok.cumprod(1).sum(1)
+    else:
+        accepted = (keyed_uniforms(seed, keys, positions)[:, None] < thresholds).sum(1)
+    return accepted if draft_lens is None else _minimum(accepted, draft_lens)
+
+
+def _arange_like(x, n: int):
+    if isinstance(x, np.ndarray):
+        return np.arange(n, dtype=np.int64)
+    import torch
+
+    return torch.arange(n, dtype=torch.int64, device=x.device)
+
+
+def _minimum(a, b):
+    if isinstance(a, np.ndarray):
+        return np.minimum(a.astype(np.int64), b)
+    import torch
+
+    return torch.minimum(a.to(torch.int64), b)
 
 
 @dataclass(frozen=True)
@@ -81,22 +142,27 @@ class SyntheticAcceptance:
             return r
         return np.clip(length - 1.0 - np.arange(draft_len), 0.0, 1.0)
 
-    def draw(self, draft_lens: np.ndarray, rng: np.random.Generator,
+    def thresholds(self, draft_len: int, independent: bool | None = None) -> np.ndarray:
+        """[draft_len] int64 thresholds on a uniform in [0, ONE): the rates (one uniform per
+        row), or `independent` (default: this one's) each position's rate given the one
+        before, r_k / r_(k-1)."""
+        r = self.rates(draft_len)
+        if self.independent if independent is None else independent:
+            before = np.concatenate([[1.0], r[:-1]])
+            r = np.divide(r, before, out=np.zeros_like(r), where=before > 0)
+        return np.rint(r * ONE).astype(np.int64)
+
+    def draw(self, draft_lens: np.ndarray, keys: np.ndarray, positions: np.ndarray, seed: int = 0,
              own: "list[SyntheticAcceptance | None] | None" = None) -> np.ndarray:
-        """[B] drafts accepted of rows drafting `draft_lens`, whole-array; `own[i]`: row i's own
+        """[B] drafts accepted of rows drafting `draft_lens`, whole-array: row i is request
+        `keys[i]` (`request_key`) with its last token at `positions[i]`; `own[i]`: its own
         synthetic acceptance (a request's `SamplingParams.synthetic_acceptance_*`), None for this."""
         draft_lens = np.maximum(np.asarray(draft_lens, dtype=np.int64), 0)
         width = int(draft_lens.max(initial=0))
         if width == 0:
             return np.zeros(draft_lens.shape[0], dtype=np.int64)
-        r = self.rates(width)
+        t = self.thresholds(width)
         if own is not None and any(a is not None for a in own):
-            r = np.stack([r if a is None else a.rates(width) for a in own])  # [B, width]
-        if self.independent:  # P(draft k | k - 1 accepted) = r_k / r_(k-1), one uniform per position
-            before = np.concatenate([np.ones_like(r[..., :1]), r[..., :-1]], axis=-1)
-            step = np.divide(r, before, out=np.zeros_like(r), where=before > 0)
-            ok = rng.random((draft_lens.shape[0], width)) < step
-            accepted = np.cumprod(ok, axis=1).sum(axis=1)
-        else:
-            accepted = (rng.random(draft_lens.shape[0])[:, None] < r).sum(axis=1)
-        return np.minimum(accepted, draft_lens)
+            t = np.stack([t if a is None else a.thresholds(width, self.independent) for a in own])  # [B, width]
+        return accepted_counts(t, draft_lens, seed, np.asarray(keys, dtype=np.int64),
+                               np.asarray(positions, dtype=np.int64), self.independent)

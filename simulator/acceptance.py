@@ -34,7 +34,7 @@ import itertools
 import numpy as np
 
 from specsched.scheduler.small_arrays import SMALL_BATCH  # `outcomes` looks up to this many rows one by one
-from specsched.scheduler.synthetic import SyntheticAcceptance
+from specsched.scheduler.synthetic import SyntheticAcceptance, request_key
 
 
 class AcceptanceModel:
@@ -43,7 +43,8 @@ class AcceptanceModel:
                  exact_max_d: int | None = None, seed: int = 0,
                  recorded: dict[int, dict[int, tuple[int, int]]] | None = None,
                  draft_rate: float = 1.0, synthetic: SyntheticAcceptance | None = None,
-                 own: dict[int, SyntheticAcceptance] | None = None):
+                 own: dict[int, SyntheticAcceptance] | None = None,
+                 requests: tuple[np.ndarray, np.ndarray] | None = None):
         if mode not in ("trace", "rates", "bernoulli", "synthetic"):
             raise ValueError(f"unknown acceptance mode {mode!r}")
         if mode == "bernoulli" and not (alpha is not None and 0.0 <= alpha <= 1.0):
@@ -55,6 +56,9 @@ class AcceptanceModel:
         self.mode = mode
         self.synthetic = synthetic
         self.own = own or {}  # request index -> its own synthetic acceptance
+        # request index -> (its synthetic draws' key, its prompt length): the engine's draw of a
+        # row is keyed by its request and its last token's position (scheduler/synthetic.py)
+        self.requests = requests
         self.agreement = agreement or {}
         self.rates = list(rates or [])
         self.alpha = alpha
@@ -94,7 +98,8 @@ class AcceptanceModel:
             if max_accept is not None:  # an acceptance length the draft length cannot reach is refused
                 for a in (synthetic, *own.values()):
                     a.check(max_accept)
-            return cls("synthetic", synthetic=synthetic, seed=seed, own=own)
+            return cls("synthetic", synthetic=synthetic, seed=_engine_seed(trace) + seed, own=own,
+                       requests=_request_table(trace))
         if spec.startswith("bernoulli:"):
             try:
                 alpha = float(spec.split(":", 1)[1])
@@ -115,8 +120,10 @@ class AcceptanceModel:
                         exact = 1
         recorded = recorded_acceptance(trace) if (spec == "trace" and captured_config) else None
         forced, own = synthetic_of(trace) if spec == "trace" else (None, None)
-        model = cls(spec, agreement=agreement, rates=step_rates(trace), exact_max_d=exact, seed=seed,
-                    recorded=recorded, draft_rate=draft_rate(trace), synthetic=forced, own=own)
+        model = cls(spec, agreement=agreement, rates=step_rates(trace), exact_max_d=exact,
+                    seed=seed + (_engine_seed(trace) if forced is not None else 0), recorded=recorded,
+                    draft_rate=draft_rate(trace), synthetic=forced, own=own,
+                    requests=_request_table(trace) if forced is not None else None)
         model.any_length = any_length
         return model
 
@@ -159,14 +166,25 @@ class AcceptanceModel:
             return a, draft_len
         return None
 
-    def _drawn(self, index: np.ndarray, draft_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _synthetic(self, index: np.ndarray, out_pos: np.ndarray, draft_len: np.ndarray) -> np.ndarray:
+        """Accepted drafts of rows under the synthetic acceptance, keyed as the engine's: by the
+        request (the trace's id) and its last token's position (without a trace: the index and
+        the output position)."""
+        index = np.asarray(index, dtype=np.int64)
+        out_pos = np.asarray(out_pos, dtype=np.int64)
+        own = [self.own.get(i) for i in index.tolist()] if self.own else None
+        if self.requests is not None and index.size and int(index.max()) < self.requests[0].shape[0]:
+            keys, prompts = self.requests
+            return self.synthetic.draw(draft_len, keys[index], prompts[index] + out_pos - 1, self._seed, own)
+        return self.synthetic.draw(draft_len, index, out_pos, self._seed, own)
+
+    def _drawn(self, index: np.ndarray, out_pos: np.ndarray, draft_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(accepted, drafted) of rows the trace does not decide, drawn whole-array: first
         whether each drafts at all (the trace's share of rows that drafted something), then
         each position accepted with its conditional rate (Bernoulli: alpha) until one fails.
         A trace captured with synthetic acceptance draws from its definition instead."""
         if self.synthetic is not None:
-            own = [self.own.get(i) for i in index.tolist()] if self.own else None
-            return self.synthetic.draw(draft_len, self.rng, own), draft_len
+            return self._synthetic(index, out_pos, draft_len), draft_len
         n, width = draft_len.shape[0], int(draft_len.max(initial=0))
         drafted = draft_len.copy()
         if self.draft_rate < 1.0:
@@ -186,8 +204,7 @@ class AcceptanceModel:
         rows; the others are drawn for all of them at once (`_drawn`)."""
         draft_len = np.asarray(draft_len, dtype=np.int64)
         if self.mode == "synthetic":  # every row drafts what it was asked to; one draw for them all
-            own = [self.own.get(i) for i in np.asarray(index).tolist()] if self.own else None
-            return self.synthetic.draw(draft_len, self.rng, own), np.maximum(draft_len, 0)
+            return self._synthetic(index, out_pos, draft_len), np.maximum(draft_len, 0)
         accepted = np.zeros(draft_len.shape[0], dtype=np.int64)
         drafted = np.zeros(draft_len.shape[0], dtype=np.int64)
         todo = draft_len > 0
@@ -220,7 +237,8 @@ class AcceptanceModel:
                 drafted[agree] = draft_len[agree]
                 todo &= ~agree
         if todo.any():
-            accepted[todo], drafted[todo] = self._drawn(np.asarray(index)[todo], draft_len[todo])
+            accepted[todo], drafted[todo] = self._drawn(np.asarray(index)[todo], np.asarray(out_pos)[todo],
+                                                        draft_len[todo])
         return accepted, drafted
 
     def accept(self, request_index: int, out_pos: int, draft_len: int) -> int:
@@ -234,6 +252,20 @@ def _own_synthetic(trace, independent: bool) -> dict[int, SyntheticAcceptance]:
                                    else tuple(r.synthetic_acceptance_rates), independent)
             for i, r in enumerate(reqs)
             if r.synthetic_acceptance_length is not None or r.synthetic_acceptance_rates is not None}
+
+
+def _request_table(trace) -> tuple[np.ndarray, np.ndarray] | None:
+    """(keys, prompt lengths) of the trace's requests by index (arrival order)."""
+    if trace is None:
+        return None
+    reqs = sorted(trace.requests, key=lambda r: r.arrival_ns)
+    return (np.array([request_key(r.request_id) for r in reqs], dtype=np.int64),
+            np.array([r.prompt_len for r in reqs], dtype=np.int64))
+
+
+def _engine_seed(trace) -> int:
+    """The seed of the engine's own draws in the trace's configuration (0 without a trace)."""
+    return int((trace.header.engine_config.get("seed") or 0) if trace is not None else 0)
 
 
 def synthetic_of(trace) -> tuple[SyntheticAcceptance | None, dict[int, SyntheticAcceptance] | None]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specsched.scheduler.synthetic import SyntheticAcceptance
+from specsched.scheduler.synthetic import SyntheticAcceptance, request_key
 from specsched.simulator.acceptance import AcceptanceModel
 
 
@@ -22,26 +22,54 @@ def test_an_acceptance_length_gives_the_minimum_variance_rates():
                                      {"synthetic_acceptance_length": 3.5},
                                      {"synthetic_acceptance_rates": (0.9, 0.7, 0.4, 0.1)}])
 def test_draws_reach_the_acceptance_asked_for(setting, independent):
-    """1,000 verify steps of 16 rows at D = 4: the mean acceptance length within 1% of the one
-    asked for, each position's rate within 0.02; a row drafting fewer accepts at most those."""
+    """1,000 verify steps of 16 requests at D = 4 (each step a row's last token 1 + its accepted
+    drafts further on): the mean acceptance length within 1% of the one asked for, each
+    position's rate within 0.02; a row drafting fewer accepts at most those."""
     s = SyntheticAcceptance(**setting, independent=independent)
-    rng = np.random.default_rng(0)
-    accepted = np.concatenate([s.draw(np.full(16, 4), rng) for _ in range(1000)])
+    keys = np.array([request_key(f"req-{i}") for i in range(16)])
+    positions, steps = np.full(16, 40), []
+    for _ in range(1000):
+        steps.append(s.draw(np.full(16, 4), keys, positions))
+        positions = positions + 1 + steps[-1]
+    accepted = np.concatenate(steps)
     want = s.rates(4)
     assert 1 + accepted.mean() == pytest.approx(1 + want.sum(), rel=0.01)
     assert np.abs([(accepted >= k).mean() for k in range(1, 5)] - want).max() < 0.02
-    short = s.draw(np.array([0, 1, 2, 4] * 500), rng)
+    short = s.draw(np.array([0, 1, 2, 4] * 500), np.arange(2000), np.full(2000, 7))
     assert (short <= np.array([0, 1, 2, 4] * 500)).all() and short[::4].max() == 0
 
 
 def test_one_draw_per_row_has_the_least_variance():
     """Minimum variance: with AL 2.5 at D = 4 every row accepts 1 or 2 drafts, never 0, 3 or 4."""
     s = SyntheticAcceptance(synthetic_acceptance_length=2.5)
-    counts = np.bincount(s.draw(np.full(4000, 4), np.random.default_rng(1)), minlength=5)
+    rows = np.arange(4000), np.full(4000, 9)  # keys, positions
+    counts = np.bincount(s.draw(np.full(4000, 4), *rows), minlength=5)
     assert counts[0] == counts[3] == counts[4] == 0 and counts[1] > 0 and counts[2] > 0
     independent = SyntheticAcceptance(synthetic_acceptance_length=2.5, independent=True)
-    assert np.bincount(independent.draw(np.full(4000, 4), np.random.default_rng(1)), minlength=5)[1:3].sum() \
+    assert np.bincount(independent.draw(np.full(4000, 4), *rows), minlength=5)[1:3].sum() \
         == 4000  # the same rates: 1 is sure, 0.5 then
+
+
+def test_a_draw_is_a_function_of_the_request_and_its_position():
+    """The same (seed, request, position) draws the same count whatever the batch around it, a
+    longer draft length keeps a shorter one's accepted prefix (one uniform per row), torch on
+    any device computes numpy's counts, and another seed draws others."""
+    import torch
+
+    from specsched.scheduler.synthetic import accepted_counts
+
+    s = SyntheticAcceptance(synthetic_acceptance_rates=(0.9, 0.6, 0.3, 0.1))
+    keys, positions = np.array([request_key(f"r{i}") for i in range(500)]), np.arange(500) * 3 + 11
+    at4 = s.draw(np.full(500, 4), keys, positions)
+    assert (s.draw(np.full(250, 4), keys[::2], positions[::2]) == at4[::2]).all()
+    assert (s.draw(np.full(500, 2), keys, positions) == np.minimum(at4, 2)).all()
+    for independent in (False, True):
+        t = SyntheticAcceptance(synthetic_acceptance_rates=(0.9, 0.6, 0.3, 0.1), independent=independent)
+        want = t.draw(np.full(500, 4), keys, positions, seed=3)
+        got = accepted_counts(torch.from_numpy(t.thresholds(4)), None, 3, torch.from_numpy(keys),
+                              torch.from_numpy(positions), independent)
+        assert got.tolist() == want.tolist()
+    assert (s.draw(np.full(500, 4), keys, positions, seed=1) != at4).mean() > 0.3
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -73,6 +101,9 @@ def test_the_simulators_synthetic_acceptance_draws_a_step_at_once():
     again = AcceptanceModel.parse("synthetic:0.8,0.6,0.3", None, seed=3, max_accept=4)
     assert again.outcomes(np.arange(3000), np.zeros(3000, dtype=np.int64), np.full(3000, 4))[0].tolist() \
         == accepted.tolist()  # seeded
+    other = AcceptanceModel.parse("synthetic:0.8,0.6,0.3", None, seed=4, max_accept=4)
+    assert other.outcomes(np.arange(3000), np.zeros(3000, dtype=np.int64), np.full(3000, 4))[0].tolist() \
+        != accepted.tolist()
     assert AcceptanceModel.parse("synthetic:independent:2.5", None).synthetic.independent
     with pytest.raises(ValueError, match="cannot be reached at draft length 2"):
         AcceptanceModel.parse("synthetic:4", None, max_accept=2)
@@ -93,7 +124,8 @@ def _engine_steps(fam, prompts, max_tokens, own=None, **cfg):
     from specsched.scheduler.sampling_params import SamplingParams
     from specsched.traces import Header, MemoryRecorder
 
-    config = EngineConfig.make(model=str(fam["target"]), draft=str(fam["draft"]), num_pages=512, page_size=4, **cfg)
+    config = EngineConfig.make(model=str(fam["target"]), draft=str(fam["draft"]) if fam.get("draft") else None,
+                               num_pages=512, page_size=4, **cfg)
     # the header a bench writes: the configuration, synthetic acceptance included
     rec = MemoryRecorder(Header.create(source="engine", clock="monotonic_ns", model="tiny", proposer=config.proposer,
                                        schedule=config.schedule, draft_len=config.draft_len,
@@ -172,6 +204,36 @@ def test_a_request_s_own_acceptance_replaces_the_engine_s(tiny_family):
     model = AcceptanceModel.parse("trace", trace, max_accept=3)
     accepted, _ = model.outcomes(np.array([0, 1, 2] * 50), np.full(150, 1000), np.full(150, 3))
     assert set(accepted[0::3]) == {0} and set(accepted[1::3]) == {3} and set(accepted[2::3]) == {2}
+
+
+@pytest.mark.parametrize("proposer, schedule", [("draft", "overlap"), ("mtp", "eager_fill")])
+def test_the_simulator_replays_the_engines_synthetic_draws_exactly(tiny_family, head_family, proposer, schedule):
+    """A request's draws are keyed by its id and position, so the simulator replaying an
+    engine's run at its configuration draws the very same acceptance, request by request and
+    step by step, whatever the batches its virtual timing makes (`--acceptance synthetic`)."""
+    from specsched.simulator.fit import fit_profile
+    from specsched.simulator.replay import ReplayConfig, replay
+
+    fam, extra = tiny_family, {}
+    if proposer == "mtp":  # a target with a head (vocabulary 32)
+        fam, extra = {"target": head_family.target, "draft": None}, {"mtp_head": str(head_family.head)}
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10], [3, 4, 5, 3, 4, 5], [7, 8, 9, 10]]
+    _, _, trace = _engine_steps(fam, prompts, 32, proposer=proposer, draft_len=3, schedule=schedule,
+                                acceptance="synthetic", synthetic_acceptance_rates=[0.9, 0.6, 0.3], **extra)
+
+    def per_request(tr):
+        ids = {r.request_id: i for i, r in enumerate(sorted(tr.requests, key=lambda r: r.arrival_ns))}
+        out: dict[int, list] = {}
+        for st in sorted(tr.steps, key=lambda st: st.step):
+            if st.kind == "spec":
+                for rid, d, a in zip(st.request_ids, st.num_drafted, st.num_accepted):
+                    out.setdefault(ids[rid], []).append((d, a))
+        return out
+
+    real = per_request(trace)
+    assert sum(len(v) for v in real.values()) > 20
+    _, sim = replay(trace, fit_profile([trace]), ReplayConfig(acceptance="synthetic"))
+    assert per_request(sim) == real
 
 
 def test_an_eagle_tree_accepts_a_path_of_the_drawn_depth():

@@ -243,7 +243,8 @@ class EagleProposer(HeadProposer):
         tokens = torch.cat([last.unsqueeze(-1), nodes], dim=1)
         if w.acceptance == "synthetic":  # a path of the drawn depth (none where the row has no tree)
             probs = logits_to_probs(logits.reshape(b * width, -1), w.sampling_tensors(rows, width))
-            drawn = w.synthetic.accepted(self.tree.max_depth, b, [st.synthetic for st in rows])
+            drawn = w.synthetic.accepted(self.tree.max_depth, [st.key for st in rows], msg.start,
+                                         [st.synthetic for st in rows])
             res = synthetic_tree_verify(tokens, self.tree, probs.view(b, width, -1), torch.where(whole, drawn, 0),
                                         [st.generator for st in rows])
         elif all(st.greedy for st in rows):
