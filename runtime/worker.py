@@ -141,7 +141,8 @@ class ModelWorker:
             head_dir = c.proposer_dir if c.proposer.rules.checkpoint == "mtp_head" else None
             self.tp_leader = Leader(c.tensor_parallel_size, model_dir=c.model_dir, head_dir=head_dir, dtype=c.dtype,
                                     device=c.device, attention=c.attention, num_pages=c.num_pages,
-                                    page_size=c.page_size, num_threads=c.num_threads or 1, channel=c.tp_channel)
+                                    page_size=c.page_size, num_threads=c.num_threads or 1, channel=c.tp_channel,
+                                    load_format=c.load_format)
         try:  # a failed start stops the ranks it started
             tp = self.tp_leader.tp if self.tp_leader is not None else None
             self.load_format = c.load_format

@@ -207,33 +207,42 @@ def test_a_request_s_own_acceptance_replaces_the_engine_s(tiny_family):
 
 
 @pytest.mark.parametrize("proposer, schedule", [("draft", "overlap"), ("mtp", "eager_fill")])
-def test_the_simulator_replays_the_engines_synthetic_draws_exactly(tiny_family, head_family, proposer, schedule):
+def test_the_simulator_replays_the_engines_synthetic_draws_exactly(tiny_family, proposer, schedule):
     """A request's draws are keyed by its id and position, so the simulator replaying an
-    engine's run at its configuration draws the very same acceptance, request by request and
-    step by step, whatever the batches its virtual timing makes (`--acceptance synthetic`)."""
+    engine's run at its configuration draws the very same acceptance wherever a request
+    verifies at the same position, whatever the batches its virtual timing makes (which may put
+    a plain step, and so a shift, where the engine had none): `--acceptance synthetic`."""
     from specsched.simulator.fit import fit_profile
     from specsched.simulator.replay import ReplayConfig, replay
 
-    fam, extra = tiny_family, {}
-    if proposer == "mtp":  # a target with a head (vocabulary 32)
-        fam, extra = {"target": head_family.target, "draft": None}, {"mtp_head": str(head_family.head)}
+    fam = tiny_family
+    if proposer == "mtp":  # the bundled target and head
+        from specsched.runtime import bundled
+
+        fam = {"target": bundled.target_dir(), "draft": None}
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10], [3, 4, 5, 3, 4, 5], [7, 8, 9, 10]]
     _, _, trace = _engine_steps(fam, prompts, 32, proposer=proposer, draft_len=3, schedule=schedule,
-                                acceptance="synthetic", synthetic_acceptance_rates=[0.9, 0.6, 0.3], **extra)
+                                acceptance="synthetic", synthetic_acceptance_rates=[0.9, 0.6, 0.3])
 
-    def per_request(tr):
+    def by_position(tr):
+        """(request index, output position) -> (drafted, accepted) of its spec steps."""
         ids = {r.request_id: i for i, r in enumerate(sorted(tr.requests, key=lambda r: r.arrival_ns))}
-        out: dict[int, list] = {}
+        pos: dict[str, int] = {}
+        out = {}
         for st in sorted(tr.steps, key=lambda st: st.step):
-            if st.kind == "spec":
-                for rid, d, a in zip(st.request_ids, st.num_drafted, st.num_accepted):
-                    out.setdefault(ids[rid], []).append((d, a))
+            for j, rid in enumerate(st.request_ids):
+                if st.kind == "spec":
+                    out[ids[rid], pos.get(rid, 0)] = (st.num_drafted[j], st.num_accepted[j])
+                pos[rid] = pos.get(rid, 0) + st.num_output[j]
         return out
 
-    real = per_request(trace)
-    assert sum(len(v) for v in real.values()) > 20
+    real = by_position(trace)
     _, sim = replay(trace, fit_profile([trace]), ReplayConfig(acceptance="synthetic"))
-    assert per_request(sim) == real
+    simulated = by_position(sim)
+    both = real.keys() & simulated.keys()
+    assert len(real) > 20 and len(both) > 0.5 * len(real)
+    assert {k: simulated[k] for k in both} == {k: real[k] for k in both}
+    assert len({a for _, a in real.values()}) > 1  # not one count everywhere
 
 
 def test_an_eagle_tree_accepts_a_path_of_the_drawn_depth():

@@ -49,8 +49,7 @@ def entry() -> None:
 
 
 def serve(cfg: RankConfig) -> None:
-    from specsched.runtime.checkpoint import load_model
-    from specsched.runtime.mtp_head import load_head
+    from specsched.runtime.dummy import load, load_head_for
 
     torch.set_num_threads(cfg.num_threads)
     torch.set_grad_enabled(False)
@@ -60,12 +59,12 @@ def serve(cfg: RankConfig) -> None:
     channel = make_channel(tp.group, shm)
     device = torch.device(cfg.device)
     # the same loads in the same order as the leader's worker (loading is collective)
-    target = load_model(cfg.model_dir, dtype=_DTYPES[cfg.dtype], device=device, tp=tp)
+    target = load(cfg.model_dir, cfg.load_format, _DTYPES[cfg.dtype], device, tp)
     backend = target.attention_backend(cfg.attention)
     modules: dict[str, tuple[Any, Any]] = {
         "target": (target, target.make_kv_cache(cfg.num_pages, cfg.page_size, backend=backend))}
     if cfg.head_dir is not None:
-        head = load_head(cfg.head_dir, target)
+        head = load_head_for(cfg.head_dir, target, cfg.load_format)
         modules["head"] = (head, head.make_kv_cache(cfg.num_pages, cfg.page_size, backend=backend))
     for name, (_, kv) in list(modules.items()):  # a cache's own calls (EAGLE's slot copies)
         modules[f"{name}.kv"] = (kv, kv)
