@@ -186,6 +186,22 @@ def acceptance_note(engine_config: dict, extra: dict | None = None, own: int = 0
     return None
 
 
+def synthetic_summary(engine_config: dict, extra: dict | None = None, own: int | None = None) -> dict | None:
+    """The `synthetic_acceptance` key of `bench --json` and `stats --json`: what a run's forced
+    acceptance was (None for a run that was not forced): the engine's setting, or a replay's."""
+    c = engine_config or {}
+    out: dict | None = None
+    if c.get("acceptance") == "synthetic":
+        out = {"length": c.get("synthetic_acceptance_length"), "rates": c.get("synthetic_acceptance_rates"),
+               "independent": bool(c.get("synthetic_acceptance_independent", False))}
+    simulated = (extra or {}).get("acceptance")
+    if isinstance(simulated, str) and simulated.startswith("synthetic:"):
+        out = {"simulated": simulated}
+    if out is not None and own is not None:
+        out["requests_with_their_own"] = own
+    return out
+
+
 def _num(value, fmt: str) -> str:
     """A number for a table cell; "-" for a metric a run does not have (no finished request)."""
     return "-" if value is None else format(value, fmt)

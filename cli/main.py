@@ -14,7 +14,8 @@ import typer
 from rich.console import Console
 
 from specsched.cli.common import (_fail, _metrics_table, _print_json, acceptance_note, app, check_output_path, console,
-                                  engine_config, fail_if_requests_failed, parse_draft_len, user_errors)
+                                  engine_config, fail_if_requests_failed, parse_draft_len, synthetic_summary,
+                                  user_errors)
 from specsched.traces.names import PROPOSERS, SCHEDULE_ALIASES, SCHEDULES, Schedule
 
 SCHEDULE_HELP = (f"{'|'.join(SCHEDULES)} (default: the proposer's natural one; "
@@ -330,11 +331,9 @@ def bench(
     own = sum(it.params.synthetic() is not None for it in items)
     note = acceptance_note(cfg.model_dump(), own=own)
     if json_out:
-        if note:  # the acceptance figures were forced: the JSON says so as the table does
-            final["synthetic_acceptance"] = {"length": cfg.synthetic_acceptance_length,
-                                             "rates": cfg.synthetic_acceptance_rates,
-                                             "independent": cfg.synthetic_acceptance_independent,
-                                             "requests_with_their_own": own}
+        forced = synthetic_summary(cfg.model_dump(), own=own)
+        if forced:  # the acceptance figures were forced: the JSON says so as the table does
+            final["synthetic_acceptance"] = forced
         _print_json(final)
     else:
         _metrics_table("bench", results)

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from specsched.cli.common import (_fail, _metrics_table, _print_json, acceptance_note, app, check_output_path, console,
-                                  user_errors)
+                                  synthetic_summary, user_errors)
 
 
 @app.command()
@@ -21,13 +21,16 @@ def stats(trace: Path, json_out: bool = typer.Option(False, "--json")) -> None:
     _check_readable(trace)
     with _truncation_note(trace):
         m = compute_metrics_file(trace)  # streamed: memory bounded whatever the file's length
+    from specsched.traces.reader import iter_records
+
+    header = next(iter_records(trace, allow_truncated_tail=True))
     if json_out:
+        forced = synthetic_summary(header.engine_config, header.extra)
+        if forced:  # the acceptance figures were forced: the JSON says so as the table does
+            m["synthetic_acceptance"] = forced
         _print_json(m)
     else:
-        from specsched.traces.reader import iter_records
-
         _metrics_table(str(trace), [(trace.name, m)])
-        header = next(iter_records(trace, allow_truncated_tail=True))
         note = acceptance_note(header.engine_config, header.extra)
         if note:
             console.print(note)

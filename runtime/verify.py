@@ -207,8 +207,8 @@ class SyntheticDraws:
         else:
             thresholds = self._thresholds.get(width)
             if thresholds is None:
-                thresholds = self._thresholds[width] = to_device(self.synthetic.thresholds(width), self.device,
-                                                                 torch.int64)
+                thresholds = self._thresholds[width] = to_device(self.synthetic.thresholds(width).copy(),
+                                                                 self.device, torch.int64)
         return accepted_counts(thresholds, None, self.seed, to_device(np.asarray(keys, dtype=np.int64), self.device,
                                                                        torch.int64),
                                to_device(np.asarray(positions, dtype=np.int64), self.device, torch.int64), independent)

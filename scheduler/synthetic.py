@@ -52,8 +52,11 @@ def _mix31(x):
 
 
 def keyed_uniforms(seed: int, keys, positions):
-    """Uniform integers in [0, ONE), one per (key, position) under `seed` (numpy or torch int64)."""
-    return _mix31(_mix31(keys * 0x9E37 + (seed & M31)) + (positions & M31) * 0x85EB)
+    """Uniform integers in [0, ONE), one per (key, position) under `seed` (numpy or torch int64):
+    the key (already a hash) salted with the seed's hash, a position apart by an odd stride,
+    mixed once."""
+    salt = int(_mix31(np.int64(seed * 0x9E37 + 0x3C6EF372)))
+    return _mix31((keys ^ salt) + positions * 0x85EB)
 
 
 def accepted_counts(thresholds, draft_lens, seed: int, keys, positions, independent: bool):
@@ -84,6 +87,9 @@ def _minimum(a, b):
     import torch
 
     return torch.minimum(a.to(torch.int64), b)
+
+
+_THRESHOLDS: dict = {}  # (SyntheticAcceptance, draft length, independent) -> its thresholds
 
 
 @dataclass(frozen=True)
@@ -145,9 +151,18 @@ class SyntheticAcceptance:
     def thresholds(self, draft_len: int, independent: bool | None = None) -> np.ndarray:
         """[draft_len] int64 thresholds on a uniform in [0, ONE): the rates (one uniform per
         row), or `independent` (default: this one's) each position's rate given the one
-        before, r_k / r_(k-1)."""
+        before, r_k / r_(k-1). Read-only, made once per (draft length, independence)."""
+        independent = self.independent if independent is None else independent
+        key = (self, draft_len, independent)
+        made = _THRESHOLDS.get(key)
+        if made is None:
+            made = _THRESHOLDS[key] = self._thresholds(draft_len, independent)
+            made.flags.writeable = False
+        return made
+
+    def _thresholds(self, draft_len: int, independent: bool) -> np.ndarray:
         r = self.rates(draft_len)
-        if self.independent if independent is None else independent:
+        if independent:
             before = np.concatenate([[1.0], r[:-1]])
             r = np.divide(r, before, out=np.zeros_like(r), where=before > 0)
         return np.rint(r * ONE).astype(np.int64)

@@ -48,6 +48,7 @@ TINY = {
     "kept_hidden.py": ["--num-requests", "2", "--max-tokens", "3", "--rounds", "1"],
     "worker_spin.py": ["--rounds", "1", "--concurrency", "1", "--configs", "none/sync", "--num-requests", "1",
                        "--max-tokens", "3"],
+    "dummy_memory.py": ["--shapes", "llama-3.2-1b-draft", "--max-tokens", "2", "--num-pages", "8"],
 }
 
 
@@ -361,6 +362,14 @@ def _check_worker_spin(out):
     assert _quotient(ratio, tps_poll, tps0) and _pos(op0) and _pos(op_poll)
 
 
+def _check_dummy_memory(out):
+    _grab(out, r"^dummy weights in bfloat16, KV pool 8 pages of 16 tokens; 2 tokens at batch 1; ")
+    _grab(out, r"^ *shape +weights GiB +peak GiB +peak/weights +start s +tok/s$")
+    weights, peak, ratio, start, tps = _row(out, "llama-3.2-1b-draft", 5)
+    # 1 layer of width 2048 and a 128,256-token embedding, tied: 324M parameters, 0.60 GiB in bfloat16
+    assert 0.59 < _f(weights) < 0.62 and _quotient(ratio, peak, weights) and _pos(start) and _pos(tps)
+
+
 CHECKS = {script: globals()["_check_" + script.removesuffix(".py")] for script in TINY}
 
 
@@ -371,7 +380,8 @@ def test_every_benchmark_has_a_smoke_setting():
 
 # the heaviest smoke runs, over what other tests cover too (a model served, a training step, two ranks): in
 # the slow suite, so the default one stays within its budget
-SLOW_SMOKE = {"hf_compare.py", "train_throughput.py", "engine_warmup.py", "schedules.py", "tensor_parallel.py"}
+SLOW_SMOKE = {"hf_compare.py", "train_throughput.py", "engine_warmup.py", "schedules.py", "tensor_parallel.py",
+              "dummy_memory.py"}
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SMOKE else s

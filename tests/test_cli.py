@@ -383,8 +383,8 @@ def test_demo_summary_table_fits_80_columns_with_every_draft_length_shown(tmp_pa
 
 
 def test_stats_says_when_the_acceptance_was_synthetic(tmp_path):
-    """A replay forced to a synthetic acceptance writes a trace whose stats say so; a captured
-    run's do not; an engine configuration's note names what was forced."""
+    """A replay forced to a synthetic acceptance writes a trace whose stats say so, in the table
+    and the JSON; a captured run's do not; an engine configuration's note names what was forced."""
     from specsched.cli.common import acceptance_note
 
     out = tmp_path / "synthetic.jsonl"
@@ -392,8 +392,10 @@ def test_stats_says_when_the_acceptance_was_synthetic(tmp_path):
     assert code == 0
     code, text = run("stats", out)
     assert code == 0 and "acceptance: synthetic:2.5 (simulated)" in text
+    assert run_json("stats", out)["synthetic_acceptance"] == {"simulated": "synthetic:2.5"}
     code, text = run("stats", SAMPLE)
     assert code == 0 and "acceptance: synthetic" not in text
+    assert "synthetic_acceptance" not in run_json("stats", SAMPLE)
     code, text = run("replay", SAMPLE, "--acceptance", "synthetic")  # the trace's own: it has none
     assert code != 0 and "was not captured with synthetic acceptance" in text
     code, text = run("replay", out, "--acceptance", "synthetic")  # a synthetic trace's: replayed as such

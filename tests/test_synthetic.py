@@ -66,7 +66,7 @@ def test_a_draw_is_a_function_of_the_request_and_its_position():
     for independent in (False, True):
         t = SyntheticAcceptance(synthetic_acceptance_rates=(0.9, 0.6, 0.3, 0.1), independent=independent)
         want = t.draw(np.full(500, 4), keys, positions, seed=3)
-        got = accepted_counts(torch.from_numpy(t.thresholds(4)), None, 3, torch.from_numpy(keys),
+        got = accepted_counts(torch.tensor(t.thresholds(4)), None, 3, torch.from_numpy(keys),
                               torch.from_numpy(positions), independent)
         assert got.tolist() == want.tolist()
     assert (s.draw(np.full(500, 4), keys, positions, seed=1) != at4).mean() > 0.3
