@@ -62,31 +62,15 @@ def keyed_uniforms(seed: int, keys, positions):
 def accepted_counts(thresholds, draft_lens, seed: int, keys, positions, independent: bool):
     """[B] drafts accepted: thresholds [W] or [B, W] (`SyntheticAcceptance.thresholds`), rows
     drafting `draft_lens` (<= W; None: W each) whose last token is at `positions`; numpy or
-    torch alike (the engine's verify computes it on the device, the simulator on the host)."""
-    width = thresholds.shape[-1]
+    torch alike, written with the operations both have (the engine's verify computes it on the
+    device, the simulator on the host)."""
     if independent:  # draft k (at position p + 1 + k) on its own uniform
-        steps = positions[:, None] + 1 + _arange_like(positions, width)[None, :]
-        ok = keyed_uniforms(seed + 1, keys[:, None], steps) < thresholds
+        k = (thresholds * 0 + 1).cumsum(-1) - 1  # 0, 1, ..., W - 1 along the last axis
+        ok = keyed_uniforms(seed + 1, keys[:, None], positions[:, None] + 1 + k) < thresholds
         accepted = ok.cumprod(1).sum(1)
     else:
         accepted = (keyed_uniforms(seed, keys, positions)[:, None] < thresholds).sum(1)
-    return accepted if draft_lens is None else _minimum(accepted, draft_lens)
-
-
-def _arange_like(x, n: int):
-    if isinstance(x, np.ndarray):
-        return np.arange(n, dtype=np.int64)
-    import torch
-
-    return torch.arange(n, dtype=torch.int64, device=x.device)
-
-
-def _minimum(a, b):
-    if isinstance(a, np.ndarray):
-        return np.minimum(a.astype(np.int64), b)
-    import torch
-
-    return torch.minimum(a.to(torch.int64), b)
+    return accepted if draft_lens is None else accepted.clip(max=draft_lens)
 
 
 _THRESHOLDS: dict = {}  # (SyntheticAcceptance, draft length, independent) -> its thresholds
