@@ -484,6 +484,7 @@ def test_gpu_check_saves_compiled_flashinfer_modules_and_installs_them_where_fla
     assert not (tmp_path / "page.so").exists() and not (tmp_path / "aot2").exists()
 
 
+@pytest.mark.slow  # 20 s: eight engine runs; the default suite's adaptive smoke run covers the script
 def test_adaptive_at_synthetic_acceptance_prints_its_table_and_where_speculation_pays():
     """`--synthetic transition`: the phased workload's table (auto against each fixed D), the
     replay of the auto trace, and the measured best speedup over plain decoding beside the

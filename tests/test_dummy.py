@@ -56,7 +56,8 @@ def test_a_head_of_another_width_is_refused(tiny_shapes, tmp_path):
         dummy_head(wide, dummy_model(tiny_shapes["target"]))
 
 
-@pytest.mark.parametrize("proposer, schedule", [("none", "sync"), ("draft", "overlap"), ("mtp", "eager_fill")])
+@pytest.mark.parametrize("proposer, schedule", [pytest.param("none", "sync", marks=pytest.mark.slow),
+                                                ("draft", "overlap"), ("mtp", "eager_fill")])
 def test_the_engine_serves_dummy_weights(tiny_shapes, proposer, schedule):
     """Target, draft model and MTP head from config.json alone: requests finish at max_tokens
     (ignore_eos), ids the bundled tokenizer does not know decode to text without failing, and
@@ -80,6 +81,7 @@ def test_the_engine_serves_dummy_weights(tiny_shapes, proposer, schedule):
     assert any(t >= 4096 for o in first for t in o.token_ids)  # beyond the tokenizer: still decoded
 
 
+@pytest.mark.slow  # two ranks' start-up, twice: 10 s
 def test_dummy_weights_shard_over_tensor_parallel_ranks_with_synthetic_acceptance(tiny_shapes):
     """Two ranks each make their shard in place (seeded per parameter name), with a draft model
     and synthetic acceptance drawn on every rank alike: requests finish, every verify accepts
