@@ -202,8 +202,7 @@ class SyntheticDraws:
         with its last token at `positions[i]`; `own[i]`: its own synthetic acceptance, or None."""
         independent = self.synthetic.independent
         if any(a is not None for a in own):
-            table = np.stack([(a or self.synthetic).thresholds(width, independent) for a in own])
-            thresholds = to_device(table, self.device, torch.int64)
+            thresholds = to_device(self.synthetic.table(width, own), self.device, torch.int64)
         else:
             thresholds = self._thresholds.get(width)
             if thresholds is None:

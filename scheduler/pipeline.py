@@ -29,7 +29,6 @@ from specsched.scheduler.launcher import Launcher
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.protocols import Clock, Device, OutputSink
 from specsched.scheduler.request import Request
-from specsched.scheduler.sampling_params import SamplingParams
 from specsched.scheduler.scheduler import Scheduler
 from specsched.scheduler.schedules import Runner, runner
 from specsched.scheduler.step_batch import without_finished
@@ -55,12 +54,6 @@ class PipelineConfig:
         validate_combination(self.proposer.kind, self.schedule, self.proposer.draft_len)
         if self.max_kept_tokens < 1:
             raise ValueError(f"max_kept_tokens must be >= 1, got {self.max_kept_tokens}")
-
-
-def _own_synthetic(p: SamplingParams) -> dict[str, Any]:
-    """A request record's fields for the request's own synthetic acceptance (none without)."""
-    return {k: v for k in ("synthetic_acceptance_length", "synthetic_acceptance_rates")
-            if (v := getattr(p, k)) is not None}
 
 
 class Pipeline:
@@ -129,7 +122,8 @@ class Pipeline:
         self.trace.tracer.request(
             request_id=req.request_id, arrival_ns=req.arrival_ns, prompt_len=req.num_prompt_tokens,
             max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-            seed=p.seed, **_own_synthetic(p),
+            seed=p.seed, **p.model_dump(include={"synthetic_acceptance_length", "synthetic_acceptance_rates"},
+                                        exclude_none=True),
         )
         self._wake.set()
 

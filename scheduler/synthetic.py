@@ -26,8 +26,10 @@ engine's run draws exactly the engine's acceptance (`keyed_uniforms`).
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,9 +73,6 @@ def accepted_counts(thresholds, draft_lens, seed: int, keys, positions, independ
     else:
         accepted = (keyed_uniforms(seed, keys, positions)[:, None] < thresholds).sum(1)
     return accepted if draft_lens is None else accepted.clip(max=draft_lens)
-
-
-_THRESHOLDS: dict = {}  # (SyntheticAcceptance, draft length, independent) -> its thresholds
 
 
 @dataclass(frozen=True)
@@ -136,20 +135,15 @@ class SyntheticAcceptance:
         """[draft_len] int64 thresholds on a uniform in [0, ONE): the rates (one uniform per
         row), or `independent` (default: this one's) each position's rate given the one
         before, r_k / r_(k-1). Read-only, made once per (draft length, independence)."""
-        independent = self.independent if independent is None else independent
-        key = (self, draft_len, independent)
-        made = _THRESHOLDS.get(key)
-        if made is None:
-            made = _THRESHOLDS[key] = self._thresholds(draft_len, independent)
-            made.flags.writeable = False
-        return made
+        return _thresholds(self, draft_len, self.independent if independent is None else independent)
 
-    def _thresholds(self, draft_len: int, independent: bool) -> np.ndarray:
-        r = self.rates(draft_len)
-        if independent:
-            before = np.concatenate([[1.0], r[:-1]])
-            r = np.divide(r, before, out=np.zeros_like(r), where=before > 0)
-        return np.rint(r * ONE).astype(np.int64)
+    def table(self, width: int, own: "Sequence[SyntheticAcceptance | None] | None" = None) -> np.ndarray:
+        """A step's thresholds at `width`: [width], or [rows, width] where some row has its own
+        synthetic acceptance (`own[i]`, None for this one's), drawn with this one's independence."""
+        t = self.thresholds(width)
+        if own is not None and any(a is not None for a in own):
+            t = np.stack([t if a is None else a.thresholds(width, self.independent) for a in own])
+        return t
 
     def draw(self, draft_lens: np.ndarray, keys: np.ndarray, positions: np.ndarray, seed: int = 0,
              own: "list[SyntheticAcceptance | None] | None" = None) -> np.ndarray:
@@ -160,8 +154,17 @@ class SyntheticAcceptance:
         width = int(draft_lens.max(initial=0))
         if width == 0:
             return np.zeros(draft_lens.shape[0], dtype=np.int64)
-        t = self.thresholds(width)
-        if own is not None and any(a is not None for a in own):
-            t = np.stack([t if a is None else a.thresholds(width, self.independent) for a in own])  # [B, width]
-        return accepted_counts(t, draft_lens, seed, np.asarray(keys, dtype=np.int64),
+        return accepted_counts(self.table(width, own), draft_lens, seed, np.asarray(keys, dtype=np.int64),
                                np.asarray(positions, dtype=np.int64), self.independent)
+
+
+@functools.cache
+def _thresholds(synthetic: SyntheticAcceptance, draft_len: int, independent: bool) -> np.ndarray:
+    """`SyntheticAcceptance.thresholds`, made once per (acceptance, draft length, independence)."""
+    r = synthetic.rates(draft_len)
+    if independent:
+        before = np.concatenate([[1.0], r[:-1]])
+        r = np.divide(r, before, out=np.zeros_like(r), where=before > 0)
+    made = np.rint(r * ONE).astype(np.int64)
+    made.flags.writeable = False
+    return made
