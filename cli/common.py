@@ -3,6 +3,7 @@ trace loading and the metrics table."""
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from pathlib import Path
 
@@ -13,6 +14,22 @@ from rich.console import Console
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="specsched: the CPU side of speculative decoding (engine, traces, simulator).")
 console = Console(stderr=True)
+
+
+@app.callback()
+def _start_up_lines() -> None:
+    """The engine's start-up line (the worker's libraries) on stderr, as `specsched: ...`."""
+    log = logging.getLogger("specsched")
+    if not any(isinstance(h, _StderrLines) for h in log.handlers):
+        log.addHandler(_StderrLines())
+        log.setLevel(logging.INFO)
+
+
+class _StderrLines(logging.Handler):
+    """Each record as one `specsched: ...` line on the sys.stderr of the moment."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        sys.stderr.write(f"specsched: {record.getMessage()}\n")
 
 
 def _fail(msg: str) -> None:

@@ -5,6 +5,7 @@ simulator in cli/sim_cmds.py; importing those modules registers their commands o
 """
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -25,6 +26,10 @@ SCHEDULE_HELP = (f"{'|'.join(SCHEDULES)} (default: the proposer's natural one; "
 # options generate and bench share
 LOAD_FORMAT = typer.Option(None, "--load-format", help="auto | dummy: random weights from config.json alone "
                            "(--model may name a shipped shape: llama-3.2-1b, llama-3.1-8b)")
+WORKER_MALLOC = typer.Option(None, "--worker-malloc", help="the worker process's allocator: auto (tcmalloc "
+                             "where installed) | system | a library's path")
+WORKER_OPENMP = typer.Option(None, "--worker-openmp", help="the worker process's OpenMP runtime: system "
+                             "(torch's) | auto (Intel's libiomp5 where installed) | a library's path")
 SPECULATIVE_CONFIG = typer.Option(None, "--speculative-config", help="vLLM's speculative config as JSON, e.g. "
                                   "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
 
@@ -52,6 +57,8 @@ def generate(
     config_file: Optional[Path] = typer.Option(None, "--config", help="EngineConfig JSON/YAML"),
     load_format: Optional[str] = LOAD_FORMAT,
     speculative_config: Optional[str] = SPECULATIVE_CONFIG,
+    worker_malloc: Optional[str] = WORKER_MALLOC,
+    worker_openmp: Optional[str] = WORKER_OPENMP,
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Generate text from the bundled model (or any HF-layout Llama checkpoint)."""
@@ -63,7 +70,8 @@ def generate(
 
     cfg = engine_config(model=model, proposer=spec, draft_len=parse_draft_len(draft_len), draft=draft,
                         mtp_head=mtp_head, schedule=schedule, tensor_parallel_size=tp, config_file=config_file,
-                        speculative_config=speculative_config, load_format=load_format)
+                        speculative_config=speculative_config, load_format=load_format,
+                        worker_malloc=worker_malloc, worker_openmp=worker_openmp)
     try:
         params = SamplingParams.make(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, stop=list(stop))
@@ -114,6 +122,7 @@ def demo(
     """The main job: every proposer and schedule on the bundled model, traces, simulator check."""
     from specsched.cli.demo import run_demo
 
+    logging.getLogger("specsched").setLevel(logging.WARNING)  # dozens of engines: no start-up line each
     t0 = __import__("time").monotonic()
     rows = run_demo(out, num_requests, max_tokens, concurrency, Console(), rounds)
     console.print(f"[dim]demo took {__import__('time').monotonic() - t0:.0f} s[/dim]")
@@ -256,6 +265,8 @@ def bench(
     config_file: Optional[Path] = typer.Option(None, "--config"),
     load_format: Optional[str] = LOAD_FORMAT,
     speculative_config: Optional[str] = SPECULATIVE_CONFIG,
+    worker_malloc: Optional[str] = WORKER_MALLOC,
+    worker_openmp: Optional[str] = WORKER_OPENMP,
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Run a workload through the engine; metrics from the run's own trace."""
@@ -284,7 +295,7 @@ def bench(
                         draft_len=parse_draft_len(draft_len), max_draft_len=max_draft_len,
                         draft_profile=str(profile) if profile else None, schedule=schedule,
                         tensor_parallel_size=tp, config_file=config_file, speculative_config=speculative_config,
-                        load_format=load_format)
+                        load_format=load_format, worker_malloc=worker_malloc, worker_openmp=worker_openmp)
     items = _workload(workload, num_requests, max_tokens, temperature)
     from specsched.runtime.engine import AsyncEngine
     from specsched.runtime.workload import check_workload

@@ -12,6 +12,7 @@ joins every task.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from pathlib import Path
 from collections import deque
@@ -37,6 +38,8 @@ from specsched.scheduler.request import Request
 from specsched.scheduler.sampling_params import SamplingParams
 from specsched.scheduler.wiring import build_pipeline, scheduler_config
 from specsched.traces.hook import NULL_TRACER
+
+log = logging.getLogger("specsched")
 
 
 class MonotonicClock:
@@ -193,8 +196,13 @@ class AsyncEngine:
         with anyio.CancelScope(shield=True):
             self.device = await anyio.to_thread.run_sync(
                 lambda: make_device(c.device, self.worker_spec(), num_threads=c.worker_threads,
-                                    **({"spin_ms": c.worker_spin_ms} if c.device == "host" else {}))
+                                    **({"spin_ms": c.worker_spin_ms, "malloc": c.worker_malloc,
+                                        "openmp": c.worker_openmp} if c.device == "host" else {}))
             )
+        libs = getattr(self.device, "runtime_libs", None)
+        if libs:
+            log.info("worker pid %s: %d model thread(s), malloc %s, OpenMP %s, eager forwards", self.device.pid,
+                     c.worker_threads, libs["malloc"], libs["openmp"])
         try:
             spec = c.proposer_spec()
             self._pipeline = build_pipeline(

@@ -8,6 +8,8 @@ and checks for an engine run and its replay. `specsched.runtime.engine_config` r
 """
 from __future__ import annotations
 
+import os
+
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -123,6 +125,12 @@ class EngineConfig(BaseModel):
     worker_spin_ms: float = Field(5.0, ge=0, description="host device: the worker process polls for its "
                                   "next launch this long before blocking on the pipe (a core left idle runs "
                                   "the next op slower); 0 = block at once")
+    worker_malloc: str = Field("auto", description="host device: the worker process's memory allocator: "
+                               "'auto' (tcmalloc where installed), 'system' (glibc's) or a library's path "
+                               "(runtime/devices/native.py)")
+    worker_openmp: str = Field("system", description="host device: the worker process's OpenMP runtime: "
+                               "'system' (torch's own), 'auto' (Intel's libiomp5 where installed) or a "
+                               "library's path")
     verify_micro_batches: int = Field(1, description="run a verify's rows as this many target forwards "
                                       "back to back (1 or 2)")
     tensor_parallel_size: int = Field(1, description="shard the target (and an MTP/EAGLE head) over this "
@@ -187,6 +195,10 @@ class EngineConfig(BaseModel):
                      "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        for name in ("worker_malloc", "worker_openmp"):
+            value = getattr(self, name)
+            if value not in ("auto", "system") and not os.path.isfile(value):
+                raise ValueError(f"{name} {value!r}: expected 'auto', 'system' or the path of a library file")
         if self.proposer == ProposerKind.NGRAM and not (1 <= self.ngram_min <= self.ngram_max):
             raise ValueError("need 1 <= ngram_min <= ngram_max")
         if self.acceptance == "threshold" and not (0.0 < self.threshold < 1.0):

@@ -12,8 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# a library every torch install has, preloaded as the second variant of worker_libs.py
+TORCH_GOMP = next(iter(sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))), None)
 TINY = {
     "forward_cost.py": ["--repeats", "3", "--context", "32"],
     "agreement.py": ["--models", "runtime/bundled/draft", "--windows", "2", "--threads", "1"],
@@ -48,6 +51,9 @@ TINY = {
     "kept_hidden.py": ["--num-requests", "2", "--max-tokens", "3", "--rounds", "1"],
     "worker_spin.py": ["--rounds", "1", "--concurrency", "1", "--configs", "none/sync", "--num-requests", "1",
                        "--max-tokens", "3"],
+    "worker_libs.py": ["--rounds", "1", "--concurrency", "1", "--num-requests", "1", "--max-tokens", "3",
+                       "--variants", "malloc=system", f"openmp={TORCH_GOMP}"],
+    "vllm_compare.py": [],  # no vLLM given here: it says so and exits 0
     "dummy_memory.py": ["--shapes", "llama-3.2-1b-draft", "--max-tokens", "2", "--num-pages", "8"],
 }
 
@@ -144,6 +150,18 @@ def _check_device_idle(out):
         us, ratio = _row(out, label, 2)
         assert _pos(us) and _ratio(ratio, 0.01, 1000)  # an idle gap can slow a 36 us op many times
     assert _row(out, labels[0], 2)[1] == "1.000x"
+
+
+def _check_worker_libs(out):
+    _grab(out, r"^1 bundled requests x 3 tokens, 1 interleaved rounds; preloads: malloc=system -> none; ")
+    _grab(out, r"^ *config +batch +variant +tok/s +ratio +range$")
+    rows = re.findall(r"^ *none/sync +1 +(\S+) +(\S+) +(\S+) +(\S+)$", out, re.M)
+    assert [r[0] for r in rows] == ["malloc=system", f"openmp={TORCH_GOMP}"], out
+    assert rows[0][2] == "1.00x" and _pos(rows[0][1]) and _pos(rows[1][1]) and _ratio(rows[1][2])
+
+
+def _check_vllm_compare(out):
+    assert out.strip() == "vllm_compare: skipped -- no vLLM CPU build given (--vllm-python PATH or VLLM_PYTHON)"
 
 
 def _check_engine_ab(out):
@@ -381,7 +399,7 @@ def test_every_benchmark_has_a_smoke_setting():
 # the heaviest smoke runs, over what other tests cover too (a model served, a training step, two ranks): in
 # the slow suite, so the default one stays within its budget
 SLOW_SMOKE = {"hf_compare.py", "train_throughput.py", "engine_warmup.py", "schedules.py", "tensor_parallel.py",
-              "dummy_memory.py"}
+              "dummy_memory.py", "worker_libs.py"}
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SMOKE else s

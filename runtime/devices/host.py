@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import os
 import pickle
 import sys
 import threading
@@ -27,6 +28,7 @@ from multiprocessing.connection import wait as wait_any
 from typing import Any
 
 from specsched.runtime.devices.events import CompletionEvent
+from specsched.runtime.devices.native import preload_env
 from specsched.runtime.devices.process import WorkerProcess, kill_quietly
 from specsched.runtime.devices.spec import DeviceStartError, WorkerSpec
 from specsched.scheduler.protocols import Batch, DeviceCrashed, DeviceError, Event
@@ -62,9 +64,12 @@ class HostDevice:
     warm_first_launch = False  # the worker's first launch of an op pays one-off costs
 
     def __init__(self, spec: WorkerSpec, *, name: str = "host", num_threads: int = 1,
-                 spin_ms: float = 0.0, start_timeout_s: float = 120.0, close_timeout_s: float = 10.0):
+                 spin_ms: float = 0.0, start_timeout_s: float = 120.0, close_timeout_s: float = 10.0,
+                 malloc: str = "system", openmp: str = "system"):
         """`spin_ms`: how long the worker polls for its next launch before blocking
-        (worker_main.py: an idle core runs the next op slower)."""
+        (worker_main.py: an idle core runs the next op slower). `malloc` / `openmp`: the
+        allocator and OpenMP runtime the worker starts with (native.py: "auto", "system" or a
+        library's path); `runtime_libs` says what it runs with."""
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"HostDevice needs a WorkerSpec, got {type(spec).__name__}")
         if num_threads < 1:
@@ -83,7 +88,8 @@ class HostDevice:
         self._failure: str | None = None  # set once the worker is gone; fails later launches
         self._closed = False
 
-        self._process = WorkerProcess(name)
+        self.runtime_libs: dict[str, str] = {}
+        self._process = WorkerProcess(name, preload_env(dict(os.environ), malloc, openmp))
         self.pid = self._process.pid
         weakref.finalize(self, kill_quietly, self._process.popen)
         try:
@@ -166,6 +172,7 @@ class HostDevice:
                 raise DeviceStartError(factory, "worker process " + self._process.describe_exit()
                                        + " before it was ready") from None
             if message[0] == "ready":
+                self.runtime_libs = message[2]
                 return
             raise DeviceStartError(factory, message[1], remote_traceback=message[2])
 

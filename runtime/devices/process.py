@@ -24,11 +24,12 @@ _ENTRY = "from specsched.runtime.devices.worker_main import entry; entry()"
 class WorkerProcess:
     """A child Python process with a launch pipe (host -> worker) and a reply pipe (back)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, env: dict[str, str] | None = None):
+        """`env`: the child's environment (default: this process's)."""
         launch_r, launch_w = os.pipe()
         _enlarge_pipe(launch_w)
         reply_r, reply_w = os.pipe()
-        env = dict(os.environ)
+        env = dict(os.environ if env is None else env)
         package_root = str(Path(__file__).resolve().parents[2])  # holds runtime/ and scheduler/
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         try:

@@ -9,7 +9,8 @@ pickled payload, so a payload that fails to unpickle still names its op and sequ
 - worker -> host: `("ok", seq, start_ns, end_ns)` + result, or
   `("err", seq, start_ns, end_ns, message, traceback)` + `None`.
 Before any of that the host sends `(spec, num_threads, sys_path, spin_s)` and the worker answers
-`("ready", pid)` or `("init_err", message, traceback)` (plain `send`/`recv` messages).
+`("ready", pid, libs)` (`native.runtime_libs()`: the allocator and OpenMP runtime it runs
+with) or `("init_err", message, traceback)` (plain `send`/`recv` messages).
 Times are `time.monotonic_ns()`: the system monotonic clock, the same base as the host's.
 
 The worker reads the launch pipe itself between ops; there is no receiver thread. A thread
@@ -38,6 +39,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from specsched.runtime.devices.native import runtime_libs
 from specsched.runtime.devices.spec import WorkerSpec
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
@@ -112,7 +114,7 @@ def main(spec: WorkerSpec, num_threads: int, launch_conn: Connection,
     except Exception as exc:
         reply_conn.send(("init_err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         return
-    reply_conn.send(("ready", os.getpid()))
+    reply_conn.send(("ready", os.getpid(), runtime_libs()))
 
     inbox = _PipeInbox(launch_conn, spin_s)
     builtins = _Builtins(num_threads)
