@@ -31,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -137,8 +138,9 @@ class Engine:
     def __init__(self, cmd: list[str], env: dict, name: str):
         self.name = name
         t0 = time.perf_counter()
+        self.log = tempfile.TemporaryFile("w+")  # its log: a pipe nobody reads would fill and block it
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=self.log, text=True)
         self.ready = self._read()
         self.started_s = time.perf_counter() - t0
 
@@ -146,7 +148,8 @@ class Engine:
         while True:
             line = self.proc.stdout.readline()
             if not line:
-                err = self.proc.stderr.read()
+                self.log.seek(0)
+                err = self.log.read()
                 sys.exit(f"the {self.name} engine exited (code {self.proc.wait()}):\n{err[-4000:]}")
             if line.startswith("{"):
                 return json.loads(line)
@@ -164,6 +167,7 @@ class Engine:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.log.close()
 
 
 def _preload() -> str:

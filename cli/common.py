@@ -175,7 +175,7 @@ def _metrics_table(title: str, rows: list[tuple[str, dict]]) -> None:
         t.add_row(name, _num(m["output_tokens_per_s"], ".1f"), _num(m["ttft_ms"]["p50"], ".1f"),
                   _num(m["tpot_ms"]["p50"], ".2f"), f"{al:.2f}" if al else "-",
                   f"{m['bubble_fraction']:.3f}" if m.get("bubble_fraction") is not None else "-",
-                  f"{m['host_ms_per_step'].get('total', 0):.2f}",
+                  f"{m['host_ms_per_step'].get('total', 0):.2f}" if m.get("host_ms_per_step") is not None else "-",
                   f"{m['speedup_vs_plain']:.2f}x" if m.get("speedup_vs_plain") else "-")
     Console().print(t)
     for name, m in rows:

@@ -1,7 +1,7 @@
 """The `specsched` command: a thin typer layer over the engine, traces and simulator.
 
 Commands live by topic: running the engine here, trace tools in cli/trace_cmds.py, the
-simulator in cli/sim_cmds.py; importing those modules registers their commands on `app`.
+simulator in cli/sim_cmds.py, the HTTP server in cli/serve_cmd.py; importing those modules registers their commands on `app`.
 """
 from __future__ import annotations
 
@@ -267,9 +267,15 @@ def bench(
     speculative_config: Optional[str] = SPECULATIVE_CONFIG,
     worker_malloc: Optional[str] = WORKER_MALLOC,
     worker_openmp: Optional[str] = WORKER_OPENMP,
+    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="drive a running OpenAI-compatible server "
+                                           "at this URL (e.g. http://127.0.0.1:8000) over streaming HTTP "
+                                           "instead of an embedded engine"),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                    help="with --endpoint: the `model` each request names"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Run a workload through the engine; metrics from the run's own trace."""
+    """Run a workload through the engine, or over HTTP against a server (--endpoint); metrics
+    from the run's own trace, or as the client saw them."""
     import anyio
     from rich.progress import Progress
 
@@ -284,6 +290,21 @@ def bench(
     if rate is not None and concurrency is not None:
         _fail("--concurrency (closed loop) and --rate (open loop) exclude each other: choose one")
     check_output_path(trace, "--trace")
+    if endpoint is not None:
+        engine_only = {"--model": model, "--draft": draft, "--mtp-head": mtp_head, "--spec": spec,
+                       "--draft-len": draft_len, "--max-draft-len": max_draft_len, "--profile": profile,
+                       "--schedule": schedule, "--tp": tp, "--trace": trace, "--compare-plain": compare_plain or None,
+                       "--otlp": otlp, "--config": config_file, "--load-format": load_format,
+                       "--speculative-config": speculative_config, "--worker-malloc": worker_malloc,
+                       "--worker-openmp": worker_openmp}
+        given = [k for k, v in engine_only.items() if v is not None]
+        if given:
+            _fail(f"{', '.join(given)} configure an embedded engine; with --endpoint the server's own engine "
+                  "runs (pass them to `specsched serve`)")
+        return _bench_endpoint(endpoint, _workload(workload, num_requests, max_tokens, temperature),
+                               concurrency, rate, warmup, served_model_name, json_out)
+    if served_model_name is not None:
+        _fail("--served-model-name goes with --endpoint")
     if otlp:
         from specsched.traces.otlp_json import check_otlp_url
 
@@ -355,6 +376,40 @@ def bench(
     fail_if_requests_failed(errors, len(items) * len(runs))
 
 
+def _bench_endpoint(url: str, items, concurrency, rate, warmup: int, model: str | None, json_out: bool) -> None:
+    """`bench --endpoint`: the workload over streaming HTTP; the table and keys of the embedded bench."""
+    import anyio
+    import httpx
+    from rich.progress import Progress
+
+    from specsched.runtime.server.client import run_endpoint
+
+    if not url.startswith(("http://", "https://")):
+        _fail(f"--endpoint {url!r}: expected an http:// or https:// URL")
+    own = [it.source or str(i) for i, it in enumerate(items) if it.params.synthetic() is not None]
+    if own:
+        _fail(f"--endpoint: workload requests with their own synthetic acceptance ({own[0]}) cannot go over "
+              "OpenAI's API; configure the server's engine instead")
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=5.0).raise_for_status()
+    except httpx.HTTPError as e:
+        _fail(f"--endpoint {url}: the server does not answer /health ({e})")
+    if concurrency is None and rate is None:
+        concurrency = 1
+    with Progress(console=console, transient=True, disable=json_out) as progress:
+        task = progress.add_task(url, total=len(items))
+        metrics, records = anyio.run(lambda: run_endpoint(url, items, concurrency=concurrency, rate_qps=rate,
+                                                          warmup=warmup, model=model,
+                                                          on_done=lambda: progress.advance(task)))
+    if json_out:
+        _print_json(metrics)
+    else:
+        _metrics_table("bench", [(url, metrics)])
+        console.print(f"ITL p50 {metrics['itl_ms']['p50'] or 0:.2f} ms, p99 {metrics['itl_ms']['p99'] or 0:.2f} ms "
+                      "(client-side, between streamed chunks)")
+    fail_if_requests_failed([r.error for r in records if r is not None and r.finish_reason == "error"], len(items))
+
+
 async def _stop_on_signal(scope, received: list[int]) -> None:
     """SIGINT or SIGTERM cancels the run: the engine aborts what is in flight and closes its
     worker, the streamed trace keeps every record so far, and the command exits 128 + signal."""
@@ -367,9 +422,9 @@ async def _stop_on_signal(scope, received: list[int]) -> None:
             return
 
 
-from specsched.cli import trace_cmds, sim_cmds  # noqa: E402  (importing them registers their commands)
+from specsched.cli import trace_cmds, sim_cmds, serve_cmd  # noqa: E402  (importing them registers their commands)
 
-_COMMAND_MODULES = (trace_cmds, sim_cmds)
+_COMMAND_MODULES = (trace_cmds, sim_cmds, serve_cmd)
 
 
 def main() -> None:

@@ -278,6 +278,17 @@ class AsyncEngine:
         """Requests queued or running (an aborted one counts until its pages are freed)."""
         return len(self._pipeline.requests) if self._pipeline is not None else 0
 
+    def is_running(self) -> bool:
+        """Started (`async with`) and not closed."""
+        return self._pipeline is not None and not self._closed
+
+    def queue_stats(self) -> dict[str, int]:
+        """Requests running (holding a slot in the batch) and waiting to be admitted."""
+        if self._pipeline is None:
+            return {"running": 0, "waiting": 0}
+        s = self._pipeline.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting)}
+
     def kv_stats(self) -> KVPoolStats:
         """The KV page pool now: pages total, free and used, per model and per request
         (read-only; a finished or aborted request holds none)."""

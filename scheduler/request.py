@@ -167,6 +167,7 @@ class Request:
             "drafted_tokens": drafted,
             "accepted_tokens": accepted,
             "mean_accept_len": (1.0 + accepted / drafts) if drafts else None,
+            "accepted_per_pos": [int(a) for a in accepted_pos],
             "accept_rate_per_pos": [
                 a / d if d else 0.0 for a, d in zip(accepted_pos, drafted_pos)
             ],

@@ -53,7 +53,8 @@ TINY = {
                        "--max-tokens", "3"],
     "worker_libs.py": ["--rounds", "1", "--concurrency", "1", "--num-requests", "1", "--max-tokens", "3",
                        "--variants", "malloc=system", f"openmp={TORCH_GOMP}"],
-    "vllm_compare.py": [],  # no vLLM given here: it says so and exits 0
+    "vllm_compare.py": [],
+    "server_overhead.py": ["--rounds", "1", "--concurrency", "2", "--num-requests", "2", "--max-tokens", "3"],  # no vLLM given here: it says so and exits 0
     "dummy_memory.py": ["--shapes", "llama-3.2-1b-draft", "--max-tokens", "2", "--num-pages", "8"],
 }
 
@@ -158,6 +159,14 @@ def _check_worker_libs(out):
     rows = re.findall(r"^ *none/sync +1 +(\S+) +(\S+) +(\S+) +(\S+)$", out, re.M)
     assert [r[0] for r in rows] == ["malloc=system", f"openmp={TORCH_GOMP}"], out
     assert rows[0][2] == "1.00x" and _pos(rows[0][1]) and _pos(rows[1][1]) and _ratio(rows[1][2])
+
+
+def _check_server_overhead(out):
+    _grab(out, r"^2 bundled requests x 3 tokens, proposer none, 1 interleaved rounds; server over streaming HTTP")
+    _grab(out, r"^batch +server tok/s +embedded +ratio +range")
+    row = re.search(r"^ +2 +(\S+) +(\S+) +(\S+) +(\S+)-(\S+)  +(\S+) / +(\S+) +(\S+) / +(\S+)", out, re.M)
+    assert row, out
+    assert _pos(row[1]) and _pos(row[2]) and _ratio(row[3]) and all(_pos(row[i]) for i in range(6, 10))
 
 
 def _check_vllm_compare(out):
@@ -399,7 +408,7 @@ def test_every_benchmark_has_a_smoke_setting():
 # the heaviest smoke runs, over what other tests cover too (a model served, a training step, two ranks): in
 # the slow suite, so the default one stays within its budget
 SLOW_SMOKE = {"hf_compare.py", "train_throughput.py", "engine_warmup.py", "schedules.py", "tensor_parallel.py",
-              "dummy_memory.py", "worker_libs.py"}
+              "dummy_memory.py", "worker_libs.py", "server_overhead.py"}
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SMOKE else s

@@ -1,0 +1,82 @@
+"""`specsched serve`: the engine behind an OpenAI-compatible HTTP server (runtime/server/)."""
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specsched.cli.common import app, check_output_path, console, engine_config, parse_draft_len, user_errors
+from specsched.cli.main import LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, WORKER_MALLOC, WORKER_OPENMP
+from specsched.traces.names import PROPOSERS
+
+
+@app.command()
+@user_errors
+def serve(
+    host: str = typer.Option("127.0.0.1", help="bind address (default: loopback only)"),
+    port: int = typer.Option(8000),
+    model: Optional[str] = typer.Option(None, help="target checkpoint dir (HF layout); default: bundled"),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="the name clients "
+                                                    "pass as `model` (default: the --model as given)"),
+    spec: Optional[str] = typer.Option(None, help=f"proposer: {'|'.join(PROPOSERS)}"),
+    draft_len: Optional[str] = typer.Option(None, "--draft-len", help="D, or 'auto'"),
+    max_draft_len: Optional[int] = typer.Option(None, "--max-draft-len", help="with --draft-len auto"),
+    draft: Optional[str] = typer.Option(None, help="draft checkpoint dir"),
+    mtp_head: Optional[str] = typer.Option(None, "--mtp-head", help="MTP/EAGLE head dir"),
+    schedule: Optional[str] = typer.Option(None, help=SCHEDULE_HELP),
+    tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel size"),
+    config_file: Optional[Path] = typer.Option(None, "--config", help="EngineConfig JSON/YAML"),
+    load_format: Optional[str] = LOAD_FORMAT,
+    speculative_config: Optional[str] = SPECULATIVE_CONFIG,
+    worker_malloc: Optional[str] = WORKER_MALLOC,
+    worker_openmp: Optional[str] = WORKER_OPENMP,
+    trace: Optional[Path] = typer.Option(None, help="record the served requests' trace (JSONL), as bench --trace"),
+    shutdown_timeout: float = typer.Option(10.0, "--shutdown-timeout", min=0.0, help="on SIGTERM/SIGINT: "
+                                           "seconds in-flight requests may finish before they are aborted"),
+) -> None:
+    """Serve the engine over HTTP: OpenAI's /v1/completions and /v1/chat/completions (streaming
+    too), /v1/models, /health and Prometheus /metrics."""
+    import anyio
+    import uvicorn
+
+    from specsched.runtime import bundled
+    from specsched.runtime.bench import make_header, model_label
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.server.app import build_app, chat_template_of
+    from specsched.traces.recorder import TraceRecorder
+
+    if not 0 < port < 65536:
+        raise typer.BadParameter(f"--port must be in 1..65535, got {port}")
+    check_output_path(trace, "--trace")
+    cfg = engine_config(model=model, proposer=spec, draft_len=parse_draft_len(draft_len), max_draft_len=max_draft_len,
+                        draft=draft, mtp_head=mtp_head, schedule=schedule, tensor_parallel_size=tp,
+                        config_file=config_file, speculative_config=speculative_config, load_format=load_format,
+                        worker_malloc=worker_malloc, worker_openmp=worker_openmp)
+    name = served_model_name or (cfg.model if cfg.model else model_label(str(bundled.target_dir())))
+    template = chat_template_of(cfg.model or bundled.target_dir())
+
+    async def main() -> None:
+        recorder = None
+        async with AsyncEngine(cfg) as engine:
+            if trace:
+                recorder = TraceRecorder(str(trace), make_header(cfg, engine, workload={"server": True}))
+                engine._pipeline.tracer = recorder
+                engine.tracer = recorder
+            server = uvicorn.Server(uvicorn.Config(build_app(engine, name, template), host=host, port=port,
+                                                   log_level="warning", timeout_graceful_shutdown=shutdown_timeout,
+                                                   lifespan="off"))
+            console.print(f"specsched: serving {name!r} on http://{host}:{port} (OpenAI API under /v1)")
+            try:
+                await server.serve()
+            finally:
+                console.print("specsched: stopping: requests still in flight are aborted")
+        if recorder is not None:
+            recorder.close()  # after the engine: every request's finish is in the file
+
+    # uvicorn re-raises the signal that stopped it once it has shut down; a no-op handler makes
+    # that a clean exit (status 0) instead of a kill by the signal
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    anyio.run(main)

@@ -1,0 +1,109 @@
+"""The bodies of `/v1/completions` and `/v1/chat/completions`, as OpenAI's API defines them.
+
+Why refuse rather than ignore: a client that asks for `n=2` or `logprobs` and silently gets one
+choice without log-probabilities draws wrong conclusions. Fields the engine implements are
+typed; fields OpenAI defines that it does not implement are refused with a 400 naming them
+(unless given at their neutral value, e.g. `n=1`, `presence_penalty=0`); unknown fields are
+refused too.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# OpenAI fields the engine does not implement -> the value that means "off"
+UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "echo": False, "suffix": None,
+               "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "tools": None,
+               "tool_choice": None, "functions": None, "function_call": None, "response_format": None,
+               "parallel_tool_calls": None, "audio": None, "modalities": None, "prediction": None}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")  # extras are checked by `_refuse_unsupported`
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored, as every server does
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> "_Common":
+        extra = dict(self.model_extra or {})
+        bad = [k for k, v in extra.items() if k not in UNSUPPORTED or v != UNSUPPORTED[k]]
+        if bad:
+            known = [k for k in bad if k in UNSUPPORTED]
+            unknown = [k for k in bad if k not in UNSUPPORTED]
+            parts = []
+            if known:
+                parts.append(f"not supported by this server: {', '.join(sorted(known))}")
+            if unknown:
+                parts.append(f"unknown field(s): {', '.join(sorted(unknown))}")
+            raise ValueError("; ".join(parts))
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream: true")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """SamplingParams fields (max_tokens filled in by the route: the model's room left)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0),
+                "seed": self.seed, "stop": self.stop_list(), "ignore_eos": self.ignore_eos}
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ValueError("a batch of prompts is not supported: send one prompt per request")
+            return p[0]
+        return p
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"message content of type {part.get('type')!r} is not supported (text only)")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: int = 400) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,219 @@
+"""`specsched serve` end to end: a real server process on a free port, driven by the official
+`openai` client and by plain HTTP. What it serves must be exactly the embedded engine's greedy
+output; bad bodies get OpenAI's error shape; disconnected streams free their pages; the
+Prometheus text parses and its spec-decode counters add up; SIGTERM exits cleanly."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+openai = pytest.importorskip("openai")
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main():"]
+MAX_TOKENS = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*args: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-c", "from specsched.cli.main import app; app()", "serve", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}: {proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("server did not start")
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start_server("--spec", "draft", "--draft-len", "3")
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+
+
+@pytest.fixture(scope="module")
+def embedded_texts():
+    """The embedded engine's greedy text for each prompt (plain decoding: lossless means the same)."""
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    async def main():
+        async with AsyncEngine(EngineConfig()) as engine:
+            return [(await engine.generate_all(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))).text
+                    for p in PROMPTS]
+
+    return anyio.run(main)
+
+
+def client(url: str):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def test_completions_stream_and_not_are_the_engines_greedy_output(server, embedded_texts):
+    c = client(server)
+    for prompt, want in zip(PROMPTS, embedded_texts):
+        r = c.completions.create(model="bundled/target", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want
+        assert r.usage.completion_tokens == MAX_TOKENS and r.usage.prompt_tokens > 0
+        assert r.usage.total_tokens == r.usage.prompt_tokens + MAX_TOKENS
+        chunks = list(c.completions.create(model="bundled/target", prompt=prompt, max_tokens=MAX_TOKENS,
+                                           temperature=0, stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True}))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_chat_completions_stream_and_not_agree(server):
+    c = client(server)
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    r = c.chat.completions.create(model="bundled/target", messages=messages, max_tokens=8, temperature=0)
+    text = r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens <= 8 and text
+    stream = c.chat.completions.create(model="bundled/target", messages=messages, max_tokens=8, temperature=0,
+                                       stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == text
+
+
+def test_bad_requests_get_openai_errors_naming_the_problem(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError, match="not supported by this server: n"):
+        c.completions.create(model="bundled/target", prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        c.completions.create(model="bundled/target", prompt="x", logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="unknown field.*frobnicate"):
+        c.completions.create(model="bundled/target", prompt="x", extra_body={"frobnicate": 1})
+    with pytest.raises(openai.BadRequestError, match="longer than the model allows"):
+        c.completions.create(model="bundled/target", prompt=[5] * 5000)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        c.completions.create(model="gpt-4", prompt="x")
+    r = httpx.post(server + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(server + "/health").status_code == 200  # still serving
+
+
+def _metrics(url: str) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine"))))] \
+                = s.value
+    return out
+
+
+def test_disconnected_streams_free_their_pages_and_the_rest_match_solo_runs(server, embedded_texts):
+    def stream(i: int, results: dict) -> None:
+        with httpx.stream("POST", server + "/v1/completions", timeout=60,
+                          json={"prompt": PROMPTS[i % 2], "max_tokens": MAX_TOKENS if i % 3 else 64,
+                                "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+            text = []
+            for line in r.iter_lines():
+                if i % 3 == 0:
+                    return  # disconnects after its first event
+                if line.startswith("data: {"):
+                    text += [ch["text"] for ch in json.loads(line[6:])["choices"]]
+            results[i] = "".join(text)
+
+    results: dict = {}
+    threads = [threading.Thread(target=stream, args=(i, results)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert {i: results[i] for i in results} == {i: embedded_texts[i % 2] for i in range(16) if i % 3}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = _metrics(server)
+        if m[("specsched:kv_pages_used", ())] == 0 and m[("vllm:num_requests_running", ())] == 0:
+            break
+        time.sleep(0.1)
+    assert m[("specsched:kv_pages_used", ())] == 0 and m[("vllm:num_requests_running", ())] == 0
+    assert m[("vllm:request_success_total", (("finished_reason", "abort"),))] >= 1
+
+
+def test_metrics_spec_decode_counters_add_up(server):
+    client(server).completions.create(model="bundled/target", prompt=PROMPTS[0], max_tokens=MAX_TOKENS)
+    m = _metrics(server)
+    drafted = m[("vllm:spec_decode_num_draft_tokens_total", ())]
+    accepted = m[("vllm:spec_decode_num_accepted_tokens_total", ())]
+    per_pos = [v for (name, labels), v in m.items() if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"]
+    assert m[("vllm:spec_decode_num_drafts_total", ())] > 0 and 0 < accepted <= drafted
+    assert len(per_pos) == 3 and sum(per_pos) == accepted
+    assert m[("vllm:time_to_first_token_seconds_count", ())] >= 1
+    models = httpx.get(server + "/v1/models").json()
+    assert models["data"][0]["id"] == "bundled/target"
+
+
+@pytest.mark.slow
+def test_sigterm_lets_in_flight_requests_finish_and_keeps_the_trace(tmp_path):
+    from specsched.traces.reader import read_trace
+
+    trace = tmp_path / "serve.jsonl"
+    proc, url = start_server("--trace", str(trace), "--shutdown-timeout", "5")
+    got = {}
+
+    def long_request():
+        got["r"] = httpx.post(url + "/v1/completions", timeout=60,
+                              json={"prompt": PROMPTS[0], "max_tokens": 48, "ignore_eos": True})
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0 and time.monotonic() - t0 < 6
+    t.join(10)
+    assert got["r"].status_code == 200 and got["r"].json()["usage"]["completion_tokens"] == 48
+    tr = read_trace(trace)
+    assert len(tr.requests) == 1 and len(tr.finishes) == 1
+
+
+def test_bench_over_the_endpoint_reports_the_embedded_bench_keys(server):
+    from typer.testing import CliRunner
+
+    from specsched.cli.main import app
+    from specsched.traces.metrics import compute_metrics
+    from specsched.traces.synthetic import synthetic_trace
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["bench", "--endpoint", server, "--num-requests", "4", "--max-tokens", "6",
+                              "--concurrency", "2", "--warmup", "0", "--json"])
+    assert res.exit_code == 0, res.output
+    m = json.loads(res.stdout)
+    assert m["requests"] == 4 and m["requests_failed"] == 0 and m["output_tokens"] == 4 * 6
+    assert m["ttft_ms"]["p50"] > 0 and m["tpot_ms"]["p50"] > 0 and m["output_tokens_per_s"] > 0
+    assert m["mean_accept_len"] >= 1 and m["endpoint"] == server
+    embedded_keys = set(compute_metrics(synthetic_trace()))
+    assert embedded_keys <= set(m)
+    res = runner.invoke(app, ["bench", "--endpoint", server, "--spec", "draft"], env={"COLUMNS": "400"})
+    assert res.exit_code == 2 and "--spec configure an embedded engine" in " ".join(res.output.split())
