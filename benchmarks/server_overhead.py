@@ -12,43 +12,15 @@ from __future__ import annotations
 
 import argparse
 import signal
-import socket
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import anyio
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bundled_items, run  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(engine_args: list[str]) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-c", "from specsched.cli.main import app; app()", "serve",
-                             "--port", str(port), *engine_args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    sys.exit("the server did not start in 120 s")
 
 
 def main() -> None:
@@ -62,11 +34,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.rounds < 1 or min(args.concurrency) < 1 or args.max_tokens < 1:
         ap.error("--rounds, --concurrency and --max-tokens must be >= 1")
-    from specsched.runtime.server.client import run_endpoint
+    from specsched.runtime.server.client import launch_server, run_endpoint
 
     engine_kw = {"proposer": args.spec, **({"draft_len": args.draft_len} if args.draft_len is not None else {})}
     engine_args = ["--spec", args.spec, *(["--draft-len", str(args.draft_len)] if args.draft_len is not None else [])]
-    proc, url = start_server(engine_args)
+    proc, url = launch_server(engine_args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     got: dict[tuple[str, int], list[dict]] = {}
     try:
         for r in range(args.rounds):

@@ -5,19 +5,17 @@ Prometheus text parses and its spec-decode counters add up; SIGTERM exits cleanl
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import anyio
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from specsched.runtime.server.client import launch_server
 
 openai = pytest.importorskip("openai")
 
@@ -25,28 +23,8 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main():"]
 MAX_TOKENS = 12
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(*args: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-c", "from specsched.cli.main import app; app()", "serve", "--port", str(port), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited {proc.returncode}: {proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("server did not start")
+    return launch_server(list(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")

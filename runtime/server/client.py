@@ -9,6 +9,9 @@ steps, bubbles, host time per step -- are None) plus `itl_ms` and `endpoint`.
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -150,3 +153,27 @@ async def run_endpoint(url: str, items: list[WorkItem], *, concurrency: int | No
                 tg.start_soon(one, i, it)
         end = time.monotonic()
     return endpoint_metrics(records, start, end, url), records
+
+
+def launch_server(args: list[str], *, timeout_s: float = 120.0, **popen_kw) -> tuple[subprocess.Popen, str]:
+    """`specsched serve ARGS` in a subprocess on a free loopback port, returned once its /health
+    answers: (the process, its base URL). A server that exits or does not answer in `timeout_s`
+    raises RuntimeError (with its output when `popen_kw` captured it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", "from specsched.cli.main import app; app()", "serve",
+                             "--port", str(port), *args], **popen_kw)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise RuntimeError(f"the server exited with {proc.returncode} before it answered /health {out}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"the server did not answer /health in {timeout_s} s")
