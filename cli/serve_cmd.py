@@ -45,6 +45,8 @@ def serve(
     from specsched.runtime.bench import make_header, model_label
     from specsched.runtime.engine import AsyncEngine
     from specsched.runtime.server.app import build_app, chat_template_of
+    from specsched.runtime.server.metrics import ServerMetrics
+    from specsched.traces.hook import MultiTracer
     from specsched.traces.recorder import TraceRecorder
 
     if not 0 < port < 65536:
@@ -59,12 +61,12 @@ def serve(
 
     async def main() -> None:
         recorder = None
-        async with AsyncEngine(cfg) as engine:
+        metrics = ServerMetrics(name)  # also the engine's tracer: it counts each verify step
+        async with AsyncEngine(cfg, tracer=metrics) as engine:
             if trace:
                 recorder = TraceRecorder(str(trace), make_header(cfg, engine, workload={"server": True}))
-                engine._pipeline.tracer = recorder
-                engine.tracer = recorder
-            server = uvicorn.Server(uvicorn.Config(build_app(engine, name, template), host=host, port=port,
+                engine.set_tracer(MultiTracer(metrics, recorder))
+            server = uvicorn.Server(uvicorn.Config(build_app(engine, name, template, metrics), host=host, port=port,
                                                    log_level="warning", timeout_graceful_shutdown=shutdown_timeout,
                                                    lifespan="off"))
             console.print(f"specsched: serving {name!r} on http://{host}:{port} (OpenAI API under /v1)")

@@ -99,8 +99,7 @@ async def run_workload(
                 streamed = TraceRecorder(trace_path, header)
             if record:
                 tracer = MultiTracer(mem, *([live] if live else []), *([streamed] if streamed else []))
-                engine._pipeline.tracer = tracer
-                engine.tracer = tracer
+                engine.set_tracer(tracer)
             steps0 = engine._pipeline.num_steps
             start = time.monotonic()
             sem = anyio.Semaphore(concurrency or len(items))

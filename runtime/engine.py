@@ -278,6 +278,13 @@ class AsyncEngine:
         """Requests queued or running (an aborted one counts until its pages are freed)."""
         return len(self._pipeline.requests) if self._pipeline is not None else 0
 
+    def set_tracer(self, tracer) -> None:
+        """Record from the next step on into `tracer` (a `specsched.traces.hook.Tracer`; e.g. a
+        benchmark's recorder attached after its warm-up)."""
+        self.tracer = tracer
+        if self._pipeline is not None:
+            self._pipeline.tracer = tracer
+
     def is_running(self) -> bool:
         """Started (`async with`) and not closed."""
         return self._pipeline is not None and not self._closed

@@ -87,11 +87,13 @@ class _Run:
                          first_to_last_s=None if self.first is None else self.last - self.first, spec=spec)
 
 
-def build_app(engine, model_name: str, chat_template: str | None = None) -> FastAPI:
-    """The server's routes over `engine` (entered by the caller, which also closes it)."""
+def build_app(engine, model_name: str, chat_template: str | None = None,
+              metrics: ServerMetrics | None = None) -> FastAPI:
+    """The server's routes over `engine` (entered by the caller, which also closes it).
+    `metrics`: the engine's tracer too, for the per-step spec-decode counters
+    (`engine.set_tracer(metrics)`); without one, a fresh one counts requests only."""
     app = FastAPI(title="specsched", docs_url=None, redoc_url=None)
-    metrics = ServerMetrics(model_name)
-    app.state.metrics = metrics
+    metrics = metrics or ServerMetrics(model_name)
 
     async def parse(request: Request, model: type):
         try:

@@ -2,9 +2,10 @@
 
 Why vLLM's names: dashboards and scripts written against vLLM's `/metrics`
 (`vllm:spec_decode_num_accepted_tokens_total` and friends) then read specsched unchanged.
-Every metric carries vLLM's `model_name` and `engine` labels. Counters and histograms are
-updated as requests finish; gauges (running / waiting requests, KV pages) are read from the
-engine at each scrape.
+Every metric carries vLLM's `model_name` and `engine` labels. The spec-decode counters and the
+per-step histograms are updated at every verify step (`ServerMetrics` is a tracer the engine
+calls, as vLLM counts per step); request counters and latencies as requests finish; gauges
+(running / waiting requests, KV pages) are read from the engine at each scrape.
 """
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ ACCEPT_LEN_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8
 
 
 class ServerMetrics:
-    """One registry per server (tests run several in one process)."""
+    """One registry per server (tests run several in one process). Also a tracer
+    (`specsched.traces.hook.Tracer`): the engine reports each step's outcome to `step`."""
+
+    enabled = True
 
     def __init__(self, model_name: str) -> None:
         self.registry = r = CollectorRegistry()
@@ -52,6 +56,11 @@ class ServerMetrics:
                                         "Draft tokens accepted, by draft position (0 = first)", ("position",))
         self.accept_len = histogram("specsched:request_mean_acceptance_length",
                                     "Per request: 1 + accepted / drafts (bonus token counted)", ACCEPT_LEN_BUCKETS)
+        self.step_accept_len = histogram("specsched:step_acceptance_length",
+                                         "Per verify step: the mean over its rows of 1 + accepted drafts",
+                                         ACCEPT_LEN_BUCKETS)
+        self.draft_len = gauge("specsched:draft_len", "The draft length of the latest verify or decode step")
+        self.steps = counter("specsched:steps", "Steps by draft length (0: plain decode)", ("draft_len",))
 
     def finished(self, *, reason: str, prompt_tokens: int, output_tokens: int, e2e_s: float,
                  ttft_s: float | None, first_to_last_s: float | None, spec: dict) -> None:
@@ -64,12 +73,41 @@ class ServerMetrics:
         if first_to_last_s is not None and output_tokens > 1:
             self.tpot.labels(**lab).observe(first_to_last_s / (output_tokens - 1))
         if spec.get("drafts"):
-            self.drafts.labels(**lab).inc(spec["drafts"])
-            self.draft_tokens.labels(**lab).inc(spec["drafted_tokens"])
-            self.accepted.labels(**lab).inc(spec["accepted_tokens"])
-            for pos, n in enumerate(spec.get("accepted_per_pos", [])):
-                self.accepted_per_pos.labels(**lab, position=str(pos)).inc(n)
             self.accept_len.labels(**lab).observe(spec["mean_accept_len"])
+
+    # -- the engine's tracer hook: only steps are counted here ----------------------------------
+    def step(self, step: int, kind: str, start_ns: int, end_ns: int, request_ids, num_new_tokens, kv_lens,
+             num_drafted=None, num_accepted=None, num_output=None, draft_len=None, predicted_gain=None) -> None:
+        lab = self.labels
+        if kind not in ("spec", "decode"):
+            return
+        d = draft_len if draft_len is not None else (max(num_drafted) if num_drafted is not None and len(num_drafted)
+                                                      else 0)
+        self.draft_len.labels(**lab).set(d)
+        self.steps.labels(**lab, draft_len=str(d)).inc()
+        if num_drafted is None or num_accepted is None:
+            return
+        rows = [(int(n), int(a)) for n, a in zip(num_drafted, num_accepted) if n > 0]
+        if not rows:
+            return
+        self.drafts.labels(**lab).inc(len(rows))
+        self.draft_tokens.labels(**lab).inc(sum(n for n, _ in rows))
+        self.accepted.labels(**lab).inc(sum(a for _, a in rows))
+        for pos in range(max(a for _, a in rows)):
+            self.accepted_per_pos.labels(**lab, position=str(pos)).inc(sum(a > pos for _, a in rows))
+        self.step_accept_len.labels(**lab).observe(1 + sum(a for _, a in rows) / len(rows))
+
+    def request(self, *args, **kwargs) -> None:
+        pass
+
+    def span(self, *args, **kwargs) -> None:
+        pass
+
+    def finish(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def tokens(self, n: int, gap_s: float | None) -> None:
         """A chunk of `n` tokens reached the client, `gap_s` after the previous one."""
