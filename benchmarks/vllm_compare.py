@@ -216,11 +216,14 @@ def compare(args) -> None:
         version = theirs.ready.get("version")
         for c in args.concurrency:
             ratios, agree, counts = [], [True] * len(prompts), {"ours": [0, 0], "theirs": [0, 0]}
+            tok_s: dict[str, list[float]] = {"ours": [], "theirs": []}
             for r in range(args.rounds):
                 order = [("ours", ours), ("theirs", theirs)][:: 1 if r % 2 == 0 else -1]
                 res = {who: eng.job(prompts, args.max_tokens, c) for who, eng in order}
                 tps = {who: sum(map(len, x["outputs"])) / x["seconds"] for who, x in res.items()}
                 ratios.append(tps["ours"] / tps["theirs"])
+                for who in tps:
+                    tok_s[who].append(tps[who])
                 for i, (a, b) in enumerate(zip(res["ours"]["outputs"], res["theirs"]["outputs"])):
                     agree[i] = agree[i] and a == b
                 for who in counts:
@@ -229,6 +232,7 @@ def compare(args) -> None:
             rows.append({"config": name, "concurrency": c, "ratio": statistics.median(ratios),
                          "low": min(ratios), "high": max(ratios), "agree": sum(agree), "n": len(agree),
                          "al_ours": _al(*counts["ours"]), "al_theirs": _al(*counts["theirs"]),
+                         "tok_s_ours": statistics.median(tok_s["ours"]), "tok_s_theirs": statistics.median(tok_s["theirs"]),
                          "start_ours": ours.started_s, "start_theirs": theirs.started_s})
             print(_row(rows[-1]), flush=True)
         ours.close()
@@ -241,6 +245,7 @@ def compare(args) -> None:
 def _row(r: dict) -> str:
     al = "" if r["al_ours"] is None else f"  AL {r['al_ours']:.2f} / {r['al_theirs'] or 0:.2f}"
     return (f"{r['config']:>14} batch {r['concurrency']:>2}: {r['ratio']:.2f}x [{r['low']:.2f}-{r['high']:.2f}]"
+            f"  tok/s {r['tok_s_ours']:.1f} / {r['tok_s_theirs']:.1f}"
             f"  agree {r['agree']}/{r['n']}{al}  start-up {r['start_ours']:.1f} s / {r['start_theirs']:.1f} s")
 
 

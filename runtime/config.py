@@ -1,9 +1,14 @@
 """Model configuration read from a Hugging Face `config.json`.
 
-Why: the runtime implements one architecture (Llama: RMSNorm, RoPE, GQA, SwiGLU, no biases).
-Anything outside it must fail loudly at load time, naming the field, instead of producing
-silently wrong logits. Both the classic layout (`rope_theta`, `rope_scaling`, `torch_dtype`)
-and the transformers 5 layout (`rope_parameters`, `dtype`) are accepted.
+Why: the runtime implements one decoder (RMSNorm, RoPE, GQA, SwiGLU) and the small ways the
+families people run differ from Llama: Qwen2 / Qwen2.5 add biases to the q/k/v projections,
+Qwen3 normalises each query and key head (RMSNorm over `head_dim`, which need not be
+width / heads) before RoPE, Mistral is Llama's layer with an optional sliding window. These
+are fields of one `ModelConfig` (`qkv_bias`, `o_bias`, `qk_norm`, `sliding_window`), read from
+each family's config.json, not copies of the model. Anything outside them fails at load time,
+naming the field, instead of producing silently wrong logits. Both the classic layout
+(`rope_theta`, `rope_scaling`, `torch_dtype`) and the transformers 5 layout (`rope_parameters`,
+`dtype`) are accepted.
 """
 
 from __future__ import annotations
@@ -12,8 +17,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-SUPPORTED_MODEL_TYPES = ("llama",)
+# architecture -> model_type
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES.values())
 
 
 class ConfigError(ValueError):
@@ -33,10 +41,15 @@ class RopeScaling(BaseModel):
 
 
 class ModelConfig(BaseModel):
-    """The fields of a Llama `config.json` the runtime uses."""
+    """The fields of a `config.json` the runtime uses."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
+    model_type: Literal["llama", "mistral", "qwen2", "qwen3"] = "llama"
+    qkv_bias: bool = False  # biases on q/k/v (Qwen2 always; Llama/Qwen3 with attention_bias)
+    o_bias: bool = False  # a bias on the output projection (Llama/Qwen3 with attention_bias)
+    qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before RoPE (Qwen3)
+    sliding_window: int | None = None  # attention window (Mistral; Qwen with use_sliding_window)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -69,6 +82,16 @@ class ModelConfig(BaseModel):
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         return self
 
+    def check_servable(self, max_len: int) -> None:
+        """ConfigError naming `sliding_window` if the model attends within a window shorter than
+        the `max_len` positions it would be served at (the attention backends attend to every
+        position)."""
+        if self.sliding_window is not None and self.sliding_window < max_len:
+            raise ConfigError(
+                f"sliding_window {self.sliding_window} is shorter than the {max_len} positions the engine "
+                "would serve, and the attention does not implement a sliding window (a checkpoint whose "
+                "config sets sliding_window null, or at least max_position_embeddings, is served)")
+
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         if self.eos_token_id is None:
@@ -82,14 +105,14 @@ class ModelConfig(BaseModel):
         """Validate a parsed HF config.json; raises ConfigError naming the offending field."""
         if not isinstance(raw, dict):
             raise ConfigError(f"config must be a JSON object, got {type(raw).__name__}")
-        _check_architecture(raw)
-        for flag in ("attention_bias", "mlp_bias"):
-            if raw.get(flag):
-                raise ConfigError(f"{flag}=true is not supported (Llama without biases only)")
+        model_type = _check_architecture(raw)
+        if raw.get("mlp_bias"):
+            raise ConfigError("mlp_bias=true is not supported (bias-free MLPs only)")
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act={act!r} is not supported (SwiGLU with silu only)")
         fields = dict(raw)
+        fields.update(_family_fields(raw, model_type))
         rope_theta, scaling = _rope_fields(raw)
         fields["rope_theta"] = rope_theta
         fields["rope_scaling"] = scaling
@@ -108,7 +131,8 @@ class ModelConfig(BaseModel):
             raise ConfigError(_describe(exc)) from None
 
 
-def _check_architecture(raw: dict[str, Any]) -> None:
+def _check_architecture(raw: dict[str, Any]) -> str:
+    """The config's model_type (one of SUPPORTED_MODEL_TYPES), or ConfigError naming the field."""
     archs = raw.get("architectures")
     model_type = raw.get("model_type")
     if archs:
@@ -117,11 +141,25 @@ def _check_architecture(raw: dict[str, Any]) -> None:
             raise ConfigError(
                 f"unsupported architecture {bad[0]!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-    elif model_type not in SUPPORTED_MODEL_TYPES:
+        return ARCHITECTURES[archs[0]]
+    if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"unsupported model_type {model_type!r} and no architectures field "
-            f"(supported: model_type {SUPPORTED_MODEL_TYPES[0]!r})"
+            f"(supported: model_type {', '.join(map(repr, SUPPORTED_MODEL_TYPES))})"
         )
+    return model_type
+
+
+def _family_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """What a family's config.json says in its own words, as ModelConfig's fields."""
+    bias = bool(raw.get("attention_bias", False))
+    window = raw.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        window = None  # Qwen configs carry a window they do not use unless asked to
+    if model_type == "qwen2":  # Qwen2 / Qwen2.5: q/k/v biases, none on the output projection
+        return {"model_type": model_type, "qkv_bias": True, "o_bias": False, "sliding_window": window}
+    return {"model_type": model_type, "qkv_bias": bias, "o_bias": bias, "qk_norm": model_type == "qwen3",
+            "sliding_window": window if model_type != "llama" else None}
 
 
 def _rope_fields(raw: dict[str, Any]) -> tuple[Any, RopeScaling | None]:

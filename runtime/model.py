@@ -1,4 +1,6 @@
-"""Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV cache.
+"""Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV cache: Llama, Mistral,
+Qwen2 / Qwen2.5 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm) as fields of one config
+(`specsched.runtime.config`), not copies of the layer.
 
 Why: the bundled models are tiny, so a forward is bound by per-op dispatch, not FLOPs. The
 layer is written for few ops: q/k/v are one Linear and gate/up one Linear (fused at load
@@ -61,6 +63,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, device=None, dtype=None, tp: TPGroup | None = None) -> None:
         super().__init__()
         h, d = config.hidden_size, config.head_dim
+        self.config = config
         n = 1 if tp is None else tp.size
         if tp is not None:  # what `load_hf` slices full tensors by (and names a field that does not split)
             self._full_shapes, self._shards = self.hf_shapes(config), self.hf_shards(config, tp)
@@ -74,6 +77,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, **dd)
         self.qkv_proj = column_major_linear(h, (self.num_heads + 2 * self.num_kv_heads) * d, **dd)
         self.o_proj = column_major_linear(self.num_heads * d, h, **dd)
+        # the family's extras (None where the config has none): q/k/v and output biases, and
+        # Qwen3's RMSNorm over each query and key head
+        self.qkv_bias = nn.Parameter(torch.zeros((self.num_heads + 2 * self.num_kv_heads) * d, **dd)) \
+            if config.qkv_bias else None
+        self.o_bias = nn.Parameter(torch.zeros(h, **dd)) if config.o_bias else None
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, **dd) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, **dd) if config.qk_norm else None
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, **dd)
         self.gate_up_proj = column_major_linear(h, 2 * self.intermediate_size, **dd)
         self.down_proj = column_major_linear(self.intermediate_size, h, **dd)
@@ -82,7 +92,7 @@ class DecoderLayer(nn.Module):
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         """N(0, std) projections, unit norm weights."""
         for name, p in self.named_parameters():
-            if name.endswith("layernorm.weight"):
+            if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=generator) * std)
@@ -92,13 +102,19 @@ class DecoderLayer(nn.Module):
         lead = x.shape[:-1]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         h = rms_norm(x, self.input_layernorm.weight, self.eps)
-        qkv = F.linear(h, self.qkv_proj.weight).view(*lead, hq + 2 * hkv, d)
-        qk = apply_rope(qkv[..., : hq + hkv, :], cos, sin)
+        qkv = F.linear(h, self.qkv_proj.weight, self.qkv_bias).view(*lead, hq + 2 * hkv, d)
+        qk = qkv[..., : hq + hkv, :]
+        if self.q_norm is not None:
+            qk = torch.cat((rms_norm(qk[..., :hq, :], self.q_norm.weight, self.eps),
+                            rms_norm(qk[..., hq:, :], self.k_norm.weight, self.eps)), -2)
+        qk = apply_rope(qk, cos, sin)
         attn = step.attend(layer_idx, qk[..., :hq, :], qk[..., hq:, :], qkv[..., hq + hkv :, :],
                            kv_layer)
         o = F.linear(attn.reshape(*lead, hq * d), self.o_proj.weight)
         if self.tp is not None:
             self.tp.all_reduce(o)
+        if self.o_bias is not None:  # after the all-reduce: added once, not once per rank
+            o = o + self.o_bias
         x = x + o
         h = rms_norm(x, self.post_attention_layernorm.weight, self.eps)
         gate_up = F.linear(h, self.gate_up_proj.weight)
@@ -108,25 +124,27 @@ class DecoderLayer(nn.Module):
             self.tp.all_reduce(o)
         return x + o
 
-    HF_NAMES = (
-        "input_layernorm.weight", "post_attention_layernorm.weight",
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
-    )
-
     @staticmethod
     def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-        """Expected Hugging Face tensor shapes of one layer (names relative to the layer)."""
+        """Expected Hugging Face tensor shapes of one layer (names relative to the layer), the
+        family's biases and q/k norms included where its config has them."""
         h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
         hq, hkv = config.num_attention_heads, config.num_key_value_heads
-        return {
+        shapes = {
             "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
             "self_attn.q_proj.weight": (hq * d, h), "self_attn.k_proj.weight": (hkv * d, h),
             "self_attn.v_proj.weight": (hkv * d, h), "self_attn.o_proj.weight": (h, hq * d),
             "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
             "mlp.down_proj.weight": (h, i),
         }
+        if config.qkv_bias:
+            shapes.update({"self_attn.q_proj.bias": (hq * d,), "self_attn.k_proj.bias": (hkv * d,),
+                           "self_attn.v_proj.bias": (hkv * d,)})
+        if config.o_bias:
+            shapes["self_attn.o_proj.bias"] = (h,)
+        if config.qk_norm:
+            shapes.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        return shapes
 
     @staticmethod
     def hf_shards(config: ModelConfig, tp: TPGroup) -> dict[str, tuple[int, slice]]:
@@ -137,12 +155,16 @@ class DecoderLayer(nn.Module):
         q, kv, i = (shard_range(getattr(config, f), tp.rank, tp.size, f) for f in
                     ("num_attention_heads", "num_key_value_heads", "intermediate_size"))
         q, kv = slice(q.start * d, q.stop * d), slice(kv.start * d, kv.stop * d)
-        return {
+        shards = {
             "self_attn.q_proj.weight": (0, q), "self_attn.k_proj.weight": (0, kv),
             "self_attn.v_proj.weight": (0, kv), "self_attn.o_proj.weight": (1, q),
             "mlp.gate_proj.weight": (0, i), "mlp.up_proj.weight": (0, i),
             "mlp.down_proj.weight": (1, i),
         }
+        if config.qkv_bias:
+            shards.update({"self_attn.q_proj.bias": (0, q), "self_attn.k_proj.bias": (0, kv),
+                           "self_attn.v_proj.bias": (0, kv)})
+        return shards
 
     def _local(self, name: str, w: torch.Tensor) -> torch.Tensor:
         """This rank's shard of `w`: sliced if `w` is the full tensor, as given otherwise."""
@@ -157,7 +179,7 @@ class DecoderLayer(nn.Module):
         """Copy weights given under Hugging Face names (`prefix + 'self_attn.q_proj.weight'`...),
         fusing q/k/v and gate/up. A sharded layer takes full tensors (and slices its shard) or
         this rank's shards as `hf_shards` cuts them (what a sharded `load_model` reads)."""
-        t = {n: tensors[prefix + n] for n in self.HF_NAMES}
+        t = {n: tensors[prefix + n] for n in self.hf_shapes(self.config)}
         if self.tp is not None:
             t = {n: self._local(n, w) for n, w in t.items()}
         self.input_layernorm.weight.copy_(t["input_layernorm.weight"])
@@ -166,6 +188,13 @@ class DecoderLayer(nn.Module):
             [t["self_attn.q_proj.weight"], t["self_attn.k_proj.weight"], t["self_attn.v_proj.weight"]]
         ))
         self.o_proj.weight.copy_(t["self_attn.o_proj.weight"])
+        if self.qkv_bias is not None:
+            self.qkv_bias.copy_(torch.cat([t[f"self_attn.{x}_proj.bias"] for x in "qkv"]))
+        if self.o_bias is not None:
+            self.o_bias.copy_(t["self_attn.o_proj.bias"])
+        if self.q_norm is not None:
+            self.q_norm.weight.copy_(t["self_attn.q_norm.weight"])
+            self.k_norm.weight.copy_(t["self_attn.k_norm.weight"])
         self.gate_up_proj.weight.copy_(torch.cat([t["mlp.gate_proj.weight"], t["mlp.up_proj.weight"]]))
         self.down_proj.weight.copy_(t["mlp.down_proj.weight"])
 
@@ -183,6 +212,14 @@ class DecoderLayer(nn.Module):
             "mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up,
             "mlp.down_proj.weight": self.down_proj.weight.detach(),
         }
+        if self.qkv_bias is not None:
+            for x, b in zip("qkv", self.qkv_bias.detach().split([hq * d, hkv * d, hkv * d])):
+                out[f"self_attn.{x}_proj.bias"] = b
+        if self.o_bias is not None:
+            out["self_attn.o_proj.bias"] = self.o_bias.detach()
+        if self.q_norm is not None:
+            out["self_attn.q_norm.weight"] = self.q_norm.weight.detach()
+            out["self_attn.k_norm.weight"] = self.k_norm.weight.detach()
         if self.tp is not None:
             out = {n: self.tp.all_gather(w, self._shards[n][0]) if n in self._shards else w
                    for n, w in out.items()}

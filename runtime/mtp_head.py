@@ -261,6 +261,8 @@ def save_head(head: MTPHead, out_dir: str | Path, target: LlamaModel, **card_fie
         "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
         "rope_scaling": c.rope_scaling.model_dump() if c.rope_scaling is not None else None,
         "max_position_embeddings": c.max_position_embeddings,
+        # its decoder layer follows the target's family
+        "layer_model_type": c.model_type, "qkv_bias": c.qkv_bias, "o_bias": c.o_bias, "qk_norm": c.qk_norm,
         "norms": head.norms, "aux_layers": list(head.aux_layers), "target_fingerprint": target_fingerprint(target),
         "torch_dtype": "float32", **card_fields,
     }
@@ -285,7 +287,9 @@ def load_head_config(path: str | Path) -> tuple[ModelConfig, bool, dict]:
     norms = raw.get("norms")
     if not isinstance(norms, bool):
         raise CheckpointError(f"{cfg_path}: field 'norms' must be true or false, got {norms!r}")
-    fields = {k: v for k, v in raw.items() if k in ModelConfig.model_fields and v is not None}
+    fields = {k: v for k, v in raw.items() if k in ModelConfig.model_fields and v is not None
+              and k not in ("model_type", "sliding_window")}
+    fields["model_type"] = raw.get("layer_model_type", "llama")  # the head's own model_type names the head
     if "head_dim" not in fields and "hidden_size" in fields and "num_attention_heads" in fields:
         fields["head_dim"] = int(fields["hidden_size"]) // int(fields["num_attention_heads"])
     fields.setdefault("num_key_value_heads", fields.get("num_attention_heads"))

@@ -1,6 +1,8 @@
-"""The runtime's Llama matches transformers' LlamaForCausalLM, logits within 1e-4 (fp32), for
-prefill, paged incremental decode across page boundaries, multi-token verify chunks,
-ragged batches, shuffled page tables and tree (custom mask) verification."""
+"""The runtime's decoder matches transformers' LlamaForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM and MistralForCausalLM, logits within 1e-4 (fp32), for prefill, paged
+incremental decode across page boundaries, multi-token verify chunks, ragged batches, shuffled
+page tables and tree (custom mask) verification; greedy generation matches `generate` up to
+the first near-tie."""
 
 from __future__ import annotations
 
@@ -23,10 +25,17 @@ VARIANTS = {
     "mha_tied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
     "llama3_rope": dict(num_attention_heads=4, num_key_value_heads=1, rope_scaling=LLAMA3,
                         rope_theta=500000.0),
+    "llama_bias": dict(attention_bias=True),
+    "qwen2_gqa_tied": dict(family="qwen2", tie_word_embeddings=True),
+    "qwen2_mha": dict(family="qwen2", num_attention_heads=4, num_key_value_heads=4),
+    "qwen3_head_dim": dict(family="qwen3", head_dim=16),  # 16 != 48 / 4
+    "qwen3_mha_tied": dict(family="qwen3", num_key_value_heads=4, tie_word_embeddings=True),
+    "mistral": dict(family="mistral", sliding_window=None),
 }
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
 
 
-def make_pair(tmp_path, seed: int = 0, **overrides):
+def make_pair(tmp_path, seed: int = 0, family: str = "llama", **overrides):
     """(transformers model, runtime model) with identical random weights."""
     torch.manual_seed(seed)
     kwargs = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
@@ -34,11 +43,15 @@ def make_pair(tmp_path, seed: int = 0, **overrides):
                   max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
                   initializer_range=0.2)  # large enough that attention is far from uniform
     kwargs.update(overrides)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs)).eval()
-    with torch.no_grad():  # norms away from 1 so a missing norm weight shows up
-        for name, p in hf.named_parameters():
-            if "norm" in name:
+    name = FAMILIES[family]
+    config = getattr(transformers, f"{name}Config")(**kwargs)
+    hf = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    with torch.no_grad():  # norms away from 1 and biases away from 0, so a missing one shows up
+        for pname, p in hf.named_parameters():
+            if "norm" in pname:
                 p.uniform_(0.5, 1.5)
+            elif pname.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
     path = tmp_path / f"model_{seed}"
     hf.save_pretrained(path)
     return hf, load_model(path)
@@ -217,3 +230,38 @@ def test_bfloat16_model_tracks_float32(tmp_path):
     assert logits.dtype == torch.float32
     ref = hf_logits(hf, ids[0])
     assert (logits[0] - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+@pytest.mark.parametrize("variant", ["gqa", "qwen2_gqa_tied", "qwen3_head_dim", "mistral"])
+def test_greedy_generation_matches_transformers_up_to_a_near_tie(tmp_path, variant):
+    hf, model = make_pair(tmp_path, **VARIANTS[variant])
+    prompt = torch.randint(0, VOCAB, (1, 5))
+    hf.generation_config.eos_token_id = None  # 20 tokens whatever they are
+    with torch.no_grad():
+        want = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)[0, 5:].tolist()
+    kv = model.make_kv_cache(num_pages=16, page_size=4)
+    pages = list(range(16))
+    ids, got = prompt[0].tolist(), []
+    out = step(model, kv, [dict(ids=ids, kv_len=len(ids), pages=pages)], logits_indices=torch.tensor([4]))
+    for _ in range(20):
+        got.append(int(out.logits[-1].argmax()))
+        out = step(model, kv, [dict(ids=got[-1:], kv_len=len(ids) + len(got), pages=pages)])
+    if got != want:  # allowed only where the two top logits are within float32 noise
+        k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        top2 = hf_logits(hf, ids + want[:k])[-1].topk(2).values
+        assert float(top2[0] - top2[1]) < 1e-4, f"{variant}: outputs part at token {k}"
+
+
+def test_a_sliding_window_is_refused_by_name(tmp_path):
+    from specsched.runtime.config import ConfigError, ModelConfig
+
+    raw = dict(architectures=["MistralForCausalLM"], vocab_size=VOCAB, hidden_size=48, intermediate_size=80,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+               sliding_window=64)
+    assert ModelConfig.from_hf(raw).sliding_window == 64
+    with pytest.raises(ConfigError, match="sliding_window 64"):
+        ModelConfig.from_hf(raw).check_servable(128)
+    assert ModelConfig.from_hf({**raw, "sliding_window": None}).sliding_window is None
+    qwen = {**raw, "architectures": ["Qwen2ForCausalLM"]}
+    assert ModelConfig.from_hf(qwen).sliding_window is None  # a window Qwen does not use
+    assert ModelConfig.from_hf({**qwen, "use_sliding_window": True}).sliding_window == 64

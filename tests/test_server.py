@@ -147,7 +147,7 @@ def test_metrics_spec_decode_counters_add_up(server):
     per_pos = [v for (name, labels), v in m.items() if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"]
     assert m[("vllm:spec_decode_num_drafts_total", ())] > 0 and 0 < accepted <= drafted
     assert len(per_pos) == 3 and sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
-    assert m[("specsched:steps_total", (("draft_len", "3"),))] > 0 and m[("specsched:draft_len", ())] in (0, 3)
+    assert m[("specsched:steps_total", (("draft_len", "3"),))] > 0 and m[("specsched:draft_len", ())] in (0, 1, 2, 3)
     assert m[("specsched:step_acceptance_length_count", ())] > 0
     assert m[("vllm:time_to_first_token_seconds_count", ())] >= 1
     models = httpx.get(server + "/v1/models").json()

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -156,7 +157,7 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
 
         def event(choices: list, **extra) -> bytes:
             payload = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices, **extra}
-            return b"data: " + json.dumps(payload).encode() + b"\n\n"
+            return b"data: " + orjson.dumps(payload) + b"\n\n"
 
         def choice(text: str, finish: str | None) -> dict:
             if chat:
@@ -179,8 +180,8 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
                 run.done(metrics, "abort", {})
         run.done(metrics, _reason(last.finish_reason), last.spec)
         if last.finish_reason == "error":
-            yield b"data: " + json.dumps(error_body(f"the request failed: {last.error}", "internal_server_error",
-                                                    None, 500)).encode() + b"\n\n"
+            yield b"data: " + orjson.dumps(error_body(f"the request failed: {last.error}", "internal_server_error",
+                                                      None, 500)) + b"\n\n"
         else:
             yield event([choice(last.text, _reason(last.finish_reason))], spec_decode=_spec(last.spec))
             if include_usage:
