@@ -193,15 +193,19 @@ def _check_shape(name: str, got: tuple[int, ...], expected: dict[str, tuple[int,
 
 
 def save_llama(model, out_dir) -> None:
-    """Write a LlamaModel as a Hugging Face checkpoint (config.json + model.safetensors),
-    the layout `load_model` reads."""
+    """Write a LlamaModel as a Hugging Face checkpoint (config.json + model.safetensors) of its
+    family (Llama, Mistral, Qwen2, Qwen3), the layout `load_model` and transformers read."""
     from safetensors.torch import save_file
+
+    from specsched.runtime.config import ARCHITECTURES
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     c = model.config
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-           **c.model_dump(exclude={"rope_scaling", "torch_dtype"}), "torch_dtype": "float32"}
+    arch = next(a for a, t in ARCHITECTURES.items() if t == c.model_type)
+    cfg = {"architectures": [arch], "hidden_act": "silu", "attention_bias": c.o_bias,
+           **c.model_dump(exclude={"rope_scaling", "torch_dtype", "qkv_bias", "o_bias", "qk_norm"}),
+           "torch_dtype": "float32"}
     if c.rope_scaling is not None:
         cfg["rope_scaling"] = c.rope_scaling.model_dump()
     (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))

@@ -2,6 +2,8 @@
 seeded, served by the engine like checkpoints; the shipped shapes (runtime/shapes)."""
 from __future__ import annotations
 
+import math
+
 import json
 
 import anyio
@@ -123,6 +125,21 @@ def test_the_shipped_shapes_are_the_published_ones():
         (4096, 32, 14336, False)
     assert load_config(shape_dir("llama-3.2-1b-draft")).num_hidden_layers == 1
     assert shape_dir("gpt-5") is None
+
+
+@pytest.mark.parametrize("shape, family, billions", [("qwen3-8b", "qwen3", 8.19), ("qwen2.5-7b", "qwen2", 7.62)])
+def test_the_qwen_shapes_are_their_published_families_and_sizes(shape, family, billions):
+    from specsched.runtime.model import LlamaModel
+    from specsched.runtime.mtp_head import load_head_config
+
+    c = load_config(shape_dir(shape))
+    assert c.model_type == family and c.sliding_window is None and c.qk_norm == (family == "qwen3")
+    params = sum(math.prod(s) for s in LlamaModel.hf_shapes(c).values())
+    assert abs(params / 1e9 - billions) < 0.02 * billions
+    head, _, _ = load_head_config(shape_dir(f"{shape}-mtp"))
+    assert (head.model_type, head.qkv_bias, head.qk_norm, head.head_dim) == (family, c.qkv_bias, c.qk_norm, c.head_dim)
+    assert load_config(shape_dir(f"{shape}-draft")).model_dump(exclude={"num_hidden_layers"}) == \
+        c.model_dump(exclude={"num_hidden_layers"})
 
 
 @pytest.mark.slow

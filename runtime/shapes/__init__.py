@@ -1,7 +1,7 @@
 """Published model shapes as config files alone (no weights), for dummy weights
-(`EngineConfig(load_format="dummy")`, CLI `--load-format dummy`): a Llama-3.2-1B-shaped and a
-Llama-3.1-8B-shaped target, and a one-layer draft model and an MTP head of each width
-(`<shape>-draft`, `<shape>-mtp`). With dummy weights a model, draft or head named by one of
+(`EngineConfig(load_format="dummy")`, CLI `--load-format dummy`): targets shaped like
+Llama-3.2-1B, Llama-3.1-8B, Qwen3-8B and Qwen2.5-7B, and a one-layer draft model and an MTP head
+of each (`<shape>-draft`, `<shape>-mtp`, layers of the target's family). With dummy weights a model, draft or head named by one of
 these folder names (e.g. `--model llama-3.2-1b`) reads its config.json here.
 """
 
