@@ -74,6 +74,12 @@ def load(path: str | Path, load_format: str, dtype: torch.dtype, device: torch.d
     return load_model(path, dtype=dtype, device=device, tp=tp)
 
 
-def load_head_for(path: str | Path, target: LlamaModel, load_format: str) -> MTPHead:
-    """An MTP (or EAGLE) head bound to `target`: the checkpoint's, or with `load_format="dummy"` its shape alone."""
+def load_head_for(path: str | Path, target: LlamaModel, load_format: str):
+    """An MTP (or EAGLE) head bound to `target`: the checkpoint's, or with `load_format="dummy"` its
+    shape alone; an EAGLE-3 head in its published layout (runtime/eagle3.py) where config.json
+    names `LlamaForCausalLMEagle3`."""
+    from specsched.runtime.eagle3 import is_eagle3, load_eagle3_head
+
+    if is_eagle3(path):
+        return load_eagle3_head(path, target, dummy=load_format == "dummy")
     return dummy_head(path, target) if load_format == "dummy" else load_head(path, target)

@@ -60,13 +60,17 @@ class DecoderLayer(nn.Module):
     intermediate_size are the rank's counts.
     """
 
-    def __init__(self, config: ModelConfig, device=None, dtype=None, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, device=None, dtype=None, tp: TPGroup | None = None,
+                 attn_in: int | None = None) -> None:
+        """`attn_in`: the width the q/k/v projection reads (default the hidden size; an EAGLE-3
+        head's layer reads [embedding ; hidden], twice that, through `attend`)."""
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.config = config
+        self.attn_in = attn_in or h
         n = 1 if tp is None else tp.size
         if tp is not None:  # what `load_hf` slices full tensors by (and names a field that does not split)
-            self._full_shapes, self._shards = self.hf_shapes(config), self.hf_shards(config, tp)
+            self._full_shapes, self._shards = self.hf_shapes(config, attn_in), self.hf_shards(config, tp)
         self.tp = tp
         self.num_heads = config.num_attention_heads // n
         self.num_kv_heads = config.num_key_value_heads // n
@@ -75,7 +79,7 @@ class DecoderLayer(nn.Module):
         self.eps = config.rms_norm_eps
         dd = dict(device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, **dd)
-        self.qkv_proj = column_major_linear(h, (self.num_heads + 2 * self.num_kv_heads) * d, **dd)
+        self.qkv_proj = column_major_linear(self.attn_in, (self.num_heads + 2 * self.num_kv_heads) * d, **dd)
         self.o_proj = column_major_linear(self.num_heads * d, h, **dd)
         # the family's extras (None where the config has none): q/k/v and output biases, and
         # Qwen3's RMSNorm over each query and key head
@@ -99,9 +103,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 step: StepAttention, kv_layer: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
-        lead = x.shape[:-1]
+        x = x + self.attend(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, step, kv_layer, layer_idx)
+        return x + self.mlp(x)
+
+    def attend(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepAttention,
+               kv_layer: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
+        """The attention block on its (normalised) input h [..., attn_in]: the output
+        projection's [..., H], all-reduced under tensor parallelism, before the residual."""
+        lead = h.shape[:-1]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        h = rms_norm(x, self.input_layernorm.weight, self.eps)
         qkv = F.linear(h, self.qkv_proj.weight, self.qkv_bias).view(*lead, hq + 2 * hkv, d)
         qk = qkv[..., : hq + hkv, :]
         if self.q_norm is not None:
@@ -115,25 +125,31 @@ class DecoderLayer(nn.Module):
             self.tp.all_reduce(o)
         if self.o_bias is not None:  # after the all-reduce: added once, not once per rank
             o = o + self.o_bias
-        x = x + o
+        return o
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP block on the residual stream x (it applies post_attention_layernorm), before
+        the residual."""
         h = rms_norm(x, self.post_attention_layernorm.weight, self.eps)
         gate_up = F.linear(h, self.gate_up_proj.weight)
         i = self.intermediate_size
         o = F.linear(F.silu(gate_up[..., :i]) * gate_up[..., i:], self.down_proj.weight)
         if self.tp is not None:
             self.tp.all_reduce(o)
-        return x + o
+        return o
 
     @staticmethod
-    def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    def hf_shapes(config: ModelConfig, attn_in: int | None = None) -> dict[str, tuple[int, ...]]:
         """Expected Hugging Face tensor shapes of one layer (names relative to the layer), the
-        family's biases and q/k norms included where its config has them."""
+        family's biases and q/k norms included where its config has them; `attn_in`: the
+        width q/k/v read (default the hidden size)."""
         h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
         hq, hkv = config.num_attention_heads, config.num_key_value_heads
+        a = attn_in or h
         shapes = {
             "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-            "self_attn.q_proj.weight": (hq * d, h), "self_attn.k_proj.weight": (hkv * d, h),
-            "self_attn.v_proj.weight": (hkv * d, h), "self_attn.o_proj.weight": (h, hq * d),
+            "self_attn.q_proj.weight": (hq * d, a), "self_attn.k_proj.weight": (hkv * d, a),
+            "self_attn.v_proj.weight": (hkv * d, a), "self_attn.o_proj.weight": (h, hq * d),
             "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
             "mlp.down_proj.weight": (h, i),
         }
@@ -179,7 +195,7 @@ class DecoderLayer(nn.Module):
         """Copy weights given under Hugging Face names (`prefix + 'self_attn.q_proj.weight'`...),
         fusing q/k/v and gate/up. A sharded layer takes full tensors (and slices its shard) or
         this rank's shards as `hf_shards` cuts them (what a sharded `load_model` reads)."""
-        t = {n: tensors[prefix + n] for n in self.hf_shapes(self.config)}
+        t = {n: tensors[prefix + n] for n in self.hf_shapes(self.config, self.attn_in)}
         if self.tp is not None:
             t = {n: self._local(n, w) for n, w in t.items()}
         self.input_layernorm.weight.copy_(t["input_layernorm.weight"])
