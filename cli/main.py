@@ -207,6 +207,8 @@ def train_mtp_cmd(
                                    "reads (EAGLE-3 features), e.g. 1,3"),
     init_from: Optional[Path] = typer.Option(None, help="a head directory to continue training from"),
     lr: float = typer.Option(2e-3, help="peak learning rate (warm-up, then cosine to a tenth of it)"),
+    layout: str = typer.Option("specsched", help="specsched (this head's own network) | eagle3 (an EAGLE-3 "
+                               "head in the layout vLLM and SGLang load; needs three --aux-layers)"),
     seed: int = typer.Option(0),
 ) -> None:
     """Train an MTP head on a target's hidden states (computed with specsched's own forward)."""
@@ -216,9 +218,10 @@ def train_mtp_cmd(
     try:
         report = train_mtp(target, out, steps, minutes=minutes, norms=not no_norms, ablation=ablation,
                            seed=seed, num_windows=windows, num_threads=threads, bf16=bf16,
-                           onpolicy_frac=onpolicy_frac, aux_layers=layers, init_from=init_from, lr=lr)
+                           onpolicy_frac=onpolicy_frac, aux_layers=layers, init_from=init_from, lr=lr,
+                           layout=layout)
     except ValueError as exc:  # a layer the target lacks, a head --init-from that does not fit
-        raise typer.BadParameter(str(exc), param_hint="--aux-layers / --init-from") from None
+        raise typer.BadParameter(str(exc), param_hint="--aux-layers / --init-from / --layout") from None
     _print_json(report)
 
 

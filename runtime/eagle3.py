@@ -85,6 +85,22 @@ class Eagle3Head(nn.Module):
         self._target_embed: torch.Tensor | None = None
         self._target_ids: torch.Tensor | None = None
 
+    @classmethod
+    def for_target(cls, target: LlamaModel, aux_layers: tuple[int, ...], seed: int = 0,
+                   std: float = 0.02) -> "Eagle3Head":
+        """A randomly initialised head of the target's width and family reading the outputs of
+        target layers `aux_layers` (EAGLE-3's ids: one more each), its draft vocabulary the
+        target's, bound to it: what `train-mtp --layout eagle3` starts from."""
+        c = target.config
+        config = c.model_copy(update={"num_hidden_layers": 1})
+        head = cls(config, target_hidden=c.hidden_size, draft_vocab=c.vocab_size,
+                   layer_ids=tuple(i + 1 for i in aux_layers))
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                p.copy_(torch.ones(p.shape) if name.endswith("norm.weight") else torch.randn(p.shape, generator=gen) * std)
+        return head.to(device=target.device, dtype=target.dtype).requires_grad_(False).eval().bind(target)
+
     def bind(self, target: LlamaModel) -> "Eagle3Head":
         c = target.config
         if c.vocab_size != self.config.vocab_size or c.hidden_size != self.target_hidden:
@@ -144,7 +160,12 @@ class Eagle3Head(nn.Module):
         from specsched.runtime.attention.torch_backend import CausalAttention
 
         positions = torch.arange(token_ids.shape[-1], device=token_ids.device)
-        x = self._run(token_ids, hidden, positions, CausalAttention(), None)
+        return self.forward_dense(token_ids, hidden, positions, CausalAttention())
+
+    def forward_dense(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                      attention) -> HeadOutput:
+        """Dense pass with any cache-free attention, as `MTPHead.forward_dense` (training)."""
+        x = self._run(token_ids, hidden, positions, attention, None)
         return HeadOutput(self.compute_logits(x), x)
 
     # -- the published layout --------------------------------------------------------------------

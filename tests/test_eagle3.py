@@ -171,3 +171,29 @@ def test_dummy_weights_build_an_eagle3_head_from_its_config_alone(family):
     logits = head.compute_logits(torch.randn(2, 64))
     assert logits.isfinite().sum() == 2 * DRAFT_VOCAB  # d2t of a dummy head: the first ids
     assert logits[:, :DRAFT_VOCAB].isfinite().all()
+
+
+def test_train_mtp_trains_an_eagle3_head_in_the_published_layout(family, tmp_path):
+    from specsched.runtime.training.mtp import TrainConfig, precompute_hidden, train_head
+
+    root, target, plain = family
+    seqs = torch.tensor([(p + out)[:23] for p, out in zip(PROMPTS, plain)])  # the target's own continuations
+    feats = precompute_hidden(target, seqs, aux_layers=(1, 3, 4))
+    cfg = TrainConfig(seq_len=21, batch_size=3, lr=3e-3, steps=80, seed=0, bf16=False)
+    head, stats = train_head(target, seqs, feats, cfg=cfg, aux_layers=(1, 3, 4), eagle3=True, log=lambda *_: None)
+    assert stats.final_loss["kl"] < 0.5 * stats.first_loss["kl"]
+    save_eagle3_head(head, tmp_path / "head")
+    raw = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert raw["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    weights = load_file(str(tmp_path / "head" / "model.safetensors"))
+    assert weights["midlayer.self_attn.q_proj.weight"].shape == (64, 128) and weights["fc.weight"].shape == (64, 192)
+    spec = wiring.proposer_spec("eagle", 3)
+    worker = ModelWorker(str(root / "target"), {"kind": "eagle", "draft_len": 3, "tree_parents": list(spec.tree_parents)},
+                         proposer_dir=str(tmp_path / "head"), num_pages=128, page_size=8)
+    reqs = run_requests(worker, PROMPTS, PARAMS, schedule="eager_fill", num_pages=128)
+    assert [r.output_token_ids for r in reqs] == plain
+    drafts = sum(r.spec_stats()["drafts"] for r in reqs)
+    assert 1 + sum(r.spec_stats()["accepted_tokens"] for r in reqs) / drafts > 2.0  # it learnt them
+    with pytest.raises(ValueError, match="three target layers"):
+        train_head(target, seqs, feats, cfg=cfg, aux_layers=(1, 3), eagle3=True, log=lambda *_: None)

@@ -157,7 +157,7 @@ def head_loss(head: MTPHead, target: LlamaModel, ids: torch.Tensor, hidden: torc
 
 def train_head(target: LlamaModel, ids: torch.Tensor, hidden: torch.Tensor, *, norms: bool = True,
                cfg: TrainConfig = TrainConfig(), aux_layers: tuple[int, ...] = (), init: MTPHead | None = None,
-               log=print) -> tuple[MTPHead, TrainStats]:
+               eagle3: bool = False, log=print) -> tuple[MTPHead, TrainStats]:
     """Train a head on precomputed windows ids [N, S] / hidden [N, S, (A + 1) * H] (A =
     len(aux_layers)): a fresh one, or one starting from `init`'s weights (its norms; `fc`, where
     `init` has none, starts as the identity on the last layer's state; where it has one, it
@@ -165,10 +165,21 @@ def train_head(target: LlamaModel, ids: torch.Tensor, hidden: torch.Tensor, *, n
     features `init`'s target had at its own, see grow.deepen).
 
     With cfg.steps the schedule is by step (deterministic); otherwise by elapsed time over
-    cfg.budget_s (a busy machine takes fewer steps)."""
+    cfg.budget_s (a busy machine takes fewer steps). `eagle3`: an EAGLE-3 head in its published
+    network (runtime/eagle3.py) reading exactly three `aux_layers`, trained on the same losses
+    (no hidden-state term: EAGLE-3 predicts tokens, not features)."""
     torch.manual_seed(cfg.seed)
     target = target.float().requires_grad_(False).eval()
-    head = MTPHead.for_target(target, norms=norms, seed=cfg.seed, aux_layers=aux_layers)
+    if eagle3:
+        from specsched.runtime.eagle3 import Eagle3Head
+
+        if len(aux_layers) != 3 or init is not None:
+            raise ValueError(f"an EAGLE-3 head reads three target layers (--aux-layers, got {list(aux_layers)}) "
+                             "and starts fresh (no --init-from)")
+        head = Eagle3Head.for_target(target, aux_layers, seed=cfg.seed)
+        cfg = replace(cfg, hidden_weight=0.0)
+    else:
+        head = MTPHead.for_target(target, norms=norms, seed=cfg.seed, aux_layers=aux_layers)
     if init is not None:
         start = init.state_for_save()
         if init.norms != norms or (init.fc is not None and len(init.aux_layers) != len(head.aux_layers)):
@@ -240,7 +251,7 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
               num_windows: int = 2400, seq_len: int = 128, batch_size: int = 8, lr: float = 2e-3,
               num_threads: int = 2, validate: bool = True, num_prompts: int = 24, bf16: bool | None = None,
               onpolicy_frac: float = 0.0, onpolicy_prompt: int = 64, aux_layers: tuple[int, ...] = (),
-              init_from: str | Path | None = None, log=print) -> dict:
+              init_from: str | Path | None = None, layout: str = "specsched", log=print) -> dict:
     """Train an MTP head for the target in `target_dir` (HF layout with tokenizer.json) and
     save it, with a model card, to `out_dir`.
 
@@ -256,7 +267,9 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
     target layers whose outputs the head also reads (EAGLE-3's features, `fc` maps them to H).
     init_from: a head directory to continue training from (same norms; its `fc`, if any, must
     read as many layers; it may have been trained for another target of the same shape, e.g.
-    the one this target was grown from).
+    the one this target was grown from). layout: "specsched" (this head's own network and
+    layout) or "eagle3" (an EAGLE-3 head, `LlamaForCausalLMEagle3`, as vLLM and SGLang load it:
+    three `aux_layers`, no ablation or init_from).
     """
     import tempfile
 
@@ -267,6 +280,12 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
 
     from specsched.runtime.training.loop import bf16_supported
 
+    if layout not in ("specsched", "eagle3"):
+        raise ValueError(f"layout {layout!r}: expected 'specsched' or 'eagle3'")
+    eagle3 = layout == "eagle3"
+    if eagle3 and (ablation or init_from is not None or len(aux_layers) != 3):
+        raise ValueError("--layout eagle3 trains a fresh EAGLE-3 head on exactly three --aux-layers "
+                         "(no --ablation, no --init-from)")
     torch.set_num_threads(num_threads)
     bf16 = bf16_supported() if bf16 is None else bf16
     target_dir, out_dir = Path(target_dir), Path(out_dir)
@@ -305,16 +324,22 @@ def train_mtp(target_dir: str | Path, out_dir: str | Path, steps: int | None = N
         "train_windows": int(train_w.shape[0]), "window_tokens": int(train_w.shape[1]),
         "onpolicy_windows": num_onpolicy, "onpolicy_prompt": onpolicy_prompt},
         "config": asdict(cfg), "num_threads": num_threads, "precompute_s": round(pre_s, 1), "variants": {},
-        "aux_layers": list(aux_layers), "init_from": None if init_from is None else str(init_from)}
+        "aux_layers": list(aux_layers), "init_from": None if init_from is None else str(init_from),
+        "layout": layout}
     variants = [norms, not norms] if ablation else [norms]
     with tempfile.TemporaryDirectory() as tmp:
         for v in variants:
             head, stats = train_head(target, train_w, hidden, norms=v, cfg=cfg, aux_layers=aux_layers,
-                                     init=init, log=log)
+                                     init=init, eagle3=eagle3, log=log)
             cfg = replace(cfg, steps=stats.steps)  # the ablation gets the same number of steps
             stats.precompute_s = pre_s
             where = out_dir if v == norms else Path(tmp) / "ablation"
-            save_head(head, where, target)
+            if eagle3:
+                from specsched.runtime.eagle3 import save_eagle3_head
+
+                save_eagle3_head(head, where)
+            else:
+                save_head(head, where, target)
             entry = {"train": asdict(stats)}
             if validate:
                 entry["validation"] = validate_head(str(target_dir), str(where), heldout_w, prompts, log=log)
@@ -338,6 +363,7 @@ def write_card(path: Path, report: dict, shipped: str) -> None:
     if report["corpus"].get("onpolicy_windows"):
         flags += f" --onpolicy-frac {report['corpus']['onpolicy_windows'] / report['corpus']['train_windows']:g}"
     flags += " --no-norms" if shipped == "no_norms" else ""
+    flags += " --layout eagle3" if report.get("layout") == "eagle3" else ""
     aux = report.get("aux_layers") or []
     flags += f" --aux-layers {','.join(map(str, aux))}" if aux else ""
     flags += f" --init-from {report['init_from']}" if report.get("init_from") else ""
