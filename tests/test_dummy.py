@@ -40,7 +40,7 @@ def test_a_dummy_model_is_random_seeded_and_in_its_dtype(tiny_shapes):
     b = dummy_model(tiny_shapes["target"], dtype=torch.bfloat16)
     c = dummy_model(tiny_shapes["target"], dtype=torch.bfloat16, seed=1)
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in a.parameters())
-    w = a.layers[0].mlp.up_proj.weight.float() if hasattr(a.layers[0], "mlp") else next(a.parameters()).float()
+    w = a.layers[0].gate_up_proj.weight.float()
     assert 0.015 < float(w.std()) < 0.025  # N(0, 0.02)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert not torch.equal(a.embed_tokens.weight, c.embed_tokens.weight)

@@ -197,3 +197,29 @@ def test_bench_over_the_endpoint_reports_the_embedded_bench_keys(server):
     assert embedded_keys <= set(m)
     res = runner.invoke(app, ["bench", "--endpoint", server, "--spec", "draft"], env={"COLUMNS": "400"})
     assert res.exit_code == 2 and "--spec configure an embedded engine" in " ".join(res.output.split())
+
+
+def test_a_request_that_fails_on_the_device_is_a_500_for_it_alone(monkeypatch):
+    from specsched.runtime.devices import WorkerSpec
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.runtime.server.app import build_app
+    from tests.faulty_worker import POISON
+
+    async def main():
+        eng = AsyncEngine(EngineConfig(num_pages=256))
+        spec = eng.worker_spec()
+        monkeypatch.setattr(eng, "worker_spec", lambda: WorkerSpec("tests.faulty_worker:FaultyWorker", spec.kwargs))
+        async with eng:
+            app = build_app(eng, "bundled/target")
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+                r = await c.post("/v1/completions", json={"prompt": [POISON, 5, 6], "max_tokens": 4})
+                assert r.status_code == 500 and "injected device failure" in r.json()["error"]["message"]
+                r = await c.post("/v1/completions", json={"prompt": [POISON, 7, 8], "max_tokens": 4, "stream": True})
+                events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+                assert "injected device failure" in events[-2] and events[-1] == "data: [DONE]"
+                r = await c.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True})
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+            assert eng.kv_stats().num_used_pages == 0
+
+    anyio.run(main)
