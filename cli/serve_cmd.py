@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from specsched.cli.common import app, check_output_path, console, engine_config, parse_draft_len, user_errors
+from specsched.cli.common import _fail, app, check_output_path, console, engine_config, parse_draft_len, user_errors
 from specsched.cli.main import LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, WORKER_MALLOC, WORKER_OPENMP
 from specsched.traces.names import PROPOSERS
 
@@ -58,6 +58,13 @@ def serve(
                         worker_malloc=worker_malloc, worker_openmp=worker_openmp)
     name = served_model_name or (cfg.model if cfg.model else model_label(str(bundled.target_dir())))
     template = chat_template_of(cfg.model or bundled.target_dir())
+    if template is not None:
+        import jinja2.sandbox
+
+        try:
+            jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(template)
+        except jinja2.TemplateError as e:
+            _fail(f"the model's chat_template (tokenizer_config.json) does not compile: {e}")
 
     async def main() -> None:
         recorder = None

@@ -223,3 +223,20 @@ def test_a_request_that_fails_on_the_device_is_a_500_for_it_alone(monkeypatch):
             assert eng.kv_stats().num_used_pages == 0
 
     anyio.run(main)
+
+
+def test_chat_prompts_use_the_models_template_or_the_plain_one(tmp_path):
+    from specsched.runtime.server.app import chat_template_of, render_chat
+    from specsched.runtime.server.protocol import ChatMessage
+
+    msgs = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content=[{"type": "text",
+                                                                                               "text": "hi"}])]
+    assert render_chat(msgs, None) == "system: Be brief.\nuser: hi\nassistant:"
+    template = ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+                "{{ raise_exception('system first') }}{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    assert chat_template_of(tmp_path) == template and chat_template_of(tmp_path / "none") is None
+    assert render_chat(msgs, template) == "<|system|>Be brief.\n<|user|>hi\n<|assistant|>"
+    with pytest.raises(ValueError, match="refuses these messages: system first"):
+        render_chat(msgs[::-1], template)

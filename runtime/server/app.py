@@ -30,9 +30,13 @@ def render_chat(messages, template: str | None) -> str:
     """The prompt of a chat: the tokenizer's chat template (Jinja, as transformers renders it) when
     the model ships one, else each message as "role: content" on its own line, then "assistant:"."""
     if template is not None:
-        import jinja2
+        import jinja2.sandbox
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        def raise_exception(message: str):  # what Hugging Face templates call on a conversation they refuse
+            raise ValueError(f"the chat template refuses these messages: {message}")
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
         return env.from_string(template).render(messages=[{"role": m.role, "content": m.text()} for m in messages],
                                                 add_generation_prompt=True, bos_token="", eos_token="")
     return "".join(PLAIN_CHAT_TEMPLATE.format(role=m.role, content=m.text()) for m in messages) + "assistant:"
@@ -208,6 +212,8 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
             prompt = render_chat(req.messages, chat_template)
         except ValueError as e:
             return _error(str(e), param="messages")
+        except Exception as e:  # noqa: BLE001 - a template error is the server's, and this request's alone
+            return _error(f"the chat template failed: {type(e).__name__}: {e}", 500, "internal_server_error")
         return await respond(req, prompt, chat=True)
 
     @app.get("/v1/models")
