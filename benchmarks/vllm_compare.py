@@ -170,23 +170,13 @@ class Engine:
         self.log.close()
 
 
-def _preload() -> str:
-    """tcmalloc and Intel's OpenMP runtime, as vLLM's CPU guide preloads them, where found."""
-    import ctypes.util
-    import glob
+def _preload(vllm_python: str) -> str:
+    """tcmalloc and Intel's OpenMP runtime (the vLLM venv's `intel-openmp`), as vLLM's CPU guide
+    preloads them, where found."""
+    from specsched.runtime.devices.native import MALLOC_NAMES, find_library
 
-    libs = []
-    for name in ("tcmalloc_minimal", "tcmalloc"):
-        found = ctypes.util.find_library(name)
-        hits = glob.glob(f"/usr/lib/*/lib{name}.so*") + glob.glob(f"/usr/lib/lib{name}.so*")
-        if found or hits:
-            libs.append(sorted(hits)[0] if hits else found)
-            break
-    return ":".join(libs)
-
-
-def _iomp(vllm_python: str) -> list[str]:
-    return sorted(str(p) for p in (Path(vllm_python).absolute().parents[1] / "lib").glob("libiomp5.so"))
+    iomp = sorted(str(p) for p in (Path(vllm_python).absolute().parents[1] / "lib").glob("libiomp5.so"))
+    return ":".join(x for x in [find_library(MALLOC_NAMES[:2]), *iomp] if x)
 
 
 def _al(drafts: float, accepted: float) -> float | None:
@@ -199,7 +189,7 @@ def compare(args) -> None:
     prompts = _prompts(args.num_prompts)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONWARNINGS": "ignore"}
     if args.preload:
-        env["LD_PRELOAD"] = ":".join(x for x in [_preload(), *_iomp(args.vllm_python)] if x)
+        env["LD_PRELOAD"] = _preload(args.vllm_python)
     ours_env = {k: v for k, v in env.items() if k != "LD_PRELOAD"}
     print(f"{args.num_prompts} bundled prompts x {args.max_tokens} greedy tokens (EOS ignored), bundled target "
           f"fp32, 1 model thread each; {args.rounds} interleaved rounds; vLLM preload: "

@@ -11,9 +11,25 @@ import orjson
 import typer
 from rich.console import Console
 
+from specsched.traces.names import SCHEDULE_ALIASES, SCHEDULES
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="specsched: the CPU side of speculative decoding (engine, traces, simulator).")
 console = Console(stderr=True)
+
+SCHEDULE_HELP = (f"{'|'.join(SCHEDULES)} (default: the proposer's natural one; "
+                 + ", ".join(f"{old!r} = {new!r}" for old, new in SCHEDULE_ALIASES.items()) + ")")
+
+
+# options the commands that run an engine share (generate, bench, serve)
+LOAD_FORMAT = typer.Option(None, "--load-format", help="auto | dummy: random weights from config.json alone "
+                           "(--model may name a shipped shape: llama-3.2-1b, llama-3.1-8b)")
+WORKER_MALLOC = typer.Option(None, "--worker-malloc", help="the worker process's allocator: auto (tcmalloc "
+                             "where installed) | system | a library's path")
+WORKER_OPENMP = typer.Option(None, "--worker-openmp", help="the worker process's OpenMP runtime: system "
+                             "(torch's) | auto (Intel's libiomp5 where installed) | a library's path")
+SPECULATIVE_CONFIG = typer.Option(None, "--speculative-config", help="vLLM's speculative config as JSON, e.g. "
+                                  "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
 
 
 @app.callback()

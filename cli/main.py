@@ -14,25 +14,11 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from specsched.cli.common import (_fail, _metrics_table, _print_json, acceptance_note, app, check_output_path, console,
+from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, WORKER_MALLOC, WORKER_OPENMP, _fail,
+                                  _metrics_table, _print_json, acceptance_note, app, check_output_path, console,
                                   engine_config, fail_if_requests_failed, parse_draft_len, synthetic_summary,
                                   user_errors)
-from specsched.traces.names import PROPOSERS, SCHEDULE_ALIASES, SCHEDULES, Schedule
-
-SCHEDULE_HELP = (f"{'|'.join(SCHEDULES)} (default: the proposer's natural one; "
-                 + ", ".join(f"{old!r} = {new!r}" for old, new in SCHEDULE_ALIASES.items()) + ")")
-
-
-# options generate and bench share
-LOAD_FORMAT = typer.Option(None, "--load-format", help="auto | dummy: random weights from config.json alone "
-                           "(--model may name a shipped shape: llama-3.2-1b, llama-3.1-8b)")
-WORKER_MALLOC = typer.Option(None, "--worker-malloc", help="the worker process's allocator: auto (tcmalloc "
-                             "where installed) | system | a library's path")
-WORKER_OPENMP = typer.Option(None, "--worker-openmp", help="the worker process's OpenMP runtime: system "
-                             "(torch's) | auto (Intel's libiomp5 where installed) | a library's path")
-SPECULATIVE_CONFIG = typer.Option(None, "--speculative-config", help="vLLM's speculative config as JSON, e.g. "
-                                  "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
-
+from specsched.traces.names import PROPOSERS, Schedule
 
 @app.command()
 @user_errors

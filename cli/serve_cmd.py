@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from specsched.cli.common import _fail, app, check_output_path, console, engine_config, parse_draft_len, user_errors
-from specsched.cli.main import LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, WORKER_MALLOC, WORKER_OPENMP
+from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, WORKER_MALLOC, WORKER_OPENMP, _fail, app,
+                                  check_output_path, console, engine_config, parse_draft_len, user_errors)
 from specsched.traces.names import PROPOSERS
 
 

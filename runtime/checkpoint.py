@@ -144,10 +144,20 @@ def _weight_files(path: Path) -> dict[Path, list[str] | None]:
 
 def _read_tensors(path: Path, config: ModelConfig,
                   shards: dict[str, tuple[int, slice]] | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, each checked (name, full shape from the file header,
-    NaN/inf); with `shards` (name -> (dim, slice), see `LlamaModel.hf_shards`) only those
-    slices of the named tensors are read."""
-    expected = LlamaModel.hf_shapes(config)
+    """Every tensor of a model checkpoint (`read_checked` against `LlamaModel.hf_shapes`); with
+    `shards` (name -> (dim, slice), see `LlamaModel.hf_shards`) only those slices of the named
+    tensors are read."""
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    return read_checked(path, LlamaModel.hf_shapes(config), optional, shards)
+
+
+def read_checked(path: Path, expected: dict[str, tuple[int, ...]], optional: set[str] = frozenset(),
+                 shards: dict[str, tuple[int, slice]] | None = None, what: str = "a Llama model"
+                 ) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors checkpoint in `path` (one file or a sharded index), each
+    checked by name and shape against `expected` (from the file header, before it is read) and
+    for NaN/inf; a tensor of `expected` not in `optional` must be there. `what` names the
+    checkpoint's kind in the error for an unexpected tensor."""
     tensors: dict[str, torch.Tensor] = {}
     for file, names in _weight_files(path).items():
         try:
@@ -163,7 +173,7 @@ def _read_tensors(path: Path, config: ModelConfig,
                 shard = {}
                 for name in keys:
                     part = f.get_slice(name)
-                    _check_shape(name, tuple(part.get_shape()), expected, path)
+                    _check_shape(name, tuple(part.get_shape()), expected, path, what)
                     spec = shards.get(name) if shards else None
                     if spec is None:
                         shard[name] = f.get_tensor(name)
@@ -173,18 +183,18 @@ def _read_tensors(path: Path, config: ModelConfig,
             raise CheckpointError(f"cannot read {file}: {exc}") from None
         check_finite(shard, file)
         tensors.update(shard)
-    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     for name, shape in expected.items():
         if name not in tensors and name not in optional:
             raise CheckpointError(f"missing tensor {name!r} in {path} (expected shape {shape})")
     return tensors
 
 
-def _check_shape(name: str, got: tuple[int, ...], expected: dict[str, tuple[int, ...]], path: Path) -> None:
+def _check_shape(name: str, got: tuple[int, ...], expected: dict[str, tuple[int, ...]], path: Path,
+                 what: str) -> None:
     if name not in expected:
         if name.endswith(IGNORED_SUFFIXES):
             return
-        raise CheckpointError(f"unexpected tensor {name!r} in {path} (not part of a Llama model)")
+        raise CheckpointError(f"unexpected tensor {name!r} in {path} (not part of {what})")
     if got != expected[name]:
         raise CheckpointError(
             f"shape mismatch for tensor {name!r} in {path}: checkpoint has {got}, "

@@ -18,7 +18,8 @@ The head at position i reads the token t_{i+1} and the target's features at i:
   drafting and (lossless) verification see target ids only. `t2d` is ignored.
 
 Embeddings are the target's (an `embed_tokens.weight` in the checkpoint is used instead when
-present, as vLLM does). Weights: safetensors (`model.safetensors` or a sharded index).
+present, as vLLM does). Weights: safetensors (`model.safetensors` or a sharded index), read and
+checked as a model checkpoint's are (`checkpoint.read_checked`).
 """
 from __future__ import annotations
 
@@ -27,16 +28,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from specsched.runtime.checkpoint import CheckpointError, check_finite, read_config_json
+from specsched.runtime.checkpoint import CheckpointError, read_checked, read_config_json
 from specsched.runtime.config import ConfigError, ModelConfig
 from specsched.runtime.kv_cache import PagedKVCache
 from specsched.runtime.layers import RMSNorm, RotaryEmbedding, column_major_weight, rms_norm
 from specsched.runtime.model import DecoderLayer, LlamaModel
-from specsched.runtime.mtp_head import HeadOutput
+from specsched.runtime.mtp_head import HeadOutput, layer_kv_cache
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -116,10 +116,7 @@ class Eagle3Head(nn.Module):
 
     def make_kv_cache(self, num_pages: int, page_size: int, device: torch.device | str | None = None,
                       backend=None) -> PagedKVCache:
-        c = self.config
-        head_dim = c.head_dim if backend is None else backend.kv_head_dim(c.head_dim)
-        return PagedKVCache(1, num_pages, page_size, self.layer.num_kv_heads, head_dim, self.dtype,
-                            device or self.fc.weight.device)
+        return layer_kv_cache(self.layer, num_pages, page_size, device or self.fc.weight.device, backend)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.embed_tokens is not None else self._target_embed
@@ -228,25 +225,6 @@ def read_eagle3_config(path: str | Path, num_target_layers: int) -> tuple[ModelC
     return config, fields, raw
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    tensors = {}
-    for name in files:
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"missing weights {name} in EAGLE-3 head directory {path} (safetensors only: "
-                                  "convert a pytorch_model.bin first)")
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                part = {k: st.get_tensor(k) for k in st.keys()}
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"cannot read {f}: {exc}") from None
-        check_finite(part, f)
-        tensors.update(part)
-    return tensors
-
-
 def load_eagle3_head(path: str | Path, target: LlamaModel, *, dummy: bool = False) -> Eagle3Head:
     """An EAGLE-3 head folder bound to `target` (its dtype and device); `dummy`: the config's
     shape with random weights (`runtime/dummy.py`). Every tensor is checked by name and shape."""
@@ -254,30 +232,23 @@ def load_eagle3_head(path: str | Path, target: LlamaModel, *, dummy: bool = Fals
     if target.tp is not None:
         raise CheckpointError(f"{path}: EAGLE-3 heads are not supported on a tensor-parallel target yet")
     config, fields, raw = read_eagle3_config(path, target.config.num_hidden_layers)
-    weights = {} if dummy else _read_safetensors(path)
-    if "t2d" in weights:
-        del weights["t2d"]
+    draft_vocab, vocab = fields["draft_vocab"], config.vocab_size
+    weights = {}
+    if not dummy:
+        expected = Eagle3Head(config, **fields, own_embedding=True).expected_shapes() | {"t2d": (vocab,)}
+        weights = read_checked(path, expected, {"embed_tokens.weight", "t2d", "d2t"}, what="an EAGLE-3 head")
+        weights.pop("t2d", None)
+        if "d2t" not in weights:
+            if draft_vocab != vocab:
+                raise CheckpointError(f"missing tensor 'd2t' in {path} (draft_vocab_size is smaller than vocab_size: "
+                                      f"draft ids map to target ids through it) (expected shape {(draft_vocab,)})")
+            weights["d2t"] = torch.zeros(draft_vocab, dtype=torch.int64)  # the draft vocabulary is the target's
     own = "embed_tokens.weight" in weights
     if not own and config.hidden_size != target.config.hidden_size:
         raise CheckpointError(f"{path}: hidden_size {config.hidden_size} differs from the target's "
                               f"{target.config.hidden_size}, so the head needs its own 'embed_tokens.weight'")
     head = Eagle3Head(config, **fields, own_embedding=own)
-    draft_vocab = fields["draft_vocab"]
     if not dummy:
-        if "d2t" not in weights and draft_vocab == config.vocab_size:
-            weights["d2t"] = torch.zeros(draft_vocab, dtype=torch.int64)  # the draft vocabulary is the target's
-        expected = head.expected_shapes()
-        for name, shape in expected.items():
-            if name not in weights:
-                why = " (draft_vocab_size is smaller than vocab_size: draft ids map to target ids through it)" \
-                    if name == "d2t" else ""
-                raise CheckpointError(f"missing tensor {name!r} in {path}{why} (expected shape {shape})")
-            if tuple(weights[name].shape) != shape:
-                raise CheckpointError(f"shape mismatch for tensor {name!r} in {path}: checkpoint has "
-                                      f"{tuple(weights[name].shape)}, config.json implies {shape}")
-        extra = sorted(set(weights) - set(expected))
-        if extra:
-            raise CheckpointError(f"unexpected tensor {extra[0]!r} in {path}")
         ids = weights["d2t"].to(torch.int64) + torch.arange(draft_vocab)
         if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
             raise CheckpointError(f"tensor 'd2t' in {path} maps draft ids outside the target's vocabulary "

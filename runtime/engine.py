@@ -199,8 +199,8 @@ class AsyncEngine:
                                     **({"spin_ms": c.worker_spin_ms, "malloc": c.worker_malloc,
                                         "openmp": c.worker_openmp} if c.device == "host" else {}))
             )
-        libs = getattr(self.device, "runtime_libs", None)
-        if libs:
+        if c.device == "host":  # its worker process reports the native libraries it runs with
+            libs = self.device.runtime_libs
             log.info("worker pid %s: %d model thread(s), malloc %s, OpenMP %s, eager forwards", self.device.pid,
                      c.worker_threads, libs["malloc"], libs["openmp"])
         try:

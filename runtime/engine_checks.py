@@ -37,24 +37,25 @@ def check_engine(c: EngineConfig, model_dir: str, proposer_dir: str | None,
         check_tokenizers(c, model_dir, proposer_dir, tok)
     config = load_config(model_dir)
     max_len = config.max_position_embeddings
-    check_attention_window(c, model_dir, proposer_dir, max_len)
+    check_attention_window(c, config, model_dir, proposer_dir)
     check_smallest_request_fits(c, model_dir, max_len, scheduler)
     check_tensor_parallel(c, model_dir)
     return EngineSetup(tok, max_len, draft_profile(c), config.vocab_size)
 
 
-def check_attention_window(c: EngineConfig, model_dir: str, proposer_dir: str | None, max_len: int) -> None:
-    """A model with a sliding window shorter than the context served: the attention attends to
-    every position, so it would compute other logits than the model's past the window."""
+def check_attention_window(c: EngineConfig, target, model_dir: str, proposer_dir: str | None) -> None:
+    """A model with a sliding window shorter than the context served (the `target` config's
+    positions): the attention attends to every position, so it would compute other logits than
+    the model's past the window."""
     from specsched.runtime.checkpoint import load_config
     from specsched.runtime.config import ConfigError
 
-    dirs = [("model", model_dir)]
+    configs = [("model", model_dir, target)]
     if proposer_dir is not None and RULES[c.proposer].checkpoint == "draft":
-        dirs.append(("draft", proposer_dir))
-    for option, path in dirs:
+        configs.append(("draft", proposer_dir, load_config(proposer_dir)))
+    for option, path, config in configs:
         try:
-            load_config(path).check_servable(max_len)
+            config.check_servable(target.max_position_embeddings)
         except ConfigError as e:
             raise ConfigurationError(f"{option} {path}: {e}") from None
 

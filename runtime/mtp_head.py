@@ -123,11 +123,7 @@ class MTPHead(nn.Module):
 
     def make_kv_cache(self, num_pages: int, page_size: int, device: torch.device | str | None = None,
                       backend=None) -> PagedKVCache:
-        """The head's one-layer KV cache, as wide per head as `backend` stores (see the target's)."""
-        c = self.config
-        head_dim = c.head_dim if backend is None else backend.kv_head_dim(c.head_dim)
-        return PagedKVCache(1, num_pages, page_size, self.layer.num_kv_heads, head_dim, self.dtype,
-                            device or self.eh_proj.weight.device)
+        return layer_kv_cache(self.layer, num_pages, page_size, device or self.eh_proj.weight.device, backend)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self._weights()[0])
@@ -211,6 +207,13 @@ class MTPHead(nn.Module):
             self.enorm.weight.copy_(tensors["enorm.weight"])
             self.hnorm.weight.copy_(tensors["hnorm.weight"])
         self.layer.load_hf(tensors, "layer.")
+
+
+def layer_kv_cache(layer: DecoderLayer, num_pages: int, page_size: int, device, backend=None) -> PagedKVCache:
+    """A head's one-layer KV cache (its decoder layer's KV heads, this rank's under tensor
+    parallelism), in the layer's dtype, as wide per head as `backend` stores (see the target's)."""
+    head_dim = layer.head_dim if backend is None else backend.kv_head_dim(layer.head_dim)
+    return PagedKVCache(1, num_pages, page_size, layer.num_kv_heads, head_dim, layer.qkv_proj.weight.dtype, device)
 
 
 def target_fingerprint(target: LlamaModel) -> str:

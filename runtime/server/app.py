@@ -118,11 +118,11 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
 
     def prepare(req, prompt) -> tuple[list[int], SamplingParams]:
         limit = req.token_limit() if isinstance(req, ChatCompletionRequest) else req.max_tokens
-        ids = engine.validate(prompt, SamplingParams(max_tokens=1))
-        room = engine.max_model_len - len(ids)
-        params = SamplingParams.make(max_tokens=limit or max(room, 1), **req.sampling_kwargs())
-        engine.validate(ids, params)
-        return ids, params
+        if limit is None:  # the model's room after the prompt, so the prompt's length first
+            prompt = engine.validate(prompt, SamplingParams(max_tokens=1))
+            limit = max(engine.max_model_len - len(prompt), 1)
+        params = SamplingParams.make(max_tokens=limit, **req.sampling_kwargs())
+        return engine.validate(prompt, params), params
 
     async def respond(req, prompt, chat: bool):
         try:
