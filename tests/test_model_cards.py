@@ -2,7 +2,7 @@
 written by hand (runtime/training/cards.py `save_card`)."""
 from __future__ import annotations
 
-from specsched.runtime.training import mtp
+from specsched.runtime.training import cards
 from specsched.runtime.training.cards import save_card
 
 GENERATED = ["# card", "", "intro", "", "## Acceptance", "", "AL 2.97", "", "## Reproduce", "", "    run it", ""]
@@ -50,13 +50,13 @@ def _report() -> dict:
 
 def test_the_mtp_head_card_keeps_its_hand_written_section(tmp_path):
     path = tmp_path / "README.md"
-    mtp.write_card(path, _report(), shipped="norms")
+    cards.write_head_card(path, _report(), shipped="norms")
     first = path.read_text()
     assert "--steps 10 --seed 0 --threads 1 --windows 16 --bf16 --aux-layers 1,3" in first
     path.write_text(first.replace("## Reproduce", "## What the aux layers add\n\nmeasured by hand\n\n## Reproduce"))
     report = _report()
     report["variants"]["norms"]["train"]["steps"] = 20
-    mtp.write_card(path, report, shipped="norms")
+    cards.write_head_card(path, report, shipped="norms")
     text = path.read_text()
     assert "--steps 20" in text and "--steps 10" not in text
     assert text.index("measured by hand") < text.index("## Reproduce")
