@@ -28,6 +28,11 @@ WORKER_MALLOC = typer.Option(None, "--worker-malloc", help="the worker process's
                              "where installed) | system | a library's path")
 WORKER_OPENMP = typer.Option(None, "--worker-openmp", help="the worker process's OpenMP runtime: system "
                              "(torch's) | auto (Intel's libiomp5 where installed) | a library's path")
+ENFORCE_EAGER = typer.Option(False, "--enforce-eager", help="every step at its own shape: no CUDA graphs "
+                             "(nor their padded shapes)")
+CUDA_GRAPH_SIZES = typer.Option(None, "--cuda-graph-sizes", help="pad steps of uniform rows to these row counts, "
+                                "the CUDA graphs' capture sizes, e.g. 1,2,4,8 (on a CPU the padded shapes run "
+                                "eagerly)")
 SPECULATIVE_CONFIG = typer.Option(None, "--speculative-config", help="vLLM's speculative config as JSON, e.g. "
                                   "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
 
@@ -148,6 +153,15 @@ def engine_config(**kw):
     from specsched.scheduler.errors import ConfigurationError
 
     config_file = kw.pop("config_file", None)
+    if kw.pop("enforce_eager", None):
+        kw["cuda_graphs"] = False
+    sizes = kw.pop("cuda_graph_sizes", None)
+    if sizes is not None:
+        try:
+            kw["cuda_graph_sizes"] = [int(s) for s in sizes.split(",")]
+        except ValueError:
+            _fail(f"--cuda-graph-sizes {sizes!r}: expected row counts separated by commas, e.g. 1,2,4,8")
+        kw.setdefault("cuda_graphs", True)
     kw = {k: v for k, v in kw.items() if v is not None}
     try:
         if config_file:

@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, WORKER_MALLOC, WORKER_OPENMP, _fail,
+from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, WORKER_MALLOC, WORKER_OPENMP, ENFORCE_EAGER, CUDA_GRAPH_SIZES, _fail,
                                   _metrics_table, _print_json, acceptance_note, app, check_output_path, console,
                                   engine_config, fail_if_requests_failed, parse_draft_len, synthetic_summary,
                                   user_errors)
@@ -45,6 +45,8 @@ def generate(
     speculative_config: Optional[str] = SPECULATIVE_CONFIG,
     worker_malloc: Optional[str] = WORKER_MALLOC,
     worker_openmp: Optional[str] = WORKER_OPENMP,
+    enforce_eager: bool = ENFORCE_EAGER,
+    cuda_graph_sizes: Optional[str] = CUDA_GRAPH_SIZES,
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Generate text from the bundled model (or any HF-layout Llama checkpoint)."""
@@ -57,7 +59,8 @@ def generate(
     cfg = engine_config(model=model, proposer=spec, draft_len=parse_draft_len(draft_len), draft=draft,
                         mtp_head=mtp_head, schedule=schedule, tensor_parallel_size=tp, config_file=config_file,
                         speculative_config=speculative_config, load_format=load_format,
-                        worker_malloc=worker_malloc, worker_openmp=worker_openmp)
+                        worker_malloc=worker_malloc, worker_openmp=worker_openmp,
+                        enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes)
     try:
         params = SamplingParams.make(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, stop=list(stop))
@@ -256,6 +259,8 @@ def bench(
     speculative_config: Optional[str] = SPECULATIVE_CONFIG,
     worker_malloc: Optional[str] = WORKER_MALLOC,
     worker_openmp: Optional[str] = WORKER_OPENMP,
+    enforce_eager: bool = ENFORCE_EAGER,
+    cuda_graph_sizes: Optional[str] = CUDA_GRAPH_SIZES,
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="drive a running OpenAI-compatible server "
                                            "at this URL (e.g. http://127.0.0.1:8000) over streaming HTTP "
                                            "instead of an embedded engine"),
@@ -285,7 +290,8 @@ def bench(
                        "--schedule": schedule, "--tp": tp, "--trace": trace, "--compare-plain": compare_plain or None,
                        "--otlp": otlp, "--config": config_file, "--load-format": load_format,
                        "--speculative-config": speculative_config, "--worker-malloc": worker_malloc,
-                       "--worker-openmp": worker_openmp}
+                       "--worker-openmp": worker_openmp, "--enforce-eager": enforce_eager or None,
+                       "--cuda-graph-sizes": cuda_graph_sizes}
         given = [k for k, v in engine_only.items() if v is not None]
         if given:
             _fail(f"{', '.join(given)} configure an embedded engine; with --endpoint the server's own engine "
@@ -305,7 +311,8 @@ def bench(
                         draft_len=parse_draft_len(draft_len), max_draft_len=max_draft_len,
                         draft_profile=str(profile) if profile else None, schedule=schedule,
                         tensor_parallel_size=tp, config_file=config_file, speculative_config=speculative_config,
-                        load_format=load_format, worker_malloc=worker_malloc, worker_openmp=worker_openmp)
+                        load_format=load_format, worker_malloc=worker_malloc, worker_openmp=worker_openmp,
+                        enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes)
     items = _workload(workload, num_requests, max_tokens, temperature)
     from specsched.runtime.engine import AsyncEngine
     from specsched.runtime.workload import check_workload

@@ -37,6 +37,7 @@ from specsched.runtime.kv_cache import PagedKVCache
 from specsched.runtime.layers import RMSNorm, RotaryEmbedding, column_major_weight, rms_norm
 from specsched.runtime.model import DecoderLayer, LlamaModel
 from specsched.runtime.mtp_head import HeadOutput, layer_kv_cache
+from specsched.runtime.padding import pad_inputs, real_rows
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -148,7 +149,8 @@ class Eagle3Head(nn.Module):
                 *, logits_indices: torch.Tensor | None = None) -> HeadOutput:
         """As `MTPHead.forward`: token_ids [N] (t_{i+1}), hidden [N, H] (the head's own) or the
         target's features [N, (A + 1) * target_hidden], positions [N] (i)."""
-        x = self._run(token_ids, hidden, positions, step, kv.layers[0])
+        (token_ids, n), (hidden, _) = pad_inputs(token_ids, positions), pad_inputs(hidden, positions)
+        x = real_rows(self._run(token_ids, hidden, positions, step, kv.layers[0]), n)  # a padded step's pad rows cut
         rows = x if logits_indices is None else x.index_select(0, logits_indices)
         return HeadOutput(self.compute_logits(rows), x)
 

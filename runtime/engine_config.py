@@ -16,6 +16,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from specsched.runtime.padding import capture_sizes
 from specsched.scheduler.errors import ConfigurationError
 from specsched.scheduler.pipeline import MAX_KEPT_TOKENS
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
@@ -142,6 +143,12 @@ class EngineConfig(BaseModel):
                                         "head: the most target positions whose hidden states the device keeps for "
                                         "the head's fills that wait while speculation is off (over a step's rows); "
                                         "past it the head catches up at D = 0, which frees them")
+    cuda_graphs: bool | None = Field(None, description="run steps of uniform rows (decodes, verifies, draft "
+                                     "steps, window fills) at padded row counts, the shapes CUDA graphs are "
+                                     "captured for (runtime/padding.py; on a CPU worker the padded shapes run "
+                                     "eagerly); None: off. False = vLLM's enforce_eager")
+    cuda_graph_sizes: list[int] | None = Field(None, description="the padded row counts (capture sizes); "
+                                               "default 1, 2, 4, 8, 16, 24, 32, ..., 256")
     skip_warmup: bool = Field(False, description="start serving without the warm-up request that runs "
                               "each device op once first (their first launches pay one-off costs)")
 
@@ -198,6 +205,11 @@ class EngineConfig(BaseModel):
             value = getattr(self, name)
             if value not in ("auto", "system") and not os.path.isfile(value):
                 raise ValueError(f"{name} {value!r}: expected 'auto', 'system' or the path of a library file")
+        if self.cuda_graph_sizes is not None:
+            if self.cuda_graphs is False:
+                raise ValueError("cuda_graph_sizes pads steps for CUDA graphs, which cuda_graphs false "
+                                 "(--enforce-eager) turns off")
+            capture_sizes(self.cuda_graph_sizes)
         if self.proposer == ProposerKind.NGRAM and not (1 <= self.ngram_min <= self.ngram_max):
             raise ValueError("need 1 <= ngram_min <= ngram_max")
         if self.acceptance == "threshold" and not (0.0 < self.threshold < 1.0):
@@ -239,6 +251,13 @@ class EngineConfig(BaseModel):
         rates = self.synthetic_acceptance_rates
         return SyntheticAcceptance(self.synthetic_acceptance_length, None if rates is None else tuple(rates),
                                    self.synthetic_acceptance_independent)
+
+    def graph_sizes(self) -> tuple[int, ...]:
+        """The row counts uniform steps are padded to (runtime/padding.py); () where every step
+        runs at its own shape."""
+        if not self.cuda_graphs:
+            return ()
+        return capture_sizes(self.cuda_graph_sizes)
 
     @property
     def adaptive(self) -> bool:

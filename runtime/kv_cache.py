@@ -39,12 +39,17 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        # [L, P, 2, page_size, Hkv, D]; zero so padded/stale reads are finite
+        # [L, P + 1, 2, page_size, Hkv, D]; zero so padded/stale reads are finite. Page P is the
+        # scratch page: no request holds it, the pad rows of a padded step use it (runtime/padding.py)
         self.data = torch.zeros(
-            (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim), dtype=dtype,
+            (num_layers, num_pages + 1, 2, page_size, num_kv_heads, head_dim), dtype=dtype,
             device=self.device,
         )
         self.layers: list[torch.Tensor] = list(self.data.unbind(0))  # each [P, 2, ps, Hkv, D]
+
+    @property
+    def scratch_page(self) -> int:
+        return self.num_pages
 
     @property
     def num_slots(self) -> int:

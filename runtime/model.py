@@ -36,6 +36,7 @@ from specsched.runtime.attention import StepAttention, get_backend
 from specsched.runtime.attention.torch_backend import CausalAttention
 from specsched.runtime.config import ModelConfig
 from specsched.runtime.kv_cache import PagedKVCache
+from specsched.runtime.padding import pad_inputs, real_rows
 from specsched.runtime.layers import (RMSNorm, RotaryEmbedding, apply_rope, column_major_linear, column_major_weight,
                                       rms_norm)
 from specsched.runtime.parallel import TPGroup, shard_range
@@ -348,15 +349,17 @@ class LlamaModel(nn.Module):
         hidden [N, (len(aux_layers) + 1) * H], the features an EAGLE-3 head reads.
         """
         if inputs_embeds is None:
+            input_ids, n = pad_inputs(input_ids, positions)  # a padded step's pad rows (runtime/padding.py)
             x = F.embedding(input_ids, self.embed_tokens.weight)
         else:
-            x = inputs_embeds
+            x, n = pad_inputs(inputs_embeds, positions)
         cos, sin = self.rotary(positions, x.dtype)
         aux = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, step, kv.layers[i], i)
             if return_hidden and i in aux_layers:
-                aux.append(x)
+                aux.append(real_rows(x, n))
+        x = real_rows(x, n)
         hidden = _with_aux(aux, x) if return_hidden else None
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)

@@ -43,6 +43,7 @@ from specsched.runtime.checkpoint import CheckpointError, check_finite, read_con
 from specsched.runtime.config import ModelConfig
 from specsched.runtime.kv_cache import PagedKVCache
 from specsched.runtime.layers import RMSNorm, RotaryEmbedding
+from specsched.runtime.padding import pad_inputs, real_rows
 from specsched.runtime.model import DecoderLayer, LlamaModel
 from specsched.runtime.parallel import TPGroup
 
@@ -151,9 +152,10 @@ class MTPHead(nn.Module):
         """Paged step over N packed rows: token_ids [N] (t_{i+1}), hidden [N, H] (H_i or the
         head's own hidden; [N, (A + 1) * H] target features with A `aux_layers`), positions [N]
         (i); logits for rows `logits_indices` (None: all)."""
+        (token_ids, n), (hidden, _) = pad_inputs(token_ids, positions), pad_inputs(hidden, positions)
         x = self._inputs(token_ids, hidden)
         cos, sin = self.rotary(positions, x.dtype)
-        x = self.layer(x, cos, sin, step, kv.layers[0], 0)
+        x = real_rows(self.layer(x, cos, sin, step, kv.layers[0], 0), n)  # a padded step's pad rows cut
         rows = x if logits_indices is None else x.index_select(0, logits_indices)
         return HeadOutput(self.compute_logits(rows), x)
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from specsched.runtime.dummy import load
+from specsched.runtime.padding import Padding, capture_sizes
 from specsched.runtime.proposers.factory import make_proposer
 from specsched.runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
 from specsched.runtime.verify import (SyntheticDraws, greedy_verify, rejection_verify, synthetic_verify,
@@ -150,6 +151,9 @@ class ModelWorker:
             self.backend = self.target.attention_backend(c.attention)
             self.kv = self.target.make_kv_cache(c.num_pages, c.page_size, backend=self.backend)
             self.spec = c.proposer
+            # uniform steps padded to capture sizes, pad rows on every cache's scratch page
+            self.padding = Padding(capture_sizes(c.cuda_graph_sizes), self.kv.scratch_page, c.page_size,
+                                   1 + max(1, self.spec.num_candidates)) if c.cuda_graph_sizes else None
             self.acceptance = c.acceptance
             self.threshold = c.threshold
             if c.acceptance == "synthetic" and c.synthetic is None:
@@ -273,9 +277,12 @@ class ModelWorker:
         return SamplingTensors.from_params(rows, [s.generator for s in rows], self.device)
 
     def plan(self, plan: AttentionPlan) -> tuple[AttentionPlan, Any, torch.Tensor]:
-        step = self.backend.prepare(plan, self.device)
-        positions = to_device(plan.positions, self.device)
-        return plan, step, positions
+        """(plan, its prepared attention, its positions on the device). With padding, a uniform
+        step's attention and positions are the padded step's (the models pad their inputs to
+        the positions and cut their outputs back to the plan's tokens)."""
+        run = self.padding.pad(plan) if self.padding is not None else None
+        run = plan if run is None else run
+        return plan, self.backend.prepare(run, self.device), to_device(run.positions, self.device)
 
     # -- target forward (prefill / decode / mixed) ----------------------------------------------
     def op_forward(self, msg: ForwardMessage) -> ForwardResult:
@@ -398,8 +405,8 @@ class ModelWorker:
             lo, hi = int(rows[0]), int(rows[-1]) + 1
             sub = plan.rows(lo, hi)
             a, z = int(indptr[lo]), int(indptr[hi])
-            out = self.target(input_ids[a:z], self.backend.prepare(sub, self.device), self.kv,
-                              positions[a:z], **hid)
+            _, sub_step, sub_positions = self.plan(sub)
+            out = self.target(input_ids[a:z], sub_step, self.kv, sub_positions, **hid)
             logits.append(out.logits)
             hidden.append(out.hidden)
         return torch.cat(logits), (torch.cat(hidden) if need_hidden else None)

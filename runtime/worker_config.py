@@ -40,6 +40,9 @@ class WorkerConfig:
     verify_micro_batches: int = 1
     tensor_parallel_size: int = 1
     tp_channel: str = "shm"
+    # steps of uniform rows run at these padded row counts (runtime/padding.py): CUDA graphs'
+    # capture sizes; () runs every step at its own shape
+    cuda_graph_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.proposer, ProposerSpec):
@@ -53,8 +56,9 @@ class WorkerConfig:
             proposer = ProposerSpec(proposer["kind"], proposer["draft_len"], tuple(proposer.get("tree_parents", ())))
         if settings.get("proposer_dir") is not None:
             settings["proposer_dir"] = os.fspath(settings["proposer_dir"])
-        if "ngram" in settings:
-            settings["ngram"] = tuple(settings["ngram"])
+        for key in ("ngram", "cuda_graph_sizes"):
+            if key in settings:
+                settings[key] = tuple(settings[key])
         return cls(os.fspath(model_dir), proposer, **settings)
 
     @classmethod
@@ -81,4 +85,5 @@ class WorkerConfig:
             verify_micro_batches=c.verify_micro_batches,
             tensor_parallel_size=c.tensor_parallel_size,
             tp_channel=c.tp_channel,
+            cuda_graph_sizes=c.graph_sizes(),
         )

@@ -180,11 +180,12 @@ def test_plan_validation_errors():
 
 def test_kv_cache_layout_bytes_and_copy_slots():
     cache = PagedKVCache(3, 5, 4, 2, 8, dtype=torch.float32)
-    assert cache.layers[0].shape == (5, 2, 4, 2, 8)
+    assert cache.layers[0].shape == (5 + 1, 2, 4, 2, 8)
     assert cache.layers[2].data_ptr() == cache.data[2].data_ptr()
     assert cache.bytes_per_token == 2 * 3 * 2 * 8 * 4
     assert cache.bytes_per_page == 4 * cache.bytes_per_token
-    assert cache.total_bytes == 5 * cache.bytes_per_page
+    assert cache.total_bytes == (5 + 1) * cache.bytes_per_page  # the pool's pages and the scratch page
+    assert cache.scratch_page == 5
     torch.manual_seed(0)
     cache.data.normal_()
     before = cache.data.clone()

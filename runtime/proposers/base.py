@@ -179,7 +179,8 @@ def one_token_forwards(worker: "ModelWorker", msg: "DraftMessage", drafts: Draft
     if num_steps <= 0:
         return
     kv_first = np.asarray(kv_first, dtype=np.int64)
-    prepare_steps = getattr(w.backend, "prepare_steps", None) if drafts.uniform else None
+    # (a padded step is planned on its own: the run's plans would not be the padded shapes)
+    prepare_steps = getattr(w.backend, "prepare_steps", None) if drafts.uniform and w.padding is None else None
     if prepare_steps is not None:
         last = build_plan(np.ones_like(kv_first), kv_first + num_steps - 1, msg.page_tables, w.page_size,
                           table_lens=msg.table_lens)

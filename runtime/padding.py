@@ -1,0 +1,110 @@
+"""Padded step shapes: the fixed (rows, tokens per row) shapes CUDA graphs are captured for.
+
+Why: a CUDA graph replays kernels over fixed tensor shapes, so a step is run at one of a few
+shapes -- its rows padded up to the next capture size (`DEFAULT_CAPTURE_SIZES`, vLLM's list up
+to 256) -- and the pad rows' outputs are dropped. Steps where every row computes the same number
+of tokens q (decodes, verifies, draft steps, fills over a verify window; q at most
+`max_tokens_per_row` and one page) take such a shape; prefill chunks, mixed steps, rows of
+different lengths and batches above the largest size run at their own shape.
+
+A pad row must never touch a request's state: it reads and writes only the *scratch page*, a
+page past the block manager's pool that every KV cache holds (`PagedKVCache.scratch_page`):
+its KV is its own q tokens at positions 0..q-1, its tokens are id 0, and a tree's pad rows are
+causal. The models take the padded plan's positions and pad their inputs to them; their
+outputs are cut back to the real tokens (`pad_inputs`, `real_rows`).
+
+On a CPU worker the same padded shapes run eagerly (`EngineConfig.cuda_graphs` on a CPU): what
+the tests use to show that padding leaves every real row's outputs and pages as they were.
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from specsched.scheduler.plan import AttentionPlan
+
+# vLLM's default capture sizes up to 256 rows
+DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def capture_sizes(sizes: Iterable[int] | None) -> tuple[int, ...]:
+    """`sizes` sorted and checked (None: the defaults); ValueError naming a size that is not a
+    positive integer."""
+    if sizes is None:
+        return DEFAULT_CAPTURE_SIZES
+    out = []
+    for s in sizes:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1:
+            raise ValueError(f"cuda_graph_sizes: {s!r} is not a positive number of rows")
+        out.append(int(s))
+    if not out:
+        raise ValueError("cuda_graph_sizes: give at least one size (or turn CUDA graphs off)")
+    return tuple(sorted(set(out)))
+
+
+@dataclass(frozen=True)
+class Padding:
+    sizes: tuple[int, ...]  # capture sizes, increasing
+    scratch_page: int  # the page pad rows read and write (past the pool's pages)
+    page_size: int
+    max_tokens_per_row: int  # q above this runs at its own shape (1 + the longest verify)
+
+    def shape(self, plan: AttentionPlan) -> tuple[int, int] | None:
+        """(padded rows, tokens per row) of the step, or None where it runs at its own shape."""
+        qo = np.diff(plan.qo_indptr)
+        b = len(qo)
+        if b == 0 or b > self.sizes[-1]:
+            return None
+        q = int(qo[0])
+        if q > min(self.max_tokens_per_row, self.page_size) or (qo != q).any():
+            return None
+        return self.sizes[bisect.bisect_left(self.sizes, b)], q
+
+    def pad(self, plan: AttentionPlan) -> AttentionPlan | None:
+        """The plan with pad rows up to its capture size (`plan` itself when it fills one), or
+        None where it runs at its own shape."""
+        shape = self.shape(plan)
+        if shape is None:
+            return None
+        rows, q = shape
+        n = rows - plan.num_seqs
+        if n == 0:
+            return plan
+        i32 = np.int32
+        t = plan.qo_indptr[-1] + q * np.arange(1, n + 1, dtype=i32)
+        own = np.arange(q, dtype=np.int64)
+        mask = plan.custom_mask
+        if mask is not None:  # each pad row attends causally over its own q tokens
+            mask = np.concatenate([mask, np.tile(np.tril(np.ones((q, q), dtype=bool)).reshape(-1), n)])
+        return replace(
+            plan,
+            qo_indptr=np.concatenate([plan.qo_indptr, t.astype(i32)]),
+            paged_kv_indptr=np.concatenate([plan.paged_kv_indptr,
+                                            (plan.paged_kv_indptr[-1] + np.arange(1, n + 1)).astype(i32)]),
+            paged_kv_indices=np.concatenate([plan.paged_kv_indices, np.full(n, self.scratch_page, dtype=i32)]),
+            paged_kv_last_page_len=np.concatenate([plan.paged_kv_last_page_len, np.full(n, q, dtype=i32)]),
+            kv_lens=np.concatenate([plan.kv_lens, np.full(n, q, dtype=i32)]),
+            positions=np.concatenate([plan.positions, np.tile(own, n)]),
+            slot_mapping=np.concatenate([plan.slot_mapping, np.tile(self.scratch_page * self.page_size + own, n)]),
+            custom_mask=mask,
+        )
+
+
+def pad_inputs(x, positions):
+    """(`x` padded with zero rows to the positions' length -- a padded step's --, its own
+    length N): [N] token ids or [N, H] rows; unchanged where the lengths match."""
+    n = x.shape[0]
+    extra = positions.shape[0] - n
+    if extra <= 0:
+        return x, n
+    import torch  # this module is read by the configuration, which imports no torch
+
+    return torch.cat([x, x.new_zeros((extra,) + tuple(x.shape[1:]))]), n
+
+
+def real_rows(x, n: int):
+    """`x` cut to its first `n` rows (the real tokens of a padded step); None stays None."""
+    return x if x is None or x.shape[0] == n else x[:n]
