@@ -33,6 +33,7 @@ from torch import nn
 
 from specsched.runtime.checkpoint import CheckpointError, read_checked, read_config_json
 from specsched.runtime.config import ConfigError, ModelConfig
+from specsched.runtime.cuda_graphs import run_body
 from specsched.runtime.kv_cache import PagedKVCache
 from specsched.runtime.layers import RMSNorm, RotaryEmbedding, column_major_weight, rms_norm
 from specsched.runtime.model import DecoderLayer, LlamaModel
@@ -150,9 +151,14 @@ class Eagle3Head(nn.Module):
         """As `MTPHead.forward`: token_ids [N] (t_{i+1}), hidden [N, H] (the head's own) or the
         target's features [N, (A + 1) * target_hidden], positions [N] (i)."""
         (token_ids, n), (hidden, _) = pad_inputs(token_ids, positions), pad_inputs(hidden, positions)
-        x = real_rows(self._run(token_ids, hidden, positions, step, kv.layers[0]), n)  # a padded step's pad rows cut
+        x = real_rows(run_body(self, step, kv, (token_ids, hidden, positions))[0], n)  # a padded step's pad rows cut
         rows = x if logits_indices is None else x.index_select(0, logits_indices)
         return HeadOutput(self.compute_logits(rows), x)
+
+    def body(self, step, kv: PagedKVCache, token_ids: torch.Tensor, hidden: torch.Tensor,
+             positions: torch.Tensor) -> tuple[torch.Tensor]:
+        """The head's layer over a step's rows (what a CUDA graph captures): (its output [N, H],)."""
+        return (self._run(token_ids, hidden, positions, step, kv.layers[0]),)
 
     def forward_full(self, token_ids: torch.Tensor, hidden: torch.Tensor) -> HeadOutput:
         """Dense causal pass, as `MTPHead.forward_full`."""

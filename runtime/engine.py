@@ -201,8 +201,10 @@ class AsyncEngine:
             )
         if c.device == "host":  # its worker process reports the native libraries it runs with
             libs = self.device.runtime_libs
-            log.info("worker pid %s: %d model thread(s), malloc %s, OpenMP %s, eager forwards", self.device.pid,
-                     c.worker_threads, libs["malloc"], libs["openmp"])
+            sizes = c.graph_sizes()
+            shapes = f"at padded shapes ({sizes[0]}..{sizes[-1]} rows)" if sizes else "at their own shapes"
+            log.info("worker pid %s: %d model thread(s), malloc %s, OpenMP %s, eager forwards %s", self.device.pid,
+                     c.worker_threads, libs["malloc"], libs["openmp"], shapes)
         try:
             spec = c.proposer_spec()
             self._pipeline = build_pipeline(
@@ -252,6 +254,11 @@ class AsyncEngine:
             out = await self.generate_all(ids, params, request_id=WARMUP_ID)
         if out.finish_reason == "error":
             raise DeviceError("warmup", f"the engine's warm-up request failed: {out.error}")
+        if self.config.device == "cuda" and self.config.graph_sizes():  # its shapes' graphs were captured
+            got = await anyio.to_thread.run_sync(self.device.call, "ping")
+            log.info("CUDA graphs: %d captured during the warm-up in %.2f s (capture sizes %s; other shapes "
+                     "are captured at their first step)", got["cuda_graphs"], got["capture_s"],
+                     ",".join(map(str, self.config.graph_sizes())))
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         self._closed = True

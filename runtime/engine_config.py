@@ -205,6 +205,9 @@ class EngineConfig(BaseModel):
             value = getattr(self, name)
             if value not in ("auto", "system") and not os.path.isfile(value):
                 raise ValueError(f"{name} {value!r}: expected 'auto', 'system' or the path of a library file")
+        if self.cuda_graphs and self.device == "cuda" and self.attention != "flashinfer":
+            raise ValueError("cuda_graphs on device 'cuda' need attention 'flashinfer' (the torch backend's "
+                             "gathers take each step's own shape)")
         if self.cuda_graph_sizes is not None:
             if self.cuda_graphs is False:
                 raise ValueError("cuda_graph_sizes pads steps for CUDA graphs, which cuda_graphs false "

@@ -35,6 +35,7 @@ from torch import nn
 from specsched.runtime.attention import StepAttention, get_backend
 from specsched.runtime.attention.torch_backend import CausalAttention
 from specsched.runtime.config import ModelConfig
+from specsched.runtime.cuda_graphs import run_body
 from specsched.runtime.kv_cache import PagedKVCache
 from specsched.runtime.padding import pad_inputs, real_rows
 from specsched.runtime.layers import (RMSNorm, RotaryEmbedding, apply_rope, column_major_linear, column_major_weight,
@@ -350,20 +351,31 @@ class LlamaModel(nn.Module):
         """
         if inputs_embeds is None:
             input_ids, n = pad_inputs(input_ids, positions)  # a padded step's pad rows (runtime/padding.py)
-            x = F.embedding(input_ids, self.embed_tokens.weight)
+            x, hidden = run_body(self, step, kv, (input_ids, positions), (return_hidden, tuple(aux_layers)))
         else:
             x, n = pad_inputs(inputs_embeds, positions)
+            x, hidden = self._layers(x, step, kv, positions, return_hidden, aux_layers)
+        x, hidden = real_rows(x, n), real_rows(hidden, n)
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        return ModelOutput(logits=self.compute_logits(self.final_norm(x)), hidden=hidden)
+
+    def body(self, step: StepAttention, kv: PagedKVCache, input_ids: torch.Tensor, positions: torch.Tensor,
+             return_hidden: bool, aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers over a step's tokens -- what a CUDA graph captures (runtime/cuda_graphs.py):
+        (the last layer's output [N, H], before the final norm; the hidden features or None)."""
+        return self._layers(F.embedding(input_ids, self.embed_tokens.weight), step, kv, positions, return_hidden,
+                            aux_layers)
+
+    def _layers(self, x: torch.Tensor, step: StepAttention, kv: PagedKVCache, positions: torch.Tensor,
+                return_hidden: bool, aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         cos, sin = self.rotary(positions, x.dtype)
         aux = []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, step, kv.layers[i], i)
             if return_hidden and i in aux_layers:
-                aux.append(real_rows(x, n))
-        x = real_rows(x, n)
-        hidden = _with_aux(aux, x) if return_hidden else None
-        if logits_indices is not None:
-            x = x.index_select(0, logits_indices)
-        return ModelOutput(logits=self.compute_logits(self.final_norm(x)), hidden=hidden)
+                aux.append(x)
+        return x, (_with_aux(aux, x) if return_hidden else None)
 
     def forward_full(self, input_ids: torch.Tensor, aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """Plain causal forward without a KV cache: input_ids [B, T] ->

@@ -41,6 +41,7 @@ from specsched.runtime.attention import StepAttention
 from specsched.runtime.attention.torch_backend import CausalAttention
 from specsched.runtime.checkpoint import CheckpointError, check_finite, read_config_json
 from specsched.runtime.config import ModelConfig
+from specsched.runtime.cuda_graphs import run_body
 from specsched.runtime.kv_cache import PagedKVCache
 from specsched.runtime.layers import RMSNorm, RotaryEmbedding
 from specsched.runtime.padding import pad_inputs, real_rows
@@ -153,11 +154,16 @@ class MTPHead(nn.Module):
         head's own hidden; [N, (A + 1) * H] target features with A `aux_layers`), positions [N]
         (i); logits for rows `logits_indices` (None: all)."""
         (token_ids, n), (hidden, _) = pad_inputs(token_ids, positions), pad_inputs(hidden, positions)
-        x = self._inputs(token_ids, hidden)
-        cos, sin = self.rotary(positions, x.dtype)
-        x = real_rows(self.layer(x, cos, sin, step, kv.layers[0], 0), n)  # a padded step's pad rows cut
+        x = real_rows(run_body(self, step, kv, (token_ids, hidden, positions))[0], n)  # a padded step's pad rows cut
         rows = x if logits_indices is None else x.index_select(0, logits_indices)
         return HeadOutput(self.compute_logits(rows), x)
+
+    def body(self, step: StepAttention, kv: PagedKVCache, token_ids: torch.Tensor, hidden: torch.Tensor,
+             positions: torch.Tensor) -> tuple[torch.Tensor]:
+        """The head's layer over a step's rows (what a CUDA graph captures): (its output [N, H],)."""
+        x = self._inputs(token_ids, hidden)
+        cos, sin = self.rotary(positions, x.dtype)
+        return (self.layer(x, cos, sin, step, kv.layers[0], 0),)
 
     def forward_full(self, token_ids: torch.Tensor, hidden: torch.Tensor) -> HeadOutput:
         """Dense causal pass without a KV cache: token_ids [B, T] (t_1..t_T), hidden [B, T, H]

@@ -154,6 +154,12 @@ class ModelWorker:
             # uniform steps padded to capture sizes, pad rows on every cache's scratch page
             self.padding = Padding(capture_sizes(c.cuda_graph_sizes), self.kv.scratch_page, c.page_size,
                                    1 + max(1, self.spec.num_candidates)) if c.cuda_graph_sizes else None
+            # on CUDA the padded steps replay CUDA graphs (FlashInfer attention); on a CPU they run eagerly
+            self.graphs = None
+            if self.padding is not None and self.device.type == "cuda":
+                from specsched.runtime.cuda_graphs import CudaGraphs
+
+                self.graphs = CudaGraphs(self.backend, self.device, c.num_pages + self.padding.sizes[-1], c.page_size)
             self.acceptance = c.acceptance
             self.threshold = c.threshold
             if c.acceptance == "synthetic" and c.synthetic is None:
@@ -231,7 +237,9 @@ class ModelWorker:
         return replace(result, **final) if final else result
 
     def op_ping(self, batch: dict) -> dict:
-        return {"ok": True, "num_states": len(self.states)}
+        graphs = self.graphs
+        return {"ok": True, "num_states": len(self.states), "cuda_graphs": 0 if graphs is None else graphs.num_graphs,
+                "capture_s": 0.0 if graphs is None else graphs.capture_ns / 1e9}
 
     def op_tp_stats(self, batch: Any) -> dict:
         """Tensor parallelism's communication so far: the size, and the leader's broadcasts
@@ -281,8 +289,10 @@ class ModelWorker:
         step's attention and positions are the padded step's (the models pad their inputs to
         the positions and cut their outputs back to the plan's tokens)."""
         run = self.padding.pad(plan) if self.padding is not None else None
-        run = plan if run is None else run
-        return plan, self.backend.prepare(run, self.device), to_device(run.positions, self.device)
+        if run is None:
+            return plan, self.backend.prepare(plan, self.device), to_device(plan.positions, self.device)
+        step = self.graphs.prepare(run) if self.graphs is not None else self.backend.prepare(run, self.device)
+        return plan, step, to_device(run.positions, self.device)
 
     # -- target forward (prefill / decode / mixed) ----------------------------------------------
     def op_forward(self, msg: ForwardMessage) -> ForwardResult:

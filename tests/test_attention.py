@@ -126,7 +126,7 @@ def test_a_run_of_one_token_steps_planned_once_matches_a_plan_per_step(kv_first,
     run = backend.prepare_steps(build_plan([1] * b, kv_last, tables, PS, table_lens=lens), steps, device)
     caches = [PagedKVCache(1, 64, PS, HKV, D, device=device) for _ in range(2)]
     hist = [(torch.randn(n, HKV, D, device=device), torch.randn(n, HKV, D, device=device)) for n in kv_last]
-    stale = torch.randn(64, 2, PS, HKV, D, device=device) * 10  # what the pages held before: never read
+    stale = torch.randn(64 + 1, 2, PS, HKV, D, device=device) * 10  # what the pages (and the scratch page) held: never read
     for cache in caches:  # each row's history before the run (the run writes the rest)
         cache.layers[0].copy_(stale)
         for i, (k_all, v_all) in enumerate(hist):

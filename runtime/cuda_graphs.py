@@ -1,0 +1,206 @@
+"""CUDA graphs for the steady state: a model's layers captured per padded step shape, replayed.
+
+Why: an eager forward on a GPU is paced by the host's Python and kernel launches, not by the GPU
+(benchmarks/RESULTS.md, "On a GPU"). A graph replays a forward's kernels in one launch. What is
+captured is a model's `body` -- its layers over token ids and positions (and a head's hidden
+input), KV appends and attention included -- for one padded shape (rows, tokens per row, tree
+mask or not; runtime/padding.py) and one of `SLOTS` sets of FlashInfer wrappers. The logits of
+the rows asked for are computed after the replay, eagerly (as vLLM does), so no graph holds
+[rows, vocab] logits. `plan()` stays on the host before each replay, as every step: it writes the
+step's page indices into the wrappers' fixed buffers (built with `use_cuda_graph=True`).
+
+A shape's graph is captured when it is first used (the engine's warm-up runs the common ones),
+all in one memory pool; `capture_ns` counts the time spent capturing. A plan writes its
+wrapper's pinned host buffers at once and copies them behind the stream's queued work, so a
+slot's wrappers are planned again only once the replay that used them completed (an event per
+slot): the schedules plan step t + 1 while step t runs.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from specsched.runtime.attention.flashinfer_backend import pack_mask
+from specsched.runtime.sync_guard import to_device
+from specsched.scheduler.plan import AttentionPlan
+
+SLOTS = 2  # wrapper sets a shape alternates between
+
+
+def run_body(module: Any, step: Any, kv: Any, inputs: tuple, flags: tuple = ()) -> tuple:
+    """`module.body(step, kv, *inputs, *flags)`: replayed from a graph where `step` is a graph
+    step (`CudaGraphs.prepare`), run eagerly otherwise."""
+    graphs = getattr(step, "graphs", None)
+    if graphs is None:
+        return module.body(step, kv, *inputs, *flags)
+    return graphs.run(module, step, kv, inputs, flags)
+
+
+@dataclass
+class _Wrappers:
+    """One shape's FlashInfer wrapper over fixed buffers, and the KV append's index buffers."""
+
+    wrapper: Any
+    decode: bool
+    kv_indptr: torch.Tensor  # [rows + 1] int32
+    kv_indices: torch.Tensor  # [max_pages] int32
+    last: torch.Tensor  # [rows] int32
+    batch_indices: torch.Tensor  # [rows * q] int32
+    positions: torch.Tensor  # [rows * q] int32: each token's position in its row's KV
+
+
+class GraphStep:
+    """A padded step's attention for graphs: its shape's wrappers, planned for this step.
+    `attend` runs them -- while a body is captured (or for a module run eagerly)."""
+
+    def __init__(self, graphs: "CudaGraphs", plan: AttentionPlan, key: tuple, wrappers: _Wrappers):
+        self.graphs, self.plan, self.key, self._w = graphs, plan, key, wrappers
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_layer: torch.Tensor) -> torch.Tensor:
+        w, pad = self._w, self.graphs.head_pad
+        if pad:
+            q, k, v = (torch.nn.functional.pad(t, (0, pad)) for t in (q, k, v))
+        self.graphs.append(k.contiguous(), v.contiguous(), w.batch_indices, w.positions, kv_layer, w.kv_indices,
+                           w.kv_indptr, w.last, kv_layout="NHD")
+        out = w.wrapper.run(q.contiguous(), kv_layer)
+        return out[..., : out.shape[-1] - pad] if pad else out
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple  # static input tensors
+    outputs: tuple  # static output tensors (None where the body returns None)
+
+
+class CudaGraphs:
+    def __init__(self, backend: Any, device: torch.device, max_pages: int, page_size: int):
+        """`backend`: the worker's FlashInferBackend (its heads, dtype and scale); `max_pages`:
+        the most pages one step's rows hold (the pool's, plus one scratch page a pad row)."""
+        import flashinfer
+
+        self._fi, self.backend, self.device, self.max_pages = flashinfer, backend, device, max_pages
+        self.page_size = page_size
+        self.append = flashinfer.page.append_paged_kv_cache
+        self.head_pad = backend.padded_dim - backend.head_dim
+        self.pool = torch.cuda.graph_pool_handle()
+        self._workspaces = [torch.zeros(backend.workspace_bytes, dtype=torch.uint8, device=device)
+                            for _ in range(SLOTS)]
+        self._events: list[torch.cuda.Event | None] = [None] * SLOTS
+        self._next = 0
+        self._wrappers: dict[tuple, _Wrappers] = {}
+        self._graphs: dict[tuple, _Graph] = {}
+        self.capture_ns = 0
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def _make(self, rows: int, q: int, masked: bool, slot: int) -> _Wrappers:
+        i32 = dict(dtype=torch.int32, device=self.device)
+        ws = self._workspaces[slot]
+        kv_indptr, kv_indices, last = (torch.zeros(rows + 1, **i32), torch.zeros(self.max_pages, **i32),
+                                       torch.zeros(rows, **i32))
+        decode = q == 1 and not masked
+        if decode:
+            wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                ws, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=kv_indptr,
+                paged_kv_indices_buffer=kv_indices, paged_kv_last_page_len_buffer=last)
+        else:
+            mask = {}
+            if masked:  # a tree's packed mask: at most q x (max_pages x page_size) bits a row
+                bits = rows * q * self.max_pages * self.page_size
+                mask = dict(custom_mask_buf=torch.zeros(bits // 8 + rows + 1, dtype=torch.uint8, device=self.device),
+                            mask_indptr_buf=torch.zeros(rows + 1, **i32))
+            wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                ws, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros(rows + 1, **i32),
+                paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices, paged_kv_last_page_len_buf=last,
+                backend="fa2", **mask)
+        return _Wrappers(wrapper, decode, kv_indptr, kv_indices, last, torch.zeros(rows * q, **i32),
+                         torch.zeros(rows * q, **i32))
+
+    def prepare(self, plan: AttentionPlan) -> GraphStep:
+        """A padded step's attention (every row `q` tokens): its shape's wrappers of the next
+        slot, planned for it, and its KV append's indices in their buffers."""
+        rows, q = plan.num_seqs, plan.num_tokens // plan.num_seqs
+        masked = plan.custom_mask is not None
+        slot = self._next % SLOTS
+        self._next += 1
+        ev = self._events[slot]
+        if ev is not None and not ev.query():
+            ev.synchronize()  # the replay that used this slot's wrappers has not run yet
+        key = (rows, q, masked, slot)
+        w = self._wrappers.get(key)
+        if w is None:
+            w = self._wrappers[key] = self._make(rows, q, masked, slot)
+
+        def cpu(a):
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+
+        kv = plan.kv_lens.astype(np.int64)
+        seq_of_tok = np.repeat(np.arange(rows), q)
+        pos = (kv - q)[seq_of_tok] + np.tile(np.arange(q), rows)
+        dev = self.device
+        w.batch_indices.copy_(to_device(cpu(seq_of_tok), dev))
+        w.positions.copy_(to_device(cpu(pos), dev))
+        indptr, last = cpu(plan.paged_kv_indptr), cpu(plan.paged_kv_last_page_len)
+        indices = to_device(cpu(plan.paged_kv_indices), dev)
+        b = self.backend
+        common = dict(q_data_type=b.dtype, kv_data_type=b.dtype, sm_scale=b.sm_scale)
+        if w.decode:
+            w.wrapper.plan(indptr, indices, last, b.num_qo_heads, b.num_kv_heads, b.padded_dim, plan.page_size,
+                           **common)
+        else:
+            packed = None
+            if masked:
+                packed = to_device(pack_mask(plan.custom_mask, np.diff(plan.qo_indptr), kv), dev)
+            w.wrapper.plan(cpu(plan.qo_indptr), indptr, indices, last, b.num_qo_heads, b.num_kv_heads,
+                           b.padded_dim, plan.page_size, packed_custom_mask=packed, causal=packed is None, **common)
+        # the append reads the same indices as the attention (the wrapper's plan copied them there)
+        w.kv_indptr.copy_(to_device(indptr, dev))
+        w.kv_indices[: indices.shape[0]].copy_(indices)
+        w.last.copy_(to_device(last, dev))
+        return GraphStep(self, plan, key, w)
+
+    def run(self, module: Any, step: GraphStep, kv: Any, inputs: tuple, flags: tuple) -> tuple:
+        """`module.body` over `inputs` at `step`'s shape: its graph replayed (captured first if
+        this is the shape's first use); the outputs are copies the caller may keep."""
+        key = (id(module), id(kv), step.key, flags)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = self._capture(module, step, kv, inputs, flags)
+        else:
+            for buf, x in zip(g.inputs, inputs):
+                buf.copy_(x)
+            g.graph.replay()
+        ev = torch.cuda.Event()
+        ev.record()
+        self._events[step.key[3]] = ev
+        return tuple(None if o is None else o.clone() for o in g.outputs)
+
+    def _capture(self, module: Any, step: GraphStep, kv: Any, inputs: tuple, flags: tuple) -> _Graph:
+        """Run the body once on a side stream (what loads its kernels; it computes this step),
+        then capture it over static copies of the inputs and replay it."""
+        t0 = time.monotonic_ns()
+        static = tuple(x.clone() for x in inputs)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            module.body(step, kv, *static, *flags)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        mode = torch.cuda.get_sync_debug_mode()  # a capture starts with a device sync: a one-off the
+        torch.cuda.set_sync_debug_mode(0)  # sync guard (EngineConfig.sync_guard) lets pass
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                outputs = module.body(step, kv, *static, *flags)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+        graph.replay()
+        self.capture_ns += time.monotonic_ns() - t0
+        return _Graph(graph, static, tuple(outputs))
