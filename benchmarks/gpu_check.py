@@ -5,8 +5,11 @@ On a machine with CUDA it runs, within `--minutes`:
      torch attention backend, tree verify with a custom mask, the engine on CUDA);
   2. the bundled model on the GPU (FlashInfer attention) under `sync`, `overlap` and `eager_fill`:
      tokens/s, bubble fraction and the host `launch` span (how long a launch takes to return);
-  3. a summary: every figure on one line each, and whether the GPU targets hold (launch
-     return < 100 us median; `overlap` and `eager_fill` bubble below `sync`'s).
+  3. production shapes (benchmarks/gpu_shapes.py): dummy Llama-3.2-1B / Llama-3.1-8B in
+     bfloat16, plain and at synthetic acceptance, CUDA graphs and eager side by side, for the
+     time left; with `--out`, a cost profile per shape fitted from the graph runs' traces;
+  4. a summary: every figure on one line each, and whether the GPU targets hold (launch
+     return < 100 us median; `overlap` and `eager_fill` bubble below `sync`'s; gpu_shapes.py's).
 Without CUDA (or with `--dry-run`) it says which parts it skips and why, and exits 0.
 
     python benchmarks/gpu_check.py [--minutes 8] [--out DIR]
@@ -204,6 +207,10 @@ def main() -> int:
         if args.dry_run or not env["cuda"]:
             why = "--dry-run" if args.dry_run else "no CUDA device (torch.cuda.is_available() is False)"
             print(f"dry run, {why}: skipping the CUDA tests, the schedules on the GPU and the GPU targets")
+            import gpu_shapes
+
+            print(f"skipped: the production shapes ({len(gpu_shapes.PLAN)} configurations, graphs and eager; "
+                  "benchmarks/gpu_shapes.py --dry-run lists them) and their cost profiles")
             summary["dry_run"] = why
         else:
             tests = ({"status": "passed", "summary": "skipped (--skip-tests)"} if args.skip_tests
@@ -221,7 +228,18 @@ def main() -> int:
             for r in rows:
                 print("schedule " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                               for k, v in r.items()))
-            summary["targets"] = verdicts(rows)
+            import gpu_shapes
+
+            shapes, traces = gpu_shapes.run_plan(deadline - 45, args.max_tokens)  # 45 s left for the profiles
+            summary["shapes"] = shapes
+            for r in shapes:
+                print("shape " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                           for k, v in r.items()))
+            if args.out:
+                summary["profiles"] = gpu_shapes.write_profiles(traces, args.out)
+                for p in summary["profiles"]:
+                    print(f"profile {p['profile']}: {p['traces']} traces, makespan error % {p['makespan_err_pct']}")
+            summary["targets"] = verdicts(rows) + gpu_shapes.verdicts(shapes)
             for line in summary["targets"]:
                 print("target: " + line)
     if args.save_kernels is not None and "dry_run" not in summary:

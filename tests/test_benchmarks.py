@@ -24,6 +24,7 @@ TINY = {
     "host_overhead.py": ["--requests", "4", "--steps", "5"],
     "ngram_host.py": ["--requests", "4", "--context", "64", "--steps", "5"],
     "gpu_check.py": ["--dry-run"],
+    "gpu_shapes.py": ["--dry-run"],
     "engine_ab.py": ["--baseline", ".", "--rounds", "1", "--concurrency", "1", "--num-requests", "1",
                      "--max-tokens", "3"],
     "simulator_speed.py": ["--concurrency", "2", "8", "--repeats", "1", "--min-seconds", "0",
@@ -209,7 +210,14 @@ def _check_forward_cost(out):
 def _check_gpu_check(out):
     _grab(out, r"^environment: torch \S+, cuda (?:True|False)")
     assert "dry run, --dry-run: skipping the CUDA tests, the schedules on the GPU and the GPU targets" in out
-    assert not re.search(r"^(?:schedule |target: |cuda tests: )", out, re.M)  # nothing run on a GPU
+    assert re.search(r"^skipped: the production shapes \(\d+ configurations", out, re.M)
+    assert not re.search(r"^(?:schedule |shape |target: |cuda tests: )", out, re.M)  # nothing run on a GPU
+
+
+def _check_gpu_shapes(out):
+    assert _grab(out, r"^plan 1: llama-3.2-1b plain sync b1, graphs and eager")
+    n = int(_grab(out, r"^dry run, --dry-run: nothing run \((\d+) configurations planned\)")[0])
+    assert n == len(re.findall(r"^plan \d+: ", out, re.M)) >= 4
 
 
 def _check_hf_compare(out):
@@ -558,3 +566,25 @@ def test_adaptive_held_out_ratio_picks_the_best_fixed_length_on_the_other_rounds
     assert lines[1].split()[-2:] == ["D=1", "1.000x"] and lines[1].split()[-3] == "0.990x"
     assert lines[2].split()[-2:] == ["D=0", "0.980x"]
     assert "auto / held-out best, geomean over the concurrencies: 0.990x" in lines[3]
+
+
+def test_gpu_shapes_judges_the_gpu_targets_on_the_rows_that_ran():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_shapes
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    row = dict(tpot_ms=2.5, host_ms_per_step=1.0, device_ms_per_step=3.0, bubble_fraction=0.02, of_bound=0.93)
+    rows = [{"config": "llama-3.2-1b plain sync b1", "graphs": True, "tokens_per_s": 400.0, **row},
+            {"config": "llama-3.2-1b plain sync b1", "graphs": False, "tokens_per_s": 150.0, **row},
+            {"config": "llama-3.2-1b mtp AL 3.5 eager_fill b1", "graphs": True, "tokens_per_s": 900.0, **row},
+            {"config": "llama-3.1-8b mtp AL 2.5 eager_fill b64", "graphs": True, "skipped": "out of time"}]
+    assert gpu_shapes.verdicts(rows) == [
+        "1B plain b1: graphs 2.67x eager (target >= 2x), TPOT 2.50 ms (target <= 2.7)",
+        "1B MTP AL 3.5 b1: 0.93x the analytic bound (target >= 0.9x)",
+    ]
+    fields = gpu_shapes.engine_fields("llama-3.1-8b", "mtp", 2.5, "eager_fill", graphs=False)
+    from specsched.runtime.engine_config import EngineConfig
+
+    config = EngineConfig(**{**fields, "device": "cuda"})  # the fields are a valid configuration
+    assert config.graph_sizes() == () and config.mtp_head == "llama-3.1-8b-mtp"
