@@ -86,7 +86,8 @@ def replay_cmd(
     rate_scale: float = typer.Option(1.0, "--rate-scale"),
     concurrency: Optional[int] = typer.Option(None),
     acceptance: str = typer.Option("trace", help="trace | rates | bernoulli:ALPHA | synthetic (the trace's) | synthetic:AL | synthetic:r1,r2,... | A>B@N (a change of workload: the first N requests A, the rest B)"),
-    profile: Optional[Path] = typer.Option(None, help="cost profile JSON (default: fit from the trace)"),
+    profile: Optional[Path] = typer.Option(None, help="cost profile: a JSON file or a shipped profile's name "
+                                           "(default: fit from the trace)"),
     trace_out: Optional[Path] = typer.Option(None, "--trace", help="write the simulated trace"),
     settings: list[str] = typer.Option([], "--set", help="engine what-if, KEY=VALUE: max_num_seqs, "
                                        "max_num_batched_tokens, num_pages, page_size (repeatable)"),
@@ -255,7 +256,8 @@ def ab(
 @user_errors
 def tune(
     traces: list[Path] = typer.Argument(..., help="one speculative trace per proposer to compare"),
-    profile: Optional[Path] = typer.Option(None, help="cost profile JSON (one trace only)"),
+    profile: Optional[Path] = typer.Option(None, help="cost profile: a JSON file or a shipped profile's name "
+                                           "(one trace only)"),
     draft_lens: Optional[str] = typer.Option(
         None, "--draft-lens", help="draft lengths to sweep, e.g. 1,2,4 (default: 1 .. the captured agreement length, <= 8)"),
     concurrencies: str = typer.Option("1,4,16", help="batch-size regimes (concurrent requests), e.g. 1,8,32"),

@@ -170,7 +170,7 @@ class CudaGraphs:
     def run(self, module: Any, step: GraphStep, kv: Any, inputs: tuple, flags: tuple) -> tuple:
         """`module.body` over `inputs` at `step`'s shape: its graph replayed (captured first if
         this is the shape's first use); the outputs are copies the caller may keep."""
-        key = (id(module), id(kv), step.key, flags)
+        key = (id(module), id(kv), step.key, flags, tuple(x.shape for x in inputs))  # (a head's input widths vary)
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._capture(module, step, kv, inputs, flags)

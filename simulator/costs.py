@@ -214,6 +214,10 @@ class CostProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> "CostProfile":
+        """A profile from its file, or a shipped one by name (simulator/profiles)."""
+        from specsched.simulator.profiles import profile_path
+
+        path = profile_path(path)
         try:
             return cls.from_json(json.loads(Path(path).read_text()))
         except (OSError, ValueError, TypeError) as e:

@@ -167,6 +167,20 @@ def test_cost_fit_recovers_a_linear_model_and_roundtrips(tmp_path):
         CostProfile.load(tmp_path / "bad.json")
 
 
+def test_a_shipped_profile_loads_by_name(tmp_path, monkeypatch):
+    from specsched.simulator import profiles
+
+    prof = CostProfile()
+    prof.device["verify"] = StageModel({"const": 5e4, "tokens": 2e3})
+    monkeypatch.setattr(profiles, "PROFILES_DIR", tmp_path)  # where the shipped profiles are
+    prof.save(tmp_path / "h100-llama-3.1-8b.json")
+    assert profiles.shipped() == ("h100-llama-3.1-8b",)
+    shape = {"tokens": 10, "requests": 2, "kv_tokens": 100}
+    assert CostProfile.load("h100-llama-3.1-8b").device_ns("verify", shape) == prof.device_ns("verify", shape)
+    with pytest.raises(ValueError, match=r"h200-llama: no such cost profile file.*shipped: h100-llama-3.1-8b\)"):
+        CostProfile.load("h200-llama")
+
+
 def test_forward_launches_record_their_padded_attention_and_profiles_price_it():
     """A forward's attention pads the rows it attends together to the longest query and the
     longest KV (the torch backend; rows grouped by query length class): each launch records
