@@ -4,7 +4,7 @@ Why: an eager forward on a GPU is paced by the host's Python and kernel launches
 (benchmarks/RESULTS.md, "On a GPU"). A graph replays a forward's kernels in one launch. What is
 captured is a model's `body` -- its layers over token ids and positions (and a head's hidden
 input), KV appends and attention included -- for one padded shape (rows, tokens per row, tree
-mask or not; runtime/padding.py) and one of `SLOTS` sets of FlashInfer wrappers. The logits of
+mask or not; scheduler/padding.py) and one of `SLOTS` sets of FlashInfer wrappers. The logits of
 the rows asked for are computed after the replay, eagerly (as vLLM does), so no graph holds
 [rows, vocab] logits. `plan()` stays on the host before each replay, as every step: it writes the
 step's page indices into the wrappers' fixed buffers (built with `use_cuda_graph=True`).
@@ -38,6 +38,21 @@ def run_body(module: Any, step: Any, kv: Any, inputs: tuple, flags: tuple = ()) 
     if graphs is None:
         return module.body(step, kv, *inputs, *flags)
     return graphs.run(module, step, kv, inputs, flags)
+
+
+def pad_inputs(x, positions):
+    """(`x` padded with zero rows to the positions' length -- a padded step's --, its own
+    length N): [N] token ids or [N, H] rows; unchanged where the lengths match."""
+    n = x.shape[0]
+    extra = positions.shape[0] - n
+    if extra <= 0:
+        return x, n
+    return torch.cat([x, x.new_zeros((extra,) + tuple(x.shape[1:]))]), n
+
+
+def real_rows(x, n: int):
+    """`x` cut to its first `n` rows (the real tokens of a padded step); None stays None."""
+    return x if x is None or x.shape[0] == n else x[:n]
 
 
 @dataclass

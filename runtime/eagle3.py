@@ -33,12 +33,11 @@ from torch import nn
 
 from specsched.runtime.checkpoint import CheckpointError, read_checked, read_config_json
 from specsched.runtime.config import ConfigError, ModelConfig
-from specsched.runtime.cuda_graphs import run_body
+from specsched.runtime.cuda_graphs import pad_inputs, real_rows, run_body
 from specsched.runtime.kv_cache import PagedKVCache
 from specsched.runtime.layers import RMSNorm, RotaryEmbedding, column_major_weight, rms_norm
 from specsched.runtime.model import DecoderLayer, LlamaModel
 from specsched.runtime.mtp_head import HeadOutput, layer_kv_cache
-from specsched.runtime.padding import pad_inputs, real_rows
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 

@@ -40,7 +40,7 @@ class PagedKVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         # [L, P + 1, 2, page_size, Hkv, D]; zero so padded/stale reads are finite. Page P is the
-        # scratch page: no request holds it, the pad rows of a padded step use it (runtime/padding.py)
+        # scratch page: no request holds it, the pad rows of a padded step use it (scheduler/padding.py)
         self.data = torch.zeros(
             (num_layers, num_pages + 1, 2, page_size, num_kv_heads, head_dim), dtype=dtype,
             device=self.device,

@@ -35,9 +35,8 @@ from torch import nn
 from specsched.runtime.attention import StepAttention, get_backend
 from specsched.runtime.attention.torch_backend import CausalAttention
 from specsched.runtime.config import ModelConfig
-from specsched.runtime.cuda_graphs import run_body
+from specsched.runtime.cuda_graphs import pad_inputs, real_rows, run_body
 from specsched.runtime.kv_cache import PagedKVCache
-from specsched.runtime.padding import pad_inputs, real_rows
 from specsched.runtime.layers import (RMSNorm, RotaryEmbedding, apply_rope, column_major_linear, column_major_weight,
                                       rms_norm)
 from specsched.runtime.parallel import TPGroup, shard_range
@@ -350,7 +349,7 @@ class LlamaModel(nn.Module):
         hidden [N, (len(aux_layers) + 1) * H], the features an EAGLE-3 head reads.
         """
         if inputs_embeds is None:
-            input_ids, n = pad_inputs(input_ids, positions)  # a padded step's pad rows (runtime/padding.py)
+            input_ids, n = pad_inputs(input_ids, positions)  # a padded step's pad rows (scheduler/padding.py)
             x, hidden = run_body(self, step, kv, (input_ids, positions), (return_hidden, tuple(aux_layers)))
         else:
             x, n = pad_inputs(inputs_embeds, positions)

@@ -41,10 +41,9 @@ from specsched.runtime.attention import StepAttention
 from specsched.runtime.attention.torch_backend import CausalAttention
 from specsched.runtime.checkpoint import CheckpointError, check_finite, read_config_json
 from specsched.runtime.config import ModelConfig
-from specsched.runtime.cuda_graphs import run_body
+from specsched.runtime.cuda_graphs import pad_inputs, real_rows, run_body
 from specsched.runtime.kv_cache import PagedKVCache
 from specsched.runtime.layers import RMSNorm, RotaryEmbedding
-from specsched.runtime.padding import pad_inputs, real_rows
 from specsched.runtime.model import DecoderLayer, LlamaModel
 from specsched.runtime.parallel import TPGroup
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from specsched.runtime.dummy import load
-from specsched.runtime.padding import Padding, capture_sizes
+from specsched.scheduler.padding import Padding, capture_sizes
 from specsched.runtime.proposers.factory import make_proposer
 from specsched.runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
 from specsched.runtime.verify import (SyntheticDraws, greedy_verify, rejection_verify, synthetic_verify,

@@ -16,7 +16,7 @@ from specsched.scheduler.proposer import ProposerSpec
 from specsched.scheduler.synthetic import SyntheticAcceptance
 
 if TYPE_CHECKING:
-    from specsched.runtime.engine_config import EngineConfig
+    from specsched.scheduler.engine_config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class WorkerConfig:
     verify_micro_batches: int = 1
     tensor_parallel_size: int = 1
     tp_channel: str = "shm"
-    # steps of uniform rows run at these padded row counts (runtime/padding.py): CUDA graphs'
+    # steps of uniform rows run at these padded row counts (scheduler/padding.py): CUDA graphs'
     # capture sizes; () runs every step at its own shape
     cuda_graph_sizes: tuple[int, ...] = ()
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import anyio
 
-from specsched.runtime.engine_config import WARMUP_ID, EngineConfig, warmup_params
+from specsched.scheduler.engine_config import WARMUP_ID, EngineConfig, warmup_params
 from specsched.scheduler.errors import ConfigurationError, InvalidRequestError
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.schedules import schedule_rules

@@ -1,4 +1,4 @@
-"""Padded step shapes (runtime/padding.py), the shapes CUDA graphs are captured for: the pad rows
+"""Padded step shapes (scheduler/padding.py), the shapes CUDA graphs are captured for: the pad rows
 read and write the scratch page only, the real rows' outputs and pages are what the unpadded step
 gives, and every proposer under every schedule stays lossless with its uniform steps padded."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from specsched.runtime.config import ModelConfig
 from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.model import LlamaModel
 from specsched.runtime.mtp_head import MTPHead, save_head
-from specsched.runtime.padding import DEFAULT_CAPTURE_SIZES, Padding, capture_sizes
+from specsched.scheduler.padding import DEFAULT_CAPTURE_SIZES, Padding, capture_sizes
 from specsched.runtime.training.mtp_eval import run_requests
 from specsched.runtime.worker import ModelWorker
 from specsched.scheduler import wiring

@@ -2,7 +2,7 @@
 
 Why: a CUDA graph replays kernels over fixed tensor shapes, so a step is run at one of a few
 shapes -- its rows padded up to the next capture size (`DEFAULT_CAPTURE_SIZES`, vLLM's list up
-to 256) -- and the pad rows' outputs are dropped. Steps where every row computes the same number
+to 256) -- and the pad rows' outputs are dropped. Pure numpy, on the step's `AttentionPlan` (scheduler/plan.py). Steps where every row computes the same number
 of tokens q (decodes, verifies, draft steps, fills over a verify window; q at most
 `max_tokens_per_row` and one page) take such a shape; prefill chunks, mixed steps, rows of
 different lengths and batches above the largest size run at their own shape.
@@ -91,20 +91,3 @@ class Padding:
             slot_mapping=np.concatenate([plan.slot_mapping, np.tile(self.scratch_page * self.page_size + own, n)]),
             custom_mask=mask,
         )
-
-
-def pad_inputs(x, positions):
-    """(`x` padded with zero rows to the positions' length -- a padded step's --, its own
-    length N): [N] token ids or [N, H] rows; unchanged where the lengths match."""
-    n = x.shape[0]
-    extra = positions.shape[0] - n
-    if extra <= 0:
-        return x, n
-    import torch  # this module is read by the configuration, which imports no torch
-
-    return torch.cat([x, x.new_zeros((extra,) + tuple(x.shape[1:]))]), n
-
-
-def real_rows(x, n: int):
-    """`x` cut to its first `n` rows (the real tokens of a padded step); None stays None."""
-    return x if x is None or x.shape[0] == n else x[:n]
