@@ -1,7 +1,7 @@
 """Production shapes on a GPU: CUDA graphs and eager side by side, and cost profiles to replay.
 
 Dummy weights of published shapes (runtime/shapes: Llama-3.2-1B and Llama-3.1-8B, each with a
-one-layer MTP head and draft model) in bfloat16 with FlashInfer attention; speculation at a
+one-layer MTP head and draft model), and the bundled family, in bfloat16 with FlashInfer attention; speculation at a
 synthetic acceptance length, so the figures depend on the acceptance asked for, not on a
 proposer's weights. Each configuration runs with graphs and with `--enforce-eager`, in the order
 of `PLAN` (the issue's targets first) until the time is up, and prints tok/s, TPOT, host and
@@ -47,6 +47,8 @@ PLAN = [
     ("llama-3.1-8b", "mtp", 3.5, "eager_fill", 1),
     ("llama-3.1-8b", "draft", 2.5, "overlap", 8),
     ("llama-3.1-8b", "none", None, "sync", 256),
+    ("bundled", "none", None, "sync", 8),
+    ("bundled", "mtp", 2.5, "eager_fill", 8),
 ]
 DRAFT_LEN = 3
 
@@ -57,11 +59,14 @@ def name(shape: str, proposer: str, al: float | None, schedule: str, batch: int)
 
 
 def engine_fields(shape: str, proposer: str, al: float | None, schedule: str, graphs: bool) -> dict:
-    kw = dict(model=shape, load_format="dummy", device="cuda", attention="flashinfer", dtype="bfloat16",
-              proposer=proposer, schedule=schedule, cuda_graphs=graphs, max_num_seqs=256, num_pages=16384)
+    kw = dict(device="cuda", attention="flashinfer", dtype="bfloat16", proposer=proposer, schedule=schedule,
+              cuda_graphs=graphs, max_num_seqs=256, num_pages=16384)
+    if shape != "bundled":  # a shipped shape with dummy weights (the bundled family has its own)
+        kw |= dict(model=shape, load_format="dummy")
     if proposer != "none":
         kw |= dict(draft_len=DRAFT_LEN, acceptance="synthetic", synthetic_acceptance_length=al)
-        kw["draft" if proposer == "draft" else "mtp_head"] = f"{shape}-{proposer}"
+        if shape != "bundled":
+            kw["draft" if proposer == "draft" else "mtp_head"] = f"{shape}-{proposer}"
     return kw
 
 
