@@ -90,6 +90,15 @@ def test_tp2_verify_as_two_micro_batches_and_over_the_dist_channel(plain):
         worker.close()
 
 
+def test_tp2_with_padded_steps(plain):
+    """Every rank pads a uniform step as the leader does (the broadcast plan is the padded one)."""
+    worker = _worker("mtp", 2, cuda_graph_sizes=(1, 4), verify_micro_batches=2)
+    try:
+        _same_or_near_tie(load_model(str(bundled.target_dir())), PROMPTS, _serve(worker, "eager_fill"), plain)
+    finally:
+        worker.close()
+
+
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
 def test_tp2_on_random_gqa_llamas_with_a_draft_model(tmp_path, heads):
     hq, hkv = heads
