@@ -256,8 +256,8 @@ class AsyncEngine:
             raise DeviceError("warmup", f"the engine's warm-up request failed: {out.error}")
         if self.config.device == "cuda" and self.config.graph_sizes():  # its shapes' graphs were captured
             got = await anyio.to_thread.run_sync(self.device.call, "ping")
-            log.info("CUDA graphs: %d captured during the warm-up in %.2f s (capture sizes %s; other shapes "
-                     "are captured at their first step)", got["cuda_graphs"], got["capture_s"],
+            log.info("CUDA graphs: %d captured at start-up in %.2f s (capture sizes %s; a shape the "
+                     "start did not run is captured at its first step)", got["cuda_graphs"], got["capture_s"],
                      ",".join(map(str, self.config.graph_sizes())))
 
     async def __aexit__(self, exc_type, exc, tb) -> None:

@@ -186,9 +186,29 @@ class ModelWorker:
                 if head is not None:
                     self.proposer.head = self.tp_leader.wrap(head, "head")
                 self.tp_leader.started()
+            if self.graphs is not None:
+                self._capture_target()
         except BaseException:
             self.close()
             raise
+
+    def _capture_target(self) -> None:
+        """The target's decode and verify graphs at every capture size (and both wrapper sets),
+        captured over steps of pad rows alone before any request runs; other shapes (a
+        proposer's, a shorter verify) are captured at their first step."""
+        from specsched.runtime.cuda_graphs import SLOTS
+
+        widths = sorted({q for q in (1, 1 + self.spec.num_candidates) if q <= self.page_size})
+        hid = dict(return_hidden=self.proposer.needs_hidden, aux_layers=self.proposer.aux_layers)
+        none = torch.zeros(0, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            for rows in self.padding.sizes:
+                for q in widths:
+                    plan = self.padding.scratch_plan(rows, q, tree=q > 1 and self.spec.is_tree)
+                    for _ in range(SLOTS):
+                        _, step, positions = self.plan(plan)
+                        ids = torch.zeros(rows * q, dtype=torch.int64, device=self.device)
+                        self.target(ids, step, self.kv, positions, logits_indices=none, **hid)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (the worker process calls this as it exits)."""

@@ -70,9 +70,17 @@ class Padding:
         if shape is None:
             return None
         rows, q = shape
-        n = rows - plan.num_seqs
-        if n == 0:
-            return plan
+        return plan if rows == plan.num_seqs else self._with_pad_rows(plan, rows - plan.num_seqs, q)
+
+    def scratch_plan(self, rows: int, q: int, tree: bool = False) -> AttentionPlan:
+        """A step of `rows` pad rows alone, q tokens each (causal, or under a tree's mask): what a
+        shape's CUDA graph is captured over before any request runs."""
+        empty = AttentionPlan(np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(0, np.int32),
+                              np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64),
+                              np.zeros(0, np.int64), self.page_size, np.zeros(0, bool) if tree else None)
+        return self._with_pad_rows(empty, rows, q)
+
+    def _with_pad_rows(self, plan: AttentionPlan, n: int, q: int) -> AttentionPlan:
         i32 = np.int32
         t = plan.qo_indptr[-1] + q * np.arange(1, n + 1, dtype=i32)
         own = np.arange(q, dtype=np.int64)

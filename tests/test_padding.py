@@ -71,6 +71,19 @@ def test_pad_rows_use_the_scratch_page_only():
     assert (pad_mask == np.tril(np.ones((3, 3), dtype=bool))).all()  # causal over their own tokens
 
 
+def test_a_plan_of_pad_rows_alone_runs_on_the_scratch_page():
+    p = Padding((4,), scratch_page=16, page_size=PAGE, max_tokens_per_row=4)
+    plan = p.scratch_plan(4, 3, tree=True)
+    assert p.shape(plan) == (4, 3) and p.pad(plan) is plan  # a capture size's shape, as is
+    assert set(plan.paged_kv_indices.tolist()) == {16} and plan.kv_lens.tolist() == [3] * 4
+    model = LlamaModel.random(ModelConfig.from_hf(SHAPE), seed=0, std=0.3)
+    backend = model.attention_backend("torch")
+    kv = model.make_kv_cache(16, PAGE, backend=backend)
+    out = model(torch.zeros(12, dtype=torch.int64), backend.prepare(plan, "cpu"), kv, torch.from_numpy(plan.positions))
+    assert torch.isfinite(out.logits).all() and out.logits.shape[0] == 12
+    assert kv.data[:, :16].abs().sum() == 0 and kv.data[:, 16].abs().sum() > 0
+
+
 def test_a_padded_forward_gives_the_real_rows_their_outputs_and_leaves_other_pages_alone():
     model = LlamaModel.random(ModelConfig.from_hf(SHAPE), seed=0, std=0.3)
     backend = model.attention_backend("torch")
