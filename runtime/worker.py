@@ -168,8 +168,9 @@ class ModelWorker:
             self.states: dict[int, SeqState] = {}
             # request tokens live on the device, indexed by slot; a step's drafts sit right after
             # each row's last token, where the verify reads them with it in one gather
-            self.tokens = TokenBuffer(self.target.config.max_position_embeddings + 1, self.device)
             self.draft_width = max(1, self.spec.num_candidates)
+            # (room past the last position for a verify's window: its emitted columns, its drafts)
+            self.tokens = TokenBuffer(self.target.config.max_position_embeddings + 1 + self.draft_width, self.device)
             self.ngram = c.ngram  # n-gram lookup lengths (the host drafts with them: `host_drafter`)
             self.proposer = make_proposer(self, self.spec, c.proposer_dir, c.num_pages, c.ngram)
             self.last_hidden: dict | None = None  # target hidden states of the latest target launch
@@ -406,10 +407,12 @@ class ModelWorker:
                                     "qo_indptr": plan.qo_indptr, "slots": slots}
         self.last_verify = (msg.step, msg.slots, res.num_accepted)  # a window fill reads it (on the device)
         # the emitted tokens (accepted, then the recovered or bonus one) follow the last token;
-        # columns past a row's count hold -1 and land beyond its end, never read
+        # columns past a row's count (-1 in the result) land beyond its end as token 0: a verify
+        # of uniform width (padded steps) reads them as inputs whose outputs are never accepted
         emitted = res.output_tokens
         k = emitted.shape[1]
-        self.tokens.write(np.repeat(msg.slots, k), (msg.start[:, None] + 1 + np.arange(k)).reshape(-1), emitted)
+        self.tokens.write(np.repeat(msg.slots, k), (msg.start[:, None] + 1 + np.arange(k)).reshape(-1),
+                          emitted.clamp(min=0))
         for st in rows:
             st.draft_len = 0
             st.draft_q = None

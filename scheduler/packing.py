@@ -95,17 +95,20 @@ def forward_message(batch: StepBatch, blocks: BlockManager, with_plan: bool = Tr
 
 def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
                    with_plan: bool = True, draft_lens: np.ndarray | None = None,
-                   drafts: np.ndarray | None = None) -> VerifyMessage:
+                   drafts: np.ndarray | None = None, uniform: bool = False) -> VerifyMessage:
     """Target over each row's last token and its candidates: 1 + the row's drafts (`draft_lens`,
     default the batch's: what it was asked to draft) -- a row that drafts less computes less
-    -- or, for a tree, 1 + its nodes in every row. `drafts`: the draft tokens, where the host
-    made them."""
+    -- or, for a tree, 1 + its nodes in every row. `uniform`: every row verifies 1 + the step's
+    D positions (the shape a CUDA graph was captured for; the positions past a row's drafts are
+    never accepted, their KV is in pages the step reserved and is trimmed after). `drafts`: the
+    draft tokens, where the host made them."""
     nd = batch.draft_lens if draft_lens is None else draft_lens
     start = batch.start
     n = len(batch)
-    if spec.is_tree:
-        qo = np.full(n, 1 + spec.num_candidates)
-        shape_ = batch_shape(batch, 1 + spec.num_candidates)
+    if spec.is_tree or uniform:
+        width = 1 + (spec.num_candidates if spec.is_tree else batch.draft_len)
+        qo = np.full(n, width)
+        shape_ = batch_shape(batch, width)
     else:
         qo = 1 + nd
         shape_ = batch_shape(batch) if draft_lens is None else shape(qo, start + qo)

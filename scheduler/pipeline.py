@@ -49,6 +49,9 @@ class PipelineConfig:
     # the target's hidden states of the positions it has not read on the device; past this
     # many over a step's rows it catches up at D = 0, which frees them (forward_step.py)
     max_kept_tokens: int = MAX_KEPT_TOKENS
+    # every row of a verify computes 1 + D positions, also where it drafted fewer: one shape a
+    # step for the device's padded shapes (CUDA graphs, scheduler/padding.py)
+    uniform_verify: bool = False
 
     def __post_init__(self) -> None:
         validate_combination(self.proposer.kind, self.schedule, self.proposer.draft_len)
@@ -83,7 +86,7 @@ class Pipeline:
                                chosen_draft_lens=self.policy.adaptive)
         self.launcher = Launcher(scheduler, device, clock, sink, self.trace, self.feed)
         self.ops = StepOps(self.launcher, spec, drafter=drafter, lazy_fills=self.policy.pauses and spec.rules.lazy_fill,
-                           max_kept_tokens=config.max_kept_tokens)
+                           max_kept_tokens=config.max_kept_tokens, uniform_verify=config.uniform_verify)
         self._now = clock.now_ns
         self._wake = anyio.Event()
         self._idle: anyio.Event | None = None  # set when the run loop next waits for work (`warming_up`)

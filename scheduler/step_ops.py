@@ -42,7 +42,7 @@ class SpecPlan:
 
 class StepOps:
     def __init__(self, launcher: Launcher, spec: ProposerSpec, *, drafter: Any, lazy_fills: bool,
-                 max_kept_tokens: int):
+                 max_kept_tokens: int, uniform_verify: bool = False):
         self.l = launcher
         self.scheduler = launcher.scheduler
         self.table = self.scheduler.table
@@ -53,6 +53,7 @@ class StepOps:
         self.drafter = drafter
         self.lazy_fills = lazy_fills  # the proposer's fills wait while speculation is off
         self.max_kept_tokens = max_kept_tokens  # `PipelineConfig.max_kept_tokens`
+        self.uniform_verify = uniform_verify  # `PipelineConfig.uniform_verify`
 
     async def wait(self, launch: Launch, batch: StepBatch):
         return await self.l.wait(launch, batch)
@@ -148,10 +149,11 @@ class StepOps:
             nd = np.minimum(np.asarray(nd, dtype=np.int64), batch.draft_lens)
             l.host("draft", batch.step, t0, requests=len(batch), tokens=total(nd))
             t0 = l.now()
-            vmsg = packing.verify_message(batch, self.blocks, spec, l.with_plan, draft_lens=nd, drafts=drafts)
+            vmsg = packing.verify_message(batch, self.blocks, spec, l.with_plan, draft_lens=nd, drafts=drafts,
+                                          uniform=self.uniform_verify)
             l.host("plan", batch.step, t0, **shape)
             return SpecPlan(batch, t_step, vmsg, None, None)
-        vmsg = packing.verify_message(batch, self.blocks, spec, l.with_plan)
+        vmsg = packing.verify_message(batch, self.blocks, spec, l.with_plan, uniform=self.uniform_verify)
         dmsg = packing.draft_message(batch, self.blocks, spec, l.with_plan)
         fmsg = packing.verify_fill_message(batch, self.blocks, spec, l.with_plan) if spec.fill_same_batch else None
         l.host("plan", batch.step, t0, **shape)

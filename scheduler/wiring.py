@@ -77,14 +77,16 @@ def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_si
                    max_num_seqs: int, max_num_batched_tokens: int, device: Any, clock: Any,
                    sink: Any, tracer: Any = NULL_TRACER, eos_token_ids: Sequence[int] = (),
                    adaptive: bool = False, seed_costs: dict | None = None, drafter: Any = None,
-                   max_kept_tokens: int = MAX_KEPT_TOKENS, policy: DraftPolicy | None = None) -> Pipeline:
+                   max_kept_tokens: int = MAX_KEPT_TOKENS, policy: DraftPolicy | None = None,
+                   uniform_verify: bool = False) -> Pipeline:
     """A Pipeline over one KV page pool (a page table for the target and, when the proposer
     has a KV cache, one for it), serving on `device` with time from `clock`. `adaptive`: each
     decode step's D is chosen up to `spec.draft_len` (scheduler/adaptive.py), its cost models
     seeded from `seed_costs` (a cost profile's JSON) if given; `policy`: another `DraftPolicy`
     (scheduler/draft_policy.py; default: `spec.draft_len` fixed). `drafter`: a proposer's that
     drafts on the host (`ProposerRules.host_drafts`, scheduler/protocols.py `HostDrafter`).
-    `max_kept_tokens`: `PipelineConfig.max_kept_tokens` (a head's deferred fills)."""
+    `max_kept_tokens`, `uniform_verify`: `PipelineConfig`'s (a head's deferred fills; verifies of one
+    shape for padded steps)."""
     schedule = schedule_name(schedule)
     spec = for_schedule(spec, schedule)
     blocks = BlockManager(num_pages, page_size, ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
@@ -95,5 +97,5 @@ def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_si
     scheduler = Scheduler(scheduler_config(spec, max_num_seqs=max_num_seqs,
                                            max_num_batched_tokens=max_num_batched_tokens), blocks, policy,
                           eos_token_ids=tuple(eos_token_ids), keep_ids=sink.wants_token_ids)
-    return Pipeline(PipelineConfig(schedule, spec, max_kept_tokens), scheduler, device, clock, sink, tracer,
-                    drafter=drafter)
+    return Pipeline(PipelineConfig(schedule, spec, max_kept_tokens, uniform_verify), scheduler, device, clock, sink,
+                    tracer, drafter=drafter)

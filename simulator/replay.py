@@ -208,7 +208,7 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
                           # seeded as the captured run was: with a profile if it had one (this one)
                           seed_costs=profile.to_json() if c.draft_profile else None,
                           drafter=responder if spec.rules.host_drafts else None,
-                          max_kept_tokens=c.max_kept_hidden_tokens)
+                          max_kept_tokens=c.max_kept_hidden_tokens, uniform_verify=bool(c.graph_sizes()))
     policy = pipe.policy if pipe.policy.adaptive else None
     captured = trace.header.extra.get("draft_policy")
     warm_up = policy is not None and cfg.policy_state and not c.skip_warmup

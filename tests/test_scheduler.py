@@ -348,6 +348,11 @@ def test_spec_rows_reserve_the_whole_verify_width() -> None:
     assert list(msg.plan.qo_indptr) == [0, 4, 5]
     assert list(msg.plan.kv_lens) == [s.request.num_computed_tokens + 1 + s.draft_lens for s in rows(batch)]
     assert msg.shape.tokens == 5
+    # for padded steps (CUDA graphs) every row verifies the step's whole width, in the pages reserved
+    wide = packing.verify_message(batch, b.blocks, ProposerSpec("ngram", 3), uniform=True)
+    assert list(wide.plan.qo_indptr) == [0, 4, 8] and wide.shape.tokens == 8
+    assert list(wide.plan.kv_lens) == [s.request.num_computed_tokens + 4 for s in rows(batch)]
+    assert list(wide.draft_lens) == [3, 0]  # what each row drafted: the rest is never accepted
 
 
 def test_spec_token_budget_counts_the_verify_width() -> None:

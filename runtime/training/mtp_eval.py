@@ -122,6 +122,7 @@ def run_requests(worker, prompts: list[list[int]], params: SamplingParams | list
                           max_num_batched_tokens=max_num_batched_tokens, device=InlineDevice(worker),
                           clock=MonotonicClock(), sink=sink, eos_token_ids=eos, adaptive=adaptive, policy=policy,
                           drafter=host_drafter(spec, *worker.ngram), max_kept_tokens=max_kept_tokens,
+                          uniform_verify=worker.padding is not None,  # one verify shape for padded steps
                           **({} if tracer is None else {"tracer": tracer}))
     sink.expected = len(prompts)
     if pipelines is not None:
