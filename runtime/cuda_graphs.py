@@ -9,11 +9,14 @@ the rows asked for are computed after the replay, eagerly (as vLLM does), so no 
 [rows, vocab] logits. `plan()` stays on the host before each replay, as every step: it writes the
 step's page indices into the wrappers' fixed buffers (built with `use_cuda_graph=True`).
 
-A shape's graph is captured when it is first used (the engine's warm-up runs the common ones),
-all in one memory pool; `capture_ns` counts the time spent capturing. A plan writes its
+A shape's graph is captured at its first use (the worker runs the target's decode and verify
+shapes at every capture size when it starts); graphs share one memory pool; `capture_ns` counts
+the time spent capturing. A plan writes its
 wrapper's pinned host buffers at once and copies them behind the stream's queued work, so a
-slot's wrappers are planned again only once the replay that used them completed (an event per
-slot): the schedules plan step t + 1 while step t runs.
+wrapper is planned again only once the replay that used it completed (an event each); a shape
+has `SLOTS` wrapper sets, taken in turn, so that step t + 1 is planned while step t runs. The
+wrappers of launches on different streams (the target's, a proposer's) never share a workspace:
+those launches may run at once.
 """
 from __future__ import annotations
 
@@ -69,11 +72,12 @@ class _Wrappers:
 
 
 class GraphStep:
-    """A padded step's attention for graphs: its shape's wrappers, planned for this step.
-    `attend` runs them -- while a body is captured (or for a module run eagerly)."""
+    """A padded step for graphs: its plan, and -- once a module runs over it (`CudaGraphs.run`) --
+    its shape's wrappers planned for it, which `attend` runs (while a body is captured)."""
 
-    def __init__(self, graphs: "CudaGraphs", plan: AttentionPlan, key: tuple, wrappers: _Wrappers):
-        self.graphs, self.plan, self.key, self._w = graphs, plan, key, wrappers
+    def __init__(self, graphs: "CudaGraphs", plan: AttentionPlan):
+        self.graphs, self.plan = graphs, plan
+        self._w: _Wrappers | None = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_layer: torch.Tensor) -> torch.Tensor:
@@ -104,10 +108,9 @@ class CudaGraphs:
         self.append = flashinfer.page.append_paged_kv_cache
         self.head_pad = backend.padded_dim - backend.head_dim
         self.pool = torch.cuda.graph_pool_handle()
-        self._workspaces = [torch.zeros(backend.workspace_bytes, dtype=torch.uint8, device=device)
-                            for _ in range(SLOTS)]
-        self._events: list[torch.cuda.Event | None] = [None] * SLOTS
-        self._next = 0
+        self._workspaces: dict[tuple, torch.Tensor] = {}  # (KV cache, slot) -> FlashInfer's float workspace
+        self._events: dict[tuple, torch.cuda.Event] = {}  # wrapper key -> its latest replay's end
+        self._turn: dict[tuple, int] = {}  # shape -> the slot it takes next
         self._wrappers: dict[tuple, _Wrappers] = {}
         self._graphs: dict[tuple, _Graph] = {}
         self.capture_ns = 0
@@ -116,9 +119,12 @@ class CudaGraphs:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
-    def _make(self, rows: int, q: int, masked: bool, slot: int) -> _Wrappers:
+    def _make(self, rows: int, q: int, masked: bool, cache: int, slot: int) -> _Wrappers:
         i32 = dict(dtype=torch.int32, device=self.device)
-        ws = self._workspaces[slot]
+        ws = self._workspaces.get((cache, slot))
+        if ws is None:
+            ws = self._workspaces[cache, slot] = torch.zeros(self.backend.workspace_bytes, dtype=torch.uint8,
+                                                              device=self.device)
         kv_indptr, kv_indices, last = (torch.zeros(rows + 1, **i32), torch.zeros(self.max_pages, **i32),
                                        torch.zeros(rows, **i32))
         decode = q == 1 and not masked
@@ -140,19 +146,26 @@ class CudaGraphs:
                          torch.zeros(rows * q, **i32))
 
     def prepare(self, plan: AttentionPlan) -> GraphStep:
-        """A padded step's attention (every row `q` tokens): its shape's wrappers of the next
-        slot, planned for it, and its KV append's indices in their buffers."""
+        """A padded step (every row `q` tokens) for graphs; planned when a module runs over it."""
+        return GraphStep(self, plan)
+
+    def _plan(self, step: GraphStep, cache: int) -> tuple:
+        """Plan the step's shape's next wrapper set for the model of KV cache `cache` (a model's
+        launches keep to one stream: the target's and a proposer's never share a workspace), and
+        fill its KV append's index buffers. Returns the wrappers' key."""
+        plan = step.plan
         rows, q = plan.num_seqs, plan.num_tokens // plan.num_seqs
         masked = plan.custom_mask is not None
-        slot = self._next % SLOTS
-        self._next += 1
-        ev = self._events[slot]
+        shape = (rows, q, masked, cache)
+        slot = self._turn.get(shape, 0)
+        self._turn[shape] = (slot + 1) % SLOTS
+        key = shape + (slot,)
+        ev = self._events.get(key)
         if ev is not None and not ev.query():
-            ev.synchronize()  # the replay that used this slot's wrappers has not run yet
-        key = (rows, q, masked, slot)
+            ev.synchronize()  # the replay that used these wrappers has not run yet
         w = self._wrappers.get(key)
         if w is None:
-            w = self._wrappers[key] = self._make(rows, q, masked, slot)
+            w = self._wrappers[key] = self._make(*key)
 
         def cpu(a):
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
@@ -180,12 +193,14 @@ class CudaGraphs:
         w.kv_indptr.copy_(to_device(indptr, dev))
         w.kv_indices[: indices.shape[0]].copy_(indices)
         w.last.copy_(to_device(last, dev))
-        return GraphStep(self, plan, key, w)
+        step._w = w
+        return key
 
     def run(self, module: Any, step: GraphStep, kv: Any, inputs: tuple, flags: tuple) -> tuple:
         """`module.body` over `inputs` at `step`'s shape: its graph replayed (captured first if
         this is the shape's first use); the outputs are copies the caller may keep."""
-        key = (id(module), id(kv), step.key, flags, tuple(x.shape for x in inputs))  # (a head's input widths vary)
+        wrappers = self._plan(step, id(kv))
+        key = (id(module), wrappers, flags, tuple(x.shape for x in inputs))  # (a head's input widths vary)
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._capture(module, step, kv, inputs, flags)
@@ -195,7 +210,7 @@ class CudaGraphs:
             g.graph.replay()
         ev = torch.cuda.Event()
         ev.record()
-        self._events[step.key[3]] = ev
+        self._events[wrappers] = ev
         return tuple(None if o is None else o.clone() for o in g.outputs)
 
     def _capture(self, module: Any, step: GraphStep, kv: Any, inputs: tuple, flags: tuple) -> _Graph:
