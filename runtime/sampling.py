@@ -24,7 +24,7 @@ _TINY = torch.finfo(torch.float32).tiny
 
 class RowParams(Protocol):
     """One row's sampling parameters, as `SamplingTensors.from_params` reads them
-    (`specsched.scheduler.sampling_params.SamplingParams` and `specsched.runtime.worker.SeqState` both fit)."""
+    (`specsched.scheduler.sampling_params.SamplingParams` and `specsched.runtime.token_state.SeqState` both fit)."""
 
     @property
     def temperature(self) -> float: ...

@@ -22,7 +22,8 @@ from specsched.runtime.sync_guard import to_device
 from specsched.scheduler.plan import build_plan
 
 if TYPE_CHECKING:
-    from specsched.runtime.worker import ModelWorker, SeqState
+    from specsched.runtime.token_state import SeqState
+    from specsched.runtime.worker import ModelWorker
     from specsched.scheduler.messages import DraftMessage, FillMessage
     from specsched.scheduler.plan import AttentionPlan
 
