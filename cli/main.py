@@ -1,7 +1,8 @@
 """The `specsched` command: a thin typer layer over the engine, traces and simulator.
 
 Commands live by topic: running the engine here, trace tools in cli/trace_cmds.py, the
-simulator in cli/sim_cmds.py, the HTTP server in cli/serve_cmd.py; importing those modules registers their commands on `app`.
+simulator in cli/sim_cmds.py, the HTTP server in cli/serve_cmd.py, training the bundled models and
+heads in cli/train_cmds.py; importing those modules registers their commands on `app`.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, WORKER_MALLOC, WORKER_OPENMP, ENFORCE_EAGER, CUDA_GRAPH_SIZES, _fail,
+from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, WORKER_MALLOC, WORKER_OPENMP, ENFORCE_EAGER, CUDA_GRAPH_SIZES,
+                                  _fail,
                                   _metrics_table, _print_json, acceptance_note, app, check_output_path, console,
                                   engine_config, fail_if_requests_failed, parse_draft_len, synthetic_summary,
                                   user_errors)
@@ -116,102 +118,6 @@ def demo(
     rows = run_demo(out, num_requests, max_tokens, concurrency, Console(), rounds)
     console.print(f"[dim]demo took {__import__('time').monotonic() - t0:.0f} s[/dim]")
     fail_if_requests_failed([e for r in rows for e in r["errors"]], sum(r["requests"] for r in rows))
-
-
-@app.command("train-models")
-def train_models(
-    out: Path = typer.Option(Path("runtime/bundled"), help="output dir"),
-    target_steps: Optional[int] = typer.Option(None, help="fixed target steps (default: --target-minutes)"),
-    draft_steps: Optional[int] = typer.Option(None, help="fixed draft steps (default: --draft-minutes)"),
-    mtp_steps: Optional[int] = typer.Option(None, help="fixed MTP-head steps (default: --mtp-minutes)"),
-    target_minutes: float = typer.Option(60.0),
-    draft_minutes: float = typer.Option(15.0),
-    mtp_minutes: float = typer.Option(15.0),
-    mtp_windows: int = typer.Option(16000, help="precomputed training windows for the MTP head"),
-    mtp_onpolicy_frac: float = typer.Option(0.75, help="share of the head's windows continued by the target"),
-    mtp_aux_layers: Optional[str] = typer.Option(None, help="earlier target layers the MTP head also reads "
-                                                 "(comma-separated; '' for the last layer only; default 1,3, or with "
-                                                 "--grow-from the grown target's layers that hold its head's)"),
-    mtp_lr: float = typer.Option(2e-3, help="the MTP head's peak learning rate"),
-    state: Optional[Path] = typer.Option(None, help="checkpoint dir: a rerun continues where the last stopped"),
-    tokenizer: Optional[Path] = typer.Option(None, help="reuse this tokenizer.json instead of training one"),
-    threads: int = typer.Option(2),
-    batch_size: int = typer.Option(16, help="target/draft windows per step"),
-    bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast (default: where the "
-                                        "CPU has native bf16)"),
-    seed: int = typer.Option(0),
-    target_shape: str = typer.Option("6x256", help="the target's LAYERSxHIDDEN; the draft has its width"),
-    grow_from: Optional[Path] = typer.Option(None, help="a trained family (target/, draft/, mtp/) of the same width: "
-                                             "its target deepened to --target-shape and trained on, its draft and "
-                                             "MTP head continued against the result"),
-    target_bf16: bool = typer.Option(False, "--target-bf16", help="store the target's weights as bf16"),
-    draft_layers: int = typer.Option(1, min=1, help="the draft's depth (with --grow-from, a multiple of its "
-                                     "draft's: that draft deepened to it)"),
-) -> None:
-    """Retrain the bundled family: tokenizer, target, draft, MTP head (needs the dev extra)."""
-    from specsched.runtime.training.bundled import main as train_main
-    from specsched.runtime.training.bundled import parse_shape
-    from specsched.runtime.training.grow import grow_plan
-    from specsched.runtime.training.mtp import train_mtp
-
-    try:
-        layers, _ = parse_shape(target_shape)
-        grown = None if grow_from is None else grow_plan(grow_from, layers, draft_layers)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--target-shape / --draft-layers / --grow-from") from None
-    aux = _layer_list(mtp_aux_layers, "--mtp-aux-layers") if mtp_aux_layers is not None else \
-        grown.aux_layers if grown is not None else (1, 3)
-    train_main(out_dir=str(out), target_minutes=target_minutes, draft_minutes=draft_minutes, seed=seed,
-               target_steps=target_steps, draft_steps=draft_steps, num_threads=threads, state_dir=state,
-               tokenizer=tokenizer, bf16=bf16, batch_size=batch_size, target_shape=target_shape,
-               grow_from=grown and grown.target, target_bf16=target_bf16, draft_from=grown and grown.draft,
-               draft_layers=draft_layers)
-    train_mtp(out / "target", out / "mtp", mtp_steps, minutes=mtp_minutes, ablation=grown is None, seed=seed,
-              num_windows=mtp_windows, num_threads=threads, bf16=bf16, onpolicy_frac=mtp_onpolicy_frac,
-              aux_layers=aux, init_from=grown and grown.head, lr=mtp_lr)
-
-
-def _layer_list(text: str, flag: str) -> tuple[int, ...]:
-    """'1,3' -> (1, 3); a clear usage error otherwise."""
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise typer.BadParameter(f"not a comma-separated list of layer indices: {text!r}", param_hint=flag) from None
-
-
-@app.command("train-mtp")
-def train_mtp_cmd(
-    target: Path = typer.Option(..., help="target checkpoint dir (HF layout)"),
-    out: Path = typer.Option(..., help="output dir for the head"),
-    steps: Optional[int] = typer.Option(None, help="fixed optimizer steps (default: a time budget)"),
-    minutes: float = typer.Option(6.0, help="time budget when --steps is not given"),
-    windows: int = typer.Option(2400, help="precomputed training windows (target hidden states)"),
-    no_norms: bool = typer.Option(False, "--no-norms", help="EAGLE-style head without the restored RMSNorms"),
-    ablation: bool = typer.Option(False, help="also train the other variant and record both in the card"),
-    threads: int = typer.Option(1, help="torch threads (1 is fastest on a shared 2-core machine)"),
-    bf16: Optional[bool] = typer.Option(None, "--bf16/--no-bf16", help="bf16 autocast (default: where the "
-                                        "CPU has native bf16)"),
-    onpolicy_frac: float = typer.Option(0.0, help="share of windows continued by the target's greedy tokens"),
-    aux_layers: str = typer.Option("", help="comma-separated earlier target layers whose outputs the head also "
-                                   "reads (EAGLE-3 features), e.g. 1,3"),
-    init_from: Optional[Path] = typer.Option(None, help="a head directory to continue training from"),
-    lr: float = typer.Option(2e-3, help="peak learning rate (warm-up, then cosine to a tenth of it)"),
-    layout: str = typer.Option("specsched", help="specsched (this head's own network) | eagle3 (an EAGLE-3 "
-                               "head in the layout vLLM and SGLang load; needs three --aux-layers)"),
-    seed: int = typer.Option(0),
-) -> None:
-    """Train an MTP head on a target's hidden states (computed with specsched's own forward)."""
-    from specsched.runtime.training.mtp import train_mtp
-
-    layers = _layer_list(aux_layers, "--aux-layers")
-    try:
-        report = train_mtp(target, out, steps, minutes=minutes, norms=not no_norms, ablation=ablation,
-                           seed=seed, num_windows=windows, num_threads=threads, bf16=bf16,
-                           onpolicy_frac=onpolicy_frac, aux_layers=layers, init_from=init_from, lr=lr,
-                           layout=layout)
-    except ValueError as exc:  # a layer the target lacks, a head --init-from that does not fit
-        raise typer.BadParameter(str(exc), param_hint="--aux-layers / --init-from / --layout") from None
-    _print_json(report)
 
 
 def _workload(workload: str, num_requests: Optional[int], max_tokens: Optional[int], temperature: Optional[float]):
@@ -418,9 +324,9 @@ async def _stop_on_signal(scope, received: list[int]) -> None:
             return
 
 
-from specsched.cli import trace_cmds, sim_cmds, serve_cmd  # noqa: E402  (importing them registers their commands)
+from specsched.cli import trace_cmds, sim_cmds, serve_cmd, train_cmds  # noqa: E402  (importing them registers their commands)
 
-_COMMAND_MODULES = (trace_cmds, sim_cmds, serve_cmd)
+_COMMAND_MODULES = (trace_cmds, sim_cmds, serve_cmd, train_cmds)
 
 
 def main() -> None:
