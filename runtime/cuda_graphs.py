@@ -134,9 +134,11 @@ class CudaGraphs:
                 paged_kv_indices_buffer=kv_indices, paged_kv_last_page_len_buffer=last)
         else:
             mask = {}
-            if masked:  # a tree's packed mask: at most q x (max_pages x page_size) bits a row
-                bits = rows * q * self.max_pages * self.page_size
-                mask = dict(custom_mask_buf=torch.zeros(bits // 8 + rows + 1, dtype=torch.uint8, device=self.device),
+            if masked:
+                # a tree's mask as `pack_mask` lays it out: a byte per cell of the unpacked masks (q x
+                # each row's KV), whose rows hold distinct pages but the pad rows, q tokens each
+                cells = q * (self.max_pages * self.page_size + rows * q)
+                mask = dict(custom_mask_buf=torch.zeros(cells + 1, dtype=torch.uint8, device=self.device),
                             mask_indptr_buf=torch.zeros(rows + 1, **i32))
             wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
                 ws, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros(rows + 1, **i32),
