@@ -232,13 +232,9 @@ def main() -> int:
 
             shapes, traces = gpu_shapes.run_plan(deadline - 45, args.max_tokens)  # 45 s left for the profiles
             summary["shapes"] = shapes
-            for r in shapes:
-                print("shape " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                                           for k, v in r.items()))
             if args.out:
                 summary["profiles"] = gpu_shapes.write_profiles(traces, args.out)
-                for p in summary["profiles"]:
-                    print(f"profile {p['profile']}: {p['traces']} traces, makespan error % {p['makespan_err_pct']}")
+            gpu_shapes.print_rows(shapes, summary.get("profiles"))
             summary["targets"] = verdicts(rows) + gpu_shapes.verdicts(shapes)
             for line in summary["targets"]:
                 print("target: " + line)

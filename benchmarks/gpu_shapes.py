@@ -4,7 +4,7 @@ Dummy weights of published shapes (runtime/shapes: Llama-3.2-1B and Llama-3.1-8B
 one-layer MTP head and draft model), and the bundled family, in bfloat16 with FlashInfer attention; speculation at a
 synthetic acceptance length, so the figures depend on the acceptance asked for, not on a
 proposer's weights. Each configuration runs with graphs and with `--enforce-eager`, in the order
-of `PLAN` (the issue's targets first) until the time is up, and prints tok/s, TPOT, host and
+of `PLAN` (first the configurations the GPU targets are judged on, `verdicts`) until the time is up, and prints tok/s, TPOT, host and
 device ms per step, the bubble fraction and the analytic bound from the measured device times
 (plain: B / T_decode; speculative: B x AL / (T_verify + T_draft + T_fill), the NVIDIA formula at
 the measured AL). The graph runs' traces of each shape are fitted into a cost profile written as
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-# (shape, proposer, synthetic AL or None, schedule, concurrency), the issue's targets first
+# (shape, proposer, synthetic AL or None, schedule, concurrency): those `verdicts` judges first
 PLAN = [
     ("llama-3.2-1b", "none", None, "sync", 1),
     ("llama-3.2-1b", "mtp", 3.5, "eager_fill", 1),
@@ -145,8 +145,16 @@ def write_profiles(traces: dict[str, list], out: Path) -> list[dict]:
     return made
 
 
+def print_rows(rows: list[dict], profiles: list[dict] | None = None) -> None:
+    """One `shape ...` line a row, and one `profile ...` line a profile written."""
+    for r in rows:
+        print("shape " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
+    for p in profiles or ():
+        print(f"profile {p['profile']}: {p['traces']} traces, makespan error % {p['makespan_err_pct']}")
+
+
 def verdicts(rows: list[dict]) -> list[str]:
-    """The issue's GPU targets, judged on the rows that ran."""
+    """The GPU targets, judged on the rows that ran."""
     by = {(r["config"], r["graphs"]): r for r in rows if "tokens_per_s" in r}
     out = []
     g, e = by.get(("llama-3.2-1b plain sync b1", True)), by.get(("llama-3.2-1b plain sync b1", False))
@@ -180,14 +188,11 @@ def main() -> int:
         print(f"dry run, {why}: nothing run ({len(PLAN)} configurations planned)")
         return 0
     rows, traces = run_plan(time.monotonic() + 60 * args.minutes, args.max_tokens)
-    for r in rows:
-        print("shape " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
     summary = {"rows": rows, "targets": verdicts(rows)}
     if args.out:
         summary["profiles"] = write_profiles(traces, args.out)
-        for p in summary["profiles"]:
-            print(f"profile {p['profile']}: {p['traces']} traces, makespan error % {p['makespan_err_pct']}")
         (args.out / "gpu_shapes.json").write_text(json.dumps(summary, indent=2, default=str))
+    print_rows(rows, summary.get("profiles"))
     for line in summary["targets"]:
         print("target: " + line)
     return 0

@@ -151,7 +151,8 @@ def bench(
                                             "(up to --max-draft-len, default 4)"),
     max_draft_len: Optional[int] = typer.Option(None, "--max-draft-len", help="with --draft-len auto"),
     profile: Optional[Path] = typer.Option(None, "--profile", help="with --draft-len auto: a cost profile "
-                                           "(fit-profile's JSON) seeding its step-time models"),
+                                           "(fit-profile's JSON, or a shipped profile's name) seeding its "
+                                           "step-time models"),
     schedule: Optional[str] = typer.Option(None, help=SCHEDULE_HELP),
     tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel size: shard the target over N "
                                      "worker processes (default 1)"),
@@ -215,7 +216,7 @@ def bench(
             _fail(f"--otlp: {e}")
     cfg = engine_config(model=model, draft=draft, mtp_head=mtp_head, proposer=spec,
                         draft_len=parse_draft_len(draft_len), max_draft_len=max_draft_len,
-                        draft_profile=str(profile) if profile else None, schedule=schedule,
+                        draft_profile=_profile_file(profile), schedule=schedule,
                         tensor_parallel_size=tp, config_file=config_file, speculative_config=speculative_config,
                         load_format=load_format, worker_malloc=worker_malloc, worker_openmp=worker_openmp,
                         enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes)
@@ -276,6 +277,18 @@ def bench(
         if trace:
             console.print(f"trace written to {trace}")
     fail_if_requests_failed(errors, len(items) * len(runs))
+
+
+def _profile_file(profile: Path | None) -> str | None:
+    """`--profile`: a cost profile's file, or a shipped profile's by name (simulator/profiles)."""
+    if profile is None:
+        return None
+    from specsched.simulator.profiles import profile_path
+
+    try:
+        return str(profile_path(profile))
+    except ValueError as e:
+        _fail(f"--profile: {e}")
 
 
 def _bench_endpoint(url: str, items, concurrency, rate, warmup: int, model: str | None, json_out: bool) -> None:

@@ -24,10 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from specsched.runtime.attention.flashinfer_backend import pack_mask
+from specsched.runtime.attention.flashinfer_backend import FlashInferStepAttention, host_int32, append_indices
 from specsched.runtime.sync_guard import to_device
 from specsched.scheduler.plan import AttentionPlan
 
@@ -60,34 +59,27 @@ def real_rows(x, n: int):
 
 @dataclass
 class _Wrappers:
-    """One shape's FlashInfer wrapper over fixed buffers, and the KV append's index buffers."""
+    """One shape's FlashInfer wrapper over fixed buffers, and its attention (the backend's own,
+    over those buffers and the KV append's, which `_plan` fills)."""
 
     wrapper: Any
     decode: bool
-    kv_indptr: torch.Tensor  # [rows + 1] int32
-    kv_indices: torch.Tensor  # [max_pages] int32
-    last: torch.Tensor  # [rows] int32
-    batch_indices: torch.Tensor  # [rows * q] int32
+    attention: FlashInferStepAttention
+    batch_indices: torch.Tensor  # [rows * q] int32: each token's row
     positions: torch.Tensor  # [rows * q] int32: each token's position in its row's KV
 
 
 class GraphStep:
     """A padded step for graphs: its plan, and -- once a module runs over it (`CudaGraphs.run`) --
-    its shape's wrappers planned for it, which `attend` runs (while a body is captured)."""
+    its shape's wrappers planned for it, whose attention runs while a body is captured."""
 
     def __init__(self, graphs: "CudaGraphs", plan: AttentionPlan):
         self.graphs, self.plan = graphs, plan
-        self._w: _Wrappers | None = None
+        self.attention: FlashInferStepAttention | None = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_layer: torch.Tensor) -> torch.Tensor:
-        w, pad = self._w, self.graphs.head_pad
-        if pad:
-            q, k, v = (torch.nn.functional.pad(t, (0, pad)) for t in (q, k, v))
-        self.graphs.append(k.contiguous(), v.contiguous(), w.batch_indices, w.positions, kv_layer, w.kv_indices,
-                           w.kv_indptr, w.last, kv_layout="NHD")
-        out = w.wrapper.run(q.contiguous(), kv_layer)
-        return out[..., : out.shape[-1] - pad] if pad else out
+        return self.attention.attend(layer_idx, q, k, v, kv_layer)
 
 
 @dataclass
@@ -105,8 +97,6 @@ class CudaGraphs:
 
         self._fi, self.backend, self.device, self.max_pages = flashinfer, backend, device, max_pages
         self.page_size = page_size
-        self.append = flashinfer.page.append_paged_kv_cache
-        self.head_pad = backend.padded_dim - backend.head_dim
         self.pool = torch.cuda.graph_pool_handle()
         self._workspaces: dict[tuple, torch.Tensor] = {}  # (KV cache, slot) -> FlashInfer's float workspace
         self._events: dict[tuple, torch.cuda.Event] = {}  # wrapper key -> its latest replay's end
@@ -144,8 +134,11 @@ class CudaGraphs:
                 ws, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros(rows + 1, **i32),
                 paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices, paged_kv_last_page_len_buf=last,
                 backend="fa2", **mask)
-        return _Wrappers(wrapper, decode, kv_indptr, kv_indices, last, torch.zeros(rows * q, **i32),
-                         torch.zeros(rows * q, **i32))
+        rows_q = dict(batch_indices=torch.zeros(rows * q, **i32), positions=torch.zeros(rows * q, **i32))
+        attention = FlashInferStepAttention(
+            plan=None, wrapper=wrapper, append=self._fi.page.append_paged_kv_cache, used=None, kv_indices=kv_indices,
+            kv_indptr=kv_indptr, last_page_len=last, head_pad=self.backend.padded_dim - self.backend.head_dim, **rows_q)
+        return _Wrappers(wrapper, decode, attention, **rows_q)
 
     def prepare(self, plan: AttentionPlan) -> GraphStep:
         """A padded step (every row `q` tokens) for graphs; planned when a module runs over it."""
@@ -169,33 +162,13 @@ class CudaGraphs:
         if w is None:
             w = self._wrappers[key] = self._make(*key)
 
-        def cpu(a):
-            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
-
-        kv = plan.kv_lens.astype(np.int64)
-        seq_of_tok = np.repeat(np.arange(rows), q)
-        pos = (kv - q)[seq_of_tok] + np.tile(np.arange(q), rows)
-        dev = self.device
-        w.batch_indices.copy_(to_device(cpu(seq_of_tok), dev))
-        w.positions.copy_(to_device(cpu(pos), dev))
-        indptr, last = cpu(plan.paged_kv_indptr), cpu(plan.paged_kv_last_page_len)
-        indices = to_device(cpu(plan.paged_kv_indices), dev)
-        b = self.backend
-        common = dict(q_data_type=b.dtype, kv_data_type=b.dtype, sm_scale=b.sm_scale)
-        if w.decode:
-            w.wrapper.plan(indptr, indices, last, b.num_qo_heads, b.num_kv_heads, b.padded_dim, plan.page_size,
-                           **common)
-        else:
-            packed = None
-            if masked:
-                packed = to_device(pack_mask(plan.custom_mask, np.diff(plan.qo_indptr), kv), dev)
-            w.wrapper.plan(cpu(plan.qo_indptr), indptr, indices, last, b.num_qo_heads, b.num_kv_heads,
-                           b.padded_dim, plan.page_size, packed_custom_mask=packed, causal=packed is None, **common)
-        # the append reads the same indices as the attention (the wrapper's plan copied them there)
-        w.kv_indptr.copy_(to_device(indptr, dev))
-        w.kv_indices[: indices.shape[0]].copy_(indices)
-        w.last.copy_(to_device(last, dev))
-        step._w = w
+        # the wrapper's plan writes the page indices into the buffers its attention's KV append reads
+        self.backend.plan_wrapper(w.wrapper, w.decode, plan, to_device(host_int32(plan.paged_kv_indices), self.device),
+                                  self.device)
+        seq_of_tok, pos_in_seq = append_indices(plan)
+        w.batch_indices.copy_(to_device(host_int32(seq_of_tok), self.device))
+        w.positions.copy_(to_device(host_int32(pos_in_seq), self.device))
+        step.attention = w.attention
         return key
 
     def run(self, module: Any, step: GraphStep, kv: Any, inputs: tuple, flags: tuple) -> tuple:

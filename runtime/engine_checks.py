@@ -100,11 +100,9 @@ def draft_profile(c: EngineConfig) -> dict | None:
     path = c.draft_profile
     if path is None:
         return None
-    from specsched.simulator.profiles import profile_path
-
     try:
-        data = orjson.loads(profile_path(path).read_bytes())
-    except (OSError, ValueError, orjson.JSONDecodeError) as e:
+        data = orjson.loads(Path(path).read_bytes())
+    except (OSError, orjson.JSONDecodeError) as e:
         raise ConfigurationError(f"draft_profile {path}: not a readable cost profile: {e}") from None
     if not isinstance(data, dict) or not isinstance(data.get("device"), dict):
         raise ConfigurationError(f"draft_profile {path}: not a cost profile (no 'device' models)")

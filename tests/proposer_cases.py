@@ -1,8 +1,15 @@
 """Every proposer under every schedule it runs with, on the bundled models: the cases the
-device-level tests sweep (sync-free ops, tensor parallelism), and a worker for one."""
+device-level tests sweep (sync-free ops, tensor parallelism), and a worker for one; and a tiny
+random family (target, draft, head) of any config with a worker over it."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from specsched.runtime import bundled
+from specsched.runtime.checkpoint import load_model, save_llama
+from specsched.runtime.config import ModelConfig
+from specsched.runtime.model import LlamaModel
+from specsched.runtime.mtp_head import MTPHead, save_head
 from specsched.runtime.worker import ModelWorker
 from specsched.scheduler import wiring
 
@@ -25,3 +32,20 @@ def case_worker(kind: str, *, target: str | None = None, proposer_dir: str | Non
     return ModelWorker(target or str(bundled.target_dir()),
                        {"kind": kind, "draft_len": d, "tree_parents": list(spec.tree_parents)},
                        proposer_dir=str(proposer_dir) if proposer_dir else None, num_pages=256, page_size=16, **kw)
+
+
+def save_tiny_family(root: Path, config: ModelConfig) -> None:
+    """A random target of `config` (root/target), a one-layer draft of its family (root/draft) and
+    an MTP head for it (root/head), written as checkpoints."""
+    save_llama(LlamaModel.random(config, seed=1, std=0.3), root / "target")
+    save_llama(LlamaModel.random(config.model_copy(update={"num_hidden_layers": 1}), seed=2, std=0.3), root / "draft")
+    target = load_model(root / "target")
+    save_head(MTPHead.for_target(target, seed=3, std=0.3), root / "head", target)
+
+
+def family_worker(root: Path, kind: str, d: int, **kw) -> ModelWorker:
+    """A ModelWorker for `kind` at D = `d` over a `save_tiny_family` folder; kw go to ModelWorker."""
+    spec = wiring.proposer_spec(kind, d)
+    proposer_dir = {"draft": root / "draft", "mtp": root / "head", "eagle": root / "head"}.get(kind)
+    return ModelWorker(str(root / "target"), {"kind": kind, "draft_len": d, "tree_parents": list(spec.tree_parents)},
+                       proposer_dir=str(proposer_dir) if proposer_dir else None, **kw)

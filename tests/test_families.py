@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from specsched.runtime.checkpoint import load_model, save_llama
+from specsched.runtime.checkpoint import load_model
 from specsched.runtime.config import ModelConfig
-from specsched.runtime.model import LlamaModel
-from specsched.runtime.mtp_head import MTPHead, save_head
 from specsched.runtime.training.mtp_eval import run_requests
-from specsched.runtime.worker import ModelWorker
-from specsched.scheduler import wiring
 from specsched.scheduler.sampling_params import SamplingParams
+from tests.proposer_cases import family_worker, save_tiny_family
 
 SHAPE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -30,12 +27,10 @@ def family(request, tmp_path_factory):
     """(folder, plain greedy outputs) of a family's target, draft and head."""
     root = tmp_path_factory.mktemp(request.param)
     config = ModelConfig.from_hf({**SHAPE, **FAMILIES[request.param]})
-    save_llama(LlamaModel.random(config, seed=1, std=0.3), root / "target")
-    save_llama(LlamaModel.random(config.model_copy(update={"num_hidden_layers": 1}), seed=2, std=0.3), root / "draft")
+    save_tiny_family(root, config)
     target = load_model(root / "target")
     assert target.config.model_type == request.param and target.config == config
-    save_head(MTPHead.for_target(target, seed=3, std=0.3), root / "head", target)
-    worker = ModelWorker(str(root / "target"), {"kind": "none", "draft_len": 0}, num_pages=128, page_size=8)
+    worker = family_worker(root, "none", 0, num_pages=128, page_size=8)
     plain = [r.output_token_ids for r in run_requests(worker, PROMPTS, PARAMS, num_pages=128)]
     return root, plain
 
@@ -47,10 +42,7 @@ PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
 def test_every_proposer_is_lossless_on_every_family(family, kind):
     root, plain = family
     d, schedule = CASES[kind]
-    spec = wiring.proposer_spec(kind, d)
-    proposer_dir = {"draft": root / "draft", "mtp": root / "head", "eagle": root / "head"}.get(kind)
-    worker = ModelWorker(str(root / "target"), {"kind": kind, "draft_len": d, "tree_parents": list(spec.tree_parents)},
-                         proposer_dir=str(proposer_dir) if proposer_dir else None, num_pages=128, page_size=8)
+    worker = family_worker(root, kind, d, num_pages=128, page_size=8)
     reqs = run_requests(worker, PROMPTS, PARAMS, schedule=schedule, num_pages=128)
     assert [r.output_token_ids for r in reqs] == plain
     if kind in ("draft", "mtp", "eagle"):

@@ -7,19 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from specsched.runtime.checkpoint import load_model, save_llama
 from specsched.runtime.config import ModelConfig
 from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.model import LlamaModel
-from specsched.runtime.mtp_head import MTPHead, save_head
 from specsched.scheduler.padding import DEFAULT_CAPTURE_SIZES, Padding, capture_sizes
 from specsched.runtime.training.mtp_eval import run_requests
-from specsched.runtime.worker import ModelWorker
-from specsched.scheduler import wiring
 from specsched.scheduler.errors import ConfigurationError
 from specsched.scheduler.plan import build_plan
 from specsched.scheduler.sampling_params import SamplingParams
-from tests.proposer_cases import CASES
+from tests.proposer_cases import CASES, family_worker, save_tiny_family
 
 PAGE = 8
 SHAPE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -119,10 +115,7 @@ def test_cuda_graph_options_are_validated():
 def models(tmp_path_factory):
     """(folder, plain greedy outputs) of a tiny random target, a one-layer draft and a head."""
     root = tmp_path_factory.mktemp("padding")
-    config = ModelConfig.from_hf(SHAPE)
-    save_llama(LlamaModel.random(config, seed=1, std=0.3), root / "target")
-    save_llama(LlamaModel.random(config.model_copy(update={"num_hidden_layers": 1}), seed=2, std=0.3), root / "draft")
-    save_head(MTPHead.for_target(load_model(root / "target"), seed=3, std=0.3), root / "head", load_model(root / "target"))
+    save_tiny_family(root, ModelConfig.from_hf(SHAPE))
     plain = run_requests(_worker(root, "none", 0), PROMPTS, PARAMS, num_pages=64)
     return root, [r.output_token_ids for r in plain]
 
@@ -132,10 +125,7 @@ PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (14, 9, 17)]  #
 
 
 def _worker(root, kind, d, **kw):
-    spec = wiring.proposer_spec(kind, d)
-    proposer_dir = {"draft": root / "draft", "mtp": root / "head", "eagle": root / "head"}.get(kind)
-    return ModelWorker(str(root / "target"), {"kind": kind, "draft_len": d, "tree_parents": list(spec.tree_parents)},
-                       proposer_dir=str(proposer_dir) if proposer_dir else None, num_pages=64, page_size=16, **kw)
+    return family_worker(root, kind, d, num_pages=64, page_size=16, **kw)
 
 
 @pytest.mark.parametrize("kind,schedule", [(k, s) for k, (_, _, schedules) in CASES.items() for s in schedules])

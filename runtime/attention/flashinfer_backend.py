@@ -116,49 +116,61 @@ class FlashInferBackend:
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"the flashinfer backend runs on CUDA devices only, got {device}")
-        qo = np.diff(plan.qo_indptr)
-        kv = plan.kv_lens.astype(np.int64)
-        is_decode = plan.custom_mask is None and bool((qo == 1).all())
-
-        def cpu(a):
-            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
-
-        kv_indptr_cpu, last_cpu = cpu(plan.paged_kv_indptr), cpu(plan.paged_kv_last_page_len)
-        kv_indices = to_device(cpu(plan.paged_kv_indices), device)
-        seq_of_tok = np.repeat(np.arange(qo.shape[0]), qo)
-        pos_in_seq = (kv - qo)[seq_of_tok] + np.arange(seq_of_tok.shape[0]) - plan.qo_indptr[:-1][seq_of_tok]
+        is_decode = plan.custom_mask is None and bool((np.diff(plan.qo_indptr) == 1).all())
+        kv_indices = to_device(host_int32(plan.paged_kv_indices), device)
         slot = self._slot(device)
-        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.sm_scale)
-        dim = self.padded_dim
-        if is_decode:
-            wrapper = slot["decode"]
-            wrapper.plan(kv_indptr_cpu, kv_indices, last_cpu, self.num_qo_heads,
-                         self.num_kv_heads, dim, plan.page_size, **common)
-        else:
-            wrapper = slot["prefill"]
-            packed = None
-            if plan.custom_mask is not None:
-                packed = to_device(pack_mask(plan.custom_mask, qo, kv), device)
-            wrapper.plan(cpu(plan.qo_indptr), kv_indptr_cpu, kv_indices, last_cpu,
-                         self.num_qo_heads, self.num_kv_heads, dim, plan.page_size,
-                         packed_custom_mask=packed, causal=packed is None, **common)
+        wrapper = slot["decode" if is_decode else "prefill"]
+        self.plan_wrapper(wrapper, is_decode, plan, kv_indices, device)
+        seq_of_tok, pos_in_seq = append_indices(plan)
         return FlashInferStepAttention(
             plan=plan, wrapper=wrapper, append=self._fi.page.append_paged_kv_cache, used=slot["used"],
-            batch_indices=to_device(cpu(seq_of_tok), device),
-            positions=to_device(cpu(pos_in_seq), device),
+            batch_indices=to_device(host_int32(seq_of_tok), device),
+            positions=to_device(host_int32(pos_in_seq), device),
             kv_indices=kv_indices,
-            kv_indptr=to_device(kv_indptr_cpu, device),
-            last_page_len=to_device(last_cpu, device),
+            kv_indptr=to_device(host_int32(plan.paged_kv_indptr), device),
+            last_page_len=to_device(host_int32(plan.paged_kv_last_page_len), device),
             head_pad=self.padded_dim - self.head_dim,
         )
+
+    def plan_wrapper(self, wrapper, decode: bool, plan: AttentionPlan, kv_indices: torch.Tensor,
+                     device: torch.device) -> None:
+        """FlashInfer's `plan()` of a decode (`decode`) or prefill wrapper for `plan`, its page
+        indices already on the device (`kv_indices`); a tree's mask packed on the host."""
+        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.sm_scale)
+        indptr, last = host_int32(plan.paged_kv_indptr), host_int32(plan.paged_kv_last_page_len)
+        if decode:
+            wrapper.plan(indptr, kv_indices, last, self.num_qo_heads, self.num_kv_heads, self.padded_dim,
+                         plan.page_size, **common)
+            return
+        packed = None
+        if plan.custom_mask is not None:
+            packed = to_device(pack_mask(plan.custom_mask, np.diff(plan.qo_indptr), plan.kv_lens), device)
+        wrapper.plan(host_int32(plan.qo_indptr), indptr, kv_indices, last, self.num_qo_heads, self.num_kv_heads,
+                     self.padded_dim, plan.page_size, packed_custom_mask=packed, causal=packed is None, **common)
+
+
+def host_int32(a) -> torch.Tensor:
+    """An index array as a host int32 tensor (what `plan()` and the KV append take)."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+
+
+def append_indices(plan: AttentionPlan) -> tuple[np.ndarray, np.ndarray]:
+    """(each new token's sequence, its position in that sequence's KV): what the KV append reads."""
+    qo = np.diff(plan.qo_indptr)
+    seq_of_tok = np.repeat(np.arange(qo.shape[0]), qo)
+    pos_in_seq = (plan.kv_lens.astype(np.int64) - qo)[seq_of_tok] + np.arange(seq_of_tok.shape[0]) \
+        - plan.qo_indptr[:-1][seq_of_tok]
+    return seq_of_tok, pos_in_seq
 
 
 class FlashInferStepAttention:
     def __init__(self, *, plan: AttentionPlan, wrapper, append, batch_indices: torch.Tensor,
                  positions: torch.Tensor, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
-                 last_page_len: torch.Tensor, used: torch.cuda.Event, head_pad: int = 0) -> None:
+                 last_page_len: torch.Tensor, used: torch.cuda.Event | None, head_pad: int = 0) -> None:
         self.plan = plan
-        self._used = used  # recorded after each layer's kernels: the slot may be reused once it completed
+        # recorded after each layer's kernels: the slot may be reused once it completed (None: the
+        # caller tracks reuse, as CUDA graphs do per replay)
+        self._used = used
         self._wrapper, self._append = wrapper, append
         self._batch_indices, self._positions = batch_indices, positions  # [N] int32 each
         self._kv_indices, self._kv_indptr, self._last = kv_indices, kv_indptr, last_page_len
@@ -171,5 +183,6 @@ class FlashInferStepAttention:
         self._append(k.contiguous(), v.contiguous(), self._batch_indices, self._positions,
                      kv_layer, self._kv_indices, self._kv_indptr, self._last, kv_layout="NHD")
         out = self._wrapper.run(q.contiguous(), kv_layer)
-        self._used.record()
+        if self._used is not None:
+            self._used.record()
         return out[..., : out.shape[-1] - self._pad] if self._pad else out
