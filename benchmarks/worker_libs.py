@@ -1,13 +1,16 @@
-"""The worker's native libraries side by side: engine tokens/s with each allocator / OpenMP runtime.
+"""The worker's native libraries and linear kernels side by side: engine tokens/s with each
+allocator / OpenMP runtime / linear-layer path.
 
 Runs the bundled model on the bundled workload (closed loop at each concurrency) with the worker
 started as `--variants` name them (`EngineConfig.worker_malloc` / `worker_openmp`: "system", "auto"
-or a library's path), in interleaved rounds whose order turns every round, and prints each
+or a library's path; `worker_linear`: "auto", oneDNN on pre-packed weights from 3 rows, or
+"torch"), in interleaved rounds whose order turns every round, and prints each
 variant's median output tokens/s and its ratio to the first variant (median of the per-round
 ratios, range in brackets). The worker's start-up report says what each variant ran with.
 
     python benchmarks/worker_libs.py [--rounds 5] [--concurrency 1 8] [--configs none/sync draft/overlap]
     python benchmarks/worker_libs.py --variants malloc=system malloc=auto openmp=auto
+    python benchmarks/worker_libs.py --variants malloc=auto,linear=torch malloc=auto,linear=auto
 
 A variant that resolves to the same libraries as the first (e.g. "auto" where nothing is
 installed) is reported as such and not run.
@@ -25,12 +28,13 @@ from engine_ab import CONFIGS  # noqa: E402
 
 
 def parse_variant(text: str) -> dict[str, str]:
-    """'malloc=auto,openmp=system' -> EngineConfig fields (unnamed ones 'system')."""
-    fields = {"worker_malloc": "system", "worker_openmp": "system"}
+    """'malloc=auto,openmp=system' -> EngineConfig fields (unnamed libraries 'system', an
+    unnamed linear 'auto')."""
+    fields = {"worker_malloc": "system", "worker_openmp": "system", "worker_linear": "auto"}
     for part in text.split(","):
         key, _, value = part.partition("=")
-        if key not in ("malloc", "openmp") or not value:
-            raise argparse.ArgumentTypeError(f"variant {text!r}: expected malloc=... and/or openmp=...")
+        if key not in ("malloc", "openmp", "linear") or not value:
+            raise argparse.ArgumentTypeError(f"variant {text!r}: expected malloc=..., openmp=... and/or linear=...")
         fields[f"worker_{key}"] = value
     return fields
 
@@ -39,7 +43,7 @@ def resolved(fields: dict[str, str]) -> tuple:
     from specsched.runtime.devices.native import MALLOC_NAMES, OPENMP_NAMES, resolve
 
     return (resolve(fields["worker_malloc"], MALLOC_NAMES, "malloc"),
-            resolve(fields["worker_openmp"], OPENMP_NAMES, "openmp"))
+            resolve(fields["worker_openmp"], OPENMP_NAMES, "openmp"), fields["worker_linear"])
 
 
 def main() -> None:
@@ -65,8 +69,8 @@ def main() -> None:
         print("nothing to compare: install tcmalloc (e.g. libtcmalloc-minimal4) or name a library's path")
         return
     print(f"{args.num_requests} bundled requests x {args.max_tokens} tokens, {args.rounds} interleaved rounds; "
-          f"preloads: " + "; ".join(f"{n} -> {', '.join(p for p in resolved(f) if p) or 'none'}"
-                                      for n, f in variants.items()))
+          f"preloads: " + "; ".join(f"{n} -> {', '.join(p for p in resolved(f)[:2] if p) or 'none'}, "
+                                      f"linear {f['worker_linear']}" for n, f in variants.items()))
     tps: dict[tuple, list[float]] = {}
     for r in range(args.rounds):
         order = list(variants.items())[:: 1 if r % 2 == 0 else -1]

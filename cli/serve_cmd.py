@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, WORKER_MALLOC, WORKER_OPENMP, ENFORCE_EAGER, CUDA_GRAPH_SIZES, _fail, app,
+from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, WORKER_MALLOC, WORKER_OPENMP, WORKER_LINEAR, ENFORCE_EAGER, CUDA_GRAPH_SIZES, _fail, app,
                                   check_output_path, console, engine_config, parse_draft_len, user_errors)
 from specsched.traces.names import PROPOSERS
 
@@ -32,6 +32,7 @@ def serve(
     speculative_config: Optional[str] = SPECULATIVE_CONFIG,
     worker_malloc: Optional[str] = WORKER_MALLOC,
     worker_openmp: Optional[str] = WORKER_OPENMP,
+    worker_linear: Optional[str] = WORKER_LINEAR,
     enforce_eager: bool = ENFORCE_EAGER,
     cuda_graph_sizes: Optional[str] = CUDA_GRAPH_SIZES,
     trace: Optional[Path] = typer.Option(None, help="record the served requests' trace (JSONL), as bench --trace"),
@@ -57,7 +58,7 @@ def serve(
     cfg = engine_config(model=model, proposer=spec, draft_len=parse_draft_len(draft_len), max_draft_len=max_draft_len,
                         draft=draft, mtp_head=mtp_head, schedule=schedule, tensor_parallel_size=tp,
                         config_file=config_file, speculative_config=speculative_config, load_format=load_format,
-                        worker_malloc=worker_malloc, worker_openmp=worker_openmp,
+                        worker_malloc=worker_malloc, worker_openmp=worker_openmp, worker_linear=worker_linear,
                         enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes)
     name = served_model_name or (cfg.model if cfg.model else model_label(str(bundled.target_dir())))
     template = chat_template_of(cfg.model or bundled.target_dir())

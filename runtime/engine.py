@@ -199,13 +199,14 @@ class AsyncEngine:
                                     **({"spin_ms": c.worker_spin_ms, "malloc": c.worker_malloc,
                                         "openmp": c.worker_openmp} if c.device == "host" else {}))
             )
-        if c.device == "host":  # its worker process reports the native libraries it runs with
-            libs = self.device.runtime_libs
-            sizes = c.graph_sizes()
-            shapes = f"at padded shapes ({sizes[0]}..{sizes[-1]} rows)" if sizes else "at their own shapes"
-            log.info("worker pid %s: %d model thread(s), malloc %s, OpenMP %s, eager forwards %s", self.device.pid,
-                     c.worker_threads, libs["malloc"], libs["openmp"], shapes)
         try:
+            if c.device == "host":  # its worker process reports the native libraries and kernels it runs with
+                libs = self.device.runtime_libs
+                sizes = c.graph_sizes()
+                shapes = f"at padded shapes ({sizes[0]}..{sizes[-1]} rows)" if sizes else "at their own shapes"
+                linears = (await anyio.to_thread.run_sync(self.device.call, "ping"))["linears"]
+                log.info("worker pid %s: %d model thread(s), malloc %s, OpenMP %s, linears %s, eager forwards %s",
+                         self.device.pid, c.worker_threads, libs["malloc"], libs["openmp"], linears, shapes)
             spec = c.proposer_spec()
             self._pipeline = build_pipeline(
                 spec, c.schedule, num_pages=c.num_pages, page_size=c.page_size,

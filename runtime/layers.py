@@ -1,4 +1,4 @@
-"""The Llama decoder's building blocks: RMSNorm, RoPE tables, column-major linear weights.
+"""The Llama decoder's building blocks: RMSNorm, RoPE tables, column-major and packed linear layers.
 
 Why a module of its own: the target (runtime/model.py) and the MTP head (runtime/mtp_head.py)
 share them, and each is written for few ops on tiny models, where a forward is bound by per-op
@@ -102,11 +102,57 @@ def column_major_weight(rows: int, cols: int, device=None, dtype=None) -> nn.Par
     return nn.Parameter(torch.empty(rows, cols, device=device, dtype=dtype))
 
 
-def column_major_linear(in_features: int, out_features: int, device=None, dtype=None) -> nn.Linear:
-    """Bias-free nn.Linear with an uninitialised weight laid out by column_major_weight."""
-    lin = nn.Linear(in_features, out_features, bias=False, device="meta")
+# A float32 CPU linear over this many rows or more multiplies by its weight pre-packed for
+# oneDNN (`Linear.pack`); over fewer, MKL streaming the column-major weight is faster
+# (benchmarks/cpu_linear.py measures both at each row count).
+PACKED_MIN_ROWS = 3
+
+
+class Linear(nn.Linear):
+    """A bias-free linear layer whose weight is laid out by column_major_weight; `forward(x,
+    bias=None)` takes an optional bias (a family's q/k/v bias lives beside the layer).
+
+    `pack()` (a CPU worker, once its weights are final) keeps a copy of the float32 weight
+    reordered into oneDNN's blocked layout, the one its inner-product kernel reads, as vLLM's
+    CPU backend and inductor's freezing pass do: from PACKED_MIN_ROWS input rows on, the layer
+    multiplies by that copy, which at 8 rows is ~1.4x faster than MKL on the plain weight
+    (MKL repacks the weight at every call). The copy is not a parameter: state dicts,
+    training and tensor-parallel slicing see the plain weight alone.
+    """
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        if self.packed is None:
+            # the batch-size hint picks the blocking; 8 rows measured best from 1 to 584 rows
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 8)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is not None and x.numel() >= PACKED_MIN_ROWS * x.shape[-1]:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
+
+
+def column_major_linear(in_features: int, out_features: int, device=None, dtype=None) -> Linear:
+    """Bias-free Linear with an uninitialised weight laid out by column_major_weight."""
+    lin = Linear(in_features, out_features, bias=False, device="meta")
     lin.weight = column_major_weight(out_features, in_features, device, dtype)
     return lin
+
+
+def can_pack(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether `Linear.pack` applies to weights of this device and dtype: float32 on a CPU
+    whose torch has oneDNN."""
+    return (torch.device(device).type == "cpu" and dtype == torch.float32
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def pack_linears(*modules: nn.Module) -> int:
+    """`pack` every `Linear` in `modules` (see can_pack); returns how many were packed."""
+    layers = {id(m): m for module in modules for m in module.modules() if isinstance(m, Linear)}
+    for layer in layers.values():
+        layer.pack()
+    return len(layers)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

@@ -113,7 +113,7 @@ class DecoderLayer(nn.Module):
         projection's [..., H], all-reduced under tensor parallelism, before the residual."""
         lead = h.shape[:-1]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(h, self.qkv_proj.weight, self.qkv_bias).view(*lead, hq + 2 * hkv, d)
+        qkv = self.qkv_proj(h, self.qkv_bias).view(*lead, hq + 2 * hkv, d)
         qk = qkv[..., : hq + hkv, :]
         if self.q_norm is not None:
             qk = torch.cat((rms_norm(qk[..., :hq, :], self.q_norm.weight, self.eps),
@@ -121,7 +121,7 @@ class DecoderLayer(nn.Module):
         qk = apply_rope(qk, cos, sin)
         attn = step.attend(layer_idx, qk[..., :hq, :], qk[..., hq:, :], qkv[..., hq + hkv :, :],
                            kv_layer)
-        o = F.linear(attn.reshape(*lead, hq * d), self.o_proj.weight)
+        o = self.o_proj(attn.reshape(*lead, hq * d))
         if self.tp is not None:
             self.tp.all_reduce(o)
         if self.o_bias is not None:  # after the all-reduce: added once, not once per rank
@@ -132,9 +132,9 @@ class DecoderLayer(nn.Module):
         """The MLP block on the residual stream x (it applies post_attention_layernorm), before
         the residual."""
         h = rms_norm(x, self.post_attention_layernorm.weight, self.eps)
-        gate_up = F.linear(h, self.gate_up_proj.weight)
+        gate_up = self.gate_up_proj(h)
         i = self.intermediate_size
-        o = F.linear(F.silu(gate_up[..., :i]) * gate_up[..., i:], self.down_proj.weight)
+        o = self.down_proj(F.silu(gate_up[..., :i]) * gate_up[..., i:])
         if self.tp is not None:
             self.tp.all_reduce(o)
         return o
@@ -331,7 +331,7 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden_normed: torch.Tensor) -> torch.Tensor:
         """[..., H] final-normed hidden states -> [..., V] float32 logits."""
-        return F.linear(hidden_normed, self.lm_head.weight).float()
+        return self.lm_head(hidden_normed).float()
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden, self.norm.weight, self.norm.eps)

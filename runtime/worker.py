@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from specsched.runtime.dummy import load
+from specsched.runtime.layers import PACKED_MIN_ROWS, can_pack, pack_linears
 from specsched.runtime.proposers.factory import make_proposer
 from specsched.runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
 from specsched.runtime.verify import (SyntheticDraws, greedy_verify, rejection_verify, synthetic_verify,
@@ -80,7 +81,7 @@ class ModelWorker:
             self.tp_leader = Leader(c.tensor_parallel_size, model_dir=c.model_dir, head_dir=head_dir, dtype=c.dtype,
                                     device=c.device, attention=c.attention, num_pages=c.num_pages,
                                     page_size=c.page_size, num_threads=c.num_threads or 1, channel=c.tp_channel,
-                                    load_format=c.load_format)
+                                    load_format=c.load_format, linear=c.linear)
         try:  # a failed start stops the ranks it started
             tp = self.tp_leader.tp if self.tp_leader is not None else None
             self.load_format = c.load_format
@@ -110,6 +111,9 @@ class ModelWorker:
             self.tokens = TokenBuffer(self.target.config.max_position_embeddings + 1 + self.draft_width, self.device)
             self.ngram = c.ngram  # n-gram lookup lengths (the host drafts with them: `host_drafter`)
             self.proposer = make_proposer(self, self.spec, c.proposer_dir, c.num_pages, c.ngram)
+            # float32 CPU linears also keep their weights pre-packed for oneDNN (runtime/layers.py)
+            self.packed_linears = pack_linears(self.target, *self.proposer.models()) \
+                if c.linear == "auto" and can_pack(self.device, self.dtype) else 0
             self.last_hidden: dict | None = None  # target hidden states of the latest target launch
             self.last_verify: tuple | None = None  # (step, slots, accepted [B] on the device) of the latest verify
             # ops enqueue device work only; with the guard a host read of a device value fails the op
@@ -197,7 +201,8 @@ class ModelWorker:
     def op_ping(self, batch: dict) -> dict:
         graphs = self.graphs
         return {"ok": True, "num_states": len(self.states), "cuda_graphs": 0 if graphs is None else graphs.num_graphs,
-                "capture_s": 0.0 if graphs is None else graphs.capture_ns / 1e9}
+                "capture_s": 0.0 if graphs is None else graphs.capture_ns / 1e9,
+                "linears": f"oneDNN pre-packed from {PACKED_MIN_ROWS} rows" if self.packed_linears else "torch"}
 
     def op_tp_stats(self, batch: Any) -> dict:
         """Tensor parallelism's communication so far: the size, and the leader's broadcasts

@@ -43,6 +43,9 @@ class WorkerConfig:
     # steps of uniform rows run at these padded row counts (scheduler/padding.py): CUDA graphs'
     # capture sizes; () runs every step at its own shape
     cuda_graph_sizes: tuple[int, ...] = ()
+    # "auto": float32 CPU linear layers also keep their weights pre-packed for oneDNN
+    # (runtime/layers.py `Linear.pack`); "torch": F.linear on the plain weights alone
+    linear: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.proposer, ProposerSpec):
@@ -86,4 +89,5 @@ class WorkerConfig:
             tensor_parallel_size=c.tensor_parallel_size,
             tp_channel=c.tp_channel,
             cuda_graph_sizes=c.graph_sizes(),
+            linear=c.worker_linear,
         )

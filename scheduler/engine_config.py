@@ -98,6 +98,8 @@ class EngineConfig(BaseModel):
     worker_openmp: str = Field("system", description="host device: the worker process's OpenMP runtime: "
                                "'system' (torch's own), 'auto' (Intel's libiomp5 where installed) or a "
                                "library's path")
+    worker_linear: Literal["auto", "torch"] = Field("auto", description="host device: 'auto' (float32 linears also "
+                                                    "keep weights pre-packed for oneDNN, used from 3 rows) or 'torch'")
     verify_micro_batches: int = Field(1, description="run a verify's rows as this many target forwards "
                                       "back to back (1 or 2)")
     tensor_parallel_size: int = Field(1, description="shard the target (and an MTP/EAGLE head) over this "

@@ -53,7 +53,7 @@ TINY = {
     "worker_spin.py": ["--rounds", "1", "--concurrency", "1", "--configs", "none/sync", "--num-requests", "1",
                        "--max-tokens", "3"],
     "worker_libs.py": ["--rounds", "1", "--concurrency", "1", "--num-requests", "1", "--max-tokens", "3",
-                       "--variants", "malloc=system", f"openmp={TORCH_GOMP}"],
+                       "--variants", "malloc=system", f"openmp={TORCH_GOMP}", "malloc=system,linear=torch"],
     "vllm_compare.py": [],
     "server_overhead.py": ["--rounds", "1", "--concurrency", "2", "--num-requests", "2", "--max-tokens", "3"],  # no vLLM given here: it says so and exits 0
     "dummy_memory.py": ["--shapes", "llama-3.2-1b-draft", "--max-tokens", "2", "--num-pages", "8"],
@@ -155,11 +155,12 @@ def _check_device_idle(out):
 
 
 def _check_worker_libs(out):
-    _grab(out, r"^1 bundled requests x 3 tokens, 1 interleaved rounds; preloads: malloc=system -> none; ")
+    _grab(out, r"^1 bundled requests x 3 tokens, 1 interleaved rounds; preloads: malloc=system -> none, "
+               r"linear auto; .*; malloc=system,linear=torch -> none, linear torch$")
     _grab(out, r"^ *config +batch +variant +tok/s +ratio +range$")
     rows = re.findall(r"^ *none/sync +1 +(\S+) +(\S+) +(\S+) +(\S+)$", out, re.M)
-    assert [r[0] for r in rows] == ["malloc=system", f"openmp={TORCH_GOMP}"], out
-    assert rows[0][2] == "1.00x" and _pos(rows[0][1]) and _pos(rows[1][1]) and _ratio(rows[1][2])
+    assert [r[0] for r in rows] == ["malloc=system", f"openmp={TORCH_GOMP}", "malloc=system,linear=torch"], out
+    assert rows[0][2] == "1.00x" and all(_pos(r[1]) for r in rows) and all(_ratio(r[2]) for r in rows[1:])
 
 
 def _check_server_overhead(out):

@@ -1,18 +1,22 @@
-"""The worker process's native libraries: what is preloaded, what the worker reports, bad choices."""
+"""The worker process's native libraries and linear kernels: what is preloaded or packed, what the
+worker reports, bad choices."""
 from __future__ import annotations
 
 import sys
 
 import pytest
+import torch
 
 from specsched.runtime.devices import HostDevice, WorkerSpec
 from specsched.runtime.devices.native import MALLOC_NAMES, find_library, preload_env
 from specsched.runtime.engine_config import EngineConfig
+from specsched.runtime.layers import PACKED_MIN_ROWS, can_pack, column_major_linear, pack_linears
 from specsched.scheduler.errors import ConfigurationError
 
 SPEC = WorkerSpec("specsched.runtime.devices.testing_worker:TestingWorker")
 TCMALLOC = find_library(MALLOC_NAMES[:2])
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and /proc are Linux's")
+onednn = pytest.mark.skipif(not can_pack("cpu", torch.float32), reason="this torch has no oneDNN")
 
 
 @linux
@@ -58,3 +62,60 @@ def test_the_cli_refuses_a_missing_library_and_prints_the_start_up_line():
     res = runner.invoke(app, ["generate", "def f(x):", "--max-tokens", "2", "--worker-malloc", "system"])
     assert res.exit_code == 0, res.output
     assert "specsched: worker pid " in res.stderr and "malloc glibc" in res.stderr and "eager forwards" in res.stderr
+    res = runner.invoke(app, ["generate", "def f(x):", "--max-tokens", "2", "--worker-linear", "torch"])
+    assert res.exit_code == 0 and "linears torch, " in res.stderr, res.output
+
+
+@onednn
+def test_a_packed_linear_multiplies_by_its_packed_copy_from_its_row_threshold():
+    torch.manual_seed(0)
+    layer = column_major_linear(48, 80)
+    torch.nn.init.normal_(layer.weight)
+    bias = torch.randn(80)
+    # inputs of every row count around the threshold, and a strided [B, T, in] view as the decoder passes
+    inputs = [torch.randn(n, 48) for n in (1, 2, 3, 8, 37)] + [torch.randn(2, 5, 96)[..., :48]]
+    expected = [torch.nn.functional.linear(x, layer.weight, bias) for x in inputs]
+    assert pack_linears(torch.nn.Sequential(layer, layer)) == 1  # a layer reached twice is packed once
+    for x, want in zip(inputs, expected):
+        torch.testing.assert_close(layer(x, bias), want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        layer.weight.zero_()  # from the threshold on the packed copy alone is read
+    for x, want in zip(inputs, expected):
+        rows = x.numel() // x.shape[-1]
+        got = layer(x, bias)
+        if rows >= PACKED_MIN_ROWS:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(got, bias.expand_as(got))
+
+
+@onednn
+def test_packed_linears_keep_the_engine_greedy_outputs_and_are_reported():
+    import anyio
+
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    prompts = ["def encode(self, o):", "import json\n", "class JSONDecoder(object):", "for key, value in"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    async def run(**kw):
+        async with AsyncEngine(EngineConfig.make(**kw)) as eng:
+            outs = []
+            async with anyio.create_task_group() as tg:
+                async def one(p):
+                    outs.append((p, (await eng.generate_all(p, params)).token_ids))
+                for p in prompts:
+                    tg.start_soon(one, p)
+            return dict(outs), eng.device.call("ping")["linears"]
+
+    for proposer, d in (("none", None), ("draft", 3)):
+        plain, plain_linears = anyio.run(lambda: run(proposer=proposer, draft_len=d, worker_linear="torch"))
+        packed, packed_linears = anyio.run(lambda: run(proposer=proposer, draft_len=d))
+        assert packed == plain, proposer
+        assert (plain_linears, packed_linears) == ("torch", f"oneDNN pre-packed from {PACKED_MIN_ROWS} rows")
+
+
+def test_a_bad_worker_linear_is_refused_by_name():
+    with pytest.raises(ConfigurationError, match="worker_linear"):
+        EngineConfig.make(worker_linear="mkl")

@@ -64,6 +64,10 @@ class Proposer:
     def agreement(self, prompt: list[int], output: list[int]) -> list[int]:
         return []
 
+    def models(self) -> tuple[torch.nn.Module, ...]:
+        """The modules this proposer runs (the worker packs their linear layers)."""
+        return ()
+
 
 class NoProposer(Proposer):
     """Plain decoding: nothing is drafted or filled."""

@@ -30,6 +30,9 @@ class DraftModelProposer(Proposer):
             )
         self.kv = self.model.make_kv_cache(num_pages, worker.page_size, backend=worker.backend)
 
+    def models(self) -> tuple[torch.nn.Module, ...]:
+        return (self.model,)
+
     def draft(self, msg: DraftMessage) -> np.ndarray:
         w = self.worker
         slots = msg.slots.tolist()

@@ -54,6 +54,9 @@ class HeadProposer(Proposer):
     def _tensor(self, values) -> torch.Tensor:
         return to_device(values, self.worker.device, torch.int64)
 
+    def models(self) -> tuple[torch.nn.Module, ...]:
+        return (self.head,)
+
     @property
     def aux_layers(self) -> tuple[int, ...]:  # the target layers the head reads besides the last
         return self.head.aux_layers

@@ -67,6 +67,7 @@ class RankConfig:
     leader_pid: int
     start_timeout_s: float
     load_format: str = "auto"  # "dummy": each rank makes its shard from config.json (runtime/dummy.py)
+    linear: str = "auto"  # WorkerConfig.linear: each rank packs its shard's linears as the leader does
 
 
 @dataclass
@@ -147,7 +148,7 @@ class Leader:
 
     def __init__(self, size: int, *, model_dir: str, head_dir: str | None, dtype: str, device: str,
                  attention: str, num_pages: int, page_size: int, num_threads: int, channel: str = "shm",
-                 start_timeout_s: float = 120.0, load_format: str = "auto"):
+                 start_timeout_s: float = 120.0, load_format: str = "auto", linear: str = "auto"):
         if channel not in CHANNELS:
             raise ValueError(f"unknown tensor-parallel channel {channel!r} (choose from {', '.join(CHANNELS)})")
         if device != "cpu":
@@ -165,7 +166,7 @@ class Leader:
         shm_path = os.path.join(_shm_dir(), f"specsched-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         base = RankConfig(0, size, f"tcp://127.0.0.1:{_free_port()}", channel, shm_path, model_dir, head_dir,
                           dtype, device, attention, num_pages, page_size, num_threads, os.getpid(), start_timeout_s,
-                          load_format)
+                          load_format, linear)
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
