@@ -1,10 +1,13 @@
-"""Paged KV cache storage, in FlashInfer's NHD layout.
+"""Paged KV cache storage, in one of FlashInfer's two page layouts.
 
 Why: the scheduler's block manager hands out page ids; this module owns the memory they
-index. One allocation holds every layer ([num_layers, num_pages, 2, page_size, kv_heads,
-head_dim]); `layers[i]` is a view of layer i, exactly the 5-D tensor FlashInfer's paged
-kernels take, and the torch backend reads the same layout. A slot is
-`page * page_size + offset`, the unit `AttentionPlan.slot_mapping` speaks.
+index. One allocation holds every layer; `layers[i]` is a view of layer i, exactly the 5-D
+tensor FlashInfer's paged kernels take: a page is [2, page_size, Hkv, D] in the "NHD" layout
+(the FlashInfer backend's) or [2, Hkv, page_size, D] in "HND" (the torch backend's: a page's
+keys of one head are one contiguous block, so a gather copies whole blocks and lands in SDPA's
+[B, Hkv, L, D] order). A slot is `page * page_size + offset`, the unit
+`AttentionPlan.slot_mapping` speaks; `read_slots` / `write_slots` / `copy_slots` take slots
+in either layout.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import torch
 
 from specsched.runtime.sync_guard import to_device
+
+LAYOUTS = ("NHD", "HND")
 
 
 class PagedKVCache:
@@ -26,12 +31,16 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        layout: str = "HND",
     ) -> None:
         for name, value in (("num_layers", num_layers), ("num_pages", num_pages),
                             ("page_size", page_size), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim)):
             if value < 1:
                 raise ValueError(f"PagedKVCache: {name} must be >= 1, got {value}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"PagedKVCache: layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+        self.layout = layout
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
@@ -39,13 +48,12 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        # [L, P + 1, 2, page_size, Hkv, D]; zero so padded/stale reads are finite. Page P is the
-        # scratch page: no request holds it, the pad rows of a padded step use it (scheduler/padding.py)
-        self.data = torch.zeros(
-            (num_layers, num_pages + 1, 2, page_size, num_kv_heads, head_dim), dtype=dtype,
-            device=self.device,
-        )
-        self.layers: list[torch.Tensor] = list(self.data.unbind(0))  # each [P, 2, ps, Hkv, D]
+        # [L, P + 1, 2, page_size, Hkv, D] (NHD) or [L, P + 1, 2, Hkv, page_size, D] (HND); zero so
+        # padded/stale reads are finite. Page P is the scratch page: no request holds it, the pad
+        # rows of a padded step use it (scheduler/padding.py)
+        page = (page_size, num_kv_heads) if layout == "NHD" else (num_kv_heads, page_size)
+        self.data = torch.zeros((num_layers, num_pages + 1, 2, *page, head_dim), dtype=dtype, device=self.device)
+        self.layers: list[torch.Tensor] = list(self.data.unbind(0))  # each [P + 1, 2, *page, D]
 
     @property
     def scratch_page(self) -> int:
@@ -91,19 +99,30 @@ class PagedKVCache:
             hi = int(torch.maximum(src.max(), dst.max()))
             if lo < 0 or hi >= self.num_slots:
                 raise ValueError(f"copy_slots: slot out of range [0, {self.num_slots})")
-        ps = self.page_size
-        vals = self.data[:, src // ps, :, src % ps]  # [n, L, 2, Hkv, D]
-        self.data[:, dst // ps, :, dst % ps] = vals
+        vals = self.data[self._at(slice(None), src)]  # [n, L, 2, Hkv, D]
+        self.data[self._at(slice(None), dst)] = vals
+
+    def _at(self, layer, slots: torch.Tensor) -> tuple:
+        """The index of `slots` [n] in `data` (layer: an int or a slice), giving [n, (L,) 2, Hkv, D]."""
+        page, offset = slots // self.page_size, slots % self.page_size
+        if self.layout == "NHD":
+            return layer, page, slice(None), offset
+        return layer, page, slice(None), slice(None), offset
 
     def read_slots(self, layer_idx: int, slots) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of the given slots of one layer, each [n, Hkv, D] (for tests and debugging)."""
         s = to_device(slots, self.device, torch.long).reshape(-1)
-        kv = self.layers[layer_idx][s // self.page_size, :, s % self.page_size]  # [n, 2, Hkv, D]
+        kv = self.data[self._at(layer_idx, s)]  # [n, 2, Hkv, D]
         return kv[:, 0], kv[:, 1]
+
+    def write_slots(self, layer_idx: int, slots, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K and V [n, Hkv, D] at the given slots of one layer (tests, tools)."""
+        s = to_device(slots, self.device, torch.long).reshape(-1)
+        self.data[self._at(layer_idx, s)] = torch.stack((k, v), 1).to(self.dtype)
 
     def __repr__(self) -> str:
         return (
             f"PagedKVCache(layers={self.num_layers}, pages={self.num_pages}, "
             f"page_size={self.page_size}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"dtype={self.dtype}, {self.total_bytes / 2**20:.1f} MiB)"
+            f"dtype={self.dtype}, {self.layout}, {self.total_bytes / 2**20:.1f} MiB)"
         )

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specsched.runtime.attention import StepAttention, get_backend
+from specsched.runtime.attention import StepAttention, get_backend, kv_layout
 from specsched.runtime.attention.torch_backend import CausalAttention
 from specsched.runtime.config import ModelConfig
 from specsched.runtime.cuda_graphs import pad_inputs, real_rows, run_body
@@ -53,7 +53,7 @@ class DecoderLayer(nn.Module):
 
     forward(x [N, H] (or [B, T, H] with CausalAttention), cos, sin_signed (from
     RotaryEmbedding for x's positions), step (a StepAttention), kv_layer (this layer's
-    [P, 2, ps, Hkv, D] cache; None with CausalAttention), layer_idx (index passed to
+    cache, in the backend's page layout; None with CausalAttention), layer_idx (index passed to
     `step.attend`)) -> x after the block, same shape.
 
     Weights start uninitialised: fill them with `load_hf` or `init_weights`. With `tp` the
@@ -307,12 +307,13 @@ class LlamaModel(nn.Module):
 
     def make_kv_cache(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None,
                       device: torch.device | str | None = None, backend=None) -> PagedKVCache:
-        """This rank's KV cache: all layers, its KV heads only; as wide per head as `backend`
-        (the attention backend that reads it) stores, the model's head size by default."""
+        """This rank's KV cache: all layers, its KV heads only; as wide per head and in the page
+        layout `backend` (the attention backend that reads it) stores, the torch backend's by
+        default (the model's head size, HND pages)."""
         c = self.config
         head_dim = c.head_dim if backend is None else backend.kv_head_dim(c.head_dim)
-        return PagedKVCache(c.num_hidden_layers, num_pages, page_size, self.num_kv_heads,
-                            head_dim, dtype or self.dtype, device or self.device)
+        return PagedKVCache(c.num_hidden_layers, num_pages, page_size, self.num_kv_heads, head_dim,
+                            dtype or self.dtype, device or self.device, kv_layout(backend))
 
     def attention_backend(self, name: str = "torch"):
         """A backend configured with this rank's head counts and the model's dtype."""

@@ -37,7 +37,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from specsched.runtime.attention import StepAttention
+from specsched.runtime.attention import StepAttention, kv_layout
 from specsched.runtime.attention.torch_backend import CausalAttention
 from specsched.runtime.checkpoint import CheckpointError, check_finite, read_config_json
 from specsched.runtime.config import ModelConfig
@@ -220,7 +220,8 @@ def layer_kv_cache(layer: DecoderLayer, num_pages: int, page_size: int, device, 
     """A head's one-layer KV cache (its decoder layer's KV heads, this rank's under tensor
     parallelism), in the layer's dtype, as wide per head as `backend` stores (see the target's)."""
     head_dim = layer.head_dim if backend is None else backend.kv_head_dim(layer.head_dim)
-    return PagedKVCache(1, num_pages, page_size, layer.num_kv_heads, head_dim, layer.qkv_proj.weight.dtype, device)
+    return PagedKVCache(1, num_pages, page_size, layer.num_kv_heads, head_dim, layer.qkv_proj.weight.dtype, device,
+                        kv_layout(backend))
 
 
 def target_fingerprint(target: LlamaModel) -> str:

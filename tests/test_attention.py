@@ -47,10 +47,9 @@ def random_case(rng, specs, num_pages=64, tree=False):
     hist = []
     for (qo, kv), table in zip(specs, tables):
         k_all, v_all = torch.randn(kv, HKV, D), torch.randn(kv, HKV, D)
-        for layer in cache.layers:
-            for pos in range(kv - qo):
-                layer[table[pos // PS], 0, pos % PS] = k_all[pos]
-                layer[table[pos // PS], 1, pos % PS] = v_all[pos]
+        slots = [table[pos // PS] * PS + pos % PS for pos in range(kv - qo)]
+        for layer in range(cache.num_layers):
+            cache.write_slots(layer, slots, k_all[: kv - qo], v_all[: kv - qo])
         hist.append((k_all, v_all))
     n = plan.num_tokens
     q = torch.randn(n, HQ, D)
@@ -126,13 +125,12 @@ def test_a_run_of_one_token_steps_planned_once_matches_a_plan_per_step(kv_first,
     run = backend.prepare_steps(build_plan([1] * b, kv_last, tables, PS, table_lens=lens), steps, device)
     caches = [PagedKVCache(1, 64, PS, HKV, D, device=device) for _ in range(2)]
     hist = [(torch.randn(n, HKV, D, device=device), torch.randn(n, HKV, D, device=device)) for n in kv_last]
-    stale = torch.randn(64 + 1, 2, PS, HKV, D, device=device) * 10  # what the pages (and the scratch page) held: never read
+    stale = torch.randn(caches[0].layers[0].shape, device=device) * 10  # what the pages (and the scratch page) held: never read
     for cache in caches:  # each row's history before the run (the run writes the rest)
         cache.layers[0].copy_(stale)
         for i, (k_all, v_all) in enumerate(hist):
-            for pos in range(kv_first[i] - 1):
-                cache.layers[0][tables[i, pos // PS], 0, pos % PS] = k_all[pos]
-                cache.layers[0][tables[i, pos // PS], 1, pos % PS] = v_all[pos]
+            n = kv_first[i] - 1
+            cache.write_slots(0, [tables[i, pos // PS] * PS + pos % PS for pos in range(n)], k_all[:n], v_all[:n])
     for j in range(steps):
         kv = [n + j for n in kv_first]
         plan = build_plan([1] * b, kv, tables, PS, table_lens=lens)
@@ -178,9 +176,10 @@ def test_plan_validation_errors():
         get_backend("torch").prepare(bad, "cpu")
 
 
-def test_kv_cache_layout_bytes_and_copy_slots():
-    cache = PagedKVCache(3, 5, 4, 2, 8, dtype=torch.float32)
-    assert cache.layers[0].shape == (5 + 1, 2, 4, 2, 8)
+@pytest.mark.parametrize("layout,page", [("NHD", (4, 2)), ("HND", (2, 4))])
+def test_kv_cache_layout_bytes_and_copy_slots(layout, page):
+    cache = PagedKVCache(3, 5, 4, 2, 8, dtype=torch.float32, layout=layout)
+    assert cache.layers[0].shape == (5 + 1, 2, *page, 8)  # a page: [K/V, offset, head, D] or [K/V, head, offset, D]
     assert cache.layers[2].data_ptr() == cache.data[2].data_ptr()
     assert cache.bytes_per_token == 2 * 3 * 2 * 8 * 4
     assert cache.bytes_per_page == 4 * cache.bytes_per_token
@@ -192,26 +191,33 @@ def test_kv_cache_layout_bytes_and_copy_slots():
     src, dst = [3, 4, 17], [4, 9, 0]  # overlapping: slot 4 is both read and written
     cache.copy_slots(src, dst)
     for layer in range(3):
-        k_src, v_src = (t.clone() for t in PagedKVCache.read_slots(_as_cache(before), layer, src))
+        k_src, v_src = (t.clone() for t in _as_cache(before, layout).read_slots(layer, src))
         k_dst, v_dst = cache.read_slots(layer, dst)
         torch.testing.assert_close(k_dst, k_src)
         torch.testing.assert_close(v_dst, v_src)
     untouched = [s for s in range(20) if s not in dst]
     for layer in range(3):
         torch.testing.assert_close(cache.read_slots(layer, untouched)[0],
-                                   _as_cache(before).read_slots(layer, untouched)[0])
+                                   _as_cache(before, layout).read_slots(layer, untouched)[0])
+    # a slot's K and V are where the layout puts them: slot 6 = page 1, offset 2
+    k, v = torch.randn(1, 2, 8), torch.randn(1, 2, 8)
+    cache.write_slots(1, [6], k, v)
+    page1 = cache.layers[1][1]
+    at = (slice(None), 2) if layout == "NHD" else (slice(None), slice(None), 2)
+    torch.testing.assert_close(page1[at], torch.cat((k, v)))
     with pytest.raises(ValueError, match="2 sources but 1 destinations"):
         cache.copy_slots([0, 1], [2])
     with pytest.raises(ValueError, match="out of range"):
         cache.copy_slots([20], [0])
     with pytest.raises(ValueError, match="num_pages must be >= 1"):
         PagedKVCache(1, 0, 4, 1, 8)
+    with pytest.raises(ValueError, match="layout 'NDH' is not one of NHD, HND"):
+        PagedKVCache(1, 4, 4, 1, 8, layout="NDH")
 
 
-def _as_cache(data: torch.Tensor) -> PagedKVCache:
-    c = PagedKVCache.__new__(PagedKVCache)
-    c.data, c.page_size, c.device = data, data.shape[3], data.device
-    c.layers = list(data.unbind(0))
+def _as_cache(data: torch.Tensor, layout: str) -> PagedKVCache:
+    c = PagedKVCache(data.shape[0], data.shape[1] - 1, 4, 2, data.shape[-1], layout=layout)
+    c.data.copy_(data)
     return c
 
 

@@ -33,7 +33,7 @@ class StepAttention(Protocol):
         q: torch.Tensor,  # [N, Hq, D], RoPE applied
         k: torch.Tensor,  # [N, Hkv, D], RoPE applied
         v: torch.Tensor,  # [N, Hkv, D]
-        kv_layer: torch.Tensor,  # [num_pages, 2, page_size, Hkv, D], written in place
+        kv_layer: torch.Tensor,  # one layer's pages in the backend's `kv_layout`, written in place
     ) -> torch.Tensor:  # [N, Hq, D]
         ...
 
@@ -41,6 +41,7 @@ class StepAttention(Protocol):
 @runtime_checkable
 class AttentionBackend(Protocol):
     name: str
+    kv_layout: str  # the page layout of the KV caches it reads: "NHD" or "HND" (runtime/kv_cache.py)
 
     def prepare(self, plan: AttentionPlan, device: torch.device | str) -> StepAttention:
         ...
@@ -63,4 +64,9 @@ def get_backend(name: str = "torch", **options) -> AttentionBackend:
     raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(BACKENDS)})")
 
 
-__all__ = ["AttentionBackend", "StepAttention", "get_backend", "BACKENDS"]
+def kv_layout(backend: AttentionBackend | None) -> str:
+    """The page layout a KV cache read by `backend` (None: the torch backend) is stored in."""
+    return "HND" if backend is None else backend.kv_layout
+
+
+__all__ = ["AttentionBackend", "StepAttention", "get_backend", "kv_layout", "BACKENDS"]

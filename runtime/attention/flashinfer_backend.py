@@ -92,6 +92,8 @@ class FlashInferBackend:
         self._slots: list[dict] = []
         self._next = 0
 
+    kv_layout = "NHD"  # the page layout of the KV caches it reads (runtime/kv_cache.py)
+
     @staticmethod
     def kv_head_dim(head_dim: int) -> int:
         """The head size a KV cache for this backend stores (padded to a supported one)."""
