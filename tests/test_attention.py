@@ -235,15 +235,17 @@ def test_flashinfer_matches_torch_backend(case, tree, head_dim):
     specs = CASES[case]
     plan, cache, _, q, k, v, _ = random_case(rng, specs, tree=tree)
     dtype = torch.bfloat16
-    layer = cache.layers[0].to(dev, dtype)
+    layer = cache.layers[0].to(dev, dtype)  # HND pages, the torch backend's
     pad = (0, head_dim - D)
     q, k, v = (torch.nn.functional.pad(t, pad).to(dev, dtype) for t in (q, k, v))
     ref_layer = torch.nn.functional.pad(layer, pad)
     fi = get_backend("flashinfer", num_qo_heads=HQ, num_kv_heads=HKV, head_dim=head_dim, dtype=dtype)
-    layer = torch.nn.functional.pad(layer, (0, fi.kv_head_dim(head_dim) - D))
+    assert (fi.kv_layout, get_backend("torch").kv_layout) == ("NHD", "HND")
+    # the same pages in FlashInfer's NHD layout ([P, 2, ps, Hkv, D])
+    layer = torch.nn.functional.pad(layer.transpose(2, 3).contiguous(), (0, fi.kv_head_dim(head_dim) - D))
     out = fi.prepare(plan, dev).attend(0, q, k, v, layer)
     ref = get_backend("torch").prepare(plan, dev).attend(0, q, k, v, ref_layer)
-    torch.testing.assert_close(layer[..., :head_dim], ref_layer)
+    torch.testing.assert_close(layer[..., :head_dim].transpose(2, 3), ref_layer)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
