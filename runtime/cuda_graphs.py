@@ -120,7 +120,7 @@ class CudaGraphs:
         decode = q == 1 and not masked
         if decode:
             wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-                ws, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=kv_indptr,
+                ws, self.backend.kv_layout, use_cuda_graph=True, paged_kv_indptr_buffer=kv_indptr,
                 paged_kv_indices_buffer=kv_indices, paged_kv_last_page_len_buffer=last)
         else:
             mask = {}
@@ -131,7 +131,7 @@ class CudaGraphs:
                 mask = dict(custom_mask_buf=torch.zeros(cells + 1, dtype=torch.uint8, device=self.device),
                             mask_indptr_buf=torch.zeros(rows + 1, **i32))
             wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
-                ws, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros(rows + 1, **i32),
+                ws, self.backend.kv_layout, use_cuda_graph=True, qo_indptr_buf=torch.zeros(rows + 1, **i32),
                 paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices, paged_kv_last_page_len_buf=last,
                 backend="fa2", **mask)
         rows_q = dict(batch_indices=torch.zeros(rows * q, **i32), positions=torch.zeros(rows * q, **i32))

@@ -36,7 +36,8 @@ from specsched.runtime.config import ConfigError, ModelConfig
 from specsched.runtime.cuda_graphs import pad_inputs, real_rows, run_body
 from specsched.runtime.kv_cache import PagedKVCache
 from specsched.runtime.layers import RMSNorm, RotaryEmbedding, column_major_weight, rms_norm
-from specsched.runtime.model import DecoderLayer, LlamaModel
+from specsched.runtime.decoder_layer import DecoderLayer
+from specsched.runtime.model import LlamaModel
 from specsched.runtime.mtp_head import HeadOutput, layer_kv_cache
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"

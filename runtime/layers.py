@@ -103,8 +103,9 @@ def column_major_weight(rows: int, cols: int, device=None, dtype=None) -> nn.Par
 
 
 # A float32 CPU linear over this many rows or more multiplies by its weight pre-packed for
-# oneDNN (`Linear.pack`); over fewer, MKL streaming the column-major weight is faster
-# (benchmarks/cpu_linear.py measures both at each row count).
+# oneDNN (`Linear.pack`); over fewer, MKL streaming the column-major weight is faster (the
+# bundled target's forwards over 1 / 2 rows ran at 0.8-0.9x / ~0.95x packed, over 3-4 rows at
+# 1.07-1.23x; benchmarks/worker_libs.py --variants ... linear=torch measures the engine).
 PACKED_MIN_ROWS = 3
 
 
@@ -148,8 +149,9 @@ def can_pack(device: torch.device | str, dtype: torch.dtype) -> bool:
 
 
 def pack_linears(*modules: nn.Module) -> int:
-    """`pack` every `Linear` in `modules` (see can_pack); returns how many were packed."""
-    layers = {id(m): m for module in modules for m in module.modules() if isinstance(m, Linear)}
+    """`pack` every `Linear` in `modules` whose weight `can_pack`; returns how many were packed."""
+    layers = {id(m): m for module in modules for m in module.modules()
+              if isinstance(m, Linear) and can_pack(m.weight.device, m.weight.dtype)}
     for layer in layers.values():
         layer.pack()
     return len(layers)

@@ -4,7 +4,7 @@ Why: a one-layer head on the target's own hidden states drafts nearly for free, 
 expensive parts -- embedding and lm_head -- are the target's, shared and frozen. At head
 position i the input is concat(enorm(embed(t_{i+1})), hnorm(H_i)), H_i the target's last
 hidden state at i before its final norm; eh_proj maps 2H -> H, one Llama decoder layer
-(`specsched.runtime.model.DecoderLayer`) with its own paged KV runs, and a final norm + the target's
+(`specsched.runtime.decoder_layer.DecoderLayer`) with its own paged KV runs, and a final norm + the target's
 lm_head give logits for t_{i+2}. The layer's output before that norm is the head's "hidden"
 (trained to match H_{i+1}), which multi-token drafting feeds back in place of H.
 `norms=False` drops enorm/hnorm (EAGLE's layout), kept for the ablation in the model card.
@@ -44,7 +44,8 @@ from specsched.runtime.config import ModelConfig
 from specsched.runtime.cuda_graphs import pad_inputs, real_rows, run_body
 from specsched.runtime.kv_cache import PagedKVCache
 from specsched.runtime.layers import RMSNorm, RotaryEmbedding
-from specsched.runtime.model import DecoderLayer, LlamaModel
+from specsched.runtime.decoder_layer import DecoderLayer
+from specsched.runtime.model import LlamaModel
 from specsched.runtime.parallel import TPGroup
 
 ARCHITECTURE = "SpecschedMTPHead"

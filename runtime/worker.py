@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from specsched.runtime.dummy import load
-from specsched.runtime.layers import PACKED_MIN_ROWS, can_pack, pack_linears
+from specsched.runtime.layers import PACKED_MIN_ROWS, pack_linears
 from specsched.runtime.proposers.factory import make_proposer
 from specsched.runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
 from specsched.runtime.verify import (SyntheticDraws, greedy_verify, rejection_verify, synthetic_verify,
@@ -112,8 +112,7 @@ class ModelWorker:
             self.ngram = c.ngram  # n-gram lookup lengths (the host drafts with them: `host_drafter`)
             self.proposer = make_proposer(self, self.spec, c.proposer_dir, c.num_pages, c.ngram)
             # float32 CPU linears also keep their weights pre-packed for oneDNN (runtime/layers.py)
-            self.packed_linears = pack_linears(self.target, *self.proposer.models()) \
-                if c.linear == "auto" and can_pack(self.device, self.dtype) else 0
+            self.packed_linears = pack_linears(self.target, *self.proposer.models()) if c.linear == "auto" else 0
             self.last_hidden: dict | None = None  # target hidden states of the latest target launch
             self.last_verify: tuple | None = None  # (step, slots, accepted [B] on the device) of the latest verify
             # ops enqueue device work only; with the guard a host read of a device value fails the op

@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from specsched.runtime import bundled
 from specsched.runtime.checkpoint import CheckpointError, _read_tensors, load_config, load_model, save_llama
 from specsched.runtime.config import ModelConfig
-from specsched.runtime.model import DecoderLayer, LlamaModel
+from specsched.runtime.decoder_layer import DecoderLayer
+from specsched.runtime.model import LlamaModel
 from specsched.runtime.mtp_head import load_head
 from specsched.runtime.parallel import TPGroup, check_tp_config, shard_range
 from specsched.scheduler.plan import build_plan

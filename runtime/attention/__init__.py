@@ -66,7 +66,11 @@ def get_backend(name: str = "torch", **options) -> AttentionBackend:
 
 def kv_layout(backend: AttentionBackend | None) -> str:
     """The page layout a KV cache read by `backend` (None: the torch backend) is stored in."""
-    return "HND" if backend is None else backend.kv_layout
+    if backend is None:
+        from specsched.runtime.attention.torch_backend import TorchBackend
+
+        return TorchBackend.kv_layout
+    return backend.kv_layout
 
 
 __all__ = ["AttentionBackend", "StepAttention", "get_backend", "kv_layout", "BACKENDS"]

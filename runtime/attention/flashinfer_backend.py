@@ -63,6 +63,7 @@ def pack_mask(mask: np.ndarray, qo_lens: np.ndarray, kv_lens: np.ndarray) -> np.
 
 class FlashInferBackend:
     name = "flashinfer"
+    kv_layout = "NHD"  # the page layout of the KV caches it reads (runtime/kv_cache.py)
 
     def __init__(self, num_qo_heads: int | None = None, num_kv_heads: int | None = None,
                  head_dim: int | None = None, dtype: torch.dtype = torch.bfloat16,
@@ -92,8 +93,6 @@ class FlashInferBackend:
         self._slots: list[dict] = []
         self._next = 0
 
-    kv_layout = "NHD"  # the page layout of the KV caches it reads (runtime/kv_cache.py)
-
     @staticmethod
     def kv_head_dim(head_dim: int) -> int:
         """The head size a KV cache for this backend stores (padded to a supported one)."""
@@ -103,8 +102,8 @@ class FlashInferBackend:
         if len(self._slots) < self.num_slots:
             ws = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
             self._slots.append({
-                "prefill": self._fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=self.prefill_backend),
-                "decode": self._fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD"),
+                "prefill": self._fi.BatchPrefillWithPagedKVCacheWrapper(ws, self.kv_layout, backend=self.prefill_backend),
+                "decode": self._fi.BatchDecodeWithPagedKVCacheWrapper(ws, self.kv_layout),
             })
         slot = self._slots[self._next % self.num_slots]
         self._next += 1
@@ -183,7 +182,7 @@ class FlashInferStepAttention:
         if self._pad:
             q, k, v = (torch.nn.functional.pad(t, (0, self._pad)) for t in (q, k, v))
         self._append(k.contiguous(), v.contiguous(), self._batch_indices, self._positions,
-                     kv_layer, self._kv_indices, self._kv_indptr, self._last, kv_layout="NHD")
+                     kv_layer, self._kv_indices, self._kv_indptr, self._last, kv_layout=FlashInferBackend.kv_layout)
         out = self._wrapper.run(q.contiguous(), kv_layer)
         if self._used is not None:
             self._used.record()

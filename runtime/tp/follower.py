@@ -50,7 +50,7 @@ def entry() -> None:
 
 def serve(cfg: RankConfig) -> None:
     from specsched.runtime.dummy import load, load_head_for
-    from specsched.runtime.layers import can_pack, pack_linears
+    from specsched.runtime.layers import pack_linears
 
     torch.set_num_threads(cfg.num_threads)
     torch.set_grad_enabled(False)
@@ -67,7 +67,7 @@ def serve(cfg: RankConfig) -> None:
     if cfg.head_dir is not None:
         head = load_head_for(cfg.head_dir, target, cfg.load_format)
         modules["head"] = (head, head.make_kv_cache(cfg.num_pages, cfg.page_size, backend=backend))
-    if cfg.linear == "auto" and can_pack(device, target.dtype):
+    if cfg.linear == "auto":
         pack_linears(*(module for module, _ in modules.values()))
     for name, (_, kv) in list(modules.items()):  # a cache's own calls (EAGLE's slot copies)
         modules[f"{name}.kv"] = (kv, kv)
