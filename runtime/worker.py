@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specsched.runtime.attention import resolve_backend
 from specsched.runtime.dummy import load
 from specsched.runtime.layers import PACKED_MIN_ROWS, pack_linears
 from specsched.runtime.proposers.factory import make_proposer
@@ -86,7 +87,9 @@ class ModelWorker:
             tp = self.tp_leader.tp if self.tp_leader is not None else None
             self.load_format = c.load_format
             self.target = load(c.model_dir, c.load_format, self.dtype, self.device, tp)
-            self.backend = self.target.attention_backend(c.attention)
+            self.attention, self.attention_note = resolve_backend(c.attention, self.device, self.dtype,
+                                                                  self.target.config.head_dim)
+            self.backend = self.target.attention_backend(self.attention)
             self.kv = self.target.make_kv_cache(c.num_pages, c.page_size, backend=self.backend)
             self.spec = c.proposer
             # uniform steps padded to capture sizes, pad rows on every cache's scratch page
@@ -201,7 +204,8 @@ class ModelWorker:
         graphs = self.graphs
         return {"ok": True, "num_states": len(self.states), "cuda_graphs": 0 if graphs is None else graphs.num_graphs,
                 "capture_s": 0.0 if graphs is None else graphs.capture_ns / 1e9,
-                "linears": f"oneDNN pre-packed from {PACKED_MIN_ROWS} rows" if self.packed_linears else "torch"}
+                "linears": f"oneDNN pre-packed from {PACKED_MIN_ROWS} rows" if self.packed_linears else "torch",
+                "attention": self.attention_note}
 
     def op_tp_stats(self, batch: Any) -> dict:
         """Tensor parallelism's communication so far: the size, and the leader's broadcasts

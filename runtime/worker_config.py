@@ -28,7 +28,7 @@ class WorkerConfig:
     page_size: int = 16
     dtype: str = "float32"
     load_format: str = "auto"  # "dummy": random weights from config.json (runtime/dummy.py)
-    attention: str = "torch"
+    attention: str = "auto"  # runtime/attention resolve_backend
     device: str = "cpu"  # the torch device: "cpu" or "cuda"
     acceptance: str = "lossless"  # or "threshold", "synthetic"
     threshold: float = 0.3

@@ -82,7 +82,8 @@ class EngineConfig(BaseModel):
     synthetic_acceptance_independent: bool = Field(
         False, description="acceptance 'synthetic': draw each position on its own, not one uniform per row")
     device: Literal["host", "cuda"] = "host"
-    attention: Literal["torch", "flashinfer"] = "torch"
+    attention: Literal["auto", "torch", "cpu", "flashinfer"] = Field("auto", description="'auto': 'cpu' (a C "
+                                                                    "kernel) for float32 on the host, else 'torch'")
     dtype: Literal["float32", "bfloat16"] = "float32"
     page_size: int = 16
     num_pages: int = 4096
@@ -186,11 +187,10 @@ class EngineConfig(BaseModel):
             raise ValueError("need 1 <= ngram_min <= ngram_max")
         if self.acceptance == "threshold" and not (0.0 < self.threshold < 1.0):
             raise ValueError("threshold must be in (0, 1)")
-        if self.attention == "flashinfer" and self.device != "cuda":
-            raise ValueError("attention 'flashinfer' needs device 'cuda'")
-        if self.attention == "flashinfer" and self.dtype != "bfloat16":
-            # FlashInfer's kernels take 16-bit queries and caches; a float32 model is not cast silently
-            raise ValueError(f"attention 'flashinfer' needs dtype 'bfloat16' (got {self.dtype!r})")
+        # FlashInfer's kernels take 16-bit queries and caches, the C kernel float32: nothing is cast silently
+        device, dtype = {"flashinfer": ("cuda", "bfloat16"), "cpu": ("host", "float32")}.get(self.attention, (0, 0))
+        if device and (self.device, self.dtype) != (device, dtype):
+            raise ValueError(f"attention {self.attention!r} needs device {device!r} and dtype {dtype!r}")
         validate_combination(self.proposer, self.schedule, self.longest_draft_len)
         spec = self.proposer_spec()  # validates the draft length
         self._check_synthetic(spec)

@@ -38,10 +38,12 @@ def test_batch_token_budget_must_hold_one_verification(kw, msg):
 
 
 @pytest.mark.parametrize("kw,msg", [
-    ({"attention": "flashinfer"}, r"attention 'flashinfer' needs device 'cuda'"),
-    ({"attention": "flashinfer", "device": "cuda"}, r"attention 'flashinfer' needs dtype 'bfloat16' \(got 'float32'\)"),
+    ({"attention": "flashinfer"}, r"attention 'flashinfer' needs device 'cuda' and dtype 'bfloat16'"),
+    ({"attention": "flashinfer", "device": "cuda"}, r"attention 'flashinfer' needs device 'cuda' and dtype 'bfloat16'"),
+    ({"attention": "cpu", "dtype": "bfloat16"}, r"attention 'cpu' needs device 'host' and dtype 'float32'"),
+    ({"attention": "cpu", "device": "cuda"}, r"attention 'cpu' needs device 'host' and dtype 'float32'"),
 ])
-def test_flashinfer_needs_cuda_and_bfloat16(kw, msg):
+def test_attention_backends_need_their_device_and_dtype(kw, msg):
     with pytest.raises(ConfigurationError, match=msg):
         EngineConfig.make(**kw)
 

@@ -18,7 +18,7 @@ import torch
 
 from specsched.scheduler.plan import AttentionPlan
 
-BACKENDS = ("torch", "flashinfer")
+BACKENDS = ("torch", "cpu", "flashinfer")
 
 
 @runtime_checkable
@@ -57,11 +57,35 @@ def get_backend(name: str = "torch", **options) -> AttentionBackend:
         from specsched.runtime.attention.torch_backend import TorchBackend
 
         return TorchBackend()
+    if name == "cpu":
+        from specsched.runtime.attention.cpu_backend import CpuBackend
+
+        return CpuBackend(**options)
     if name == "flashinfer":
         from specsched.runtime.attention.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(**options)
     raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(BACKENDS)})")
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
+    """The backend a configured `attention` names, and a note on it for the worker's start-up
+    line: "auto" is the C kernel (`cpu`) for a float32 model on a CPU where the kernel builds and
+    takes the head size, else torch. "cpu" where the kernel cannot serve is a RuntimeError
+    saying why."""
+    from specsched.runtime.attention.cpu_backend import kernel_status
+
+    if name not in ("auto", *BACKENDS):
+        raise ValueError(f"unknown attention backend {name!r} (choose from auto, {', '.join(BACKENDS)})")
+    if name == "cpu" or (name == "auto" and device.type == "cpu" and dtype == torch.float32):
+        why = kernel_status(head_dim)
+        if why is None:
+            return "cpu", "C kernel on the pages"
+        if name == "cpu":
+            raise RuntimeError(f"attention 'cpu': {why}")
+        return "torch", f"torch gather + SDPA ({why})"
+    name = "torch" if name == "auto" else name
+    return name, {"torch": "torch gather + SDPA", "flashinfer": "FlashInfer"}[name]
 
 
 def kv_layout(backend: AttentionBackend | None) -> str:
@@ -73,4 +97,4 @@ def kv_layout(backend: AttentionBackend | None) -> str:
     return backend.kv_layout
 
 
-__all__ = ["AttentionBackend", "StepAttention", "get_backend", "kv_layout", "BACKENDS"]
+__all__ = ["AttentionBackend", "StepAttention", "get_backend", "kv_layout", "resolve_backend", "BACKENDS"]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from specsched.runtime.attention import resolve_backend
 from specsched.runtime.tp.channel import Stamps
 from specsched.runtime.tp.ranks import RankConfig, attach_shm, form_group, make_channel, stamps_path
 
@@ -61,7 +62,9 @@ def serve(cfg: RankConfig) -> None:
     device = torch.device(cfg.device)
     # the same loads in the same order as the leader's worker (loading is collective)
     target = load(cfg.model_dir, cfg.load_format, _DTYPES[cfg.dtype], device, tp)
-    backend = target.attention_backend(cfg.attention)
+    # resolved as the leader's worker does, on the same machine: the same backend
+    backend = target.attention_backend(resolve_backend(cfg.attention, device, _DTYPES[cfg.dtype],
+                                                       target.config.head_dim)[0])
     modules: dict[str, tuple[Any, Any]] = {
         "target": (target, target.make_kv_cache(cfg.num_pages, cfg.page_size, backend=backend))}
     if cfg.head_dir is not None:

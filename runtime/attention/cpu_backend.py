@@ -1,0 +1,249 @@
+"""Paged attention on a CPU by a small C kernel that reads the KV pages in place.
+
+Why: the torch backend gathers every sequence's pages into a contiguous copy and then runs SDPA
+over it -- two passes over all the K/V of the step, plus a dispatch of several ops per layer.
+The kernel (cpu_kernel.c) appends the step's K/V and attends in one call per layer, reading
+each page once. It is plain C, built on first use by the platform's C compiler (`cc`, or `$CC`)
+into a cache folder and loaded with ctypes; where no compiler is found, `kernel_status()` says
+why and the worker keeps the torch backend.
+
+Pages are the torch backend's "HND" layout, so a step the kernel does not take -- queries
+longer than `MAX_QUERY_LEN` a sequence (prefill chunks, where SDPA's blocked kernel wins), or a
+dtype other than float32 -- is handed to the torch backend over the same cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specsched.runtime.attention.torch_backend import TorchBackend
+from specsched.scheduler.plan import AttentionPlan
+
+SOURCE = Path(__file__).with_name("cpu_kernel.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
+MAX_HEAD_DIM = 256  # cpu_kernel.c: MAX_VECTORS vectors of 16
+MAX_QUERY_LEN = 64  # longer queries a sequence go to SDPA (measured: prefill chunks are faster there)
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernel could not be built or loaded here (the message says why)."""
+
+
+class _StepPlan(ctypes.Structure):  # cpu_kernel.c's StepPlan
+    _fields_ = [(n, ctypes.c_int64) for n in ("num_seqs", "num_heads", "num_kv_heads", "head_dim", "page_size")] + [
+        (n, ctypes.c_void_p) for n in ("qo_indptr", "kv_lens", "page_indptr", "page_indices", "slot_mapping",
+                                        "mask", "mask_offsets")] + [
+        ("max_kv", ctypes.c_int64), ("scale", ctypes.c_float)]
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: $SPECSCHED_CACHE, else $XDG_CACHE_HOME/specsched, else
+    ~/.cache/specsched."""
+    root = os.environ.get("SPECSCHED_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specsched"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: a kernel built on one CPU is not loaded on another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+@lru_cache(maxsize=1)
+def _load() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler or not shutil.which(compiler):
+        raise KernelUnavailable(f"no C compiler found ({'$CC=' + compiler if compiler else 'cc, gcc'})")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + compiler.encode() + _cpu_signature().encode())
+    path = cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise KernelUnavailable(f"cannot create the kernel cache {path.parent}: {e}") from e
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                                  timeout=120)
+            if done.returncode != 0:
+                raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name}: {done.stderr.strip()[-500:]}")
+            os.replace(tmp, path)  # atomic: concurrent builders each install a whole file
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise KernelUnavailable(f"{compiler} could not build {SOURCE.name}: {e}") from e
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelUnavailable(f"cannot load {path}: {e}") from e
+    fn = lib.specsched_paged_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_StepPlan), ctypes.c_int64] + [ctypes.c_void_p, ctypes.c_int64] * 4 + [
+        ctypes.c_void_p]
+    return lib
+
+
+def kernel_status(head_dim: int) -> str | None:
+    """None when the kernel builds (or was built) and loads here and takes heads of `head_dim`
+    values, else why not."""
+    if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
+        return f"head size {head_dim}: the C kernel takes multiples of 16 up to {MAX_HEAD_DIM}"
+    try:
+        _load()
+    except KernelUnavailable as e:
+        return str(e)
+    return None
+
+
+class CpuBackend:
+    """The C kernel for steps of float32 queries up to `MAX_QUERY_LEN` a sequence, the torch
+    backend for the rest. Raises KernelUnavailable at construction where the kernel is not
+    (`kernel_status` says beforehand)."""
+
+    name = "cpu"
+    kv_layout = TorchBackend.kv_layout
+
+    def __init__(self, num_qo_heads: int | None = None, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, dtype: torch.dtype | None = None, **_unused) -> None:
+        if head_dim is not None and (why := kernel_status(head_dim)):
+            raise KernelUnavailable(why)
+        self._attention = _load().specsched_paged_attention
+        self.num_kv_heads, self.dtype = num_kv_heads, dtype
+        self.torch = TorchBackend(num_kv_heads=num_kv_heads, dtype=dtype)
+
+    @staticmethod
+    def kv_head_dim(head_dim: int) -> int:
+        return head_dim
+
+    def _takes(self, plan: AttentionPlan, device: torch.device | str) -> bool:
+        return (torch.device(device).type == "cpu" and self.dtype in (None, torch.float32)
+                and int(np.diff(plan.qo_indptr).max(initial=0)) <= MAX_QUERY_LEN)
+
+    def prepare(self, plan: AttentionPlan, device: torch.device | str = "cpu"):
+        if not self._takes(plan, device):
+            return self.torch.prepare(plan, device)
+        return CpuStepAttention(self._attention, plan)
+
+    def prepare_steps(self, last: AttentionPlan, num_steps: int, device: torch.device | str):
+        """`num_steps` one-token steps over the same rows, the last planned by `last` (see
+        TorchBackend.prepare_steps)."""
+        if not self._takes(last, device):
+            return self.torch.prepare_steps(last, num_steps, device)
+        return CpuOneTokenSteps(self._attention, last, num_steps)
+
+
+def _int32(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+class CpuStepAttention:
+    """One step's plan, marshalled once for the kernel; `attend` is one kernel call a layer."""
+
+    def __init__(self, attention, plan: AttentionPlan) -> None:
+        qo = np.diff(plan.qo_indptr)
+        num_tokens = int(plan.qo_indptr[-1])
+        if plan.num_seqs == 0 or num_tokens == 0:
+            raise ValueError("attention plan has no tokens")
+        if plan.slot_mapping.shape[0] != num_tokens:
+            raise ValueError(f"plan has {plan.slot_mapping.shape[0]} slots for {num_tokens} tokens")
+        if (plan.kv_lens < qo).any():
+            raise ValueError("attention plan has a sequence with fewer KV tokens than new ones")
+        pages = np.diff(plan.paged_kv_indptr)
+        if (pages * plan.page_size < plan.kv_lens).any():
+            raise ValueError("attention plan has a sequence with too few pages for its KV tokens")
+        self.plan, self._attention = plan, attention
+        self.num_tokens = num_tokens
+        # kept referenced: the kernel reads them through the pointers below
+        self._arrays = [_int32(plan.qo_indptr), _int32(plan.kv_lens), _int32(plan.paged_kv_indptr),
+                        _int32(plan.paged_kv_indices), np.ascontiguousarray(plan.slot_mapping, dtype=np.int64)]
+        mask = offsets = None
+        if plan.custom_mask is not None:
+            sizes = qo.astype(np.int64) * plan.kv_lens.astype(np.int64)
+            mask = np.ascontiguousarray(plan.custom_mask, dtype=np.uint8)
+            if mask.shape[0] != int(sizes.sum()):
+                raise ValueError(f"custom_mask has {mask.shape[0]} entries, plan needs {int(sizes.sum())}")
+            offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+            self._arrays += [mask, offsets]
+        self._max_kv = int(plan.kv_lens.max())
+        self._c = None  # the StepPlan, filled at the first layer (head counts come with q/k)
+        self._mask, self._offsets = mask, offsets
+
+    def _plan(self, num_heads: int, num_kv_heads: int, head_dim: int) -> _StepPlan:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")
+        ptr = [a.ctypes.data for a in self._arrays[:5]]
+        return _StepPlan(self.plan.num_seqs, num_heads, num_kv_heads, head_dim, self.plan.page_size, *ptr,
+                         None if self._mask is None else self._mask.ctypes.data,
+                         None if self._offsets is None else self._offsets.ctypes.data,
+                         self._max_kv, head_dim ** -0.5)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_layer: torch.Tensor) -> torch.Tensor:
+        return _run(self, q, k, v, kv_layer)
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x [N, H, D] with heads and values contiguous in a row (a view of the qkv projection is),
+    and its row stride."""
+    if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1] or x.dtype != torch.float32:
+        x = x.float().contiguous()
+    return x, x.stride(0)
+
+
+def _run(step, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+    if step._c is None:
+        step._c = step._plan(q.shape[-2], k.shape[-2], q.shape[-1])
+    if kv_layer.dtype != torch.float32 or not kv_layer.is_contiguous():
+        raise ValueError("the CPU attention kernel needs a contiguous float32 KV cache")
+    (q, qs), (k, ks), (v, vs) = _rows(q), _rows(k), _rows(v)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    rc = step._attention(ctypes.byref(step._c), step.num_tokens, q.data_ptr(), qs, k.data_ptr(), ks,
+                         v.data_ptr(), vs, out.data_ptr(), out.stride(0), kv_layer.data_ptr())
+    if rc != 0:
+        raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+    return out
+
+
+class CpuOneTokenSteps:
+    """`CpuBackend.prepare_steps`: step j (0-based) of `num_steps` one-token steps over the rows
+    of `last`, each row's KV one token shorter per step back from the last."""
+
+    def __init__(self, attention, last: AttentionPlan, num_steps: int) -> None:
+        if int(np.diff(last.qo_indptr).max()) != 1 or last.custom_mask is not None:
+            raise ValueError("prepare_steps needs a plan of one new token per row and no custom mask")
+        kv_last = last.kv_lens.astype(np.int64)
+        if num_steps < 1 or int(kv_last.min()) < num_steps:
+            raise ValueError(f"{num_steps} steps do not fit rows of {int(kv_last.min())} KV tokens")
+        ps = last.page_size
+        kv = kv_last[None, :] - np.arange(num_steps - 1, -1, -1)[:, None]  # [S, B]
+        first_page = last.paged_kv_indptr[:-1].astype(np.int64)
+        slots = last.paged_kv_indices[first_page[None, :] + (kv - 1) // ps].astype(np.int64) * ps + (kv - 1) % ps
+        self.positions = torch.from_numpy(np.ascontiguousarray(kv - 1))
+        self.num_steps = num_steps
+        self._steps = [CpuStepAttention(attention, AttentionPlan(
+            qo_indptr=last.qo_indptr, paged_kv_indptr=last.paged_kv_indptr, paged_kv_indices=last.paged_kv_indices,
+            paged_kv_last_page_len=(kv[j] - 1) % ps + 1, kv_lens=kv[j], positions=kv[j] - 1, slot_mapping=slots[j],
+            page_size=ps)) for j in range(num_steps)]
+
+    def step(self, j: int) -> CpuStepAttention:
+        return self._steps[j]

@@ -1,0 +1,255 @@
+/* Paged attention for one step on a CPU, float32, reading the KV pages in place.
+ *
+ * Built by cpu_backend.py with the platform's C compiler on first use and loaded with ctypes;
+ * no Python or torch headers, so it compiles in well under a second.
+ *
+ * Layout (the torch backend's "HND" pages): a layer's cache is [P, 2, Hkv, ps, D], so a page's
+ * keys (c = 0) or values (c = 1) of one KV head are one contiguous [ps, D] block.
+ * Sequence i has qo_len new tokens (rows qo_indptr[i] .. qo_indptr[i + 1] of q/k/v/out) and
+ * kv_len KV tokens after this step's append, in pages page_indices[page_indptr[i] ..]. Its new
+ * token t (0-based) sees keys [0, kv_len - qo_len + t] (causal), or with a mask exactly the
+ * keys whose mask entry is 1 (mask: concatenation over i of [qo_len, kv_len] bytes, row-major,
+ * sequence i's at mask_offsets[i]).
+ *
+ * A row's result depends only on its own query, its keys and its mask, never on the other rows
+ * of the step: a token decoded alone and the same token verified among drafts attend with the
+ * same arithmetic. Keys a row does not see are skipped, not weighted by zero.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int64_t num_seqs, num_heads, num_kv_heads, head_dim, page_size;
+    const int32_t *qo_indptr, *kv_lens, *page_indptr, *page_indices;
+    const int64_t *slot_mapping; /* [N] where each new token's K/V go: page * ps + offset */
+    const uint8_t *mask;         /* NULL: causal */
+    const int64_t *mask_offsets; /* [num_seqs] */
+    int64_t max_kv;              /* the largest kv_len: the scores scratch */
+    float scale;
+} StepPlan;
+
+/* exp(x) for x <= 0 (scores less their row's maximum; -inf for a masked key, whose weight is 0),
+ * written so the compiler vectorises it: Cephes' expf polynomial after reducing by ln 2, relative
+ * error ~1e-7; below -87 (where expf is subnormal) it is 0. */
+static inline float exp_nonpositive(float x) {
+    const float c = x < -87.0f ? -87.0f : x;
+    float n = floorf(c * 1.44269504088896341f + 0.5f);
+    float r = c - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -87.0f ? 0.0f : y * scale;
+}
+
+static void write_new_kv(const StepPlan *p, int64_t num_tokens, const float *k, int64_t k_stride,
+                         const float *v, int64_t v_stride, float *kv) {
+    const int64_t hkv = p->num_kv_heads, d = p->head_dim, ps = p->page_size;
+    const int64_t block = ps * d; /* one head's keys (or values) in a page */
+    for (int64_t n = 0; n < num_tokens; n++) {
+        const int64_t page = p->slot_mapping[n] / ps, off = p->slot_mapping[n] % ps;
+        float *kdst = kv + page * 2 * hkv * block + off * d;
+        float *vdst = kdst + hkv * block;
+        for (int64_t h = 0; h < hkv; h++) {
+            memcpy(kdst + h * block, k + n * k_stride + h * d, d * sizeof(float));
+            memcpy(vdst + h * block, v + n * v_stride + h * d, d * sizeof(float));
+        }
+    }
+}
+
+/* 16 floats in one vector (one AVX-512 register; the compiler splits it where the CPU has
+ * narrower ones); a head of d values is d / 16 of them. aligned(4): loads need no alignment. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+#define LANES 16
+#define MAX_TILE 4      /* rows attended together */
+#define MAX_VECTORS 16  /* head size up to 256 */
+
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *x) { return *(const v16 *)x; }
+
+/* lanes of a where `take` is -1, of b where it is 0 */
+static inline v16 select16(vi16 take, v16 a, v16 b) { return (v16)(((vi16)a & take) | ((vi16)b & ~take)); }
+
+static inline float sum16(v16 v) {
+    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* out[l] = the sum of p[l]'s lanes, for LANES vectors: four rounds of pairing halves */
+static inline v16 sum16x16(const v16 p[LANES]) {
+    v16 a[8], b[4], c[2];
+    for (int j = 0; j < 8; j++)
+        a[j] = __builtin_shufflevector(p[j], p[j + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(p[j], p[j + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int j = 0; j < 4; j++)
+        b[j] = __builtin_shufflevector(a[j], a[j + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+               __builtin_shufflevector(a[j], a[j + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int j = 0; j < 2; j++)
+        c[j] = __builtin_shufflevector(b[j], b[j + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               __builtin_shufflevector(b[j], b[j + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    return __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+/* `nt` rows of one sequence and KV head -- row r is (token t, query head h * group + g),
+ * r = t * group + g -- attended together, so each key and value is loaded once for all of them.
+ * `nt` and `nv` (16-float vectors a head) are constants where this is inlined, so the rows'
+ * queries and accumulators stay in registers. A row's result does not depend on the rows it
+ * is tiled with: a key it does not see scores -inf, weighs exactly 0 and adds exact zeros, and
+ * its softmax sum goes through LANES partial sums in a fixed order. */
+static inline __attribute__((always_inline)) void attend_tile(
+    const StepPlan *p, int64_t seq, int64_t h, int64_t r0, const float *q, int64_t q_stride, float *out,
+    int64_t out_stride, const float *kv, float *scores, int64_t score_stride, const int nt, const int nv) {
+    const int64_t hkv = p->num_kv_heads, ps = p->page_size, d = nv * LANES;
+    const int64_t group = p->num_heads / hkv, block = ps * d;
+    const int64_t q0 = p->qo_indptr[seq], qlen = p->qo_indptr[seq + 1] - q0;
+    const int64_t kvlen = p->kv_lens[seq];
+    const int32_t *pages = p->page_indices + p->page_indptr[seq];
+    const uint8_t *mask = p->mask ? p->mask + p->mask_offsets[seq] : NULL;
+    const vi16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16 neg_inf = (v16){0} - INFINITY;
+    /* sized by constants, not nt/nv (arrays of variable size would live in memory) */
+    v16 qv[MAX_TILE][MAX_VECTORS], acc[MAX_TILE][MAX_VECTORS], mxv[MAX_TILE];
+    float *o[MAX_TILE], mx[MAX_TILE], sum[MAX_TILE];
+    int64_t seen[MAX_TILE], tile_seen = 0;
+    const uint8_t *mr[MAX_TILE];
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < nt; i++) {
+        const int64_t t = (r0 + i) / group, head = h * group + (r0 + i) % group;
+        seen[i] = mask ? kvlen : kvlen - qlen + t + 1; /* keys [0, seen) */
+        tile_seen = seen[i] > tile_seen ? seen[i] : tile_seen;
+        mr[i] = mask ? mask + t * kvlen : NULL;
+        _Pragma("GCC unroll 16")
+        for (int c = 0; c < nv; c++) {
+            qv[i][c] = load16(q + (q0 + t) * q_stride + head * d + c * LANES) * p->scale;
+            acc[i][c] = (v16){0};
+        }
+        o[i] = out + (q0 + t) * out_stride + head * d;
+        mxv[i] = neg_inf;
+    }
+    /* scores, LANES keys at a time: each row's LANES products of query and key, summed across
+     * in one transpose-and-add (sum16x16), then masked */
+    const int64_t padded = round_up(tile_seen, LANES);
+    for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
+        const float *key[LANES];
+        _Pragma("GCC unroll 16")
+        for (int l = 0; l < LANES; l++) {
+            const int64_t j = j0 + l < tile_seen ? j0 + l : tile_seen - 1; /* past the end: a repeat, masked */
+            key[l] = kv + ((int64_t)pages[j / ps] * 2 * hkv + h) * block + (j % ps) * d;
+        }
+        _Pragma("GCC unroll 16")
+        for (int i = 0; i < nt; i++) {
+            v16 prod[LANES];
+            _Pragma("GCC unroll 16")
+            for (int l = 0; l < LANES; l++) {
+                prod[l] = qv[i][0] * load16(key[l]);
+                _Pragma("GCC unroll 16")
+                for (int c = 1; c < nv; c++) prod[l] += qv[i][c] * load16(key[l] + c * LANES);
+            }
+            v16 sc = sum16x16(prod);
+            vi16 sees = (iota + (int32_t)j0) < (int32_t)seen[i];
+            if (mr[i])
+                _Pragma("GCC unroll 16")
+                for (int l = 0; l < LANES; l++) sees[l] = sees[l] && mr[i][j0 + l] ? -1 : 0;
+            sc = select16(sees, sc, neg_inf);
+            mxv[i] = select16(sc > mxv[i], sc, mxv[i]);
+            *(v16 *)(scores + i * score_stride + j0) = sc;
+        }
+    }
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < nt; i++) {
+        mx[i] = -INFINITY;
+        _Pragma("GCC unroll 16")
+        for (int l = 0; l < LANES; l++) mx[i] = mxv[i][l] > mx[i] ? mxv[i][l] : mx[i];
+    }
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < nt; i++) {
+        float *restrict si = scores + i * score_stride;
+        const float top = mx[i] == -INFINITY ? 0.0f : mx[i]; /* a row that sees nothing weighs all 0 */
+#pragma omp simd
+        for (int64_t j = 0; j < padded; j++) si[j] = exp_nonpositive(si[j] - top);
+        v16 lanes = {0};
+        for (int64_t j0 = 0; j0 < padded; j0 += LANES) lanes += load16(si + j0);
+        sum[i] = sum16(lanes);
+    }
+    for (int64_t j0 = 0; j0 < tile_seen; j0 += ps) {
+        const float *vb = kv + ((int64_t)pages[j0 / ps] * 2 * hkv + hkv + h) * block;
+        const int64_t m = tile_seen - j0 < ps ? tile_seen - j0 : ps;
+        for (int64_t j = 0; j < m; j++) {
+            v16 v[MAX_VECTORS];
+            _Pragma("GCC unroll 16")
+            for (int c = 0; c < nv; c++) v[c] = load16(vb + j * d + c * LANES);
+            _Pragma("GCC unroll 16")
+            for (int i = 0; i < nt; i++) {
+                const float w = scores[i * score_stride + j0 + j];
+                _Pragma("GCC unroll 16")
+                for (int c = 0; c < nv; c++) acc[i][c] += w * v[c];
+            }
+        }
+    }
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < nt; i++) {
+        const float inv = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
+        _Pragma("GCC unroll 16")
+        for (int c = 0; c < nv; c++) *(v16 *)(o[i] + c * LANES) = acc[i][c] * inv;
+    }
+}
+
+/* One sequence, one KV head: its qo_len * group rows, four, two or one at a time. */
+static inline __attribute__((always_inline)) void attend_rows(
+    const StepPlan *p, int64_t seq, int64_t h, const float *q, int64_t qs, float *out, int64_t os,
+    const float *kv, float *scores, int64_t score_stride, const int nv) {
+    const int64_t rows = (p->qo_indptr[seq + 1] - p->qo_indptr[seq]) * (p->num_heads / p->num_kv_heads);
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) attend_tile(p, seq, h, r, q, qs, out, os, kv, scores, score_stride, 4, nv);
+    for (; r + 2 <= rows; r += 2) attend_tile(p, seq, h, r, q, qs, out, os, kv, scores, score_stride, 2, nv);
+    for (; r < rows; r++) attend_tile(p, seq, h, r, q, qs, out, os, kv, scores, score_stride, 1, nv);
+}
+
+typedef void (*AttendHead)(const StepPlan *, int64_t, int64_t, const float *, int64_t, float *, int64_t,
+                           const float *, float *, int64_t);
+#define ATTEND_HEAD(name, NV)                                                                            \
+    static void name(const StepPlan *p, int64_t seq, int64_t h, const float *q, int64_t qs, float *out,  \
+                     int64_t os, const float *kv, float *scores, int64_t score_stride) {                 \
+        attend_rows(p, seq, h, q, qs, out, os, kv, scores, score_stride, NV);                            \
+    }
+ATTEND_HEAD(attend_head_32, 2)
+ATTEND_HEAD(attend_head_64, 4)
+ATTEND_HEAD(attend_head_128, 8)
+ATTEND_HEAD(attend_head_any, (int)(p->head_dim / LANES))
+
+/* Append this step's K/V [N, Hkv, D] (token rows k_stride / v_stride floats apart) to a layer's
+ * pages `kv`, then attend q [N, Hq, D] (rows q_stride apart) over them into out [N, Hq, D]
+ * (rows out_stride apart). Returns 0; -1 when scratch memory could not be had, -2 for a head
+ * size not a multiple of 16. */
+int specsched_paged_attention(const StepPlan *p, int64_t num_tokens, const float *q, int64_t q_stride,
+                              const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                              float *out, int64_t out_stride, float *kv) {
+    write_new_kv(p, num_tokens, k, k_stride, v, v_stride, kv);
+    const int64_t score_stride = round_up(p->max_kv > 0 ? p->max_kv : 1, LANES);
+    float *scores = malloc(sizeof(float) * (size_t)(4 * score_stride));
+    if (!scores) return -1;
+    if (p->head_dim % LANES) return -2;
+    const AttendHead attend_head = p->head_dim == 32 ? attend_head_32 : p->head_dim == 64 ? attend_head_64
+        : p->head_dim == 128 ? attend_head_128 : attend_head_any;
+    for (int64_t seq = 0; seq < p->num_seqs; seq++)
+        for (int64_t h = 0; h < p->num_kv_heads; h++)
+            attend_head(p, seq, h, q, q_stride, out, out_stride, kv, scores, score_stride);
+    free(scores);
+    return 0;
+}
