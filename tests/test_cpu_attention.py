@@ -1,0 +1,164 @@
+"""The CPU attention kernel (runtime/attention/cpu_backend.py, cpu_kernel.c) against the dense
+reference and the torch backend, and how a worker chooses it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from specsched.runtime.attention import get_backend, resolve_backend
+from specsched.runtime.attention.cpu_backend import MAX_QUERY_LEN, kernel_status
+from specsched.runtime.kv_cache import PagedKVCache
+from specsched.scheduler.plan import build_plan
+from tests.test_attention import reference
+
+pytestmark = pytest.mark.skipif(kernel_status(32) is not None, reason=f"no CPU attention kernel: {kernel_status(32)}")
+
+
+def make_case(rng, specs, hq, hkv, d, ps, tree=False, num_pages=96):
+    """specs: (qo_len, kv_len) a sequence. Its history is written into a fresh cache (and a
+    copy); returns plan, (cache, copy), history K/V, new q/k/v, the allowed masks."""
+    free = list(rng.permutation(num_pages))
+    tables = [[int(free.pop()) for _ in range(-(-kv // ps))] for _, kv in specs]
+    masks = []
+    for qo, kv in specs:
+        m = np.arange(kv)[None, :] <= (kv - qo + np.arange(qo))[:, None]
+        if tree:
+            m[:, kv - qo:] &= rng.random((qo, qo)) < 0.5
+            m[np.arange(qo), kv - qo + np.arange(qo)] = True
+        masks.append(m)
+    plan = build_plan([q for q, _ in specs], [k for _, k in specs], tables, ps, custom_masks=masks if tree else None)
+    cache = PagedKVCache(1, num_pages, ps, hkv, d)
+    cache.layers[0].copy_(torch.randn(cache.layers[0].shape) * 10)  # stale pages: never read
+    hist = []
+    for (qo, kv), table in zip(specs, tables):
+        k_all, v_all = torch.randn(kv, hkv, d), torch.randn(kv, hkv, d)
+        cache.write_slots(0, [table[p // ps] * ps + p % ps for p in range(kv - qo)], k_all[: kv - qo], v_all[: kv - qo])
+        hist.append((k_all, v_all))
+    q = torch.randn(plan.num_tokens, hq, d)
+    k_new = torch.cat([k[kv - qo:] for (k, _), (qo, kv) in zip(hist, specs)])
+    v_new = torch.cat([v[kv - qo:] for (_, v), (qo, kv) in zip(hist, specs)])
+    return plan, cache, hist, q, k_new, v_new, masks
+
+
+SHAPES = [(8, 4, 32, 16), (4, 4, 64, 16), (8, 2, 128, 8), (6, 3, 48, 5), (16, 2, 32, 32)]  # hq, hkv, d, page size
+CASES = {
+    "decode": [(1, 1), (1, 40), (1, 17), (1, 150)],
+    "verify": [(4, 30), (4, 4), (2, 61), (5, 100)],
+    "mixed": [(7, 7), (1, 12), (4, 33), (1, 1), (3, 19)],
+}
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "hq{}_hkv{}_d{}_ps{}".format(*s))
+def test_the_kernel_matches_the_dense_reference_and_the_torch_backend(shape, case, tree):
+    hq, hkv, d, ps = shape
+    rng = np.random.default_rng(hash((shape, case, tree)) % 2**32)
+    plan, cache, hist, q, k, v, masks = make_case(rng, CASES[case], hq, hkv, d, ps, tree)
+    other = PagedKVCache(1, cache.num_pages, ps, hkv, d)
+    other.layers[0].copy_(cache.layers[0])
+    out = get_backend("cpu", num_kv_heads=hkv, head_dim=d, dtype=torch.float32).prepare(plan).attend(
+        0, q, k, v, cache.layers[0])
+    want = get_backend("torch").prepare(plan).attend(0, q, k, v, other.layers[0])
+    torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5)
+    start = 0
+    for (qo, kv), (k_all, v_all), m in zip(CASES[case], hist, masks):
+        torch.testing.assert_close(out[start:start + qo], reference(q[start:start + qo], k_all, v_all, m),
+                                   atol=2e-6, rtol=1e-5)
+        start += qo
+    assert torch.equal(cache.data, other.data)  # the step's K/V written where the torch backend writes them
+
+
+def test_a_row_attends_alike_alone_and_among_others():
+    """A token's attention does not depend on the rows it is attended with: decoded alone, or
+    verified among drafts and other sequences, it is the same to the bit (what keeps verifying
+    a guess and decoding it token-identical)."""
+    rng = np.random.default_rng(0)
+    hq, hkv, d, ps = 8, 4, 32, 16
+    plan, cache, hist, q, k, v, _ = make_case(rng, [(5, 70), (1, 20), (3, 9)], hq, hkv, d, ps)
+    backend = get_backend("cpu", num_kv_heads=hkv, head_dim=d, dtype=torch.float32)
+    together = backend.prepare(plan).attend(0, q, k, v, cache.layers[0])
+    tables = [plan.paged_kv_indices[plan.paged_kv_indptr[i]:plan.paged_kv_indptr[i + 1]] for i in range(3)]
+    for row, (seq, kv) in enumerate([(0, 66), (0, 67), (0, 68), (0, 69), (0, 70), (1, 20), (2, 7), (2, 8), (2, 9)]):
+        alone = build_plan([1], [kv], [tables[seq]], ps)
+        out = backend.prepare(alone).attend(0, q[row:row + 1], k[row:row + 1], v[row:row + 1], cache.layers[0])
+        assert torch.equal(out, together[row:row + 1]), row
+
+
+def test_a_run_of_one_token_steps_matches_a_plan_per_step():
+    rng = np.random.default_rng(1)
+    hq, hkv, d, ps, steps = 8, 4, 32, 16, 3
+    plan, cache, hist, *_ = make_case(rng, [(1, 20), (1, 5), (1, 33)], hq, hkv, d, ps)
+    backend = get_backend("cpu", num_kv_heads=hkv, head_dim=d, dtype=torch.float32)
+    tables = np.full((3, 4), -1, dtype=np.int64)
+    for i in range(3):
+        pages = plan.paged_kv_indices[plan.paged_kv_indptr[i]:plan.paged_kv_indptr[i + 1]]
+        tables[i, :len(pages)] = pages
+    lens = (tables >= 0).sum(1)
+    kv_first = np.array([18, 3, 31])
+    run = backend.prepare_steps(build_plan([1] * 3, kv_first + steps - 1, tables, ps, table_lens=lens), steps, "cpu")
+    other = PagedKVCache(1, cache.num_pages, ps, hkv, d)
+    other.layers[0].copy_(cache.layers[0])
+    for j in range(steps):
+        step_plan = build_plan([1] * 3, kv_first + j, tables, ps, table_lens=lens)
+        np.testing.assert_array_equal(run.positions[j].numpy(), step_plan.positions)
+        q, k, v = torch.randn(3, hq, d), torch.randn(3, hkv, d), torch.randn(3, hkv, d)
+        got = run.step(j).attend(0, q, k, v, cache.layers[0])
+        assert torch.equal(got, backend.prepare(step_plan).attend(0, q, k, v, other.layers[0]))
+    assert torch.equal(cache.data, other.data)
+
+
+def test_long_queries_go_to_the_torch_backend_over_the_same_pages():
+    rng = np.random.default_rng(2)
+    hq, hkv, d, ps = 8, 4, 32, 16
+    specs = [(MAX_QUERY_LEN + 6, MAX_QUERY_LEN + 6), (1, 12)]
+    plan, cache, hist, q, k, v, masks = make_case(rng, specs, hq, hkv, d, ps)
+    out = get_backend("cpu", num_kv_heads=hkv, head_dim=d, dtype=torch.float32).prepare(plan).attend(
+        0, q, k, v, cache.layers[0])
+    n = specs[0][0]
+    torch.testing.assert_close(out[:n], reference(q[:n], *hist[0], masks[0]), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out[n:], reference(q[n:], *hist[1], masks[1]), atol=2e-6, rtol=1e-5)
+
+
+def test_auto_takes_the_kernel_for_float32_on_a_cpu_only():
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert resolve_backend("auto", cpu, f32, 32) == ("cpu", "C kernel on the pages")
+    assert resolve_backend("auto", cpu, torch.bfloat16, 32)[0] == "torch"
+    assert resolve_backend("auto", torch.device("cuda"), f32, 32)[0] == "torch"
+    name, note = resolve_backend("auto", cpu, f32, 40)
+    assert name == "torch" and "head size 40" in note
+    with pytest.raises(RuntimeError, match="attention 'cpu': head size 40: the C kernel takes multiples of 16"):
+        resolve_backend("cpu", cpu, f32, 40)
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
+        resolve_backend("fast", cpu, f32, 32)
+
+
+def test_without_a_compiler_auto_keeps_torch_and_cpu_says_why(tmp_path):
+    """A machine with no C compiler (and no kernel built before): 'auto' resolves to the torch
+    backend and says why; 'cpu' is refused naming the compiler."""
+    code = ("import torch; from specsched.runtime.attention import resolve_backend as r; c = torch.device('cpu')\n"
+            "print(r('auto', c, torch.float32, 32))\n"
+            "try: r('cpu', c, torch.float32, 32)\nexcept RuntimeError as e: print(e)\n")
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "SPECSCHED_CACHE": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith("('torch', 'torch gather + SDPA (no C compiler found") and "no-such-cc" in lines[0]
+    assert lines[1].startswith("attention 'cpu': no C compiler found") and "no-such-cc" in lines[1]
+    assert not any((tmp_path / "cache").rglob("*.so"))
+
+
+def test_the_kernel_is_built_once_into_its_cache(tmp_path):
+    code = "from specsched.runtime.attention.cpu_backend import kernel_status; print(kernel_status(64))"
+    env = {**os.environ, "SPECSCHED_CACHE": str(tmp_path)}
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == "None", out.stderr
+    built = list(tmp_path.rglob("*.so"))
+    assert len(built) == 1 and built[0].parent == tmp_path / "kernels"
