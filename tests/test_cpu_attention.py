@@ -162,3 +162,18 @@ def test_the_kernel_is_built_once_into_its_cache(tmp_path):
         assert out.stdout.strip() == "None", out.stderr
     built = list(tmp_path.rglob("*.so"))
     assert len(built) == 1 and built[0].parent == tmp_path / "kernels"
+
+
+def test_views_of_a_fused_projection_and_strided_queries_give_the_same_output():
+    """The model passes q/k/v as views of its qkv projection's output (rows apart by the whole
+    projection); a query of another layout is copied first. Both attend as contiguous ones."""
+    rng = np.random.default_rng(3)
+    hq, hkv, d, ps = 8, 4, 32, 16
+    plan, cache, _, q, k, v, _ = make_case(rng, [(2, 40), (1, 9)], hq, hkv, d, ps)
+    backend = get_backend("cpu", num_kv_heads=hkv, head_dim=d, dtype=torch.float32)
+    want = backend.prepare(plan).attend(0, q, k, v, cache.layers[0].clone()).clone()
+    qkv = torch.cat([q, k, v], 1)
+    fused = backend.prepare(plan).attend(0, qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:], cache.layers[0].clone())
+    strided = backend.prepare(plan).attend(0, q.transpose(0, 1).contiguous().transpose(0, 1), k, v,
+                                           cache.layers[0].clone())
+    assert torch.equal(fused, want) and torch.equal(strided, want)

@@ -199,29 +199,30 @@ class CpuStepAttention:
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_layer: torch.Tensor) -> torch.Tensor:
-        return _run(self, q, k, v, kv_layer)
-
-
-def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """x [N, H, D] with heads and values contiguous in a row (a view of the qkv projection is),
-    and its row stride."""
-    if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1] or x.dtype != torch.float32:
-        x = x.float().contiguous()
-    return x, x.stride(0)
-
-
-def _run(step, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-    if step._c is None:
-        step._c = step._plan(q.shape[-2], k.shape[-2], q.shape[-1])
-    if kv_layer.dtype != torch.float32 or not kv_layer.is_contiguous():
-        raise ValueError("the CPU attention kernel needs a contiguous float32 KV cache")
-    (q, qs), (k, ks), (v, vs) = _rows(q), _rows(k), _rows(v)
-    out = torch.empty(q.shape, dtype=torch.float32)
-    rc = step._attention(ctypes.byref(step._c), step.num_tokens, q.data_ptr(), qs, k.data_ptr(), ks,
-                         v.data_ptr(), vs, out.data_ptr(), out.stride(0), kv_layer.data_ptr())
-    if rc != 0:
-        raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
-    return out
+        """Every layer of a forward reads the output before the next layer attends: one output
+        buffer serves them all."""
+        if self._c is None:
+            num_heads, head_dim = q.shape[-2], q.shape[-1]
+            self._c = self._plan(num_heads, k.shape[-2], head_dim)
+            self._out = torch.empty((self.num_tokens, num_heads, head_dim), dtype=torch.float32)
+            self._layout = None
+        layout = (q.stride(), k.stride(), v.stride())
+        if layout != self._layout:  # checked once a step where, as usual, every layer's are alike
+            if kv_layer.dtype != torch.float32 or not kv_layer.is_contiguous():
+                raise ValueError("the CPU attention kernel needs a contiguous float32 KV cache")
+            # heads and values contiguous in a row, as views of a qkv projection are
+            if any(x.stride(-1) != 1 or x.stride(-2) != x.shape[-1] or x.dtype != torch.float32 for x in (q, k, v)):
+                q, k, v = (x.float().contiguous() for x in (q, k, v))
+                layout = (q.stride(), k.stride(), v.stride())
+            else:
+                self._layout = layout
+        out = self._out
+        rc = self._attention(ctypes.byref(self._c), self.num_tokens, q.data_ptr(), layout[0][0], k.data_ptr(),
+                             layout[1][0], v.data_ptr(), layout[2][0], out.data_ptr(), out.stride(0),
+                             kv_layer.data_ptr())
+        if rc != 0:
+            raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+        return out
 
 
 class CpuOneTokenSteps:

@@ -11,9 +11,11 @@
  * keys whose mask entry is 1 (mask: concatenation over i of [qo_len, kv_len] bytes, row-major,
  * sequence i's at mask_offsets[i]).
  *
- * A row's result depends only on its own query, its keys and its mask, never on the other rows
- * of the step: a token decoded alone and the same token verified among drafts attend with the
- * same arithmetic. Keys a row does not see are skipped, not weighted by zero.
+ * Per sequence and KV head, its query rows (tokens x the head's query group) are attended in
+ * tiles of up to four, so each key and value is loaded once for them: scores of 16 keys at a time
+ * in vector registers, a softmax over them, then the weighted sum of values. A row's result
+ * depends only on its own query, its keys and its mask, never on the other rows of the step:
+ * a token verified among drafts attends exactly as when decoded alone.
  */
 #include <math.h>
 #include <stdint.h>
@@ -90,6 +92,18 @@ static inline float sum16(v16 v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+#define PREFETCH_AHEAD 2 /* chunks of LANES keys */
+
+/* Ask for the rows of keys (or values) [j0, j0 + LANES) below `end` of one head: `head_off` is
+ * the head's block within a page of `page_stride` floats. */
+static inline void prefetch_rows(const float *kv, const int32_t *pages, int64_t ps, int64_t page_stride,
+                                 int64_t head_off, int64_t d, int64_t j0, int64_t end) {
+    for (int64_t j = j0; j < j0 + LANES && j < end; j++) {
+        const char *row = (const char *)(kv + pages[j / ps] * page_stride + head_off + (j % ps) * d);
+        for (int64_t b = 0; b < d * (int64_t)sizeof(float); b += 64) __builtin_prefetch(row + b, 0, 3);
+    }
+}
+
 /* out[l] = the sum of p[l]'s lanes, for LANES vectors: four rounds of pairing halves */
 static inline v16 sum16x16(const v16 p[LANES]) {
     v16 a[8], b[4], c[2];
@@ -151,6 +165,13 @@ static inline __attribute__((always_inline)) void attend_tile(
         for (int l = 0; l < LANES; l++) {
             const int64_t j = j0 + l < tile_seen ? j0 + l : tile_seen - 1; /* past the end: a repeat, masked */
             key[l] = kv + ((int64_t)pages[j / ps] * 2 * hkv + h) * block + (j % ps) * d;
+        }
+        /* the pages are scattered and, past the weights streamed by the rest of the forward,
+         * mostly out of cache: fetch the keys PREFETCH_AHEAD chunks on, and this chunk's values
+         * (read after the scores) */
+        if (r0 == 0) {
+            prefetch_rows(kv, pages, ps, 2 * hkv * block, h * block, d, j0 + PREFETCH_AHEAD * LANES, tile_seen);
+            prefetch_rows(kv, pages, ps, 2 * hkv * block, (hkv + h) * block, d, j0, tile_seen);
         }
         _Pragma("GCC unroll 16")
         for (int i = 0; i < nt; i++) {
@@ -247,9 +268,18 @@ int specsched_paged_attention(const StepPlan *p, int64_t num_tokens, const float
     if (p->head_dim % LANES) return -2;
     const AttendHead attend_head = p->head_dim == 32 ? attend_head_32 : p->head_dim == 64 ? attend_head_64
         : p->head_dim == 128 ? attend_head_128 : attend_head_any;
+    const int64_t page_stride = 2 * p->num_kv_heads * p->page_size * p->head_dim;
     for (int64_t seq = 0; seq < p->num_seqs; seq++)
-        for (int64_t h = 0; h < p->num_kv_heads; h++)
+        for (int64_t h = 0; h < p->num_kv_heads; h++) {
+            /* the first keys of the next head (or sequence) on, while this one is attended */
+            const int64_t next = h + 1 < p->num_kv_heads ? seq : seq + 1;
+            if (next < p->num_seqs)
+                for (int64_t c = 0; c < PREFETCH_AHEAD; c++)
+                    prefetch_rows(kv, p->page_indices + p->page_indptr[next], p->page_size, page_stride,
+                                  (h + 1) % p->num_kv_heads * p->page_size * p->head_dim, p->head_dim,
+                                  c * LANES, p->kv_lens[next]);
             attend_head(p, seq, h, q, q_stride, out, out_stride, kv, scores, score_stride);
+        }
     free(scores);
     return 0;
 }
