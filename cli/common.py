@@ -28,6 +28,8 @@ WORKER_MALLOC = typer.Option(None, "--worker-malloc", help="the worker process's
                              "where installed) | system | a library's path")
 WORKER_OPENMP = typer.Option(None, "--worker-openmp", help="the worker process's OpenMP runtime: system "
                              "(torch's) | auto (Intel's libiomp5 where installed) | a library's path")
+WORKER_OPS = typer.Option(None, "--worker-ops", help="the worker's float32 RMSNorm, RoPE and SiLU-and-multiply: "
+                          "auto (in C where a compiler builds runtime/cpu_kernels.c) | torch")
 WORKER_LINEAR = typer.Option(None, "--worker-linear", help="the worker's float32 linear layers: auto (weights "
                              "also pre-packed for oneDNN, used from 3 rows) | torch (F.linear alone)")
 ENFORCE_EAGER = typer.Option(False, "--enforce-eager", help="every step at its own shape: no CUDA graphs "

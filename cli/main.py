@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, WORKER_MALLOC, WORKER_OPENMP, WORKER_LINEAR, ENFORCE_EAGER, CUDA_GRAPH_SIZES,
+from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, WORKER_MALLOC, WORKER_OPENMP, WORKER_LINEAR, WORKER_OPS, ENFORCE_EAGER, CUDA_GRAPH_SIZES,
                                   _fail,
                                   _metrics_table, _print_json, acceptance_note, app, check_output_path, console,
                                   engine_config, fail_if_requests_failed, parse_draft_len, synthetic_summary,
@@ -48,6 +48,7 @@ def generate(
     worker_malloc: Optional[str] = WORKER_MALLOC,
     worker_openmp: Optional[str] = WORKER_OPENMP,
     worker_linear: Optional[str] = WORKER_LINEAR,
+    worker_ops: Optional[str] = WORKER_OPS,
     enforce_eager: bool = ENFORCE_EAGER,
     cuda_graph_sizes: Optional[str] = CUDA_GRAPH_SIZES,
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -63,6 +64,7 @@ def generate(
                         mtp_head=mtp_head, schedule=schedule, tensor_parallel_size=tp, config_file=config_file,
                         speculative_config=speculative_config, load_format=load_format,
                         worker_malloc=worker_malloc, worker_openmp=worker_openmp, worker_linear=worker_linear,
+                        worker_ops=worker_ops,
                         enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes)
     try:
         params = SamplingParams.make(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
@@ -168,6 +170,7 @@ def bench(
     worker_malloc: Optional[str] = WORKER_MALLOC,
     worker_openmp: Optional[str] = WORKER_OPENMP,
     worker_linear: Optional[str] = WORKER_LINEAR,
+    worker_ops: Optional[str] = WORKER_OPS,
     enforce_eager: bool = ENFORCE_EAGER,
     cuda_graph_sizes: Optional[str] = CUDA_GRAPH_SIZES,
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="drive a running OpenAI-compatible server "
@@ -199,7 +202,7 @@ def bench(
                        "--schedule": schedule, "--tp": tp, "--trace": trace, "--compare-plain": compare_plain or None,
                        "--otlp": otlp, "--config": config_file, "--load-format": load_format,
                        "--speculative-config": speculative_config, "--worker-malloc": worker_malloc,
-                       "--worker-openmp": worker_openmp, "--worker-linear": worker_linear, "--enforce-eager": enforce_eager or None,
+                       "--worker-openmp": worker_openmp, "--worker-linear": worker_linear, "--worker-ops": worker_ops, "--enforce-eager": enforce_eager or None,
                        "--cuda-graph-sizes": cuda_graph_sizes}
         given = [k for k, v in engine_only.items() if v is not None]
         if given:
@@ -221,6 +224,7 @@ def bench(
                         draft_profile=_profile_file(profile), schedule=schedule,
                         tensor_parallel_size=tp, config_file=config_file, speculative_config=speculative_config,
                         load_format=load_format, worker_malloc=worker_malloc, worker_openmp=worker_openmp, worker_linear=worker_linear,
+                        worker_ops=worker_ops,
                         enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes)
     items = _workload(workload, num_requests, max_tokens, temperature)
     from specsched.runtime.engine import AsyncEngine

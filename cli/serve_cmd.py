@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, WORKER_MALLOC, WORKER_OPENMP, WORKER_LINEAR, ENFORCE_EAGER, CUDA_GRAPH_SIZES, _fail, app,
+from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, WORKER_MALLOC, WORKER_OPENMP, WORKER_LINEAR, WORKER_OPS, ENFORCE_EAGER, CUDA_GRAPH_SIZES, _fail, app,
                                   check_output_path, console, engine_config, parse_draft_len, user_errors)
 from specsched.traces.names import PROPOSERS
 
@@ -33,6 +33,7 @@ def serve(
     worker_malloc: Optional[str] = WORKER_MALLOC,
     worker_openmp: Optional[str] = WORKER_OPENMP,
     worker_linear: Optional[str] = WORKER_LINEAR,
+    worker_ops: Optional[str] = WORKER_OPS,
     enforce_eager: bool = ENFORCE_EAGER,
     cuda_graph_sizes: Optional[str] = CUDA_GRAPH_SIZES,
     trace: Optional[Path] = typer.Option(None, help="record the served requests' trace (JSONL), as bench --trace"),
@@ -59,6 +60,7 @@ def serve(
                         draft=draft, mtp_head=mtp_head, schedule=schedule, tensor_parallel_size=tp,
                         config_file=config_file, speculative_config=speculative_config, load_format=load_format,
                         worker_malloc=worker_malloc, worker_openmp=worker_openmp, worker_linear=worker_linear,
+                        worker_ops=worker_ops,
                         enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes)
     name = served_model_name or (cfg.model if cfg.model else model_label(str(bundled.target_dir())))
     template = chat_template_of(cfg.model or bundled.target_dir())

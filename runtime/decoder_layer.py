@@ -25,12 +25,11 @@ cache is sharded by KV heads, so page ids and plans are the same on every rank.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specsched.runtime.attention import StepAttention
 from specsched.runtime.config import ModelConfig
-from specsched.runtime.layers import RMSNorm, apply_rope, column_major_linear, rms_norm
+from specsched.runtime.layers import TORCH_OPS, RMSNorm, column_major_linear, rms_norm
 from specsched.runtime.parallel import TPGroup, shard_range
 
 
@@ -64,6 +63,7 @@ class DecoderLayer(nn.Module):
         self.head_dim = d
         self.intermediate_size = config.intermediate_size // n
         self.eps = config.rms_norm_eps
+        self.ops = TORCH_OPS  # its small ops; `layers.use_cpu_kernels` swaps in the C ones
         dd = dict(device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, **dd)
         self.qkv_proj = column_major_linear(self.attn_in, (self.num_heads + 2 * self.num_kv_heads) * d, **dd)
@@ -90,8 +90,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 step: StepAttention, kv_layer: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
-        x = x + self.attend(rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, step, kv_layer, layer_idx)
-        return x + self.mlp(x)
+        a = self.attend(self.ops.rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, step, kv_layer,
+                        layer_idx)
+        x, h = self.ops.rms_norm(a, self.post_attention_layernorm.weight, self.eps, residual=x)
+        return x + self.mlp_normed(h)
 
     def attend(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepAttention,
                kv_layer: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
@@ -104,7 +106,7 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat((rms_norm(qk[..., :hq, :], self.q_norm.weight, self.eps),
                             rms_norm(qk[..., hq:, :], self.k_norm.weight, self.eps)), -2)
-        qk = apply_rope(qk, cos, sin)
+        qk = self.ops.rope(qk, cos, sin)
         attn = step.attend(layer_idx, qk[..., :hq, :], qk[..., hq:, :], qkv[..., hq + hkv :, :],
                            kv_layer)
         o = self.o_proj(attn.reshape(*lead, hq * d))
@@ -117,10 +119,11 @@ class DecoderLayer(nn.Module):
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP block on the residual stream x (it applies post_attention_layernorm), before
         the residual."""
-        h = rms_norm(x, self.post_attention_layernorm.weight, self.eps)
-        gate_up = self.gate_up_proj(h)
-        i = self.intermediate_size
-        o = self.down_proj(F.silu(gate_up[..., :i]) * gate_up[..., i:])
+        return self.mlp_normed(self.ops.rms_norm(x, self.post_attention_layernorm.weight, self.eps))
+
+    def mlp_normed(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP block on the normalised residual stream h (all-reduced under tensor parallelism)."""
+        o = self.down_proj(self.ops.silu_mul(self.gate_up_proj(h)))
         if self.tp is not None:
             self.tp.all_reduce(o)
         return o

@@ -205,9 +205,9 @@ class AsyncEngine:
                 sizes = c.graph_sizes()
                 shapes = f"at padded shapes ({sizes[0]}..{sizes[-1]} rows)" if sizes else "at their own shapes"
                 ping = await anyio.to_thread.run_sync(self.device.call, "ping")
-                log.info("worker pid %s: %d model thread(s), malloc %s, OpenMP %s, linears %s, attention %s, eager "
-                         "forwards %s", self.device.pid, c.worker_threads, libs["malloc"], libs["openmp"],
-                         ping["linears"], ping["attention"], shapes)
+                log.info("worker pid %s: %d model thread(s), malloc %s, OpenMP %s, linears %s, attention %s, layer "
+                         "ops %s, eager forwards %s", self.device.pid, c.worker_threads, libs["malloc"], libs["openmp"],
+                         ping["linears"], ping["attention"], ping["ops"], shapes)
             spec = c.proposer_spec()
             self._pipeline = build_pipeline(
                 spec, c.schedule, num_pages=c.num_pages, page_size=c.page_size,

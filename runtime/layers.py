@@ -160,3 +160,44 @@ def pack_linears(*modules: nn.Module) -> int:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x [..., H, D] rotated (Hugging Face half-split convention)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
+
+
+class TorchLayerOps:
+    """The decoder layer's small ops in PyTorch: every device and dtype, autograd. The C
+    versions (`runtime/cpu_kernels.LayerOps`, same signatures) replace them where
+    `use_cpu_kernels` installs them."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of x; with `residual`, (x + residual, its RMSNorm)."""
+        if residual is None:
+            return rms_norm(x, weight, eps)
+        total = x + residual
+        return total, rms_norm(total, weight, eps)
+
+    @staticmethod
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        return apply_rope(x, cos, sin_signed)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [..., 2I] = [gate | up]."""
+        i = gate_up.shape[-1] // 2
+        return F.silu(gate_up[..., :i]) * gate_up[..., i:]
+
+
+TORCH_OPS = TorchLayerOps()
+
+
+def use_cpu_kernels(*modules: nn.Module) -> int:
+    """Give every decoder layer in `modules` (anything with an `ops` attribute) the C versions
+    of its small ops (runtime/cpu_kernels.py; float32 CPU tensors without autograd, the rest
+    still PyTorch's); returns how many layers. KernelUnavailable where the kernels cannot be built."""
+    from specsched.runtime.cpu_kernels import LayerOps
+
+    ops = LayerOps(TORCH_OPS)
+    layers = {id(m): m for module in modules for m in module.modules() if getattr(m, "ops", None) is TORCH_OPS}
+    for layer in layers.values():
+        layer.ops = ops
+    return len(layers)

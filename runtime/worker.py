@@ -26,7 +26,8 @@ import torch
 
 from specsched.runtime.attention import resolve_backend
 from specsched.runtime.dummy import load
-from specsched.runtime.layers import PACKED_MIN_ROWS, pack_linears
+from specsched.runtime import cpu_kernels
+from specsched.runtime.layers import PACKED_MIN_ROWS, pack_linears, use_cpu_kernels
 from specsched.runtime.proposers.factory import make_proposer
 from specsched.runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
 from specsched.runtime.verify import (SyntheticDraws, greedy_verify, rejection_verify, synthetic_verify,
@@ -82,7 +83,7 @@ class ModelWorker:
             self.tp_leader = Leader(c.tensor_parallel_size, model_dir=c.model_dir, head_dir=head_dir, dtype=c.dtype,
                                     device=c.device, attention=c.attention, num_pages=c.num_pages,
                                     page_size=c.page_size, num_threads=c.num_threads or 1, channel=c.tp_channel,
-                                    load_format=c.load_format, linear=c.linear)
+                                    load_format=c.load_format, linear=c.linear, ops=c.ops)
         try:  # a failed start stops the ranks it started
             tp = self.tp_leader.tp if self.tp_leader is not None else None
             self.load_format = c.load_format
@@ -116,6 +117,7 @@ class ModelWorker:
             self.proposer = make_proposer(self, self.spec, c.proposer_dir, c.num_pages, c.ngram)
             # float32 CPU linears also keep their weights pre-packed for oneDNN (runtime/layers.py)
             self.packed_linears = pack_linears(self.target, *self.proposer.models()) if c.linear == "auto" else 0
+            self.ops_note = self._use_cpu_kernels(c.ops)
             self.last_hidden: dict | None = None  # target hidden states of the latest target launch
             self.last_verify: tuple | None = None  # (step, slots, accepted [B] on the device) of the latest verify
             # ops enqueue device work only; with the guard a host read of a device value fails the op
@@ -200,12 +202,23 @@ class ModelWorker:
             final.update(_as_numpy(result))
         return replace(result, **final) if final else result
 
+    def _use_cpu_kernels(self, ops: str) -> str:
+        """With ops "auto", float32 CPU decoder layers run their small ops in C
+        (runtime/cpu_kernels.py); what they run, for the start-up line."""
+        if ops != "auto" or self.device.type != "cpu" or self.dtype != torch.float32:
+            return "torch"
+        why = cpu_kernels.status()
+        if why is not None:
+            return f"torch ({why})"
+        use_cpu_kernels(self.target, *self.proposer.models())
+        return "C (RMSNorm, RoPE, SiLU-and-multiply)"
+
     def op_ping(self, batch: dict) -> dict:
         graphs = self.graphs
         return {"ok": True, "num_states": len(self.states), "cuda_graphs": 0 if graphs is None else graphs.num_graphs,
                 "capture_s": 0.0 if graphs is None else graphs.capture_ns / 1e9,
                 "linears": f"oneDNN pre-packed from {PACKED_MIN_ROWS} rows" if self.packed_linears else "torch",
-                "attention": self.attention_note}
+                "attention": self.attention_note, "ops": self.ops_note}
 
     def op_tp_stats(self, batch: Any) -> dict:
         """Tensor parallelism's communication so far: the size, and the leader's broadcasts

@@ -46,6 +46,9 @@ class WorkerConfig:
     # "auto": float32 CPU linear layers also keep their weights pre-packed for oneDNN
     # (runtime/layers.py `Linear.pack`); "torch": F.linear on the plain weights alone
     linear: str = "auto"
+    # "auto": float32 CPU decoder layers run RMSNorm, RoPE and SiLU-and-multiply in C where
+    # runtime/cpu_kernels.c builds (`layers.use_cpu_kernels`); "torch": PyTorch's ops
+    ops: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.proposer, ProposerSpec):
@@ -90,4 +93,5 @@ class WorkerConfig:
             tp_channel=c.tp_channel,
             cuda_graph_sizes=c.graph_sizes(),
             linear=c.worker_linear,
+            ops=c.worker_ops,
         )

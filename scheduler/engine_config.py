@@ -9,7 +9,6 @@ and checks for an engine run and its replay. `specsched.runtime.engine_config` r
 from __future__ import annotations
 
 import os
-
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -90,9 +89,8 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     worker_threads: int = 1
-    worker_spin_ms: float = Field(5.0, ge=0, description="host device: the worker process polls for its "
-                                  "next launch this long before blocking on the pipe (a core left idle runs "
-                                  "the next op slower); 0 = block at once")
+    worker_spin_ms: float = Field(5.0, ge=0, description="host device: the worker polls for its next launch this "
+                                  "long before blocking (an idle core runs the next op slower); 0 = block at once")
     worker_malloc: str = Field("auto", description="host device: the worker process's memory allocator: "
                                "'auto' (tcmalloc where installed), 'system' (glibc's) or a library's path "
                                "(runtime/devices/native.py)")
@@ -101,6 +99,8 @@ class EngineConfig(BaseModel):
                                "library's path")
     worker_linear: Literal["auto", "torch"] = Field("auto", description="host device: 'auto' (float32 linears also "
                                                     "keep weights pre-packed for oneDNN, used from 3 rows) or 'torch'")
+    worker_ops: Literal["auto", "torch"] = Field("auto", description="host device: 'auto' (float32 RMSNorm, RoPE, "
+                                                 "SiLU-and-multiply in C, runtime/cpu_kernels.c) or 'torch'")
     verify_micro_batches: int = Field(1, description="run a verify's rows as this many target forwards "
                                       "back to back (1 or 2)")
     tensor_parallel_size: int = Field(1, description="shard the target (and an MTP/EAGLE head) over this "

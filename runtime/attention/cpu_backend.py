@@ -1,11 +1,10 @@
-"""Paged attention on a CPU by a small C kernel that reads the KV pages in place.
+"""Paged attention on a CPU by a C kernel that reads the KV pages in place.
 
 Why: the torch backend gathers every sequence's pages into a contiguous copy and then runs SDPA
 over it -- two passes over all the K/V of the step, plus a dispatch of several ops per layer.
-The kernel (cpu_kernel.c) appends the step's K/V and attends in one call per layer, reading
-each page once. It is plain C, built on first use by the platform's C compiler (`cc`, or `$CC`)
-into a cache folder and loaded with ctypes; where no compiler is found, `kernel_status()` says
-why and the worker keeps the torch backend.
+The kernel (`specsched_paged_attention` in runtime/cpu_kernels.c) appends the step's K/V and
+attends in one call per layer, reading each page once. Where the kernels cannot be built,
+`kernel_status()` says why and the worker keeps the torch backend.
 
 Pages are the torch backend's "HND" layout, so a step the kernel does not take -- queries
 longer than `MAX_QUERY_LEN` a sequence (prefill chunks, where SDPA's blocked kernel wins), or a
@@ -15,92 +14,16 @@ dtype other than float32 -- is handed to the torch backend over the same cache.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from specsched.runtime.attention.torch_backend import TorchBackend
+from specsched.runtime.cpu_kernels import KernelUnavailable, StepPlan, library, status
 from specsched.scheduler.plan import AttentionPlan
 
-SOURCE = Path(__file__).with_name("cpu_kernel.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
-MAX_HEAD_DIM = 256  # cpu_kernel.c: MAX_VECTORS vectors of 16
+MAX_HEAD_DIM = 256  # cpu_kernels.c: MAX_VECTORS vectors of 16
 MAX_QUERY_LEN = 64  # longer queries a sequence go to SDPA (measured: prefill chunks are faster there)
-
-
-class KernelUnavailable(RuntimeError):
-    """The C kernel could not be built or loaded here (the message says why)."""
-
-
-class _StepPlan(ctypes.Structure):  # cpu_kernel.c's StepPlan
-    _fields_ = [(n, ctypes.c_int64) for n in ("num_seqs", "num_heads", "num_kv_heads", "head_dim", "page_size")] + [
-        (n, ctypes.c_void_p) for n in ("qo_indptr", "kv_lens", "page_indptr", "page_indices", "slot_mapping",
-                                        "mask", "mask_offsets")] + [
-        ("max_kv", ctypes.c_int64), ("scale", ctypes.c_float)]
-
-
-def cache_dir() -> Path:
-    """Where built kernels are kept: $SPECSCHED_CACHE, else $XDG_CACHE_HOME/specsched, else
-    ~/.cache/specsched."""
-    root = os.environ.get("SPECSCHED_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specsched"
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: a kernel built on one CPU is not loaded on another."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
-
-
-@lru_cache(maxsize=1)
-def _load() -> ctypes.CDLL:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler or not shutil.which(compiler):
-        raise KernelUnavailable(f"no C compiler found ({'$CC=' + compiler if compiler else 'cc, gcc'})")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + compiler.encode() + _cpu_signature().encode())
-    path = cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
-    if not path.exists():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise KernelUnavailable(f"cannot create the kernel cache {path.parent}: {e}") from e
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        try:
-            done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                                  timeout=120)
-            if done.returncode != 0:
-                raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name}: {done.stderr.strip()[-500:]}")
-            os.replace(tmp, path)  # atomic: concurrent builders each install a whole file
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise KernelUnavailable(f"{compiler} could not build {SOURCE.name}: {e}") from e
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise KernelUnavailable(f"cannot load {path}: {e}") from e
-    fn = lib.specsched_paged_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(_StepPlan), ctypes.c_int64] + [ctypes.c_void_p, ctypes.c_int64] * 4 + [
-        ctypes.c_void_p]
-    return lib
 
 
 def kernel_status(head_dim: int) -> str | None:
@@ -108,11 +31,7 @@ def kernel_status(head_dim: int) -> str | None:
     values, else why not."""
     if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
         return f"head size {head_dim}: the C kernel takes multiples of 16 up to {MAX_HEAD_DIM}"
-    try:
-        _load()
-    except KernelUnavailable as e:
-        return str(e)
-    return None
+    return status()
 
 
 class CpuBackend:
@@ -127,7 +46,7 @@ class CpuBackend:
                  head_dim: int | None = None, dtype: torch.dtype | None = None, **_unused) -> None:
         if head_dim is not None and (why := kernel_status(head_dim)):
             raise KernelUnavailable(why)
-        self._attention = _load().specsched_paged_attention
+        self._attention = library().specsched_paged_attention
         self.num_kv_heads, self.dtype = num_kv_heads, dtype
         self.torch = TorchBackend(num_kv_heads=num_kv_heads, dtype=dtype)
 
@@ -188,11 +107,11 @@ class CpuStepAttention:
         self._c = None  # the StepPlan, filled at the first layer (head counts come with q/k)
         self._mask, self._offsets = mask, offsets
 
-    def _plan(self, num_heads: int, num_kv_heads: int, head_dim: int) -> _StepPlan:
+    def _plan(self, num_heads: int, num_kv_heads: int, head_dim: int) -> StepPlan:
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")
         ptr = [a.ctypes.data for a in self._arrays[:5]]
-        return _StepPlan(self.plan.num_seqs, num_heads, num_kv_heads, head_dim, self.plan.page_size, *ptr,
+        return StepPlan(self.plan.num_seqs, num_heads, num_kv_heads, head_dim, self.plan.page_size, *ptr,
                          None if self._mask is None else self._mask.ctypes.data,
                          None if self._offsets is None else self._offsets.ctypes.data,
                          self._max_kv, head_dim ** -0.5)

@@ -68,6 +68,7 @@ class RankConfig:
     start_timeout_s: float
     load_format: str = "auto"  # "dummy": each rank makes its shard from config.json (runtime/dummy.py)
     linear: str = "auto"  # WorkerConfig.linear: each rank packs its shard's linears as the leader does
+    ops: str = "auto"  # WorkerConfig.ops: each rank's layers run their small ops as the leader's do
 
 
 @dataclass
@@ -148,7 +149,8 @@ class Leader:
 
     def __init__(self, size: int, *, model_dir: str, head_dir: str | None, dtype: str, device: str,
                  attention: str, num_pages: int, page_size: int, num_threads: int, channel: str = "shm",
-                 start_timeout_s: float = 120.0, load_format: str = "auto", linear: str = "auto"):
+                 start_timeout_s: float = 120.0, load_format: str = "auto", linear: str = "auto",
+                 ops: str = "auto"):
         if channel not in CHANNELS:
             raise ValueError(f"unknown tensor-parallel channel {channel!r} (choose from {', '.join(CHANNELS)})")
         if device != "cpu":
@@ -166,7 +168,7 @@ class Leader:
         shm_path = os.path.join(_shm_dir(), f"specsched-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         base = RankConfig(0, size, f"tcp://127.0.0.1:{_free_port()}", channel, shm_path, model_dir, head_dir,
                           dtype, device, attention, num_pages, page_size, num_threads, os.getpid(), start_timeout_s,
-                          load_format, linear)
+                          load_format, linear, ops)
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)

@@ -1,7 +1,7 @@
-/* Paged attention for one step on a CPU, float32, reading the KV pages in place.
+/* specsched's CPU kernels, float32 (runtime/cpu_kernels.py builds this file with the platform's
+ * C compiler on first use and loads it with ctypes; no Python or torch headers).
  *
- * Built by cpu_backend.py with the platform's C compiler on first use and loaded with ctypes;
- * no Python or torch headers, so it compiles in well under a second.
+ * Paged attention for one step, reading the KV pages in place (specsched_paged_attention).
  *
  * Layout (the torch backend's "HND" pages): a layer's cache is [P, 2, Hkv, ps, D], so a page's
  * keys (c = 0) or values (c = 1) of one KV head are one contiguous [ps, D] block.
@@ -282,4 +282,78 @@ int specsched_paged_attention(const StepPlan *p, int64_t num_tokens, const float
         }
     free(scores);
     return 0;
+}
+
+/* ---- the decoder layer's small ops, a row at a time ---- */
+
+/* exp(x) for any x (clamped to float's range), vectorisable like exp_nonpositive */
+static inline float exp_any(float x) {
+    const float c = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    float n = floorf(c * 1.44269504088896341f + 0.5f);
+    float r = c - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
+/* out[i] = s[i] / sqrt(mean(s^2) + eps) * w over rows of h values, s = x (+ residual, then also
+ * written to `total`); rows x_stride / residual_stride floats apart, out and total contiguous. */
+void specsched_rms_norm(int64_t n, int64_t h, const float *x, int64_t x_stride, const float *residual,
+                        int64_t residual_stride, const float *w, float eps, float *total, float *out) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *xr = x + r * x_stride;
+        float *o = out + r * h;
+        const float *s = xr;
+        if (residual) {
+            const float *rr = residual + r * residual_stride;
+            float *t = total + r * h;
+#pragma omp simd
+            for (int64_t i = 0; i < h; i++) t[i] = xr[i] + rr[i];
+            s = t;
+        }
+        float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+        for (int64_t i = 0; i < h; i++) sq += s[i] * s[i];
+        const float inv = 1.0f / sqrtf(sq / (float)h + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < h; i++) o[i] = s[i] * inv * w[i];
+    }
+}
+
+/* RoPE in place, Hugging Face's half-split convention: x [n, heads, d] (token rows x_stride
+ * floats apart, heads contiguous), cos / sin_signed [n, d] (sin's first half negated):
+ * x[i] <- x[i] cos[i] + x[i +- d/2] sin_signed[i]. */
+void specsched_rope(int64_t n, int64_t heads, int64_t d, float *x, int64_t x_stride, const float *cos,
+                    const float *sin_signed) {
+    const int64_t half = d / 2;
+    for (int64_t t = 0; t < n; t++) {
+        const float *c = cos + t * d, *s = sin_signed + t * d;
+        for (int64_t hd = 0; hd < heads; hd++) {
+            float *a = x + t * x_stride + hd * d, *b = a + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float lo = a[i], hi = b[i];
+                a[i] = lo * c[i] + hi * s[i];
+                b[i] = hi * c[half + i] + lo * s[half + i];
+            }
+        }
+    }
+}
+
+/* out [n, i] = silu(gate) * up for rows [gate | up] of 2i values, x_stride floats apart */
+void specsched_silu_mul(int64_t n, int64_t i, const float *x, int64_t x_stride, float *out) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *g = x + r * x_stride, *u = g + i;
+        float *o = out + r * i;
+#pragma omp simd
+        for (int64_t k = 0; k < i; k++) o[k] = g[k] / (1.0f + exp_any(-g[k])) * u[k];
+    }
 }

@@ -1,0 +1,164 @@
+"""specsched's CPU kernels (cpu_kernels.c): paged attention and the decoder layer's small fused
+ops, for float32 on a CPU.
+
+Why: on a CPU worker a forward of a small model is dominated by work PyTorch spreads over many
+small ops -- the paged-KV gather and SDPA, RMSNorm, RoPE, SiLU-and-multiply -- each paying a
+dispatch and a pass over memory. The C file does each in one call, no gather, one pass.
+
+It is plain C (no Python or torch headers), built on first use by the platform's C compiler
+(`cc`, or `$CC`; about a second) into the cache folder (`cache_dir()`: a file per source, flags,
+compiler and CPU, so a second start only loads it) and loaded with ctypes. Where no compiler is
+found, `status()` says why and callers keep PyTorch's ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernels could not be built or loaded here (the message says why)."""
+
+
+class StepPlan(ctypes.Structure):
+    """cpu_kernels.c's StepPlan: one step's attention plan, read by every layer's call."""
+
+    _fields_ = [(n, ctypes.c_int64) for n in ("num_seqs", "num_heads", "num_kv_heads", "head_dim", "page_size")] + [
+        (n, ctypes.c_void_p) for n in ("qo_indptr", "kv_lens", "page_indptr", "page_indices", "slot_mapping",
+                                        "mask", "mask_offsets")] + [
+        ("max_kv", ctypes.c_int64), ("scale", ctypes.c_float)]
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: $SPECSCHED_CACHE, else $XDG_CACHE_HOME/specsched, else
+    ~/.cache/specsched."""
+    root = os.environ.get("SPECSCHED_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specsched"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: a library built on one CPU is not loaded on another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _build(compiler: str, path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KernelUnavailable(f"cannot create the kernel cache {path.parent}: {e}") from e
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name}: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, path)  # atomic: concurrent builders each install a whole file
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise KernelUnavailable(f"{compiler} could not build {SOURCE.name}: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    """The built library, its functions typed; KernelUnavailable saying why where it cannot be had."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler or not shutil.which(compiler):
+        raise KernelUnavailable(f"no C compiler found ({'$CC=' + compiler if compiler else 'cc, gcc'})")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + compiler.encode()
+                         + _cpu_signature().encode())
+    path = cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    if not path.exists():
+        _build(compiler, path)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelUnavailable(f"cannot load {path}: {e}") from e
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib.specsched_paged_attention.restype = ctypes.c_int
+    lib.specsched_paged_attention.argtypes = [ctypes.POINTER(StepPlan), i64] + [ptr, i64] * 4 + [ptr]
+    lib.specsched_rms_norm.restype = None
+    lib.specsched_rms_norm.argtypes = [i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, ptr]
+    lib.specsched_rope.restype = None
+    lib.specsched_rope.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr]
+    lib.specsched_silu_mul.restype = None
+    lib.specsched_silu_mul.argtypes = [i64, i64, ptr, i64, ptr]
+    return lib
+
+
+def status() -> str | None:
+    """None when the library builds (or was built) and loads here, else why not."""
+    try:
+        library()
+    except KernelUnavailable as e:
+        return str(e)
+    return None
+
+
+class LayerOps:
+    """The decoder layer's small ops in C, on float32 CPU tensors without autograd; anything
+    else goes to `fallback` (the PyTorch versions, same signatures)."""
+
+    def __init__(self, fallback) -> None:
+        self.fallback = fallback
+        lib = library()
+        self._rms_norm, self._rope, self._silu_mul = lib.specsched_rms_norm, lib.specsched_rope, lib.specsched_silu_mul
+
+    @staticmethod
+    def _takes(*xs: torch.Tensor) -> bool:
+        return all(x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad for x in xs)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of x over its last dim; with `residual`, of x + residual, returned with it
+        ((x + residual, norm))."""
+        if not self._takes(x, weight) or x.dim() != 2 or x.stride(-1) != 1 or (
+                residual is not None and (not self._takes(residual) or residual.stride(-1) != 1)):
+            return self.fallback.rms_norm(x, weight, eps, residual)
+        n, h = x.shape
+        out = torch.empty((n, h))
+        total = None if residual is None else torch.empty((n, h))
+        self._rms_norm(n, h, x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                       0 if residual is None else residual.stride(0), weight.data_ptr(), eps,
+                       None if total is None else total.data_ptr(), out.data_ptr())
+        return out if residual is None else (total, out)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """x [N, H, D] rotated in place (and returned); cos / sin_signed [N, 1, D]."""
+        if (not self._takes(x, cos, sin_signed) or x.dim() != 3 or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]
+                or not cos.is_contiguous() or not sin_signed.is_contiguous()):
+            return self.fallback.rope(x, cos, sin_signed)
+        n, heads, d = x.shape
+        self._rope(n, heads, d, x.data_ptr(), x.stride(0), cos.data_ptr(), sin_signed.data_ptr())
+        return x
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [N, 2I] = [gate | up]."""
+        if not self._takes(gate_up) or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
+            return self.fallback.silu_mul(gate_up)
+        n, i = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((n, i))
+        self._silu_mul(n, i, gate_up.data_ptr(), gate_up.stride(0), out.data_ptr())
+        return out
