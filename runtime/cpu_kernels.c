@@ -74,7 +74,7 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 #define LANES 16
 #define MAX_TILE 4      /* rows attended together */
-#define MAX_VECTORS 16  /* head size up to 256 */
+#define MAX_VECTORS 8   /* head size up to 128 */
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -142,13 +142,11 @@ static inline __attribute__((always_inline)) void attend_tile(
     float *o[MAX_TILE], mx[MAX_TILE], sum[MAX_TILE];
     int64_t seen[MAX_TILE], tile_seen = 0;
     const uint8_t *mr[MAX_TILE];
-    _Pragma("GCC unroll 16")
     for (int i = 0; i < nt; i++) {
         const int64_t t = (r0 + i) / group, head = h * group + (r0 + i) % group;
         seen[i] = mask ? kvlen : kvlen - qlen + t + 1; /* keys [0, seen) */
         tile_seen = seen[i] > tile_seen ? seen[i] : tile_seen;
         mr[i] = mask ? mask + t * kvlen : NULL;
-        _Pragma("GCC unroll 16")
         for (int c = 0; c < nv; c++) {
             qv[i][c] = load16(q + (q0 + t) * q_stride + head * d + c * LANES) * p->scale;
             acc[i][c] = (v16){0};
@@ -161,7 +159,6 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int64_t padded = round_up(tile_seen, LANES);
     for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
         const float *key[LANES];
-        _Pragma("GCC unroll 16")
         for (int l = 0; l < LANES; l++) {
             const int64_t j = j0 + l < tile_seen ? j0 + l : tile_seen - 1; /* past the end: a repeat, masked */
             key[l] = kv + ((int64_t)pages[j / ps] * 2 * hkv + h) * block + (j % ps) * d;
@@ -173,32 +170,25 @@ static inline __attribute__((always_inline)) void attend_tile(
             prefetch_rows(kv, pages, ps, 2 * hkv * block, h * block, d, j0 + PREFETCH_AHEAD * LANES, tile_seen);
             prefetch_rows(kv, pages, ps, 2 * hkv * block, (hkv + h) * block, d, j0, tile_seen);
         }
-        _Pragma("GCC unroll 16")
         for (int i = 0; i < nt; i++) {
             v16 prod[LANES];
-            _Pragma("GCC unroll 16")
             for (int l = 0; l < LANES; l++) {
                 prod[l] = qv[i][0] * load16(key[l]);
-                _Pragma("GCC unroll 16")
                 for (int c = 1; c < nv; c++) prod[l] += qv[i][c] * load16(key[l] + c * LANES);
             }
             v16 sc = sum16x16(prod);
             vi16 sees = (iota + (int32_t)j0) < (int32_t)seen[i];
             if (mr[i])
-                _Pragma("GCC unroll 16")
                 for (int l = 0; l < LANES; l++) sees[l] = sees[l] && mr[i][j0 + l] ? -1 : 0;
             sc = select16(sees, sc, neg_inf);
             mxv[i] = select16(sc > mxv[i], sc, mxv[i]);
             *(v16 *)(scores + i * score_stride + j0) = sc;
         }
     }
-    _Pragma("GCC unroll 16")
     for (int i = 0; i < nt; i++) {
         mx[i] = -INFINITY;
-        _Pragma("GCC unroll 16")
         for (int l = 0; l < LANES; l++) mx[i] = mxv[i][l] > mx[i] ? mxv[i][l] : mx[i];
     }
-    _Pragma("GCC unroll 16")
     for (int i = 0; i < nt; i++) {
         float *restrict si = scores + i * score_stride;
         const float top = mx[i] == -INFINITY ? 0.0f : mx[i]; /* a row that sees nothing weighs all 0 */
@@ -213,20 +203,15 @@ static inline __attribute__((always_inline)) void attend_tile(
         const int64_t m = tile_seen - j0 < ps ? tile_seen - j0 : ps;
         for (int64_t j = 0; j < m; j++) {
             v16 v[MAX_VECTORS];
-            _Pragma("GCC unroll 16")
             for (int c = 0; c < nv; c++) v[c] = load16(vb + j * d + c * LANES);
-            _Pragma("GCC unroll 16")
             for (int i = 0; i < nt; i++) {
                 const float w = scores[i * score_stride + j0 + j];
-                _Pragma("GCC unroll 16")
                 for (int c = 0; c < nv; c++) acc[i][c] += w * v[c];
             }
         }
     }
-    _Pragma("GCC unroll 16")
     for (int i = 0; i < nt; i++) {
         const float inv = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
-        _Pragma("GCC unroll 16")
         for (int c = 0; c < nv; c++) *(v16 *)(o[i] + c * LANES) = acc[i][c] * inv;
     }
 }
@@ -252,12 +237,11 @@ typedef void (*AttendHead)(const StepPlan *, int64_t, int64_t, const float *, in
 ATTEND_HEAD(attend_head_32, 2)
 ATTEND_HEAD(attend_head_64, 4)
 ATTEND_HEAD(attend_head_128, 8)
-ATTEND_HEAD(attend_head_any, (int)(p->head_dim / LANES))
 
 /* Append this step's K/V [N, Hkv, D] (token rows k_stride / v_stride floats apart) to a layer's
  * pages `kv`, then attend q [N, Hq, D] (rows q_stride apart) over them into out [N, Hq, D]
  * (rows out_stride apart). Returns 0; -1 when scratch memory could not be had, -2 for a head
- * size not a multiple of 16. */
+ * size other than 32, 64 or 128. */
 int specsched_paged_attention(const StepPlan *p, int64_t num_tokens, const float *q, int64_t q_stride,
                               const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                               float *out, int64_t out_stride, float *kv) {
@@ -265,9 +249,9 @@ int specsched_paged_attention(const StepPlan *p, int64_t num_tokens, const float
     const int64_t score_stride = round_up(p->max_kv > 0 ? p->max_kv : 1, LANES);
     float *scores = malloc(sizeof(float) * (size_t)(4 * score_stride));
     if (!scores) return -1;
-    if (p->head_dim % LANES) return -2;
+    if (p->head_dim != 32 && p->head_dim != 64 && p->head_dim != 128) return -2;
     const AttendHead attend_head = p->head_dim == 32 ? attend_head_32 : p->head_dim == 64 ? attend_head_64
-        : p->head_dim == 128 ? attend_head_128 : attend_head_any;
+        : attend_head_128;
     const int64_t page_stride = 2 * p->num_kv_heads * p->page_size * p->head_dim;
     for (int64_t seq = 0; seq < p->num_seqs; seq++)
         for (int64_t h = 0; h < p->num_kv_heads; h++) {

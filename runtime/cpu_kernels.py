@@ -87,8 +87,11 @@ def library() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler or not shutil.which(compiler):
         raise KernelUnavailable(f"no C compiler found ({'$CC=' + compiler if compiler else 'cc, gcc'})")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + compiler.encode()
-                         + _cpu_signature().encode())
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as e:
+        raise KernelUnavailable(f"cannot read the kernels' source: {e}") from e
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + compiler.encode() + _cpu_signature().encode())
     path = cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if not path.exists():
         _build(compiler, path)

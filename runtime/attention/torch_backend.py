@@ -1,4 +1,5 @@
-"""Paged attention in plain torch: the reference backend, and the fast one on CPU.
+"""Paged attention in plain torch: the reference backend, on any device (a float32 CPU worker runs the C
+kernel of cpu_backend.py where it builds).
 
 Why: the bundled models are tiny, so a forward is dominated by per-op dispatch, not FLOPs.
 Everything that depends only on the plan (write rows, gather rows, padded mask) is built once

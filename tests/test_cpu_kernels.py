@@ -1,5 +1,6 @@
-"""The CPU attention kernel (runtime/attention/cpu_backend.py, cpu_kernel.c) against the dense
-reference and the torch backend, and how a worker chooses it."""
+"""specsched's CPU kernels (runtime/cpu_kernels.c): the paged attention kernel against the dense
+reference and the torch backend, the decoder layer's ops against PyTorch's, and how a worker
+chooses them."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ import numpy as np
 import pytest
 import torch
 
+from specsched.runtime import cpu_kernels
 from specsched.runtime.attention import get_backend, resolve_backend
-from specsched.runtime.attention.cpu_backend import MAX_QUERY_LEN, kernel_status
+from specsched.runtime.attention.cpu_backend import MAX_QUERY_LEN
+from specsched.runtime.layers import TORCH_OPS, use_cpu_kernels
 from specsched.runtime.kv_cache import PagedKVCache
 from specsched.scheduler.plan import build_plan
 from tests.test_attention import reference
 
-pytestmark = pytest.mark.skipif(kernel_status(32) is not None, reason=f"no CPU attention kernel: {kernel_status(32)}")
+pytestmark = pytest.mark.skipif(cpu_kernels.status() is not None, reason=f"no CPU kernels: {cpu_kernels.status()}")
 
 
 def make_case(rng, specs, hq, hkv, d, ps, tree=False, num_pages=96):
@@ -46,7 +49,7 @@ def make_case(rng, specs, hq, hkv, d, ps, tree=False, num_pages=96):
     return plan, cache, hist, q, k_new, v_new, masks
 
 
-SHAPES = [(8, 4, 32, 16), (4, 4, 64, 16), (8, 2, 128, 8), (6, 3, 48, 5), (16, 2, 32, 32)]  # hq, hkv, d, page size
+SHAPES = [(8, 4, 32, 16), (4, 4, 64, 16), (8, 2, 128, 8), (6, 3, 64, 5), (16, 2, 32, 32)]  # hq, hkv, d, page size
 CASES = {
     "decode": [(1, 1), (1, 40), (1, 17), (1, 150)],
     "verify": [(4, 30), (4, 4), (2, 61), (5, 100)],
@@ -133,7 +136,7 @@ def test_auto_takes_the_kernel_for_float32_on_a_cpu_only():
     assert resolve_backend("auto", torch.device("cuda"), f32, 32)[0] == "torch"
     name, note = resolve_backend("auto", cpu, f32, 40)
     assert name == "torch" and "head size 40" in note
-    with pytest.raises(RuntimeError, match="attention 'cpu': head size 40: the C kernel takes multiples of 16"):
+    with pytest.raises(RuntimeError, match="attention 'cpu': head size 40: the C kernel takes 32, 64, 128"):
         resolve_backend("cpu", cpu, f32, 40)
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
         resolve_backend("fast", cpu, f32, 32)
@@ -155,7 +158,7 @@ def test_without_a_compiler_auto_keeps_torch_and_cpu_says_why(tmp_path):
 
 
 def test_the_kernel_is_built_once_into_its_cache(tmp_path):
-    code = "from specsched.runtime.attention.cpu_backend import kernel_status; print(kernel_status(64))"
+    code = "from specsched.runtime.cpu_kernels import status; print(status())"
     env = {**os.environ, "SPECSCHED_CACHE": str(tmp_path)}
     for _ in range(2):
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -177,3 +180,89 @@ def test_views_of_a_fused_projection_and_strided_queries_give_the_same_output():
     strided = backend.prepare(plan).attend(0, q.transpose(0, 1).contiguous().transpose(0, 1), k, v,
                                            cache.layers[0].clone())
     assert torch.equal(fused, want) and torch.equal(strided, want)
+
+
+def test_the_layer_ops_match_pytorch_and_leave_the_rest_to_it():
+    torch.manual_seed(0)
+    ops = cpu_kernels.LayerOps(TORCH_OPS)
+    w = torch.randn(96)
+    x, res = torch.randn(5, 96), torch.randn(5, 96)
+    strided = torch.randn(5, 192)[:, :96]  # a view with rows 192 apart (what the torch RMSNorm returns)
+    for a in (x, strided):
+        torch.testing.assert_close(ops.rms_norm(a, w, 1e-6), TORCH_OPS.rms_norm(a, w, 1e-6), atol=1e-5, rtol=1e-5)
+    total, norm = ops.rms_norm(x, w, 1e-6, residual=res)
+    want_total, want_norm = TORCH_OPS.rms_norm(x, w, 1e-6, residual=res)
+    assert torch.equal(total, want_total)
+    torch.testing.assert_close(norm, want_norm, atol=1e-5, rtol=1e-5)
+    qkv = torch.randn(6, 5, 32)  # 3 query + 1 key heads rotated in place, the value head untouched
+    angles = torch.randn(6, 1, 32)
+    cos, sin = angles.cos(), angles.sin() * torch.cat([-torch.ones(16), torch.ones(16)])
+    want = TORCH_OPS.rope(qkv[:, :4], cos, sin)
+    v = qkv[:, 4].clone()
+    got = ops.rope(qkv[:, :4], cos, sin)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qkv[:, :4], got) and torch.equal(qkv[:, 4], v)
+    gate_up = torch.randn(7, 2 * 40) * 4
+    torch.testing.assert_close(ops.silu_mul(gate_up), TORCH_OPS.silu_mul(gate_up), atol=1e-5, rtol=1e-5)
+    # autograd, other dtypes and shapes are PyTorch's
+    leaf = torch.randn(3, 96, requires_grad=True)
+    ops.rms_norm(leaf, w, 1e-6).sum().backward()
+    assert leaf.grad is not None
+    half = x.bfloat16()
+    assert torch.equal(ops.rms_norm(half, w.bfloat16(), 1e-6), TORCH_OPS.rms_norm(half, w.bfloat16(), 1e-6))
+    batched = torch.randn(2, 3, 96)
+    assert torch.equal(ops.rms_norm(batched, w, 1e-6), TORCH_OPS.rms_norm(batched, w, 1e-6))
+
+
+def test_a_model_with_the_c_layer_ops_keeps_its_logits_and_greedy_tokens():
+    from pathlib import Path
+
+    import specsched.runtime.bundled as bundled
+    from specsched.runtime.dummy import load
+
+    model = load(str(Path(bundled.__file__).parent / "target"), "auto", torch.float32, torch.device("cpu"), None)
+    backend = model.attention_backend("cpu")
+    ids = torch.randint(0, model.config.vocab_size, (3, 20))
+
+    def run():
+        kv = model.make_kv_cache(64, 16, backend=backend)
+        plan = build_plan([20] * 3, [20] * 3, [[0, 1], [2, 3], [4, 5]], 16)
+        with torch.no_grad():
+            paged = model.forward(ids.reshape(-1), backend.prepare(plan), kv, torch.from_numpy(plan.positions))
+            return paged.logits, model.forward_full(ids)[0]
+
+    want_paged, want_full = run()
+    assert use_cpu_kernels(model) == model.config.num_hidden_layers
+    got_paged, got_full = run()
+    torch.testing.assert_close(got_paged, want_paged, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got_paged.argmax(-1), want_paged.argmax(-1))
+    assert torch.equal(got_full, want_full)  # [B, T, H] inputs (forward_full) stay on PyTorch's ops
+
+
+@pytest.mark.parametrize("proposer,draft_len", [("none", None), ("draft", 3)])
+def test_the_engine_gives_the_same_greedy_outputs_with_or_without_the_c_kernels(proposer, draft_len):
+    import anyio
+
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    prompts = ["def encode(self, o):", "import json\n", "class JSONDecoder(object):", "for key, value in"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    async def run(**kw):
+        async with AsyncEngine(EngineConfig.make(proposer=proposer, draft_len=draft_len, **kw)) as eng:
+            outs = {}
+            async with anyio.create_task_group() as tg:
+                async def one(p):
+                    outs[p] = (await eng.generate_all(p, params)).token_ids
+                for p in prompts:
+                    tg.start_soon(one, p)
+            ping = eng.device.call("ping")
+            return outs, (ping["attention"], ping["ops"])
+
+    plain, plain_notes = anyio.run(lambda: run(attention="torch", worker_ops="torch"))
+    fast, fast_notes = anyio.run(lambda: run())
+    assert fast == plain
+    assert plain_notes == ("torch gather + SDPA", "torch")
+    assert fast_notes == ("C kernel on the pages", "C (RMSNorm, RoPE, SiLU-and-multiply)")
