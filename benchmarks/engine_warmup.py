@@ -9,19 +9,24 @@ and its whole latency, and the second request's latency -- which neither engine'
 launches touch any more.
 
     python benchmarks/engine_warmup.py [--rounds 3] [--max-tokens 16] [--configs none/sync draft/overlap mtp/eager_fill]
-        [--device cuda --attention flashinfer --dtype bfloat16] [--processes]
+        [--device cuda --attention flashinfer --dtype bfloat16] [--processes [--cold-kernels]]
 
 `--processes` starts every engine in a fresh Python process: on CUDA the first engine of a
 process also pays what any later one finds done (the CUDA context, library handles, kernel
-modules), so only a fresh process shows what a real start-up costs.
+modules), so only a fresh process shows what a real start-up costs. `--cold-kernels` gives each
+of those processes an empty kernel cache (`SPECSCHED_CACHE`): a CPU worker then builds its C
+kernels (runtime/cpu_kernels.c) as on a machine's first start; without it the cache is the
+user's, built once.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,10 +61,13 @@ async def one_engine(config: dict, prompts: list[str], max_tokens: int) -> dict[
     return out
 
 
-def in_fresh_process(cfg: dict, prompts: list[str], max_tokens: int) -> dict[str, float]:
-    """One engine in a fresh Python process (its figures come back as JSON on stdout)."""
-    res = subprocess.run([sys.executable, __file__, "--one", json.dumps([cfg, prompts, max_tokens])],
-                         capture_output=True, text=True, check=False)
+def in_fresh_process(cfg: dict, prompts: list[str], max_tokens: int, cold_kernels: bool = False) -> dict[str, float]:
+    """One engine in a fresh Python process (its figures come back as JSON on stdout); with
+    `cold_kernels`, an empty kernel cache of its own."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "SPECSCHED_CACHE": cache} if cold_kernels else None
+        res = subprocess.run([sys.executable, __file__, "--one", json.dumps([cfg, prompts, max_tokens])],
+                             capture_output=True, text=True, check=False, env=env)
     if res.returncode != 0:
         raise SystemExit(f"engine process failed ({cfg}):\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -76,21 +84,25 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     add_device_options(ap)
     ap.add_argument("--processes", action="store_true", help="every engine in a fresh Python process")
+    ap.add_argument("--cold-kernels", action="store_true", help="with --processes: each with an empty kernel cache")
     args = ap.parse_args()
     where = device_fields(args)
     if args.rounds < 1 or args.max_tokens < 1:
         ap.error("--rounds and --max-tokens must be >= 1")
+    if args.cold_kernels and not args.processes:
+        ap.error("--cold-kernels needs --processes (a process builds its kernels once)")
     prompts = [item.prompt for item in bundled_items(2, args.max_tokens)]
     runs: dict[tuple[str, bool], list[dict]] = {}
     for r in range(args.rounds):
         for name in args.configs:
             for skip in ((False, True) if r % 2 == 0 else (True, False)):
                 cfg = CONFIGS[name] | where | {"skip_warmup": skip}
-                run = (in_fresh_process(cfg, prompts, args.max_tokens) if args.processes
+                run = (in_fresh_process(cfg, prompts, args.max_tokens, args.cold_kernels) if args.processes
                        else anyio.run(one_engine, cfg, prompts, args.max_tokens))
                 runs.setdefault((name, skip), []).append(run)
     print(f"median of {args.rounds} rounds (alternating), ms; two requests of {args.max_tokens} tokens, one after another; "
-          f"{args.device}, {args.attention} attention, {args.dtype}" + (", a process per engine" if args.processes else ""))
+          f"{args.device}, {args.attention} attention, {args.dtype}" + (", a process per engine" if args.processes else "")
+          + (", each building its kernels" if args.cold_kernels else ""))
     print(f"{'config':>14} {'warm-up':>8} {'start':>8} {'1st TTFT':>9} {'1st latency':>12} {'2nd latency':>12}")
     for name in args.configs:
         for skip in (False, True):

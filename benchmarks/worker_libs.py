@@ -4,14 +4,15 @@ allocator / OpenMP runtime / linear-layer path / attention backend.
 Runs the bundled model on the bundled workload (closed loop at each concurrency) with the worker
 started as `--variants` name them (`EngineConfig.worker_malloc` / `worker_openmp`: "system", "auto"
 or a library's path; `worker_linear`: "auto", oneDNN on pre-packed weights from 3 rows, or
-"torch"; `attention`: "auto", the C kernel where it builds, "cpu" or "torch"), in interleaved rounds whose order turns every round, and prints each
+"torch"; `ops`: the layer's small ops, "auto" (in C) or "torch"; `attention`: "auto", the C kernel
+where it builds, "cpu" or "torch"), in interleaved rounds whose order turns every round, and prints each
 variant's median output tokens/s and its ratio to the first variant (median of the per-round
 ratios, range in brackets). The worker's start-up report says what each variant ran with.
 
     python benchmarks/worker_libs.py [--rounds 5] [--concurrency 1 8] [--configs none/sync draft/overlap]
     python benchmarks/worker_libs.py --variants malloc=system malloc=auto openmp=auto
     python benchmarks/worker_libs.py --variants malloc=auto,linear=torch malloc=auto,linear=auto
-    python benchmarks/worker_libs.py --variants malloc=auto,attention=torch malloc=auto,attention=cpu
+    python benchmarks/worker_libs.py --variants malloc=auto,attention=torch,ops=torch malloc=auto,ops=torch malloc=auto
 
 A variant that resolves to the same libraries as the first (e.g. "auto" where nothing is
 installed) is reported as such and not run.
@@ -28,13 +29,15 @@ from common import bundled_items, run  # noqa: E402
 from engine_ab import CONFIGS  # noqa: E402
 
 
-FIELDS = {"malloc": "worker_malloc", "openmp": "worker_openmp", "linear": "worker_linear", "attention": "attention"}
+FIELDS = {"malloc": "worker_malloc", "openmp": "worker_openmp", "linear": "worker_linear", "ops": "worker_ops",
+          "attention": "attention"}
 
 
 def parse_variant(text: str) -> dict[str, str]:
     """'malloc=auto,openmp=system' -> EngineConfig fields (unnamed libraries 'system', an
-    unnamed linear or attention 'auto')."""
-    fields = {"worker_malloc": "system", "worker_openmp": "system", "worker_linear": "auto", "attention": "auto"}
+    unnamed linear, ops or attention 'auto')."""
+    fields = {"worker_malloc": "system", "worker_openmp": "system", "worker_linear": "auto", "worker_ops": "auto",
+              "attention": "auto"}
     for part in text.split(","):
         key, _, value = part.partition("=")
         if key not in FIELDS or not value:
@@ -47,7 +50,8 @@ def resolved(fields: dict[str, str]) -> tuple:
     from specsched.runtime.devices.native import MALLOC_NAMES, OPENMP_NAMES, resolve
 
     return (resolve(fields["worker_malloc"], MALLOC_NAMES, "malloc"),
-            resolve(fields["worker_openmp"], OPENMP_NAMES, "openmp"), fields["worker_linear"], fields["attention"])
+            resolve(fields["worker_openmp"], OPENMP_NAMES, "openmp"), fields["worker_linear"], fields["worker_ops"],
+            fields["attention"])
 
 
 def main() -> None:
@@ -74,7 +78,7 @@ def main() -> None:
         return
     print(f"{args.num_requests} bundled requests x {args.max_tokens} tokens, {args.rounds} interleaved rounds; "
           f"preloads: " + "; ".join(f"{n} -> {', '.join(p for p in resolved(f)[:2] if p) or 'none'}, "
-                                      f"linear {f['worker_linear']}, attention {f['attention']}"
+                                      f"linear {f['worker_linear']}, ops {f['worker_ops']}, attention {f['attention']}"
                                       for n, f in variants.items()))
     tps: dict[tuple, list[float]] = {}
     for r in range(args.rounds):

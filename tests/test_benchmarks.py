@@ -48,7 +48,7 @@ TINY = {
                            "--configs", "none", "--sizes", "1024", "--repeats", "5"],
     "train_throughput.py": ["--steps", "1", "--rounds", "1", "--configs", "1:fp32:2", "1:bf16:2:passive"],
     "sweep_fanout.py": ["--replicates", "2", "--rounds", "1", "--draft-lens", "1", "--concurrencies", "1"],
-    "engine_warmup.py": ["--rounds", "1", "--max-tokens", "2", "--configs", "none/sync", "--processes"],
+    "engine_warmup.py": ["--rounds", "1", "--max-tokens", "2", "--configs", "none/sync", "--processes", "--cold-kernels"],
     "kept_hidden.py": ["--num-requests", "2", "--max-tokens", "3", "--rounds", "1"],
     "worker_spin.py": ["--rounds", "1", "--concurrency", "1", "--configs", "none/sync", "--num-requests", "1",
                        "--max-tokens", "3"],
@@ -156,7 +156,8 @@ def _check_device_idle(out):
 
 def _check_worker_libs(out):
     _grab(out, r"^1 bundled requests x 3 tokens, 1 interleaved rounds; preloads: malloc=system -> none, "
-               r"linear auto; .*; malloc=system,linear=torch -> none, linear torch$")
+               r"linear auto, ops auto, attention auto; .*; malloc=system,linear=torch -> none, linear torch, "
+               r"ops auto, attention auto$")
     _grab(out, r"^ *config +batch +variant +tok/s +ratio +range$")
     rows = re.findall(r"^ *none/sync +1 +(\S+) +(\S+) +(\S+) +(\S+)$", out, re.M)
     assert [r[0] for r in rows] == ["malloc=system", f"openmp={TORCH_GOMP}", "malloc=system,linear=torch"], out
@@ -190,7 +191,7 @@ def _check_engine_ab(out):
 
 def _check_engine_warmup(out):
     _grab(out, r"^median of 1 rounds \(alternating\), ms; two requests of 2 tokens, one after another; "
-               r"\w+, \w+ attention, \w+, a process per engine$")
+               r"\w+, \w+ attention, \w+, a process per engine, each building its kernels$")
     _grab(out, r"^ *config +warm-up +start +1st TTFT +1st latency +2nd latency$")
     for warm in ("yes", "no"):
         start, ttft, first, second = (_pos(v) for v in _row(out, f"none/sync {warm}", 4))

@@ -206,7 +206,8 @@ def test_the_layer_ops_match_pytorch_and_leave_the_rest_to_it():
     torch.testing.assert_close(ops.silu_mul(gate_up), TORCH_OPS.silu_mul(gate_up), atol=1e-5, rtol=1e-5)
     # autograd, other dtypes and shapes are PyTorch's
     leaf = torch.randn(3, 96, requires_grad=True)
-    ops.rms_norm(leaf, w, 1e-6).sum().backward()
+    with torch.enable_grad():  # (a worker built in-process earlier turns it off)
+        ops.rms_norm(leaf, w, 1e-6).sum().backward()
     assert leaf.grad is not None
     half = x.bfloat16()
     assert torch.equal(ops.rms_norm(half, w.bfloat16(), 1e-6), TORCH_OPS.rms_norm(half, w.bfloat16(), 1e-6))
