@@ -341,3 +341,26 @@ void specsched_silu_mul(int64_t n, int64_t i, const float *x, int64_t x_stride, 
         for (int64_t k = 0; k < i; k++) o[k] = g[k] / (1.0f + exp_any(-g[k])) * u[k];
     }
 }
+
+/* y [n, out] = x [n, in] W^T (+ bias) for a few rows, W^T [in, out] row-major (a column-major
+ * weight, runtime/layers.py): the weight streams once, row by row, each row's contribution
+ * added to every input row's output (which stays in L1). Rows of x are x_stride apart. */
+void specsched_linear_rows(int64_t n, int64_t in, int64_t out, const float *x, int64_t x_stride, const float *wt,
+                           const float *bias, float *y) {
+    for (int64_t r = 0; r < n; r++) {
+        float *yr = y + r * out;
+        if (bias)
+            memcpy(yr, bias, sizeof(float) * (size_t)out);
+        else
+            memset(yr, 0, sizeof(float) * (size_t)out);
+    }
+    for (int64_t i = 0; i < in; i++) {
+        const float *w = wt + i * out;
+        for (int64_t r = 0; r < n; r++) {
+            const float a = x[r * x_stride + i];
+            float *yr = y + r * out;
+#pragma omp simd
+            for (int64_t o = 0; o < out; o++) yr[o] += a * w[o];
+        }
+    }
+}

@@ -103,9 +103,11 @@ def column_major_weight(rows: int, cols: int, device=None, dtype=None) -> nn.Par
 
 
 # A float32 CPU linear over this many rows or more multiplies by its weight pre-packed for
-# oneDNN (`Linear.pack`); over fewer, MKL streaming the column-major weight is faster (the
+# oneDNN (`Linear.pack`); over fewer, streaming the column-major weight once is faster (the
 # bundled target's forwards over 1 / 2 rows ran at 0.8-0.9x / ~0.95x packed, over 3-4 rows at
-# 1.07-1.23x; benchmarks/worker_libs.py --variants ... linear=torch measures the engine).
+# 1.07-1.23x; benchmarks/worker_libs.py --variants ... linear=torch measures the engine): by the C
+# kernel of runtime/cpu_kernels.c where it builds (a batch-1 decode forward 1.31x [1.04-1.38]
+# faster than MKL's, 2 rows 1.15x; as fast as oneDNN's at 3-4 rows, slower at 8), else by MKL.
 PACKED_MIN_ROWS = 3
 
 
@@ -122,15 +124,31 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
+    few_rows = None  # with `packed`: cpu_kernels.c's specsched_linear_rows, where it builds
 
     def pack(self) -> None:
         if self.packed is None:
             # the batch-size hint picks the blocking; 8 rows measured best from 1 to 584 rows
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 8)
+            from specsched.runtime import cpu_kernels
+
+            if cpu_kernels.status() is None and self.weight.t().is_contiguous():
+                self.few_rows = cpu_kernels.library().specsched_linear_rows
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed is not None and x.numel() >= PACKED_MIN_ROWS * x.shape[-1]:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        if self.packed is not None:
+            rows = x.numel() // x.shape[-1]
+            if rows >= PACKED_MIN_ROWS:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+            if self.few_rows is not None and x.dtype == torch.float32:
+                flat = x.reshape(rows, self.in_features)
+                if flat.stride(-1) != 1:
+                    flat = flat.contiguous()
+                y = torch.empty((*x.shape[:-1], self.out_features))
+                self.few_rows(rows, self.in_features, self.out_features, flat.data_ptr(), flat.stride(0),
+                              self.weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+                              y.data_ptr())
+                return y
         return F.linear(x, self.weight, bias)
 
 

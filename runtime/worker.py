@@ -213,11 +213,17 @@ class ModelWorker:
         use_cpu_kernels(self.target, *self.proposer.models())
         return "C (RMSNorm, RoPE, SiLU-and-multiply)"
 
+    def _linears_note(self) -> str:
+        if not self.packed_linears:
+            return "torch"
+        why = cpu_kernels.status()
+        return f"oneDNN pre-packed from {PACKED_MIN_ROWS} rows, " + ("C below" if why is None else f"MKL below ({why})")
+
     def op_ping(self, batch: dict) -> dict:
         graphs = self.graphs
         return {"ok": True, "num_states": len(self.states), "cuda_graphs": 0 if graphs is None else graphs.num_graphs,
                 "capture_s": 0.0 if graphs is None else graphs.capture_ns / 1e9,
-                "linears": f"oneDNN pre-packed from {PACKED_MIN_ROWS} rows" if self.packed_linears else "torch",
+                "linears": self._linears_note(),
                 "attention": self.attention_note, "ops": self.ops_note}
 
     def op_tp_stats(self, batch: Any) -> dict:

@@ -73,7 +73,9 @@ def test_a_packed_linear_multiplies_by_its_packed_copy_from_its_row_threshold():
     torch.nn.init.normal_(layer.weight)
     bias = torch.randn(80)
     # inputs of every row count around the threshold, and a strided [B, T, in] view as the decoder passes
-    inputs = [torch.randn(n, 48) for n in (1, 2, 3, 8, 37)] + [torch.randn(2, 5, 96)[..., :48]]
+    # (1-2 rows go to the C kernel where it builds: a transposed view is copied for it first)
+    inputs = [torch.randn(n, 48) for n in (1, 2, 3, 8, 37)] + [torch.randn(2, 5, 96)[..., :48], torch.randn(48, 2).t(),
+                                                              torch.randn(1, 1, 96)[..., 48:]]
     expected = [torch.nn.functional.linear(x, layer.weight, bias) for x in inputs]
     assert pack_linears(torch.nn.Sequential(layer, layer)) == 1  # a layer reached twice is packed once
     for x, want in zip(inputs, expected):
@@ -113,7 +115,7 @@ def test_packed_linears_keep_the_engine_greedy_outputs_and_are_reported():
         plain, plain_linears = anyio.run(lambda: run(proposer=proposer, draft_len=d, worker_linear="torch"))
         packed, packed_linears = anyio.run(lambda: run(proposer=proposer, draft_len=d))
         assert packed == plain, proposer
-        assert (plain_linears, packed_linears) == ("torch", f"oneDNN pre-packed from {PACKED_MIN_ROWS} rows")
+        assert (plain_linears, packed_linears) == ("torch", f"oneDNN pre-packed from {PACKED_MIN_ROWS} rows, C below")
 
 
 def test_a_bad_worker_linear_is_refused_by_name():
