@@ -124,8 +124,9 @@ def status() -> str | None:
 
 
 class LayerOps:
-    """The decoder layer's small ops in C, on float32 CPU tensors without autograd; anything
-    else goes to `fallback` (the PyTorch versions, same signatures)."""
+    """The decoder layer's small ops in C, on float32 CPU tensors of rows [N, W] outside
+    autograd (grad mode off, as in a worker); anything else goes to `fallback` (the PyTorch
+    versions, same signatures)."""
 
     def __init__(self, fallback) -> None:
         self.fallback = fallback
@@ -133,28 +134,29 @@ class LayerOps:
         self._rms_norm, self._rope, self._silu_mul = lib.specsched_rms_norm, lib.specsched_rope, lib.specsched_silu_mul
 
     @staticmethod
-    def _takes(*xs: torch.Tensor) -> bool:
-        return all(x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad for x in xs)
+    def _takes(x: torch.Tensor, dims: int) -> bool:
+        return (x.dtype == torch.float32 and x.is_cpu and x.dim() == dims and x.stride(-1) == 1
+                and not torch.is_grad_enabled())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm of x over its last dim; with `residual`, of x + residual, returned with it
         ((x + residual, norm))."""
-        if not self._takes(x, weight) or x.dim() != 2 or x.stride(-1) != 1 or (
-                residual is not None and (not self._takes(residual) or residual.stride(-1) != 1)):
+        if not self._takes(x, 2) or residual is not None and not self._takes(residual, 2):
             return self.fallback.rms_norm(x, weight, eps, residual)
         n, h = x.shape
         out = torch.empty((n, h))
-        total = None if residual is None else torch.empty((n, h))
-        self._rms_norm(n, h, x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-                       0 if residual is None else residual.stride(0), weight.data_ptr(), eps,
-                       None if total is None else total.data_ptr(), out.data_ptr())
-        return out if residual is None else (total, out)
+        if residual is None:
+            self._rms_norm(n, h, x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), eps, None, out.data_ptr())
+            return out
+        total = torch.empty((n, h))
+        self._rms_norm(n, h, x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(), eps,
+                       total.data_ptr(), out.data_ptr())
+        return total, out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """x [N, H, D] rotated in place (and returned); cos / sin_signed [N, 1, D]."""
-        if (not self._takes(x, cos, sin_signed) or x.dim() != 3 or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]
-                or not cos.is_contiguous() or not sin_signed.is_contiguous()):
+        if not self._takes(x, 3) or x.stride(-2) != x.shape[-1] or not (cos.is_contiguous() and sin_signed.is_contiguous()):
             return self.fallback.rope(x, cos, sin_signed)
         n, heads, d = x.shape
         self._rope(n, heads, d, x.data_ptr(), x.stride(0), cos.data_ptr(), sin_signed.data_ptr())
@@ -162,7 +164,7 @@ class LayerOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up [N, 2I] = [gate | up]."""
-        if not self._takes(gate_up) or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
+        if not self._takes(gate_up, 2):
             return self.fallback.silu_mul(gate_up)
         n, i = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((n, i))

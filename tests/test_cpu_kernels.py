@@ -182,9 +182,15 @@ def test_views_of_a_fused_projection_and_strided_queries_give_the_same_output():
     assert torch.equal(fused, want) and torch.equal(strided, want)
 
 
-def test_the_layer_ops_match_pytorch_and_leave_the_rest_to_it():
+class NoFallback:
+    def __getattr__(self, name):
+        raise AssertionError(f"fell back to PyTorch's {name}")
+
+
+@torch.no_grad()
+def test_the_layer_ops_match_pytorch():
     torch.manual_seed(0)
-    ops = cpu_kernels.LayerOps(TORCH_OPS)
+    ops = cpu_kernels.LayerOps(NoFallback())  # every call below runs in C
     w = torch.randn(96)
     x, res = torch.randn(5, 96), torch.randn(5, 96)
     strided = torch.randn(5, 192)[:, :96]  # a view with rows 192 apart (what the torch RMSNorm returns)
@@ -204,15 +210,23 @@ def test_the_layer_ops_match_pytorch_and_leave_the_rest_to_it():
     assert torch.equal(qkv[:, :4], got) and torch.equal(qkv[:, 4], v)
     gate_up = torch.randn(7, 2 * 40) * 4
     torch.testing.assert_close(ops.silu_mul(gate_up), TORCH_OPS.silu_mul(gate_up), atol=1e-5, rtol=1e-5)
-    # autograd, other dtypes and shapes are PyTorch's
+
+
+def test_autograd_other_dtypes_and_batched_inputs_stay_on_pytorch():
+    ops = cpu_kernels.LayerOps(TORCH_OPS)
+    w, x = torch.randn(96), torch.randn(3, 96)
     leaf = torch.randn(3, 96, requires_grad=True)
     with torch.enable_grad():  # (a worker built in-process earlier turns it off)
         ops.rms_norm(leaf, w, 1e-6).sum().backward()
+        assert torch.equal(ops.rms_norm(x, w, 1e-6), TORCH_OPS.rms_norm(x, w, 1e-6))
     assert leaf.grad is not None
-    half = x.bfloat16()
-    assert torch.equal(ops.rms_norm(half, w.bfloat16(), 1e-6), TORCH_OPS.rms_norm(half, w.bfloat16(), 1e-6))
-    batched = torch.randn(2, 3, 96)
-    assert torch.equal(ops.rms_norm(batched, w, 1e-6), TORCH_OPS.rms_norm(batched, w, 1e-6))
+    with torch.no_grad():
+        half = x.bfloat16()
+        assert torch.equal(ops.rms_norm(half, w.bfloat16(), 1e-6), TORCH_OPS.rms_norm(half, w.bfloat16(), 1e-6))
+        batched = torch.randn(2, 3, 96)
+        assert torch.equal(ops.rms_norm(batched, w, 1e-6), TORCH_OPS.rms_norm(batched, w, 1e-6))
+        gate_up = torch.randn(2, 3, 80)
+        assert torch.equal(ops.silu_mul(gate_up), TORCH_OPS.silu_mul(gate_up))
 
 
 def test_a_model_with_the_c_layer_ops_keeps_its_logits_and_greedy_tokens():
