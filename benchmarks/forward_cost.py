@@ -4,7 +4,8 @@ Why: speculative decoding pays off only if verifying k+1 tokens costs little mor
 decoding 1, and if the draft is much cheaper than the target. This script measures both on
 this machine, side by side in one run: the target forward for 1, 4 and 8 new tokens over a
 cached context (median over interleaved repeats, relative to 1 token), the host-side
-`prepare` (attention planning) time, and the draft/target cost ratio.
+`prepare` (attention planning) time, and the draft/target cost ratio. The models run as a CPU
+worker runs them: oneDNN-packed linears, the C kernels (runtime/cpu_kernels.c) where they build.
 
     python benchmarks/forward_cost.py                 # bundled target/draft
     python benchmarks/forward_cost.py --random        # random models of the bundled shapes
@@ -27,7 +28,10 @@ from pathlib import Path
 
 import torch
 
+from specsched.runtime import cpu_kernels
+from specsched.runtime.attention import resolve_backend
 from specsched.runtime.checkpoint import load_model
+from specsched.runtime.layers import pack_linears, use_cpu_kernels
 from specsched.runtime.config import ModelConfig
 from specsched.runtime.model import LlamaModel
 from specsched.scheduler.plan import build_plan
@@ -52,8 +56,13 @@ class Runner:
         self.model, self.context, self.page_size = model, context, page_size
         num_pages = (context + 64) // page_size + 1
         self.pages = list(range(num_pages))
-        self.kv = model.make_kv_cache(num_pages, page_size)
-        self.backend = model.attention_backend("torch")
+        # as a CPU worker runs it: packed linears, the C kernels where they build
+        pack_linears(model)
+        if cpu_kernels.status() is None:
+            use_cpu_kernels(model)
+        name, _ = resolve_backend("auto", torch.device("cpu"), model.dtype, model.config.head_dim)
+        self.backend = model.attention_backend(name)
+        self.kv = model.make_kv_cache(num_pages, page_size, backend=self.backend)
         gen = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, model.config.vocab_size, (context + 64,), generator=gen)
         with torch.inference_mode():

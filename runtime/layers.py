@@ -106,8 +106,8 @@ def column_major_weight(rows: int, cols: int, device=None, dtype=None) -> nn.Par
 # oneDNN (`Linear.pack`); over fewer, streaming the column-major weight once is faster (the
 # bundled target's forwards over 1 / 2 rows ran at 0.8-0.9x / ~0.95x packed, over 3-4 rows at
 # 1.07-1.23x; benchmarks/worker_libs.py --variants ... linear=torch measures the engine): by the C
-# kernel of runtime/cpu_kernels.c where it builds (a batch-1 decode forward 1.31x [1.04-1.38]
-# faster than MKL's, 2 rows 1.15x; as fast as oneDNN's at 3-4 rows, slower at 8), else by MKL.
+# kernel of runtime/cpu_kernels.c where it builds (a decode forward of the bundled target 1.31-1.37x
+# faster than with MKL's at batch 1, 1.11-1.15x at 2; slower than oneDNN's from 4 rows), else by MKL.
 PACKED_MIN_ROWS = 3
 
 
