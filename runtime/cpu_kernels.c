@@ -32,11 +32,11 @@ typedef struct {
     float scale;
 } StepPlan;
 
-/* exp(x) for x <= 0 (scores less their row's maximum; -inf for a masked key, whose weight is 0),
- * written so the compiler vectorises it: Cephes' expf polynomial after reducing by ln 2, relative
- * error ~1e-7; below -87 (where expf is subnormal) it is 0. */
-static inline float exp_nonpositive(float x) {
-    const float c = x < -87.0f ? -87.0f : x;
+/* exp(x), written so the compiler vectorises it: Cephes' expf polynomial after reducing by ln 2,
+ * relative error ~1e-7; 0 below -87 (where expf is subnormal; a masked key's score is -inf and
+ * its weight exactly 0), and exp(88) above 88. */
+static inline float exp_f(float x) {
+    const float c = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
     float n = floorf(c * 1.44269504088896341f + 0.5f);
     float r = c - n * 0.693359375f + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -193,7 +193,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         float *restrict si = scores + i * score_stride;
         const float top = mx[i] == -INFINITY ? 0.0f : mx[i]; /* a row that sees nothing weighs all 0 */
 #pragma omp simd
-        for (int64_t j = 0; j < padded; j++) si[j] = exp_nonpositive(si[j] - top);
+        for (int64_t j = 0; j < padded; j++) si[j] = exp_f(si[j] - top);
         v16 lanes = {0};
         for (int64_t j0 = 0; j0 < padded; j0 += LANES) lanes += load16(si + j0);
         sum[i] = sum16(lanes);
@@ -270,24 +270,6 @@ int specsched_paged_attention(const StepPlan *p, int64_t num_tokens, const float
 
 /* ---- the decoder layer's small ops, a row at a time ---- */
 
-/* exp(x) for any x (clamped to float's range), vectorisable like exp_nonpositive */
-static inline float exp_any(float x) {
-    const float c = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-    float n = floorf(c * 1.44269504088896341f + 0.5f);
-    float r = c - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
-}
-
 /* out[i] = s[i] / sqrt(mean(s^2) + eps) * w over rows of h values, s = x (+ residual, then also
  * written to `total`); rows x_stride / residual_stride floats apart, out and total contiguous. */
 void specsched_rms_norm(int64_t n, int64_t h, const float *x, int64_t x_stride, const float *residual,
@@ -338,7 +320,7 @@ void specsched_silu_mul(int64_t n, int64_t i, const float *x, int64_t x_stride, 
         const float *g = x + r * x_stride, *u = g + i;
         float *o = out + r * i;
 #pragma omp simd
-        for (int64_t k = 0; k < i; k++) o[k] = g[k] / (1.0f + exp_any(-g[k])) * u[k];
+        for (int64_t k = 0; k < i; k++) o[k] = g[k] / (1.0f + exp_f(-g[k])) * u[k];
     }
 }
 
