@@ -63,8 +63,9 @@ def test_the_cli_refuses_a_missing_library_and_prints_the_start_up_line():
     res = runner.invoke(app, ["generate", "def f(x):", "--max-tokens", "2", "--worker-malloc", "system"])
     assert res.exit_code == 0, res.output
     assert "specsched: worker pid " in res.stderr and "malloc glibc" in res.stderr and "eager forwards" in res.stderr
-    res = runner.invoke(app, ["generate", "def f(x):", "--max-tokens", "2", "--worker-linear", "torch"])
-    assert res.exit_code == 0 and "linears torch, " in res.stderr, res.output
+    res = runner.invoke(app, ["generate", "def f(x):", "--max-tokens", "2", "--worker-linear", "torch", "--worker-ops",
+                              "torch"])
+    assert res.exit_code == 0 and "linears torch, " in res.stderr and "layer ops torch, " in res.stderr, res.output
 
 
 @onednn
@@ -120,6 +121,7 @@ def test_packed_linears_keep_the_engine_greedy_outputs_and_are_reported():
         assert (plain_linears, packed_linears) == ("torch", f"oneDNN pre-packed from {PACKED_MIN_ROWS} rows, {below}")
 
 
-def test_a_bad_worker_linear_is_refused_by_name():
-    with pytest.raises(ConfigurationError, match="worker_linear"):
-        EngineConfig.make(worker_linear="mkl")
+@pytest.mark.parametrize("field,value", [("worker_linear", "mkl"), ("worker_ops", "fused"), ("attention", "sdpa")])
+def test_a_bad_kernel_choice_is_refused_by_name(field, value):
+    with pytest.raises(ConfigurationError, match=field):
+        EngineConfig.make(**{field: value})
