@@ -16,6 +16,10 @@
  * in vector registers, a softmax over them, then the weighted sum of values. A row's result
  * depends only on its own query, its keys and its mask, never on the other rows of the step:
  * a token verified among drafts attends exactly as when decoded alone.
+ *
+ * Then the decoder layer's small ops, a row at a time (specsched_rms_norm, with the residual add;
+ * specsched_rope; specsched_silu_mul), and linears over one or two input rows
+ * (specsched_linear_rows), where streaming the column-major weight once beats oneDNN's blocked one.
  */
 #include <math.h>
 #include <stdint.h>
