@@ -209,13 +209,28 @@ TORCH_OPS = TorchLayerOps()
 
 
 def use_cpu_kernels(*modules: nn.Module) -> int:
-    """Give every decoder layer in `modules` (anything with an `ops` attribute) the C versions
-    of its small ops (runtime/cpu_kernels.py; float32 CPU tensors without autograd, the rest
-    still PyTorch's); returns how many layers. KernelUnavailable where the kernels cannot be built."""
-    from specsched.runtime.cpu_kernels import LayerOps
+    """Give every decoder layer in `modules` (anything with an `ops` attribute) whose weights are
+    float32 on a CPU the C versions of its small ops (runtime/cpu_kernels.py; they still leave
+    autograd and other shapes to PyTorch's); returns how many layers (0 where the kernels
+    cannot be built: `cpu_kernels.status()` says why)."""
+    from specsched.runtime import cpu_kernels
 
-    ops = LayerOps(TORCH_OPS)
-    layers = {id(m): m for module in modules for m in module.modules() if getattr(m, "ops", None) is TORCH_OPS}
+    if cpu_kernels.status() is not None:
+        return 0
+    ops = cpu_kernels.LayerOps(TORCH_OPS)
+    layers = {id(m): m for module in modules for m in module.modules() if getattr(m, "ops", None) is TORCH_OPS
+              and all(p.dtype == torch.float32 and p.device.type == "cpu" for p in m.parameters())}
     for layer in layers.values():
         layer.ops = ops
     return len(layers)
+
+
+def kernel_notes(packed_linears: int, cpu_layers: int) -> tuple[str, str]:
+    """What a worker's linears and its decoder layers' small ops run on, given how many
+    `pack_linears` packed and `use_cpu_kernels` gave C ops (words for its start-up line)."""
+    from specsched.runtime import cpu_kernels
+
+    why = cpu_kernels.status()
+    linears = "torch" if not packed_linears else (f"oneDNN pre-packed from {PACKED_MIN_ROWS} rows, "
+                                                  + ("C below" if why is None else f"MKL below ({why})"))
+    return linears, "C (RMSNorm, RoPE, SiLU-and-multiply)" if cpu_layers else "torch" + (f" ({why})" if why else "")

@@ -26,8 +26,7 @@ import torch
 
 from specsched.runtime.attention import resolve_backend
 from specsched.runtime.dummy import load
-from specsched.runtime import cpu_kernels
-from specsched.runtime.layers import PACKED_MIN_ROWS, pack_linears, use_cpu_kernels
+from specsched.runtime.layers import kernel_notes, pack_linears, use_cpu_kernels
 from specsched.runtime.proposers.factory import make_proposer
 from specsched.runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
 from specsched.runtime.verify import (SyntheticDraws, greedy_verify, rejection_verify, synthetic_verify,
@@ -115,9 +114,11 @@ class ModelWorker:
             self.tokens = TokenBuffer(self.target.config.max_position_embeddings + 1 + self.draft_width, self.device)
             self.ngram = c.ngram  # n-gram lookup lengths (the host drafts with them: `host_drafter`)
             self.proposer = make_proposer(self, self.spec, c.proposer_dir, c.num_pages, c.ngram)
-            # float32 CPU linears also keep their weights pre-packed for oneDNN (runtime/layers.py)
-            self.packed_linears = pack_linears(self.target, *self.proposer.models()) if c.linear == "auto" else 0
-            self.ops_note = self._use_cpu_kernels(c.ops)
+            # float32 CPU linears also keep their weights pre-packed for oneDNN, and decoder layers
+            # run their small ops in C (runtime/layers.py)
+            models = (self.target, *self.proposer.models())
+            self.kernel_notes = kernel_notes(pack_linears(*models) if c.linear == "auto" else 0,
+                                             use_cpu_kernels(*models) if c.ops == "auto" else 0)
             self.last_hidden: dict | None = None  # target hidden states of the latest target launch
             self.last_verify: tuple | None = None  # (step, slots, accepted [B] on the device) of the latest verify
             # ops enqueue device work only; with the guard a host read of a device value fails the op
@@ -202,29 +203,11 @@ class ModelWorker:
             final.update(_as_numpy(result))
         return replace(result, **final) if final else result
 
-    def _use_cpu_kernels(self, ops: str) -> str:
-        """With ops "auto", float32 CPU decoder layers run their small ops in C
-        (runtime/cpu_kernels.py); what they run, for the start-up line."""
-        if ops != "auto" or self.device.type != "cpu" or self.dtype != torch.float32:
-            return "torch"
-        why = cpu_kernels.status()
-        if why is not None:
-            return f"torch ({why})"
-        use_cpu_kernels(self.target, *self.proposer.models())
-        return "C (RMSNorm, RoPE, SiLU-and-multiply)"
-
-    def _linears_note(self) -> str:
-        if not self.packed_linears:
-            return "torch"
-        why = cpu_kernels.status()
-        return f"oneDNN pre-packed from {PACKED_MIN_ROWS} rows, " + ("C below" if why is None else f"MKL below ({why})")
-
     def op_ping(self, batch: dict) -> dict:
         graphs = self.graphs
         return {"ok": True, "num_states": len(self.states), "cuda_graphs": 0 if graphs is None else graphs.num_graphs,
                 "capture_s": 0.0 if graphs is None else graphs.capture_ns / 1e9,
-                "linears": self._linears_note(),
-                "attention": self.attention_note, "ops": self.ops_note}
+                "linears": self.kernel_notes[0], "attention": self.attention_note, "ops": self.kernel_notes[1]}
 
     def op_tp_stats(self, batch: Any) -> dict:
         """Tensor parallelism's communication so far: the size, and the leader's broadcasts

@@ -49,7 +49,7 @@ class CpuBackend:
         if head_dim is not None and (why := kernel_status(head_dim)):
             raise KernelUnavailable(why)
         self._attention = library().specsched_paged_attention
-        self.num_kv_heads, self.dtype = num_kv_heads, dtype
+        self.dtype = dtype
         self.torch = TorchBackend(num_kv_heads=num_kv_heads, dtype=dtype)
 
     @staticmethod
@@ -94,29 +94,26 @@ class CpuStepAttention:
             raise ValueError("attention plan has a sequence with too few pages for its KV tokens")
         self.plan, self._attention = plan, attention
         self.num_tokens = num_tokens
-        # kept referenced: the kernel reads them through the pointers below
+        # StepPlan's arrays in its order (mask and offsets None: causal), kept referenced: the
+        # kernel reads them through pointers
         self._arrays = [_int32(plan.qo_indptr), _int32(plan.kv_lens), _int32(plan.paged_kv_indptr),
-                        _int32(plan.paged_kv_indices), np.ascontiguousarray(plan.slot_mapping, dtype=np.int64)]
-        mask = offsets = None
+                        _int32(plan.paged_kv_indices), np.ascontiguousarray(plan.slot_mapping, dtype=np.int64),
+                        None, None]
         if plan.custom_mask is not None:
             sizes = qo.astype(np.int64) * plan.kv_lens.astype(np.int64)
             mask = np.ascontiguousarray(plan.custom_mask, dtype=np.uint8)
             if mask.shape[0] != int(sizes.sum()):
                 raise ValueError(f"custom_mask has {mask.shape[0]} entries, plan needs {int(sizes.sum())}")
-            offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
-            self._arrays += [mask, offsets]
+            self._arrays[5:] = [mask, np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)]
         self._max_kv = int(plan.kv_lens.max())
         self._c = None  # the StepPlan, filled at the first layer (head counts come with q/k)
-        self._mask, self._offsets = mask, offsets
 
     def _plan(self, num_heads: int, num_kv_heads: int, head_dim: int) -> StepPlan:
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")
-        ptr = [a.ctypes.data for a in self._arrays[:5]]
+        ptr = [None if a is None else a.ctypes.data for a in self._arrays]
         return StepPlan(self.plan.num_seqs, num_heads, num_kv_heads, head_dim, self.plan.page_size, *ptr,
-                         None if self._mask is None else self._mask.ctypes.data,
-                         None if self._offsets is None else self._offsets.ctypes.data,
-                         self._max_kv, head_dim ** -0.5)
+                        self._max_kv, head_dim ** -0.5)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_layer: torch.Tensor) -> torch.Tensor:
@@ -163,8 +160,11 @@ class CpuOneTokenSteps:
         slots = last.paged_kv_indices[first_page[None, :] + (kv - 1) // ps].astype(np.int64) * ps + (kv - 1) % ps
         self.positions = torch.from_numpy(np.ascontiguousarray(kv - 1))
         self.num_steps = num_steps
+        # the page tables every step shares, in the kernel's dtype once (not once a step)
+        qo_indptr, kv_indptr, kv_indices = (_int32(a) for a in (last.qo_indptr, last.paged_kv_indptr,
+                                                                 last.paged_kv_indices))
         self._steps = [CpuStepAttention(attention, AttentionPlan(
-            qo_indptr=last.qo_indptr, paged_kv_indptr=last.paged_kv_indptr, paged_kv_indices=last.paged_kv_indices,
+            qo_indptr=qo_indptr, paged_kv_indptr=kv_indptr, paged_kv_indices=kv_indices,
             paged_kv_last_page_len=(kv[j] - 1) % ps + 1, kv_lens=kv[j], positions=kv[j] - 1, slot_mapping=slots[j],
             page_size=ps)) for j in range(num_steps)]
 

@@ -51,7 +51,6 @@ def entry() -> None:
 
 def serve(cfg: RankConfig) -> None:
     from specsched.runtime.dummy import load, load_head_for
-    from specsched.runtime import cpu_kernels
     from specsched.runtime.layers import pack_linears, use_cpu_kernels
 
     torch.set_num_threads(cfg.num_threads)
@@ -73,7 +72,7 @@ def serve(cfg: RankConfig) -> None:
         modules["head"] = (head, head.make_kv_cache(cfg.num_pages, cfg.page_size, backend=backend))
     if cfg.linear == "auto":
         pack_linears(*(module for module, _ in modules.values()))
-    if cfg.ops == "auto" and device.type == "cpu" and cfg.dtype == "float32" and cpu_kernels.status() is None:
+    if cfg.ops == "auto":
         use_cpu_kernels(*(module for module, _ in modules.values()))
     for name, (_, kv) in list(modules.items()):  # a cache's own calls (EAGLE's slot copies)
         modules[f"{name}.kv"] = (kv, kv)
