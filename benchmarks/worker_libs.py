@@ -3,7 +3,7 @@ allocator / OpenMP runtime / linear-layer path / attention backend.
 
 Runs the bundled model on the bundled workload (closed loop at each concurrency) with the worker
 started as `--variants` name them (`EngineConfig.worker_malloc` / `worker_openmp`: "system", "auto"
-or a library's path; `worker_linear`: "auto", oneDNN on pre-packed weights from 3 rows, or
+or a library's path; `worker_linear`: "auto", the weights packed for the C linear kernel, or
 "torch"; `ops`: the layer's small ops, "auto" (in C) or "torch"; `attention`: "auto", the C kernel
 where it builds, "cpu" or "torch"), in interleaved rounds whose order turns every round, and prints each
 variant's median output tokens/s and its ratio to the first variant (median of the per-round

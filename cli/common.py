@@ -31,7 +31,7 @@ WORKER_OPENMP = typer.Option(None, "--worker-openmp", help="the worker process's
 WORKER_OPS = typer.Option(None, "--worker-ops", help="the worker's float32 RMSNorm, RoPE and SiLU-and-multiply: "
                           "auto (in C where a compiler builds runtime/cpu_kernels.c) | torch")
 WORKER_LINEAR = typer.Option(None, "--worker-linear", help="the worker's float32 linear layers: auto (weights "
-                             "also pre-packed for oneDNN, used from 3 rows) | torch (F.linear alone)")
+                             "also packed for the C kernel or oneDNN) | torch (F.linear alone)")
 ENFORCE_EAGER = typer.Option(False, "--enforce-eager", help="every step at its own shape: no CUDA graphs "
                              "(nor their padded shapes)")
 CUDA_GRAPH_SIZES = typer.Option(None, "--cuda-graph-sizes", help="pad steps of uniform rows to these row counts, "

@@ -18,8 +18,8 @@
  * a token verified among drafts attends exactly as when decoded alone.
  *
  * Then the decoder layer's small ops, a row at a time (specsched_rms_norm, with the residual add;
- * specsched_rope; specsched_silu_mul), and linears over one or two input rows
- * (specsched_linear_rows), where streaming the column-major weight once beats oneDNN's blocked one.
+ * specsched_rope; specsched_silu_mul), and linears over weights laid out in blocks of outputs
+ * (specsched_linear).
  */
 #include <math.h>
 #include <stdint.h>
@@ -328,39 +328,68 @@ void specsched_silu_mul(int64_t n, int64_t i, const float *x, int64_t x_stride, 
     }
 }
 
-/* y [n, out] = x [n, in] W^T (+ bias) for a few rows, W^T [in, out] row-major (a column-major
- * weight, runtime/layers.py): the weight streams once, in order, each of its rows' contribution
- * added to every input row's output (which stays in L1).
- * Rows of x are x_stride apart. A row's result does not depend on the other rows. */
-void specsched_linear_rows(int64_t n, int64_t in, int64_t out, const float *x, int64_t x_stride, const float *wt,
-                           const float *bias, float *y) {
-    for (int64_t r = 0; r < n; r++) {
-        float *yr = y + r * out;
-        if (bias)
-            memcpy(yr, bias, sizeof(float) * (size_t)out);
-        else
-            memset(yr, 0, sizeof(float) * (size_t)out);
-    }
-    int64_t i = 0;
-    /* one row: one weight row at a time streams fastest from memory; more rows: four weight rows a
-     * pass, so each output is loaded and stored a quarter as often */
-    for (; n > 1 && i + 4 <= in; i += 4) {
-        const float *w0 = wt + i * out, *w1 = w0 + out, *w2 = w1 + out, *w3 = w2 + out;
-        for (int64_t r = 0; r < n; r++) {
-            const float *xr = x + r * x_stride + i;
-            const float a0 = xr[0], a1 = xr[1], a2 = xr[2], a3 = xr[3];
-            float *yr = y + r * out;
-#pragma omp simd
-            for (int64_t o = 0; o < out; o++) yr[o] += (a0 * w0[o] + a1 * w1[o]) + (a2 * w2[o] + a3 * w3[o]);
+/* Linears: y [n, out] = x [n, in] W^T (+ bias) over W in blocks of LINEAR_BLOCK outputs,
+ * [ceil(out / LINEAR_BLOCK), in, LINEAR_BLOCK] with the last block's missing outputs zero
+ * (runtime/cpu_kernels.py blocked_weight). A tile of up to LINEAR_ROWS rows keeps a block's outputs
+ * in registers while the block's weights stream past in order, each loaded once for the tile, so a
+ * few rows cost about one pass over the weights and many rows run at the FMA units' pace; a block
+ * is read from memory once for all the tiles (it stays in L2 between them). A row's result does
+ * not depend on the other rows. */
+#ifdef __AVX512F__
+#define LINEAR_VECTORS 4 /* LINEAR_ROWS x LINEAR_VECTORS accumulators + the weights: 32 registers */
+#define LINEAR_ROWS 6
+#else
+#define LINEAR_VECTORS 2 /* a v16 is two AVX2 registers: 16 of them */
+#define LINEAR_ROWS 3
+#endif
+#define LINEAR_BLOCK (LINEAR_VECTORS * LANES)
+
+int64_t specsched_linear_block(void) { return LINEAR_BLOCK; }
+
+static inline __attribute__((always_inline)) void linear_tile(const int rows, int64_t in, const float *x,
+                                                              int64_t x_stride, const float *w,
+                                                              v16 acc[LINEAR_ROWS][LINEAR_VECTORS]) {
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < LINEAR_VECTORS; j++) acc[r][j] = (v16){0};
+    for (int64_t k = 0; k < in; k++, w += LINEAR_BLOCK) {
+        v16 wk[LINEAR_VECTORS];
+        for (int j = 0; j < LINEAR_VECTORS; j++) wk[j] = load16(w + j * LANES);
+        for (int r = 0; r < rows; r++) {
+            const float a = x[r * x_stride + k];
+            for (int j = 0; j < LINEAR_VECTORS; j++) acc[r][j] += a * wk[j];
         }
     }
-    for (; i < in; i++) {
-        const float *w = wt + i * out;
-        for (int64_t r = 0; r < n; r++) {
-            const float a = x[r * x_stride + i];
-            float *yr = y + r * out;
-#pragma omp simd
-            for (int64_t o = 0; o < out; o++) yr[o] += a * w[o];
+}
+
+void specsched_linear(int64_t n, int64_t in, int64_t out, const float *x, int64_t x_stride, const float *blocked,
+                      const float *bias, float *y) {
+    for (int64_t o0 = 0; o0 < out; o0 += LINEAR_BLOCK) {
+        const float *w = blocked + o0 * in;
+        const int64_t width = out - o0 < LINEAR_BLOCK ? out - o0 : LINEAR_BLOCK;
+        for (int64_t r0 = 0; r0 < n; r0 += LINEAR_ROWS) {
+            const int rows = n - r0 < LINEAR_ROWS ? (int)(n - r0) : LINEAR_ROWS;
+            const float *xr = x + r0 * x_stride;
+            v16 acc[LINEAR_ROWS][LINEAR_VECTORS];
+            switch (rows) { /* a constant row count for each: the tile's loops unrolled */
+#if LINEAR_ROWS > 3
+                case 6: linear_tile(6, in, xr, x_stride, w, acc); break;
+                case 5: linear_tile(5, in, xr, x_stride, w, acc); break;
+                case 4: linear_tile(4, in, xr, x_stride, w, acc); break;
+#endif
+                case 3: linear_tile(3, in, xr, x_stride, w, acc); break;
+                case 2: linear_tile(2, in, xr, x_stride, w, acc); break;
+                default: linear_tile(1, in, xr, x_stride, w, acc); break;
+            }
+            for (int r = 0; r < rows; r++) {
+                float tile[LINEAR_BLOCK];
+                memcpy(tile, acc[r], sizeof tile);
+                float *yr = y + (r0 + r) * out + o0;
+                if (bias) {
+                    for (int64_t o = 0; o < width; o++) yr[o] = tile[o] + bias[o0 + o];
+                } else {
+                    memcpy(yr, tile, (size_t)width * sizeof(float));
+                }
+            }
         }
     }
 }

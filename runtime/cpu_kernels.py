@@ -1,10 +1,10 @@
 """specsched's CPU kernels (cpu_kernels.c): paged attention, the decoder layer's small fused
-ops and few-row linears, for float32 on a CPU.
+ops and linears, for float32 on a CPU.
 
 Why: on a CPU worker a forward of a small model is dominated by work PyTorch spreads over many
 small ops -- the paged-KV gather and SDPA, RMSNorm, RoPE, SiLU-and-multiply -- each paying a
-dispatch and a pass over memory, and by one-row linears that MKL streams at half the memory's
-speed. The C file does each in one call, no gather, one pass.
+dispatch and a pass over memory, and by linears over a few rows, which MKL and oneDNN run at
+a fraction of the memory's speed. The C file does each in one call, no gather, one pass.
 
 It is plain C (no Python or torch headers), built on first use by the platform's C compiler
 (`cc`, or `$CC`; about a second) into the cache folder (`cache_dir()`: a file per source, flags,
@@ -109,9 +109,21 @@ def library() -> ctypes.CDLL:
     lib.specsched_rope.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr]
     lib.specsched_silu_mul.restype = None
     lib.specsched_silu_mul.argtypes = [i64, i64, ptr, i64, ptr]
-    lib.specsched_linear_rows.restype = None
-    lib.specsched_linear_rows.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, ptr]
+    lib.specsched_linear.restype = None
+    lib.specsched_linear.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, ptr]
+    lib.specsched_linear_block.restype = i64
+    lib.specsched_linear_block.argtypes = []
     return lib
+
+
+def blocked_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A linear's weight [out, in] in the layout `specsched_linear` reads: blocks of the C
+    file's LINEAR_BLOCK outputs, [ceil(out / block), in, block], the last block zero-padded."""
+    block = library().specsched_linear_block()
+    out, inp = weight.shape
+    padded = torch.zeros(-(-out // block) * block, inp, dtype=torch.float32)
+    padded[:out] = weight.detach()
+    return padded.view(-1, block, inp).transpose(1, 2).contiguous()
 
 
 def status() -> str | None:

@@ -102,51 +102,54 @@ def column_major_weight(rows: int, cols: int, device=None, dtype=None) -> nn.Par
     return nn.Parameter(torch.empty(rows, cols, device=device, dtype=dtype))
 
 
-# A float32 CPU linear over this many rows or more multiplies by its weight pre-packed for
-# oneDNN (`Linear.pack`); over fewer, streaming the column-major weight once is faster (the
-# bundled target's forwards over 1 / 2 rows ran at 0.8-0.9x / ~0.95x packed, over 3-4 rows at
-# 1.07-1.23x; benchmarks/worker_libs.py --variants ... linear=torch measures the engine): by the C
-# kernel of runtime/cpu_kernels.c where it builds (a decode forward of the bundled target 1.31-1.37x
-# faster than with MKL's at batch 1, 1.11-1.15x at 2; slower than oneDNN's from 4 rows), else by MKL.
-PACKED_MIN_ROWS = 3
+def packed_kernel() -> str:
+    """Which kernel `Linear.pack` packs for here: "C" (runtime/cpu_kernels.c's `specsched_linear`)
+    where the C kernels build and torch runs one thread (the C kernel runs on one), else "oneDNN"."""
+    from specsched.runtime import cpu_kernels
+
+    return "C" if cpu_kernels.status() is None and torch.get_num_threads() == 1 else "oneDNN"
 
 
 class Linear(nn.Linear):
     """A bias-free linear layer whose weight is laid out by column_major_weight; `forward(x,
     bias=None)` takes an optional bias (a family's q/k/v bias lives beside the layer).
 
-    `pack()` (a CPU worker, once its weights are final) keeps a copy of the float32 weight
-    reordered into oneDNN's blocked layout, the one its inner-product kernel reads, as vLLM's
-    CPU backend and inductor's freezing pass do: from PACKED_MIN_ROWS input rows on, the layer
-    multiplies by that copy, which at 8 rows is ~1.4x faster than MKL on the plain weight
-    (MKL repacks the weight at every call). The copy is not a parameter: state dicts,
-    training and tensor-parallel slicing see the plain weight alone.
+    `pack()` (a CPU worker, once its weights are final) keeps a copy of the float32 weight laid
+    out for a faster kernel (`packed_kernel()`), which then multiplies every input: blocks of
+    outputs for specsched's C kernel, which streams each block once for up to six rows held in
+    registers (the bundled target's linears 2.3x oneDNN's at 1 row, 1.7x at 8, 1.1x at 64, 0.97x
+    at 512, where oneDNN's are already 1.1x MKL's); else oneDNN's blocked layout, the one its
+    inner-product kernel reads, as vLLM's CPU backend and inductor's freezing pass do (MKL
+    repacks the weight at every call). The copy is not a parameter: state dicts, training and
+    tensor-parallel slicing see the plain weight alone.
     """
 
     packed: torch.Tensor | None = None
-    few_rows = None  # with `packed`: cpu_kernels.c's specsched_linear_rows, where it builds
+    c_linear = None  # cpu_kernels.c's specsched_linear, when `packed` is laid out for it
 
     def pack(self) -> None:
         if self.packed is None:
-            # the batch-size hint picks the blocking; 8 rows measured best from 1 to 584 rows
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 8)
-            from specsched.runtime import cpu_kernels
+            if packed_kernel() == "C":
+                from specsched.runtime import cpu_kernels
 
-            if cpu_kernels.status() is None and self.weight.t().is_contiguous():
-                self.few_rows = cpu_kernels.library().specsched_linear_rows
+                self.packed = cpu_kernels.blocked_weight(self.weight)
+                self.c_linear = cpu_kernels.library().specsched_linear
+            else:
+                # the batch-size hint picks the blocking; 8 rows measured best from 1 to 584 rows
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 8)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None:
-            rows = x.numel() // x.shape[-1]
-            if rows >= PACKED_MIN_ROWS:
+            if self.c_linear is None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-            if self.few_rows is not None and x.dtype == torch.float32:
+            if x.dtype == torch.float32:
+                rows = x.numel() // x.shape[-1]
                 flat = x.reshape(rows, self.in_features)
                 if flat.stride(-1) != 1:
                     flat = flat.contiguous()
                 y = torch.empty((*x.shape[:-1], self.out_features))
-                self.few_rows(rows, self.in_features, self.out_features, flat.data_ptr(), flat.stride(0),
-                              self.weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+                self.c_linear(rows, self.in_features, self.out_features, flat.data_ptr(), flat.stride(0),
+                              self.packed.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
                               y.data_ptr())
                 return y
         return F.linear(x, self.weight, bias)
@@ -231,6 +234,6 @@ def kernel_notes(packed_linears: int, cpu_layers: int) -> tuple[str, str]:
     from specsched.runtime import cpu_kernels
 
     why = cpu_kernels.status()
-    linears = "torch" if not packed_linears else (f"oneDNN pre-packed from {PACKED_MIN_ROWS} rows, "
-                                                  + ("C below" if why is None else f"MKL below ({why})"))
+    linears = ("torch" if not packed_linears else "C on blocked weights" if packed_kernel() == "C"
+               else "oneDNN pre-packed" + (f" ({why})" if why else " (C kernel: one thread only)"))
     return linears, "C (RMSNorm, RoPE, SiLU-and-multiply)" if cpu_layers else "torch" + (f" ({why})" if why else "")

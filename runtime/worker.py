@@ -114,7 +114,7 @@ class ModelWorker:
             self.tokens = TokenBuffer(self.target.config.max_position_embeddings + 1 + self.draft_width, self.device)
             self.ngram = c.ngram  # n-gram lookup lengths (the host drafts with them: `host_drafter`)
             self.proposer = make_proposer(self, self.spec, c.proposer_dir, c.num_pages, c.ngram)
-            # float32 CPU linears also keep their weights pre-packed for oneDNN, and decoder layers
+            # float32 CPU linears also keep their weights packed for a faster kernel, and decoder layers
             # run their small ops in C (runtime/layers.py)
             models = (self.target, *self.proposer.models())
             self.kernel_notes = kernel_notes(pack_linears(*models) if c.linear == "auto" else 0,

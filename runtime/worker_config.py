@@ -43,7 +43,7 @@ class WorkerConfig:
     # steps of uniform rows run at these padded row counts (scheduler/padding.py): CUDA graphs'
     # capture sizes; () runs every step at its own shape
     cuda_graph_sizes: tuple[int, ...] = ()
-    # "auto": float32 CPU linear layers also keep their weights pre-packed for oneDNN
+    # "auto": float32 CPU linear layers also keep their weights packed for a faster kernel
     # (runtime/layers.py `Linear.pack`); "torch": F.linear on the plain weights alone
     linear: str = "auto"
     # "auto": float32 CPU decoder layers run RMSNorm, RoPE and SiLU-and-multiply in C where

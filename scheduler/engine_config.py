@@ -98,7 +98,7 @@ class EngineConfig(BaseModel):
                                "'system' (torch's own), 'auto' (Intel's libiomp5 where installed) or a "
                                "library's path")
     worker_linear: Literal["auto", "torch"] = Field("auto", description="host device: 'auto' (float32 linears also "
-                                                    "keep weights pre-packed for oneDNN, used from 3 rows) or 'torch'")
+                                                    "keep weights packed for the C kernel or oneDNN) or 'torch'")
     worker_ops: Literal["auto", "torch"] = Field("auto", description="host device: 'auto' (float32 RMSNorm, RoPE, "
                                                  "SiLU-and-multiply in C, runtime/cpu_kernels.c) or 'torch'")
     verify_micro_batches: int = Field(1, description="run a verify's rows as this many target forwards "

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCH_GOMP = next(iter(sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))), None)
 TINY = {
     "forward_cost.py": ["--repeats", "3", "--context", "32"],
+    "linear_kernels.py": ["--rows", "1", "7", "--repeats", "2"],
     "agreement.py": ["--models", "runtime/bundled/draft", "--windows", "2", "--threads", "1"],
     "device_idle.py": ["--n", "32", "--repeat", "1", "--rounds", "2"],
     "host_overhead.py": ["--requests", "4", "--steps", "5"],
@@ -207,6 +208,15 @@ def _check_forward_cost(out):
     four, eight, draft = _grab(out, r"^target: 4 / 8 tokens cost (\S+) / (\S+) of one; "
                                     r"draft/target cost ratio \(1 token\) (\S+)$")
     assert _ratio(four) and _ratio(eight) and _ratio(draft + "x", 0.01)  # a 1-layer draft: far below 1
+
+
+def _check_linear_kernels(out):
+    if out.startswith("skipped: needs the C kernels and oneDNN ("):
+        return
+    _grab(out, r"^\d+ linears of target \([\d.]+ MB float32\), one thread; median ms a pass over 2 interleaved")
+    for rows in ("1", "7"):
+        c, onednn, mkl, c_ratio, mkl_ratio = _row(out, rows, 5)
+        assert _quotient(c_ratio, onednn, c) and _quotient(mkl_ratio, onednn, mkl)
 
 
 def _check_gpu_check(out):
