@@ -12,11 +12,26 @@ in either layout.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from specsched.runtime.sync_guard import to_device
 
 LAYOUTS = ("NHD", "HND")
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on a CPU one anonymous memory map, whose pages the OS hands out already zero
+    when first touched: a pool sized for the longest run costs no time at start-up and no memory
+    until its pages are used (`torch.zeros` writes every byte: 0.3 s for the bundled target's
+    default pool)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    memory = mmap.mmap(-1, numel * torch.empty((), dtype=dtype).element_size())
+    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)  # the tensor keeps the map
 
 
 class PagedKVCache:
@@ -52,7 +67,7 @@ class PagedKVCache:
         # padded/stale reads are finite. Page P is the scratch page: no request holds it, the pad
         # rows of a padded step use it (scheduler/padding.py)
         page = (page_size, num_kv_heads) if layout == "NHD" else (num_kv_heads, page_size)
-        self.data = torch.zeros((num_layers, num_pages + 1, 2, *page, head_dim), dtype=dtype, device=self.device)
+        self.data = zeros((num_layers, num_pages + 1, 2, *page, head_dim), dtype, self.device)
         self.layers: list[torch.Tensor] = list(self.data.unbind(0))  # each [P + 1, 2, *page, D]
 
     @property
