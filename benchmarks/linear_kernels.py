@@ -3,8 +3,9 @@
 Why: a CPU worker's forward is mostly its linears, over few rows when decoding (1 a request, D + 1
 in a verify) and many in a prefill. `Linear.pack` picks the kernel (runtime/layers.py
 `packed_kernel`); this script times one pass over every linear of the target -- the C kernel on
-its blocked copy, oneDNN's inner product on its packed copy, `F.linear` (MKL) on the plain weight
--- at each row count, interleaved repeats in one process, one torch thread, and prints the
+its blocked copy (in bfloat16 where the weights are bfloat16 values, as a checkpoint saved in
+bfloat16 has them) and on one kept in float32, oneDNN's inner product on its packed copy,
+`F.linear` (MKL) on the plain weight -- at each row count, interleaved repeats in one process, one torch thread, and prints the
 medians and each kernel's speed relative to oneDNN (> 1: faster).
 
     python benchmarks/linear_kernels.py                    # bundled target
@@ -44,40 +45,47 @@ def main() -> None:
     model = load_model(args.target)
     layers = {id(m): m for m in model.modules() if isinstance(m, Linear)}.values()
     lib = cpu_kernels.library()
-    weights = [(m.weight.detach(), cpu_kernels.blocked_weight(m.weight),
-                torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 8)) for m in layers]
-    megabytes = sum(w.numel() for w, _, _ in weights) * 4 / 1e6
+    # per linear: its weight, the copies each kernel reads (the C kernel's as packed -- bfloat16 where
+    # every weight is a bfloat16 value -- and one kept in float32), oneDNN's
+    weights = [dict(plain=m.weight.detach(), blocked=cpu_kernels.blocked_weight(m.weight),
+                    blocked32=cpu_kernels.blocked_weight(m.weight, compact=False),
+                    packed=torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 8)) for m in layers]
+    compact = sum(w["blocked"].dtype == torch.bfloat16 for w in weights)
+    megabytes = sum(w["plain"].numel() for w in weights) * 4 / 1e6
 
-    def c_kernel(x, w, blocked, packed):
-        y = torch.empty(x.shape[0], w.shape[0])
-        lib.specsched_linear(x.shape[0], w.shape[1], w.shape[0], x.data_ptr(), x.stride(0), blocked.data_ptr(),
-                             None, y.data_ptr())
-        return y
+    def c_kernel(copy: str):
+        def run(x, w):
+            out, inp = w["plain"].shape
+            y = torch.empty(x.shape[0], out)
+            lib.specsched_linear(x.shape[0], inp, out, x.data_ptr(), x.stride(0), w[copy].data_ptr(),
+                                 w[copy].element_size(), None, y.data_ptr())
+            return y
+        return run
 
-    kernels = {"C": c_kernel,
-               "oneDNN": lambda x, w, blocked, packed: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none",
-                                                                                          [], ""),
-               "MKL": lambda x, w, blocked, packed: F.linear(x, w)}
-    print(f"{len(weights)} linears of {args.target.name} ({megabytes:.1f} MB float32), one thread; "
-          f"median ms a pass over {args.repeats} interleaved repeats")
-    print(f"{'rows':>5} {'C':>8} {'oneDNN':>8} {'MKL':>8} {'C/oneDNN':>9} {'MKL/oneDNN':>11}")
+    kernels = {"C": c_kernel("blocked"), "C fp32": c_kernel("blocked32"),
+               "oneDNN": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w["packed"], None, "none", [], ""),
+               "MKL": lambda x, w: F.linear(x, w["plain"])}
+    print(f"{len(weights)} linears of {args.target.name} ({megabytes:.1f} MB float32; {compact} packed for C in "
+          f"bfloat16, their values exactly), one thread; median ms a pass over {args.repeats} interleaved repeats")
+    print(f"{'rows':>5} {'C':>8} {'C fp32':>8} {'oneDNN':>8} {'MKL':>8} {'C/oneDNN':>9} {'C fp32/oneDNN':>14} "
+          f"{'MKL/oneDNN':>11}")
     with torch.inference_mode():
         for n in args.rows:
-            inputs = [torch.randn(n, w.shape[1]) for w, _, _ in weights]
+            inputs = [torch.randn(n, w["plain"].shape[1]) for w in weights]
             for name, kernel in kernels.items():  # each agrees with F.linear
-                for x, (w, blocked, packed) in zip(inputs[:3], weights):
-                    torch.testing.assert_close(kernel(x, w, blocked, packed), F.linear(x, w), rtol=1e-4, atol=1e-4)
+                for x, w in zip(inputs[:3], weights):
+                    torch.testing.assert_close(kernel(x, w), F.linear(x, w["plain"]), rtol=1e-4, atol=1e-4)
             times: dict[str, list[float]] = {name: [] for name in kernels}
             for _ in range(args.repeats):
                 for name, kernel in kernels.items():
                     t0 = time.perf_counter()
-                    for x, (w, blocked, packed) in zip(inputs, weights):
-                        kernel(x, w, blocked, packed)
+                    for x, w in zip(inputs, weights):
+                        kernel(x, w)
                     times[name].append(time.perf_counter() - t0)
             ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-            print(f"{n:>5} {ms['C']:>8.3f} {ms['oneDNN']:>8.3f} {ms['MKL']:>8.3f} "
-                  f"{ms['oneDNN'] / ms['C']:>8.2f}x {ms['oneDNN'] / ms['MKL']:>10.2f}x")
-
+            print(f"{n:>5} {ms['C']:>8.3f} {ms['C fp32']:>8.3f} {ms['oneDNN']:>8.3f} {ms['MKL']:>8.3f} "
+                  f"{ms['oneDNN'] / ms['C']:>8.2f}x {ms['oneDNN'] / ms['C fp32']:>13.2f}x "
+                  f"{ms['oneDNN'] / ms['MKL']:>10.2f}x")
 
 if __name__ == "__main__":
     main()

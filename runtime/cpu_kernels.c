@@ -346,14 +346,25 @@ void specsched_silu_mul(int64_t n, int64_t i, const float *x, int64_t x_stride, 
 
 int64_t specsched_linear_block(void) { return LINEAR_BLOCK; }
 
-static inline __attribute__((always_inline)) void linear_tile(const int rows, int64_t in, const float *x,
-                                                              int64_t x_stride, const float *w,
+typedef int32_t vi16u __attribute__((vector_size(64), aligned(4)));
+
+static inline __attribute__((always_inline)) void linear_tile(const int rows, const int bf16, int64_t in,
+                                                              const float *x, int64_t x_stride, const void *w,
                                                               v16 acc[LINEAR_ROWS][LINEAR_VECTORS]) {
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < LINEAR_VECTORS; j++) acc[r][j] = (v16){0};
-    for (int64_t k = 0; k < in; k++, w += LINEAR_BLOCK) {
+    for (int64_t k = 0; k < in; k++) {
         v16 wk[LINEAR_VECTORS];
-        for (int j = 0; j < LINEAR_VECTORS; j++) wk[j] = load16(w + j * LANES);
+        if (bf16) { /* a pair of vectors' 32 bfloat16 weights in one load, interleaved: a float's
+                     * top half each, the first vector's in the low halves of the 32-bit lanes */
+            for (int j = 0; j < LINEAR_VECTORS; j += 2) {
+                const vi16 pair = *(const vi16u *)((const uint16_t *)w + k * LINEAR_BLOCK + j * LANES);
+                wk[j] = (v16)(pair << 16);
+                wk[j + 1] = (v16)(pair & (int32_t)0xFFFF0000u);
+            }
+        } else {
+            for (int j = 0; j < LINEAR_VECTORS; j++) wk[j] = load16((const float *)w + k * LINEAR_BLOCK + j * LANES);
+        }
         for (int r = 0; r < rows; r++) {
             const float a = x[r * x_stride + k];
             for (int j = 0; j < LINEAR_VECTORS; j++) acc[r][j] += a * wk[j];
@@ -361,10 +372,11 @@ static inline __attribute__((always_inline)) void linear_tile(const int rows, in
     }
 }
 
-void specsched_linear(int64_t n, int64_t in, int64_t out, const float *x, int64_t x_stride, const float *blocked,
-                      const float *bias, float *y) {
+static inline __attribute__((always_inline)) void linear(const int bf16, int64_t n, int64_t in, int64_t out,
+                                                         const float *x, int64_t x_stride, const void *blocked,
+                                                         const float *bias, float *y) {
     for (int64_t o0 = 0; o0 < out; o0 += LINEAR_BLOCK) {
-        const float *w = blocked + o0 * in;
+        const void *w = (const char *)blocked + o0 * in * (bf16 ? 2 : 4);
         const int64_t width = out - o0 < LINEAR_BLOCK ? out - o0 : LINEAR_BLOCK;
         for (int64_t r0 = 0; r0 < n; r0 += LINEAR_ROWS) {
             const int rows = n - r0 < LINEAR_ROWS ? (int)(n - r0) : LINEAR_ROWS;
@@ -372,13 +384,13 @@ void specsched_linear(int64_t n, int64_t in, int64_t out, const float *x, int64_
             v16 acc[LINEAR_ROWS][LINEAR_VECTORS];
             switch (rows) { /* a constant row count for each: the tile's loops unrolled */
 #if LINEAR_ROWS > 3
-                case 6: linear_tile(6, in, xr, x_stride, w, acc); break;
-                case 5: linear_tile(5, in, xr, x_stride, w, acc); break;
-                case 4: linear_tile(4, in, xr, x_stride, w, acc); break;
+                case 6: linear_tile(6, bf16, in, xr, x_stride, w, acc); break;
+                case 5: linear_tile(5, bf16, in, xr, x_stride, w, acc); break;
+                case 4: linear_tile(4, bf16, in, xr, x_stride, w, acc); break;
 #endif
-                case 3: linear_tile(3, in, xr, x_stride, w, acc); break;
-                case 2: linear_tile(2, in, xr, x_stride, w, acc); break;
-                default: linear_tile(1, in, xr, x_stride, w, acc); break;
+                case 3: linear_tile(3, bf16, in, xr, x_stride, w, acc); break;
+                case 2: linear_tile(2, bf16, in, xr, x_stride, w, acc); break;
+                default: linear_tile(1, bf16, in, xr, x_stride, w, acc); break;
             }
             for (int r = 0; r < rows; r++) {
                 float tile[LINEAR_BLOCK];
@@ -392,4 +404,15 @@ void specsched_linear(int64_t n, int64_t in, int64_t out, const float *x, int64_
             }
         }
     }
+}
+
+/* `blocked` holds floats (weight_bytes 4) or, where every weight is a bfloat16 value (a
+ * checkpoint saved in bfloat16, run in float32), their bfloat16 bits (weight_bytes 2): the same
+ * floats, so the same results, from half the memory. */
+void specsched_linear(int64_t n, int64_t in, int64_t out, const float *x, int64_t x_stride, const void *blocked,
+                      int64_t weight_bytes, const float *bias, float *y) {
+    if (weight_bytes == 2)
+        linear(1, n, in, out, x, x_stride, blocked, bias, y);
+    else
+        linear(0, n, in, out, x, x_stride, blocked, bias, y);
 }

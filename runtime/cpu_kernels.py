@@ -110,20 +110,30 @@ def library() -> ctypes.CDLL:
     lib.specsched_silu_mul.restype = None
     lib.specsched_silu_mul.argtypes = [i64, i64, ptr, i64, ptr]
     lib.specsched_linear.restype = None
-    lib.specsched_linear.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, ptr]
+    lib.specsched_linear.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr]
     lib.specsched_linear_block.restype = i64
     lib.specsched_linear_block.argtypes = []
     return lib
 
 
-def blocked_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A linear's weight [out, in] in the layout `specsched_linear` reads: blocks of the C
-    file's LINEAR_BLOCK outputs, [ceil(out / block), in, block], the last block zero-padded."""
+def blocked_weight(weight: torch.Tensor, compact: bool = True) -> torch.Tensor:
+    """A float32 linear's weight [out, in] in the layout `specsched_linear` reads: blocks of the C
+    file's LINEAR_BLOCK outputs, [ceil(out / block), in, block], the last block zero-padded; in
+    bfloat16 where every weight is a bfloat16 value (a checkpoint saved in bfloat16 and run in
+    float32, and `compact`), which the kernel widens back exactly: the same products from half the
+    memory."""
     block = library().specsched_linear_block()
-    out, inp = weight.shape
-    padded = torch.zeros(-(-out // block) * block, inp, dtype=torch.float32)
-    padded[:out] = weight.detach()
-    return padded.view(-1, block, inp).transpose(1, 2).contiguous()
+    w = weight.detach()
+    half = w.to(torch.bfloat16)
+    if compact and torch.equal(half.float(), w):
+        w = half
+    out, inp = w.shape
+    padded = torch.zeros(-(-out // block) * block, inp, dtype=w.dtype)
+    padded[:out] = w
+    blocked = padded.view(-1, block, inp).transpose(1, 2)  # [blocks, in, block]
+    if w.dtype == torch.bfloat16:  # each pair of 16-output vectors interleaved, as the kernel loads them
+        blocked = blocked.reshape(*blocked.shape[:2], block // 32, 2, 16).transpose(-1, -2)
+    return blocked.contiguous().view(-1, inp, block)
 
 
 def status() -> str | None:

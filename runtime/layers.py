@@ -149,8 +149,8 @@ class Linear(nn.Linear):
                     flat = flat.contiguous()
                 y = torch.empty((*x.shape[:-1], self.out_features))
                 self.c_linear(rows, self.in_features, self.out_features, flat.data_ptr(), flat.stride(0),
-                              self.packed.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
-                              y.data_ptr())
+                              self.packed.data_ptr(), self.packed.element_size(),
+                              None if bias is None else bias.contiguous().data_ptr(), y.data_ptr())
                 return y
         return F.linear(x, self.weight, bias)
 

@@ -187,6 +187,30 @@ class NoFallback:
         raise AssertionError(f"fell back to PyTorch's {name}")
 
 
+def _linear(blocked: torch.Tensor, x: torch.Tensor, out: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = torch.empty(x.shape[0], out)
+    cpu_kernels.library().specsched_linear(x.shape[0], x.shape[1], out, x.data_ptr(), x.stride(0), blocked.data_ptr(),
+                                           blocked.element_size(), None if bias is None else bias.data_ptr(),
+                                           y.data_ptr())
+    return y
+
+
+@pytest.mark.parametrize("out,inp", [(80, 48), (1376, 256), (7, 3)])
+def test_bfloat16_weights_are_kept_in_half_the_memory_with_the_same_products(out, inp):
+    torch.manual_seed(0)
+    weight = torch.randn(out, inp).bfloat16().float()  # a checkpoint saved in bfloat16, run in float32
+    compact, full = cpu_kernels.blocked_weight(weight), cpu_kernels.blocked_weight(weight, compact=False)
+    assert (compact.dtype, full.dtype) == (torch.bfloat16, torch.float32) and compact.numel() == full.numel()
+    assert cpu_kernels.blocked_weight(weight + 1e-4).dtype == torch.float32  # not all bfloat16 values
+    bias = torch.randn(out)
+    for n in (1, 2, 5, 6, 7, 13, 40):
+        x = torch.randn(n, inp)
+        got = _linear(compact, x, out, bias)
+        assert torch.equal(got, _linear(full, x, out, bias))  # the same floats, the same order of sums
+        assert all(torch.equal(_linear(compact, x[r:r + 1], out, bias)[0], got[r]) for r in range(n))  # row alone
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
+
+
 @torch.no_grad()
 def test_the_layer_ops_match_pytorch():
     torch.manual_seed(0)
