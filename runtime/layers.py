@@ -117,8 +117,8 @@ class Linear(nn.Linear):
     `pack()` (a CPU worker, once its weights are final) keeps a copy of the float32 weight laid
     out for a faster kernel (`packed_kernel()`), which then multiplies every input: blocks of
     outputs for specsched's C kernel, which streams each block once for up to six rows held in
-    registers (the bundled target's linears 1.7x oneDNN's at 1 to 8 rows, 1.2x at 32, level at 512:
-    benchmarks/linear_kernels.py); else oneDNN's blocked layout, the one its
+    registers, the copy in bfloat16 where every weight is a bfloat16 value (the same products
+    from half the memory; benchmarks/linear_kernels.py); else oneDNN's blocked layout, the one its
     inner-product kernel reads, as vLLM's CPU backend and inductor's freezing pass do (MKL
     repacks the weight at every call). The copy is not a parameter: state dicts, training and
     tensor-parallel slicing see the plain weight alone.

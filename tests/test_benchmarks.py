@@ -213,10 +213,12 @@ def _check_forward_cost(out):
 def _check_linear_kernels(out):
     if out.startswith("skipped: needs the C kernels and oneDNN ("):
         return
-    _grab(out, r"^\d+ linears of target \([\d.]+ MB float32\), one thread; median ms a pass over 2 interleaved")
+    linears, compact = _grab(out, r"^(\d+) linears of target \([\d.]+ MB float32; (\d+) packed for C in bfloat16, "
+                                  r"their values exactly\), one thread; median ms a pass over 2 interleaved")
+    assert int(compact) == int(linears)  # the bundled checkpoint is saved in bfloat16
     for rows in ("1", "7"):
-        c, onednn, mkl, c_ratio, mkl_ratio = _row(out, rows, 5)
-        assert _quotient(c_ratio, onednn, c) and _quotient(mkl_ratio, onednn, mkl)
+        c, c32, onednn, mkl, c_ratio, c32_ratio, mkl_ratio = _row(out, rows, 7)
+        assert _quotient(c_ratio, onednn, c) and _quotient(c32_ratio, onednn, c32) and _quotient(mkl_ratio, onednn, mkl)
 
 
 def _check_gpu_check(out):
