@@ -5,7 +5,9 @@ decoding 1, and if the draft is much cheaper than the target. This script measur
 this machine, side by side in one run: the target forward for 1, 4 and 8 new tokens over a
 cached context (median over interleaved repeats, relative to 1 token), the host-side
 `prepare` (attention planning) time, and the draft/target cost ratio. The models run as a CPU
-worker runs them: oneDNN-packed linears, the C kernels (runtime/cpu_kernels.c) where they build.
+worker runs them: packed linears, the C kernels (runtime/cpu_kernels.c) where they build, each
+layer one C call where it can (`cpu_kernels.FusedLayer`); the same forwards op by op, in the same
+rounds, give that call's speedup ("a layer a call").
 
     python benchmarks/forward_cost.py                 # bundled target/draft
     python benchmarks/forward_cost.py --random        # random models of the bundled shapes
@@ -60,6 +62,7 @@ class Runner:
         pack_linears(model)
         if cpu_kernels.status() is None:
             use_cpu_kernels(model)
+        self.whole = [layer.fused for layer in model.layers]  # a layer a C call, where it runs so
         name, _ = resolve_backend("auto", torch.device("cpu"), model.dtype, model.config.head_dim)
         self.backend = model.attention_backend(name)
         self.kv = model.make_kv_cache(num_pages, page_size, backend=self.backend)
@@ -78,8 +81,11 @@ class Runner:
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1
 
-    def forward(self, n: int) -> tuple[float, float]:
-        """(prepare_s, forward_s) for n new tokens after the cached context."""
+    def forward(self, n: int, whole: bool = True) -> tuple[float, float]:
+        """(prepare_s, forward_s) for n new tokens after the cached context; `whole=False`: every
+        layer op by op (its C ops one call each), not in one C call."""
+        for layer, fused in zip(self.model.layers, self.whole):
+            layer.fused = fused if whole else None
         with torch.inference_mode():
             return self._run(self.context, n)
 
@@ -154,25 +160,30 @@ def main() -> None:
         runners[name].forward(n)
     prep: dict = {c: [] for c in cases}
     fwd: dict = {c: [] for c in cases}
+    ops: dict = {c: [] for c in cases if c[0] != "transformers"}
     for _ in range(args.repeats):
         for name, n in cases:
             p, f = runners[name].forward(n)
             prep[(name, n)].append(p)
             fwd[(name, n)].append(f)
+            if (name, n) in ops:
+                ops[(name, n)].append(runners[name].forward(n, whole=False)[1])
 
     med = {c: statistics.median(fwd[c]) for c in cases}
     first = next(iter(targets))
     base = med[(first, 1)]
     print(f"batch 1, {args.context} cached tokens, page size {args.page_size}, "
           f"{args.threads} thread(s), median of {args.repeats}")
-    print(f"{'model':12} {'tokens':>6} {'forward ms':>11} {'vs ' + first + ' 1':>15} {'prepare ms':>11}")
+    print(f"{'model':12} {'tokens':>6} {'forward ms':>11} {'vs ' + first + ' 1':>15} {'prepare ms':>11} "
+          f"{'op by op ms':>12} {'a layer a call':>15}")
     for name, n in cases:
         ratio = med[(name, n)] / base
         if name == "transformers":
-            print(f"{name:12} {n:>6} {med[(name, n)] * 1e3:>11.3f} {ratio:>14.2f}x {'-':>11}")
+            print(f"{name:12} {n:>6} {med[(name, n)] * 1e3:>11.3f} {ratio:>14.2f}x {'-':>11} {'-':>12} {'-':>15}")
             continue
+        by_op = statistics.median(ops[(name, n)])
         print(f"{name:12} {n:>6} {med[(name, n)] * 1e3:>11.3f} {ratio:>14.2f}x "
-              f"{statistics.median(prep[(name, n)]) * 1e3:>11.3f}")
+              f"{statistics.median(prep[(name, n)]) * 1e3:>11.3f} {by_op * 1e3:>12.3f} {by_op / med[(name, n)]:>14.2f}x")
     for name in targets:
         one = med[(name, 1)]
         line = f"{name}: 4 / 8 tokens cost {med[(name, 4)] / one:.2f}x / {med[(name, 8)] / one:.2f}x of one"

@@ -18,8 +18,8 @@
  * a token verified among drafts attends exactly as when decoded alone.
  *
  * Then the decoder layer's small ops, a row at a time (specsched_rms_norm, with the residual add;
- * specsched_rope; specsched_silu_mul), and linears over weights laid out in blocks of outputs
- * (specsched_linear).
+ * specsched_rope; specsched_silu_mul), linears over weights laid out in blocks of outputs
+ * (specsched_linear), and a whole decoder layer made of them in one call (specsched_decoder_layer).
  */
 #include <math.h>
 #include <stdint.h>
@@ -415,4 +415,45 @@ void specsched_linear(int64_t n, int64_t in, int64_t out, const float *x, int64_
         linear(1, n, in, out, x, x_stride, blocked, bias, y);
     else
         linear(0, n, in, out, x, x_stride, blocked, bias, y);
+}
+
+/* One decoder layer (pre-norm attention and SwiGLU MLP) over a step's n rows, as
+ * runtime/decoder_layer.py runs it with the C ops above, in the same order, so bit for bit its
+ * result: out [n, hidden] = x + attention + MLP (x's rows x_stride apart). cos / sin_signed: the
+ * rows' RoPE tables [n, head_dim]; kv: the layer's pages; scratch: specsched_layer_scratch floats
+ * a row. Returns the attention kernel's code (0: done). */
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps;
+    const float *input_norm, *post_norm; /* [hidden] */
+    const void *qkv, *o, *gate_up, *down; /* blocked weights (specsched_linear), their bytes a weight: */
+    int64_t qkv_bytes, o_bytes, gate_up_bytes, down_bytes;
+    const float *qkv_bias, *o_bias; /* NULL: none */
+} LayerWeights;
+
+int64_t specsched_layer_scratch(const LayerWeights *w) {
+    const int64_t qkv = (w->num_heads + 2 * w->num_kv_heads) * w->head_dim;
+    return 4 * w->hidden + qkv + w->num_heads * w->head_dim + 3 * w->intermediate;
+}
+
+int specsched_decoder_layer(const LayerWeights *w, const StepPlan *p, int64_t n, const float *x, int64_t x_stride,
+                            const float *cos, const float *sin_signed, float *kv, float *scratch, float *out) {
+    const int64_t H = w->hidden, d = w->head_dim, hq = w->num_heads, hkv = w->num_kv_heads, I = w->intermediate;
+    const int64_t qkv_w = (hq + 2 * hkv) * d, attn_w = hq * d;
+    float *h = scratch, *qkv = h + n * H, *attn = qkv + n * qkv_w, *o = attn + n * attn_w, *total = o + n * H,
+          *gate_up = total + n * H, *act = gate_up + n * 2 * I, *mlp = act + n * I;
+    specsched_rms_norm(n, H, x, x_stride, NULL, 0, w->input_norm, w->eps, NULL, h);
+    specsched_linear(n, H, qkv_w, h, H, w->qkv, w->qkv_bytes, w->qkv_bias, qkv);
+    specsched_rope(n, hq + hkv, d, qkv, qkv_w, cos, sin_signed);
+    const int rc = specsched_paged_attention(p, n, qkv, qkv_w, qkv + hq * d, qkv_w, qkv + (hq + hkv) * d, qkv_w,
+                                             attn, attn_w, kv);
+    if (rc != 0) return rc;
+    specsched_linear(n, attn_w, H, attn, attn_w, w->o, w->o_bytes, w->o_bias, o);
+    specsched_rms_norm(n, H, o, H, x, x_stride, w->post_norm, w->eps, total, h);
+    specsched_linear(n, H, 2 * I, h, H, w->gate_up, w->gate_up_bytes, NULL, gate_up);
+    specsched_silu_mul(n, I, gate_up, 2 * I, act);
+    specsched_linear(n, I, H, act, I, w->down, w->down_bytes, NULL, mlp);
+#pragma omp simd
+    for (int64_t c = 0; c < n * H; c++) out[c] = total[c] + mlp[c];
+    return 0;
 }

@@ -43,6 +43,16 @@ class StepPlan(ctypes.Structure):
         ("max_kv", ctypes.c_int64), ("scale", ctypes.c_float)]
 
 
+class LayerWeights(ctypes.Structure):
+    """cpu_kernels.c's LayerWeights: a decoder layer's shape and weights for specsched_decoder_layer."""
+
+    _fields_ = [(n, ctypes.c_int64) for n in ("hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate")] + [
+        ("eps", ctypes.c_float)] + [(n, ctypes.c_void_p) for n in ("input_norm", "post_norm", "qkv", "o", "gate_up",
+                                                                    "down")] + [
+        (n, ctypes.c_int64) for n in ("qkv_bytes", "o_bytes", "gate_up_bytes", "down_bytes")] + [
+        (n, ctypes.c_void_p) for n in ("qkv_bias", "o_bias")]
+
+
 def cache_dir() -> Path:
     """Where built kernels are kept: $SPECSCHED_CACHE, else $XDG_CACHE_HOME/specsched, else
     ~/.cache/specsched."""
@@ -113,6 +123,11 @@ def library() -> ctypes.CDLL:
     lib.specsched_linear.argtypes = [i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr]
     lib.specsched_linear_block.restype = i64
     lib.specsched_linear_block.argtypes = []
+    lib.specsched_layer_scratch.restype = i64
+    lib.specsched_layer_scratch.argtypes = [ctypes.POINTER(LayerWeights)]
+    lib.specsched_decoder_layer.restype = ctypes.c_int
+    lib.specsched_decoder_layer.argtypes = [ctypes.POINTER(LayerWeights), ctypes.POINTER(StepPlan), i64, ptr, i64,
+                                            ptr, ptr, ptr, ptr, ptr]
     return lib
 
 
@@ -192,3 +207,35 @@ class LayerOps:
         out = torch.empty((n, i))
         self._silu_mul(n, i, gate_up.data_ptr(), gate_up.stride(0), out.data_ptr())
         return out
+
+
+class FusedLayer:
+    """A decoder layer (runtime/decoder_layer.py) as one C call, `specsched_decoder_layer`: the
+    same C ops in the same order as its forward with `LayerOps` and packed C linears, so the same
+    output bit for bit, without the Python between them (a bundled target's forward 1.59x faster
+    at one token, 1.36x at eight: benchmarks/forward_cost.py). `of(layer)` is None where the layer runs anything else
+    (a tensor-parallel shard, Qwen3's q/k norms, an EAGLE-3 head's wider input, linears not
+    packed for the C kernel). The step's attention runs it (`CpuStepAttention.decoder_layer`)."""
+
+    def __init__(self, layer, weights: LayerWeights, keep: tuple) -> None:
+        self.weights, self._keep = weights, keep  # the tensors its pointers read
+        self.num_heads, self.num_kv_heads, self.head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        self.hidden = weights.hidden
+        self.scratch_per_row = library().specsched_layer_scratch(ctypes.byref(weights))
+
+    @classmethod
+    def of(cls, layer) -> "FusedLayer | None":
+        linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        biases = (layer.qkv_bias, layer.o_bias)
+        hidden = norms[0].shape[0]
+        if (layer.tp is not None or layer.q_norm is not None or layer.attn_in != hidden
+                or any(getattr(lin, "c_linear", None) is None for lin in linears)
+                or any(t is not None and not (t.dtype == torch.float32 and t.is_contiguous()) for t in norms + biases)):
+            return None
+        packed = [lin.packed for lin in linears]
+        weights = LayerWeights(hidden, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.intermediate_size,
+                               layer.eps, *(t.data_ptr() for t in norms), *(p.data_ptr() for p in packed),
+                               *(p.element_size() for p in packed),
+                               *(None if b is None else b.data_ptr() for b in biases))
+        return cls(layer, weights, (*norms, *packed, *biases))

@@ -64,6 +64,7 @@ class DecoderLayer(nn.Module):
         self.intermediate_size = config.intermediate_size // n
         self.eps = config.rms_norm_eps
         self.ops = TORCH_OPS  # its small ops; `layers.use_cpu_kernels` swaps in the C ones
+        self.fused = None  # and where it can, the whole layer as one C call (cpu_kernels.FusedLayer)
         dd = dict(device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps, **dd)
         self.qkv_proj = column_major_linear(self.attn_in, (self.num_heads + 2 * self.num_kv_heads) * d, **dd)
@@ -90,6 +91,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 step: StepAttention, kv_layer: torch.Tensor | None, layer_idx: int) -> torch.Tensor:
+        if self.fused is not None and hasattr(step, "decoder_layer"):
+            out = step.decoder_layer(self.fused, x, cos, sin, kv_layer)
+            if out is not None:
+                return out
         a = self.attend(self.ops.rms_norm(x, self.input_layernorm.weight, self.eps), cos, sin, step, kv_layer,
                         layer_idx)
         x, h = self.ops.rms_norm(a, self.post_attention_layernorm.weight, self.eps, residual=x)

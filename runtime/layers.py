@@ -214,8 +214,9 @@ TORCH_OPS = TorchLayerOps()
 def use_cpu_kernels(*modules: nn.Module) -> int:
     """Give every decoder layer in `modules` (anything with an `ops` attribute) whose weights are
     float32 on a CPU the C versions of its small ops (runtime/cpu_kernels.py; they still leave
-    autograd and other shapes to PyTorch's); returns how many layers (0 where the kernels
-    cannot be built: `cpu_kernels.status()` says why)."""
+    autograd and other shapes to PyTorch's) and, where its linears are packed for the C kernel
+    (`pack_linears` first), the whole layer as one C call (`cpu_kernels.FusedLayer`); returns how
+    many layers (0 where the kernels cannot be built: `cpu_kernels.status()` says why)."""
     from specsched.runtime import cpu_kernels
 
     if cpu_kernels.status() is not None:
@@ -225,6 +226,7 @@ def use_cpu_kernels(*modules: nn.Module) -> int:
               and all(p.dtype == torch.float32 and p.device.type == "cpu" for p in m.parameters())}
     for layer in layers.values():
         layer.ops = ops
+        layer.fused = cpu_kernels.FusedLayer.of(layer)
     return len(layers)
 
 
@@ -236,4 +238,5 @@ def kernel_notes(packed_linears: int, cpu_layers: int) -> tuple[str, str]:
     why = cpu_kernels.status()
     linears = ("torch" if not packed_linears else "C on blocked weights" if packed_kernel() == "C"
                else "oneDNN pre-packed" + (f" ({why})" if why else " (C kernel: one thread only)"))
-    return linears, "C (RMSNorm, RoPE, SiLU-and-multiply)" if cpu_layers else "torch" + (f" ({why})" if why else "")
+    whole = "; a layer a call" if packed_linears and packed_kernel() == "C" else ""
+    return linears, f"C (RMSNorm, RoPE, SiLU-and-multiply{whole})" if cpu_layers else "torch" + (f" ({why})" if why else "")

@@ -201,10 +201,11 @@ def _check_engine_warmup(out):
 
 def _check_forward_cost(out):
     _grab(out, r"^batch 1, 32 cached tokens, page size 16, 1 thread\(s\), median of 3$")
-    _grab(out, r"^model +tokens +forward ms +vs target 1 +prepare ms$")
-    rows = re.findall(r"^(target|draft) +(\d+) +(\S+) +(\S+) +(\S+)$", out, re.M)
+    _grab(out, r"^model +tokens +forward ms +vs target 1 +prepare ms +op by op ms +a layer a call$")
+    rows = re.findall(r"^(target|draft) +(\d+) +(\S+) +(\S+) +(\S+) +(\S+) +(\S+)$", out, re.M)
     assert [r[:2] for r in rows] == [("target", "1"), ("target", "4"), ("target", "8"), ("draft", "1")], out
-    assert rows[0][3] == "1.00x" and all(_pos(ms) and _ratio(r) and _f(prep) >= 0 for _, _, ms, r, prep in rows)
+    assert rows[0][3] == "1.00x" and all(_pos(ms) and _ratio(r) and _f(prep) >= 0 and _quotient(whole, by_op, ms)
+                                         for _, _, ms, r, prep, by_op, whole in rows)
     four, eight, draft = _grab(out, r"^target: 4 / 8 tokens cost (\S+) / (\S+) of one; "
                                     r"draft/target cost ratio \(1 token\) (\S+)$")
     assert _ratio(four) and _ratio(eight) and _ratio(draft + "x", 0.01)  # a 1-layer draft: far below 1

@@ -278,6 +278,60 @@ def test_a_model_with_the_c_layer_ops_keeps_its_logits_and_greedy_tokens():
     assert torch.equal(got_full, want_full)  # [B, T, H] inputs (forward_full) stay on PyTorch's ops
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_whole_layer_in_one_call_gives_the_op_by_op_output_bit_for_bit(bias, one_thread):
+    """Prefill, decode, a verify of several tokens and a token tree, over several sequences; with
+    and without the q/k/v biases of the families that have them (one torch thread: C linears)."""
+    from specsched.runtime.config import ModelConfig
+    from specsched.runtime.layers import pack_linears
+    from specsched.runtime.model import LlamaModel
+
+    config = ModelConfig.from_hf(dict(
+        model_type="qwen2" if bias else "llama", vocab_size=64, hidden_size=128, intermediate_size=176,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=bias, tie_word_embeddings=False))
+    model = LlamaModel.random(config, seed=0)
+    if bias:
+        with torch.no_grad():
+            for layer in model.layers:
+                layer.qkv_bias.normal_()
+    pack_linears(model)
+    assert use_cpu_kernels(model) == 2 and all(layer.fused is not None for layer in model.layers)
+    fused = [layer.fused for layer in model.layers]
+    backend = model.attention_backend("cpu")
+    rng = np.random.default_rng(0)
+    steps = [([9, 17, 5], [9, 17, 5], None), ([1, 1, 1], [10, 18, 6], None), ([4, 1, 3], [14, 19, 9], None),
+             ([3, 1, 3], [17, 20, 12], "tree")]
+
+    def run(use_fused):
+        for layer, f in zip(model.layers, fused):
+            layer.fused = f if use_fused else None
+        kv = model.make_kv_cache(16, 16, backend=backend)
+        tables = [[0, 1], [2, 3], [4, 5]]
+        ids = torch.from_numpy(np.random.default_rng(1).integers(0, 64, 64))
+        outs, at = [], 0
+        for qo, kvl, tree in steps:
+            masks = None
+            if tree:
+                masks = [np.tril(rng.random((q, k)) < 2) for q, k in zip(qo, kvl)]  # causal, as a custom mask
+            plan = build_plan(qo, kvl, tables, 16, custom_masks=masks)
+            n = sum(qo)
+            step = backend.prepare(plan)
+            whole = step.decoder_layer  # counts the layers it ran whole
+            step.decoder_layer = lambda *args: ran.append(whole(*args)) or ran[-1]
+            with torch.no_grad():
+                outs.append(model.forward(ids[at:at + n], step, kv, torch.from_numpy(plan.positions)).logits)
+            at += n
+        return outs
+
+    ran = []
+    fused_logits = run(True)
+    assert len(ran) == 2 * len(steps) and all(out is not None for out in ran)
+    for got, want in zip(fused_logits, run(False)):
+        assert torch.equal(got, want)
+    assert len(ran) == 2 * len(steps)  # op by op: not asked
+
+
 @pytest.mark.parametrize("proposer,draft_len", [("none", None), ("draft", 3)])
 def test_the_engine_gives_the_same_greedy_outputs_with_or_without_the_c_kernels(proposer, draft_len):
     import anyio
@@ -304,4 +358,4 @@ def test_the_engine_gives_the_same_greedy_outputs_with_or_without_the_c_kernels(
     fast, fast_notes = anyio.run(lambda: run())
     assert fast == plain
     assert plain_notes == ("torch gather + SDPA", "torch")
-    assert fast_notes == ("C kernel on the pages", "C (RMSNorm, RoPE, SiLU-and-multiply)")
+    assert fast_notes == ("C kernel on the pages", "C (RMSNorm, RoPE, SiLU-and-multiply; a layer a call)")

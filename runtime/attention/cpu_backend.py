@@ -107,6 +107,7 @@ class CpuStepAttention:
             self._arrays[5:] = [mask, np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)]
         self._max_kv = int(plan.kv_lens.max())
         self._c = None  # the StepPlan, filled at the first layer (head counts come with q/k)
+        self._scratch: torch.Tensor | None = None  # whole-layer calls' working rows, shared by the layers
 
     def _plan(self, num_heads: int, num_kv_heads: int, head_dim: int) -> StepPlan:
         if num_heads % num_kv_heads:
@@ -115,15 +116,17 @@ class CpuStepAttention:
         return StepPlan(self.plan.num_seqs, num_heads, num_kv_heads, head_dim, self.plan.page_size, *ptr,
                         self._max_kv, head_dim ** -0.5)
 
+    def _first_layer(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self._c = self._plan(num_heads, num_kv_heads, head_dim)
+        self._out = torch.empty((self.num_tokens, num_heads, head_dim), dtype=torch.float32)
+        self._layout = None
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_layer: torch.Tensor) -> torch.Tensor:
         """Every layer of a forward reads the output before the next layer attends: one output
         buffer serves them all."""
         if self._c is None:
-            num_heads, head_dim = q.shape[-2], q.shape[-1]
-            self._c = self._plan(num_heads, k.shape[-2], head_dim)
-            self._out = torch.empty((self.num_tokens, num_heads, head_dim), dtype=torch.float32)
-            self._layout = None
+            self._first_layer(q.shape[-2], k.shape[-2], q.shape[-1])
         layout = (q.stride(), k.stride(), v.stride())
         if layout != self._layout:  # checked once a step where, as usual, every layer's are alike
             if kv_layer.dtype != torch.float32 or not kv_layer.is_contiguous():
@@ -138,10 +141,33 @@ class CpuStepAttention:
         rc = self._attention(ctypes.byref(self._c), self.num_tokens, q.data_ptr(), layout[0][0], k.data_ptr(),
                              layout[1][0], v.data_ptr(), layout[2][0], out.data_ptr(), out.stride(0),
                              kv_layer.data_ptr())
+        self._check(rc)
+        return out
+
+    def decoder_layer(self, fused, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                      kv_layer: torch.Tensor) -> torch.Tensor | None:
+        """A whole decoder layer's output [N, H] for its input x [N, H] in one C call
+        (`cpu_kernels.FusedLayer`: its attention this step's), or None where the call does not
+        take these tensors (the layer then runs op by op)."""
+        if not (x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1 and x.shape[0] == self.num_tokens
+                and cos.is_contiguous() and sin_signed.is_contiguous() and kv_layer.dtype == torch.float32
+                and kv_layer.is_contiguous() and not torch.is_grad_enabled()):
+            return None
+        if self._c is None:
+            self._first_layer(fused.num_heads, fused.num_kv_heads, fused.head_dim)
+        need = self.num_tokens * fused.scratch_per_row
+        if self._scratch is None or self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        out = torch.empty((self.num_tokens, fused.hidden), dtype=torch.float32)
+        self._check(library().specsched_decoder_layer(
+            ctypes.byref(fused.weights), ctypes.byref(self._c), self.num_tokens, x.data_ptr(), x.stride(0),
+            cos.data_ptr(), sin_signed.data_ptr(), kv_layer.data_ptr(), self._scratch.data_ptr(), out.data_ptr()))
+        return out
+
+    def _check(self, rc: int) -> None:
         if rc != 0:
             raise (MemoryError("the CPU attention kernel could not allocate its scratch memory") if rc == -1 else
                    ValueError(f"the CPU attention kernel has no build for head size {self._c.head_dim}"))
-        return out
 
 
 class CpuOneTokenSteps:
