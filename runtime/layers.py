@@ -230,13 +230,15 @@ def use_cpu_kernels(*modules: nn.Module) -> int:
     return len(layers)
 
 
-def kernel_notes(packed_linears: int, cpu_layers: int) -> tuple[str, str]:
+def kernel_notes(packed_linears: int, cpu_layers: int, *modules: nn.Module) -> tuple[str, str]:
     """What a worker's linears and its decoder layers' small ops run on, given how many
-    `pack_linears` packed and `use_cpu_kernels` gave C ops (words for its start-up line)."""
+    `pack_linears` packed and `use_cpu_kernels` gave C ops, and the `modules` they were given
+    (words for its start-up line)."""
     from specsched.runtime import cpu_kernels
 
     why = cpu_kernels.status()
     linears = ("torch" if not packed_linears else "C on blocked weights" if packed_kernel() == "C"
                else "oneDNN pre-packed" + (f" ({why})" if why else " (C kernel: one thread only)"))
-    whole = "; a layer a call" if packed_linears and packed_kernel() == "C" else ""
-    return linears, f"C (RMSNorm, RoPE, SiLU-and-multiply{whole})" if cpu_layers else "torch" + (f" ({why})" if why else "")
+    whole = len({id(m) for module in modules for m in module.modules() if getattr(m, "fused", None) is not None})
+    calls = "" if not whole else "; a layer a call" if whole == cpu_layers else f"; {whole} layers a call"
+    return linears, f"C (RMSNorm, RoPE, SiLU-and-multiply{calls})" if cpu_layers else "torch" + (f" ({why})" if why else "")

@@ -118,7 +118,7 @@ class ModelWorker:
             # run their small ops in C (runtime/layers.py)
             models = (self.target, *self.proposer.models())
             self.kernel_notes = kernel_notes(pack_linears(*models) if c.linear == "auto" else 0,
-                                             use_cpu_kernels(*models) if c.ops == "auto" else 0)
+                                             use_cpu_kernels(*models) if c.ops == "auto" else 0, *models)
             self.last_hidden: dict | None = None  # target hidden states of the latest target launch
             self.last_verify: tuple | None = None  # (step, slots, accepted [B] on the device) of the latest verify
             # ops enqueue device work only; with the guard a host read of a device value fails the op
