@@ -44,7 +44,6 @@ def main() -> None:
     torch.set_num_threads(1)
     model = load_model(args.target)
     layers = {id(m): m for m in model.modules() if isinstance(m, Linear)}.values()
-    lib = cpu_kernels.library()
     # per linear: its weight, the copies each kernel reads (the C kernel's as packed -- bfloat16 where
     # every weight is a bfloat16 value -- and one kept in float32), oneDNN's
     weights = [dict(plain=m.weight.detach(), blocked=cpu_kernels.blocked_weight(m.weight),
@@ -53,16 +52,8 @@ def main() -> None:
     compact = sum(w["blocked"].dtype == torch.bfloat16 for w in weights)
     megabytes = sum(w["plain"].numel() for w in weights) * 4 / 1e6
 
-    def c_kernel(copy: str):
-        def run(x, w):
-            out, inp = w["plain"].shape
-            y = torch.empty(x.shape[0], out)
-            lib.specsched_linear(x.shape[0], inp, out, x.data_ptr(), x.stride(0), w[copy].data_ptr(),
-                                 w[copy].element_size(), None, y.data_ptr())
-            return y
-        return run
-
-    kernels = {"C": c_kernel("blocked"), "C fp32": c_kernel("blocked32"),
+    kernels = {"C": lambda x, w: cpu_kernels.linear(x, w["blocked"], w["plain"].shape[0]),
+               "C fp32": lambda x, w: cpu_kernels.linear(x, w["blocked32"], w["plain"].shape[0]),
                "oneDNN": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w["packed"], None, "none", [], ""),
                "MKL": lambda x, w: F.linear(x, w["plain"])}
     print(f"{len(weights)} linears of {args.target.name} ({megabytes:.1f} MB float32; {compact} packed for C in "

@@ -151,6 +151,21 @@ def blocked_weight(weight: torch.Tensor, compact: bool = True) -> torch.Tensor:
     return blocked.contiguous().view(-1, inp, block)
 
 
+def linear(x: torch.Tensor, blocked: torch.Tensor, out_features: int,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] (float32 on the CPU) times a weight laid out by `blocked_weight`, plus `bias`:
+    [..., out_features]."""
+    rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    y = torch.empty((*x.shape[:-1], out_features))
+    library().specsched_linear(rows, flat.shape[1], out_features, flat.data_ptr(), flat.stride(0), blocked.data_ptr(),
+                               blocked.element_size(), None if bias is None else bias.contiguous().data_ptr(),
+                               y.data_ptr())
+    return y
+
+
 def status() -> str | None:
     """None when the library builds (or was built) and loads here, else why not."""
     try:
@@ -213,15 +228,16 @@ class FusedLayer:
     """A decoder layer (runtime/decoder_layer.py) as one C call, `specsched_decoder_layer`: the
     same C ops in the same order as its forward with `LayerOps` and packed C linears, so the same
     output bit for bit, without the Python between them (a bundled target's forward 1.59x faster
-    at one token, 1.36x at eight: benchmarks/forward_cost.py). `of(layer)` is None where the layer runs anything else
-    (a tensor-parallel shard, Qwen3's q/k norms, an EAGLE-3 head's wider input, linears not
-    packed for the C kernel). The step's attention runs it (`CpuStepAttention.decoder_layer`)."""
+    at one token, 1.36x at eight: benchmarks/forward_cost.py). `of(layer)` is None where the layer
+    runs anything else (a tensor-parallel shard, Qwen3's q/k norms, an EAGLE-3 head's wider input,
+    linears not packed for the C kernel). The step's attention runs it
+    (`CpuStepAttention.decoder_layer`)."""
 
-    def __init__(self, layer, weights: LayerWeights, keep: tuple) -> None:
+    def __init__(self, weights: LayerWeights, keep: tuple) -> None:
         self.weights, self._keep = weights, keep  # the tensors its pointers read
-        self.num_heads, self.num_kv_heads, self.head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
-        self.hidden = weights.hidden
-        self.scratch_per_row = library().specsched_layer_scratch(ctypes.byref(weights))
+        lib = library()
+        self.run = lib.specsched_decoder_layer
+        self.scratch_per_row = lib.specsched_layer_scratch(ctypes.byref(weights))
 
     @classmethod
     def of(cls, layer) -> "FusedLayer | None":
@@ -230,7 +246,7 @@ class FusedLayer:
         biases = (layer.qkv_bias, layer.o_bias)
         hidden = norms[0].shape[0]
         if (layer.tp is not None or layer.q_norm is not None or layer.attn_in != hidden
-                or any(getattr(lin, "c_linear", None) is None for lin in linears)
+                or not all(getattr(lin, "blocked", False) for lin in linears)
                 or any(t is not None and not (t.dtype == torch.float32 and t.is_contiguous()) for t in norms + biases)):
             return None
         packed = [lin.packed for lin in linears]
@@ -238,4 +254,4 @@ class FusedLayer:
                                layer.eps, *(t.data_ptr() for t in norms), *(p.data_ptr() for p in packed),
                                *(p.element_size() for p in packed),
                                *(None if b is None else b.data_ptr() for b in biases))
-        return cls(layer, weights, (*norms, *packed, *biases))
+        return cls(weights, (*norms, *packed, *biases))

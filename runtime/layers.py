@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specsched.runtime import cpu_kernels
 from specsched.runtime.config import ModelConfig
 
 
@@ -105,8 +106,6 @@ def column_major_weight(rows: int, cols: int, device=None, dtype=None) -> nn.Par
 def packed_kernel() -> str:
     """Which kernel `Linear.pack` packs for here: "C" (runtime/cpu_kernels.c's `specsched_linear`)
     where the C kernels build and torch runs one thread (the C kernel runs on one), else "oneDNN"."""
-    from specsched.runtime import cpu_kernels
-
     return "C" if cpu_kernels.status() is None and torch.get_num_threads() == 1 else "oneDNN"
 
 
@@ -125,33 +124,22 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
-    c_linear = None  # cpu_kernels.c's specsched_linear, when `packed` is laid out for it
+    blocked = False  # whether `packed` is laid out for the C kernel (cpu_kernels.blocked_weight)
 
     def pack(self) -> None:
         if self.packed is None:
             if packed_kernel() == "C":
-                from specsched.runtime import cpu_kernels
-
-                self.packed = cpu_kernels.blocked_weight(self.weight)
-                self.c_linear = cpu_kernels.library().specsched_linear
+                self.packed, self.blocked = cpu_kernels.blocked_weight(self.weight), True
             else:
                 # the batch-size hint picks the blocking; 8 rows measured best from 1 to 584 rows
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 8)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None:
-            if self.c_linear is None:
+            if not self.blocked:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
             if x.dtype == torch.float32:
-                rows = x.numel() // x.shape[-1]
-                flat = x.reshape(rows, self.in_features)
-                if flat.stride(-1) != 1:
-                    flat = flat.contiguous()
-                y = torch.empty((*x.shape[:-1], self.out_features))
-                self.c_linear(rows, self.in_features, self.out_features, flat.data_ptr(), flat.stride(0),
-                              self.packed.data_ptr(), self.packed.element_size(),
-                              None if bias is None else bias.contiguous().data_ptr(), y.data_ptr())
-                return y
+                return cpu_kernels.linear(x, self.packed, self.out_features, bias)
         return F.linear(x, self.weight, bias)
 
 
@@ -217,8 +205,6 @@ def use_cpu_kernels(*modules: nn.Module) -> int:
     autograd and other shapes to PyTorch's) and, where its linears are packed for the C kernel
     (`pack_linears` first), the whole layer as one C call (`cpu_kernels.FusedLayer`); returns how
     many layers (0 where the kernels cannot be built: `cpu_kernels.status()` says why)."""
-    from specsched.runtime import cpu_kernels
-
     if cpu_kernels.status() is not None:
         return 0
     ops = cpu_kernels.LayerOps(TORCH_OPS)
@@ -234,8 +220,6 @@ def kernel_notes(packed_linears: int, cpu_layers: int, *modules: nn.Module) -> t
     """What a worker's linears and its decoder layers' small ops run on, given how many
     `pack_linears` packed and `use_cpu_kernels` gave C ops, and the `modules` they were given
     (words for its start-up line)."""
-    from specsched.runtime import cpu_kernels
-
     why = cpu_kernels.status()
     linears = ("torch" if not packed_linears else "C on blocked weights" if packed_kernel() == "C"
                else "oneDNN pre-packed" + (f" ({why})" if why else " (C kernel: one thread only)"))

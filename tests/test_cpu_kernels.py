@@ -187,14 +187,6 @@ class NoFallback:
         raise AssertionError(f"fell back to PyTorch's {name}")
 
 
-def _linear(blocked: torch.Tensor, x: torch.Tensor, out: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = torch.empty(x.shape[0], out)
-    cpu_kernels.library().specsched_linear(x.shape[0], x.shape[1], out, x.data_ptr(), x.stride(0), blocked.data_ptr(),
-                                           blocked.element_size(), None if bias is None else bias.data_ptr(),
-                                           y.data_ptr())
-    return y
-
-
 @pytest.mark.parametrize("out,inp", [(80, 48), (1376, 256), (7, 3)])
 def test_bfloat16_weights_are_kept_in_half_the_memory_with_the_same_products(out, inp):
     torch.manual_seed(0)
@@ -205,9 +197,9 @@ def test_bfloat16_weights_are_kept_in_half_the_memory_with_the_same_products(out
     bias = torch.randn(out)
     for n in (1, 2, 5, 6, 7, 13, 40):
         x = torch.randn(n, inp)
-        got = _linear(compact, x, out, bias)
-        assert torch.equal(got, _linear(full, x, out, bias))  # the same floats, the same order of sums
-        assert all(torch.equal(_linear(compact, x[r:r + 1], out, bias)[0], got[r]) for r in range(n))  # row alone
+        got = cpu_kernels.linear(x, compact, out, bias)
+        assert torch.equal(got, cpu_kernels.linear(x, full, out, bias))  # the same floats, the same order of sums
+        assert all(torch.equal(cpu_kernels.linear(x[r:r + 1], compact, out, bias)[0], got[r]) for r in range(n))  # row alone
         torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
 
 

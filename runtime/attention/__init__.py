@@ -23,7 +23,9 @@ BACKENDS = ("torch", "cpu", "flashinfer")
 
 @runtime_checkable
 class StepAttention(Protocol):
-    """Per-step attention state, shared by all layers of one forward."""
+    """Per-step attention state, shared by all layers of one forward. A step may also offer
+    `decoder_layer(fused, x, cos, sin_signed, kv_layer)`, a whole decoder layer in one call (the
+    CPU backend's, runtime/attention/cpu_backend.py); DecoderLayer uses it where it is there."""
 
     plan: AttentionPlan
 

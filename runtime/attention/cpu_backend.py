@@ -154,12 +154,13 @@ class CpuStepAttention:
                 and kv_layer.is_contiguous() and not torch.is_grad_enabled()):
             return None
         if self._c is None:
-            self._first_layer(fused.num_heads, fused.num_kv_heads, fused.head_dim)
+            w = fused.weights
+            self._first_layer(w.num_heads, w.num_kv_heads, w.head_dim)
         need = self.num_tokens * fused.scratch_per_row
         if self._scratch is None or self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
-        out = torch.empty((self.num_tokens, fused.hidden), dtype=torch.float32)
-        self._check(library().specsched_decoder_layer(
+        out = torch.empty(x.shape, dtype=torch.float32)
+        self._check(fused.run(
             ctypes.byref(fused.weights), ctypes.byref(self._c), self.num_tokens, x.data_ptr(), x.stride(0),
             cos.data_ptr(), sin_signed.data_ptr(), kv_layer.data_ptr(), self._scratch.data_ptr(), out.data_ptr()))
         return out
