@@ -311,7 +311,7 @@ class AsyncEngine:
         (read-only; a finished or aborted request holds none)."""
         if self._pipeline is None:
             raise EngineClosedError("engine has not started: kv_stats() needs `async with AsyncEngine(...)`")
-        return self._pipeline.scheduler.blocks.stats()
+        return self._pipeline.scheduler.kv_stats()
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:

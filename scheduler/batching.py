@@ -121,7 +121,7 @@ def _running_rows(s: "Scheduler", budget: int) -> tuple[np.ndarray, np.ndarray, 
     n = np.clip(budget - before, 0, todo)
     rows = (n > 0).nonzero()[0]
     n = n[rows]
-    need = s.blocks.pages_needed_many(slots[rows], s.kv_slots(computed[rows] + n))
+    need = s.blocks.pages_needed(slots[rows], s.kv_slots(computed[rows] + n))
     pages = int(need.sum())
     if pages > s.blocks.num_free_pages:
         return None
@@ -198,7 +198,8 @@ def general(s: "Scheduler", vectorized: bool = True) -> StepBatch:
 def _pages(s: "Scheduler", req: Request, n: int, draft: int) -> int:
     """Pages a row computing `n` tokens needs: a decoding row's verification computes (and writes
     KV for) up to 1 + D positions."""
-    return s.blocks.pages_needed(req.request_id, s.kv_slots(req.num_computed_tokens + n + (draft if n == 1 else 0)))
+    return int(s.blocks.pages_needed(np.array([req.slot]),
+                                     s.kv_slots(req.num_computed_tokens + n + (draft if n == 1 else 0)))[0])
 
 
 def _running_one_by_one(s: "Scheduler", rows: _Rows, draft: int) -> None:
@@ -277,7 +278,7 @@ def _admissions(s: "Scheduler", budget: int, planned: int, draft: int
     k = int(np.count_nonzero(before < budget))  # a prefix: the budget left is > 0 for them
     n = np.minimum(todo[:k], budget - before[:k])
     # a verification reserves 1 + D slots per decoding row (`need` in `schedule`)
-    pages = s.blocks.pages_needed_many(slots[:k], s.kv_slots(computed[:k] + n + np.where(n == 1, draft, 0)))
+    pages = s.blocks.pages_needed(slots[:k], s.kv_slots(computed[:k] + n + np.where(n == 1, draft, 0)))
     fits = planned + np.cumsum(pages) <= s.blocks.num_free_pages
     a = k if fits.all() else int(np.argmin(fits))  # up to the first that does not fit
     if a == 0:

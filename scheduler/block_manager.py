@@ -1,22 +1,14 @@
-"""Paged KV block manager: one pool of pages, one page table per (request, model).
+"""Paged KV block manager: one pool of pages, per model a page table.
 
-Why: target and draft (or MTP head) caches are allocated from one pool so KV pressure is
-shared, as in production engines; each model's cache tensor has `num_pages` pages and a page
-id means the same page index in whichever model's cache its table belongs to.
+Target and proposer (draft model, MTP head) caches share one pool, so KV pressure is shared as
+in production engines: page id p is page p of whichever model's cache holds it. Each model's
+table is `[rows, max_pages]` (int32) with a page count per row; a row is a request's slot
+(scheduler/slot_state.py). Free pages are a stack: recently freed pages, still warm in a cache,
+are reused first.
 
-Check/act pairs: `can_allocate` / `allocate` grow tables to cover a number of KV slots
-(prefill, decode, or the D+1 slots a verification needs); `trim` releases slots beyond a
-length (rejected drafts); `free` releases everything of a request (finish, abort, preempt).
-
-State is arrays, so that a step over hundreds of rows is a few whole-array operations
-(`tables`; `pages_needed_many`, `allocate_many`, `trim_many`, `free_many` in
-scheduler/block_batch_ops.py): per model a page table
-`[rows, max_pages]` (int32) with a page count per row, and the free pages as an array stack
-(LIFO: recently freed pages are reused first, which keeps a cache warm). A request's row is
-its slot: the scheduler `bind`s it when the request is added (rows are then the same
-indices as the scheduler's per-slot arrays, scheduler/slot_state.py) and the whole-array
-methods take rows; the methods keyed by request id serve the general path and tests, and
-give a row of their own to an id that was never bound (a manager used on its own).
+Every operation takes a step's rows (distinct) at once and is all or nothing. A handful of rows
+goes row by row, cheaper than array calls; more rows take whole-array operations that hand out
+and take back the same pages, in the same order, as going row by row (tested).
 """
 from __future__ import annotations
 
@@ -25,8 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specsched.scheduler.block_batch_ops import BatchPageOps
 from specsched.scheduler.errors import OutOfPagesError
+from specsched.scheduler.small_arrays import SMALL_BATCH, largest
+from specsched.scheduler.small_arrays import total as array_total
 
 
 @dataclass(frozen=True)
@@ -41,25 +34,20 @@ class KVPoolStats:
     pages_by_request: dict[str, dict[str, int]]  # request id -> model -> pages it holds
 
 
-class BlockManager(BatchPageOps):
+class BlockManager:
     def __init__(self, num_pages: int, page_size: int, models: tuple[str, ...] = ("target",)):
         if num_pages < 1 or page_size < 1:
             raise ValueError("num_pages and page_size must be >= 1")
         self.num_pages = num_pages
         self.page_size = page_size
         self.models = models
-        # free pages, the next to hand out at the top (the end): the stack starts with page 0 on top
+        # free pages, the next to hand out at the top (the end): page 0 on top at the start
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
         self._top = num_pages
-        self.version = 0  # bumped whenever pages change hands (a plan of shortfalls goes stale)
-        self._row_of: dict[str, int] = {}  # request id -> its row in every model's table
-        self._owner: dict[int, str] = {}  # row -> request id
-        self._free_rows: list[int] = []  # rows `_new_row` gave out and got back
-        self._bound: set[int] = set()  # rows given by `bind` (the caller owns their reuse)
-        self._num_rows = 0  # rows ever handed out (the tables' used height)
+        self.version = 0  # bumped whenever pages change hands (a computed shortfall goes stale)
         rows, cols = 8, min(num_pages, 16)
-        self._tables = {m: np.zeros((rows, cols), dtype=np.int32) for m in models}  # [rows, max_pages]
-        self._counts = {m: np.zeros(rows, dtype=np.int64) for m in models}  # [rows] pages per row
+        self._tables = {m: np.zeros((rows, cols), dtype=np.int32) for m in models}
+        self._counts = {m: np.zeros(rows, dtype=np.int64) for m in models}
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -73,55 +61,9 @@ class BlockManager(BatchPageOps):
     def pages_for(self, num_slots: int) -> int:
         return (num_slots + self.page_size - 1) // self.page_size
 
-    def _model_counts(self, model: str) -> np.ndarray:
-        try:
-            return self._counts[model]
-        except KeyError:
-            raise ValueError(f"unknown model {model!r}; this pool has tables for {self.models}") from None
-
-    def page_table(self, request_id: str, model: str = "target") -> list[int]:
+    def page_table(self, row: int, model: str = "target") -> list[int]:
         counts = self._model_counts(model)
-        row = self._row_of.get(request_id)
-        if row is None:
-            return []
-        return self._tables[model][row, : counts[row]].tolist()
-
-    def num_slots(self, request_id: str, model: str = "target") -> int:
-        counts = self._model_counts(model)
-        row = self._row_of.get(request_id)
-        return 0 if row is None else int(counts[row]) * self.page_size
-
-    def pages_needed(self, request_id: str, slots: Mapping[str, int]) -> int:
-        row = self._row_of.get(request_id)
-        ps = self.page_size
-        need = 0
-        for model, n in slots.items():
-            counts = self._model_counts(model)
-            short = (n + ps - 1) // ps - (int(counts[row]) if row is not None else 0)
-            if short > 0:
-                need += short
-        return need
-
-    def bind(self, request_id: str, row: int) -> None:
-        """Make `row` the request's row in every model's table (the request's slot)."""
-        owner = self._owner.get(row)
-        if owner is not None and owner != request_id:
-            raise ValueError(f"row {row} is bound to request {owner!r}")
-        if request_id in self._row_of and self._row_of[request_id] != row:
-            raise ValueError(f"request {request_id!r} is bound to row {self._row_of[request_id]}")
-        self._ensure_height(row + 1)
-        self._num_rows = max(self._num_rows, row + 1)
-        if self._free_rows and row in self._free_rows:
-            self._free_rows.remove(row)
-        self._bound.add(row)
-        self._row_of[request_id] = row
-        self._owner[row] = request_id
-
-    def rows(self, request_ids: Sequence[str]) -> np.ndarray:
-        """[B] each request's row in the tables (a row is given to a request that has none)."""
-        row_of = self._row_of
-        return np.fromiter((row_of[r] if r in row_of else self._new_row(r) for r in request_ids),
-                           dtype=np.int64, count=len(request_ids))
+        return self._tables[model][row, : counts[row]].tolist() if row < len(counts) else []
 
     def tables(self, model: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """([B, max_pages] page tables, [B] page counts) of `rows`: copies, padded past each
@@ -130,95 +72,159 @@ class BlockManager(BatchPageOps):
         return self._tables[model][rows], counts[rows]
 
     def table_of(self, model: str) -> tuple[np.ndarray, np.ndarray]:
-        """(the [rows, max_pages] page table, [rows] page counts) of `model` itself, for
-        readers that gather their rows from it (`build_plan`'s `table_rows`); not to be
-        written to."""
+        """The model's [rows, max_pages] page table and [rows] page counts themselves, for readers
+        that gather their rows (`build_plan`'s `table_rows`); not to be written to."""
         return self._tables[model], self._model_counts(model)
 
-    # -- check / act -----------------------------------------------------------------------
-    def can_allocate(self, request_id: str, slots: Mapping[str, int], *, reserve_pages: int = 0) -> bool:
-        """Could every model's table of `request_id` cover slots[model] KV slots?"""
-        return self.pages_needed(request_id, slots) + reserve_pages <= self._top
+    def shortfall(self, rows: np.ndarray, slots: Mapping[str, np.ndarray | int]) -> dict[str, np.ndarray]:
+        """Model -> [B] pages each row is short of to cover slots[model] KV slots (what `allocate`
+        takes as `shortfall` while `version` is unchanged)."""
+        self._ensure_height(rows)
+        ps, cols = self.page_size, {}
+        for model, n in slots.items():
+            short = -(-np.asarray(n, dtype=np.int64) // ps) - self._model_counts(model)[rows]
+            cols[model] = np.maximum(short, 0, out=short)
+        return cols
 
-    def allocate(self, request_id: str, slots: Mapping[str, int]) -> None:
-        """Grow tables so each covers slots[model] slots (never shrinks). All or nothing."""
-        need = self.pages_needed(request_id, slots)
+    def pages_needed(self, rows: np.ndarray, slots: Mapping[str, np.ndarray | int]) -> np.ndarray:
+        """[B] pages each row is short of, over every model in `slots`."""
+        cols = list(self.shortfall(rows, slots).values())
+        return sum(cols[1:], cols[0]) if cols else np.zeros(len(rows), dtype=np.int64)
+
+    # -- allocate, trim, free --------------------------------------------------------------
+    def allocate(self, rows: np.ndarray, slots: Mapping[str, np.ndarray | int] | None = None,
+                 shortfall: Mapping[str, np.ndarray] | None = None) -> None:
+        """Grow each row's tables to cover slots[model] KV slots (never shrinks), all or nothing:
+        the pages of allocating row by row, model by model, in order. `shortfall` instead of
+        `slots`: what `shortfall(rows, slots)` returned, if no pages changed hands since."""
+        if shortfall is None:
+            shortfall = self.shortfall(rows, slots)
+        models, cols = list(shortfall), list(shortfall.values())
+        need = sum(map(array_total, cols))
         if need > self._top:
-            raise OutOfPagesError(f"request {request_id}: needs {need} pages, {self._top} free")
+            raise OutOfPagesError(f"{len(rows)} rows need {need} pages, {self._top} free")
         if not need:
             return
-        row = self._row_of.get(request_id)
-        if row is None:
-            row = self._new_row(request_id)
-        ps = self.page_size
-        for model, n in slots.items():
-            counts = self._counts[model]
-            have = int(counts[row])
-            short = (n + ps - 1) // ps - have
-            if short > 0:
-                table = self._table_with_room(model, have + short)
-                # the pages in the order popping them one at a time gives
-                table[row, have : have + short] = self._stack[self._top - short : self._top][::-1]
-                self._top -= short
-                self.version += 1
-                counts[row] = have + short
+        if len(rows) > SMALL_BATCH:
+            needy = sum(cols[1:], cols[0]).nonzero()[0]  # rows short in some model
+            if needy.size > SMALL_BATCH:
+                self._allocate_arrays(rows, models, cols, need)
+                return
+            rows, cols = rows[needy], [c[needy] for c in cols]  # a decode step: few rows need a page
+        stack, shorts = self._stack, [c.tolist() for c in cols]
+        for i, row in enumerate(rows.tolist()):
+            for model, short in zip(models, shorts):
+                k = short[i]
+                if k:
+                    counts = self._counts[model]
+                    have = int(counts[row])
+                    self._table_with_room(model, have + k)[row, have : have + k] = \
+                        stack[self._top - k : self._top][::-1]
+                    self._top -= k
+                    counts[row] = have + k
+        self.version += 1
 
-    def trim(self, request_id: str, model: str, num_slots: int) -> int:
-        """Release pages wholly beyond `num_slots` (rejected draft slots). Returns pages freed."""
-        if num_slots < 0:
-            raise ValueError(f"request {request_id}: cannot trim to {num_slots} slots")
+    def _allocate_arrays(self, rows: np.ndarray, models: list[str], cols: list[np.ndarray], need: int) -> None:
+        short = np.stack(cols, axis=1)  # [B, M]
+        taken = self._stack[self._top - need : self._top][::-1]
+        flat = short.ravel()
+        first = (np.cumsum(flat) - flat).reshape(short.shape)  # each (row, model)'s offset into `taken`
+        for j, model in enumerate(models):
+            picked = short[:, j].nonzero()[0]
+            if not picked.size:
+                continue
+            counts, r = self._counts[model], rows[picked]
+            have, reps = counts[r], short[picked, j]
+            if largest(reps) == 1:  # one page each: no runs to lay out
+                self._table_with_room(model, largest(have) + 1)[r, have] = taken[first[picked, j]]
+            else:
+                within = np.arange(array_total(reps)) - np.repeat(np.cumsum(reps) - reps, reps)
+                table = self._table_with_room(model, largest(have + reps))
+                table[np.repeat(r, reps), np.repeat(have, reps) + within] = \
+                    taken[np.repeat(first[picked, j], reps) + within]
+            counts[r] = have + reps
+        self._top -= need
+        self.version += 1
+
+    def trim(self, rows: np.ndarray, model: str, num_slots: np.ndarray | int) -> int:
+        """Release each row's pages wholly beyond num_slots >= 0 (rejected draft slots), the same
+        pages in the same order as row by row; rows allocated before. Returns pages freed."""
         counts = self._model_counts(model)
-        row = self._row_of.get(request_id)
-        if row is None:
+        keep = (np.asarray(num_slots, dtype=np.int64) + self.page_size - 1) // self.page_size
+        if keep.ndim == 0:
+            keep = np.full(len(rows), keep)
+        extra = counts[rows] - keep
+        picked = (extra > 0).nonzero()[0]
+        if not picked.size:
             return 0
-        have, keep = int(counts[row]), self.pages_for(num_slots)
-        if keep >= have:
+        table = self._tables[model]
+        if picked.size <= SMALL_BATCH:
+            freed = 0
+            for row, kp, ex in zip(rows[picked].tolist(), keep[picked].tolist(), extra[picked].tolist()):
+                self._push(table[row, kp : kp + ex])
+                counts[row] = kp
+                freed += ex
+            return freed
+        reps, r = extra[picked], rows[picked]
+        k = int(reps.sum())
+        first = np.repeat(np.cumsum(reps) - reps, reps)
+        within = np.arange(k) - first
+        pages = table[np.repeat(r, reps), np.repeat(keep[picked], reps) + within]
+        # the stack as pushing row by row leaves it: each row's pages reversed, rows in order
+        self._stack[self._top : self._top + k] = pages[first + np.repeat(reps, reps) - 1 - within]
+        self._top += k
+        self.version += 1
+        counts[r] = keep[picked]
+        return k
+
+    def free(self, rows: Sequence[int] | np.ndarray) -> int:
+        """Release every page of each row in every model (a finish, abort or preemption): the
+        stack as freeing row by row, each in model order, leaves it. Returns pages freed."""
+        rows = np.asarray(rows, dtype=np.int64)
+        self._ensure_height(rows)
+        if len(rows) <= SMALL_BATCH:
+            freed = 0
+            for row in rows.tolist():
+                for m in self.models:
+                    have = int(self._counts[m][row])
+                    if have:
+                        self._push(self._tables[m][row, :have])
+                        self._counts[m][row] = 0
+                        freed += have
+            return freed
+        have = np.stack([self._counts[m][rows] for m in self.models], axis=1)  # [n, models]
+        total = int(have.sum())
+        if not total:
             return 0
-        self._push(self._tables[model][row, keep:have])
-        counts[row] = keep
-        return have - keep
+        reps = have.ravel()  # (row, model) pairs in the order row by row visits them
+        pair = np.repeat(np.arange(reps.size), reps)
+        within = np.arange(total) - np.repeat(np.cumsum(reps) - reps, reps)
+        pos = reps[pair] - 1 - within  # each pair's pages reversed
+        which, row = pair % len(self.models), rows[pair // len(self.models)]
+        pages = np.empty(total, dtype=np.int32)
+        for k, m in enumerate(self.models):
+            sel = which == k
+            pages[sel] = self._tables[m][row[sel], pos[sel]]
+        self._stack[self._top : self._top + total] = pages
+        self._top += total
+        self.version += 1
+        for m in self.models:
+            self._counts[m][rows] = 0
+        return total
 
-    def release_pages(self, request_id: str) -> int:
-        """Release every page of the request in every model, keeping its row (preemption:
-        the request keeps its slot). Returns pages freed."""
-        row = self._row_of.get(request_id)
-        if row is None:
-            return 0
-        n = 0
-        for model in self.models:
-            have = int(self._counts[model][row])
-            if have:
-                self._push(self._tables[model][row, :have])
-                self._counts[model][row] = 0
-                n += have
-        return n
-
-    def free(self, request_id: str) -> int:
-        """Release every page of the request in every model, and its row. Idempotent."""
-        n = self.release_pages(request_id)
-        row = self._row_of.pop(request_id, None)
-        if row is not None:
-            self._drop_row(row)
-        return n
-
-    def _drop_row(self, row: int) -> None:
-        """A freed request's row: unowned, and back to the pool of rows unless `bind` gave it."""
-        del self._owner[row]
-        if row in self._bound:
-            self._bound.discard(row)
-        else:
-            self._free_rows.append(row)
-
-    def stats(self) -> KVPoolStats:
+    # -- inspection ------------------------------------------------------------------------
+    def stats(self, rows: Mapping[str, int]) -> KVPoolStats:
+        """A snapshot, with the pages of each request in `rows` (request id -> its row)."""
         by_request: dict[str, dict[str, int]] = {}
-        for rid, row in self._row_of.items():
-            held = {m: int(self._counts[m][row]) for m in self.models if self._counts[m][row]}
+        for rid, row in rows.items():
+            held = {m: int(self._counts[m][row]) for m in self.models
+                    if row < len(self._counts[m]) and self._counts[m][row]}
             if held:
                 by_request[rid] = held
         return KVPoolStats(
             page_size=self.page_size, num_pages=self.num_pages, num_free_pages=self.num_free_pages,
             num_used_pages=self.num_used_pages,
-            used_pages_by_model={m: int(self._counts[m][: self._num_rows].sum()) for m in self.models},
+            used_pages_by_model={m: int(self._counts[m].sum()) for m in self.models},
             pages_by_request=by_request,
         )
 
@@ -226,32 +232,23 @@ class BlockManager(BatchPageOps):
         """Every page is either free or in exactly one table (tests, debugging)."""
         seen = [self._stack[: self._top]]
         for model in self.models:
-            counts = self._counts[model]
-            for row in self._row_of.values():
-                seen.append(self._tables[model][row, : counts[row]])
-            held = set(self._row_of.values())
-            if any(counts[r] for r in range(self._num_rows) if r not in held):
-                raise AssertionError(f"page leak: a released row still counts pages in {model}")
-        pages = np.concatenate(seen) if seen else np.zeros(0, dtype=np.int32)
+            counts, table = self._counts[model], self._tables[model]
+            seen.extend(table[row, : counts[row]] for row in counts.nonzero()[0].tolist())
+        pages = np.concatenate(seen)
         if pages.size != self.num_pages or not np.array_equal(np.sort(pages), np.arange(self.num_pages)):
             raise AssertionError(f"page leak or double free: {pages.size} refs, {np.unique(pages).size} unique")
 
-    # -- internals -----------------------------------------------------------------------------
-    def _new_row(self, request_id: str) -> int:
-        if self._free_rows:
-            row = self._free_rows.pop()
-        else:
-            row = self._num_rows
-            self._num_rows += 1
-            self._ensure_height(row + 1)
-        self._row_of[request_id] = row
-        self._owner[row] = request_id
-        return row
+    # -- internals -------------------------------------------------------------------------
+    def _model_counts(self, model: str) -> np.ndarray:
+        try:
+            return self._counts[model]
+        except KeyError:
+            raise ValueError(f"unknown model {model!r}; this pool has tables for {self.models}") from None
 
-    def _ensure_height(self, rows: int) -> None:
-        height = self._counts[self.models[0]].shape[0]
-        if rows > height:
-            new = max(rows, 2 * height)
+    def _ensure_height(self, rows: np.ndarray) -> None:
+        height = len(self._counts[self.models[0]])
+        if len(rows) and largest(rows) >= height:
+            new = max(largest(rows) + 1, 2 * height)
             for m in self.models:
                 t = np.zeros((new, self._tables[m].shape[1]), dtype=np.int32)
                 t[:height] = self._tables[m]

@@ -23,7 +23,7 @@ import numpy as np
 
 from specsched.scheduler import batching
 from specsched.scheduler.batching import SchedulerConfig, max_pages_needed
-from specsched.scheduler.block_manager import BlockManager
+from specsched.scheduler.block_manager import BlockManager, KVPoolStats
 from specsched.scheduler.draft_policy import DraftPolicy, FixedPolicy
 from specsched.scheduler.errors import InvalidRequestError
 from specsched.scheduler.outputs import StepOutput, emit, marked_reason
@@ -71,7 +71,6 @@ class Scheduler:
                 f"{self.blocks.num_pages}"
             )
         slot = self.table.attach(request)
-        self.blocks.bind(rid, slot)
         self.policy.start(slot)
         self.requests[rid] = request
         request.state = RequestState.WAITING
@@ -132,6 +131,9 @@ class Scheduler:
             self._finish(req, "abort", now, out.finished)
         return out
 
+    def kv_stats(self) -> KVPoolStats:
+        return self.blocks.stats({rid: r.slot for rid, r in self.requests.items()})
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -147,11 +149,11 @@ class Scheduler:
         if not len(batch):
             return
         if batch.shortfall is not None and batch.shortfall[0] == self.blocks.version:
-            self.blocks.allocate_many(batch.slots, shortfall=batch.shortfall[1])
+            self.blocks.allocate(batch.slots, shortfall=batch.shortfall[1])
             return
         extra = np.where(batch.num_new == 1, batch.draft_len, batch.draft_lens) if batch.is_spec \
             else batch.draft_lens
-        self.blocks.allocate_many(batch.slots, self.kv_slots(batch.start + batch.num_new + extra))
+        self.blocks.allocate(batch.slots, self.kv_slots(batch.start + batch.num_new + extra))
 
     # -- a step's launches and results ------------------------------------------------------
     def launched(self, batch: StepBatch, fills: bool) -> None:
@@ -188,7 +190,7 @@ class Scheduler:
         out = self._emit(batch, np.arange(len(batch)), np.asarray(result.tokens), accepted + 1, now)
         live = live_rows(batch, t)  # rows still running keep the pages of their tokens only
         rows = slots if every(live) else slots[live]
-        self.blocks.trim_many(rows, "target", t.num_tokens(rows))
+        self.blocks.trim(rows, "target", t.num_tokens(rows))
         return out
 
     def _emit(self, batch, rows, tokens, lens, now) -> StepOutput:
@@ -231,7 +233,7 @@ class Scheduler:
         """A running request gives its pages back and waits, first in line, to be recomputed."""
         self.running.remove(victim)
         self._running_slots = None
-        self.blocks.release_pages(victim.request_id)
+        self.blocks.free([victim.slot])
         victim.state = RequestState.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_proposer_computed = 0
@@ -290,7 +292,7 @@ class Scheduler:
             if len(left) != len(self.waiting):
                 self.waiting.clear()
                 self.waiting.extend(left)
-        self.blocks.free_many([r.request_id for r in reqs])
+        self.blocks.free([r.slot for r in reqs])
         self.table.detach_many(reqs)
         for r in reqs:
             del self.requests[r.request_id]

@@ -41,10 +41,10 @@ def prefill(worker: ModelWorker, prompt: list[int]) -> tuple[Request, BlockManag
     req = Request("r", list(prompt), SamplingParams(max_tokens=64), 0)
     req.slot = 0
     n = len(prompt)
-    blocks.allocate("r", {"target": n + 1 + len(TREE), "mtp": n + 2 + len(TREE)})
-    plan = build_plan([n], [n], [blocks.page_table("r")], PAGE)
+    blocks.allocate(np.array([0]), {"target": n + 1 + len(TREE), "mtp": n + 2 + len(TREE)})
+    plan = build_plan([n], [n], [blocks.page_table(0)], PAGE)
     worker.execute("forward", device_messages.prefill_forward(list(prompt), plan))
-    fplan = build_plan([n], [n], [blocks.page_table("r", "mtp")], PAGE)
+    fplan = build_plan([n], [n], [blocks.page_table(0, "mtp")], PAGE)
     worker.execute("fill", device_messages.fill(fplan, 0, n, "forward"))
     req.extend_output([int(worker.tokens.data[0, n])])  # the sampled token, from the device
     req.num_computed_tokens = n
@@ -65,7 +65,7 @@ def verify_msg(req: Request, blocks: BlockManager, tree=TREE, step: int = 1) -> 
     spec = ProposerSpec("eagle", 3, tuple(tree))
     one = np.ones(1, dtype=np.int64)
     c = np.array([req.num_computed_tokens])
-    batch = StepBatch(step, [req], np.array([blocks.rows(["r"])[0]]), c, one, np.array([len(tree)]),
+    batch = StepBatch(step, [req], np.array([0]), c, one, np.array([len(tree)]),
                       np.ones(1, dtype=bool), np.zeros(1, dtype=bool), np.zeros(1, dtype=np.int64))
     return verify_message(batch, blocks, spec)
 
@@ -147,7 +147,7 @@ def test_draft_tree_matches_dense_branches(head_family):
     req, blocks = prefill(worker, [5, 1, 22, 8, 8, 13, 2])
     toks = tokens_of(worker, req.num_tokens)
     L = len(toks)
-    worker.execute("draft", device_messages.draft(3, blocks.page_table("r", "mtp"), PAGE, L))
+    worker.execute("draft", device_messages.draft(3, blocks.page_table(0, "mtp"), PAGE, L))
     drafts = worker.get_drafts([0], np.array([L - 1]), len(TREE))[0].tolist()
     head, target = worker.proposer.head, worker.target
     seq = torch.tensor([toks])
@@ -200,7 +200,7 @@ def test_accepted_path_kv_is_compacted_and_filled(head_family):
     fresh = worker.target.make_kv_cache(8, PAGE)
     plan = build_plan([len(full)], [len(full)], [list(range(8))], PAGE)
     worker.target(torch.tensor(full), worker.backend.prepare(plan), fresh, torch.as_tensor(plan.positions))
-    table = blocks.page_table("r")
+    table = blocks.page_table(0)
     slots = [table[p // PAGE] * PAGE + p % PAGE for p in range(L + 2)]
     for layer in range(worker.target.config.num_hidden_layers):
         got_k, got_v = worker.kv.read_slots(layer, slots)
@@ -208,7 +208,7 @@ def test_accepted_path_kv_is_compacted_and_filled(head_family):
         torch.testing.assert_close(got_k, want_k, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got_v, want_v, atol=1e-4, rtol=1e-4)
     # the host-planned fill over [L-1, L+2) leaves the dense head's logits carried
-    fplan = build_plan([3], [L + 2], [blocks.page_table("r", "mtp")], PAGE)
+    fplan = build_plan([3], [L + 2], [blocks.page_table(0, "mtp")], PAGE)
     worker.execute("fill", device_messages.fill(fplan, L - 1, L + 2, "verify", step=1))
     seq = torch.tensor([tokens_of(worker, L + 3)])
     _, hidden = worker.target.forward_full(seq)

@@ -84,7 +84,7 @@ class Sim:
         for r in out.finished:
             assert r.state is RequestState.FINISHED and r.finish_reason == "length"
             assert r.num_output_tokens == r.params.max_tokens and r.request_id not in self.b.requests
-            assert self.b.blocks.page_table(r.request_id) == []
+            assert self.b.blocks.page_table(r.slot) == []
         self.finished.extend(out.finished)
 
     @staticmethod
@@ -115,7 +115,7 @@ class Sim:
             for r, a in zip(batch.requests, accepted.tolist()):
                 if not r.is_finished:  # rejected candidates' pages went back
                     assert r.num_computed_tokens == r.num_tokens - 1
-                    assert b.blocks.num_slots(r.request_id) < r.num_tokens + b.blocks.page_size
+                    assert len(b.blocks.page_table(r.slot)) * b.blocks.page_size < r.num_tokens + b.blocks.page_size
                     if self.kv_ahead is not None:
                         assert r.num_proposer_computed == r.num_computed_tokens + self.kv_ahead
         else:
@@ -128,9 +128,9 @@ class Sim:
         for r in b.running:
             assert r.state is RequestState.RUNNING
         for r in b.waiting:
-            assert b.blocks.page_table(r.request_id) == []
+            assert b.blocks.page_table(r.slot) == []
             if cfg.proposer_model:
-                assert b.blocks.page_table(r.request_id, cfg.proposer_model) == []
+                assert b.blocks.page_table(r.slot, cfg.proposer_model) == []
         return batch
 
     def run(self, max_steps: int = 10_000) -> None:
@@ -176,7 +176,7 @@ def check_batch(b: Scheduler, batch: StepBatch) -> None:
         assert r not in b.running and r in b.waiting
         assert r.state is RequestState.PREEMPTED and r.num_computed_tokens == 0
         assert r.num_proposer_computed == 0
-        assert b.blocks.page_table(r.request_id) == []
+        assert b.blocks.page_table(r.slot) == []
 
 
 def check_allocation(b: Scheduler, batch: StepBatch) -> None:
@@ -185,9 +185,9 @@ def check_allocation(b: Scheduler, batch: StepBatch) -> None:
         r = s.request
         width = cfg.draft_len if batch.is_spec else 0
         target = r.num_computed_tokens + s.num_new_tokens + width
-        assert bm.num_slots(r.request_id) >= target
+        assert len(bm.page_table(r.slot)) * bm.page_size >= target
         if cfg.proposer_model:
-            assert bm.num_slots(r.request_id, cfg.proposer_model) >= target + 1
+            assert len(bm.page_table(r.slot, cfg.proposer_model)) * bm.page_size >= target + 1
 
 
 def spec_of(cfg: SchedulerConfig) -> ProposerSpec:
@@ -343,7 +343,7 @@ def test_spec_rows_reserve_the_whole_verify_width() -> None:
     assert {s.request.request_id: s.draft_lens for s in rows(batch)} == {"long": 3, "short": 0}
     b.allocate(batch)
     for s in rows(batch):
-        assert b.blocks.num_slots(s.request.request_id) >= s.request.num_computed_tokens + 1 + 3
+        assert len(b.blocks.page_table(s.request.slot)) * b.blocks.page_size >= s.request.num_computed_tokens + 1 + 3
     msg = packing.verify_message(batch, b.blocks, ProposerSpec("ngram", 3))
     assert list(msg.plan.qo_indptr) == [0, 4, 5]
     assert list(msg.plan.kv_lens) == [s.request.num_computed_tokens + 1 + s.draft_lens for s in rows(batch)]
@@ -449,7 +449,7 @@ def test_duplicate_request_id_is_rejected() -> None:
 def test_schedule_raises_when_the_waiting_head_cannot_fit_and_nothing_runs() -> None:
     b = make_builder(num_pages=4, page_size=2)
     b.add(make_req("a", 5, 2))
-    b.blocks.allocate("outside", {"target": 6})  # pages held outside the builder
+    b.blocks.allocate(np.array([99]), {"target": 6})  # pages held outside the scheduler's slots
     with pytest.raises(RuntimeError, match=r"request a does not fit in the KV pool even alone"):
         b.schedule()
 
@@ -459,7 +459,7 @@ def test_schedule_raises_when_a_lone_running_request_cannot_grow() -> None:
     sim = Sim(b)
     sim.add(make_req("a", 4, 4))
     sim.step()
-    b.blocks.allocate("outside", {"target": 4})
+    b.blocks.allocate(np.array([99]), {"target": 4})
     with pytest.raises(RuntimeError, match=r"request a does not fit in the KV pool even alone"):
         b.schedule()
 
@@ -511,7 +511,7 @@ def test_update_cuts_at_eos_and_max_tokens_and_ends_aborts_and_stops(n: int) -> 
     assert out.counts == [0, 1, 0, 1] + [1] * (n - 4)
     assert sorted((r.request_id, t) for r, t in out.tokens) == \
         sorted([("r1", [11]), ("r3", [eos])] + [(r.request_id, [11]) for r in reqs[4:]])
-    assert all(r.finish_ns == 20 and b.blocks.page_table(r.request_id) == [] for r in out.finished)
+    assert all(r.finish_ns == 20 and b.blocks.page_table(r.slot) == [] for r in out.finished)
     assert sorted(b.requests) == sorted(r.request_id for r in reqs[4:])
     assert b.finish_marked(None, 30).finished == []  # nothing asked for is left
 

@@ -106,7 +106,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             for r, start in zip(batch.requests, batch.start.tolist()):
                 if not r.is_finished:  # rejected candidates' pages went back, the rest stay
                     reserved = -(-(start + width) // ps)
-                    assert len(self.blocks.page_table(r.request_id)) == min(reserved, -(-r.num_tokens // ps))
+                    assert len(self.blocks.page_table(r.slot)) == min(reserved, -(-r.num_tokens // ps))
             self.num_spec += 1
         else:
             b.launched(batch, fills=True)
@@ -155,15 +155,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(set(slots)) == len(slots) and b.table.num_used == len(slots)
         ps = bm.page_size
         for r in self.live.values():
-            held = len(bm.page_table(r.request_id))
+            held = len(bm.page_table(r.slot))
             if r.state is RequestState.RUNNING:
                 assert held * ps >= r.num_computed_tokens  # computed KV is backed by pages
             else:
                 assert held == 0  # waiting or preempted: nothing held
-        for r in self.done:
-            assert bm.page_table(r.request_id) == []
+        for r in self.done:  # a finished request's slot holds nothing until a new request takes it
+            assert bm.page_table(r.slot) == [] or r.slot in slots
         assert bm.num_free_pages + sum(
-            len(bm.page_table(r.request_id, m)) for r in self.live.values() for m in bm.models) == bm.num_pages
+            len(bm.page_table(r.slot, m)) for r in self.live.values() for m in bm.models) == bm.num_pages
 
 
 TestScheduler = SchedulerMachine.TestCase
