@@ -1,29 +1,24 @@
 """The adaptive draft length: each decode-only step's D by the goodput criterion.
 
-Why: a fixed D is right for one load only. Speculation pays at batch 1 and stops paying as the
-batch grows (the verify costs B·(1 + D) target tokens), and acceptance differs between requests.
-Before each decode-only step this policy picks D in {0, ..., max_draft_len} maximizing the
-batch's expected output tokens per second,
+Speculation pays at batch 1 and stops paying as the batch grows (the verify costs B·(1 + D) target tokens), and
+acceptance differs between requests. Before each decode-only step the policy picks D in {0, ..., max_draft_len}
+maximizing the batch's expected output tokens per second,
 
     rate(D) = sum_i (1 + E[accepted_i | d_i]) / (T_target(B, D) + T_draft(B, D) + T_fill(B, D)),
 
-NVIDIA's criterion T(B)·AL / (T(B(1 + D)) + T_draft(B, D)) with the proposer's fill;
-d_i = min(D, tokens row i has room for). D = 0 is a plain step. Then each row drafts only the
-leading positions worth their cost at the chosen rate (`_worth`): a request whose drafts keep
-failing stops costing the batch.
+NVIDIA's criterion T(B)·AL / (T(B(1 + D)) + T_draft(B, D)) with the proposer's fill; d_i = min(D, tokens row i has
+room for); D = 0 is a plain step. Each row then drafts only the leading positions worth their cost (`_worth`).
 
-- Acceptance: p[i, k] = P(draft k accepted | k - 1 were), per request, shrunk toward an
-  engine-wide estimate (`Acceptance`): a verify counts positions up to the accepted count
-  accepted and the next one rejected; E[accepted_i | d] = sum_{j <= d} prod_{k <= j} p[i, k].
-- Costs: one non-negative linear model per device op (scheduler/cost_model.py), fitted online
-  from the launches' device intervals and priced on the step's launch shapes.
-- Exploration: a budget of `explore` of every step's predicted time pays for probes, each its
-  whole predicted step: whenever it holds the dearest length's, the step runs the length rated
-  highest, the best one aside, with every acceptance read one standard error up -- so a stale
-  estimate cannot keep speculation off, or short, for ever.
+- Acceptance: p[i, k] = P(draft k accepted | k - 1 were), per request, shrunk toward an engine-wide estimate; a
+  verify counts positions up to the accepted count accepted, the next one rejected;
+  E[accepted_i | d] = sum_{j <= d} prod_{k <= j} p[i, k].
+- Costs: one non-negative linear model per device op, fitted online from device intervals, priced on launch shapes.
+- Exploration: every step adds `explore` of its predicted time to a budget; whenever that covers the dearest length's
+  step, the step probes the highest-rated length other than the best, every acceptance read one standard error up,
+  and pays its predicted time from the budget, so a stale estimate cannot keep speculation off, or short, for ever.
 
-Unhidden host time and a lazy proposer's catch-up fill are not priced: neither gained 1% in the
-simulator's scenarios (benchmarks/RESULTS.md). The state a trace's header carries is versioned.
+Unhidden host time and a lazy proposer's catch-up fill are not priced: neither gained 1% in the simulator's scenarios.
+The state a trace's header carries is versioned.
 """
 from __future__ import annotations
 
@@ -45,9 +40,8 @@ def current_state(state: dict) -> dict | None:
 
 
 class Acceptance:
-    """Per-position acceptance: engine-wide counts (an exponentially weighted mean started at
-    `prior`) and per-slot counts that fade by `decay` a verify, the engine-wide estimate
-    weighing `shrink` observations in each slot's."""
+    """Per-position acceptance: engine-wide counts (an exponentially weighted mean started at `prior`) and per-slot
+    counts fading by `decay` a verify, the engine-wide estimate weighing `shrink` observations in each slot's."""
 
     def __init__(self, max_draft_len: int, slots: int, prior: float = 0.7, decay: float = 0.85,
                  shrink: float = 4.0, prior_weight: float = 8.0, min_weight: float = 0.02):
@@ -92,9 +86,8 @@ class Acceptance:
 
 
 class AdaptivePolicy:
-    """A `DraftPolicy` (scheduler/draft_policy.py) choosing D by the goodput criterion (see the
-    module docstring). `costs` prices a step's launches (`StepCosts`); `first_draft_len` is D
-    while a launch's cost is still unknown (speculating teaches every model)."""
+    """A `DraftPolicy` choosing D by the goodput criterion; `first_draft_len` is D while a launch's cost is still
+    unknown (speculating teaches every model)."""
 
     adaptive = True
     pauses = True
@@ -116,8 +109,8 @@ class AdaptivePolicy:
         self.last = None
 
     def _rates(self, view: StepView, use: np.ndarray, reach: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(rate, predicted step ns) at each D, from each row's reach [rows, Dmax]: P(draft k made
-        and accepted); rate nan where a cost is unknown."""
+        """(rate, predicted step ns) at each D from reach [rows, Dmax] = P(draft k made and accepted); rate nan where a
+        cost is unknown."""
         gain = np.concatenate([np.zeros((len(reach), 1)), np.cumsum(reach, axis=1)], axis=1)
         rows = np.arange(len(reach))
         emitted = (1.0 + gain[rows[None, :], use]).sum(axis=1)  # [1 + Dmax]
@@ -163,10 +156,9 @@ class AdaptivePolicy:
         return self.last
 
     def _worth(self, reach: np.ndarray, draft_lens: np.ndarray, rate: float, probe: bool) -> np.ndarray:
-        """Each row's drafts cut to the leading positions worth their cost at the step's rate:
-        P(reached and accepted) >= rate x what one more draft costs (a verify position, a draft
-        forward, a fill position), so a request whose drafts keep failing stops costing the
-        batch -- but in a probe, which is there to find out whether they still fail."""
+        """Each row's drafts cut to the leading positions with P(reached and accepted) >= rate x one more draft's cost,
+        so a request whose drafts keep failing stops costing the batch -- except in a probe (it finds out whether they
+        still fail)."""
         if probe:
             return draft_lens
         worth = reach >= rate * self.costs.per_draft_ns()

@@ -1,11 +1,7 @@
-"""Device cost models of a step's launches: one non-negative linear model per op.
-
-Every reader prices with one function, `LinearModel` -- the adaptive draft length (a step at every
-D before it runs), the simulator's virtual device and host costs, `tune`: ns linear in a launch's
-shape over its op's feature table (`launch_features`): a target forward or a fill over `OP_FEATURES`,
-the draft over `DRAFT_FEATURES` (rows stop drafting at their own count; a step's first token comes
-from logits already there). simulator/fit.py fits them from traces (`StageModel`); `OnlineModel`
-fits one from device intervals as they arrive, and `StepCosts` prices a decode-only step with them.
+"""Device cost models of a step's launches: one non-negative `LinearModel` per op, which every reader prices with (the
+adaptive draft length, the simulator's virtual device and host costs, `tune`). ns is linear in a launch's features: a
+forward or a fill over `OP_FEATURES`, the draft over `DRAFT_FEATURES` (rows stop drafting at their own count; a step's
+first token comes from logits already there). `OnlineModel` fits one from device intervals as they arrive.
 """
 from __future__ import annotations
 
@@ -23,14 +19,12 @@ TARGET_FEATURES = OP_FEATURES + ("verify",)  # decodes and verifies: one model, 
 
 @dataclass
 class LinearModel:
-    """A launch's (or host stage's) cost: ns = sum of coef[f] * feature f over its feature table,
-    floored at 0."""
+    """A launch's (or host stage's) cost: ns = sum of coef[f] * feature f, floored at 0."""
 
     coef: dict[str, float]  # feature -> ns per unit
 
     def price(self, attrs: dict, tile: int = 1) -> float:
-        """The cost of a launch of shape `attrs` (its span attributes); `tile` pads the token
-        count up to a multiple (a GPU's matrix instructions)."""
+        """The cost of a launch of shape `attrs`; `tile` pads the token count up to a multiple (GPU matrix tiles)."""
         c = self.__dict__.get("_c")
         if c is None:  # the coefficients in LAUNCH_FEATURES order, once (priced per simulated launch)
             c = self.__dict__["_c"] = tuple(self.coef.get(f, 0.0) for f in LAUNCH_FEATURES)
@@ -51,8 +45,7 @@ class LinearModel:
         return total if total > 0.0 else 0.0
 
     def price_rows(self, features: tuple[str, ...], x: np.ndarray) -> np.ndarray:
-        """[n] costs of n shapes given as rows of `features` ([n, len(features)]): the same
-        price at many shapes at once (the policy's step at every draft length)."""
+        """[n] costs of n shapes given as rows of `features` ([n, len(features)])."""
         cache = self.__dict__.setdefault("_rows", {})  # features -> coefficient vector
         v = cache.get(features)
         if v is None:
@@ -61,10 +54,9 @@ class LinearModel:
 
 
 class OnlineModel:
-    """Exponentially weighted least squares (each sample's weight halves every `half_life`
-    samples) over features scaled to their largest value seen, a small ridge toward `prior`
-    (a seed profile's coefficients, or zeros); negative coefficients are dropped and the rest
-    refitted. Refitted lazily, when priced after new samples."""
+    """Exponentially weighted least squares (a sample's weight halves every `half_life` samples) over features scaled
+    to their largest value seen, with a small ridge toward `prior` (a seed profile's coefficients, or zeros); negative
+    coefficients are dropped and the rest refitted. Refitted lazily, when priced after new samples."""
 
     def __init__(self, features: tuple[str, ...], prior: dict | None = None, half_life: float = 64.0,
                  ridge: float = 1e-3):
@@ -115,27 +107,23 @@ class OnlineModel:
         self._model = LinearModel(dict(zip(self.features, coef.tolist())))
 
     def model(self) -> LinearModel:
-        """The fit as of now (refitted if samples came since it was due), priced like any other
-        cost model."""
+        """The fit as of now (refitted if due)."""
         if self._dirty and self.n:
             self._fit()
         return self._model
 
 
 class StepCosts:
-    """A decode-only step's device time at each draft length: the target forward (decode or
-    verify), the draft launch (`draft_op`) and the fill (`has_fill`: over the verify window --
-    `window_fill` -- or the accepted tokens), one `OnlineModel` per op (seeded from a cost
-    profile's JSON, `seed`). Where an op's first launch pays one-off costs (`cold_first_launch`)
-    that interval is not a sample."""
+    """A decode-only step's device time at each draft length: target forward (decode or verify), draft (`draft_op`)
+    and fill (`has_fill`: over the verify window with `window_fill`, else the accepted tokens), one `OnlineModel` per
+    op, seeded from a cost profile's JSON (`seed`). With `cold_first_launch` an op's first interval is no sample."""
 
     def __init__(self, *, draft_op: bool, has_fill: bool, window_fill: bool, seed: dict | None = None,
                  cold_first_launch: bool = False):
         dev = (seed or {}).get("device", {})
 
-        # a decode and a verify are the same forward over their tokens; a verify's extra cost (its
-        # logits at every position, acceptance) is a term of its own, so the decode's price is
-        # known once verifies ran (a profile seeds it from its verify model)
+        # decode and verify share one forward model, a verify's extra cost (logits at every position, acceptance) a
+        # term of its own, so the decode's price is known once verifies ran (a profile seeds it from its verify model)
         target = dict((dev.get("verify") or {}).get("coef") or {})
         if target:
             target["verify"] = 0.0

@@ -1,10 +1,5 @@
-"""The draft length of each decode-only step: the `DraftPolicy` seam and the fixed policy.
-
-Why a protocol: the scheduler asks a policy for each decode-only step's D, and the
-pipeline tells it once per step what that step did (`StepOutcome`: its verify's acceptance,
-the device intervals of the launches completed since, the step's wall time). A fixed D is
-`FixedPolicy`; the adaptive one is scheduler/adaptive.py's `DraftLenPolicy`; a test that needs
-a given sequence of draft lengths writes a policy of its own instead of patching one.
+"""The draft length of each decode-only step: the `DraftPolicy` seam and the fixed policy. The scheduler asks a policy
+for each decode-only step's D; the pipeline tells it once per step what that step did (`StepOutcome`).
 """
 from __future__ import annotations
 
@@ -57,11 +52,9 @@ class StepOutcome:
 
 class DraftPolicy(Protocol):
     max_draft_len: int
-    # it chooses D step by step from what it observes: the pipeline then records each step's D
-    # and sends it every `StepOutcome` (a fixed policy is sent none)
+    # chooses D from what it observes: the pipeline records each step's D and sends it every `StepOutcome`
     adaptive: bool
-    # it may choose D = 0 on a decode step: a proposer with lazy fills then skips them and
-    # catches up when drafting resumes
+    # may choose D = 0 on a decode step: a proposer with lazy fills then skips them until drafting resumes
     pauses: bool
     last: Decision | None  # the latest decision
 
@@ -79,9 +72,8 @@ class DraftPolicy(Protocol):
 
 
 class PolicyFeed:
-    """What an adaptive policy is told, gathered over a step and delivered once (`deliver`)
-    before the next choice: the step's verify, its wall time, and the device intervals of the
-    launches completed since. A fixed policy is told nothing, so nothing is gathered for it."""
+    """What an adaptive policy is told (the step's verify, its wall time, the device intervals of launches completed
+    since), gathered over a step and delivered once before the next choice. Nothing is gathered for a fixed policy."""
 
     def __init__(self, policy: DraftPolicy):
         self.policy = policy
@@ -105,8 +97,8 @@ class PolicyFeed:
         self._step = (batch, wall_ns, self._step[2] if self._step is not None else None)
 
     def deliver(self, gen: np.ndarray) -> None:
-        """The gathered `StepOutcome`; `gen` [slots]: each slot's generation now (a verified
-        row whose request is gone since teaches the engine-wide estimates only)."""
+        """The gathered `StepOutcome`; `gen` [slots]: each slot's generation now (a verified row whose request has gone
+        teaches the engine-wide estimates only)."""
         keep, done = [], []
         for launch in self._launches:
             ev = launch.event

@@ -1,10 +1,6 @@
-"""EngineConfig: one validated object for everything an engine run chooses.
-
-Why pydantic: the same object is loaded from JSON/YAML files, mapped to CLI flags, and
-written into every trace header, with one set of validation messages. It lives in the
-scheduler package (it needs no runtime module, and no torch) so that the simulator's replay
-builds its configuration through it too (`EngineConfig.from_header`): one set of defaults
-and checks for an engine run and its replay. `specsched.runtime.engine_config` re-exports it.
+"""EngineConfig: one validated object for everything an engine run chooses, loaded from JSON/YAML, mapped to CLI flags
+and written into every trace header. Torch-free, so the simulator's replay builds its configuration through it too
+(`EngineConfig.from_header`): one set of defaults and checks for a run and its replay.
 """
 from __future__ import annotations
 
@@ -27,10 +23,8 @@ from specsched.scheduler.wiring import (DEFAULT_DRAFT_LEN, NATURAL_SCHEDULE, TRE
                                         WARMUP_TOKENS, proposer_spec)
 from specsched.traces.names import ProposerKind, ProposerName, ScheduleName, schedule_name
 
-# The engine's start-up warm-up request (runtime/engine.py `AsyncEngine._warm_up`), which the
-# simulator's replay emulates (simulator/replay.py): its id, its prompt (the replay, which
-# has no tokenizer, gives it the first replayed request's prompt length) and its sampling
-# (`warmup_params`: greedy, at most wiring.WARMUP_TOKENS output tokens, EOS ignored).
+# The engine's start-up warm-up request, which the simulator's replay emulates (without a tokenizer, giving it the
+# first replayed request's prompt length); `warmup_params`: greedy, at most WARMUP_TOKENS tokens, EOS ignored.
 WARMUP_ID = "specsched-warmup"
 WARMUP_PROMPT = "def main():\n    return 0\n"
 
@@ -194,8 +188,7 @@ class EngineConfig(BaseModel):
         validate_combination(self.proposer, self.schedule, self.longest_draft_len)
         spec = self.proposer_spec()  # validates the draft length
         self._check_synthetic(spec)
-        # a step must hold at least one verification row (the last token + the candidates),
-        # or no speculative request could ever be scheduled
+        # a step must hold one verification row (last token + candidates), or no speculative request is ever scheduled
         width = 1 + spec.num_candidates
         if self.max_num_batched_tokens < width:
             what = (f"1 + the eagle tree's {spec.num_candidates} nodes" if self.proposer == ProposerKind.EAGLE
@@ -225,8 +218,7 @@ class EngineConfig(BaseModel):
                                    self.synthetic_acceptance_independent)
 
     def graph_sizes(self) -> tuple[int, ...]:
-        """The row counts uniform steps are padded to (scheduler/padding.py); () where every step
-        runs at its own shape."""
+        """The row counts uniform steps are padded to; () where every step runs at its own shape."""
         if not self.cuda_graphs:
             return ()
         return capture_sizes(self.cuda_graph_sizes)
@@ -253,10 +245,8 @@ class EngineConfig(BaseModel):
 
     @classmethod
     def from_header(cls, recorded: Mapping[str, Any], **changes: Any) -> "EngineConfig":
-        """The configuration a trace header's `engine_config` records, with `changes` on top
-        (a replay's what-ifs). A trace of an earlier release may name settings this one no
-        longer has (dropped) and lack ones it added (their defaults); anything else invalid is a
-        ConfigurationError naming the field."""
+        """A trace header's `engine_config` with `changes` (a replay's what-ifs) on top. Settings this release no longer
+        has are dropped, missing ones take their defaults; anything else invalid is a ConfigurationError naming it."""
         data = {k: v for k, v in recorded.items() if k in cls.model_fields}
         data.update(changes)
         try:

@@ -1,12 +1,6 @@
-"""The host's side of every device launch, and what is in flight.
-
-Why a class of its own: a step's primitives (scheduler/step_ops.py) pack messages and book
-results; the pipeline loop (scheduler/pipeline.py) decides when a step runs. Between them,
-every launch goes the same way -- the slots whose device state is to be released ride along,
-the launch and its wait are recorded as spans (and, in the simulator, charged as host time),
-the draft-length policy's feed hears of it -- and a step's outcome goes the same way to the
-sink and the trace. The launcher holds what is in flight across steps: a plain step launched
-ahead (`inflight`) and the proposer's fill left running (`pending_fill`).
+"""The host's side of every device launch: released slots ride along, the launch and its wait are recorded as spans
+(in the simulator, charged as host time), the policy feed hears of it; a step's outcome goes to the sink and the trace.
+Also what is in flight across steps: a plain step launched ahead and the proposer's fill left running.
 """
 from __future__ import annotations
 
@@ -34,16 +28,14 @@ class Launcher:
         self.sink = sink
         self.trace = trace
         self.feed = feed
-        # a device that only models time (the simulator's) needs no attention metadata
         self.with_plan = device.needs_plans
         self.main = device.stream("main")
         self.aux = device.stream("draft")
         self.release: list[int] = []  # slots whose device state goes with the next launch
         self.pending_fill: Launch | None = None  # the proposer's fill left running
         self.inflight: tuple[StepBatch, Launch] | None = None  # a plain step launched ahead
-        # Simulator hook: virtual nanoseconds a host stage costs, given its attributes, passed
-        # on the clock's `advance_ns` (busy time). The engine leaves it None: real host work
-        # takes real time.
+        # Simulator hook: (stage name, attributes) -> virtual ns, passed to the clock's `advance_ns` (busy time).
+        # None in the engine: real host work takes real time.
         self.host_cost: Any = None
 
     # -- launches and waits ------------------------------------------------------------------
@@ -52,10 +44,9 @@ class Launcher:
             msg = replace(msg, release=tuple(self.release))
             self.release = []
         t0 = self.now()
-        attrs = msg.shape.attrs()  # the launch's spans' attributes
+        attrs = msg.shape.attrs()
         launch = Launch(stream.launch(msg.op, msg), msg.step, msg.op, attrs)
-        # simulator: the host's launch work is charged after the virtual device took the
-        # launch, whose lead (launch start -> device start) covers the packing already
+        # charged after the virtual device took the launch, whose lead (launch -> device start) covers the packing
         self.charge("launch:" + msg.op, attrs)
         if self.trace.tracer.enabled:
             self.trace.launched(launch, t0)
@@ -79,9 +70,8 @@ class Launcher:
 
     # -- host stages ---------------------------------------------------------------------------
     def charge(self, name: str, attrs: dict) -> None:
-        """Simulator: a host stage's modelled cost passes as busy time -- the virtual clock
-        advances and no other task runs meanwhile, as during a CPU stage on the real event
-        loop (a request submitted then is seen at the pipeline's next real wait)."""
+        """Simulator: a host stage's modelled cost passes as busy time, no other task running meanwhile, as on the real
+        event loop (a request submitted then is seen at the pipeline's next real wait)."""
         if self.host_cost is not None:
             self.clock.advance_ns(int(self.host_cost(name, attrs)))
 
@@ -96,8 +86,7 @@ class Launcher:
 
     @staticmethod
     def attrs(batch: StepBatch, computed: np.ndarray | None = None) -> dict:
-        """The step's shape as span attributes; with `computed` (the rows' computed tokens
-        after the step's bookkeeping) the output stage's."""
+        """The step's shape as span attributes; with `computed` (after the step's bookkeeping) the output stage's."""
         attrs = packing.batch_shape(batch, (1 + batch.draft_len)).attrs()
         if computed is not None:
             attrs["kv_tokens"] = total(computed + batch.num_new + batch.draft_lens)
@@ -105,8 +94,7 @@ class Launcher:
 
     # -- outcomes ------------------------------------------------------------------------------
     def deliver(self, out: StepOutput) -> list[int]:
-        """What the scheduler did to a step's requests, passed on: new tokens to the sink, each
-        finish to the device (its state goes with the next launch), the trace and the sink.
+        """New tokens to the sink, each finish to the device (released with the next launch), the trace and the sink.
         Returns [B] tokens each row kept."""
         on_tokens = self.sink.on_tokens
         for r, tokens in out.tokens:

@@ -1,26 +1,16 @@
-"""The device messages: one frozen dataclass per op (packed from a scheduled step by
-scheduler/packing.py).
+"""The device messages and results: one frozen dataclass per op, so work goes unchanged (pickled) to a worker process,
+to CUDA in-process or to the simulator's virtual device. The device keeps per-request token state (by slot); messages
+say which positions to compute, never tokens the device produced, so the host need not wait for them (the basis of
+the no-sync schedules).
 
-Why: work crosses to the device as a typed message of arrays and scalars, so it can go over a
-pipe to a worker process (pickled), to CUDA in-process, or to the simulator's virtual device
-unchanged, and every reader (the worker, the proposers, the paced worker, the virtual device)
-names the fields it reads. The device keeps per-request token state (indexed by slot);
-messages say which positions to compute, never the tokens the device itself produced, so the
-host need not wait for them (the basis of the no-sync schedules).
-
-Ops and their messages (per-row fields are [B] numpy arrays over the scheduled rows):
-  forward  `ForwardMessage`: target forward of prefill chunks / decodes; samples where `samples`
-  draft    `DraftMessage`: the proposer makes up to `draft_lens` tokens per row (one launch)
-  verify   `VerifyMessage`: target over the last token + candidates, acceptance, bonus token
-  fill     `FillMessage`: proposer KV fill (draft model: unseen tokens; head: a target batch)
-and, outside the step loop, `AgreementMessage` (the proposer's agreement with an output).
-Every message carries its `LaunchShape` (what traces and cost models read: a virtual or
-paced device times the launch by it) and the slots whose device state is to be `release`d
-before the op runs. Results are typed the same way (`ForwardResult`, `DraftResult`,
-`VerifyResult`, `FillResult`); `substages` are device-side (name, start_ns, end_ns) stamps.
-On a tensor-parallel device a result also carries `ranks`, the other ranks' intervals that
-completed since the previous result, as (rank, span name, step, start_ns, end_ns), and
-`comm`, the op's (broadcast ns, all-reduce ns) on the leader.
+Ops (per-row fields are [B] numpy arrays over the scheduled rows): forward (prefill chunks / decodes, sampling where
+`samples`), draft (up to `draft_lens` tokens per row, one launch), verify (target over the last token + candidates,
+acceptance, bonus token), fill (proposer KV: a draft model's unseen tokens, a head's target batch); outside the step
+loop, agreement. A message carries its `LaunchShape` (traces and cost models read it; a virtual or paced device times
+the launch by it) and the slots to `release` before the op runs. In results, `substages` are device-side
+(name, start_ns, end_ns) stamps; on a tensor-parallel device `ranks` are the other ranks' intervals completed since
+the previous result, as (rank, span name, step, start_ns, end_ns), and `comm` the op's (broadcast ns, all-reduce ns)
+on the leader.
 """
 from __future__ import annotations
 
@@ -47,7 +37,7 @@ class LaunchShape:
     draft_forwards: int | None = None
     # requests x longest query x longest KV: the cells of an attention padded to the longest row
     padded_attn: int | None = None
-    # `attrs()` built once: a launch's pipeline, trace, device and cost model each ask for it
+    # `attrs()` built once (several readers per launch)
     _attrs: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     def attrs(self) -> dict[str, Any]:
@@ -56,8 +46,7 @@ class LaunchShape:
         return (got if got is not None else self.view()).copy()
 
     def view(self) -> dict[str, Any]:
-        """`attrs()` without the copy, for readers that do not change it (the virtual device
-        prices every launch by it)."""
+        """`attrs()` without the copy, for readers that do not change it."""
         got = self._attrs
         if got is not None:
             return got
@@ -107,8 +96,7 @@ class ForwardMessage(Message):
     samples: np.ndarray  # [B] bool: sample a token after the row's last position
     register: tuple[Registration, ...] = ()
     plan: AttentionPlan | None = None  # None for a device that needs no attention metadata
-    # a head's fill of these rows waits (speculation off): the device keeps the target's hidden
-    # states of the forward's positions for the fill that catches the head up (after="catch_up")
+    # a head's fill waits (speculation off): keep these positions' hidden states for its catch-up fill
     keep_hidden: bool = False
 
 
@@ -128,31 +116,27 @@ class VerifyMessage(Message):
     start: np.ndarray  # [B] position of each row's last token
     draft_lens: np.ndarray  # [B] drafts planned
     plan: AttentionPlan | None = None
-    # [B, W] int64 drafts made on the host (`ProposerRules.host_drafts`; row i's first
-    # draft_lens[i] valid), which the device puts after each row's last token; None: the
-    # proposer's draft launch put them there
+    # [B, W] int64 host-made drafts (row i's first draft_lens[i] valid), put after each row's last token;
+    # None: the proposer's draft launch put them there
     drafts: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FillMessage(Message):
     op: ClassVar[str] = "fill"
-    # "forward" / "verify": a head consumes that launch's target hidden states; "catch_up": the
-    # ones the device kept (`ForwardMessage.keep_hidden`) of the positions it missed
+    # "forward" / "verify": a head consumes that launch's target hidden states; "catch_up": the kept ones
     after: str
     start: np.ndarray  # [B] first position filled
     end: np.ndarray  # [B] end of the fill
     plan: AttentionPlan | None = None
-    # after a verify: the fill covers its window, launched before the accepted lengths are
-    # known -- the device reads each row's tokens up to its new last one (past it, that one
-    # again: KV the next steps overwrite) and carries the logits at the accepted index
+    # over a verify's window, before acceptance is known: the device reads each row's tokens up to its new last one
+    # (past it, that one again: KV the next steps overwrite) and carries the logits at the accepted index
     window: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class AgreementMessage:
-    """Not a pipeline op: the proposer's teacher-forced greedy agreement with an output
-    (recorded in traces for the simulator, `specsched bench`)."""
+    """Not a pipeline op: the proposer's teacher-forced greedy agreement with an output (traced for the simulator)."""
 
     op: ClassVar[str] = "agreement"
     prompt: list[int]

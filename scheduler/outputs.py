@@ -1,10 +1,6 @@
-"""A step's emitted tokens: which each request keeps (cut at max_tokens and EOS), which
-requests that ends, and what `Scheduler.update` reports of it (`StepOutput`).
-
-Why a function of its own: `Scheduler.update` books a step's counters and then hands its rows'
-tokens here; what each row keeps and why a request ends is decided here, whole-array where
-the batch is large (counts and finishes by length), one row at a time where a row has an
-EOS, an abort or a stop pending. The scheduler applies the finishes (pages and slots freed).
+"""A step's emitted tokens: which each request keeps (cut at max_tokens and EOS) and which requests that ends,
+whole-array where the batch is large, one row at a time where a row has an EOS, an abort or a stop pending. The
+scheduler applies the finishes (pages and slots freed).
 """
 from __future__ import annotations
 
@@ -88,8 +84,7 @@ def emit(t: SlotTable, batch: StepBatch, rows: np.ndarray, tokens, lens: np.ndar
 
 
 def marked_reason(req: Request) -> str:
-    """Why a request an abort or stop was asked for ends: "abort", or "stop" with its output
-    cut after the stop string (`stop_at` tokens)."""
+    """Why a marked request ends: "abort", or "stop" with its output cut after the stop string (`stop_at` tokens)."""
     if req.abort_requested:
         return "abort"
     if req.stop_at < req.num_output_tokens:
@@ -99,9 +94,8 @@ def marked_reason(req: Request) -> str:
 
 
 def _counts(t: SlotTable, batch: StepBatch, rows: np.ndarray, lens: np.ndarray, now: int, out: Emitted) -> Emitted:
-    """`emit` where no token ids are kept and no EOS, abort or stop applies: counts,
-    first-token times and finishes by length, whole-array but for the rows that get their
-    first token or finish."""
+    """`emit` where no token ids are kept and no EOS, abort or stop applies: counts, first-token times and finishes by
+    length, whole-array but for the rows that get their first token or finish."""
     reqs = batch.requests
     slots = batch.slots[rows]
     have = t.num_output[slots]

@@ -1,11 +1,4 @@
-"""Packing a scheduled step into its device messages (scheduler/messages.py): each op's rows,
-positions, launch shape and attention plan, from the `StepBatch` and the block manager's page
-tables.
-
-Why a module of its own: the message types are what every reader of a launch imports (the
-worker, the proposers, the paced worker, the virtual device); how a step becomes those
-messages is the pipeline's step primitives' (scheduler/step_ops.py) alone.
-"""
+"""Packing a scheduled step into its device messages: each op's rows, positions, launch shape and attention plan."""
 from __future__ import annotations
 
 from typing import Any
@@ -29,9 +22,8 @@ def shape(qo_lens: np.ndarray, kv_lens: np.ndarray, **extra: Any) -> LaunchShape
 
 
 def _padded(n: int, qo_lens: np.ndarray | int, kv_lens: np.ndarray) -> int:
-    """`LaunchShape.padded_attn` of rows computing `qo_lens` tokens (an int: every row) with KV
-    `kv_lens`: the rows padded to the longest query and KV of the group the torch backend attends
-    them in (`plan.attention_groups`: one-token rows apart, longer ones by length class)."""
+    """`LaunchShape.padded_attn` of rows computing `qo_lens` tokens (an int: every row) with KV `kv_lens`: each row
+    padded to the longest query and KV of its `plan.attention_groups` group."""
     if not n:
         return 0
     if isinstance(qo_lens, int):
@@ -43,9 +35,8 @@ def _padded(n: int, qo_lens: np.ndarray | int, kv_lens: np.ndarray) -> int:
 
 
 def batch_shape(batch: StepBatch, row_tokens: int = 0, **extra: Any) -> LaunchShape:
-    """Shape of a step for traces and cost models: requests, tokens, KV tokens. With a `width`
-    a speculative step counts that many tokens per row (a tree's verify: 1 + its nodes; the
-    schedule's token budget: 1 + D); without, each row's own (1 + its drafts)."""
+    """Shape of a step for traces and cost models. With `row_tokens` a speculative step counts that many tokens per row
+    (a tree's verify: 1 + its nodes; the token budget: 1 + D); without, each row's own (1 + its drafts)."""
     cache = batch.shape_cache  # asked for by several stages of the step
     if not extra:
         got = cache.get(row_tokens)
@@ -66,8 +57,7 @@ def batch_shape(batch: StepBatch, row_tokens: int = 0, **extra: Any) -> LaunchSh
 
 
 def _tables(blocks: BlockManager, slots: np.ndarray, model: str = "target") -> dict:
-    """The rows' page tables as the plan takes them: the model's whole table, the rows in
-    it and their page counts (the plan gathers the pages it needs, nothing more)."""
+    """`build_plan`'s page-table arguments: the model's whole table, the rows in it and their page counts."""
     table, counts = blocks.table_of(model)
     return {"page_tables": table, "table_rows": slots, "table_lens": counts[slots]}
 
@@ -96,12 +86,10 @@ def forward_message(batch: StepBatch, blocks: BlockManager, with_plan: bool = Tr
 def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
                    with_plan: bool = True, draft_lens: np.ndarray | None = None,
                    drafts: np.ndarray | None = None, uniform: bool = False) -> VerifyMessage:
-    """Target over each row's last token and its candidates: 1 + the row's drafts (`draft_lens`,
-    default the batch's: what it was asked to draft) -- a row that drafts less computes less
-    -- or, for a tree, 1 + its nodes in every row. `uniform`: every row verifies 1 + the step's
-    D positions (the shape a CUDA graph was captured for; the positions past a row's drafts are
-    never accepted, their KV is in pages the step reserved and is trimmed after). `drafts`: the
-    draft tokens, where the host made them."""
+    """Target over each row's last token and its candidates: 1 + the row's drafts (`draft_lens`, default the batch's
+    asked-for ones) or, for a tree, 1 + its nodes. `uniform`: every row verifies 1 + the step's D positions (a CUDA
+    graph's shape; positions past a row's drafts are never accepted, their KV is in reserved pages, trimmed after).
+    `drafts`: the draft tokens, where the host made them."""
     nd = batch.draft_lens if draft_lens is None else draft_lens
     start = batch.start
     n = len(batch)
@@ -123,9 +111,8 @@ def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
 
 def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
                   with_plan: bool = True) -> DraftMessage:
-    """The proposer's D steps in one launch; the device derives per-step plans from the
-    page tables (multi-step work that belongs together is one launch). Without plans (a
-    device that only models time) no page tables are sent."""
+    """The proposer's D steps in one launch; the device derives per-step plans from the page tables (none sent
+    without plans: a device that only models time)."""
     nd = batch.draft_lens
     s = batch_shape(batch, (1 + batch.draft_len))
     shape_ = LaunchShape(s.requests, s.tokens, s.kv_tokens, draft_len=largest(nd) if nd.size else 0,
@@ -140,11 +127,8 @@ def draft_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
 def fill_message(step: int, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                  blocks: BlockManager, spec: ProposerSpec, *, after: str,
                  with_plan: bool = True, window: bool = False) -> FillMessage:
-    """Proposer KV fill over positions [starts[i], ends[i]) of each row.
-
-    after="forward"/"verify": a head (MTP) consumes the target hidden states of that launch,
-    so its rows and positions equal the target batch's; a draft model only needs tokens.
-    """
+    """Proposer KV fill over positions [starts[i], ends[i]) of each row. after="forward"/"verify": a head (MTP)
+    consumes that launch's target hidden states, so its rows and positions are the target batch's."""
     assert spec.kv_model is not None
     lens = ends - starts
     plan = build_plan(lens, ends, page_size=blocks.page_size,
@@ -155,19 +139,16 @@ def fill_message(step: int, slots: np.ndarray, starts: np.ndarray, ends: np.ndar
 
 def prefill_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
                          proposer_computed: np.ndarray, with_plan: bool = True) -> FillMessage | None:
-    """The proposer's fill after a forward step (None if no row needs one); computed from the
-    step's rows as scheduled. A head (or EAGLE) fills the target's new positions, and a row it
-    is behind on (its fills waited, `ProposerRules.lazy_fill`) from what it has read: then the
-    whole fill reads the hidden states the device kept (after="catch_up"; the forward must keep
-    its own, `forward_message(keep_hidden=True)`). A draft model catches up from what it has
-    seen (`proposer_computed`, [B]) to the new last token (including a sampled one: its KV runs
-    one token ahead of the target's)."""
+    """The proposer's fill after a forward step (None if no row needs one). A head (or EAGLE) fills the target's new
+    positions, and a row it is behind on (`ProposerRules.lazy_fill`) from what it has read: then the whole fill reads
+    the kept hidden states (after="catch_up"; the forward needs keep_hidden=True). A draft model catches up from
+    `proposer_computed` ([B]) to the new last token, a sampled one included (its KV runs one ahead of the target's)."""
     after = "forward"
-    if spec.kv_ahead == 0:  # a head: the target's new positions, and any it missed before them
+    if spec.kv_ahead == 0:  # a head: also any positions it missed before the new ones
         a, b = np.minimum(proposer_computed, batch.start), batch.start + batch.num_new
         if (a < batch.start).any():
             after = "catch_up"
-    else:  # a model of its own: from what it has read up to the sampled token
+    else:
         a = proposer_computed
         b = batch.start + batch.num_new + spec.kv_ahead * batch.samples
     rows = (b > a).nonzero()[0]
@@ -181,12 +162,10 @@ def prefill_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerS
 
 def verify_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,
                         with_plan: bool = True) -> FillMessage:
-    """The proposer's fill over the verify window, packed before acceptance (`FillMessage.window`):
-    an MTP head's over exactly the verify batch's positions (it consumes the target's hidden
-    states of that launch), a draft model's over those positions one ahead (it reads the tokens
-    the verify emits there: accepted drafts, then the bonus or recovered token), a tree's over
-    the root and one position per depth (the verify compacts the accepted path there; a row
-    that drafted no tree accepts nothing: its root alone)."""
+    """The proposer's fill over the verify window, packed before acceptance (`FillMessage.window`): an MTP head's over
+    the verify's positions, a draft model's over them one ahead (it reads the tokens the verify emits: accepted
+    drafts, then the bonus or recovered token), a tree's over the root and one position per depth (where the verify
+    compacts the accepted path; a row that drafted no tree: its root alone)."""
     start = batch.start + spec.kv_ahead
     if spec.is_tree:  # a row asked for any drafts drafts its whole tree (the worker's EagleProposer)
         span = np.where(batch.draft_lens > 0, spec.max_accept, 0)
@@ -199,11 +178,9 @@ def verify_fill_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSp
 def accept_fill_message(batch: StepBatch, starts_before: np.ndarray, accepted: np.ndarray,
                         proposer_computed: np.ndarray, blocks: BlockManager, spec: ProposerSpec,
                         with_plan: bool = True) -> FillMessage:
-    """The proposer's fill after a verification whose accepted lengths the host now knows.
-    `starts_before[i]` is row i's token count before the step, `proposer_computed[i]` its
-    proposer KV length then. Positions the proposer already wrote while drafting stay valid
-    up to the first rejection; the fill covers the rest of the accepted tokens (and, for a
-    draft model, the bonus token)."""
+    """The proposer's fill once the accepted lengths are known. `starts_before[i]`/`proposer_computed[i]`: row i's
+    token count / proposer KV length before the step. KV written while drafting stays valid up to the first
+    rejection; the fill covers the rest of the accepted tokens (and a draft model's bonus token)."""
     end = starts_before + accepted
     if spec.is_tree:  # a tree's accepted path is compacted in place: rewritten from the last token
         valid = starts_before - 1

@@ -1,20 +1,14 @@
-"""Padded step shapes: the fixed (rows, tokens per row) shapes CUDA graphs are captured for.
+"""Padded step shapes: the fixed (rows, tokens per row) shapes CUDA graphs are captured for. Pure numpy.
 
-Why: a CUDA graph replays kernels over fixed tensor shapes, so a step is run at one of a few
-shapes -- its rows padded up to the next capture size (`DEFAULT_CAPTURE_SIZES`, vLLM's list up
-to 256) -- and the pad rows' outputs are dropped. Pure numpy, on the step's `AttentionPlan` (scheduler/plan.py). Steps where every row computes the same number
-of tokens q (decodes, verifies, draft steps, fills over a verify window; q at most
-`max_tokens_per_row` and one page) take such a shape; prefill chunks, mixed steps, rows of
-different lengths and batches above the largest size run at their own shape.
+A step whose rows all compute the same q tokens (decodes, verifies, draft steps, verify-window fills; q at most
+`max_tokens_per_row` and one page) runs with its rows padded up to the next capture size, the pad rows' outputs
+dropped; prefill chunks, mixed steps, rows of different lengths and batches above the largest size run at their own.
 
-A pad row must never touch a request's state: it reads and writes only the *scratch page*, a
-page past the block manager's pool that every KV cache holds (`PagedKVCache.scratch_page`):
-its KV is its own q tokens at positions 0..q-1, its tokens are id 0, and a tree's pad rows are
-causal. The models take the padded plan's positions and pad their inputs to them; their
-outputs are cut back to the real tokens (`pad_inputs`, `real_rows`).
-
-On a CPU worker the same padded shapes run eagerly (`EngineConfig.cuda_graphs` on a CPU): what
-the tests use to show that padding leaves every real row's outputs and pages as they were.
+A pad row never touches a request's state: it reads and writes only the *scratch page*, a page past the block
+manager's pool that every KV cache holds (`PagedKVCache.scratch_page`): its KV is its own q tokens at positions
+0..q-1, its tokens are id 0, and a tree's pad rows are causal. The models pad their inputs to the padded plan's
+positions and cut their outputs back to the real tokens (`pad_inputs`, `real_rows`). On a CPU worker the padded
+shapes run eagerly, which the tests use to show that padding leaves every real row's outputs and pages as they were.
 """
 from __future__ import annotations
 
@@ -31,8 +25,7 @@ DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 def capture_sizes(sizes: Iterable[int] | None) -> tuple[int, ...]:
-    """`sizes` sorted and checked (None: the defaults); ValueError naming a size that is not a
-    positive integer."""
+    """`sizes` sorted and checked (None: the defaults); ValueError naming a size that is not a positive integer."""
     if sizes is None:
         return DEFAULT_CAPTURE_SIZES
     out = []
@@ -64,8 +57,7 @@ class Padding:
         return self.sizes[bisect.bisect_left(self.sizes, b)], q
 
     def pad(self, plan: AttentionPlan) -> AttentionPlan | None:
-        """The plan with pad rows up to its capture size (`plan` itself when it fills one), or
-        None where it runs at its own shape."""
+        """The plan padded to its capture size (`plan` itself when it fills one); None where it runs at its own."""
         shape = self.shape(plan)
         if shape is None:
             return None
@@ -73,8 +65,7 @@ class Padding:
         return plan if rows == plan.num_seqs else self._with_pad_rows(plan, rows - plan.num_seqs, q)
 
     def scratch_plan(self, rows: int, q: int, tree: bool = False) -> AttentionPlan:
-        """A step of `rows` pad rows alone, q tokens each (causal, or under a tree's mask): what a
-        shape's CUDA graph is captured over before any request runs."""
+        """`rows` pad rows alone, q tokens each (causal, or a tree's mask): what a shape's CUDA graph captures."""
         empty = AttentionPlan(np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(0, np.int32),
                               np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64),
                               np.zeros(0, np.int64), self.page_size, np.zeros(0, bool) if tree else None)

@@ -1,19 +1,13 @@
-"""The async step pipeline: CPU stages as coroutines overlapped with device work.
+"""The async step pipeline: CPU stages as coroutines overlapped with device work. It runs in the engine and in the
+simulator (virtual clock and device) alike, seeing only the Clock/Device protocols, a sink and a tracer, so a
+simulated schedule *is* the production schedule.
 
-Why: this one object runs in the engine (real clock, worker-process or CUDA device) and in
-the simulator (virtual clock and device). It only sees the Clock/Device protocols, a sink
-for outputs and a tracer, so a simulated schedule *is* the production schedule.
+Stages (host unless noted; names are span names): schedule, kv_alloc, plan, draft (device), verify (device), accept
+(device), sync, fill (device: the proposer's KV fill), output.
 
-Stages (host unless noted; names are span names): schedule, kv_alloc, plan, draft (device),
-verify (device), accept (device), sync, fill (device: the proposer's KV fill), output.
-
-Each step: the scheduler (scheduler/scheduler.py) picks its batch and allocates its pages; the
-schedule's runner (scheduler/schedules.py) orders its launches and waits over the step
-primitives (scheduler/step_ops.py), which go through the launcher (scheduler/launcher.py) and
-hand each result to the scheduler's `update`. The loop here knows no schedule or proposer by
-name. With an adaptive draft length, `overlap` and `eager_fill` run
-their plain steps (speculation off) one step ahead too; a step that drafts waits for the one in
-flight (`Runner.runs_ahead`).
+Each step the scheduler picks the batch and allocates its pages, then the schedule's runner orders its launches and
+waits; the loop knows no schedule or proposer by name. With an adaptive draft length, `overlap` and `eager_fill` run
+their plain steps (speculation off) one step ahead too; a step that drafts waits for the one in flight.
 """
 from __future__ import annotations
 
@@ -45,12 +39,10 @@ MAX_KEPT_TOKENS = 16384
 class PipelineConfig:
     schedule: str = "sync"
     proposer: ProposerSpec = ProposerSpec()
-    # with an adaptive draft length, a head whose fills wait while speculation is off leaves
-    # the target's hidden states of the positions it has not read on the device; past this
-    # many over a step's rows it catches up at D = 0, which frees them (forward_step.py)
+    # a head whose fills wait while speculation is off leaves the hidden states of positions it has not read on the
+    # device; past this many over a step's rows it catches up at D = 0, which frees them
     max_kept_tokens: int = MAX_KEPT_TOKENS
-    # every row of a verify computes 1 + D positions, also where it drafted fewer: one shape a
-    # step for the device's padded shapes (CUDA graphs, scheduler/padding.py)
+    # every verify row computes 1 + D positions, even if it drafted fewer: one shape a step (CUDA graphs)
     uniform_verify: bool = False
 
     def __post_init__(self) -> None:
@@ -78,8 +70,7 @@ class Pipeline:
         self.runner: Runner = runner(config.schedule)
         self.scheduler = scheduler
         self.blocks = scheduler.blocks
-        # the draft length's policy: the scheduler asks it each decode-only step's D; an adaptive
-        # one is told what each step did (`PolicyFeed`), a fixed one nothing
+        # the draft-length policy: an adaptive one is told what each step did, a fixed one nothing
         self.policy = scheduler.policy
         self.feed = PolicyFeed(self.policy)
         self.trace = StepTrace(tracer if tracer is not None else NULL_TRACER, clock.now_ns, scheduler.table,
@@ -138,9 +129,8 @@ class Pipeline:
         return True
 
     def stop_request(self, request_id: str, num_output_tokens: int) -> bool:
-        """The request's consumer found a stop string in its text: finish it with reason
-        "stop" at the next step boundary, its output cut to its first `num_output_tokens`
-        tokens (tokens produced meanwhile are dropped). False if unknown or finished."""
+        """A stop string was found: finish with reason "stop" at the next step boundary, the output cut to its first
+        `num_output_tokens` tokens (later ones dropped). False if unknown or finished."""
         if not self.scheduler.stop(request_id, num_output_tokens):
             return False
         self._wake.set()
@@ -171,10 +161,8 @@ class Pipeline:
 
     @asynccontextmanager
     async def warming_up(self) -> AsyncIterator[None]:
-        """The requests served inside are the engine's start-up warm-up (the engine's and the
-        simulator's replay alike): untraced; on leaving, the run loop has drained (a step
-        launched ahead of their finish would otherwise be recorded when it completes) and the
-        draft-length policy keeps what they taught but not its last choice (`warmed_up`)."""
+        """The requests served inside are the start-up warm-up, untraced; on leaving, the loop has drained (else a step
+        launched ahead of their finish would be recorded) and the policy keeps what they taught, not its last choice."""
         tracer, self.tracer = self.tracer, NULL_TRACER
         try:
             yield
@@ -192,9 +180,8 @@ class Pipeline:
         self._wake.set()
 
     def finish_abandoned(self) -> None:
-        """After `run` was cancelled mid-step (not stopped): every request left is finished as
-        aborted, so its pages are freed and its finish recorded. In-flight device work is not
-        waited for; the device is being closed."""
+        """After `run` was cancelled mid-step: every request left is finished as aborted (pages freed, finish recorded).
+        In-flight device work is not waited for; the device is being closed."""
         self.launcher.inflight = None
         self.launcher.deliver(self.scheduler.finish_all(self._now()))
 
@@ -220,10 +207,9 @@ class Pipeline:
                 await anyio.sleep(0)
             return
         if l.inflight is not None and not self.runner.runs_ahead(ops, batch):
-            # this step reads the tokens the plain step in flight samples (its drafts, its
-            # proposer's fill): they reach the host first, and rows that finish on them leave
-            # the batch before it holds pages. The step's time runs from here: the wait is the
-            # previous step's device time
+            # this step reads the tokens the plain step in flight samples: they reach the host first, and rows that
+            # finish on them leave the batch before it holds pages. The step's time runs from here (the wait is the
+            # previous step's device time)
             await ops.complete_inflight()
             batch = without_finished(batch, self.scheduler.table)
             if not len(batch):

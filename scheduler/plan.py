@@ -1,13 +1,8 @@
-"""Attention metadata for one step, in FlashInfer's paged-KV layout.
+"""Attention metadata for one step in FlashInfer's "NHD" paged-KV layout: built once per step (real host work) and
+consumed as is by both attention backends (torch reference and FlashInfer) in every layer. Pure numpy, no wall clock.
 
-Why: the `plan` stage is host work every step. Both attention backends (torch reference and
-FlashInfer) consume exactly these arrays, built once per step and reused by every layer, so
-the host cost measured here is the real one. Pure numpy: no torch, no wall clock.
-
-Layout (FlashInfer "NHD" paged KV, see BatchPrefillWithPagedKVCacheWrapper.plan):
-  sequence i has qo_len[i] new (query) tokens and kv_len[i] tokens of KV after appending them;
-  its KV lives in pages paged_kv_indices[paged_kv_indptr[i]:paged_kv_indptr[i+1]], the last
-  page holding paged_kv_last_page_len[i] valid entries.
+Sequence i has qo_len[i] new (query) tokens and kv_len[i] KV tokens after appending them; its KV lives in pages
+paged_kv_indices[paged_kv_indptr[i]:paged_kv_indptr[i+1]], the last page holding paged_kv_last_page_len[i] entries.
 """
 from __future__ import annotations
 
@@ -46,7 +41,7 @@ class AttentionPlan:
         return np.diff(self.qo_indptr)
 
     def rows(self, lo: int, hi: int) -> "AttentionPlan":
-        """The plan of sequences [lo, hi) alone (a micro-batch of this step's rows)."""
+        """The plan of sequences [lo, hi) alone (a micro-batch)."""
         q0, q1 = int(self.qo_indptr[lo]), int(self.qo_indptr[hi])
         k0, k1 = int(self.paged_kv_indptr[lo]), int(self.paged_kv_indptr[hi])
         mask = None
@@ -62,8 +57,7 @@ class AttentionPlan:
 
 
     def select(self, rows: np.ndarray) -> "AttentionPlan":
-        """The plan of the sequences `rows` alone (sorted indices; no custom mask): e.g. the
-        decode rows of a mixed step, attended apart from its prefill chunks."""
+        """The plan of the sequences `rows` alone (sorted indices; no custom mask), e.g. a mixed step's decode rows."""
         if self.custom_mask is not None:
             raise ValueError("select: a plan with a custom mask is split with rows(lo, hi)")
         rows = np.asarray(rows, dtype=np.int64)
@@ -80,15 +74,13 @@ class AttentionPlan:
 
 
 def length_class(qo: int) -> int:
-    """The class of a row computing `qo` tokens in `attention_groups`: 0 for one token, else
-    k for 2^(k-1) <= qo < 2^k."""
+    """A row's class in `attention_groups`: 0 for one token, else k for 2^(k-1) <= qo < 2^k."""
     return int(qo).bit_length() if qo > 1 else 0
 
 
 def attention_groups(qo_lens: np.ndarray) -> list[np.ndarray]:
-    """The rows a padding attention (the torch backend) attends together: one-token rows in
-    one group, longer ones by length class (2-3, 4-7, 8-15, ... query tokens), so that no row is
-    padded to more than twice its queries. One group (every row) when that is all there is."""
+    """The row groups the padding (torch) attention attends together: one-token rows, then longer ones by length class
+    (2-3, 4-7, 8-15, ... queries), so no row is padded to over twice its queries. One group when that is all."""
     qo = np.asarray(qo_lens, dtype=np.int64)
     if qo.size <= SMALL_BATCH:  # a few rows: grouped in Python (numpy's unique costs more)
         by: dict[int, list[int]] = {}
@@ -103,18 +95,15 @@ def attention_groups(qo_lens: np.ndarray) -> list[np.ndarray]:
 
 
 def _length_classes(qo: np.ndarray) -> np.ndarray:
-    """`length_class` of every row of an int64 array: the binary exponent `frexp` gives is a
-    positive int's `bit_length`."""
+    """`length_class` of every row of an int64 array (frexp's exponent is a positive int's bit_length)."""
     cls = np.frexp(qo)[1]
     cls[qo <= 1] = 0
     return cls
 
 
 def padded_attention(qo_lens: np.ndarray, kv_lens: np.ndarray) -> int:
-    """Sum over `attention_groups` of rows x the group's longest query x its longest KV: the
-    attention work of the padding backend. A few rows are summed in Python, many in
-    whole-array operations (numpy's `unique`, and a group's rows gathered for each maximum,
-    cost several times more at a few hundred rows)."""
+    """The padding backend's attention work: sum over `attention_groups` of rows x longest query x longest KV. Many
+    rows go whole-array, without numpy's `unique` or per-group gathers (several times dearer at a few hundred rows)."""
     qo = np.asarray(qo_lens, dtype=np.int64)
     if qo.size <= SMALL_BATCH:  # a few rows: a numpy call costs more than the loop
         by: dict[int, list[int]] = {}  # class -> [rows, longest query, longest KV]
@@ -148,17 +137,13 @@ def build_plan(
     custom_masks: Sequence[np.ndarray | None] | None = None,
     tree: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> AttentionPlan:
-    """The step's attention plan. qo_lens[i]: new tokens of sequence i, which occupy KV slots
-    [kv_len - qo_len, kv_len); kv_lens[i]: its KV length including them; page_tables[i]: its
-    page ids (at least ceil(kv_len / page_size); extra ones, e.g. reserved for drafts, ignored)
-    -- a list per sequence, or one [B, max_pages] array with each row's page count in
-    `table_lens` (the block manager's layout: whole-array operations); with `table_rows`,
-    `page_tables` is the whole table and sequence i's pages are its row table_rows[i] (no copy).
-    positions[i] overrides their RoPE positions (trees); custom_masks[i] is a bool
-    [qo_len, kv_len] mask (None: causal). `tree` = (offsets [W], mask [W, W]): every
-    sequence computes the same token tree of W nodes -- node j at RoPE position
-    (kv_len - W) + offsets[j], attending to the whole prefix and to the nodes mask[j] marks --
-    built in whole-array operations (a verification of a tree for every row).
+    """The step's attention plan. qo_lens[i]: new tokens of sequence i, in KV slots [kv_len - qo_len, kv_len);
+    kv_lens[i]: its KV length including them; page_tables[i]: its page ids (at least ceil(kv_len / page_size), extras
+    ignored) -- a list per sequence, or one [B, max_pages] array with page counts in `table_lens` (whole-array
+    operations); with `table_rows`, sequence i's pages are row table_rows[i] of that whole table (no copy).
+    positions[i] overrides its RoPE positions; custom_masks[i] is a bool [qo_len, kv_len] mask (None: causal).
+    `tree` = (offsets [W], mask [W, W]): every sequence computes the same W-node tree, node j at RoPE position
+    (kv_len - W) + offsets[j], attending to the whole prefix and to the nodes mask[j] marks.
     """
     qo, kv = _checked(qo_lens, kv_lens, page_tables, page_size, table_rows, positions, custom_masks)
     num_seqs = qo.shape[0]
@@ -195,9 +180,7 @@ def build_plan(
 
 
 def _slot_mapping(qo, kv, qo_indptr, indices, kv_indptr, page_size) -> tuple[np.ndarray, np.ndarray]:
-    """(logical KV index, physical KV slot) of every new token: its position in its sequence,
-    then through the page table to a slot (a fresh array each: tree positions may overwrite
-    the first)."""
+    """(logical KV index, physical KV slot) of each new token, fresh arrays (tree positions may overwrite the first)."""
     seq_of_tok = np.repeat(np.arange(qo.shape[0]), qo)
     offset_in_seq = np.arange(int(qo_indptr[-1])) - qo_indptr[:-1][seq_of_tok]
     logical = (kv - qo)[seq_of_tok] + offset_in_seq
@@ -233,8 +216,7 @@ def _checked(qo_lens, kv_lens, page_tables, page_size, table_rows, positions, cu
 
 def _page_indices(page_tables, table_lens, table_rows, num_pages: np.ndarray, kv: np.ndarray
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """(every sequence's first num_pages page ids, concatenated; [B + 1] their offsets) from
-    the page tables `build_plan` takes: an array (whole-array) or a list per sequence."""
+    """(every sequence's first num_pages page ids, concatenated; [B + 1] their offsets) from `build_plan`'s tables."""
     num_seqs = num_pages.shape[0]
     if isinstance(page_tables, np.ndarray):
         lens = np.asarray(table_lens, dtype=np.int64)
@@ -265,8 +247,7 @@ def _page_indices(page_tables, table_lens, table_rows, num_pages: np.ndarray, kv
 
 
 def _tree(tree: tuple[np.ndarray, np.ndarray], qo: np.ndarray, kv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(positions, mask) of every sequence computing the same token tree (`build_plan`'s
-    `tree`): node j at (kv_len - W) + offsets[j], attending to the prefix and its mask row."""
+    """(positions, mask) for `build_plan`'s `tree`, every sequence computing the same token tree."""
     num_seqs = qo.shape[0]
     offsets, tree_mask = np.asarray(tree[0], dtype=np.int64), np.asarray(tree[1], dtype=bool)
     width = offsets.shape[0]

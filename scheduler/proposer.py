@@ -1,10 +1,4 @@
-"""What the pipeline needs to know about a proposer, without importing it.
-
-Why: the scheduler plans KV and attention for draft, verify and fill launches, but the
-proposers themselves (models, n-gram tables) live in the runtime. This spec is the whole
-contract: how many tokens a verification covers, whether the proposer has its own KV, and
-whether its fill run can be planned before the accepted lengths are known.
-"""
+"""What the pipeline needs to know about a proposer (which lives in the runtime), without importing it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,9 +11,7 @@ from specsched.traces.names import PROPOSERS, ProposerKind, Schedule, schedule_n
 
 @dataclass(frozen=True)
 class ProposerRules:
-    """What the pipeline must know of a kind of proposer: one row of `RULES` per kind. A new
-    proposer adds its row here and its implementation in the runtime; the pipeline and the
-    message packing read these fields and never the proposer's name."""
+    """One row of `RULES` per kind of proposer; the pipeline and the packing read these, never the proposer's name."""
 
     kv_model: str | None  # its own page table in the shared pool; None without a KV cache
     kv_ahead: int  # tokens its KV runs ahead of the target's (a draft model also reads the sampled token)
@@ -29,21 +21,16 @@ class ProposerRules:
     # what its per-position agreement with an output measures (traces): "teacher_forced" (a
     # model of its own, exact at any draft length) or "first_token" (a head: exact at D = 1)
     agreement: str | None = None
-    # its fills may wait while speculation is off (an adaptive draft length at D = 0) and catch
-    # up in one fill when it drafts again: a draft model re-reads the tokens, a head reads the
-    # target's hidden states the worker kept for it (`ForwardMessage.keep_hidden`)
+    # its fills may wait while speculation is off (D = 0) and catch up in one fill when it drafts again: a draft
+    # model re-reads the tokens, a head reads the kept hidden states (`ForwardMessage.keep_hidden`)
     lazy_fill: bool = False
-    # it drafts on the host from the tokens the host has (a lookup in the request's own
-    # history, `HostDrafter`): no draft launch; the verify carries the drafts and covers what
-    # each row drafted (fewer than asked, or none, where the lookup finds nothing to copy)
+    # drafts on the host by a lookup in the request's own history (`HostDrafter`): no draft launch; the verify carries
+    # the drafts and covers what each row drafted (fewer than asked, or none)
     host_drafts: bool = False
-    # its fill after a verify may instead cover the whole verify window, launched right behind
-    # the verify before the host knows the accepted lengths (the `eager_fill` schedule): the device
-    # reads each row's tokens up to its new last one and carries the logits at the accepted
-    # index. A draft model's window is the verified positions one ahead (it reads the sampled
-    # tokens); a tree's is its root and one node per depth, the accepted path the verify found
-    # and compacted on the device (padded past it); a linear head's fill is always its verify
-    # batch (`fill_same_batch`)
+    # its fill after a verify may cover the whole verify window, launched before the accepted lengths are known (the
+    # `eager_fill` schedule). A draft model's window is the verified positions one ahead; a tree's is its root and one
+    # node per depth, the accepted path the verify compacted on the device (padded past it); a linear head's fill is
+    # always its verify batch (`fill_same_batch`)
     window_fill: bool = False
 
 
@@ -66,8 +53,7 @@ class ProposerSpec:
     kind: str = ProposerKind.NONE.value  # one of PROPOSERS
     draft_len: int = 0  # D: linear draft tokens per step, or tree depth for "eagle"
     tree_parents: tuple[int, ...] = ()  # eagle: parent of tree node i (-1 = child of the root)
-    # the fill after a verify covers the verify window, launched before acceptance is known
-    # (`ProposerRules.window_fill`; the `eager_fill` schedule sets it for a draft model)
+    # the fill after a verify covers the verify window (`ProposerRules.window_fill`)
     window_fill: bool = False
 
     def __post_init__(self) -> None:
@@ -107,9 +93,8 @@ class ProposerSpec:
 
     @property
     def kv_ahead(self) -> int:
-        """Tokens the proposer's KV runs ahead of the target's: 1 for a draft model, which also
-        reads the token the target sampled; 0 for a head, which reads the target's hidden
-        states of exactly the target's positions."""
+        """Tokens the proposer's KV runs ahead of the target's: 1 for a draft model (it also reads the sampled token), 0
+        for a head (it reads the hidden states of exactly the target's positions)."""
         return self.rules.kv_ahead
 
     @property
@@ -124,18 +109,15 @@ class ProposerSpec:
 
     @property
     def max_accept(self) -> int:
-        """Most drafted tokens one verification can accept (a tree: its depth, which a
-        node budget may keep below draft_len)."""
+        """Most drafted tokens one verification can accept (a tree: its depth, maybe below draft_len)."""
         if self.is_tree:
             return int(self.tree_depths().max())
         return self.draft_len
 
     @property
     def fill_same_batch(self) -> bool:
-        """The fill after a verify covers the verify window (an MTP head always; a draft model
-        or a tree with `window_fill`), so it can be launched before the host knows the accepted
-        lengths. Without `window_fill` a tree's fill covers the accepted path, which the host
-        learns from the verify's result."""
+        """The fill after a verify covers the verify window (an MTP head always; others with `window_fill`), so it can
+        be launched before the accepted lengths are known; otherwise it covers the accepted path."""
         return self.rules.fill_same_batch or self.window_fill
 
     def tree_depths(self) -> np.ndarray:
@@ -156,8 +138,8 @@ class ProposerSpec:
 
 
 def default_tree(depth: int, top_k: int = 2, max_nodes: int = 16) -> tuple[int, ...]:
-    """A fixed tree like EAGLE-1's: the top-k children of the best node at each depth,
-    with k branches at depth 1. Parents in BFS order; at most max_nodes nodes."""
+    """A fixed EAGLE-1-like tree: at each depth the best node gets top_k children, every other node one. Parents in
+    BFS order, at most max_nodes nodes."""
     if depth < 0 or top_k < 1 or max_nodes < 1:
         raise ValueError(f"need depth >= 0, top_k >= 1, max_nodes >= 1 (got {depth}, {top_k}, {max_nodes})")
     parents: list[int] = []

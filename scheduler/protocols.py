@@ -1,11 +1,7 @@
-"""The seams between the scheduler and whatever executes its work.
+"""The seams between the scheduler and whatever executes its work (a real device or the simulator's virtual one).
 
-Why: the pipeline must run unchanged on a real device (a worker process or CUDA streams)
-and on the simulator's virtual device and clock. So it only ever sees these protocols.
-
-Work crosses the seam as messages -- an op name plus a typed message of arrays and scalars
-(scheduler/messages.py) -- never as closures, so it can cross a process boundary (and, with
-tensor parallelism, be broadcast to every rank unchanged).
+Work crosses as an op name plus a typed message of arrays and scalars, never closures, so it can cross a process
+boundary (and be broadcast unchanged to every tensor-parallel rank).
 """
 from __future__ import annotations
 
@@ -14,8 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from specsched.scheduler.request import Request
 
-# A launch's message: one of scheduler/messages.py's frozen dataclasses for the pipeline's ops
-# (a test or service op may pass a plain mapping). Must be picklable.
+# A launch's message (a messages.py dataclass; a test or service op may pass a mapping). Must be picklable.
 Batch = Any
 
 
@@ -34,11 +29,8 @@ class DeviceCrashed(DeviceError):
 
 @runtime_checkable
 class Clock(Protocol):
-    """Monotonic time in nanoseconds.
-
-    A simulator's clock also has `advance_ns(duration)`: busy time, the clock moving on while
-    no other task runs (what a CPU stage does to a real event loop). The pipeline uses it only
-    to charge modelled host costs (`Pipeline.host_cost`), which the engine never sets.
+    """Monotonic time in nanoseconds. A simulator's clock also has `advance_ns(duration)`: busy time, the clock moving
+    on while no other task runs; used only to charge modelled host costs (`Pipeline.host_cost`, unset in the engine).
     """
 
     def now_ns(self) -> int: ...
@@ -46,11 +38,8 @@ class Clock(Protocol):
 
 @runtime_checkable
 class Event(Protocol):
-    """Completion of launched work.
-
-    `start_ns`/`end_ns` are the device interval of the op the event belongs to, on the
-    system monotonic clock (the same base as the host's Clock), available once done.
-    """
+    """Completion of launched work. `start_ns`/`end_ns`: the op's device interval on the system monotonic clock (the
+    host Clock's base), set once done."""
 
     op: str
     stream: str
@@ -89,10 +78,8 @@ class Stream(Protocol):
 class Device(Protocol):
     kind: str  # "host", "cuda", "virtual"
     name: str
-    # launches carry attention metadata (a device that only models time, the simulator's, says False)
-    needs_plans: bool
-    # an op's first launch costs what any other does: no one-off costs (compilation, allocation),
-    # so its interval teaches the draft-length policy's cost model (the simulator's: True)
+    needs_plans: bool  # launches carry attention metadata (False: a device that only models time)
+    # an op's first launch has no one-off costs (compilation, allocation), so the cost model may learn from it
     warm_first_launch: bool
 
     def stream(self, name: str) -> Stream: ...
@@ -102,38 +89,29 @@ class Device(Protocol):
 
 @runtime_checkable
 class Worker(Protocol):
-    """What actually executes ops, inside the device (worker process or CUDA context).
-
-    `execute` runs one op on a packed batch and returns a picklable result (the part of
-    the output the host needs, e.g. sampled or accepted token ids).
-    """
+    """Executes ops inside the device: `execute` returns a picklable result (what the host needs, e.g. token ids)."""
 
     def execute(self, op: str, batch: Batch) -> Any: ...
 
 
 class OutputSink(Protocol):
-    """Host-side output handling: hands each request its new token ids; detokenizing and stop
-    strings run in the request's consumer (off the step loop), which ends a request on a stop
-    string through `Pipeline.stop_request`. A sink whose `wants_token_ids` is False (the
-    simulator's) gets no `on_tokens` calls, and its requests keep counts only: their
-    `output_token_ids` stay empty while `num_output_tokens` counts."""
+    """Host-side output: hands each request its new token ids; detokenizing and stop strings run in the request's
+    consumer (off the step loop), which calls `Pipeline.stop_request`. With `wants_token_ids` False no `on_tokens`
+    calls are made and requests keep counts only (`output_token_ids` empty, `num_output_tokens` counting)."""
 
     wants_token_ids: bool
 
     def on_tokens(self, req: "Request", token_ids: list[int]) -> None:
-        """The new token ids the pipeline appended to `req.output_token_ids` (already cut at
-        max_tokens / EOS)."""
+        """The new token ids appended to `req.output_token_ids` (already cut at max_tokens / EOS)."""
         ...
 
     def on_finish(self, req: "Request") -> None: ...
 
 
 class HostDrafter(Protocol):
-    """Drafts made on the host for a proposer with `ProposerRules.host_drafts` (an n-gram
-    lookup in each request's own tokens, which the host has under `sync`): the engine's looks
-    them up, the simulator's draws how many each row drafts from its acceptance model."""
+    """Drafts made on the host (`ProposerRules.host_drafts`): the engine's looks them up, the simulator's draws how many
+    each row drafts from its acceptance model."""
 
     def draft(self, batch: Any) -> tuple[Any, Any]:
-        """(tokens [B, W] int64 or None where only counts are modelled, counts [B] int64) for
-        the rows of a speculative `StepBatch`, each asked for up to `draft_lens[i]`."""
+        """(tokens [B, W] int64, or None where only counts are modelled; counts [B] int64), row i <= draft_lens[i]."""
         ...

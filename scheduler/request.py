@@ -1,9 +1,8 @@
 """A request's life: waiting -> running -> (preempted -> waiting ->) finished | aborted.
 
-Token accounting follows vLLM: `num_computed_tokens` counts tokens whose KV is in the
-target cache. Between steps the last emitted token is not yet computed (it is the next
-step's input), so a running decode request has num_computed_tokens == num_tokens - 1.
-Draft tokens are extra scheduled tokens of a step; the rejected ones roll back.
+Token accounting follows vLLM: `num_computed_tokens` counts tokens whose KV is in the target cache. Between steps the
+last emitted token is not yet computed (it is the next step's input), so a running decode request has
+num_computed_tokens == num_tokens - 1. Draft tokens are extra scheduled tokens of a step; the rejected ones roll back.
 """
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ FINISHED_STATES = (RequestState.FINISHED, RequestState.ABORTED)
 
 
 def _counter(name: str, doc: str) -> property:
-    """A Request attribute stored in its row of a SlotTable (see scheduler/slot_state.py)."""
+    """A Request attribute stored in its row of a SlotTable."""
 
     def get(self) -> int:
         t = self._table
@@ -42,9 +41,8 @@ def _counter(name: str, doc: str) -> property:
 
 
 class Request:
-    """A request's public handle: id, prompt, params, output ids, timings and outcome. Its
-    scheduler counters live in arrays indexed by its slot (`SlotTable`), so the scheduler
-    updates every running request with whole-array operations."""
+    """A request's public handle: id, prompt, params, output ids, timings and outcome. Its scheduler counters live in
+    arrays indexed by its slot (`SlotTable`), updated for every running request in whole-array operations."""
 
     __slots__ = ("request_id", "prompt_token_ids", "params", "arrival_ns", "slot", "state",
                  "output_token_ids", "abort_requested", "stop_at", "num_preemptions",
@@ -107,8 +105,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        """Tokens the host has seen: len(output_token_ids), or its count alone where the
-        pipeline's sink wants no token ids (the simulator's)."""
+        """Tokens the host has seen: len(output_token_ids), or only its count where the sink wants no token ids."""
         return self.num_output
 
     def extend_output(self, token_ids: list[int]) -> None:
@@ -133,8 +130,8 @@ class Request:
 
     @property
     def in_prefill(self) -> bool:
-        """True while the prompt, or some token before the last, still lacks KV (prompt or
-        recompute). A token sampled on the device but not yet seen counts as emitted."""
+        """True while the prompt, or a token before the last, still lacks KV (prompt or recompute). A token sampled on
+        the device but not yet seen counts as emitted."""
         c = self.num_computed_tokens
         n = len(self.prompt_token_ids)
         return c < n or c < n + self.num_output + self.num_pending_tokens - 1
@@ -144,8 +141,7 @@ class Request:
         return self.params.max_tokens - self.num_output_tokens - self.num_pending_tokens
 
     def per_pos(self) -> tuple[list[int], list[int]]:
-        """([D] drafts with >= k+1 tokens, [D] of those accepted at >= k+1); the scheduler
-        records them (`SlotTable.record_spec`)."""
+        """([D] drafts with >= k+1 tokens, [D] of those accepted at >= k+1)."""
         t = self._table
         if t is None:
             return per_pos(self._own["drafted_hist"], self._own["accepted_hist"])

@@ -8,9 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from specsched.scheduler.errors import InvalidRequestError
 from specsched.scheduler.synthetic import SyntheticAcceptance
 
-# torch.Generator.manual_seed takes any value that fits 64 bits (negative ones wrap around) and
-# overflows -- failing the whole device op, so every request batched with this one -- beyond.
-# Non-negative and below 2**63: one seed per stream, and it fits the int64 of trace consumers.
+# torch.Generator.manual_seed overflows past 64 bits, failing the whole device op (every request batched with this
+# one), and wraps negative seeds; [0, 2**63): one seed per stream, and it fits the int64 of trace consumers.
 MAX_SEED = 2**63 - 1
 
 
@@ -26,8 +25,7 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, description="per-request generator seed")
     stop: list[str] = Field(default_factory=list, description="stop strings (not included)")
     ignore_eos: bool = False
-    # an engine with synthetic acceptance forces this request's to these instead of its own
-    # (scheduler/synthetic.py): a workload then alternates low- and high-acceptance phases
+    # an engine with synthetic acceptance forces this request's to these (e.g. to alternate acceptance phases)
     synthetic_acceptance_length: float | None = Field(
         None, description="with synthetic acceptance: this request's acceptance length, bonus token counted")
     synthetic_acceptance_rates: list[float] | None = Field(

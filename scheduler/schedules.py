@@ -1,20 +1,13 @@
-"""The schedules: each a runner (the order of one step's launches and waits) and a row of
-flags for what the rest of the code must know of it.
-
-Why here: a schedule is an ordering of the same launches and waits. Its runner orders the
-pipeline's step primitives; its row of `SCHEDULE_RULES` tells `validate_combination` which
-proposers it can run and `for_schedule` whether a proposer fills over the verify window. A new
-schedule is a runner and a row here, not an `if name == ...` elsewhere.
+"""The schedules: each a runner (the order of one step's launches and waits) and a row of `SCHEDULE_RULES` (which
+proposers it runs, whether a fill covers the verify window). A new schedule is a runner and a row here.
 
   sync           every launch is awaited before the next stage: the baseline.
-  overlap        after the sync on acceptance the proposer's fill is launched and not awaited;
-                 the output stage and the next step's schedule/kv_alloc/plan run while it
-                 executes (the next draft launch queues behind it on the draft stream).
-  eager_fill     the fill covers the verify window, so it is launched right behind the verify
-                 before any sync; the host learns accepted lengths when the verify's result
-                 arrives and schedules the next step while the fill runs (`mtp` is its alias).
-  plain_overlap  plain decoding one step ahead: step N+1 is launched before step N's tokens
-                 reach the host (finished requests waste one step's slot).
+  overlap        after the sync on acceptance the proposer's fill is launched and not awaited; the output stage and
+                 the next step's schedule/kv_alloc/plan run while it executes (the next draft queues behind it).
+  eager_fill     the fill covers the verify window, launched right behind the verify before any sync; the host
+                 schedules the next step while it runs (`mtp` is its alias).
+  plain_overlap  plain decoding one step ahead: step N+1 is launched before step N's tokens reach the host
+                 (finished requests waste one step's slot).
 """
 from __future__ import annotations
 
@@ -33,8 +26,7 @@ if TYPE_CHECKING:
 class ScheduleRules:
     speculative: bool | None  # runs a proposer (True), plain decoding only (False), either (None)
     fill_behind_verify: bool  # the fill is launched behind the verify, before acceptance is known
-    # the proposer's fill of the accepted tokens runs behind the next step's host work (so the
-    # proposer needs such a fill: a KV cache of its own, filled once acceptance is known)
+    # the fill of the accepted tokens runs behind the next step's host work (needs a proposer KV cache of its own)
     defers_fill: bool
 
 
@@ -56,9 +48,7 @@ def schedule_rules(schedule: str) -> ScheduleRules:
 
 
 class Runner:
-    """The launches and waits of one step under a schedule, top to bottom. `o` holds the step's
-    primitives (scheduler/step_ops.py), which pack, launch, wait and book; a runner only orders
-    them."""
+    """The launches and waits of one step under a schedule; `o`'s primitives pack, launch, wait and book."""
 
     def runs_ahead(self, o: "StepOps", batch: "StepBatch") -> bool:
         """Whether this plain step may be launched while the step before it is in flight."""

@@ -1,15 +1,11 @@
-"""Reductions over a step's rows that stay cheap when the rows are few.
-
-Why: a numpy call costs about a microsecond whatever the array's size, ten times a Python
-loop over a handful of ints, and a step over a few rows makes some twenty reductions. Below
-`SMALL_BATCH` rows these take the Python loop; above it, numpy.
+"""Reductions over a step's rows that stay cheap when the rows are few: a numpy call costs about a microsecond whatever
+the size, ten times a Python loop over a handful of ints, and a few-row step makes some twenty reductions.
 """
 from __future__ import annotations
 
 import numpy as np
 
-# rows up to which the per-step stages (output, KV allocation, the simulator's acceptance
-# lookups) take them one by one: below it a whole-array call costs more than a Python loop
+# rows up to which per-step stages (these reductions, output, KV allocation, acceptance lookups) loop in Python
 SMALL_BATCH = 8
 
 

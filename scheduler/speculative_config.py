@@ -28,8 +28,7 @@ def speculative_fields(spec: Mapping[str, Any]) -> dict[str, Any]:
         method = "draft_model"  # vLLM's reading of a model without a method
     if method is not None and method not in VLLM_METHODS:
         raise ValueError(f"speculative_config: method {method!r} is not one of {', '.join(VLLM_METHODS)}")
-    # without a method (and model) the configuration's own proposer speculates: e.g. only the
-    # synthetic acceptance given here
+    # without a method (and model) the configuration's own proposer speculates (e.g. only synthetic acceptance set)
     out: dict[str, Any] = {} if method is None else {"proposer": VLLM_METHODS[method]}
     out.update({VLLM_KEYS[k]: v for k, v in spec.items() if k in VLLM_KEYS})
     if spec.get("model") is not None:

@@ -1,9 +1,5 @@
-"""One scheduled step as arrays over its rows: what the scheduler hands the pipeline.
-
-Why a module of its own: the scheduler (scheduler/scheduler.py) decides the rows; the
-pipeline, the message packing, the outputs and the trace read them. Every reader needs this
-type, none needs the scheduler. A step's rows whose request finished while it was in flight
-(its slot given back, maybe to a new request) are told apart by the slot's generation.
+"""One scheduled step as arrays over its rows: what the scheduler hands the pipeline. Rows whose request finished while
+the step was in flight (its slot given back, maybe to a new request) are told apart by the slot's generation.
 """
 from __future__ import annotations
 
@@ -18,11 +14,9 @@ from specsched.scheduler.small_arrays import every, some, total
 
 @dataclass(eq=False)
 class StepBatch:
-    """One step's rows as arrays over the B scheduled requests (in `requests` order).
-
-    Every row computes target tokens [start, start + num_new) and samples iff that reaches
-    its last token; a speculative row also drafts `draft_lens` tokens and its verification
-    covers 1 + that many positions (budget and pages are reserved for 1 + `draft_len`)."""
+    """One step's rows as arrays over the B scheduled requests (in `requests` order). Every row computes target tokens
+    [start, start + num_new) and samples iff that reaches its last token; a speculative row also drafts `draft_lens`
+    tokens, verified over 1 + that many positions (budget and pages are reserved for 1 + `draft_len`)."""
 
     step: int
     requests: list[Request]
@@ -37,9 +31,8 @@ class StepBatch:
     draft_len: int = 0  # the step's D: a speculative step reserves 1 + D tokens per row (budget, pages)
     decision: object = None  # the adaptive draft length's `Decision` for this step, if one chose D
 
-    # A batch's rows and draft counts are fixed once `schedule` returns it, so whether it
-    # speculates and its kind are computed once, there (the pipeline asks several times per
-    # step; a plain attribute, as functools.cached_property takes a lock on Python 3.11).
+    # fixed once `schedule` returns the batch, so computed once (asked several times a step; plain attributes, as
+    # functools.cached_property takes a lock on Python 3.11)
     is_spec: bool = field(init=False)
     kind: str = field(init=False)  # spec / decode / prefill / mixed, as scheduled
     shape_cache: dict = field(init=False, default_factory=dict)  # `packing.batch_shape`'s sums
@@ -71,14 +64,12 @@ def empty_batch(step: int, preempted: list[Request]) -> StepBatch:
 
 
 def live_rows(batch: StepBatch, table: SlotTable) -> np.ndarray:
-    """[B] rows whose request still holds its slot (one that finished while the batch was in
-    flight gave it back; a new request may hold it now)."""
+    """[B] rows whose request still holds its slot (one that finished in flight gave it back, maybe to a new one)."""
     return table.gen[batch.slots] == batch.gen
 
 
 def without_finished(batch: StepBatch, table: SlotTable) -> StepBatch:
-    """The batch without the rows whose request finished since it was scheduled (on the tokens
-    of a step then in flight), before it is allocated; the batch itself if none did."""
+    """The batch, before allocation, without rows whose request finished since it was scheduled (itself if none)."""
     live = live_rows(batch, table)
     if every(live):
         return batch
@@ -89,8 +80,7 @@ def without_finished(batch: StepBatch, table: SlotTable) -> StepBatch:
 
 
 def computed_now(batch: StepBatch, table: SlotTable) -> np.ndarray:
-    """[B] num_computed_tokens of the batch's rows now (a finished row's own, kept in its handle
-    once its slot went back)."""
+    """[B] num_computed_tokens of the batch's rows now (a finished row's from its handle, its slot gone back)."""
     computed = table.computed[batch.slots]
     gone = table.gen[batch.slots] != batch.gen
     if some(gone):

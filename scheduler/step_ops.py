@@ -1,17 +1,8 @@
-"""A step's primitives, which a schedule's runner (scheduler/schedules.py) orders: what each
-packs, launches and books.
+"""A step's primitives (pack, launch, book), which a schedule's runner orders.
 
-  plain step        launch_forward (with the proposer's fill behind it, unless it waits),
-                    run_ahead (leave it in flight, complete the one before), complete_forward
-  speculative step  plan_spec, launch_draft, launch_verify, launch_fill_behind (the fill over
-                    the verify window, before acceptance is known), accept (the result booked,
-                    the fill after acceptance launched, the tokens output), defer_fill
-  either            wait (a launch's result; None after a device error), drain
-
-With an adaptive draft length a proposer's fills may wait while speculation is off (`lazy`):
-it catches up in one fill when drafting resumes (`catch_up`), so a load at which speculation
-does not pay costs what plain decoding does; a head then needs the target's hidden states of
-the positions it missed, which the device keeps for it (`ForwardMessage.keep_hidden`).
+With an adaptive draft length a proposer's fills may wait while speculation is off (`lazy`) and catch up in one fill
+when drafting resumes, so a load at which speculation does not pay costs what plain decoding does; a head then reads
+the target's hidden states of the positions it missed, which the device keeps (`ForwardMessage.keep_hidden`).
 """
 from __future__ import annotations
 
@@ -48,9 +39,7 @@ class StepOps:
         self.table = self.scheduler.table
         self.blocks = self.scheduler.blocks
         self.spec = spec
-        # a proposer that drafts on the host (`ProposerRules.host_drafts`) drafts through this
-        # (`HostDrafter`: the engine's lookup, the simulator's draws)
-        self.drafter = drafter
+        self.drafter = drafter  # `HostDrafter`, for `ProposerRules.host_drafts`
         self.lazy_fills = lazy_fills  # the proposer's fills wait while speculation is off
         self.max_kept_tokens = max_kept_tokens  # `PipelineConfig.max_kept_tokens`
         self.uniform_verify = uniform_verify  # `PipelineConfig.uniform_verify`
@@ -60,17 +49,15 @@ class StepOps:
 
     # -- plain steps ---------------------------------------------------------------------------
     def lazy(self, batch: StepBatch) -> bool:
-        """Whether this forward step leaves the proposer's fill for a catch-up: its fills may
-        wait and speculation is off -- this step is a plain decode the policy chose, or it
-        prefills after one or before the policy's first decision."""
+        """Whether this forward step leaves the proposer's fill for a catch-up: fills may wait and speculation is off
+        (a plain decode the policy chose, or a prefill after one or before the policy's first decision)."""
         if not self.lazy_fills:
             return False
         last = self.scheduler.policy.last
         return batch.decision is not None or last is None or last.draft_len == 0
 
     def launch_forward(self, batch: StepBatch, t_step: int, shape: dict) -> tuple[Launch, Launch | None]:
-        """Plan and launch a plain step's target forward and, unless it waits (`lazy`), the
-        proposer's fill behind it; their bookkeeping. Returns (forward, fill or None)."""
+        """Plan and launch a plain step's forward and, unless `lazy`, the proposer's fill behind it: (forward, fill)."""
         l, spec, t, slots = self.l, self.spec, self.table, batch.slots
         t0 = l.now()
         fill_msg = None
@@ -84,8 +71,7 @@ class StepOps:
         launch = l.launch(l.main, msg)
         launch.t_step = t_step
         if keep and total(batch.start + batch.num_new - t.proposer_computed[slots]) > self.max_kept_tokens:
-            # the kept hidden states of these rows past the budget: the head reads those of the
-            # positions before this forward now (behind it on its stream), and the device drops them
+            # kept hidden states past the budget: the head reads those before this forward now, the device drops them
             l.aux.wait_event(launch.event)
             self.catch_up(batch)
         self.scheduler.launched(batch, fills=not lazy)
@@ -96,8 +82,7 @@ class StepOps:
         return launch, s_fill
 
     async def run_ahead(self, batch: StepBatch, launch: Launch) -> None:
-        """Leave this forward in flight and complete the one before it: the next step is
-        scheduled before this one's tokens reach the host."""
+        """Leave this forward in flight, complete the one before it (the next step is scheduled before its tokens)."""
         prev, self.l.inflight = self.l.inflight, (batch, launch)
         if prev is not None:
             await self.complete_forward(*prev)
@@ -136,15 +121,13 @@ class StepOps:
 
     # -- speculative steps -----------------------------------------------------------------------
     def plan_spec(self, batch: StepBatch, t_step: int, shape: dict) -> SpecPlan:
-        """Catch a lazy proposer up, then pack the draft, the verify and (over the verify
-        window) the fill: the `plan` stage of a speculative step."""
+        """The `plan` stage: catch a lazy proposer up, then pack the draft, the verify and the verify-window fill."""
         l, spec = self.l, self.spec
         if spec.rules.lazy_fill:
             self.catch_up(batch)
         t0 = l.now()
         if spec.rules.host_drafts:
-            # a lookup on the host: no draft launch; the verify carries the drafts and covers
-            # what each row drafted (a row whose lookup found nothing verifies its last token)
+            # no draft launch: the verify carries the drafts (a row whose lookup found none verifies its last token)
             drafts, nd = self.drafter.draft(batch)
             nd = np.minimum(np.asarray(nd, dtype=np.int64), batch.draft_lens)
             l.host("draft", batch.step, t0, requests=len(batch), tokens=total(nd))
@@ -160,8 +143,7 @@ class StepOps:
         return SpecPlan(batch, t_step, vmsg, dmsg, fmsg)
 
     def launch_draft(self, plan: SpecPlan) -> Launch | None:
-        """The draft, on the proposer's stream (behind any pending fill, whose logits its first
-        token comes from): rows stop drafting at their own count."""
+        """The draft, on the proposer's stream behind any pending fill (whose logits give its first token)."""
         if plan.draft is None:
             return None
         launch = self.l.launch(self.l.aux, plan.draft)
@@ -181,9 +163,8 @@ class StepOps:
         return self.l.launch(self.l.aux, plan.fill)
 
     def accept(self, plan: SpecPlan, result, verify: Launch, fill: Launch | None) -> Launch | None:
-        """The verify's result on the host: the proposer's fill launched if none is yet (over the
-        accepted tokens, or the verify window), then the scheduler's update (accepted lengths,
-        tokens output, rejected candidates' pages given back). Returns the step's fill, if any."""
+        """Book the verify's result: launch the proposer's fill if none is yet, then the scheduler's update (accepted
+        lengths, tokens output, rejected candidates' pages freed). Returns the step's fill, if any."""
         l, batch, spec, t, slots = self.l, plan.batch, self.spec, self.table, plan.batch.slots
         accepted = np.asarray(result.accepted, dtype=np.int64)
         draft_lens = np.asarray(result.draft_lens, dtype=np.int64)
@@ -207,12 +188,10 @@ class StepOps:
             self.l.pending_fill = fill
 
     def catch_up(self, batch: StepBatch) -> None:
-        """A proposer that skipped fills (plain decode steps of an adaptive draft length) reads
-        what it missed, in one fill launched ahead of the draft on its stream (which carries the
-        logits the first draft token comes from): a draft model the tokens up to the last one,
-        a head the target's hidden states the device kept, up to the last token's position."""
+        """A proposer that skipped fills reads what it missed in one fill ahead of the draft on its stream: a draft
+        model the tokens up to the last one, a head the kept hidden states up to the last token's position."""
         l, t, slots = self.l, self.table, batch.slots
-        # positions it has read, positions it needs: a draft model reads the last token too
+        # a draft model reads the last token too
         have, known = t.proposer_computed[slots], batch.start + self.spec.kv_ahead
         behind = (have < known).nonzero()[0]
         if not behind.size:

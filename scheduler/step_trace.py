@@ -1,11 +1,6 @@
-"""The pipeline's trace bookkeeping: launches, device intervals and step records.
-
-Why a module of its own: the step logic (scheduler/pipeline.py) should read as the
-schedule it implements; what it tells the tracer -- a `launch` span per launch, a
-`device:<stream>` span per op once its event is done, one step record when the step's host
-work ends -- lives here. Shapes (`messages.LaunchShape`) travel with every span and launch: the
-simulator's cost models are fitted on their features (`launch_features`), and a paced
-device (runtime/devices/paced.py) times launches by the same features.
+"""The pipeline's trace bookkeeping: a `launch` span per launch, a `device:<stream>` span per op once its event is
+done, one step record when the step's host work ends. Launch shapes travel with every span: cost models are fitted
+on their features (`launch_features`) and a paced device times launches by them.
 """
 from __future__ import annotations
 
@@ -26,8 +21,7 @@ class Launch:
     step: int
     op: str
     attrs: dict  # the launch's shape: its spans' attributes
-    t_step: int | None = None  # a forward step's start, for its step record (written when
-    # the launch completes: a step later under plain_overlap)
+    t_step: int | None = None  # a forward step's start, for its record (written when the launch completes)
 
 
 LAUNCH_FEATURES = ("const", "tokens", "requests", "kv_tokens", "draft_steps", "draft_forwards", "draft_tokens",
@@ -37,9 +31,8 @@ SHAPE_KEYS = ("tokens", "requests", "kv_tokens", "draft_len", "draft_tokens", "d
 
 
 def draft_counts(attrs: dict) -> tuple[int, int, int]:
-    """(draft_steps, draft_forwards, draft_tokens) of a draft launch from its attributes;
-    traces from before these were recorded fall back to draft_lens (the longest row's count),
-    requests and draft_tokens."""
+    """(draft_steps, draft_forwards, draft_tokens) of a draft launch from its attributes; older traces without them
+    fall back to draft_len (the longest row's count), requests and draft_tokens."""
     req = attrs.get("requests", 0)
     nd = attrs.get("draft_len", 0)
     drafted = attrs.get("draft_tokens", req * nd)
@@ -57,8 +50,7 @@ def launch_features(attrs: dict) -> dict[str, float]:
 
 
 def device_span_name(op: str, attrs: dict) -> str:
-    """The name a launched op's device span carries (and its cost model is fitted under): a
-    forward is named for its kind (prefill / decode / mixed), any other op for itself."""
+    """A launched op's device span (and cost model) name: a forward's kind (prefill / decode / mixed), else the op."""
     return attrs.get("kind", "forward") if op == "forward" else op
 
 
@@ -70,8 +62,7 @@ class StepTrace:
         self.tracer = tracer
         self.now = now
         self.table = table  # the scheduler's per-slot counters (a step's rows' KV as it ends)
-        # step records carry each step's D and predicted gain (a policy chose them; a fixed D
-        # is the configuration's, in the header)
+        # step records carry the policy's D and predicted gain (a fixed D is in the header)
         self.chosen_draft_lens = chosen_draft_lens
         self._unrecorded: list[Launch] = []
         self._steps_done: list[tuple] = []
@@ -126,8 +117,7 @@ class StepTrace:
 
     def step_done(self, batch: StepBatch, t_step: int, out_counts: list[int], drafted: np.ndarray,
                   accepted: np.ndarray) -> None:
-        """Queue the step's record; it is written when the step's host work ends (after any
-        fill the schedule waits for), so step intervals cover the whole step."""
+        """Queue the step's record, written when its host work ends (after any fill the schedule waits for)."""
         if self.tracer.enabled:
             self._steps_done.append((batch, t_step, out_counts, drafted, accepted))
 

@@ -1,28 +1,20 @@
-"""Synthetic acceptance: how many drafts a verify accepts, forced to a given rate instead of
-decided by the target (vLLM's `rejection_sample_method="synthetic"`).
+"""Synthetic acceptance: how many drafts a verify accepts, forced to a given rate instead of decided by the target
+(vLLM's `rejection_sample_method="synthetic"`), so a schedule or draft length can be judged at a production model's
+acceptance, not the proposer at hand's. The engine's verify and the simulator's acceptance model share this one
+definition; a request may carry its own (`SamplingParams`).
 
-Why: a benchmark's speculative figures then depend on the acceptance asked for, not on the
-proposer at hand, so a schedule or a draft length can be judged at the acceptance a production
-model reaches, and set beside vLLM's or SGLang's figures taken the same way. One definition
-serves every reader: the engine's verify (runtime/verify.py draws the same way on the device) and
-the simulator's acceptance model. A request may carry its own (`SamplingParams`), so that one
-workload alternates low- and high-acceptance phases.
+Names and semantics are vLLM's. `synthetic_acceptance_rates` are unconditional per-position rates r_1 >= r_2 >= ...
+in [0, 1]: the share of rows whose draft k is accepted (a row drafting fewer than k reads past its drafts as
+rejected). `synthetic_acceptance_length` (AL, counting the bonus token: AL = 1 + sum r_k) becomes the
+minimum-variance rates: 1 up to floor(AL - 1), then the fraction, then 0 (AL 3.78 at D = 7: 1, 1, 0.78, 0, ...). A
+row draws one uniform u and accepts the drafts k with u < r_k (a prefix: the rates do not increase), so
+P(accepted >= k) = r_k with the least variance any draw gives; `independent` draws each position on its own,
+accepting draft k with probability r_k / r_(k-1) once k - 1 were.
 
-Names and semantics are vLLM's. `synthetic_acceptance_rates` are unconditional per-position
-rates r_1 >= r_2 >= ... in [0, 1]: the share of rows whose draft k is accepted (a row drafting
-fewer than k reads past its drafts as rejected). `synthetic_acceptance_length` (AL, counting
-the bonus token: AL = 1 + sum r_k) is turned into the minimum-variance rates -- 1 up to
-floor(AL - 1), then the fraction, then 0 (AL 3.78 at D = 7: 1, 1, 0.78, 0, ...). A row draws
-one uniform u and accepts the drafts k with u < r_k (a prefix: the rates do not increase), so
-P(accepted >= k) = r_k with the least variance any draw gives; `independent` draws each position
-on its own instead, accepting draft k with probability r_k / r_(k-1) once k - 1 were.
-
-The uniforms are not drawn from a generator's stream: each is a hash of (seed, the request's
-key, the position of the row's last token) -- with `independent`, of each draft's position --
-in 31-bit integer arithmetic that numpy arrays and torch tensors compute alike, compared with
-integer thresholds. So a request's acceptance at a position is one value whatever the batch,
-the schedule, the draft length or the tensor-parallel rank, and the simulator replaying an
-engine's run draws exactly the engine's acceptance (`keyed_uniforms`).
+The uniforms come from no generator's stream: each is a hash of (seed, the request's key, the position of the row's
+last token; with `independent`, each draft's position) in 31-bit integer arithmetic that numpy and torch compute
+alike, compared with integer thresholds. So a request's acceptance at a position is one value whatever the batch,
+schedule, draft length or tensor-parallel rank, and a replay of an engine's run draws exactly its acceptance.
 """
 from __future__ import annotations
 
@@ -45,8 +37,7 @@ def request_key(request_id: str) -> int:
 
 
 def _mix31(x):
-    """A 31-bit integer hash, elementwise on numpy int64 arrays and torch int64 tensors alike:
-    every product stays below 2^58, so nothing overflows on either."""
+    """A 31-bit hash, elementwise on numpy and torch int64 alike: every product stays below 2^58, so none overflows."""
     x = x & M31
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & M31
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & M31
@@ -54,18 +45,15 @@ def _mix31(x):
 
 
 def keyed_uniforms(seed: int, keys, positions):
-    """Uniform integers in [0, ONE), one per (key, position) under `seed` (numpy or torch int64):
-    the key (already a hash) salted with the seed's hash, a position apart by an odd stride,
-    mixed once."""
+    """Uniform integers in [0, ONE), one per (key, position) under `seed` (numpy or torch int64): the key (already a
+    hash) salted with the seed's hash, positions apart by an odd stride, mixed once."""
     salt = int(_mix31(np.int64(seed * 0x9E37 + 0x3C6EF372)))
     return _mix31((keys ^ salt) + positions * 0x85EB)
 
 
 def accepted_counts(thresholds, draft_lens, seed: int, keys, positions, independent: bool):
-    """[B] drafts accepted: thresholds [W] or [B, W] (`SyntheticAcceptance.thresholds`), rows
-    drafting `draft_lens` (<= W; None: W each) whose last token is at `positions`; numpy or
-    torch alike, written with the operations both have (the engine's verify computes it on the
-    device, the simulator on the host)."""
+    """[B] drafts accepted: thresholds [W] or [B, W], rows drafting `draft_lens` (<= W; None: W each) whose last token
+    is at `positions`; written with operations numpy and torch both have (the engine computes it on the device)."""
     if independent:  # draft k (at position p + 1 + k) on its own uniform
         k = (thresholds * 0 + 1).cumsum(-1) - 1  # 0, 1, ..., W - 1 along the last axis
         ok = keyed_uniforms(seed + 1, keys[:, None], positions[:, None] + 1 + k) < thresholds
@@ -100,8 +88,8 @@ class SyntheticAcceptance:
 
     @classmethod
     def parse(cls, spec: str) -> "SyntheticAcceptance":
-        """'AL' or 'r1,r2,...' (a rate per position), with an 'independent:' prefix for draws per
-        position: the value of `--acceptance synthetic:...`."""
+        """`--acceptance synthetic:...`'s value: 'AL' or 'r1,r2,...' (a rate per position), 'independent:' prefixed
+        for draws per position."""
         independent = spec.startswith("independent:")
         body = spec.removeprefix("independent:")
         try:
@@ -114,8 +102,7 @@ class SyntheticAcceptance:
         return cls(synthetic_acceptance_length=values[0], independent=independent)
 
     def check(self, max_draft_len: int) -> None:
-        """ValueError where an acceptance length asks for more than a step of `max_draft_len`
-        drafts can emit (max_draft_len + 1, counting the bonus token)."""
+        """ValueError where the acceptance length exceeds what a step can emit (max_draft_len + 1, bonus counted)."""
         length = self.synthetic_acceptance_length
         if length is not None and length > max_draft_len + 1 + 1e-9:
             raise ValueError(f"synthetic_acceptance_length {length} cannot be reached at draft length "
@@ -132,14 +119,13 @@ class SyntheticAcceptance:
         return np.clip(length - 1.0 - np.arange(draft_len), 0.0, 1.0)
 
     def thresholds(self, draft_len: int, independent: bool | None = None) -> np.ndarray:
-        """[draft_len] int64 thresholds on a uniform in [0, ONE): the rates (one uniform per
-        row), or `independent` (default: this one's) each position's rate given the one
-        before, r_k / r_(k-1). Read-only, made once per (draft length, independence)."""
+        """[draft_len] int64 thresholds on a uniform in [0, ONE): the rates, or `independent` (default: this one's)
+        r_k / r_(k-1). Read-only, made once per (draft length, independence)."""
         return _thresholds(self, draft_len, self.independent if independent is None else independent)
 
     def table(self, width: int, own: "Sequence[SyntheticAcceptance | None] | None" = None) -> np.ndarray:
-        """A step's thresholds at `width`: [width], or [rows, width] where some row has its own
-        synthetic acceptance (`own[i]`, None for this one's), drawn with this one's independence."""
+        """A step's thresholds: [width], or [rows, width] where some row has its own synthetic acceptance (`own[i]`,
+        None for this one's), drawn with this one's independence."""
         t = self.thresholds(width)
         if own is not None and any(a is not None for a in own):
             t = np.stack([t if a is None else a.thresholds(width, self.independent) for a in own])
@@ -147,9 +133,8 @@ class SyntheticAcceptance:
 
     def draw(self, draft_lens: np.ndarray, keys: np.ndarray, positions: np.ndarray, seed: int = 0,
              own: "list[SyntheticAcceptance | None] | None" = None) -> np.ndarray:
-        """[B] drafts accepted of rows drafting `draft_lens`, whole-array: row i is request
-        `keys[i]` (`request_key`) with its last token at `positions[i]`; `own[i]`: its own
-        synthetic acceptance (a request's `SamplingParams.synthetic_acceptance_*`), None for this."""
+        """[B] drafts accepted of rows drafting `draft_lens`: row i is request `keys[i]` (`request_key`) with its last
+        token at `positions[i]`; `own[i]`: its own synthetic acceptance, None for this one."""
         draft_lens = np.maximum(np.asarray(draft_lens, dtype=np.int64), 0)
         width = int(draft_lens.max(initial=0))
         if width == 0:

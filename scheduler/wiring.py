@@ -1,11 +1,5 @@
-"""Building a Pipeline from a configuration: the one place its parts are put together.
-
-Why: the engine (real clock, worker-process or CUDA device), the simulator's replay (virtual
-clock and device) and the MTP head's evaluation (an in-process device) run the same
-pipeline; if each assembled the block manager, scheduler and proposer spec itself, a
-change to one (a page table per KV model, a default) would silently miss the others. The
-defaults a configuration leaves open -- each proposer's natural schedule and draft length,
-the EAGLE tree's shape -- live here too.
+"""Building a Pipeline from a configuration: the one place its parts are put together (for the engine, the simulator's
+replay and the MTP head's evaluation alike), with the defaults a configuration leaves open.
 """
 from __future__ import annotations
 
@@ -32,24 +26,20 @@ NATURAL_SCHEDULE = {P.NONE: Schedule.SYNC.value, P.DRAFT: Schedule.EAGER_FILL.va
 DEFAULT_DRAFT_LEN = {P.NONE: 0, P.DRAFT: 4, P.MTP: 1, P.EAGLE: 3, P.NGRAM: 4}
 TREE_TOP_K = 2  # EAGLE tree: children of the best node per level (k branches at depth 1)
 TREE_MAX_NODES = 8  # EAGLE tree: node budget
-# the engine's start-up warm-up request (runtime/engine.py `AsyncEngine._warm_up`, emulated by the
-# simulator's replay): output tokens, enough decode steps for every op of a proposer to run
-# at least twice
+# the start-up warm-up request's output tokens: enough decode steps for every op of a proposer to run at least twice
 WARMUP_TOKENS = 12
 
 
 def proposer_spec(proposer: str, draft_len: int, *, tree_top_k: int = TREE_TOP_K,
                   tree_max_nodes: int = TREE_MAX_NODES, schedule: str | None = None) -> ProposerSpec:
-    """The proposer as the pipeline sees it: kind, D, (eagle) the tree's parents, and whether
-    its fill after a verify covers the verify window (under the `eager_fill` schedule, for a draft
-    model that otherwise fills the accepted tokens once the host knows them)."""
+    """The proposer as the pipeline sees it under `schedule` (`for_schedule`): kind, D, (eagle) the tree's parents."""
     tree = default_tree(draft_len, tree_top_k, tree_max_nodes) if proposer == P.EAGLE else ()
     return for_schedule(ProposerSpec(proposer, draft_len if proposer != P.NONE else 0, tree), schedule)
 
 
 def for_schedule(spec: ProposerSpec, schedule: str | None) -> ProposerSpec:
-    """`spec` as `schedule` runs it: under `eager_fill` a proposer that can fill over the verify
-    window does (a draft model), so that its fill is launched behind the verify, before acceptance."""
+    """`spec` as `schedule` runs it: under `eager_fill` a proposer that can fill over the verify window (a draft model)
+    does, its fill launched behind the verify, before acceptance."""
     rules = spec.rules
     window = (schedule is not None and schedule_rules(schedule).fill_behind_verify
               and rules.window_fill and not rules.fill_same_batch)
@@ -63,9 +53,8 @@ def scheduler_config(spec: ProposerSpec, *, max_num_seqs: int, max_num_batched_t
 
 def draft_len_policy(spec: ProposerSpec, *, seed_costs: dict | None = None, slots: int = 64,
                      cold_first_launch: bool = True) -> AdaptivePolicy:
-    """The adaptive draft length for `spec`, whose `draft_len` is the longest it may choose, its
-    cost models seeded from `seed_costs` (a cost profile's JSON) if given; ValueError for a
-    proposer it cannot drive (none; a tree's shape is fixed)."""
+    """The adaptive draft length up to `spec.draft_len`, its cost models seeded from `seed_costs` (a cost profile's
+    JSON) if given; ValueError for a proposer it cannot drive (none; a tree's shape is fixed)."""
     if not spec.speculative or spec.is_tree:
         raise ValueError(f"draft_len 'auto' needs a linear proposer (draft, mtp, ngram), not {spec.kind!r}")
     costs = StepCosts(draft_op=not spec.rules.host_drafts, has_fill=spec.kv_model is not None,
@@ -79,14 +68,10 @@ def build_pipeline(spec: ProposerSpec, schedule: str, *, num_pages: int, page_si
                    adaptive: bool = False, seed_costs: dict | None = None, drafter: Any = None,
                    max_kept_tokens: int = MAX_KEPT_TOKENS, policy: DraftPolicy | None = None,
                    uniform_verify: bool = False) -> Pipeline:
-    """A Pipeline over one KV page pool (a page table for the target and, when the proposer
-    has a KV cache, one for it), serving on `device` with time from `clock`. `adaptive`: each
-    decode step's D is chosen up to `spec.draft_len` (scheduler/adaptive.py), its cost models
-    seeded from `seed_costs` (a cost profile's JSON) if given; `policy`: another `DraftPolicy`
-    (scheduler/draft_policy.py; default: `spec.draft_len` fixed). `drafter`: a proposer's that
-    drafts on the host (`ProposerRules.host_drafts`, scheduler/protocols.py `HostDrafter`).
-    `max_kept_tokens`, `uniform_verify`: `PipelineConfig`'s (a head's deferred fills; verifies of one
-    shape for padded steps)."""
+    """A Pipeline over one KV page pool (a page table for the target and, when the proposer has a KV cache, one for
+    it). `adaptive`: each decode step's D is chosen up to `spec.draft_len`, cost models seeded from `seed_costs`;
+    `policy`: another `DraftPolicy` (default: `spec.draft_len` fixed). `drafter`: a `HostDrafter`, for a proposer
+    that drafts on the host. `max_kept_tokens`, `uniform_verify`: `PipelineConfig`'s."""
     schedule = schedule_name(schedule)
     spec = for_schedule(spec, schedule)
     blocks = BlockManager(num_pages, page_size, ("target",) + ((spec.kv_model,) if spec.kv_model else ()))
