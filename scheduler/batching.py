@@ -1,12 +1,9 @@
 """Which requests run a step, with how many tokens: the scheduler's budgets and its two paths.
 
-`decode_only` schedules the steady state (every running request decodes, none waits for a seat,
-the pool holds the batch) in whole-array operations, the draft length chosen by the policy;
-`general` any other step: running requests first (whole-array unless someone must be preempted,
-then one by one, most recently admitted preempted first), then the waiting requests admitted
-first come first served while the token budget, the seats and the pool hold them. Both read the
-`Scheduler`'s queues and arrays and move requests through its own operations (`admit`,
-`preempt`, `make_batch`).
+`decode_only` schedules the steady state (every running request decodes, none waits for a seat, the pool holds the
+batch) in whole-array operations, D chosen by the policy; `general` any other step: running requests first (one by
+one only when someone must be preempted, most recently admitted first), then waiting ones first come first served
+while the token budget, the seats and the pool hold them.
 """
 from __future__ import annotations
 
@@ -129,7 +126,7 @@ def _running_rows(s: "Scheduler", budget: int) -> tuple[np.ndarray, np.ndarray, 
 
 
 @dataclass
-class _Rows:
+class Rows:
     """The rows the general path has taken so far, and what is left of the step's budget."""
 
     budget: int  # tokens
@@ -149,23 +146,11 @@ class _Rows:
         self.budget -= n + d
 
 
-def general(s: "Scheduler", vectorized: bool = True) -> StepBatch:
-    """Any step: running requests first (whole-array unless someone must be preempted),
-    then admission of waiting ones (whole-array, `_admissions`); with `vectorized=False`
-    both one request at a time (the reference the whole-array paths are tested against)."""
-    cfg = s.config
-    rows = _Rows(cfg.max_num_batched_tokens)
-    t = s.table
-    slots = s.running_slots()
-    computed = t.computed[slots]
-    length = t.num_tokens(slots)
-    in_prefill = (computed < t.prompt_len[slots]) | (computed < length - 1)  # `Request.in_prefill`
-    # Speculate only on a decode-only batch: every running request decodes and no waiting
-    # one can be admitted (none waits, or every seat is taken).
-    decodes_only = (not s.waiting or len(s.running) >= cfg.max_num_seqs) and not in_prefill.any()
-    last = s.policy.last
-    draft = (cfg.draft_len if last is None else last.draft_len) if decodes_only else 0
-    fast = _running_rows(s, rows.budget) if (vectorized and not draft and s.running) else None
+def general(s: "Scheduler") -> StepBatch:
+    """Any step: running requests first (whole-array unless someone must be preempted), then admission of waiting
+    ones (whole-array, `_admissions`)."""
+    rows, draft, in_prefill = start_rows(s)
+    fast = _running_rows(s, rows.budget) if (not draft and s.running) else None
     if fast is not None:
         taken, n, rows.planned = fast
         rows.reqs = [s.running[i] for i in taken.tolist()]
@@ -174,16 +159,30 @@ def general(s: "Scheduler", vectorized: bool = True) -> StepBatch:
         rows.prefill = in_prefill[taken].tolist()
         rows.budget -= int(n.sum())
     else:
-        _running_one_by_one(s, rows, draft)
+        running_one_by_one(s, rows, draft)
     if s.waiting and not rows.preempted:  # admit waiting requests while budget, seats and pages allow
-        if vectorized:
-            adm, n, pre, rows.budget, rows.planned = _admissions(s, rows.budget, rows.planned, draft)
-            rows.reqs.extend(adm)
-            rows.new.extend(n)
-            rows.drafts.extend([0] * len(adm))
-            rows.prefill.extend(pre)
-        else:
-            _admit_one_by_one(s, rows, draft)
+        adm, n, pre, rows.budget, rows.planned = _admissions(s, rows.budget, rows.planned, draft)
+        rows.reqs.extend(adm)
+        rows.new.extend(n)
+        rows.drafts.extend([0] * len(adm))
+        rows.prefill.extend(pre)
+    return batch_of(s, rows, draft)
+
+
+def start_rows(s: "Scheduler") -> tuple[Rows, int, np.ndarray]:
+    """The step's empty rows, its D, and which running requests are in prefill."""
+    t = s.table
+    slots = s.running_slots()
+    computed = t.computed[slots]
+    in_prefill = (computed < t.prompt_len[slots]) | (computed < t.num_tokens(slots) - 1)  # `Request.in_prefill`
+    # speculate only on a decode-only batch: every running request decodes and none waiting can be admitted
+    decodes_only = (not s.waiting or len(s.running) >= s.config.max_num_seqs) and not in_prefill.any()
+    last = s.policy.last
+    draft = (s.config.draft_len if last is None else last.draft_len) if decodes_only else 0
+    return Rows(s.config.max_num_batched_tokens), draft, in_prefill
+
+
+def batch_of(s: "Scheduler", rows: Rows, draft: int) -> StepBatch:
     if not rows.reqs:
         return s.empty_batch(rows.preempted)
     prefill = np.array(rows.prefill, dtype=bool)
@@ -195,14 +194,14 @@ def general(s: "Scheduler", vectorized: bool = True) -> StepBatch:
                         draft_lens, prefill, rows.preempted, draft)
 
 
-def _pages(s: "Scheduler", req: Request, n: int, draft: int) -> int:
+def row_pages(s: "Scheduler", req: Request, n: int, draft: int) -> int:
     """Pages a row computing `n` tokens needs: a decoding row's verification computes (and writes
     KV for) up to 1 + D positions."""
     return int(s.blocks.pages_needed(np.array([req.slot]),
                                      s.kv_slots(req.num_computed_tokens + n + (draft if n == 1 else 0)))[0])
 
 
-def _running_one_by_one(s: "Scheduler", rows: _Rows, draft: int) -> None:
+def running_one_by_one(s: "Scheduler", rows: Rows, draft: int) -> None:
     """The running requests one at a time, in order, each taking what is left of the budget;
     when the pool cannot hold a row, the most recently admitted request is preempted (the
     row's own request last, and a lone one that does not fit is an error)."""
@@ -215,7 +214,7 @@ def _running_one_by_one(s: "Scheduler", rows: _Rows, draft: int) -> None:
             continue
         if n == 1 and draft and rows.budget < 1 + draft:
             break
-        pages = _pages(s, req, n, draft)
+        pages = row_pages(s, req, n, draft)
         while pages + rows.planned > s.blocks.num_free_pages and s.running[-1] is not req:
             victim = s.running[-1]
             s.preempt(victim)
@@ -238,29 +237,11 @@ def _running_one_by_one(s: "Scheduler", rows: _Rows, draft: int) -> None:
             break
 
 
-def _admit_one_by_one(s: "Scheduler", rows: _Rows, draft: int) -> None:
-    """Waiting requests admitted one at a time while budget, seats and pages allow (the
-    reference `_admissions` is tested against)."""
-    while s.waiting and rows.budget > 0 and len(s.running) < s.config.max_num_seqs:
-        req = s.waiting[0]
-        n = min(req.num_tokens - req.num_computed_tokens, rows.budget)
-        pages = _pages(s, req, n, draft)
-        if pages + rows.planned > s.blocks.num_free_pages:
-            if not s.running:
-                raise RuntimeError(
-                    f"request {req.request_id} does not fit in the KV pool even alone "
-                    f"({pages} pages needed, {s.blocks.num_free_pages} free)"
-                )
-            break
-        s.admit([req])
-        rows.take(req, n, 0, pages)
-
-
 def _admissions(s: "Scheduler", budget: int, planned: int, draft: int
             ) -> tuple[list[Request], list[int], list[bool], int, int]:
     """Admission of waiting requests, whole-array: first come first served while the
     token budget, the seats and the pool (beyond the `planned` pages) hold them -- the
-    requests the one-by-one loop of `schedule` admits, moved to `running`.
+    requests admitting them one by one would, moved to `running`.
     Returns (requests, tokens each computes, whether each is in prefill, budget left,
     pages planned)."""
     waiting = s.waiting

@@ -1,5 +1,4 @@
-"""The scheduler: a pure state machine over requests, slots and KV pages (no torch, no clock,
-no device).
+"""The scheduler: a pure state machine over requests, slots and KV pages (no torch, no clock, no device).
 
     add(request)                 queue it (it gets a slot); InvalidRequestError if it never fits
     abort(id) / stop(id, n)      end it at the next step boundary (`finish_marked`)
@@ -10,10 +9,9 @@ no device).
                                  max_tokens, EOS, aborts and stops), finishes, freed pages
                                  -> StepOutput
 
-It owns the per-slot arrays (scheduler/slot_state.py), the queues and the block manager: the
-pipeline reads them and calls the methods above. Continuous batching as vLLM does it (FCFS,
-chunked prefill, speculation on decode-only batches, preemption by recompute) is
-scheduler/batching.py; what a step's tokens do to their requests, scheduler/outputs.py.
+It owns the per-slot arrays, the queues and the block manager; the pipeline reads them and calls the methods above.
+Continuous batching as vLLM does it (FCFS, chunked prefill, speculation on decode-only batches, preemption by
+recompute) is batching.py; what a step's tokens do to their requests, outputs.py.
 """
 from __future__ import annotations
 

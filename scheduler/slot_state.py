@@ -1,18 +1,10 @@
-"""Per-request scheduler state as numpy arrays indexed by slot.
+"""Per-request scheduler state as numpy arrays indexed by slot, so that a decode-only step is a few whole-array
+operations whatever the batch size, not a Python loop over request objects in every stage.
 
-Why: the scheduler's steady state touches every running request every step (which rows
-decode, how many tokens each computes and drafts, the pages they need, the accepted
-lengths). Held as attributes of one Python object per request, that is a Python loop over
-the batch in every stage; held as arrays indexed by the request's slot, a decode-only step
-is a few whole-array operations whatever the batch size.
-
-A `Request` is the public handle (id, params, output ids); its counters
-(`num_computed_tokens`, `num_pending_tokens`, ...) read and write its row of a `SlotTable`.
-A request without a slot (not yet added to a scheduler, or finished) keeps them in a dict
-of its own (`own_counters`); `attach` moves them into the scheduler's table under a free
-slot, `detach` moves them back out (the handle stays readable after its slot is reused).
-The slot is also the request's row in the block manager's page tables and its index into
-the device's per-request state.
+A `Request` is the public handle; its counters (`num_computed_tokens`, ...) read and write its row of a `SlotTable`.
+Without a slot (not yet added, or finished) it keeps them in a dict of its own (`own_counters`): `attach` moves them
+into a free slot, `detach` back out, so the handle stays readable after its slot is reused. The slot is also the
+request's row in the block manager's page tables and its index into the device's per-request state.
 """
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ class Sim:
     def step(self) -> StepBatch:
         b, cfg = self.b, self.b.config
         # what the one-row-at-a-time path decides; the whole-array paths must agree with it
-        general = batching.general(copy.deepcopy(b), vectorized=False)
+        general = one_by_one(copy.deepcopy(b))
         assert _summary(batching.general(copy.deepcopy(b))) == _summary(general)
         batch = b.schedule()
         assert _summary(batch) == _summary(general)
@@ -147,6 +147,23 @@ def check_slots(b: Scheduler) -> None:
     assert len(held) == len(set(held)) and all(s >= 0 for s in held)
     assert b.table.num_used == len(held)
     assert b.running_slots().tolist() == [r.slot for r in b.running]
+
+
+def one_by_one(s: Scheduler) -> StepBatch:
+    """The general path one request at a time: the reference the whole-array paths must agree with."""
+    rows, draft, _ = batching.start_rows(s)
+    batching.running_one_by_one(s, rows, draft)
+    while s.waiting and not rows.preempted and rows.budget > 0 and len(s.running) < s.config.max_num_seqs:
+        req = s.waiting[0]
+        n = min(req.num_tokens - req.num_computed_tokens, rows.budget)
+        pages = batching.row_pages(s, req, n, draft)
+        if pages + rows.planned > s.blocks.num_free_pages:
+            if not s.running:
+                raise RuntimeError(f"request {req.request_id} does not fit in the KV pool even alone")
+            break
+        s.admit([req])
+        rows.take(req, n, 0, pages)
+    return batching.batch_of(s, rows, draft)
 
 
 def _summary(batch: StepBatch) -> tuple:
