@@ -78,12 +78,16 @@ class Request:
     num_pending_tokens = _counter("pending", "sampled on the device, not yet seen by the host")
     num_proposer_computed = _counter("proposer_computed", "tokens with KV in the proposer's cache")
 
-    def spec_totals(self) -> tuple[int, int, int]:
-        """(drafts, drafted tokens, accepted tokens), summed from the request's histograms."""
+    def _hists(self) -> tuple:
+        """The request's histograms of draft lengths and accepted counts (None, None before any draft)."""
         t = self._table
         if t is None:
-            return spec_totals(self._own["drafted_hist"], self._own["accepted_hist"])
-        return t.spec_totals(self._row)
+            return self._own["drafted_hist"], self._own["accepted_hist"]
+        return t.drafted_hist[self._row], t.accepted_hist[self._row]
+
+    def spec_totals(self) -> tuple[int, int, int]:
+        """(drafts, drafted tokens, accepted tokens), summed from the request's histograms."""
+        return spec_totals(*self._hists())
 
     @property
     def num_drafts(self) -> int:
@@ -142,10 +146,7 @@ class Request:
 
     def per_pos(self) -> tuple[list[int], list[int]]:
         """([D] drafts with >= k+1 tokens, [D] of those accepted at >= k+1)."""
-        t = self._table
-        if t is None:
-            return per_pos(self._own["drafted_hist"], self._own["accepted_hist"])
-        return t.per_pos(self._row)
+        return per_pos(*self._hists())
 
     @property
     def drafted_per_pos(self) -> list[int]:

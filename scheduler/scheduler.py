@@ -110,7 +110,7 @@ class Scheduler:
             if req is None:
                 self._marked.pop(rid, None)
             elif in_flight is None or not any(r is req for r in in_flight.requests):
-                self._finish(req, marked_reason(req), now, out.finished)
+                self._finish([req], marked_reason(req), now, out.finished)
         return out
 
     def fail(self, batch: StepBatch, error: str, now: int) -> StepOutput:
@@ -119,14 +119,13 @@ class Scheduler:
         for r in batch.requests:
             if not r.is_finished:
                 r.num_pending_tokens = 0
-            self._finish(r, "error", now, out.finished, error)
+        self._finish(list(batch.requests), "error", now, out.finished, error)
         return out
 
     def finish_all(self, now: int) -> StepOutput:
         """Every request left finishes as aborted (the run loop was cancelled)."""
         out = StepOutput()
-        for req in list(self.requests.values()):
-            self._finish(req, "abort", now, out.finished)
+        self._finish(list(self.requests.values()), "abort", now, out.finished)
         return out
 
     def kv_stats(self) -> KVPoolStats:
@@ -195,12 +194,9 @@ class Scheduler:
         em = emit(self.table, batch, rows, tokens, lens, eos=self.eos, keep_ids=self.keep_ids,
                   marked=self._marked, now=now)
         out = StepOutput(em.counts, em.tokens)
-        self._finish_many(em.by_length, now, out.finished)
+        self._finish(em.by_length, "length", now, out.finished)
         for req, reason in em.ends:
-            if reason == "marked":
-                self._finish(req, marked_reason(req), now, out.finished)
-            else:
-                self._finish(req, reason, now, out.finished)
+            self._finish([req], marked_reason(req) if reason == "marked" else reason, now, out.finished)
         return out
 
     # -- queues and slots (the general path's moves) ------------------------------------------
@@ -256,20 +252,13 @@ class Scheduler:
         return batch
 
     # -- finishing --------------------------------------------------------------------------
-    def _finish(self, req: Request, reason: str, now: int, finished: list[Request],
+    def _finish(self, reqs: list[Request], reason: str, now: int, finished: list[Request],
                 error: str | None = None) -> None:
-        if req.is_finished:
-            return
-        req.state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
-        req.finish_reason, req.error, req.finish_ns = reason, error, now
-        self._remove([req])
-        finished.append(req)
-
-    def _finish_many(self, reqs: list[Request], now: int, finished: list[Request]) -> None:
-        """Finishes by length, many at once: queues, pages and slots freed in one pass each."""
+        """End requests not yet finished: queues, pages and slots freed in one pass each."""
         reqs = [r for r in reqs if not r.is_finished]
+        state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
         for r in reqs:
-            r.state, r.finish_reason, r.error, r.finish_ns = RequestState.FINISHED, "length", None, now
+            r.state, r.finish_reason, r.error, r.finish_ns = state, reason, error, now
         self._remove(reqs)
         finished.extend(reqs)
 
@@ -291,7 +280,7 @@ class Scheduler:
                 self.waiting.clear()
                 self.waiting.extend(left)
         self.blocks.free([r.slot for r in reqs])
-        self.table.detach_many(reqs)
+        self.table.detach(reqs)
         for r in reqs:
             del self.requests[r.request_id]
             self._marked.pop(r.request_id, None)

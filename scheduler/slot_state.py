@@ -83,27 +83,8 @@ class SlotTable:
         req._table, req._row, req._own, req.slot = self, slot, None, slot
         return slot
 
-    def detach(self, req) -> None:
-        """Move `req`'s counters back to the handle and free its slot."""
-        slot = req._row
-        row = self._counters[slot]
-        own = dict(zip(COUNTERS, row.tolist()))
-        if self.drafted_hist[slot].any():
-            own["drafted_hist"], own["accepted_hist"] = self.drafted_hist[slot].copy(), self.accepted_hist[slot].copy()
-            self.drafted_hist[slot] = 0
-            self.accepted_hist[slot] = 0
-        else:
-            own["drafted_hist"] = own["accepted_hist"] = None
-        row[:] = 0
-        self.gen[slot] += 1
-        req._table, req._row, req._own = None, -1, own
-        self._free.append(slot)
-
-    def detach_many(self, reqs) -> None:
-        """`detach` for many requests at once (distinct slots), in their order."""
-        if len(reqs) == 1:  # one finish (the usual step's): the array calls would cost more
-            self.detach(reqs[0])
-            return
+    def detach(self, reqs) -> None:
+        """Move each request's counters back to its handle and free its slot (distinct slots, in order)."""
         slots = np.fromiter((r._row for r in reqs), dtype=np.int64, count=len(reqs))
         rows = self._counters[slots]
         drafted, accepted = self.drafted_hist[slots], self.accepted_hist[slots]  # copies
@@ -144,15 +125,6 @@ class SlotTable:
         """[B] tokens of each slot's sequence: prompt, output seen, and sampled on the device
         but not yet seen (`Request.num_tokens`)."""
         return self.prompt_len[slots] + self.num_output[slots] + self.pending[slots]
-
-    def spec_totals(self, slot: int) -> tuple[int, int, int]:
-        """(drafts, drafted tokens, accepted tokens) of the slot's request, from its histograms."""
-        return spec_totals(self.drafted_hist[slot], self.accepted_hist[slot])
-
-    def per_pos(self, slot: int) -> tuple[list[int], list[int]]:
-        """([D] drafts with >= k+1 tokens, [D] drafts accepted at >= k+1), D the longest
-        draft the slot's request had."""
-        return per_pos(self.drafted_hist[slot], self.accepted_hist[slot])
 
     # -- internals --------------------------------------------------------------------------
     def _views(self) -> None:

@@ -176,7 +176,7 @@ def test_a_handle_keeps_its_counters_after_its_slot_is_reused():
     a.num_computed_tokens = 5
     slot = table.attach(a)
     table.record_spec(np.array([slot]), np.array([3]), np.array([2]))
-    table.detach(a)
+    table.detach([a])
     b = Request("b", [9], SamplingParams(max_tokens=2), 0)
     assert table.attach(b) == slot  # the freed slot goes to the next request
     b.num_computed_tokens = 1
@@ -196,7 +196,7 @@ def test_the_table_grows_past_its_capacity_and_width():
     assert reqs[4].drafted_per_pos == [1, 1, 1] and reqs[4].accepted_per_pos == [1, 0, 0]
 
 
-def test_detach_many_leaves_what_detaching_one_by_one_leaves():
+def test_detaching_many_at_once_leaves_what_detaching_one_by_one_leaves():
     tables = SlotTable(4, max_draft_len=2), SlotTable(4, max_draft_len=2)
     handles = []
     for table in tables:
@@ -208,8 +208,8 @@ def test_detach_many_leaves_what_detaching_one_by_one_leaves():
         handles.append(reqs)
     order = [4, 0, 5, 1]
     for i in order:
-        tables[0].detach(handles[0][i])
-    tables[1].detach_many([handles[1][i] for i in order])
+        tables[0].detach([handles[0][i]])
+    tables[1].detach([handles[1][i] for i in order])
     for a, b in zip(*handles):
         assert (a.slot, a.num_computed_tokens, a.num_prompt_tokens, a.drafted_per_pos, a.accepted_per_pos) == \
             (b.slot, b.num_computed_tokens, b.num_prompt_tokens, b.drafted_per_pos, b.accepted_per_pos)
