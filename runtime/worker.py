@@ -367,7 +367,7 @@ class ModelWorker:
         self.proposer.emitted(slots, tokens, accepted)
         t2 = time.monotonic_ns()
         return VerifyResult(accepted, tokens, np.asarray(draft_lens, dtype=np.int64),
-                            (("verify", t0, t1), ("accept", t1, t2)))
+                            substages=(("verify", t0, t1), ("accept", t1, t2)))
 
     def _verify_forward(self, plan: AttentionPlan, step: Any, positions: torch.Tensor, input_ids: torch.Tensor,
                         b: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -148,34 +148,30 @@ class AgreementResult:
     agreement: list[int]  # per output token: 1 where the proposer's guess equals it
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Result:
+    substages: tuple[tuple[str, int, int], ...] = ()
+    ranks: tuple[tuple[int, str, int, int, int], ...] = ()
+    comm: tuple[int, int] = ()
+
+
 @dataclass(frozen=True, slots=True)
-class ForwardResult:
+class ForwardResult(Result):
     tokens: np.ndarray  # [B] sampled token per row (-1 where the row does not sample)
-    substages: tuple[tuple[str, int, int], ...] = ()
-    ranks: tuple[tuple[int, str, int, int, int], ...] = ()
-    comm: tuple[int, int] = ()
 
 
 @dataclass(frozen=True, slots=True)
-class DraftResult:
+class DraftResult(Result):
     draft_lens: np.ndarray  # [B] tokens drafted per row
-    substages: tuple[tuple[str, int, int], ...] = ()
-    ranks: tuple[tuple[int, str, int, int, int], ...] = ()
-    comm: tuple[int, int] = ()
 
 
 @dataclass(frozen=True, slots=True)
-class VerifyResult:
+class VerifyResult(Result):
     accepted: np.ndarray  # [B] drafts accepted per row
     tokens: np.ndarray  # [B, W] emitted tokens (accepted, then the bonus): row i's first accepted[i] + 1
     draft_lens: np.ndarray  # [B] drafts each row was scored on
-    substages: tuple[tuple[str, int, int], ...] = ()
-    ranks: tuple[tuple[int, str, int, int, int], ...] = ()
-    comm: tuple[int, int] = ()
 
 
 @dataclass(frozen=True, slots=True)
-class FillResult:
-    substages: tuple[tuple[str, int, int], ...] = field(default=())
-    ranks: tuple[tuple[int, str, int, int, int], ...] = ()
-    comm: tuple[int, int] = ()
+class FillResult(Result):
+    pass
