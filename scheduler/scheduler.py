@@ -28,7 +28,7 @@ from specsched.scheduler.outputs import StepOutput, emit, marked_reason
 from specsched.scheduler.request import Request, RequestState
 from specsched.scheduler.slot_state import SlotTable
 from specsched.scheduler.small_arrays import every
-from specsched.scheduler.step_batch import StepBatch, live_rows
+from specsched.scheduler.step_batch import StepBatch, empty_batch, live_rows
 
 
 _NOTHING = StepOutput()  # what a boundary with no abort or stop asked for ends (never changed)
@@ -246,10 +246,8 @@ class Scheduler:
         return batch
 
     def empty_batch(self, preempted: list[Request]) -> StepBatch:
-        z = np.zeros(0, dtype=np.int64)
-        batch = StepBatch(self._step, [], z, z, z, z, z.astype(bool), z.astype(bool), z, preempted)
         self._step += 1
-        return batch
+        return empty_batch(self._step - 1, preempted)
 
     # -- finishing --------------------------------------------------------------------------
     def _finish(self, reqs: list[Request], reason: str, now: int, finished: list[Request],
