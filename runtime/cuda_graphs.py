@@ -4,7 +4,7 @@ Why: an eager forward on a GPU is paced by the host's Python and kernel launches
 (benchmarks/RESULTS.md, "On a GPU"). A graph replays a forward's kernels in one launch. What is
 captured is a model's `body` -- its layers over token ids and positions (and a head's hidden
 input), KV appends and attention included -- for one padded shape (rows, tokens per row, tree
-mask or not; scheduler/padding.py) and one of `SLOTS` sets of FlashInfer wrappers. The logits of
+mask or not; runtime/padding.py) and one of `SLOTS` sets of FlashInfer wrappers. The logits of
 the rows asked for are computed after the replay, eagerly (as vLLM does), so no graph holds
 [rows, vocab] logits. `plan()` stays on the host before each replay, as every step: it writes the
 step's page indices into the wrappers' fixed buffers (built with `use_cuda_graph=True`).

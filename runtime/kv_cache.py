@@ -65,7 +65,7 @@ class PagedKVCache:
         self.device = torch.device(device)
         # [L, P + 1, 2, page_size, Hkv, D] (NHD) or [L, P + 1, 2, Hkv, page_size, D] (HND); zero so
         # padded/stale reads are finite. Page P is the scratch page: no request holds it, the pad
-        # rows of a padded step use it (scheduler/padding.py)
+        # rows of a padded step use it (runtime/padding.py)
         page = (page_size, num_kv_heads) if layout == "NHD" else (num_kv_heads, page_size)
         self.data = zeros((num_layers, num_pages + 1, 2, *page, head_dim), dtype, self.device)
         self.layers: list[torch.Tensor] = list(self.data.unbind(0))  # each [P + 1, 2, *page, D]

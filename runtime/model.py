@@ -139,7 +139,7 @@ class LlamaModel(nn.Module):
         hidden [N, (len(aux_layers) + 1) * H], the features an EAGLE-3 head reads.
         """
         if inputs_embeds is None:
-            input_ids, n = pad_inputs(input_ids, positions)  # a padded step's pad rows (scheduler/padding.py)
+            input_ids, n = pad_inputs(input_ids, positions)  # a padded step's pad rows (runtime/padding.py)
             x, hidden = run_body(self, step, kv, (input_ids, positions), (return_hidden, tuple(aux_layers)))
         else:
             x, n = pad_inputs(inputs_embeds, positions)

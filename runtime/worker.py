@@ -36,7 +36,8 @@ from specsched.scheduler.messages import (AgreementMessage, AgreementResult, Dra
                                           ForwardResult, VerifyMessage, VerifyResult)
 from specsched.runtime.sync_guard import host_side, no_host_sync, to_device
 from specsched.runtime.token_state import SeqState, TokenBuffer
-from specsched.scheduler.padding import Padding, capture_sizes
+from specsched.runtime.padding import Padding
+from specsched.scheduler.engine_config import capture_sizes
 from specsched.scheduler.plan import AttentionPlan
 from specsched.scheduler.proposer import ProposerSpec
 from specsched.scheduler.step_trace import device_span_name

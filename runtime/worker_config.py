@@ -40,7 +40,7 @@ class WorkerConfig:
     verify_micro_batches: int = 1
     tensor_parallel_size: int = 1
     tp_channel: str = "shm"
-    # steps of uniform rows run at these padded row counts (scheduler/padding.py): CUDA graphs'
+    # steps of uniform rows run at these padded row counts (runtime/padding.py): CUDA graphs'
     # capture sizes; () runs every step at its own shape
     cuda_graph_sizes: tuple[int, ...] = ()
     # "auto": float32 CPU linear layers also keep their weights packed for a faster kernel

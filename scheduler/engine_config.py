@@ -4,8 +4,9 @@ and written into every trace header. Torch-free, so the simulator's replay build
 """
 from __future__ import annotations
 
+import numbers
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,7 +14,6 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specsched.scheduler.errors import ConfigurationError
-from specsched.scheduler.padding import capture_sizes
 from specsched.scheduler.pipeline import MAX_KEPT_TOKENS
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.sampling_params import SamplingParams
@@ -27,6 +27,24 @@ from specsched.traces.names import ProposerKind, ProposerName, ScheduleName, sch
 # first replayed request's prompt length); `warmup_params`: greedy, at most WARMUP_TOKENS tokens, EOS ignored.
 WARMUP_ID = "specsched-warmup"
 WARMUP_PROMPT = "def main():\n    return 0\n"
+
+
+# vLLM's default capture sizes up to 256 rows
+DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def capture_sizes(sizes: Iterable[int] | None) -> tuple[int, ...]:
+    """`sizes` sorted and checked (None: the defaults); ValueError naming a size that is not a positive integer."""
+    if sizes is None:
+        return DEFAULT_CAPTURE_SIZES
+    out = []
+    for s in sizes:
+        if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1:
+            raise ValueError(f"cuda_graph_sizes: {s!r} is not a positive number of rows")
+        out.append(int(s))
+    if not out:
+        raise ValueError("cuda_graph_sizes: give at least one size (or turn CUDA graphs off)")
+    return tuple(sorted(set(out)))
 
 
 def warmup_params(max_tokens: int = WARMUP_TOKENS) -> SamplingParams:
@@ -109,7 +127,7 @@ class EngineConfig(BaseModel):
                                         "past it the head catches up at D = 0, which frees them")
     cuda_graphs: bool | None = Field(None, description="run steps of uniform rows (decodes, verifies, draft "
                                      "steps, window fills) at padded row counts, the shapes CUDA graphs are "
-                                     "captured for (scheduler/padding.py; on a CPU worker the padded shapes run "
+                                     "captured for (runtime/padding.py; on a CPU worker the padded shapes run "
                                      "eagerly); None: off. False = vLLM's enforce_eager")
     cuda_graph_sizes: list[int] | None = Field(None, description="the padded row counts (capture sizes); "
                                                "default 1, 2, 4, 8, 16, 24, 32, ..., 256")

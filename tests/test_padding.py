@@ -1,4 +1,4 @@
-"""Padded step shapes (scheduler/padding.py), the shapes CUDA graphs are captured for: the pad rows
+"""Padded step shapes (runtime/padding.py), the shapes CUDA graphs are captured for: the pad rows
 read and write the scratch page only, the real rows' outputs and pages are what the unpadded step
 gives, and every proposer under every schedule stays lossless with its uniform steps padded."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ import torch
 from specsched.runtime.config import ModelConfig
 from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.model import LlamaModel
-from specsched.scheduler.padding import DEFAULT_CAPTURE_SIZES, Padding, capture_sizes
+from specsched.runtime.padding import Padding
+from specsched.scheduler.engine_config import DEFAULT_CAPTURE_SIZES, capture_sizes
 from specsched.runtime.training.mtp_eval import run_requests
 from specsched.scheduler.errors import ConfigurationError
 from specsched.scheduler.plan import build_plan

@@ -1,4 +1,5 @@
-"""Padded step shapes: the fixed (rows, tokens per row) shapes CUDA graphs are captured for. Pure numpy.
+"""Padded step shapes: the fixed (rows, tokens per row) shapes CUDA graphs are captured for (the sizes:
+`EngineConfig.graph_sizes`). Pure numpy.
 
 A step whose rows all compute the same q tokens (decodes, verifies, draft steps, verify-window fills; q at most
 `max_tokens_per_row` and one page) runs with its rows padded up to the next capture size, the pad rows' outputs
@@ -13,30 +14,11 @@ shapes run eagerly, which the tests use to show that padding leaves every real r
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from specsched.scheduler.plan import AttentionPlan
-
-# vLLM's default capture sizes up to 256 rows
-DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
-
-def capture_sizes(sizes: Iterable[int] | None) -> tuple[int, ...]:
-    """`sizes` sorted and checked (None: the defaults); ValueError naming a size that is not a positive integer."""
-    if sizes is None:
-        return DEFAULT_CAPTURE_SIZES
-    out = []
-    for s in sizes:
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1:
-            raise ValueError(f"cuda_graph_sizes: {s!r} is not a positive number of rows")
-        out.append(int(s))
-    if not out:
-        raise ValueError("cuda_graph_sizes: give at least one size (or turn CUDA graphs off)")
-    return tuple(sorted(set(out)))
-
 
 @dataclass(frozen=True)
 class Padding:
