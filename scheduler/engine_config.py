@@ -96,11 +96,11 @@ class EngineConfig(BaseModel):
     attention: Literal["auto", "torch", "cpu", "flashinfer"] = Field("auto", description="'auto': 'cpu' (a C "
                                                                     "kernel) for float32 on the host, else 'torch'")
     dtype: Literal["float32", "bfloat16"] = "float32"
-    page_size: int = 16
-    num_pages: int = 4096
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    worker_threads: int = 1
+    page_size: int = Field(16, ge=1)
+    num_pages: int = Field(4096, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    worker_threads: int = Field(1, ge=1)
     worker_spin_ms: float = Field(5.0, ge=0, description="host device: the worker polls for its next launch this "
                                   "long before blocking (an idle core runs the next op slower); 0 = block at once")
     worker_malloc: str = Field("auto", description="host device: the worker process's memory allocator: "
@@ -113,9 +113,9 @@ class EngineConfig(BaseModel):
                                                     "keep weights packed for the C kernel or oneDNN) or 'torch'")
     worker_ops: Literal["auto", "torch"] = Field("auto", description="host device: 'auto' (float32 RMSNorm, RoPE, "
                                                  "SiLU-and-multiply in C, runtime/cpu_kernels.c) or 'torch'")
-    verify_micro_batches: int = Field(1, description="run a verify's rows as this many target forwards "
+    verify_micro_batches: Literal[1, 2] = Field(1, description="run a verify's rows as this many target forwards "
                                       "back to back (1 or 2)")
-    tensor_parallel_size: int = Field(1, description="shard the target (and an MTP/EAGLE head) over this "
+    tensor_parallel_size: int = Field(1, ge=1, description="shard the target (and an MTP/EAGLE head) over this "
                                       "many worker processes (torch.distributed, gloo); 1 = no sharding")
     tp_channel: Literal["shm", "dist"] = Field("shm", description="how the leader rank broadcasts each "
                                                "launch: a shared-memory ring or torch.distributed.broadcast")
@@ -174,15 +174,9 @@ class EngineConfig(BaseModel):
             raise ValueError("draft_profile seeds the adaptive draft length: it needs draft_len 'auto'")
         if self.schedule is None:
             self.schedule = NATURAL_SCHEDULE[self.proposer]
-        if self.verify_micro_batches not in (1, 2):
-            raise ValueError(f"verify_micro_batches must be 1 or 2, got {self.verify_micro_batches}")
         if self.tensor_parallel_size > 1 and self.device != "host":
             raise ValueError("tensor_parallel_size > 1 runs on the host device (CPU ranks over gloo); "
                              f"device {self.device!r} needs tensor_parallel_size 1")
-        for name in ("page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens", "worker_threads",
-                     "tensor_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
         for name in ("worker_malloc", "worker_openmp"):
             value = getattr(self, name)
             if value not in ("auto", "system") and not os.path.isfile(value):
@@ -298,6 +292,8 @@ def _describe(e: ValidationError) -> str:
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"]) or "config"
         msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] != "value_error" and "input" in err:  # a constraint's message omits the value
+            msg += f", got {err['input']!r}"
         parts.append(f"{loc}: {msg}")
     return "invalid engine config: " + "; ".join(parts)
 

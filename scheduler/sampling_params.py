@@ -1,8 +1,6 @@
 """Per-request sampling parameters (validated at the API boundary)."""
 from __future__ import annotations
 
-import math
-
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specsched.scheduler.errors import InvalidRequestError
@@ -18,10 +16,10 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_tokens: int = Field(64, description="maximum number of generated tokens (>= 1)")
-    temperature: float = Field(0.0, description="0 = greedy")
-    top_p: float = Field(1.0, description="nucleus mass in (0, 1]")
-    top_k: int = Field(0, description="0 = off")
+    max_tokens: int = Field(64, ge=1, description="maximum number of generated tokens")
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass")
+    top_k: int = Field(0, ge=0, description="0 = off")
     seed: int | None = Field(None, description="per-request generator seed")
     stop: list[str] = Field(default_factory=list, description="stop strings (not included)")
     ignore_eos: bool = False
@@ -36,34 +34,6 @@ class SamplingParams(BaseModel):
     def _no_bool(cls, v: object) -> object:
         if isinstance(v, bool):  # pydantic's lax mode would read True as 1
             raise ValueError(f"expected an integer, got {v!r}")
-        return v
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {v}")
-        return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float) -> float:
-        if not (v >= 0.0 and math.isfinite(v)):
-            raise ValueError(f"temperature must be finite and >= 0, got {v}")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v: float) -> float:
-        if not (0.0 < v <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {v}")
-        return v
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError(f"top_k must be >= 0, got {v}")
         return v
 
     @field_validator("seed")
@@ -107,5 +77,7 @@ class SamplingParams(BaseModel):
             err = e.errors()[0]
             field = ".".join(str(x) for x in err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] != "value_error" and "input" in err:  # a constraint's message omits the value
+                msg += f", got {err['input']!r}"
             where = f" {field}" if field else ""  # a check over several fields names them itself
             raise InvalidRequestError(f"invalid sampling parameter{where}: {msg}") from None

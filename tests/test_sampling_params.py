@@ -83,7 +83,7 @@ def test_invalid_request_error_is_a_value_error_without_pydantic_chain() -> None
         SamplingParams.make(top_k=-1)
     assert isinstance(info.value, InvalidRequestError)
     assert info.value.__cause__ is None and info.value.__suppress_context__
-    assert "top_k must be >= 0, got -1" in str(info.value)
+    assert "top_k: Input should be greater than or equal to 0, got -1" in str(info.value)
 
 
 def test_plain_constructor_still_validates() -> None:
