@@ -13,7 +13,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from specsched.scheduler.errors import ConfigurationError
+from specsched.scheduler.errors import ConfigurationError, field_errors
 from specsched.scheduler.pipeline import MAX_KEPT_TOKENS
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.sampling_params import SamplingParams
@@ -288,14 +288,7 @@ class EngineConfig(BaseModel):
 
 
 def _describe(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "config"
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] != "value_error" and "input" in err:  # a constraint's message omits the value
-            msg += f", got {err['input']!r}"
-        parts.append(f"{loc}: {msg}")
-    return "invalid engine config: " + "; ".join(parts)
+    return "invalid engine config: " + "; ".join(f"{loc or 'config'}: {msg}" for loc, msg in field_errors(e.errors()))
 
 
 def _yaml_load(text: str) -> Any:

@@ -16,3 +16,14 @@ class EngineClosedError(RuntimeError):
 
 class OutOfPagesError(RuntimeError):
     """An allocation the KV pool's free pages cannot cover (callers check before they act)."""
+
+
+def field_errors(errors: list[dict]) -> list[tuple[str, str]]:
+    """(field, message) of each of pydantic's `ValidationError.errors()`; a constraint's message gets the value."""
+    out = []
+    for err in errors:
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] != "value_error" and "input" in err:
+            msg += f", got {err['input']!r}"
+        out.append((".".join(str(x) for x in err["loc"]), msg))
+    return out

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from specsched.scheduler.errors import InvalidRequestError
+from specsched.scheduler.errors import InvalidRequestError, field_errors
 from specsched.scheduler.synthetic import SyntheticAcceptance
 
 # torch.Generator.manual_seed overflows past 64 bits, failing the whole device op (every request batched with this
@@ -74,10 +74,6 @@ class SamplingParams(BaseModel):
         try:
             return cls(**kwargs)
         except ValidationError as e:
-            err = e.errors()[0]
-            field = ".".join(str(x) for x in err["loc"])
-            msg = err["msg"].removeprefix("Value error, ")
-            if err["type"] != "value_error" and "input" in err:  # a constraint's message omits the value
-                msg += f", got {err['input']!r}"
+            field, msg = field_errors(e.errors())[0]
             where = f" {field}" if field else ""  # a check over several fields names them itself
             raise InvalidRequestError(f"invalid sampling parameter{where}: {msg}") from None
