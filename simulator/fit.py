@@ -128,16 +128,25 @@ def _wakeups(spans: list, dev_spans: list) -> list[tuple[str, int]]:
 
 
 def _between_steps(tr) -> list[int]:
-    """Host time between consecutive steps that no span covers (event-loop bookkeeping)."""
+    """Host time between consecutive steps that no span covers (event-loop bookkeeping). A gap in which the engine had
+    no request to serve counts from the arrival that ended it: the wait for work is the workload's, not the host's."""
     steps = sorted(tr.steps, key=lambda s: s.start_ns)
     host_spans = sorted((s.start_ns, s.end_ns) for s in tr.spans if s.track == "host")
     starts = np.array([a for a, _ in host_spans], dtype=np.int64)
+    arrivals = sorted(r.arrival_ns for r in tr.requests)
+    finishes = sorted(f.finish_ns for f in tr.finishes)
     out = []
     for a, b in zip(steps, steps[1:]):
-        gap = b.start_ns - a.end_ns
+        t0 = a.end_ns
+        arrived = bisect.bisect_right(arrivals, t0)
+        if arrived == bisect.bisect_right(finishes, t0):  # nothing to serve: idle until the next arrival
+            if arrived == len(arrivals) or arrivals[arrived] > b.start_ns:
+                continue
+            t0 = arrivals[arrived]
+        gap = b.start_ns - t0
         if gap < 0:
             continue
-        i0, i1 = np.searchsorted(starts, [a.end_ns, b.start_ns])
+        i0, i1 = np.searchsorted(starts, [t0, b.start_ns])
         covered = sum(min(e, b.start_ns) - s0 for s0, e in host_spans[i0:i1])
         out.append(max(0, gap - covered))
     return out

@@ -265,6 +265,20 @@ def test_host_stages_are_busy_time_so_a_request_submitted_meanwhile_waits_a_step
     assert any("r2" in s.request_ids for s in steps[fin_step + 2:])
 
 
+def test_step_overhead_leaves_out_the_engines_wait_for_work():
+    """Between steps of an open-loop run the engine may wait for a request to arrive: that wait is the workload's, so
+    a profile fitted from such a run charges each step the host overhead the run had, not its idle time."""
+    from specsched.traces.reader import read_trace
+
+    prof = fit_profile([read_trace(ROOT / "traces" / "samples" / "draft_sync.jsonl")])
+    prof.step_overhead_ns = 50_000.0
+    # four requests 200 ms apart, each done long before the next arrives
+    workload = workload_trace(4, 32, 16, proposer="draft", draft_len=4, concurrency=None, interarrival_ns=200_000_000)
+    _, sim = replay(workload, prof, ReplayConfig(acceptance="bernoulli:0.7"))
+    assert len(sim.steps) > 8
+    assert fit_profile([sim]).step_overhead_ns == pytest.approx(50_000.0, rel=0.01)
+
+
 def test_host_stages_are_priced_per_op_and_step_overhead_lies_between_steps():
     from specsched.traces.reader import read_trace
 
