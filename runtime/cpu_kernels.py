@@ -1,13 +1,14 @@
-"""specsched's CPU kernels (cpu_kernels.c): paged attention, the decoder layer's small fused
-ops and linears, for float32 on a CPU.
+"""specsched's CPU kernels (cpu_attention.c: paged attention; cpu_kernels.c: the decoder layer's
+small fused ops, linears and the whole layer in one call; cpu_kernels.h: what they share), for
+float32 on a CPU.
 
 Why: on a CPU worker a forward of a small model is dominated by work PyTorch spreads over many
 small ops -- the paged-KV gather and SDPA, RMSNorm, RoPE, SiLU-and-multiply -- each paying a
 dispatch and a pass over memory, and by linears over a few rows, which MKL and oneDNN run at
-a fraction of the memory's speed. The C file does each in one call, no gather, one pass.
+a fraction of the memory's speed. The C files do each in one call, no gather, one pass.
 
 It is plain C (no Python or torch headers), built on first use by the platform's C compiler
-(`cc`, or `$CC`; about a second) into the cache folder (`cache_dir()`: a file per source, flags,
+(`cc`, or `$CC`; about a second) into one library in the cache folder (`cache_dir()`: a file per sources, flags,
 compiler and CPU, so a second start only loads it) and loaded with ctypes. Where no compiler is
 found, `status()` says why and callers keep PyTorch's ops.
 """
@@ -26,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_kernels.c"))
+HEADER = Path(__file__).with_name("cpu_kernels.h")  # both include it
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
 
 
@@ -35,7 +37,7 @@ class KernelUnavailable(RuntimeError):
 
 
 class StepPlan(ctypes.Structure):
-    """cpu_kernels.c's StepPlan: one step's attention plan, read by every layer's call."""
+    """cpu_kernels.h's StepPlan: one step's attention plan, read by every layer's call."""
 
     _fields_ = [(n, ctypes.c_int64) for n in ("num_seqs", "num_heads", "num_kv_heads", "head_dim", "page_size")] + [
         (n, ctypes.c_void_p) for n in ("qo_indptr", "kv_lens", "page_indptr", "page_indices", "slot_mapping",
@@ -80,13 +82,13 @@ def _build(compiler: str, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
                               timeout=120)
         if done.returncode != 0:
-            raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name}: {done.stderr.strip()[-500:]}")
+            raise KernelUnavailable(f"{compiler} failed to build the CPU kernels: {done.stderr.strip()[-500:]}")
         os.replace(tmp, path)  # atomic: concurrent builders each install a whole file
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise KernelUnavailable(f"{compiler} could not build {SOURCE.name}: {e}") from e
+        raise KernelUnavailable(f"{compiler} could not build the CPU kernels: {e}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -99,7 +101,7 @@ def library() -> ctypes.CDLL:
     if not compiler or not shutil.which(compiler):
         raise KernelUnavailable(f"no C compiler found ({'$CC=' + compiler if compiler else 'cc, gcc'})")
     try:
-        source = SOURCE.read_bytes()
+        source = b"".join(path.read_bytes() for path in (*SOURCES, HEADER))
     except OSError as e:
         raise KernelUnavailable(f"cannot read the kernels' source: {e}") from e
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + compiler.encode() + _cpu_signature().encode())

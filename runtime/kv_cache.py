@@ -30,7 +30,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
-    memory = mmap.mmap(-1, numel * torch.empty((), dtype=dtype).element_size())
+    memory = mmap.mmap(-1, numel * dtype.itemsize)
     return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)  # the tensor keeps the map
 
 

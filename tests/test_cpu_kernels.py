@@ -1,4 +1,4 @@
-"""specsched's CPU kernels (runtime/cpu_kernels.c): the paged attention kernel against the dense
+"""specsched's CPU kernels (runtime/cpu_attention.c, runtime/cpu_kernels.c): the paged attention kernel against the dense
 reference and the torch backend, the decoder layer's ops against PyTorch's, and how a worker
 chooses them."""
 

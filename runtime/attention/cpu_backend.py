@@ -2,7 +2,7 @@
 
 Why: the torch backend gathers every sequence's pages into a contiguous copy and then runs SDPA
 over it -- two passes over all the K/V of the step, plus a dispatch of several ops per layer.
-The kernel (`specsched_paged_attention` in runtime/cpu_kernels.c) appends the step's K/V and
+The kernel (`specsched_paged_attention` in runtime/cpu_attention.c) appends the step's K/V and
 attends in one call per layer, reading each page once. Where the kernels cannot be built,
 `kernel_status()` says why and the worker keeps the torch backend.
 
@@ -22,7 +22,7 @@ from specsched.runtime.attention.torch_backend import TorchBackend
 from specsched.runtime.cpu_kernels import KernelUnavailable, StepPlan, library, status
 from specsched.scheduler.plan import AttentionPlan
 
-HEAD_DIMS = (32, 64, 128)  # the head sizes cpu_kernels.c is compiled for
+HEAD_DIMS = (32, 64, 128)  # the head sizes cpu_attention.c is compiled for
 # longer queries a sequence go to SDPA: the kernel's scores are quadratic per row (measured on the
 # bundled target's heads: 1.5x faster than the torch backend at a 256-token prefill, even at 1024)
 MAX_QUERY_LEN = 1024
