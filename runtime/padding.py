@@ -27,6 +27,10 @@ class Padding:
     page_size: int
     max_tokens_per_row: int  # q above this runs at its own shape (1 + the longest verify)
 
+    def __post_init__(self) -> None:
+        if not self.sizes or list(self.sizes) != sorted(set(self.sizes)):
+            raise ValueError(f"capture sizes must be given increasing (EngineConfig.graph_sizes), got {self.sizes}")
+
     def shape(self, plan: AttentionPlan) -> tuple[int, int] | None:
         """(padded rows, tokens per row) of the step, or None where it runs at its own shape."""
         qo = np.diff(plan.qo_indptr)

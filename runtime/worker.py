@@ -37,7 +37,6 @@ from specsched.scheduler.messages import (AgreementMessage, AgreementResult, Dra
 from specsched.runtime.sync_guard import host_side, no_host_sync, to_device
 from specsched.runtime.token_state import SeqState, TokenBuffer
 from specsched.runtime.padding import Padding
-from specsched.scheduler.engine_config import capture_sizes
 from specsched.scheduler.plan import AttentionPlan
 from specsched.scheduler.proposer import ProposerSpec
 from specsched.scheduler.step_trace import device_span_name
@@ -94,7 +93,7 @@ class ModelWorker:
             self.kv = self.target.make_kv_cache(c.num_pages, c.page_size, backend=self.backend)
             self.spec = c.proposer
             # uniform steps padded to capture sizes, pad rows on every cache's scratch page
-            self.padding = Padding(capture_sizes(c.cuda_graph_sizes), self.kv.scratch_page, c.page_size,
+            self.padding = Padding(c.cuda_graph_sizes, self.kv.scratch_page, c.page_size,
                                    1 + max(1, self.spec.num_candidates)) if c.cuda_graph_sizes else None
             # on CUDA the padded steps replay CUDA graphs (FlashInfer attention); on a CPU they run eagerly
             self.graphs = None
