@@ -29,7 +29,7 @@ from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.proposers.ngram import host_drafter
 from specsched.scheduler.scheduler import SchedulerConfig, max_pages_needed
 from specsched.scheduler.block_manager import KVPoolStats
-from specsched.scheduler.engine_config import WARMUP_ID, WARMUP_PROMPT, warmup_params
+from specsched.scheduler.run_config import WARMUP_ID, WARMUP_PROMPT, warmup_params
 from specsched.scheduler.errors import EngineClosedError, InvalidRequestError
 from specsched.scheduler.pipeline import Pipeline
 from specsched.scheduler.protocols import DeviceError

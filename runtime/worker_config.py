@@ -16,7 +16,7 @@ from specsched.scheduler.proposer import ProposerSpec
 from specsched.scheduler.synthetic import SyntheticAcceptance
 
 if TYPE_CHECKING:
-    from specsched.scheduler.engine_config import EngineConfig
+    from specsched.runtime.engine_config import EngineConfig
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import anyio
 
-from specsched.scheduler.engine_config import WARMUP_ID, EngineConfig, warmup_params
+from specsched.scheduler.run_config import WARMUP_ID, RunConfig, warmup_params
 from specsched.scheduler.errors import ConfigurationError, InvalidRequestError
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.schedules import schedule_rules
@@ -143,12 +143,12 @@ class Resolved(NamedTuple):
     proposer: str
     schedule: str
     draft_len: int
-    config: EngineConfig
+    config: RunConfig
 
 
 def resolve(trace: Trace, cfg: ReplayConfig) -> Resolved:
     """The replay's proposer, schedule, D and engine configuration: the trace header's
-    `engine_config` with the replay's changes, built and checked by `EngineConfig` (its
+    `engine_config` with the replay's changes, built and checked by `RunConfig` (its
     defaults fill what an older trace lacks). An adaptive draft length -- asked for, or the
     captured run's when the replay keeps its proposer and D -- is `draft_len: "auto"`, D then
     being the longest it may choose."""
@@ -158,7 +158,7 @@ def resolve(trace: Trace, cfg: ReplayConfig) -> Resolved:
     auto = cfg.draft_len == "auto" or (cfg.draft_len is None and captured_auto)
     if auto:
         draft_len = (cfg.max_draft_len or int(h.engine_config.get("max_draft_len") or 0) or max(h.draft_len, 0)
-                     or EngineConfig.model_fields["max_draft_len"].default)
+                     or RunConfig.model_fields["max_draft_len"].default)
     elif cfg.draft_len is not None:
         draft_len = cfg.draft_len
     elif proposer == "none":
@@ -181,7 +181,7 @@ def resolve(trace: Trace, cfg: ReplayConfig) -> Resolved:
         # plain decoding accepts nothing: a synthetic trace's forced acceptance does not apply
         changes.update(acceptance="lossless", synthetic_acceptance_length=None, synthetic_acceptance_rates=None)
     try:
-        config = EngineConfig.from_header(h.engine_config, **changes)
+        config = RunConfig.from_header(h.engine_config, **changes)
     except ConfigurationError as e:
         raise ConfigurationError(f"{trace.path or 'trace'}: {e}") from None
     return Resolved(proposer, schedule, draft_len, config)

@@ -11,7 +11,7 @@ from specsched.runtime.config import ModelConfig
 from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.model import LlamaModel
 from specsched.runtime.padding import Padding
-from specsched.scheduler.engine_config import DEFAULT_CAPTURE_SIZES, capture_sizes
+from specsched.scheduler.run_config import DEFAULT_CAPTURE_SIZES, capture_sizes
 from specsched.runtime.training.mtp_eval import run_requests
 from specsched.scheduler.errors import ConfigurationError
 from specsched.scheduler.plan import build_plan

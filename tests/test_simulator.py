@@ -439,6 +439,17 @@ def test_captured_configuration_replays_the_recorded_acceptance():
     assert not other.recorded  # another draft length cannot use them
 
 
+def test_a_replay_takes_the_schedule_settings_of_a_header_not_the_recording_machines():
+    """A trace from a CUDA engine with a worker library of its own machine replays elsewhere: the replay builds the
+    run's settings (pool, proposer, schedule) and leaves the model, device and worker ones to the engine."""
+    tr = workload_trace(2, 8, 6, draft_len=2)
+    tr.header.engine_config.update(page_size=8, device="cuda", attention="flashinfer", dtype="bfloat16",
+                                   worker_malloc="/no/such/libtcmalloc.so", tensor_parallel_size=2)
+    _, sim = replay(tr, analytic_profile(1_000_000, 0.1))
+    assert sim.header.engine_config["page_size"] == 8
+    assert not {"device", "worker_malloc", "tensor_parallel_size"} & set(sim.header.engine_config)
+
+
 def _leviathan(alpha, g, c):
     return (1 - alpha ** (g + 1)) / ((1 - alpha) * (g * c + 1))
 

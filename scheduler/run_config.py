@@ -1,23 +1,20 @@
-"""EngineConfig: one validated object for everything an engine run chooses, loaded from JSON/YAML, mapped to CLI flags
-and written into every trace header. Torch-free, so the simulator's replay builds its configuration through it too
-(`EngineConfig.from_header`): one set of defaults and checks for a run and its replay.
+"""RunConfig: the settings of an engine run that the scheduling core reads and a replay reproduces -- proposer, draft
+length, schedule, acceptance, KV pool, batch limits, padded shapes, warm-up. `runtime.engine_config.EngineConfig` adds
+the model, device and worker settings; the simulator's replay builds its configuration with this class from a trace
+header (`RunConfig.from_header`): the run's defaults and checks, without the recording machine's paths and devices.
 """
 from __future__ import annotations
 
 import numbers
-import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any, Literal
 
-import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specsched.scheduler.errors import ConfigurationError, field_errors
 from specsched.scheduler.pipeline import MAX_KEPT_TOKENS
 from specsched.scheduler.proposer import ProposerSpec, validate_combination
 from specsched.scheduler.sampling_params import SamplingParams
-from specsched.scheduler.speculative_config import speculative_fields
 from specsched.scheduler.synthetic import SyntheticAcceptance
 from specsched.scheduler.wiring import (DEFAULT_DRAFT_LEN, NATURAL_SCHEDULE, TREE_MAX_NODES, TREE_TOP_K,
                                         WARMUP_TOKENS, proposer_spec)
@@ -52,16 +49,9 @@ def warmup_params(max_tokens: int = WARMUP_TOKENS) -> SamplingParams:
     return SamplingParams(max_tokens=min(WARMUP_TOKENS, max_tokens), ignore_eos=True)
 
 
-class EngineConfig(BaseModel):
+class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(None, description="target checkpoint dir (HF layout); None = bundled")
-    draft: str | None = Field(None, description="draft checkpoint dir; None = bundled draft")
-    mtp_head: str | None = Field(None, description="MTP/EAGLE head dir; None = bundled head")
-    load_format: Literal["auto", "dummy"] = Field(
-        "auto", description="'dummy': random weights from each checkpoint's config.json alone (vLLM's "
-        "--load-format dummy, to measure speed); model / draft / mtp_head may then name a shipped shape "
-        "(runtime/shapes: llama-3.2-1b, llama-3.1-8b, their -draft and -mtp)")
     proposer: ProposerName = ProposerKind.NONE.value
     draft_len: int | Literal["auto"] | None = Field(
         None, description="D (tree depth for eagle); 'auto': chosen per step up to max_draft_len "
@@ -84,43 +74,14 @@ class EngineConfig(BaseModel):
         None, description="acceptance 'synthetic': the mean acceptance length, bonus token counted")
     synthetic_acceptance_rates: list[float] | None = Field(
         None, description="acceptance 'synthetic': per-position unconditional rates, non-increasing")
-    speculative_config: dict | str | None = Field(
-        None, description="vLLM's speculative_config (a dict or its JSON: method, num_speculative_tokens, model, "
-        "rejection_sample_method, synthetic_acceptance_length / _rates, prompt_lookup_min / _max), read onto "
-        "the fields above")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="the seed of the engine's own draws (synthetic "
                       "acceptance); a request's sampling is seeded by its SamplingParams.seed")
     synthetic_acceptance_independent: bool = Field(
         False, description="acceptance 'synthetic': draw each position on its own, not one uniform per row")
-    device: Literal["host", "cuda"] = "host"
-    attention: Literal["auto", "torch", "cpu", "flashinfer"] = Field("auto", description="'auto': 'cpu' (a C "
-                                                                    "kernel) for float32 on the host, else 'torch'")
-    dtype: Literal["float32", "bfloat16"] = "float32"
     page_size: int = Field(16, ge=1)
     num_pages: int = Field(4096, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
-    worker_threads: int = Field(1, ge=1)
-    worker_spin_ms: float = Field(5.0, ge=0, description="host device: the worker polls for its next launch this "
-                                  "long before blocking (an idle core runs the next op slower); 0 = block at once")
-    worker_malloc: str = Field("auto", description="host device: the worker process's memory allocator: "
-                               "'auto' (tcmalloc where installed), 'system' (glibc's) or a library's path "
-                               "(runtime/devices/native.py)")
-    worker_openmp: str = Field("system", description="host device: the worker process's OpenMP runtime: "
-                               "'system' (torch's own), 'auto' (Intel's libiomp5 where installed) or a "
-                               "library's path")
-    worker_linear: Literal["auto", "torch"] = Field("auto", description="host device: 'auto' (float32 linears also "
-                                                    "keep weights packed for the C kernel or oneDNN) or 'torch'")
-    worker_ops: Literal["auto", "torch"] = Field("auto", description="host device: 'auto' (float32 RMSNorm, RoPE, "
-                                                 "SiLU-and-multiply in C, runtime/cpu_kernels.c) or 'torch'")
-    verify_micro_batches: Literal[1, 2] = Field(1, description="run a verify's rows as this many target forwards "
-                                      "back to back (1 or 2)")
-    tensor_parallel_size: int = Field(1, ge=1, description="shard the target (and an MTP/EAGLE head) over this "
-                                      "many worker processes (torch.distributed, gloo); 1 = no sharding")
-    tp_channel: Literal["shm", "dist"] = Field("shm", description="how the leader rank broadcasts each "
-                                               "launch: a shared-memory ring or torch.distributed.broadcast")
-    sync_guard: bool = Field(False, description="fail any device op that reads a device value on the host "
-                             "(HostSyncError; on CUDA also torch.cuda.set_sync_debug_mode('error'))")
     max_kept_hidden_tokens: int = Field(MAX_KEPT_TOKENS, ge=1, description="with draft_len 'auto' and an MTP "
                                         "head: the most target positions whose hidden states the device keeps for "
                                         "the head's fills that wait while speculation is off (over a step's rows); "
@@ -134,34 +95,13 @@ class EngineConfig(BaseModel):
     skip_warmup: bool = Field(False, description="start serving without the warm-up request that runs "
                               "each device op once first (their first launches pay one-off costs)")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _speculative_config(cls, data: Any) -> Any:
-        """vLLM's `speculative_config` (a dict, or its JSON) read onto these fields."""
-        if not isinstance(data, Mapping) or data.get("speculative_config") is None:
-            return data
-        data = dict(data)
-        raw = data.pop("speculative_config")
-        if isinstance(raw, (str, bytes)):
-            try:
-                raw = orjson.loads(raw)
-            except orjson.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not JSON: {e}") from None
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(raw).__name__}")
-        for field, value in speculative_fields(raw).items():
-            if data.get(field) is not None and data[field] != value:
-                raise ValueError(f"speculative_config sets {field}={value!r}, the configuration {data[field]!r}")
-            data[field] = value
-        return data
-
     @field_validator("schedule", mode="before")
     @classmethod
     def _schedule_alias(cls, value: object) -> object:
         return schedule_name(value)
 
     @model_validator(mode="after")
-    def _check(self) -> "EngineConfig":
+    def _check(self) -> "RunConfig":
         if self.draft_len is None:
             self.draft_len = DEFAULT_DRAFT_LEN[self.proposer]
         if self.draft_len == "auto":
@@ -174,16 +114,6 @@ class EngineConfig(BaseModel):
             raise ValueError("draft_profile seeds the adaptive draft length: it needs draft_len 'auto'")
         if self.schedule is None:
             self.schedule = NATURAL_SCHEDULE[self.proposer]
-        if self.tensor_parallel_size > 1 and self.device != "host":
-            raise ValueError("tensor_parallel_size > 1 runs on the host device (CPU ranks over gloo); "
-                             f"device {self.device!r} needs tensor_parallel_size 1")
-        for name in ("worker_malloc", "worker_openmp"):
-            value = getattr(self, name)
-            if value not in ("auto", "system") and not os.path.isfile(value):
-                raise ValueError(f"{name} {value!r}: expected 'auto', 'system' or the path of a library file")
-        if self.cuda_graphs and self.device == "cuda" and self.attention != "flashinfer":
-            raise ValueError("cuda_graphs on device 'cuda' need attention 'flashinfer' (the torch backend's "
-                             "gathers take each step's own shape)")
         if self.cuda_graph_sizes is not None:
             if self.cuda_graphs is False:
                 raise ValueError("cuda_graph_sizes pads steps for CUDA graphs, which cuda_graphs false "
@@ -193,10 +123,6 @@ class EngineConfig(BaseModel):
             raise ValueError("need 1 <= ngram_min <= ngram_max")
         if self.acceptance == "threshold" and not (0.0 < self.threshold < 1.0):
             raise ValueError("threshold must be in (0, 1)")
-        # FlashInfer's kernels take 16-bit queries and caches, the C kernel float32: nothing is cast silently
-        device, dtype = {"flashinfer": ("cuda", "bfloat16"), "cpu": ("host", "float32")}.get(self.attention, (0, 0))
-        if device and (self.device, self.dtype) != (device, dtype):
-            raise ValueError(f"attention {self.attention!r} needs device {device!r} and dtype {dtype!r}")
         validate_combination(self.proposer, self.schedule, self.longest_draft_len)
         spec = self.proposer_spec()  # validates the draft length
         self._check_synthetic(spec)
@@ -249,14 +175,14 @@ class EngineConfig(BaseModel):
                              tree_max_nodes=self.tree_max_nodes, schedule=self.schedule)
 
     @classmethod
-    def make(cls, **kwargs) -> "EngineConfig":
+    def make(cls, **kwargs) -> "RunConfig":
         try:
             return cls(**kwargs)
         except ValidationError as e:
-            raise ConfigurationError(_describe(e)) from None
+            raise ConfigurationError(describe(e)) from None
 
     @classmethod
-    def from_header(cls, recorded: Mapping[str, Any], **changes: Any) -> "EngineConfig":
+    def from_header(cls, recorded: Mapping[str, Any], **changes: Any) -> "RunConfig":
         """A trace header's `engine_config` with `changes` (a replay's what-ifs) on top. Settings this release no longer
         has are dropped, missing ones take their defaults; anything else invalid is a ConfigurationError naming it."""
         data = {k: v for k, v in recorded.items() if k in cls.model_fields}
@@ -264,34 +190,9 @@ class EngineConfig(BaseModel):
         try:
             return cls(**data)
         except ValidationError as e:
-            raise ConfigurationError(f"{_describe(e)} (the trace header's engine_config, with the replay's "
+            raise ConfigurationError(f"{describe(e)} (the trace header's engine_config, with the replay's "
                                      "changes)") from None
 
-    @classmethod
-    def from_file(cls, path: str | Path, **overrides) -> "EngineConfig":
-        path = Path(path)
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigurationError(f"{path}: cannot read config: {e}") from None
-        try:
-            data = _yaml_load(text) if path.suffix in (".yaml", ".yml") else orjson.loads(text)
-        except Exception as e:  # noqa: BLE001
-            raise ConfigurationError(f"{path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigurationError(f"{path}: expected a mapping of config fields")
-        data.update({k: v for k, v in overrides.items() if v is not None})
-        try:
-            return cls(**data)
-        except ValidationError as e:
-            raise ConfigurationError(f"{path}: {_describe(e)}") from None
-
-
-def _describe(e: ValidationError) -> str:
+def describe(e: ValidationError) -> str:
+    """pydantic's errors as one message naming each field."""
     return "invalid engine config: " + "; ".join(f"{loc or 'config'}: {msg}" for loc, msg in field_errors(e.errors()))
-
-
-def _yaml_load(text: str) -> Any:
-    import yaml  # only a YAML config file needs it (the simulator's replay never does)
-
-    return yaml.safe_load(text)
