@@ -199,11 +199,14 @@ def _read_trace(path: Path):
 
 
 def _metrics_table(title: str, rows: list[tuple[str, dict]]) -> None:
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=title)
-    for col in ("run", "tok/s", "TTFT p50 ms", "TPOT p50 ms", "mean AL", "bubble", "host ms/step", "speedup"):
-        t.add_column(col, justify="right")
+    # fits 80 columns with a run's name of up to 24 characters: no column rules, two-line headers
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
+    t.add_column("run", justify="right", min_width=min(24, max((len(name) for name, _ in rows), default=3)))
+    for col in ("tok/s", "TTFT\np50 ms", "TPOT\np50 ms", "mean\nAL", "bubble", "host\nms/step", "speedup"):
+        t.add_column(col, justify="right", no_wrap=True)
     for name, m in rows:
         al = m.get("mean_accept_len")
         t.add_row(name, _num(m["output_tokens_per_s"], ".1f"), _num(m["ttft_ms"]["p50"], ".1f"),

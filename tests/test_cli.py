@@ -36,6 +36,16 @@ def test_every_documented_command_is_registered():
         assert cmd in out, cmd
 
 
+def test_the_metrics_table_fits_80_columns_with_the_runs_name_whole():
+    json_tok_s = run_json("stats", SAMPLE)["output_tokens_per_s"]
+    res = runner.invoke(app, ["stats", str(SAMPLE)], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    row = next(line for line in lines if line.strip().startswith(SAMPLE.name))  # whole, not "draft_s…"
+    assert f"{json_tok_s:.1f}" in row and row.rstrip().endswith("-")  # every column shown, speedup last
+
+
 def test_stats_and_replay_print_the_same_metric_keys():
     stats = run_json("stats", SAMPLE)
     sim = run_json("replay", SAMPLE, "--schedule", "overlap")
