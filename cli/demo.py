@@ -126,7 +126,7 @@ def _summary(console: Console, rows: list[dict], ab_res: dict, out_dir: Path, sk
     t = Table(title="specsched demo: bundled model, default workload (measured on this machine, "
                     f"median of {rounds} round{'s' if rounds > 1 else ''})")
     # fits an 80-column terminal: no vertical rules, no column that may wrap or collapse
-    t = Table(title=t.title, box=box.SIMPLE_HEAD, pad_edge=False)
+    t = Table(title=t.title, box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
     t.add_column("run", no_wrap=True)
     t.add_column("D", justify="right", no_wrap=True, min_width=1)
     for col in ("tok/s", "TTFT", "TPOT", "AL", "bubble", "speedup", "sim err"):

@@ -389,7 +389,9 @@ def test_demo_summary_table_fits_80_columns_with_every_draft_length_shown(tmp_pa
     assert max(len(line) for line in lines) <= 80
     for name, _, _, d in RUNS:
         row = next(line.split() for line in lines if line.split()[:1] == [name])
-        assert row[1] == (str(d) if d else "-") and row[2] == "1234.5", row
+        assert row[1] == (str(d) if d else "-") and row[2] == "1234.5" and row[-1] == "-12.3%", row
+    assert any(line.split() == ["run", "D", "tok/s", "TTFT", "TPOT", "AL", "bubble", "speedup", "sim", "err"]
+               for line in lines)  # every header whole
 
 
 def test_stats_says_when_the_acceptance_was_synthetic(tmp_path):
