@@ -203,7 +203,7 @@ def _metrics_table(title: str, rows: list[tuple[str, dict]]) -> None:
     from rich.table import Table
 
     # fits 80 columns with a run's name of up to 24 characters: no column rules, two-line headers
-    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
     t.add_column("run", justify="right", min_width=min(24, max((len(name) for name, _ in rows), default=3)))
     for col in ("tok/s", "TTFT\np50 ms", "TPOT\np50 ms", "mean\nAL", "bubble", "host\nms/step", "speedup"):
         t.add_column(col, justify="right", no_wrap=True)
