@@ -15,7 +15,7 @@ from specsched.scheduler.scheduler import Scheduler, SchedulerConfig
 from specsched.scheduler.block_manager import BlockManager
 from specsched.scheduler.request import Request, RequestState
 from specsched.scheduler.sampling_params import SamplingParams
-from specsched.scheduler.slot_state import SlotTable
+from specsched.scheduler.slot_state import COUNTERS, SlotTable
 
 
 class Ref:
@@ -213,9 +213,9 @@ def test_detaching_many_at_once_leaves_what_detaching_one_by_one_leaves():
     for a, b in zip(*handles):
         assert (a.slot, a.num_computed_tokens, a.num_prompt_tokens, a.drafted_per_pos, a.accepted_per_pos) == \
             (b.slot, b.num_computed_tokens, b.num_prompt_tokens, b.drafted_per_pos, b.accepted_per_pos)
-    assert tables[0]._free == tables[1]._free  # slots come back in the same order
     assert np.array_equal(tables[0].gen, tables[1].gen)
-    assert np.array_equal(tables[0]._counters, tables[1]._counters)
-    assert np.array_equal(tables[0].drafted_hist, tables[1].drafted_hist)
-    again = [Request(f"n{i}", [1], SamplingParams(max_tokens=2), 0) for i in range(2)]
-    assert [tables[1].attach(r) for r in again] == [handles[1][1].slot, handles[1][5].slot]
+    for name in COUNTERS + ("drafted_hist", "accepted_hist"):
+        assert np.array_equal(getattr(tables[0], name), getattr(tables[1], name)), name
+    # the freed slots come back in the same order, the last freed first
+    again = [[t.attach(Request(f"n{i}", [1], SamplingParams(max_tokens=2), 0)) for i in range(4)] for t in tables]
+    assert again[0] == again[1] == [handles[1][i].slot for i in reversed(order)]
