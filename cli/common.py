@@ -198,12 +198,18 @@ def _read_trace(path: Path):
     return trace
 
 
-def _metrics_table(title: str, rows: list[tuple[str, dict]]) -> None:
+def narrow_table(title: str):
+    """A rich Table that spends no width on rules or edges (the padding between columns collapsed), for tables that
+    must fit an 80-column terminal."""
     from rich import box
     from rich.table import Table
 
-    # fits 80 columns with a run's name of up to 24 characters: no column rules, two-line headers
-    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
+    return Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
+
+
+def _metrics_table(title: str, rows: list[tuple[str, dict]]) -> None:
+    # fits 80 columns with a run's name of up to 24 characters; the numbers' headers take two lines
+    t = narrow_table(title)
     t.add_column("run", justify="right", min_width=min(24, max((len(name) for name, _ in rows), default=3)))
     for col in ("tok/s", "TTFT\np50 ms", "TPOT\np50 ms", "mean\nAL", "bubble", "host\nms/step", "speedup"):
         t.add_column(col, justify="right", no_wrap=True)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
-from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+
+from specsched.cli.common import narrow_table
 
 # (name, proposer, schedule, draft_len): each proposer at the draft length that ran fastest at
 # batch 1 on the bundled family (benchmarks/proposers.py: D = 3 over 4 for the draft model, 3 over
@@ -123,10 +123,9 @@ def _window(trace) -> tuple[int, int] | None:
 
 def _summary(console: Console, rows: list[dict], ab_res: dict, out_dir: Path, skipped: list[str],
              rounds: int) -> None:
-    t = Table(title="specsched demo: bundled model, default workload (measured on this machine, "
-                    f"median of {rounds} round{'s' if rounds > 1 else ''})")
-    # fits an 80-column terminal: no vertical rules, no column that may wrap or collapse
-    t = Table(title=t.title, box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
+    # fits an 80-column terminal: no column that may wrap or collapse
+    t = narrow_table("specsched demo: bundled model, default workload (measured on this machine, "
+                     f"median of {rounds} round{'s' if rounds > 1 else ''})")
     t.add_column("run", no_wrap=True)
     t.add_column("D", justify="right", no_wrap=True, min_width=1)
     for col in ("tok/s", "TTFT", "TPOT", "AL", "bubble", "speedup", "sim err"):
