@@ -1,6 +1,5 @@
 """The host's side of every device launch: released slots ride along, the launch and its wait are recorded as spans
 (in the simulator, charged as host time), the policy feed hears of it; a step's outcome goes to the sink and the trace.
-Also what is in flight across steps: a plain step launched ahead and the proposer's fill left running.
 """
 from __future__ import annotations
 
@@ -32,8 +31,6 @@ class Launcher:
         self.main = device.stream("main")
         self.aux = device.stream("draft")
         self.release: list[int] = []  # slots whose device state goes with the next launch
-        self.pending_fill: Launch | None = None  # the proposer's fill left running
-        self.inflight: tuple[StepBatch, Launch] | None = None  # a plain step launched ahead
         # Simulator hook: (stage name, attributes) -> virtual ns, passed to the clock's `advance_ns` (busy time).
         # None in the engine: real host work takes real time.
         self.host_cost: Any = None

@@ -69,12 +69,12 @@ def emit(t: SlotTable, batch: StepBatch, rows: np.ndarray, tokens, lens: np.ndar
     keep_l = keep.tolist()
     for j in bulk.nonzero()[0].tolist():
         r, tk, k = reqs[index[j]], tokens[j], keep_l[j]
-        if k < len(tk):
-            tk = tk[:k]
-        r.output_token_ids.extend(tk)
         if r.first_token_ns is None:
             r.first_token_ns = now
-        out.tokens.append((r, tk))
+        if keep_ids:
+            tk = tk[:k] if k < len(tk) else tk
+            r.output_token_ids.extend(tk)
+            out.tokens.append((r, tk))
         out.counts[index[j]] = k
     t.num_output[slots[bulk]] += keep[bulk]
     out.by_length = [reqs[index[j]] for j in (bulk & (keep >= room)).nonzero()[0].tolist()]
@@ -89,7 +89,7 @@ def marked_reason(req: Request) -> str:
         return "abort"
     if req.stop_at < req.num_output_tokens:
         del req.output_token_ids[req.stop_at:]
-        req.extend_output([])
+        req.num_output_tokens = req.stop_at
     return "stop"
 
 
@@ -141,7 +141,7 @@ def _one(req: Request, tokens: list[int], eos: frozenset[int], keep_ids: bool, n
         req.extend_output(tokens)
         out.tokens.append((req, tokens))
     else:
-        req.num_output = req.num_output + len(tokens)
+        req.num_output_tokens += len(tokens)
     if reason is None and req.num_output_tokens >= params.max_tokens:
         reason = "length"
     if reason is not None:

@@ -137,7 +137,7 @@ class Pipeline:
         return True
 
     def _process_aborts(self) -> None:
-        inflight = self.launcher.inflight
+        inflight = self.ops.inflight
         self.launcher.deliver(self.scheduler.finish_marked(inflight[0] if inflight else None, self._now()))
 
     # -- main loop --------------------------------------------------------------------------
@@ -182,7 +182,7 @@ class Pipeline:
     def finish_abandoned(self) -> None:
         """After `run` was cancelled mid-step: every request left is finished as aborted (pages freed, finish recorded).
         In-flight device work is not waited for; the device is being closed."""
-        self.launcher.inflight = None
+        self.ops.abandon()
         self.launcher.deliver(self.scheduler.finish_all(self._now()))
 
     def _most_pages(self) -> int:
@@ -191,7 +191,7 @@ class Pipeline:
 
     async def step(self) -> None:
         l, ops = self.launcher, self.ops
-        if l.inflight is not None and self.blocks.num_free_pages < self._most_pages():
+        if ops.inflight is not None and self.blocks.num_free_pages < self._most_pages():
             await self.ops.drain()  # preemption may be needed: never preempt a request in flight
         l.charge("step_gap", {})  # host work between steps that no stage span covers
         if self.feed.pending:
@@ -203,10 +203,10 @@ class Pipeline:
         l.host("schedule", batch.step, t0, **shape)
         if not len(batch):
             await self.ops.drain()
-            if not len(batch) and self.scheduler.has_work and l.inflight is None:
+            if not len(batch) and self.scheduler.has_work and ops.inflight is None:
                 await anyio.sleep(0)
             return
-        if l.inflight is not None and not self.runner.runs_ahead(ops, batch):
+        if ops.inflight is not None and not self.runner.runs_ahead(ops, batch):
             # this step reads the tokens the plain step in flight samples: they reach the host first, and rows that
             # finish on them leave the batch before it holds pages. The step's time runs from here (the wait is the
             # previous step's device time)

@@ -107,22 +107,18 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    @property
-    def num_output_tokens(self) -> int:
-        """Tokens the host has seen: len(output_token_ids), or only its count where the sink wants no token ids."""
-        return self.num_output
+    num_output_tokens = _counter("num_output", "output tokens the host has seen: len(output_token_ids), or only "
+                                 "their count where the sink wants no token ids")
 
     def extend_output(self, token_ids: list[int]) -> None:
         """Append tokens the host has seen (the output list and its count in the arrays)."""
         self.output_token_ids.extend(token_ids)
-        self.num_output = len(self.output_token_ids)
-
-    num_output = _counter("num_output", "output tokens the host has seen (len(output_token_ids) where kept)")
+        self.num_output_tokens = len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
         """Tokens of the sequence, including ones sampled on the device but not yet seen."""
-        return len(self.prompt_token_ids) + self.num_output + self.num_pending_tokens
+        return len(self.prompt_token_ids) + self.num_output_tokens + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -138,7 +134,7 @@ class Request:
         the device but not yet seen counts as emitted."""
         c = self.num_computed_tokens
         n = len(self.prompt_token_ids)
-        return c < n or c < n + self.num_output + self.num_pending_tokens - 1
+        return c < n or c < n + self.num_output_tokens + self.num_pending_tokens - 1
 
     @property
     def remaining_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""A step's primitives (pack, launch, book), which a schedule's runner orders.
+"""A step's primitives (pack, launch, book), which a schedule's runner orders, and the device work they leave in flight
+across steps: a plain step launched ahead and the proposer's fill left running.
 
 With an adaptive draft length a proposer's fills may wait while speculation is off (`lazy`) and catch up in one fill
 when drafting resumes, so a load at which speculation does not pay costs what plain decoding does; a head then reads
@@ -43,6 +44,8 @@ class StepOps:
         self.lazy_fills = lazy_fills  # the proposer's fills wait while speculation is off
         self.max_kept_tokens = max_kept_tokens  # `PipelineConfig.max_kept_tokens`
         self.uniform_verify = uniform_verify  # `PipelineConfig.uniform_verify`
+        self.inflight: tuple[StepBatch, Launch] | None = None  # a plain step launched ahead
+        self.pending_fill: Launch | None = None  # the proposer's fill left running
 
     async def wait(self, launch: Launch, batch: StepBatch):
         return await self.l.wait(launch, batch)
@@ -83,14 +86,14 @@ class StepOps:
 
     async def run_ahead(self, batch: StepBatch, launch: Launch) -> None:
         """Leave this forward in flight, complete the one before it (the next step is scheduled before its tokens)."""
-        prev, self.l.inflight = self.l.inflight, (batch, launch)
+        prev, self.inflight = self.inflight, (batch, launch)
         if prev is not None:
             await self.complete_forward(*prev)
 
     async def complete_inflight(self) -> None:
-        if self.l.inflight is not None:
-            batch, launch = self.l.inflight
-            self.l.inflight = None
+        if self.inflight is not None:
+            batch, launch = self.inflight
+            self.inflight = None
             await self.complete_forward(batch, launch)
 
     async def complete_forward(self, batch: StepBatch, launch: Launch) -> None:
@@ -107,11 +110,15 @@ class StepOps:
         zeros = np.zeros(len(batch), dtype=np.int64)
         l.trace.step_done(batch, launch.t_step if launch.t_step is not None else t0, out_counts, zeros, zeros)
 
+    def abandon(self) -> None:
+        """Forget the device work left in flight (the device is being closed, nothing waits for it)."""
+        self.inflight = self.pending_fill = None
+
     async def drain(self) -> None:
         """Complete the step in flight and wait for the fill left running."""
         await self.complete_inflight()
-        if self.l.pending_fill is not None:
-            fill, self.l.pending_fill = self.l.pending_fill, None
+        if self.pending_fill is not None:
+            fill, self.pending_fill = self.pending_fill, None
             try:
                 await self.l.sync(fill)
             except DeviceError:
@@ -147,7 +154,7 @@ class StepOps:
         if plan.draft is None:
             return None
         launch = self.l.launch(self.l.aux, plan.draft)
-        self.l.pending_fill = None  # the draft queues behind it on its stream
+        self.pending_fill = None  # the draft queues behind it on its stream
         return launch
 
     def launch_verify(self, plan: SpecPlan, draft: Launch | None) -> Launch:
@@ -185,7 +192,7 @@ class StepOps:
     def defer_fill(self, fill: Launch | None) -> None:
         """Leave the fill running: the next launch on the proposer's stream queues behind it."""
         if fill is not None:
-            self.l.pending_fill = fill
+            self.pending_fill = fill
 
     def catch_up(self, batch: StepBatch) -> None:
         """A proposer that skipped fills reads what it missed in one fill ahead of the draft on its stream: a draft
@@ -200,7 +207,7 @@ class StepOps:
         msg = packing.fill_message(batch.step, slots[behind], have[behind], known[behind], self.blocks, self.spec,
                                     after="catch_up", with_plan=l.with_plan)
         self._plan_fill(batch, t0, msg)
-        l.pending_fill = l.launch(l.aux, msg)
+        self.pending_fill = l.launch(l.aux, msg)
         self.scheduler.caught_up(slots[behind], known[behind])
 
     def _plan_fill(self, batch: StepBatch, t0: int, msg: messages.FillMessage) -> None:

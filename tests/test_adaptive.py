@@ -270,7 +270,7 @@ def test_a_drafting_step_short_of_pages_preempts_no_request_in_flight(monkeypatc
     preempt = Scheduler.preempt
 
     def checked(self, victim):
-        inflight = pipes[0].launcher.inflight
+        inflight = pipes[0].ops.inflight
         victims.append(inflight is not None and any(r is victim for r in inflight[0].requests))
         preempt(self, victim)
 

@@ -140,6 +140,6 @@ def test_host_drafter_rebuilds_for_a_new_request_in_the_slot() -> None:
     tokens, counts = host.draft(_host_batch([second], [2]))
     assert tokens[0, : counts[0]].tolist() == [3, 9]
     del second.output_token_ids[:]  # shrank: rebuilt from the prompt
-    second.num_output = 0
+    second.num_output_tokens = 0
     tokens, counts = host.draft(_host_batch([second], [2]))
     assert tokens[0, : counts[0]].tolist() == [8, 9]

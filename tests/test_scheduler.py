@@ -497,15 +497,17 @@ def test_remove_frees_pages_and_dequeues() -> None:
     assert not b.abort("a")
 
 
+@pytest.mark.parametrize("keep_ids", [True, False])
 @pytest.mark.parametrize("n", [5, 12])  # a handful of rows one by one; many whole-array
-def test_update_cuts_at_eos_and_max_tokens_and_ends_aborts_and_stops(n: int) -> None:
+def test_update_cuts_at_eos_and_max_tokens_and_ends_aborts_and_stops(n: int, keep_ids: bool) -> None:
     """One decode step's result: a row that samples EOS finishes "stop" with it, one at
     max_tokens "length", an abort asked for while the step was in flight ends it without its
     tokens, a stop string's cut keeps the first tokens; the rest get their token. Every finished
-    request's pages and slot are freed; the sink's tokens are exactly what each kept."""
+    request's pages and slot are freed; the sink's tokens are exactly what each kept. A scheduler that keeps counts
+only (the simulator's) counts the same tokens and hands out none."""
     eos = 2
     b = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256), BlockManager(256, 4),
-                  eos_token_ids=(eos,))
+                  eos_token_ids=(eos,), keep_ids=keep_ids)
     reqs = [Request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=2 if i == 1 else 8), 0) for i in range(n)]
     for r in reqs:
         b.add(r)
@@ -523,11 +525,15 @@ def test_update_cuts_at_eos_and_max_tokens_and_ends_aborts_and_stops(n: int) -> 
     out = b.update(step, ForwardResult(sampled), 20)
     want = {"r0": "stop", "r1": "length", "r2": "abort", "r3": "stop"}
     assert {r.request_id: r.finish_reason for r in out.finished} == want
-    assert reqs[0].output_token_ids == [] and reqs[1].output_token_ids == [9, 11]
-    assert reqs[2].output_token_ids == [9] and reqs[3].output_token_ids == [9, eos]
     assert out.counts == [0, 1, 0, 1] + [1] * (n - 4)
-    assert sorted((r.request_id, t) for r, t in out.tokens) == \
-        sorted([("r1", [11]), ("r3", [eos])] + [(r.request_id, [11]) for r in reqs[4:]])
+    assert [r.num_output_tokens for r in reqs] == [0, 2, 1, 2] + [2] * (n - 4)
+    if keep_ids:
+        assert reqs[0].output_token_ids == [] and reqs[1].output_token_ids == [9, 11]
+        assert reqs[2].output_token_ids == [9] and reqs[3].output_token_ids == [9, eos]
+        assert sorted((r.request_id, t) for r, t in out.tokens) == \
+            sorted([("r1", [11]), ("r3", [eos])] + [(r.request_id, [11]) for r in reqs[4:]])
+    else:
+        assert out.tokens == [] and all(r.output_token_ids == [] for r in reqs)
     assert all(r.finish_ns == 20 and b.blocks.page_table(r.slot) == [] for r in out.finished)
     assert sorted(b.requests) == sorted(r.request_id for r in reqs[4:])
     assert b.finish_marked(None, 30).finished == []  # nothing asked for is left
