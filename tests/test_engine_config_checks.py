@@ -88,12 +88,8 @@ def test_page_pool_too_small_for_any_request_rejected(tiny_family):
 def test_request_check_and_pool_check_count_pages_alike(engine):
     """The per-request check and the construction check use one page count: a request that
     needs exactly the pool passes, one page more is rejected, naming both numbers."""
-    from specsched.scheduler.scheduler import max_pages_needed
-
-    c = engine.config  # plain decoding, page_size 4, num_pages 512
     params = SamplingParams(max_tokens=40)
-    need = max_pages_needed(engine._scheduler_config(), c.page_size, 3, 40)
-    assert need == -(-(3 + 40) // 4)
+    need = -(-(3 + 40) // 4)  # plain decoding (the fixture's), 4-token pages: prompt + max_tokens
     small = AsyncEngine(_cfg_like(engine, num_pages=need))
     assert small.validate([5, 6, 7], params) == [5, 6, 7]
     tight = AsyncEngine(_cfg_like(engine, num_pages=need - 1))
