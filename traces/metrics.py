@@ -47,8 +47,9 @@ def compute_metrics(trace: Trace) -> dict[str, Any]:
       device span is running, divided by the time at least one such request exists (None
       when that time is 0). Intervals are half-open [start, end).
     - `host_ms_per_step`: {stage: total duration of `host` spans with that name / number of
-      step records, in ms}, stages in pipeline order, plus "total": the sum over stages
-      (only "total" = 0.0 without step records).
+      step records, in ms}, stages in pipeline order, plus "total": the host's work, the sum
+      over every stage but `sync` (its wait on the device) (only "total" = 0.0 without step
+      records).
     - `draft_len_counts`: {D: number of steps} over the steps whose D the adaptive draft length
       chose (`draft_len="auto"`; D = 0 is a plain decode step), keys as strings in increasing D;
       empty for a fixed draft length.
@@ -306,5 +307,5 @@ def _host_ms_per_step(total_ns: dict[str, int], num_steps: int) -> dict[str, flo
     if num_steps == 0:
         return {"total": 0.0}
     per_step = {name: total_ns[name] / num_steps / 1e6 for name in stage_order(set(total_ns))}
-    per_step["total"] = sum(per_step.values())
+    per_step["total"] = sum(ms for name, ms in per_step.items() if name != "sync")  # waiting is not work
     return per_step
