@@ -303,7 +303,10 @@ def tune(
     if any(r.get("extrapolated") for r in res["rows"]):
         console.print("* larger batches than any captured step: the cost models extrapolate")
     for conc, b in res["best"].items():
-        console.print(f"concurrency {conc}: best {b['proposer']} D={b['draft_len']} ({b['sim_speedup']:.2f}x over plain)")
+        if b["proposer"] == "none":
+            console.print(f"concurrency {conc}: best plain decoding (no draft length beats it)")
+        else:
+            console.print(f"concurrency {conc}: best {b['proposer']} D={b['draft_len']} ({b['sim_speedup']:.2f}x over plain)")
 
 
 def _int_list(option: str, text: str) -> list[int]:

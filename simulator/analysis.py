@@ -199,7 +199,9 @@ def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draf
     its own costs -- fitted on itself unless `profile` gives one per trace (a "draft" op
     costs what *its* proposer costs) -- and speedups are over plain decoding replayed from
     that trace. `on_replay(done, total)` is called after every replay (progress bars);
-    `jobs`: processes the replays fan out over, or "ray" (results do not depend on it)."""
+    `jobs`: processes the replays fan out over, or "ray" (results do not depend on it).
+    Returns {"rows": one per (trace, concurrency, D), "best": per concurrency the fastest (proposer, D) --
+    proposer "none", D = 0 where no draft length beats plain decoding}."""
     traces = list(traces) if isinstance(traces, (list, tuple)) else [traces]
     if not traces:
         raise ValueError("tune needs at least one trace")
@@ -231,10 +233,11 @@ def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draf
     rows = []
     for i, (tr, prof, ds) in enumerate(zip(traces, profiles, lens)):
         rows += _tune_rows(tr, prof, ds, concurrencies, lambda c, d: results[(i, c, d)])
-    best: dict[str, dict] = {}
+    # the fastest per concurrency, plain decoding (1.0x by definition) among them: no draft length may pay
+    best = {str(c): {"proposer": "none", "draft_len": 0, "sim_speedup": 1.0} for c in concurrencies}
     for r in rows:
         key = str(r["concurrency"])
-        if "sim_speedup" in r and r["sim_speedup"] > best.get(key, {}).get("sim_speedup", 0):
+        if r.get("sim_speedup", 0) > best[key]["sim_speedup"]:
             best[key] = {"proposer": r["proposer"], "draft_len": r["draft_len"], "sim_speedup": r["sim_speedup"]}
     return {"rows": rows, "best": best}
 

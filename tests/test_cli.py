@@ -195,6 +195,8 @@ def test_tune_and_fit_profile(tmp_path):
     assert {r["proposer"] for r in both["rows"]} == {"draft", "mtp"}
     assert set(both["best"]) == {"1", "4", "16"}
     assert all(b["proposer"] in ("draft", "mtp") for b in both["best"].values())
+    for conc, b in both["best"].items():  # the fastest row of its concurrency, faster than plain decoding
+        assert b["sim_speedup"] == max(r["sim_speedup"] for r in both["rows"] if str(r["concurrency"]) == conc) > 1.0
     code, out = run("tune", SAMPLE, SAMPLE, "--json")
     assert code == 2 and "one trace per proposer" in out
     chosen = run_json("tune", SAMPLE, "--draft-lens", "1,3", "--concurrencies", "2")

@@ -559,8 +559,8 @@ def test_tune_compares_proposers_one_trace_each():
     by = {(r["proposer"], r["draft_len"]): r["sim_speedup"] for r in res["rows"]}
     assert by[("mtp", 1)] > by[("draft", 1)] and by[("mtp", 3)] > by[("draft", 3)]  # same acceptance, cheaper drafts
     assert by[("draft", "auto")] > by[("draft", 1)]  # the adaptive length backs off the expensive drafts
-    best = res["best"]["1"]
-    assert best["sim_speedup"] == max(by.values()) and by[(best["proposer"], best["draft_len"])] == best["sim_speedup"]
+    # no draft length beats plain decoding on this workload: plain is the best
+    assert max(by.values()) < 1.0 and res["best"]["1"] == {"proposer": "none", "draft_len": 0, "sim_speedup": 1.0}
     with pytest.raises(ValueError, match="one trace per proposer"):
         tune([cheap, cheap], profile=[analytic_profile(5e6, 0.1)] * 2)
     with pytest.raises(ValueError, match="one cost profile per trace"):
