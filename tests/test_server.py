@@ -100,6 +100,29 @@ def test_bad_requests_get_openai_errors_naming_the_problem(server):
     assert httpx.get(server + "/health").status_code == 200  # still serving
 
 
+def test_fields_at_the_values_that_turn_them_off_are_accepted_and_others_refused():
+    """What vLLM's benchmark client sends with every request (`repetition_penalty: 1.0`, `logprobs: null`) and what
+    chat clients send by default (`logprobs: false`) are served; the same fields asking for something are refused
+    naming them (JSON's false is not the count 0: `logprobs: 0` asks for the sampled tokens' log-probabilities)."""
+    from pydantic import ValidationError
+
+    from specsched.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    vllm_bench = {"model": "m", "prompt": "x", "repetition_penalty": 1.0, "max_tokens": 8, "logprobs": None,
+                  "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    assert CompletionRequest.model_validate(vllm_bench).max_tokens == 8
+    CompletionRequest.model_validate({"prompt": "x", "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
+                                      "min_tokens": 0, "stop_token_ids": [], "skip_special_tokens": True})
+    ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "logprobs": False,
+                                          "top_logprobs": 0})
+    for field, value in [("logprobs", 0), ("logprobs", 2), ("repetition_penalty", 1.2), ("min_tokens", 4),
+                         ("n", True), ("stop_token_ids", [7])]:
+        with pytest.raises(ValidationError, match=f"not supported by this server: {field}"):
+            CompletionRequest.model_validate({"prompt": "x", field: value})
+    with pytest.raises(ValidationError, match="not supported by this server: logprobs"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "logprobs": True})
+
+
 def _metrics(url: str) -> dict:
     out = {}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):

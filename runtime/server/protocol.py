@@ -2,9 +2,10 @@
 
 Why refuse rather than ignore: a client that asks for `n=2` or `logprobs` and silently gets one
 choice without log-probabilities draws wrong conclusions. Fields the engine implements are
-typed; fields OpenAI defines that it does not implement are refused with a 400 naming them
-(unless given at their neutral value, e.g. `n=1`, `presence_penalty=0`); unknown fields are
-refused too.
+typed; fields OpenAI defines, and vLLM's sampling extensions, that it does not implement are
+refused with a 400 naming them -- unless given at a value that turns them off (`n=1`,
+`presence_penalty=0`, chat's `logprobs=false`, the `repetition_penalty=1.0` vLLM's own benchmark
+client sends with every request); unknown fields are refused too.
 """
 from __future__ import annotations
 
@@ -12,11 +13,25 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# OpenAI fields the engine does not implement -> the value that means "off"
-UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "echo": False, "suffix": None,
-               "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "tools": None,
-               "tool_choice": None, "functions": None, "function_call": None, "response_format": None,
-               "parallel_tool_calls": None, "audio": None, "modalities": None, "prediction": None}
+# fields the engine does not implement -> the values that mean "off": OpenAI's (chat's `logprobs` is a flag,
+# completions' a count), then vLLM's sampling extensions
+UNSUPPORTED: dict[str, tuple] = {
+    "n": (1,), "best_of": (1,), "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,),
+    "suffix": (None,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None,), "tools": (None,),
+    "tool_choice": (None,), "functions": (None,), "function_call": (None,), "response_format": (None,),
+    "parallel_tool_calls": (None,), "audio": (None,), "modalities": (None,), "prediction": (None,),
+    "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "use_beam_search": (False,),
+    "length_penalty": (1,), "stop_token_ids": (None, []), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,)}
+
+
+def _is_off(value: Any, off: tuple) -> bool:
+    """Whether a body's `value` is one of `off` (True, False and None match only themselves: `logprobs: 0` asks
+    for the sampled tokens' log-probabilities, `false` does not)."""
+    if isinstance(value, bool) or value is None:
+        return any(value is o for o in off)
+    return any(not isinstance(o, bool) and o is not None and value == o for o in off)
 
 
 class StreamOptions(BaseModel):
@@ -42,7 +57,7 @@ class _Common(BaseModel):
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> "_Common":
         extra = dict(self.model_extra or {})
-        bad = [k for k, v in extra.items() if k not in UNSUPPORTED or v != UNSUPPORTED[k]]
+        bad = [k for k, v in extra.items() if k not in UNSUPPORTED or not _is_off(v, UNSUPPORTED[k])]
         if bad:
             known = [k for k in bad if k in UNSUPPORTED]
             unknown = [k for k in bad if k not in UNSUPPORTED]
