@@ -1,6 +1,7 @@
 """`specsched serve`: the engine behind an OpenAI-compatible HTTP server (runtime/server/)."""
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 from typing import Optional
@@ -37,6 +38,8 @@ def serve(
     enforce_eager: bool = ENFORCE_EAGER,
     cuda_graph_sizes: Optional[str] = CUDA_GRAPH_SIZES,
     trace: Optional[Path] = typer.Option(None, help="record the served requests' trace (JSONL), as bench --trace"),
+    otlp: Optional[str] = typer.Option(None, help="export spans live over OTLP/HTTP to this URL, as bench --otlp "
+                                       "(default: on when OTEL_EXPORTER_OTLP_ENDPOINT is set)"),
     shutdown_timeout: float = typer.Option(10.0, "--shutdown-timeout", min=0.0, help="on SIGTERM/SIGINT: "
                                            "seconds in-flight requests may finish before they are aborted"),
 ) -> None:
@@ -56,6 +59,15 @@ def serve(
     if not 0 < port < 65536:
         raise typer.BadParameter(f"--port must be in 1..65535, got {port}")
     check_output_path(trace, "--trace")
+    if otlp:
+        from specsched.traces.otlp_json import check_otlp_url
+
+        try:
+            check_otlp_url(otlp)
+        except ValueError as e:
+            _fail(f"--otlp: {e}")
+    live_otlp = bool(otlp or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                     or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
     cfg = engine_config(model=model, proposer=spec, draft_len=parse_draft_len(draft_len), max_draft_len=max_draft_len,
                         draft=draft, mtp_head=mtp_head, schedule=schedule, tensor_parallel_size=tp,
                         config_file=config_file, speculative_config=speculative_config, load_format=load_format,
@@ -73,12 +85,18 @@ def serve(
             _fail(f"the model's chat_template (tokenizer_config.json) does not compile: {e}")
 
     async def main() -> None:
-        recorder = None
+        recorder = live = None
         metrics = ServerMetrics(name)  # also the engine's tracer: it counts each verify step
         async with AsyncEngine(cfg, tracer=metrics) as engine:
+            header = make_header(cfg, engine, workload={"server": True})
             if trace:
-                recorder = TraceRecorder(str(trace), make_header(cfg, engine, workload={"server": True}))
-                engine.set_tracer(MultiTracer(metrics, recorder))
+                recorder = TraceRecorder(str(trace), header)
+            if live_otlp:
+                from specsched.traces.otel_export import OtelLiveTracer
+
+                live = OtelLiveTracer(header, endpoint=otlp)
+            if recorder is not None or live is not None:
+                engine.set_tracer(MultiTracer(metrics, *(t for t in (recorder, live) if t is not None)))
             server = uvicorn.Server(uvicorn.Config(build_app(engine, name, template, metrics), host=host, port=port,
                                                    log_level="warning", timeout_graceful_shutdown=shutdown_timeout,
                                                    lifespan="off"))
@@ -87,8 +105,9 @@ def serve(
                 await server.serve()
             finally:
                 console.print("specsched: stopping: requests still in flight are aborted")
-        if recorder is not None:
-            recorder.close()  # after the engine: every request's finish is in the file
+        for t in (recorder, live):  # after the engine: every request's finish is recorded
+            if t is not None:
+                t.close()  # the live exporter's drain is bounded: a dead collector cannot hold the exit
 
     # uvicorn re-raises the signal that stopped it once it has shut down; a no-op handler makes
     # that a clean exit (status 0) instead of a kill by the signal

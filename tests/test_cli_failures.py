@@ -123,7 +123,8 @@ def _closed_port() -> int:
 
 
 @pytest.mark.parametrize("args", [["export", str(SAMPLE), "--otlp", "notaurl"],
-                                  ["bench", "--num-requests", "1", "--otlp", "notaurl"]])
+                                  ["bench", "--num-requests", "1", "--otlp", "notaurl"],
+                                  ["serve", "--otlp", "notaurl"]])
 def test_otlp_option_takes_an_http_url(args):
     res = _cli(*args)
     assert res.returncode == 2
