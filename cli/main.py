@@ -108,9 +108,10 @@ def generate(
 @app.command()
 def demo(
     out: Path = typer.Option(Path("demo_out"), help="output folder"),
-    num_requests: int = typer.Option(8, "--num-requests"),
-    max_tokens: int = typer.Option(48, "--max-tokens"),
-    concurrency: int = typer.Option(4),
+    num_requests: int = typer.Option(8, "--num-requests", min=1),
+    max_tokens: int = typer.Option(48, "--max-tokens", min=3, help="output tokens a request (a speculative run "
+                                   "drafts for a request with at least 2 tokens left)"),
+    concurrency: int = typer.Option(4, min=1),
     rounds: int = typer.Option(3, min=1, help="interleaved rounds of every run; figures are medians over them"),
 ) -> None:
     """The main job: every proposer and schedule on the bundled model, traces, simulator check."""

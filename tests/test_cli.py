@@ -126,6 +126,10 @@ def test_ab_gives_intervals_and_verdicts():
     (("bench", "--rate", "0"), "--rate must be > 0"),
     (("bench", "--warmup", "-1"), "--warmup must be >= 0"),
     (("bench", "--rate", "2", "--concurrency", "2"), "choose one"),
+    # and so does the demo (a request with fewer than 2 tokens left is never drafted for)
+    (("demo", "--num-requests", "0"), "--num-requests"),
+    (("demo", "--concurrency", "0"), "--concurrency"),
+    (("demo", "--max-tokens", "2"), "--max-tokens"),
 ])
 def test_bad_options_are_named(args, named):
     code, out = run(*args)
