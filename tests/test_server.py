@@ -71,6 +71,19 @@ def test_completions_stream_and_not_are_the_engines_greedy_output(server, embedd
         assert chunks[-1].usage.completion_tokens == MAX_TOKENS
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
+    """vLLM's `stream_options.continuous_usage_stats` (which guidellm sends): every chunk of the stream carries the
+    usage so far, the completion tokens never decreasing, ending at the request's."""
+    body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    used = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all("usage" in c and c["usage"]["prompt_tokens"] > 0 for c in chunks)
+    assert used == sorted(used) and used[-1] == MAX_TOKENS and chunks[-1]["choices"] == []
+
+
 def test_chat_completions_stream_and_not_agree(server):
     c = client(server)
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]

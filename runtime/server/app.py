@@ -133,8 +133,10 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
         created = int(time.time())
         run = _Run(len(ids))
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(rid, created, ids, params, run, chat, include_usage),
+            opts = req.stream_options
+            include_usage = bool(opts and opts.include_usage)
+            return StreamingResponse(_stream(rid, created, ids, params, run, chat, include_usage,
+                                             include_usage and opts.continuous_usage_stats),
                                      media_type="text/event-stream")
         text, last = [], None
         async for out in engine.generate(ids, params, request_id=rid):
@@ -156,11 +158,13 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
             "spec_decode": _spec(last.spec)})
 
     async def _stream(rid: str, created: int, ids: list[int], params: SamplingParams, run: _Run, chat: bool,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+                      include_usage: bool, continuous_usage: bool) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def event(choices: list, **extra) -> bytes:
             payload = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices, **extra}
+            if continuous_usage and choices:  # vLLM's continuous_usage_stats: the usage so far in every chunk
+                payload["usage"] = _usage(len(ids), run.output_tokens)
             return b"data: " + orjson.dumps(payload) + b"\n\n"
 
         def choice(text: str, finish: str | None) -> dict:

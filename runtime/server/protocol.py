@@ -37,6 +37,7 @@ def _is_off(value: Any, off: tuple) -> bool:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class _Common(BaseModel):
