@@ -187,6 +187,11 @@ def test_metrics_spec_decode_counters_add_up(server):
     assert m[("specsched:steps_total", (("draft_len", "3"),))] > 0 and m[("specsched:draft_len", ())] in (0, 1, 2, 3)
     assert m[("specsched:step_acceptance_length_count", ())] > 0
     assert m[("vllm:time_to_first_token_seconds_count", ())] >= 1
+    # per-request length histograms (vLLM's dashboard panels): every finished request counted once, its tokens summed
+    done = sum(v for (name, _), v in m.items() if name == "vllm:request_success_total")
+    assert m[("vllm:request_prompt_tokens_count", ())] == m[("vllm:request_generation_tokens_count", ())] == done
+    assert m[("vllm:request_prompt_tokens_sum", ())] == m[("vllm:prompt_tokens_total", ())]
+    assert m[("vllm:request_generation_tokens_sum", ())] >= MAX_TOKENS
     models = httpx.get(server + "/v1/models").json()
     assert models["data"][0]["id"] == "bundled/target"
 

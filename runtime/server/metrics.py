@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
 ACCEPT_LEN_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # vLLM's 1-2-5 series, 1 .. 500,000 tokens
 
 
 class ServerMetrics:
@@ -45,6 +46,9 @@ class ServerMetrics:
         self.tpot = histogram("vllm:request_time_per_output_token_seconds",
                               "Per request: (end - first token) / (output tokens - 1)")
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish")
+        self.request_prompt = histogram("vllm:request_prompt_tokens", "Per request: prompt tokens", TOKEN_BUCKETS)
+        self.request_generation = histogram("vllm:request_generation_tokens", "Per request: generated tokens",
+                                            TOKEN_BUCKETS)
         self.running = gauge("vllm:num_requests_running", "Requests running")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV page pool in use (0-1)")
@@ -68,6 +72,8 @@ class ServerMetrics:
         self.request_success.labels(**lab, finished_reason=reason).inc()
         self.prompt_tokens.labels(**lab).inc(prompt_tokens)
         self.e2e.labels(**lab).observe(e2e_s)
+        self.request_prompt.labels(**lab).observe(prompt_tokens)
+        self.request_generation.labels(**lab).observe(output_tokens)
         if ttft_s is not None:
             self.ttft.labels(**lab).observe(ttft_s)
         if first_to_last_s is not None and output_tokens > 1:
@@ -93,7 +99,7 @@ class ServerMetrics:
         self.drafts.labels(**lab).inc(len(rows))
         self.draft_tokens.labels(**lab).inc(sum(n for n, _ in rows))
         self.accepted.labels(**lab).inc(sum(a for _, a in rows))
-        for pos in range(max(a for _, a in rows)):
+        for pos in range(max(n for n, _ in rows)):  # every drafted position, as vLLM lists each from the start
             self.accepted_per_pos.labels(**lab, position=str(pos)).inc(sum(a > pos for _, a in rows))
         self.step_accept_len.labels(**lab).observe(1 + sum(a for _, a in rows) / len(rows))
 
