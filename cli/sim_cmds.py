@@ -301,7 +301,7 @@ def tune(
                   f"{r['sim_speedup']:.2f}x", f"{r['formula_speedup']:.2f}x" if r["formula_speedup"] else "-")
     Console().print(t)
     if any(r.get("extrapolated") for r in res["rows"]):
-        console.print("* larger batches than any captured step: the cost models extrapolate")
+        console.print("* a batch size outside those of the captured decode steps: the cost models extrapolate")
     for conc, b in res["best"].items():
         if b["proposer"] == "none":
             console.print(f"concurrency {conc}: best plain decoding (no draft length beats it)")

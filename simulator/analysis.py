@@ -283,7 +283,9 @@ def _tune_rows(trace, profile: CostProfile, draft_lens: list[int], concurrencies
     length d (0: plain decoding)."""
     h = trace.header
     kv_mean = float(np.mean([r.prompt_len for r in trace.requests])) if trace.requests else 64.0
-    captured = max((len(st.request_ids) for st in trace.steps), default=0)  # largest batch seen
+    # the batch sizes the costs were fitted on: a replay at another concurrency extrapolates them
+    sizes = [len(st.request_ids) for st in trace.steps if st.kind in ("spec", "decode")] or [0]
+    captured = range(min(sizes), max(sizes) + 1)
     # rows verify what they drafted: a lookup that finds nothing (n-gram) verifies its last token
     drawn = draft_rate(trace)
     rows = []
@@ -292,16 +294,15 @@ def _tune_rows(trace, profile: CostProfile, draft_lens: list[int], concurrencies
         if h.proposer != "eagle":
             m = metrics(c, "auto")
             row = {"proposer": h.proposer, "schedule": h.schedule, "concurrency": c, "draft_len": "auto",
-                   "extrapolated": c > captured}
+                   "extrapolated": c not in captured}
             rows.append(row | m if "error" in m else row | {
                 "sim_tokens_per_s": m["output_tokens_per_s"],
                 "sim_speedup": m["output_tokens_per_s"] / plain["output_tokens_per_s"],
                 "mean_accept_len": m["mean_accept_len"], "formula_speedup": None,
                 "draft_len_counts": m["draft_len_counts"]})
         for d in draft_lens:
-            # beyond the largest captured batch the cost models extrapolate: flagged
             row = {"proposer": h.proposer, "schedule": h.schedule, "concurrency": c, "draft_len": d,
-                   "extrapolated": c > captured}
+                   "extrapolated": c not in captured}
             m = metrics(c, d)
             if "error" in m:
                 rows.append(row | m)

@@ -546,6 +546,19 @@ def test_ab_and_tune_on_a_synthetic_workload():
     assert {r["draft_len"] for r in res["rows"]} == {1, 2, "auto"}  # the adaptive one next to the fixed
 
 
+def test_tune_flags_the_concurrencies_outside_the_captured_batch_sizes():
+    """The sample's decode steps hold 1-2 rows: at 1 and 2 the costs are fitted, at 4 extrapolated up; with its
+    1-row steps left out, 1 is extrapolated down."""
+    from specsched.traces.reader import read_trace
+
+    tr = read_trace(ROOT / "traces" / "samples" / "draft_sync.jsonl")
+    flags = {r["concurrency"]: r["extrapolated"] for r in tune(tr, draft_lens=[2], concurrencies=[1, 2, 4])["rows"]}
+    assert flags == {1: False, 2: False, 4: True}
+    tr.steps = [st for st in tr.steps if len(st.request_ids) == 2]
+    flags = {r["concurrency"]: r["extrapolated"] for r in tune(tr, draft_lens=[2], concurrencies=[1, 2])["rows"]}
+    assert flags == {1: True, 2: False}
+
+
 def test_tune_compares_proposers_one_trace_each():
     # the same workload, drafted by a cheap proposer (c = 0.05) and an expensive one (c = 0.6)
     cheap = workload_trace(2, 16, 120, proposer="mtp", schedule="sync", draft_len=3)
