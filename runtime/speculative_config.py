@@ -26,6 +26,8 @@ def speculative_fields(spec: Mapping[str, Any]) -> dict[str, Any]:
     method = spec.get("method")
     if method is None and spec.get("model") is not None:
         method = "draft_model"  # vLLM's reading of a model without a method
+    if isinstance(method, str) and method.endswith("_mtp"):
+        method = "mtp"  # vLLM reads its model-specific MTP names (deepseek_mtp, qwen3_next_mtp, ...) as mtp
     if method is not None and method not in VLLM_METHODS:
         raise ValueError(f"speculative_config: method {method!r} is not one of {', '.join(VLLM_METHODS)}")
     # without a method (and model) the configuration's own proposer speculates (e.g. only synthetic acceptance set)

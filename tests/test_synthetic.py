@@ -376,6 +376,7 @@ def test_vllms_speculative_config_is_read_onto_the_configuration(tiny_family):
                                                                     "num_speculative_tokens": 2})
     assert (d.proposer, d.draft, d.draft_len, d.acceptance) == ("draft", base["draft"], 2, "lossless")
     assert EngineConfig.make(**base, speculative_config={"method": "eagle3"}).proposer == "eagle"
+    assert EngineConfig.make(**base, speculative_config={"method": "deepseek_mtp"}).proposer == "mtp"  # vLLM's alias
     # without a method: the configuration's own proposer, or with a model vLLM's draft_model
     e = EngineConfig.make(**base, proposer="mtp", draft_len=2, speculative_config={
         "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.5})
