@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, WORKER_MALLOC, WORKER_OPENMP, WORKER_LINEAR, WORKER_OPS, ENFORCE_EAGER, CUDA_GRAPH_SIZES,
+from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, WORKER_MALLOC, WORKER_OPENMP, WORKER_LINEAR, WORKER_OPS, ENFORCE_EAGER, CUDA_GRAPH_SIZES,
                                   _fail,
                                   _metrics_table, _print_json, acceptance_note, app, check_output_path, console,
                                   engine_config, fail_if_requests_failed, parse_draft_len, synthetic_summary,
@@ -40,7 +40,7 @@ def generate(
     draft: Optional[str] = typer.Option(None, help="draft checkpoint dir"),
     mtp_head: Optional[str] = typer.Option(None, "--mtp-head", help="MTP/EAGLE head dir"),
     schedule: Optional[str] = typer.Option(None, help=SCHEDULE_HELP),
-    tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel size: shard the target over N "
+    tp: Optional[int] = typer.Option(None, "--tp", "--tensor-parallel-size", help="tensor-parallel size: shard the target over N "
                                      "worker processes (default 1)"),
     config_file: Optional[Path] = typer.Option(None, "--config", help="EngineConfig JSON/YAML"),
     load_format: Optional[str] = LOAD_FORMAT,
@@ -51,6 +51,8 @@ def generate(
     worker_ops: Optional[str] = WORKER_OPS,
     enforce_eager: bool = ENFORCE_EAGER,
     cuda_graph_sizes: Optional[str] = CUDA_GRAPH_SIZES,
+    max_num_seqs: Optional[int] = MAX_NUM_SEQS,
+    max_num_batched_tokens: Optional[int] = MAX_NUM_BATCHED_TOKENS,
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Generate text from the bundled model (or any HF-layout Llama checkpoint)."""
@@ -65,7 +67,8 @@ def generate(
                         speculative_config=speculative_config, load_format=load_format,
                         worker_malloc=worker_malloc, worker_openmp=worker_openmp, worker_linear=worker_linear,
                         worker_ops=worker_ops,
-                        enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes)
+                        enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes,
+                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     try:
         params = SamplingParams.make(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, stop=list(stop))
@@ -158,7 +161,7 @@ def bench(
                                            "(fit-profile's JSON, or a shipped profile's name) seeding its "
                                            "step-time models"),
     schedule: Optional[str] = typer.Option(None, help=SCHEDULE_HELP),
-    tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel size: shard the target over N "
+    tp: Optional[int] = typer.Option(None, "--tp", "--tensor-parallel-size", help="tensor-parallel size: shard the target over N "
                                      "worker processes (default 1)"),
     warmup: int = typer.Option(1),
     trace: Optional[Path] = typer.Option(None, help="write the run's trace (JSONL)"),
@@ -174,6 +177,8 @@ def bench(
     worker_ops: Optional[str] = WORKER_OPS,
     enforce_eager: bool = ENFORCE_EAGER,
     cuda_graph_sizes: Optional[str] = CUDA_GRAPH_SIZES,
+    max_num_seqs: Optional[int] = MAX_NUM_SEQS,
+    max_num_batched_tokens: Optional[int] = MAX_NUM_BATCHED_TOKENS,
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="drive a running OpenAI-compatible server "
                                            "at this URL (e.g. http://127.0.0.1:8000) over streaming HTTP "
                                            "instead of an embedded engine"),
@@ -204,7 +209,8 @@ def bench(
                        "--otlp": otlp, "--config": config_file, "--load-format": load_format,
                        "--speculative-config": speculative_config, "--worker-malloc": worker_malloc,
                        "--worker-openmp": worker_openmp, "--worker-linear": worker_linear, "--worker-ops": worker_ops, "--enforce-eager": enforce_eager or None,
-                       "--cuda-graph-sizes": cuda_graph_sizes}
+                       "--cuda-graph-sizes": cuda_graph_sizes, "--max-num-seqs": max_num_seqs,
+                       "--max-num-batched-tokens": max_num_batched_tokens}
         given = [k for k, v in engine_only.items() if v is not None]
         if given:
             _fail(f"{', '.join(given)} configure an embedded engine; with --endpoint the server's own engine "
@@ -226,7 +232,8 @@ def bench(
                         tensor_parallel_size=tp, config_file=config_file, speculative_config=speculative_config,
                         load_format=load_format, worker_malloc=worker_malloc, worker_openmp=worker_openmp, worker_linear=worker_linear,
                         worker_ops=worker_ops,
-                        enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes)
+                        enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes,
+                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     items = _workload(workload, num_requests, max_tokens, temperature)
     from specsched.runtime.engine import AsyncEngine
     from specsched.runtime.workload import check_workload

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, WORKER_MALLOC, WORKER_OPENMP, WORKER_LINEAR, WORKER_OPS, ENFORCE_EAGER, CUDA_GRAPH_SIZES, _fail, app,
+from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, WORKER_MALLOC, WORKER_OPENMP, WORKER_LINEAR, WORKER_OPS, ENFORCE_EAGER, CUDA_GRAPH_SIZES, _fail, app,
                                   check_output_path, console, engine_config, parse_draft_len, user_errors)
 from specsched.traces.names import PROPOSERS
 
@@ -16,6 +16,8 @@ from specsched.traces.names import PROPOSERS
 @app.command()
 @user_errors
 def serve(
+    model_arg: Optional[str] = typer.Argument(None, metavar="MODEL", help="target checkpoint dir, as `vllm serve "
+                                              "MODEL` (or --model); default: bundled"),
     host: str = typer.Option("127.0.0.1", help="bind address (default: loopback only)"),
     port: int = typer.Option(8000),
     model: Optional[str] = typer.Option(None, help="target checkpoint dir (HF layout); default: bundled"),
@@ -27,7 +29,7 @@ def serve(
     draft: Optional[str] = typer.Option(None, help="draft checkpoint dir"),
     mtp_head: Optional[str] = typer.Option(None, "--mtp-head", help="MTP/EAGLE head dir"),
     schedule: Optional[str] = typer.Option(None, help=SCHEDULE_HELP),
-    tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel size"),
+    tp: Optional[int] = typer.Option(None, "--tp", "--tensor-parallel-size", help="tensor-parallel size"),
     config_file: Optional[Path] = typer.Option(None, "--config", help="EngineConfig JSON/YAML"),
     load_format: Optional[str] = LOAD_FORMAT,
     speculative_config: Optional[str] = SPECULATIVE_CONFIG,
@@ -37,6 +39,8 @@ def serve(
     worker_ops: Optional[str] = WORKER_OPS,
     enforce_eager: bool = ENFORCE_EAGER,
     cuda_graph_sizes: Optional[str] = CUDA_GRAPH_SIZES,
+    max_num_seqs: Optional[int] = MAX_NUM_SEQS,
+    max_num_batched_tokens: Optional[int] = MAX_NUM_BATCHED_TOKENS,
     trace: Optional[Path] = typer.Option(None, help="record the served requests' trace (JSONL), as bench --trace"),
     otlp: Optional[str] = typer.Option(None, help="export spans live over OTLP/HTTP to this URL, as bench --otlp "
                                        "(default: on when OTEL_EXPORTER_OTLP_ENDPOINT is set)"),
@@ -56,6 +60,9 @@ def serve(
     from specsched.traces.hook import MultiTracer
     from specsched.traces.recorder import TraceRecorder
 
+    if model_arg is not None and model is not None and model_arg != model:
+        _fail(f"two models: {model_arg!r} and --model {model!r}; give one")
+    model = model if model is not None else model_arg
     if not 0 < port < 65536:
         raise typer.BadParameter(f"--port must be in 1..65535, got {port}")
     check_output_path(trace, "--trace")
@@ -73,7 +80,8 @@ def serve(
                         config_file=config_file, speculative_config=speculative_config, load_format=load_format,
                         worker_malloc=worker_malloc, worker_openmp=worker_openmp, worker_linear=worker_linear,
                         worker_ops=worker_ops,
-                        enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes)
+                        enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes,
+                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     name = served_model_name or (cfg.model if cfg.model else model_label(str(bundled.target_dir())))
     template = chat_template_of(cfg.model or bundled.target_dir())
     if template is not None:

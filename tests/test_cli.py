@@ -126,6 +126,11 @@ def test_ab_gives_intervals_and_verdicts():
     (("bench", "--rate", "0"), "--rate must be > 0"),
     (("bench", "--warmup", "-1"), "--warmup must be >= 0"),
     (("bench", "--rate", "2", "--concurrency", "2"), "choose one"),
+    # serve takes its model as `vllm serve MODEL` does, or as --model; and vLLM's batch limits
+    (("serve", "/nonexistent-model-dir"), "model /nonexistent-model-dir: folder not found"),
+    (("serve", "a", "--model", "b"), "two models: 'a' and --model 'b'"),
+    (("generate", "x", "--spec", "draft", "--draft-len", "4", "--max-num-batched-tokens", "2"),
+     "max_num_batched_tokens (2) cannot hold one verification"),
     # and so does the demo (a request with fewer than 2 tokens left is never drafted for)
     (("demo", "--num-requests", "0"), "--num-requests"),
     (("demo", "--concurrency", "0"), "--concurrency"),
@@ -427,3 +432,16 @@ def test_stats_says_when_the_acceptance_was_synthetic(tmp_path):
         "acceptance: synthetic (rates 0.9, 0.5, independent)"
     assert acceptance_note({"acceptance": "lossless"}, {"acceptance": "trace"}) is None
 
+
+
+def test_bench_takes_vllms_batch_limits_and_tensor_parallel_flag(tmp_path):
+    from specsched.traces.reader import read_trace
+
+    trace = tmp_path / "t.jsonl"
+    code, out = run("bench", "--num-requests", "4", "--max-tokens", "6", "--concurrency", "4", "--max-num-seqs", "2",
+                    "--max-num-batched-tokens", "64", "--tensor-parallel-size", "1", "--trace", trace, "--json")
+    assert code == 0, out
+    tr = read_trace(trace)
+    cfg = tr.header.engine_config
+    assert (cfg["max_num_seqs"], cfg["max_num_batched_tokens"], cfg["tensor_parallel_size"]) == (2, 64, 1)
+    assert max(len(s.request_ids) for s in tr.steps) == 2 and len(tr.finishes) == 4
