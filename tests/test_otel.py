@@ -2,16 +2,14 @@
 from __future__ import annotations
 
 import base64
-import http.server
 import socket
 import statistics
-import threading
 import time
 
 import orjson
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest, ExportTraceServiceResponse)
+    ExportTraceServiceRequest)
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
@@ -23,6 +21,7 @@ from specsched.traces.otel_export import (OtelLiveTracer, OtlpExportError, check
 from specsched.traces.reader import read_trace
 from specsched.traces.schema import Header
 from specsched.traces.synthetic import synthetic_trace
+from tests.otlp_collector import Collector, JsonCollector, serve
 
 SAMPLES = Path(__file__).resolve().parents[1] / "traces" / "samples"
 EPOCH_NS = 1_700_000_000 * 10**9
@@ -173,43 +172,8 @@ def test_otlp_json_file(tmp_path):
     assert all(s["parentSpanId"] in ids for s in spans if "parentSpanId" in s)
 
 
-class _Collector(http.server.BaseHTTPRequestHandler):
-    received: list[tuple[str, str, bytes]] = []
-
-    def do_POST(self):  # noqa: N802 - http.server API
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        self.received.append((self.path, self.headers.get("Content-Type"), body))
-        reply = ExportTraceServiceResponse().SerializeToString()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, *args):
-        pass
-
-
-class _JsonCollector(_Collector):
-    def do_POST(self):  # noqa: N802 - http.server API
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        self.received.append((self.path, self.headers.get("Content-Type"), body))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"{}")
-
-
-def _serve(handler):
-    handler.received = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
-
-
 def test_live_export_over_otlp_http_protobuf():
-    server, url = _serve(_Collector)
+    server, url = serve(Collector)
     try:
         tracer = OtelLiveTracer(header(), endpoint=url, schedule_delay_ms=10)
         feed(tracer)
@@ -217,9 +181,9 @@ def test_live_export_over_otlp_http_protobuf():
     finally:
         server.shutdown()
         server.server_close()
-    assert _Collector.received
+    assert Collector.received
     names, attrs = [], {}
-    for path, content_type, body in _Collector.received:
+    for path, content_type, body in Collector.received:
         assert path == "/v1/traces" and content_type == "application/x-protobuf"
         request = ExportTraceServiceRequest.FromString(body)
         for rs in request.resource_spans:
@@ -236,15 +200,15 @@ def test_live_export_over_otlp_http_protobuf():
 
 
 def test_offline_export_over_otlp_http_json():
-    server, url = _serve(_JsonCollector)
+    server, url = serve(JsonCollector)
     try:
         assert export_otlp(hand_trace(), url, chunk_size=5) == 12
     finally:
         server.shutdown()
         server.server_close()
-    assert len(_JsonCollector.received) == 3  # 12 spans in batches of 5
+    assert len(JsonCollector.received) == 3  # 12 spans in batches of 5
     spans = []
-    for path, content_type, body in _JsonCollector.received:
+    for path, content_type, body in JsonCollector.received:
         assert path == "/v1/traces" and content_type == "application/json"
         (rs,) = orjson.loads(body)["resourceSpans"]
         resource = {a["key"]: a["value"] for a in rs["resource"]["attributes"]}

@@ -4,7 +4,6 @@ output; bad bodies get OpenAI's error shape; disconnected streams free their pag
 Prometheus text parses and its spec-decode counters add up; SIGTERM exits cleanly."""
 from __future__ import annotations
 
-import http.server
 import json
 import signal
 import subprocess
@@ -196,37 +195,15 @@ def test_metrics_spec_decode_counters_add_up(server):
     assert models["data"][0]["id"] == "bundled/target"
 
 
-class _Collector(http.server.BaseHTTPRequestHandler):
-    """An OTLP/HTTP collector that keeps the names of the spans posted to it."""
-
-    names: list[str] = []
-
-    def do_POST(self):  # noqa: N802 - http.server API
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
-                                                                               ExportTraceServiceResponse)
-
-        body = ExportTraceServiceRequest.FromString(self.rfile.read(int(self.headers["Content-Length"])))
-        self.names += [sp.name for rs in body.resource_spans for ss in rs.scope_spans for sp in ss.spans]
-        reply = ExportTraceServiceResponse().SerializeToString()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.mark.slow
 def test_sigterm_lets_in_flight_requests_finish_and_keeps_the_trace_and_its_live_export(tmp_path):
     from specsched.traces.reader import read_trace
 
-    collector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
-    threading.Thread(target=collector.serve_forever, daemon=True).start()
+    from tests.otlp_collector import Collector, serve, span_names
+
+    collector, collector_url = serve(Collector)
     trace = tmp_path / "serve.jsonl"
-    proc, url = start_server("--trace", str(trace), "--shutdown-timeout", "5",
-                             "--otlp", f"http://127.0.0.1:{collector.server_address[1]}/v1/traces")
+    proc, url = start_server("--trace", str(trace), "--shutdown-timeout", "5", "--otlp", collector_url)
     got = {}
 
     def long_request():
@@ -245,7 +222,8 @@ def test_sigterm_lets_in_flight_requests_finish_and_keeps_the_trace_and_its_live
     assert len(tr.requests) == 1 and len(tr.finishes) == 1
     collector.shutdown()
     # the request's span and the steps' spans reached the collector before the server exited
-    assert sum(n.startswith("text_completion") for n in _Collector.names) == 1 and "step" in _Collector.names
+    names = span_names(Collector)
+    assert sum(n.startswith("text_completion") for n in names) == 1 and "step" in names
 
 
 def test_bench_over_the_endpoint_reports_the_embedded_bench_keys(server):
