@@ -72,26 +72,16 @@ def test_engine_trace_roundtrip_gives_the_bench_numbers(items, tmp_path):
 
 
 def test_engine_exports_spans_live_over_otlp_http(items):
-    import http.server
-    import threading
+    from tests.otlp_collector import Collector, serve, span_names
 
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-    from tests.test_otel import _Collector
-
-    _Collector.received = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server, url = serve(Collector)
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
         cfg = EngineConfig.make(proposer="draft", schedule="overlap", draft_len=3)
         anyio.run(lambda: run_workload(cfg, items[:2], concurrency=2, warmup=0, otlp=url))
     finally:
         server.shutdown()
         server.server_close()
-    names = [span.name for _, _, body in _Collector.received
-             for rs in ExportTraceServiceRequest.FromString(body).resource_spans
-             for ss in rs.scope_spans for span in ss.spans]
+    names = span_names(Collector)
     assert names.count("text_completion bundled/target") == 2
     assert "spec.verify" in names and "spec.draft" in names
 
