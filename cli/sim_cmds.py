@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 
 from specsched.cli.common import (_fail, _metrics_table, _print_json, _read_trace, app, check_output_path, console,
-                                  int_or_word, parse_draft_len, user_errors)
+                                  int_or_word, narrow_table, parse_draft_len, user_errors)
 
 
 def _replay_config(schedule, spec, draft_len, acceptance, rate_scale, concurrency, seed=0, engine=None,
@@ -287,26 +287,29 @@ def tune(
     if json_out:
         _print_json(res)
         return
-    from rich.table import Table
-
-    t = Table(title="draft length sweep on " + ", ".join(p.name for p in traces))
-    for col in ("concurrency", "proposer", "D", "mean AL", "sim speedup", "formula speedup"):
-        t.add_column(col, justify="right")
-    for r in sorted(res["rows"], key=lambda r: (r["concurrency"], r["proposer"],
+    t = narrow_table("draft length sweep on " + ", ".join(p.name for p in traces))
+    for col in ("concurrency", "proposer", "schedule", "D", "mean\nAL", "sim\nspeedup", "formula\nspeedup"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for r in sorted(res["rows"], key=lambda r: (r["concurrency"], r["proposer"] != "none", r["proposer"],
                                                  r["draft_len"] if r["draft_len"] != "auto" else 1 << 30)):
         if "error" in r:
             continue
-        t.add_row(str(r["concurrency"]) + ("*" if r["extrapolated"] else ""), r["proposer"], str(r["draft_len"]),
-                  f"{r['mean_accept_len']:.2f}" if r["mean_accept_len"] else "-",
+        t.add_row(str(r["concurrency"]) + ("*" if r["extrapolated"] else ""), r["proposer"], r["schedule"],
+                  str(r["draft_len"]), f"{r['mean_accept_len']:.2f}" if r["mean_accept_len"] else "-",
                   f"{r['sim_speedup']:.2f}x", f"{r['formula_speedup']:.2f}x" if r["formula_speedup"] else "-")
     Console().print(t)
+    console.print("speedups over plain decoding under sync")
     if any(r.get("extrapolated") for r in res["rows"]):
         console.print("* a batch size outside those of the captured decode steps: the cost models extrapolate")
     for conc, b in res["best"].items():
-        if b["proposer"] == "none":
-            console.print(f"concurrency {conc}: best plain decoding (no draft length beats it)")
+        if b["proposer"] != "none":
+            console.print(f"concurrency {conc}: best {b['proposer']} D={b['draft_len']} under {b['schedule']} "
+                          f"({b['sim_speedup']:.2f}x)")
+        elif b["schedule"] != "sync":
+            console.print(f"concurrency {conc}: best plain decoding under {b['schedule']} ({b['sim_speedup']:.2f}x): "
+                          "no draft length beats it")
         else:
-            console.print(f"concurrency {conc}: best {b['proposer']} D={b['draft_len']} ({b['sim_speedup']:.2f}x over plain)")
+            console.print(f"concurrency {conc}: best plain decoding (no draft length beats it)")
 
 
 def _int_list(option: str, text: str) -> list[int]:

@@ -27,6 +27,7 @@ from specsched.simulator.fit import fit_profile
 from specsched.simulator.replay import ReplayConfig, replay
 from specsched.simulator.sweep import fan_out
 from specsched.traces.metrics import compute_metrics
+from specsched.traces.names import Schedule
 
 
 def _pct(sim: float | None, real: float | None) -> float | None:
@@ -192,16 +193,20 @@ def accept_len(trace, d: int) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
+PLAIN_AHEAD = Schedule.PLAIN_OVERLAP.value  # tune's candidate of plain decoding one step ahead
+
+
 def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draft_lens: list[int] | None = None,
          concurrencies: list[int] | None = None, on_replay=None, jobs: int | str = 1) -> dict:
     """Sweep the draft length of each trace's proposer per concurrency (one trace per
     proposer: the sweep covers every proposer a trace exists for). Each trace replays with
     its own costs -- fitted on itself unless `profile` gives one per trace (a "draft" op
     costs what *its* proposer costs) -- and speedups are over plain decoding replayed from
-    that trace. `on_replay(done, total)` is called after every replay (progress bars);
-    `jobs`: processes the replays fan out over, or "ray" (results do not depend on it).
-    Returns {"rows": one per (trace, concurrency, D), "best": per concurrency the fastest (proposer, D) --
-    proposer "none", D = 0 where no draft length beats plain decoding}."""
+    that trace under `sync`; plain decoding under `plain_overlap` is a row of its own (a candidate: on a host-bound
+    device running plain steps one ahead may beat every draft length). `on_replay(done, total)` is called after every
+    replay (progress bars); `jobs`: processes the replays fan out over, or "ray" (results do not depend on it).
+    Returns {"rows": one per (trace, concurrency, configuration), "best": per concurrency the fastest (proposer,
+    schedule, D) -- plain decoding under `sync` where nothing beats it}."""
     traces = list(traces) if isinstance(traces, (list, tuple)) else [traces]
     if not traces:
         raise ValueError("tune needs at least one trace")
@@ -225,20 +230,20 @@ def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draf
         raise ValueError(f"tune needs concurrencies >= 1 and draft lengths >= 1 (got {concurrencies}, {draft_lens})")
     lens = [draft_lens or list(range(1, max(1, min(8, tr.header.max_agreement_len or 8)) + 1)) for tr in traces]
     profiles = [prof or fit_profile([tr]) for tr, prof in zip(traces, profiles)]
-    # every replay of the sweep: per trace and concurrency, plain decoding, then each D, then
-    # the adaptive draft length up to the longest D (linear proposers: a tree's shape is fixed)
+    # every replay of the sweep: per trace and concurrency, plain decoding (under sync, then one step ahead), then
+    # each D, then the adaptive draft length up to the longest D (linear proposers: a tree's shape is fixed)
     tasks = [(i, c, d) for i, ds in enumerate(lens) for c in concurrencies
-             for d in [0, *ds, *(["auto"] if traces[i].header.proposer != "eagle" else [])]]
+             for d in [0, PLAIN_AHEAD, *ds, *(["auto"] if traces[i].header.proposer != "eagle" else [])]]
     results = dict(zip(tasks, fan_out(_tune_replay, (traces, profiles, lens), tasks, jobs=jobs, on_done=on_replay)))
     rows = []
     for i, (tr, prof, ds) in enumerate(zip(traces, profiles, lens)):
         rows += _tune_rows(tr, prof, ds, concurrencies, lambda c, d: results[(i, c, d)])
-    # the fastest per concurrency, plain decoding (1.0x by definition) among them: no draft length may pay
-    best = {str(c): {"proposer": "none", "draft_len": 0, "sim_speedup": 1.0} for c in concurrencies}
+    # the fastest per concurrency, plain decoding under sync (1.0x by definition) among them: nothing else may pay
+    best = {str(c): {"proposer": "none", "schedule": "sync", "draft_len": 0, "sim_speedup": 1.0} for c in concurrencies}
     for r in rows:
         key = str(r["concurrency"])
         if r.get("sim_speedup", 0) > best[key]["sim_speedup"]:
-            best[key] = {"proposer": r["proposer"], "draft_len": r["draft_len"], "sim_speedup": r["sim_speedup"]}
+            best[key] = {k: r[k] for k in ("proposer", "schedule", "draft_len", "sim_speedup")}
     return {"rows": rows, "best": best}
 
 
@@ -248,9 +253,9 @@ def _tune_replay(shared: tuple, task: tuple[int, int, int | str]) -> dict:
     configuration the replay rejects comes back as {"error": message}."""
     traces, profiles, lens = shared
     i, c, d = task
-    if d == 0:
-        cfg = ReplayConfig(proposer="none", schedule="sync", draft_len=0, concurrency=c)
-        return replay(traces[i], profiles[i], cfg)[0]  # the baseline: errors propagate
+    if d == 0 or d == PLAIN_AHEAD:
+        cfg = ReplayConfig(proposer="none", schedule="sync" if d == 0 else d, draft_len=0, concurrency=c)
+        return replay(traces[i], profiles[i], cfg)[0]  # plain decoding: errors propagate
     try:
         cfg = ReplayConfig(draft_len=d, concurrency=c, max_draft_len=max(lens[i]) if d == "auto" else None)
         return replay(traces[i], profiles[i], cfg)[0]
@@ -291,6 +296,11 @@ def _tune_rows(trace, profile: CostProfile, draft_lens: list[int], concurrencies
     rows = []
     for c in concurrencies:
         plain = metrics(c, 0)
+        ahead = metrics(c, PLAIN_AHEAD)
+        rows.append({"proposer": "none", "schedule": PLAIN_AHEAD, "concurrency": c, "draft_len": 0,
+                     "extrapolated": c not in captured, "sim_tokens_per_s": ahead["output_tokens_per_s"],
+                     "sim_speedup": ahead["output_tokens_per_s"] / plain["output_tokens_per_s"],
+                     "mean_accept_len": None, "formula_speedup": None})
         if h.proposer != "eagle":
             m = metrics(c, "auto")
             row = {"proposer": h.proposer, "schedule": h.schedule, "concurrency": c, "draft_len": "auto",

@@ -543,7 +543,9 @@ def test_ab_and_tune_on_a_synthetic_workload():
                 ReplayConfig(acceptance="bernoulli:0.9"), profile=prof, replicates=3)
     assert better["diff_b_minus_a"]["output_tokens_per_s"]["verdict"] == "B better"
     res = tune(tr, profile=prof, draft_lens=[1, 2], concurrencies=[1])
-    assert {r["draft_len"] for r in res["rows"]} == {1, 2, "auto"}  # the adaptive one next to the fixed
+    # the adaptive one next to the fixed, and plain decoding one step ahead
+    assert {(r["proposer"], r["draft_len"]) for r in res["rows"]} == {("draft", 1), ("draft", 2), ("draft", "auto"),
+                                                                       ("none", 0)}
 
 
 def test_tune_flags_the_concurrencies_outside_the_captured_batch_sizes():
@@ -566,14 +568,18 @@ def test_tune_compares_proposers_one_trace_each():
     ticks = []
     res = tune([cheap, dear], profile=[analytic_profile(5_000_000, 0.05), analytic_profile(5_000_000, 0.6)],
                draft_lens=[1, 3], concurrencies=[1], on_replay=lambda done, total: ticks.append((done, total)))
-    assert ticks == [(i, 8) for i in range(1, 9)]  # per trace: plain + 2 draft lengths + auto
+    assert ticks == [(i, 10) for i in range(1, 11)]  # per trace: plain, plain one ahead, 2 draft lengths, auto
     assert {(r["proposer"], r["draft_len"]) for r in res["rows"]} == {
-        (p, d) for p in ("mtp", "draft") for d in (1, 3, "auto")}
-    by = {(r["proposer"], r["draft_len"]): r["sim_speedup"] for r in res["rows"]}
+        (p, d) for p in ("mtp", "draft") for d in (1, 3, "auto")} | {("none", 0)}
+    by = {(r["proposer"], r["draft_len"]): r["sim_speedup"] for r in res["rows"] if r["proposer"] != "none"}
     assert by[("mtp", 1)] > by[("draft", 1)] and by[("mtp", 3)] > by[("draft", 3)]  # same acceptance, cheaper drafts
     assert by[("draft", "auto")] > by[("draft", 1)]  # the adaptive length backs off the expensive drafts
-    # no draft length beats plain decoding on this workload: plain is the best
-    assert max(by.values()) < 1.0 and res["best"]["1"] == {"proposer": "none", "draft_len": 0, "sim_speedup": 1.0}
+    # no draft length beats plain decoding on this workload: plain is the best (one step ahead, where that pays)
+    ahead = [r for r in res["rows"] if r["proposer"] == "none"]
+    assert {r["schedule"] for r in ahead} == {"plain_overlap"}
+    plain = max([ahead[0], {"schedule": "sync", "sim_speedup": 1.0}], key=lambda r: r["sim_speedup"])
+    assert max(by.values()) < 1.0 and res["best"]["1"] == {"proposer": "none", "schedule": plain["schedule"],
+                                                           "draft_len": 0, "sim_speedup": plain["sim_speedup"]}
     with pytest.raises(ValueError, match="one trace per proposer"):
         tune([cheap, cheap], profile=[analytic_profile(5e6, 0.1)] * 2)
     with pytest.raises(ValueError, match="one cost profile per trace"):
