@@ -248,9 +248,9 @@ def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draf
 
 
 def _tune_replay(shared: tuple, task: tuple[int, int, int | str]) -> dict:
-    """Metrics of one replay of tune's sweep: trace i at concurrency c, plain decoding for
-    d = 0, the adaptive draft length (up to the sweep's longest D) for d = "auto"; a
-    configuration the replay rejects comes back as {"error": message}."""
+    """Metrics of one replay of tune's sweep: trace i at concurrency c, plain decoding under sync for
+    d = 0 and one step ahead for d = PLAIN_AHEAD, the adaptive draft length (up to the sweep's longest D)
+    for d = "auto"; a configuration the replay rejects comes back as {"error": message}."""
     traces, profiles, lens = shared
     i, c, d = task
     if d == 0 or d == PLAIN_AHEAD:
@@ -285,7 +285,7 @@ def formula_speedup(profile: CostProfile, proposer: str, schedule: str, c: int, 
 
 def _tune_rows(trace, profile: CostProfile, draft_lens: list[int], concurrencies: list[int], metrics) -> list[dict]:
     """Tune's rows for one trace; `metrics(c, d)` is the replay at concurrency c and draft
-    length d (0: plain decoding)."""
+    length d (0: plain decoding under sync, PLAIN_AHEAD: one step ahead)."""
     h = trace.header
     kv_mean = float(np.mean([r.prompt_len for r in trace.requests])) if trace.requests else 64.0
     # the batch sizes the costs were fitted on: a replay at another concurrency extrapolates them
