@@ -75,7 +75,7 @@ def test_ab_and_tune_results_do_not_depend_on_jobs():
     kw = dict(profile=prof, draft_lens=[1, 3], concurrencies=[1, 2])
     serial, fanned = tune(tr, jobs=1, **kw), tune(tr, jobs=2, **kw)
     assert serial == fanned
-    assert len(serial["rows"]) == 6  # 2 concurrencies x (D = 1, 3, auto)
+    assert len(serial["rows"]) == 8  # 2 concurrencies x (plain one step ahead, D = 1, 3, auto)
 
 
 def test_validate_results_do_not_depend_on_jobs():
