@@ -72,6 +72,17 @@ def _note_stand_ins(stand_ins: dict[str, int], who: str) -> None:
                   "A.jsonl B.jsonl --out p.json`, then `--profile p.json`).")
 
 
+def _note_other_proposer(tr, proposer: str | None, acceptance: str, whose: str) -> None:
+    """A replay of another proposer than the trace's runs on the captured proposer's costs and, with acceptance
+    replayed from the trace, its agreement: say so (on stderr)."""
+    if proposer in (None, "none", tr.header.proposer):
+        return
+    console.print(f"[yellow]note:[/] this trace was captured with proposer {tr.header.proposer!r}: {whose} "
+                  f"{proposer!r} replay prices its proposer ops with that proposer's costs"
+                  + (" and takes its acceptance from that proposer's agreement" if acceptance in ("trace", "rates") else "")
+                  + f"; capture a trace with {proposer!r} (or pass --profile) for its own")
+
+
 @app.command("replay")
 @user_errors
 def replay_cmd(
@@ -99,11 +110,7 @@ def replay_cmd(
 
     check_output_path(trace_out, "--trace")
     tr = _read_trace(trace)
-    if spec not in (None, "none", tr.header.proposer):
-        console.print(f"[yellow]note:[/] this trace was captured with proposer {tr.header.proposer!r}: the "
-                      f"{spec!r} replay prices its proposer ops with that proposer's costs"
-                      + (" and takes its acceptance from that proposer's agreement" if acceptance in ("trace", "rates") else "")
-                      + f"; capture a trace with {spec!r} (or pass --profile) for its own")
+    _note_other_proposer(tr, spec, acceptance, "the")
     try:
         m, sim = replay(tr, _profile(tr, profile), _replay_config(schedule, spec, parse_draft_len(draft_len), acceptance,
                                                                   rate_scale, concurrency,
@@ -227,10 +234,14 @@ def ab(
     from rich.progress import Progress
 
     tr = _read_trace(trace)
+    variants = {"A": parse(a, "--a"), "B": parse(b, "--b")}
+    for name, v in variants.items():
+        _note_other_proposer(tr, v.proposer, v.acceptance, f"variant {name}'s")
     try:
         with Progress(console=console, transient=True, disable=json_out) as progress:
             task = progress.add_task("replicates", total=replicates)
-            res = run_ab(tr, parse(a, "--a"), parse(b, "--b"), profile=_profile(tr, profile), replicates=replicates, jobs=_jobs(jobs, ray_address),
+            res = run_ab(tr, variants["A"], variants["B"], profile=_profile(tr, profile), replicates=replicates,
+                         jobs=_jobs(jobs, ray_address),
                          on_replicate=lambda done, total: progress.update(task, completed=done))
     except (ValueError, KeyError) as e:
         _fail(str(e))

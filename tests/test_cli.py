@@ -158,6 +158,11 @@ def test_replay_with_another_proposer_says_whose_costs_it_uses(tmp_path):
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["mean_accept_len"] > 1  # the captured draft length is kept
     assert "captured with proposer 'draft'" in " ".join(res.stderr.split())
+    # so does an A/B whose variant replays another proposer, naming the variant; one that keeps it says nothing
+    res = runner.invoke(app, ["ab", str(SAMPLE), "--a", "spec=ngram", "--b", "schedule=sync", "--replicates", "2",
+                              "--json"], env={"COLUMNS": "400"})
+    err = " ".join(res.stderr.split())
+    assert res.exit_code == 0 and "variant A's 'ngram' replay" in err and "variant B" not in err
     plain = tmp_path / "plain.jsonl"  # a plain trace has no draft length to keep
     lines = SAMPLE.read_text().splitlines()
     header = json.loads(lines[0]) | {"proposer": "none", "draft_len": 0, "schedule": "sync"}
