@@ -83,6 +83,17 @@ def _note_other_proposer(tr, proposer: str | None, acceptance: str, whose: str) 
                   + f"; capture a trace with {proposer!r} (or pass --profile) for its own")
 
 
+def _note_extrapolation(captured_trace, simulated) -> None:
+    """A replay whose decode steps held more or fewer rows than any of the trace it was fitted on priced them by
+    extrapolating its cost models: say so (on stderr)."""
+    from specsched.simulator.analysis import decode_batch_sizes
+
+    fitted, ran = decode_batch_sizes(captured_trace), decode_batch_sizes(simulated)
+    if fitted and ran and (ran.start < fitted.start or ran.stop > fitted.stop):
+        console.print(f"[yellow]note:[/] the replay ran decode steps of {ran.start}-{ran.stop - 1} rows, the trace's "
+                      f"held {fitted.start}-{fitted.stop - 1}: the costs of the others are extrapolated from those")
+
+
 @app.command("replay")
 @user_errors
 def replay_cmd(
@@ -120,6 +131,8 @@ def replay_cmd(
     except (ValueError, KeyError) as e:
         _fail(str(e))
     _note_stand_ins(sim.header.extra["stand_ins"], "the replay")
+    if profile is None:
+        _note_extrapolation(tr, sim)
     if trace_out:
         write_trace(sim, trace_out)
     if json_out:

@@ -196,6 +196,13 @@ def accept_len(trace, d: int) -> float | None:
 PLAIN_AHEAD = Schedule.PLAIN_OVERLAP.value  # tune's candidate of plain decoding one step ahead
 
 
+def decode_batch_sizes(trace) -> range:
+    """The rows of the trace's decode and speculative steps, smallest to largest (empty without such steps): where
+    costs fitted on it price a step without extrapolating."""
+    sizes = [len(st.request_ids) for st in trace.steps if st.kind in ("spec", "decode")]
+    return range(min(sizes), max(sizes) + 1) if sizes else range(0)
+
+
 def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draft_lens: list[int] | None = None,
          concurrencies: list[int] | None = None, on_replay=None, jobs: int | str = 1) -> dict:
     """Sweep the draft length of each trace's proposer per concurrency (one trace per
@@ -288,9 +295,7 @@ def _tune_rows(trace, profile: CostProfile, draft_lens: list[int], concurrencies
     length d (0: plain decoding under sync, PLAIN_AHEAD: one step ahead)."""
     h = trace.header
     kv_mean = float(np.mean([r.prompt_len for r in trace.requests])) if trace.requests else 64.0
-    # the batch sizes the costs were fitted on: a replay at another concurrency extrapolates them
-    sizes = [len(st.request_ids) for st in trace.steps if st.kind in ("spec", "decode")] or [0]
-    captured = range(min(sizes), max(sizes) + 1)
+    captured = decode_batch_sizes(trace)  # what the costs were fitted on: another concurrency extrapolates them
     # rows verify what they drafted: a lookup that finds nothing (n-gram) verifies its last token
     drawn = draft_rate(trace)
     rows = []

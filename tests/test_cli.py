@@ -153,6 +153,16 @@ def test_replay_notes_what_it_priced_from_stand_ins():
     assert res.exit_code == 0 and "stand-ins" not in res.stderr
 
 
+def test_replay_notes_batch_sizes_its_trace_never_had():
+    """The sample's decode steps hold 1-2 rows: replayed at 4 concurrent, the 3- and 4-row steps' costs are
+    extrapolated, and the replay says so; at its own concurrency it does not."""
+    res = runner.invoke(app, ["replay", str(SAMPLE), "--concurrency", "4", "--json"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    assert "decode steps of 1-4 rows, the trace's held 1-2" in " ".join(res.stderr.split())
+    res = runner.invoke(app, ["replay", str(SAMPLE), "--json"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0 and "extrapolated" not in res.stderr
+
+
 def test_replay_with_another_proposer_says_whose_costs_it_uses(tmp_path):
     res = runner.invoke(app, ["replay", str(SAMPLE), "--spec", "eagle", "--json"], env={"COLUMNS": "400"})
     assert res.exit_code == 0, res.output
