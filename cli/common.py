@@ -201,6 +201,17 @@ def _read_trace(path: Path):
     return trace
 
 
+def check_otlp_option(otlp: str | None) -> None:
+    """An `--otlp` URL checked before anything runs: one `error:` line naming the problem."""
+    if otlp:
+        from specsched.traces.otlp_json import check_otlp_url
+
+        try:
+            check_otlp_url(otlp)
+        except ValueError as e:
+            _fail(f"--otlp: {e}")
+
+
 def narrow_table(title: str):
     """A rich Table that spends no width on rules or edges (the padding between columns collapsed), for tables that
     must fit an 80-column terminal."""

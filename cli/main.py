@@ -17,7 +17,7 @@ from rich.console import Console
 
 from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, WORKER_MALLOC, WORKER_OPENMP, WORKER_LINEAR, WORKER_OPS, ENFORCE_EAGER, CUDA_GRAPH_SIZES,
                                   _fail,
-                                  _metrics_table, _print_json, acceptance_note, app, check_output_path, console,
+                                  _metrics_table, _print_json, acceptance_note, app, check_otlp_option, check_output_path, console,
                                   engine_config, fail_if_requests_failed, parse_draft_len, synthetic_summary,
                                   user_errors)
 from specsched.traces.names import PROPOSERS, Schedule
@@ -219,13 +219,7 @@ def bench(
                                concurrency, rate, warmup, served_model_name, json_out)
     if served_model_name is not None:
         _fail("--served-model-name goes with --endpoint")
-    if otlp:
-        from specsched.traces.otlp_json import check_otlp_url
-
-        try:
-            check_otlp_url(otlp)
-        except ValueError as e:
-            _fail(f"--otlp: {e}")
+    check_otlp_option(otlp)
     cfg = engine_config(model=model, draft=draft, mtp_head=mtp_head, proposer=spec,
                         draft_len=parse_draft_len(draft_len), max_draft_len=max_draft_len,
                         draft_profile=_profile_file(profile), schedule=schedule,

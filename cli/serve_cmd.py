@@ -1,7 +1,6 @@
 """`specsched serve`: the engine behind an OpenAI-compatible HTTP server (runtime/server/)."""
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 from typing import Optional
@@ -9,7 +8,7 @@ from typing import Optional
 import typer
 
 from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, WORKER_MALLOC, WORKER_OPENMP, WORKER_LINEAR, WORKER_OPS, ENFORCE_EAGER, CUDA_GRAPH_SIZES, _fail, app,
-                                  check_output_path, console, engine_config, parse_draft_len, user_errors)
+                                  check_otlp_option, check_output_path, console, engine_config, parse_draft_len, user_errors)
 from specsched.traces.names import PROPOSERS
 
 
@@ -58,6 +57,7 @@ def serve(
     from specsched.runtime.server.app import build_app, chat_template_of
     from specsched.runtime.server.metrics import ServerMetrics
     from specsched.traces.hook import MultiTracer
+    from specsched.traces.otel_export import live_tracer
     from specsched.traces.recorder import TraceRecorder
 
     if model_arg is not None and model is not None and model_arg != model:
@@ -66,15 +66,7 @@ def serve(
     if not 0 < port < 65536:
         raise typer.BadParameter(f"--port must be in 1..65535, got {port}")
     check_output_path(trace, "--trace")
-    if otlp:
-        from specsched.traces.otlp_json import check_otlp_url
-
-        try:
-            check_otlp_url(otlp)
-        except ValueError as e:
-            _fail(f"--otlp: {e}")
-    live_otlp = bool(otlp or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                     or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    check_otlp_option(otlp)
     cfg = engine_config(model=model, proposer=spec, draft_len=parse_draft_len(draft_len), max_draft_len=max_draft_len,
                         draft=draft, mtp_head=mtp_head, schedule=schedule, tensor_parallel_size=tp,
                         config_file=config_file, speculative_config=speculative_config, load_format=load_format,
@@ -99,10 +91,7 @@ def serve(
             header = make_header(cfg, engine, workload={"server": True})
             if trace:
                 recorder = TraceRecorder(str(trace), header)
-            if live_otlp:
-                from specsched.traces.otel_export import OtelLiveTracer
-
-                live = OtelLiveTracer(header, endpoint=otlp)
+            live = live_tracer(header, otlp)
             if recorder is not None or live is not None:
                 engine.set_tracer(MultiTracer(metrics, *(t for t in (recorder, live) if t is not None)))
             server = uvicorn.Server(uvicorn.Config(build_app(engine, name, template, metrics), host=host, port=port,

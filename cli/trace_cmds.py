@@ -8,8 +8,8 @@ from typing import Optional
 
 import typer
 
-from specsched.cli.common import (_fail, _metrics_table, _print_json, acceptance_note, app, check_output_path, console,
-                                  synthetic_summary, user_errors)
+from specsched.cli.common import (_fail, _metrics_table, _print_json, acceptance_note, app, check_otlp_option,
+                                  check_output_path, console, synthetic_summary, user_errors)
 
 
 @app.command()
@@ -45,17 +45,13 @@ def export(
     otlp: Optional[str] = typer.Option(None, help="OTLP/HTTP endpoint, e.g. http://localhost:4318/v1/traces"),
 ) -> None:
     """Export a trace to Perfetto / chrome://tracing or OpenTelemetry."""
-    from specsched.traces.otlp_json import OtlpExportError, check_otlp_url, export_otel_json, export_otlp
+    from specsched.traces.otlp_json import OtlpExportError, export_otel_json, export_otlp
 
     if not (chrome or otel_json or otlp):
         _fail("choose at least one of --chrome, --otel-json, --otlp")
     check_output_path(chrome, "--chrome")
     check_output_path(otel_json, "--otel-json")
-    if otlp:
-        try:
-            check_otlp_url(otlp)
-        except ValueError as e:
-            _fail(f"--otlp: {e}")
+    check_otlp_option(otlp)
     _check_readable(trace)
     if chrome:
         from specsched.traces.chrome import write_chrome_trace

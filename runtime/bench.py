@@ -87,12 +87,10 @@ async def run_workload(
                     await engine.generate_all(it.prompt, it.params)
             header = make_header(config, engine, workload={"concurrency": concurrency, "rate_qps": rate_qps})
             mem = MemoryRecorder(header)
-            if otlp is None:
-                otlp = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
-            if otlp and record:
-                from specsched.traces.otel_export import OtelLiveTracer
+            if record:
+                from specsched.traces.otel_export import live_tracer
 
-                live = OtelLiveTracer(header, endpoint=otlp if isinstance(otlp, str) else None)
+                live = live_tracer(header, otlp)
             if record and trace_path:
                 # streamed as the run goes (whole lines, flushed every step): an interrupted
                 # or crashed run leaves a file readable to its last record

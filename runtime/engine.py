@@ -344,9 +344,8 @@ class AsyncEngine:
         if own is not None and c.proposer_spec().speculative:  # (plain decoding accepts nothing: no effect)
             if c.acceptance != "synthetic":
                 raise InvalidRequestError("synthetic_acceptance_length / _rates need an engine with acceptance "
-                                          f"'synthetic' (this one's is {c.acceptance!r}): acceptance='synthetic' "
-                                          "and an engine-wide synthetic_acceptance_length or _rates, or vLLM's "
-                                          "speculative_config rejection_sample_method 'synthetic' with one")
+                                          f"'synthetic' and an engine-wide length or rates (this one's is "
+                                          f"{c.acceptance!r})")
             try:
                 own.check(c.proposer_spec().max_accept)
             except ValueError as e:

@@ -66,6 +66,16 @@ class OtelLiveTracer(OtelTracer):
             stopper.join(1.0)
 
 
+def live_tracer(header: Header, otlp: str | bool | None = None) -> OtelLiveTracer | None:
+    """The live export a run asks for: `otlp` a collector's URL, True (the collector the standard
+    OTEL_EXPORTER_OTLP_* variables name), False (none), or None (on when those variables name an endpoint)."""
+    if otlp is None:
+        otlp = bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    if not otlp:
+        return None
+    return OtelLiveTracer(header, endpoint=otlp if isinstance(otlp, str) else None)
+
+
 class _CircuitBreaker(SpanExporter):
     """Wraps a network exporter: after a failed export, batches are dropped without being
     serialized or sent for `cooldown_s`. A dead collector then costs the engine's process no
