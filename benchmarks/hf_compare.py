@@ -54,7 +54,7 @@ def specsched_runs(prompts_ids, max_tokens, k):
     from specsched.scheduler.sampling_params import SamplingParams
 
     items = [WorkItem(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts_ids]
-    variants = {"plain": dict(proposer="none"), "draft": dict(proposer="draft", draft_len=k, schedule="overlap"),
+    variants = {"plain": dict(proposer="none", schedule="sync"), "draft": dict(proposer="draft", draft_len=k, schedule="overlap"),
                 "ngram": dict(proposer="ngram", draft_len=k)}
     results = {}
     for name, kw in variants.items():

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import bundled_items, run  # noqa: E402
 
-CONFIGS = {"none": {"proposer": "none"}, "mtp": {"proposer": "mtp", "draft_len": 1}}
+CONFIGS = {"none": {"proposer": "none", "schedule": "sync"}, "mtp": {"proposer": "mtp", "draft_len": 1}}
 
 
 def engine_tokens_per_s(items_by_c, configs, rounds: int) -> None:

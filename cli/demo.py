@@ -21,8 +21,8 @@ from specsched.cli.common import narrow_table
 # 1 for the MTP head under `eager_fill`, 2 under `sync`), about as fast as the others at 4 concurrent
 # (benchmarks/adaptive.py)
 RUNS = [
-    ("plain", "none", "sync", 0),
-    ("plain-overlap", "none", "plain_overlap", 0),
+    ("plain", "none", "plain_overlap", 0),  # plain decoding's default schedule: the speedups' base
+    ("plain-sync", "none", "sync", 0),
     ("draft-sync", "draft", "sync", 3),
     ("draft-overlap", "draft", "overlap", 3),
     ("draft-eager_fill", "draft", "eager_fill", 3),

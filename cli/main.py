@@ -20,7 +20,7 @@ from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG
                                   _metrics_table, _print_json, acceptance_note, app, check_otlp_option, check_output_path, console,
                                   engine_config, fail_if_requests_failed, parse_draft_len, synthetic_summary,
                                   user_errors)
-from specsched.traces.names import PROPOSERS, Schedule
+from specsched.traces.names import PROPOSERS
 
 @app.command()
 @user_errors
@@ -165,7 +165,7 @@ def bench(
                                      "worker processes (default 1)"),
     warmup: int = typer.Option(1),
     trace: Optional[Path] = typer.Option(None, help="write the run's trace (JSONL)"),
-    compare_plain: bool = typer.Option(False, "--compare-plain", help="also run plain decoding; add speedup_vs_plain"),
+    compare_plain: bool = typer.Option(False, "--compare-plain", help="also run plain decoding (its default schedule, plain_overlap); add speedup_vs_plain"),
     otlp: Optional[str] = typer.Option(None, help="export spans live over OTLP/HTTP to this URL "
                                        "(default: on when OTEL_EXPORTER_OTLP_ENDPOINT is set)"),
     config_file: Optional[Path] = typer.Option(None, "--config"),
@@ -231,11 +231,13 @@ def bench(
     items = _workload(workload, num_requests, max_tokens, temperature)
     from specsched.runtime.engine import AsyncEngine
     from specsched.runtime.workload import check_workload
+    from specsched.scheduler.wiring import NATURAL_SCHEDULE
 
     check_workload(items, AsyncEngine(cfg).validate)  # every prompt fits the model, before any run
     if concurrency is None and rate is None:
         concurrency = 1
-    runs = [("plain", cfg.model_copy(update={"proposer": "none", "draft_len": 0, "schedule": Schedule.SYNC.value}))] if compare_plain else []
+    plain = {"proposer": "none", "draft_len": 0, "schedule": NATURAL_SCHEDULE["none"]}  # plain decoding's default
+    runs = [("plain", cfg.model_copy(update=plain))] if compare_plain else []
     runs.append((f"{cfg.proposer}/{cfg.schedule}/D={cfg.draft_len}", cfg))
     results, errors, completed, interrupted = [], [], [0], []
 

@@ -19,8 +19,9 @@ from specsched.traces.hook import NULL_TRACER
 from specsched.traces.names import ProposerKind as P
 from specsched.traces.names import Schedule, schedule_name
 
-# the schedule each proposer runs under unless one is chosen
-NATURAL_SCHEDULE = {P.NONE: Schedule.SYNC.value, P.DRAFT: Schedule.EAGER_FILL.value, P.MTP: Schedule.EAGER_FILL.value,
+# the schedule each proposer runs under unless one is chosen (plain decoding one step ahead, as vLLM's async
+# scheduling by default)
+NATURAL_SCHEDULE = {P.NONE: Schedule.PLAIN_OVERLAP.value, P.DRAFT: Schedule.EAGER_FILL.value, P.MTP: Schedule.EAGER_FILL.value,
                     P.EAGLE: Schedule.EAGER_FILL.value, P.NGRAM: Schedule.SYNC.value}
 # D when none is given (for eagle: the tree's depth)
 DEFAULT_DRAFT_LEN = {P.NONE: 0, P.DRAFT: 4, P.MTP: 1, P.EAGLE: 3, P.NGRAM: 4}

@@ -183,3 +183,10 @@ def test_schedule_mtp_is_the_old_name_of_eager_fill():
     assert EngineConfig(proposer="mtp").schedule == "eager_fill"  # the head's natural schedule
     with pytest.raises(ValueError, match="eager_fill"):
         EngineConfig(proposer="draft", schedule="fancy")
+
+
+@pytest.mark.parametrize("proposer, schedule", [("none", "plain_overlap"), ("ngram", "sync"), ("draft", "eager_fill"),
+                                                ("eagle", "eager_fill")])
+def test_a_config_without_a_schedule_takes_the_proposers_default(proposer: str, schedule: str):
+    # plain decoding one step ahead, as vLLM's async scheduling by default
+    assert EngineConfig(proposer=proposer).schedule == schedule
