@@ -221,21 +221,29 @@ def exponential_noise(
 
 
 def uniform_noise(
-    shape: tuple[int, ...], generators: Sequence[torch.Generator | None], device: torch.device | str
+    shape: tuple[int, ...], generators: Sequence[torch.Generator | None], device: torch.device | str,
+    row_lens: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """U[0, 1) noise [B, ...] drawn like `exponential_noise`."""
+    """U[0, 1) noise [B, ...] drawn like `exponential_noise`. `row_lens`: a seeded row i draws only its first
+    row_lens[i] entries (1 elsewhere), so what it draws does not depend on the longest row of its batch."""
     noise = torch.empty(shape, dtype=torch.float32, device=device)
-    return _fill_rows(noise, generators, lambda t, g: t.uniform_(generator=g))
+    if row_lens is not None:
+        noise.fill_(1.0)
+    return _fill_rows(noise, generators, lambda t, g: t.uniform_(generator=g), row_lens)
 
 
-def _fill_rows(noise: torch.Tensor, generators: Sequence[torch.Generator | None], fill) -> torch.Tensor:
+def _fill_rows(noise: torch.Tensor, generators: Sequence[torch.Generator | None], fill,
+               row_lens: Sequence[int] | None = None) -> torch.Tensor:
     if len(generators) != noise.shape[0]:
         raise ValueError(f"{len(generators)} generators for {noise.shape[0]} rows")
     seeded = [i for i, g in enumerate(generators) if g is not None]
     if len(seeded) < noise.shape[0]:
         fill(noise, None)
     for i in seeded:
-        fill(noise[i], generators[i])
+        if row_lens is None:
+            fill(noise[i], generators[i])
+        elif row_lens[i] > 0:
+            fill(noise[i, : row_lens[i]], generators[i])
     return noise
 
 

@@ -119,6 +119,7 @@ def sampled_tree_verify(
     target_probs: torch.Tensor,
     generators: Sequence[torch.Generator | None],
     draft_probs: torch.Tensor | None = None,
+    has_tree: Sequence[bool] | None = None,
 ) -> TreeVerifyResult:
     """Lossless verification of a token tree for sampled rows: the emitted tokens are
     distributed exactly as sampling from the target (SpecInfer's multi-draft rejection).
@@ -137,7 +138,8 @@ def sampled_tree_verify(
     rows verify greedily, exactly as `greedy_tree_verify`); draft_probs [B, T, V] (row i = the
     q node i was drawn from; the root's row unread) or None (every node a deterministic pick);
     one generator (or None) per row. The coins are drawn up front, a fixed number per row, so a
-    seeded row repeats itself.
+    seeded row repeats itself; `has_tree` (on the host): a seeded row without a tree draws none, so its
+    tokens do not depend on its neighbours.
     """
     spec = tree if isinstance(tree, TreeSpec) else TreeSpec.from_parents(tree)
     b, t = tree_tokens.shape
@@ -155,7 +157,8 @@ def sampled_tree_verify(
     tokens = tree_tokens.to(torch.int64)
     rows = torch.arange(b, device=device)
     depth_max, width = spec.max_depth, spec.children.shape[1]
-    coins = uniform_noise((b, max(depth_max, 1), width), generators, device)
+    coins = uniform_noise((b, max(depth_max, 1), width), generators, device,
+                          None if has_tree is None else [depth_max if h else 0 for h in has_tree])
     node = torch.zeros(b, dtype=torch.int64, device=device)
     walking = torch.ones(b, dtype=torch.bool, device=device)
     p = probs[:, 0]

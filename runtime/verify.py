@@ -119,6 +119,7 @@ def rejection_verify(
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     generators: Sequence[torch.Generator | None],
+    row_lens: Sequence[int] | None = None,
 ) -> VerifyResult:
     """Lossless speculative sampling.
 
@@ -129,7 +130,8 @@ def rejection_verify(
     draft's own temperature / top-k / top-p); None means one-hot q (deterministic proposer).
     `target_probs` [B, D+1, V] come from `logits_to_probs`, so greedy requests (one-hot p)
     reduce to exact greedy verification. Per row: D uniforms, then V exponentials, from that
-    row's generator (global RNG for None).
+    row's generator (global RNG for None); `row_lens` (`draft_lens` on the host): a seeded row draws
+    its own count of uniforms, not its batch's D, so its tokens do not depend on its neighbours.
     """
     _check_linear(draft_tokens, draft_lens, target_probs, "target_probs")
     b, d = draft_tokens.shape
@@ -139,7 +141,7 @@ def rejection_verify(
     device = target_probs.device
     p_draft = _draft_prob(target_probs, draft_tokens, draft_lens)
     q_draft = torch.ones_like(p_draft) if draft_probs is None else _draft_prob(draft_probs, draft_tokens, draft_lens)
-    u = uniform_noise((b, d), generators, device)
+    u = uniform_noise((b, d), generators, device, row_lens)
     num_accepted = _accepted_prefix(u * q_draft < p_draft, draft_lens)
 
     rows = torch.arange(b, device=device)

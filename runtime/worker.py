@@ -348,7 +348,7 @@ class ModelWorker:
                 probs = logits_to_probs(logits.reshape(b * width, -1), self.sampling_tensors(rows, width))
                 q = self.proposer.draft_probs(rows, slots, msg.start, width - 1)
                 res = rejection_verify(draft_t, nd, q, probs.view(b, width, -1),
-                                       [st.generator for st in rows])
+                                       [st.generator for st in rows], row_lens=draft_lens)
             if self.proposer.needs_hidden:
                 self.last_hidden = {"step": msg.step, "op": "verify", "hidden": hidden,
                                     "qo_indptr": plan.qo_indptr, "slots": slots}

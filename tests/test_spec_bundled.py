@@ -111,3 +111,32 @@ def test_each_row_verifies_what_it_drafted(items, reference, tmp_path, proposer,
     assert short > 0
     if proposer == "ngram":
         assert any(d == 0 for s in steps.values() for d in s.num_drafted)
+
+
+@pytest.mark.parametrize("proposer,schedule", [("draft", "eager_fill"), ("mtp", "sync"), ("eagle", "eager_fill"),
+                                               ("ngram", "sync")])
+def test_a_seeded_sampled_request_draws_the_same_tokens_whatever_shares_its_batch(items, proposer, schedule):
+    """Sampled at temperature 1 with a seed, alone and four at once: rows reach their last tokens at different steps,
+    where their drafts shorten (or stop) while a neighbour's do not, and each row still draws from its own generator
+    exactly what it draws alone."""
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    prompts = [it.prompt for it in items[:4]]
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=7 + i, ignore_eos=True) for i in range(4)]
+
+    async def main():
+        async with AsyncEngine(EngineConfig.make(proposer=proposer, schedule=schedule, draft_len=3)) as engine:
+            alone = [(await engine.generate_all(p, sp)).token_ids for p, sp in zip(prompts, params)]
+            together: list = [None] * 4
+
+            async def one(i: int) -> None:
+                together[i] = (await engine.generate_all(prompts[i], params[i])).token_ids
+
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(one, i)
+            return alone, together
+
+    alone, together = anyio.run(main)
+    assert together == alone

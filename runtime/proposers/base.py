@@ -132,12 +132,13 @@ class DraftCollector:
         self.uniform = len(set(draft_lens)) <= 1
 
     def first(self, logits: torch.Tensor) -> None:
-        """The first draft token of every row (rows drafting none get no draft) from [B, V]."""
-        toks, probs = sample_next(self.worker, self.rows, logits, self.greedy)
-        self.tokens[:, 0] = toks
-        if probs is not None:
-            for i in range(len(self.rows)):
-                self.qs[i].append(probs[i])
+        """The first draft token of every row from [B, V] (a row drafting none draws nothing: a seeded row's
+        tokens do not depend on its neighbours)."""
+        active = [i for i, n in enumerate(self.draft_lens) if n > 0]
+        if len(active) == len(self.rows):
+            self.extend(None, 0, logits)
+        elif active:
+            self.extend(active, 0, logits[to_device(active, self.worker.device)])
 
     def active(self, k: int) -> list[int] | None:
         """The rows that draft token k (0-based column): None where every row does."""

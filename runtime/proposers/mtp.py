@@ -185,7 +185,7 @@ class EagleProposer(HeadProposer):
         L = (msg.start + 1).tolist()  # tokens per row
         b, t = len(rows), len(self.depths)
         tokens = torch.zeros(b, t, dtype=torch.int64, device=w.device)
-        draw = None if all(st.greedy for st in rows) else _TreeDraws(w, rows, t)
+        draw = None if all(st.greedy for st in rows) else _TreeDraws(w, rows, t, msg.draft_lens.tolist())
         self._expand(-1, torch.stack([st.carried for st in rows]), tokens, draw)
         node_hidden: dict[int, torch.Tensor] = {}
         run_slot: dict[int, int] = {}  # node -> head-tree slot (after the L-1 prefix slots)
@@ -241,7 +241,8 @@ class EagleProposer(HeadProposer):
         TreeVerifyResult."""
         w = self.worker
         b, width = logits.shape[:2]
-        whole = to_device([st.draft_len == width - 1 for st in rows], w.device)
+        has_tree = [st.draft_len == width - 1 for st in rows]
+        whole = to_device(has_tree, w.device)
         nodes = torch.where(whole.unsqueeze(-1), drafts, torch.full_like(drafts, -1))  # no tree: nothing to accept
         tokens = torch.cat([last.unsqueeze(-1), nodes], dim=1)
         if w.acceptance == "synthetic":  # a path of the drawn depth (none where the row has no tree)
@@ -258,7 +259,7 @@ class EagleProposer(HeadProposer):
             if q is not None:  # the root's row is never read
                 q = torch.cat([q.new_zeros((b, 1, q.shape[-1])), q], dim=1)
             res = sampled_tree_verify(tokens, self.tree, probs.view(b, width, -1), [st.generator for st in rows],
-                                      draft_probs=q)
+                                      draft_probs=q, has_tree=has_tree)
         depth = res.accepted_nodes.shape[1]
         base = self._tensor(plan.qo_indptr[:-1]).unsqueeze(-1)  # [B, 1] each row's first token
         sm = self._tensor(plan.slot_mapping)
@@ -283,10 +284,12 @@ class _TreeDraws:
     kept in `q` [B, T, V] for the verifier (`sampled_tree_verify`'s multi-draft rejection);
     greedy rows keep their top-k children."""
 
-    def __init__(self, worker, rows, num_nodes: int):
+    def __init__(self, worker, rows, num_nodes: int, draft_lens: list[int]):
         self.st = worker.sampling_tensors(rows)
         self.greedy = to_device([st.greedy for st in rows], worker.device).unsqueeze(-1)
-        self.generators = [st.generator for st in rows]
+        # a row drafting no tree draws from the global RNG, not its own generator (its tokens do not depend on its
+        # neighbours)
+        self.generators = [st.generator if d > 0 else None for st, d in zip(rows, draft_lens)]
         self.q: torch.Tensor | None = None
         self.num_nodes = num_nodes
 
