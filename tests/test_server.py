@@ -96,8 +96,10 @@ def test_chat_completions_stream_and_not_agree(server):
 
 def test_bad_requests_get_openai_errors_naming_the_problem(server):
     c = client(server)
-    with pytest.raises(openai.BadRequestError, match="not supported by this server: n"):
-        c.completions.create(model="bundled/target", prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match=r"^Error code: 400 .*n: Input should be less than or equal to 128"):
+        c.completions.create(model="bundled/target", prompt="x", n=129)
+    with pytest.raises(openai.BadRequestError, match="prompt 1: .*longer than the model allows"):
+        c.completions.create(model="bundled/target", prompt=[[5, 6], [5] * 5000])
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         c.completions.create(model="bundled/target", prompt="x", logprobs=2)
     with pytest.raises(openai.BadRequestError, match="unknown field.*frobnicate"):
@@ -129,11 +131,51 @@ def test_fields_at_the_values_that_turn_them_off_are_accepted_and_others_refused
     ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "logprobs": False,
                                           "top_logprobs": 0})
     for field, value in [("logprobs", 0), ("logprobs", 2), ("repetition_penalty", 1.2), ("min_tokens", 4),
-                         ("n", True), ("stop_token_ids", [7])]:
+                         ("best_of", 2), ("stop_token_ids", [7])]:
         with pytest.raises(ValidationError, match=f"not supported by this server: {field}"):
             CompletionRequest.model_validate({"prompt": "x", field: value})
     with pytest.raises(ValidationError, match="not supported by this server: logprobs"):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "logprobs": True})
+    with pytest.raises(ValidationError, match="n\n  Input should be a valid integer"):
+        CompletionRequest.model_validate({"prompt": "x", "n": True})
+
+
+def test_a_batch_of_prompts_times_n_gives_choice_i_times_n_plus_j(server, embedded_texts):
+    """OpenAI's batch of prompts and `n`: choice i * n + j is sample j of prompt i (greedy: every sample the engine's
+    output for its prompt); the usage counts each prompt once and every choice's tokens; streamed the same."""
+    c = client(server)
+    solo = [c.completions.create(model="bundled/target", prompt=p, max_tokens=1).usage.prompt_tokens for p in PROMPTS]
+    kw = dict(model="bundled/target", prompt=PROMPTS, n=2, max_tokens=MAX_TOKENS, temperature=0,
+              extra_body={"ignore_eos": True})
+    r = c.completions.create(**kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in r.choices] == [embedded_texts[0]] * 2 + [embedded_texts[1]] * 2
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (sum(solo), 4 * MAX_TOKENS)
+    text, reasons, usage = {}, {}, None
+    for ch in c.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        for choice in ch.choices:
+            text[choice.index] = text.get(choice.index, "") + choice.text
+            reasons[choice.index] = choice.finish_reason
+        usage = ch.usage or usage
+    assert text == {i: ch.text for i, ch in enumerate(r.choices)} and set(reasons.values()) == {"length"}
+    assert (usage.prompt_tokens, usage.completion_tokens) == (sum(solo), 4 * MAX_TOKENS)
+
+
+def test_n_samples_of_a_seeded_chat_draw_from_seed_plus_j(server):
+    """With a seed, sample j of `n` is the request with seed + j, as vLLM seeds them: streamed or not."""
+    c = client(server)
+    kw = dict(model="bundled/target", messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=8,
+              temperature=1.0, extra_body={"ignore_eos": True})
+    alone = [c.chat.completions.create(**kw, seed=7 + j).choices[0].message.content for j in range(3)]
+    assert len(set(alone)) > 1  # three seeds, three draws of 8 tokens at temperature 1
+    r = c.chat.completions.create(**kw, seed=7, n=3)
+    assert [ch.message.content for ch in r.choices] == alone and r.usage.completion_tokens == 24
+    text: dict[int, str] = {}
+    for ch in c.chat.completions.create(**kw, seed=7, n=3, stream=True):
+        for choice in ch.choices:
+            assert choice.index in text or choice.delta.role == "assistant"  # each choice opens with the role
+            text[choice.index] = text.get(choice.index, "") + (choice.delta.content or "")
+    assert [text[j] for j in range(3)] == alone
 
 
 def _metrics(url: str) -> dict:

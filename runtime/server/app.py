@@ -1,14 +1,17 @@
 """The OpenAI-compatible routes over one running AsyncEngine (`build_app`), and `serve`.
 
-Every request is one `engine.generate` stream: a client that disconnects mid-stream cancels its
-response, whose `finally` aborts the request (its pages are freed at the next step); a request
-that fails is a 500 (or an error event in its stream) for that request alone.
+Every choice of a response (a prompt of a batch, one of its `n` samples) is one `engine.generate` stream: a client
+that disconnects mid-stream cancels its response, whose `finally` aborts its requests (their pages are freed at the
+next step); a request that fails is a 500 (or an error event in its stream) for that response alone.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -68,25 +71,40 @@ def _reason(finish_reason: str | None) -> str | None:
     return {"abort": "abort", "error": "error", "length": "length"}.get(finish_reason or "", "stop")
 
 
-class _Run:
-    """One request's bookkeeping for the metrics: arrival, first and last token."""
+@dataclass
+class _Choice:
+    """One choice of a response -- one engine request -- and its bookkeeping for the metrics: arrival, first and last
+    token, the output so far."""
 
-    def __init__(self, prompt_tokens: int) -> None:
-        self.start = self.last = time.monotonic()
-        self.first: float | None = None
-        self.prompt_tokens = prompt_tokens
-        self.output_tokens = 0
+    index: int
+    request_id: str
+    ids: list[int]  # the prompt's token ids
+    params: SamplingParams
+    start: float = field(default_factory=time.monotonic)
+    last: float = 0.0
+    first: float | None = None
+    output_tokens: int = 0
+    text: list[str] = field(default_factory=list)
+    final: Any = None  # the finished RequestOutput
+    done: bool = False  # counted in the metrics
 
-    def chunk(self, metrics: ServerMetrics, n: int) -> None:
-        now = time.monotonic()
+    def chunk(self, metrics: ServerMetrics, out) -> None:
+        now, n = time.monotonic(), len(out.token_ids)
         metrics.tokens(n, None if self.first is None else now - self.last)
         if self.first is None and n:
             self.first = now
         self.last = now
         self.output_tokens += n
+        self.text.append(out.text)
+        if out.finished:
+            self.final = out
+            self.finish(metrics, _reason(out.finish_reason), out.spec)
 
-    def done(self, metrics: ServerMetrics, reason: str, spec: dict) -> None:
-        metrics.finished(reason=reason, prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens,
+    def finish(self, metrics: ServerMetrics, reason: str, spec: dict) -> None:
+        if self.done:
+            return
+        self.done = True
+        metrics.finished(reason=reason, prompt_tokens=len(self.ids), output_tokens=self.output_tokens,
                          e2e_s=time.monotonic() - self.start,
                          ttft_s=None if self.first is None else self.first - self.start,
                          first_to_last_s=None if self.first is None else self.last - self.first, spec=spec)
@@ -116,84 +134,137 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
                                 404, "NotFoundError", "model")
         return req, None
 
-    def prepare(req, prompt) -> tuple[list[int], SamplingParams]:
+    def prepare(req, prompt, choice: int) -> tuple[list[int], SamplingParams]:
         limit = req.token_limit() if isinstance(req, ChatCompletionRequest) else req.max_tokens
         if limit is None:  # the model's room after the prompt, so the prompt's length first
             prompt = engine.validate(prompt, SamplingParams(max_tokens=1))
             limit = max(engine.max_model_len - len(prompt), 1)
-        params = SamplingParams.make(max_tokens=limit, **req.sampling_kwargs())
+        params = SamplingParams.make(max_tokens=limit, **req.sampling_kwargs(choice))
         return engine.validate(prompt, params), params
 
-    async def respond(req, prompt, chat: bool):
-        try:
-            ids, params = prepare(req, prompt)
-        except (InvalidRequestError, ValueError) as e:
-            return _error(str(e))
+    async def respond(req, prompts: list, chat: bool):
+        """The response to `req`: `req.n` choices per prompt, choice i * n + j the j-th sample of prompt i."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        choices = []
+        for i, prompt in enumerate(prompts):
+            for j in range(req.n):
+                try:
+                    ids, params = prepare(req, prompt, j)
+                except (InvalidRequestError, ValueError) as e:
+                    return _error(f"prompt {i}: {e}" if len(prompts) > 1 else str(e))
+                k = len(choices)
+                choices.append(_Choice(k, rid if len(prompts) * req.n == 1 else f"{rid}-{k}", ids, params))
+        prompt_tokens = sum(len(c.ids) for c in choices[:: req.n])  # each prompt once, as OpenAI counts them
         created = int(time.time())
-        run = _Run(len(ids))
         if req.stream:
             opts = req.stream_options
             include_usage = bool(opts and opts.include_usage)
-            return StreamingResponse(_stream(rid, created, ids, params, run, chat, include_usage,
+            return StreamingResponse(_stream(rid, created, choices, prompt_tokens, chat, include_usage,
                                              include_usage and opts.continuous_usage_stats),
                                      media_type="text/event-stream")
-        text, last = [], None
-        async for out in engine.generate(ids, params, request_id=rid):
-            run.chunk(metrics, len(out.token_ids))
-            text.append(out.text)
-            last = out
-        run.done(metrics, _reason(last.finish_reason), last.spec)
-        if last.finish_reason == "error":
-            return _error(f"the request failed: {last.error}", 500, "internal_server_error")
-        body = "".join(text)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": _reason(last.finish_reason), "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": body}
-        else:
-            choice["text"] = body
+        try:
+            async with aclosing(_outputs(choices)) as outs:
+                async for c, out in outs:
+                    c.chunk(metrics, out)
+        finally:
+            for c in choices:  # an engine that stopped under it: the unfinished ones were aborted
+                c.finish(metrics, "abort", {})
+        failed = next((c.final for c in choices if c.final.finish_reason == "error"), None)
+        if failed is not None:
+            return _error(f"the request failed: {failed.error}", 500, "internal_server_error")
+        body = []
+        for c in choices:
+            choice: dict[str, Any] = {"index": c.index, "finish_reason": _reason(c.final.finish_reason),
+                                      "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": "".join(c.text)}
+            else:
+                choice["text"] = "".join(c.text)
+            body.append(choice)
         return JSONResponse({
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model_name, "choices": [choice], "usage": _usage(len(ids), run.output_tokens),
-            "spec_decode": _spec(last.spec)})
+            "model": model_name, "choices": body,
+            "usage": _usage(prompt_tokens, sum(c.output_tokens for c in choices)),
+            "spec_decode": _spec(*(c.final.spec for c in choices))})
 
-    async def _stream(rid: str, created: int, ids: list[int], params: SamplingParams, run: _Run, chat: bool,
+    async def _outputs(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, Any]]:
+        """Every choice's outputs as they come, (choice, RequestOutput); closing it aborts the unfinished requests
+        (`generate` aborts its request when closed or cancelled)."""
+        if len(choices) == 1:
+            c = choices[0]
+            async with aclosing(engine.generate(c.ids, c.params, request_id=c.request_id)) as outs:
+                async for out in outs:
+                    yield c, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: _Choice) -> None:
+            try:
+                async for out in engine.generate(c.ids, c.params, request_id=c.request_id):
+                    queue.put_nowait((c, out))
+            except Exception as e:  # noqa: BLE001 - handed to the response, which fails with it
+                queue.put_nowait((c, e))
+            queue.put_nowait((c, None))  # its stream ended
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+        try:
+            for _ in range(len(choices)):
+                while True:
+                    c, out = await queue.get()
+                    if out is None:
+                        break
+                    if isinstance(out, Exception):
+                        raise out
+                    yield c, out
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _stream(rid: str, created: int, choices: list[_Choice], prompt_tokens: int, chat: bool,
                       include_usage: bool, continuous_usage: bool) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def event(choices: list, **extra) -> bytes:
-            payload = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices, **extra}
-            if continuous_usage and choices:  # vLLM's continuous_usage_stats: the usage so far in every chunk
-                payload["usage"] = _usage(len(ids), run.output_tokens)
+        def usage() -> dict:
+            return _usage(prompt_tokens, sum(c.output_tokens for c in choices))
+
+        def event(choice_list: list, **extra) -> bytes:
+            payload = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choice_list,
+                       **extra}
+            if continuous_usage and choice_list:  # vLLM's continuous_usage_stats: the usage so far in every chunk
+                payload["usage"] = usage()
             return b"data: " + orjson.dumps(payload) + b"\n\n"
 
-        def choice(text: str, finish: str | None) -> dict:
+        def choice(index: int, text: str, finish: str | None) -> dict:
             if chat:
-                return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish,
+                return {"index": index, "delta": {"content": text} if text else {}, "finish_reason": finish,
                         "logprobs": None}
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
 
         if chat:
-            yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                          "logprobs": None}])
-        last = None
+            for c in choices:
+                yield event([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                              "finish_reason": None, "logprobs": None}])
         try:
-            async for out in engine.generate(ids, params, request_id=rid):
-                run.chunk(metrics, len(out.token_ids))
-                last = out
-                if out.text and not out.finished:  # the finished output's text goes with its reason
-                    yield event([choice(out.text, None)])
+            async with aclosing(_outputs(choices)) as outs:
+                async for c, out in outs:
+                    c.chunk(metrics, out)
+                    if not out.finished:  # the finished output's text goes with its reason
+                        if out.text:
+                            yield event([choice(c.index, out.text, None)])
+                    elif out.finish_reason == "error":
+                        yield b"data: " + orjson.dumps(error_body(f"the request failed: {out.error}",
+                                                                  "internal_server_error", None, 500)) + b"\n\n"
+                        break
+                    else:
+                        yield event([choice(c.index, out.text, _reason(out.finish_reason))],
+                                    spec_decode=_spec(out.spec))
+                else:
+                    if include_usage:
+                        yield event([], usage=usage())
         finally:
-            if last is None or not last.finished:  # the client went away: `generate` aborted it
-                run.done(metrics, "abort", {})
-        run.done(metrics, _reason(last.finish_reason), last.spec)
-        if last.finish_reason == "error":
-            yield b"data: " + orjson.dumps(error_body(f"the request failed: {last.error}", "internal_server_error",
-                                                      None, 500)) + b"\n\n"
-        else:
-            yield event([choice(last.text, _reason(last.finish_reason))], spec_decode=_spec(last.spec))
-            if include_usage:
-                yield event([], usage=_usage(len(ids), run.output_tokens))
+            for c in choices:  # the client went away, or another choice failed: `_outputs` aborted the rest
+                c.finish(metrics, "abort", {})
         yield b"data: [DONE]\n\n"
 
     @app.post("/v1/completions")
@@ -201,11 +272,7 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
         req, err = await parse(request, CompletionRequest)
         if err is not None:
             return err
-        try:
-            prompt = req.single_prompt()
-        except ValueError as e:
-            return _error(str(e), param="prompt")
-        return await respond(req, prompt, chat=False)
+        return await respond(req, req.prompts(), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -218,7 +285,7 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
             return _error(str(e), param="messages")
         except Exception as e:  # noqa: BLE001 - a template error is the server's, and this request's alone
             return _error(f"the chat template failed: {type(e).__name__}: {e}", 500, "internal_server_error")
-        return await respond(req, prompt, chat=True)
+        return await respond(req, [prompt], chat=True)
 
     @app.get("/v1/models")
     async def models():
@@ -243,9 +310,14 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _spec(spec: dict) -> dict | None:
-    """The per-request speculative statistics (a specsched extension of the response)."""
-    if not spec or not spec.get("drafts"):
+def _spec(*specs: dict) -> dict | None:
+    """The speculative statistics of a choice, or summed over a response's choices (a specsched extension)."""
+    specs = tuple(s for s in specs if s and s.get("drafts"))
+    if not specs:
         return None
-    return {k: spec[k] for k in ("drafts", "drafted_tokens", "accepted_tokens", "mean_accept_len",
-                                 "accepted_per_pos")}
+    total = {k: sum(s[k] for s in specs) for k in ("drafts", "drafted_tokens", "accepted_tokens")}
+    per_pos = [0] * max(len(s["accepted_per_pos"]) for s in specs)
+    for s in specs:
+        for k, a in enumerate(s["accepted_per_pos"]):
+            per_pos[k] += a
+    return {**total, "mean_accept_len": 1.0 + total["accepted_tokens"] / total["drafts"], "accepted_per_pos": per_pos}

@@ -1,11 +1,11 @@
 """The bodies of `/v1/completions` and `/v1/chat/completions`, as OpenAI's API defines them.
 
-Why refuse rather than ignore: a client that asks for `n=2` or `logprobs` and silently gets one
-choice without log-probabilities draws wrong conclusions. Fields the engine implements are
-typed; fields OpenAI defines, and vLLM's sampling extensions, that it does not implement are
-refused with a 400 naming them -- unless given at a value that turns them off (`n=1`,
-`presence_penalty=0`, chat's `logprobs=false`, the `repetition_penalty=1.0` vLLM's own benchmark
-client sends with every request); unknown fields are refused too.
+Why refuse rather than ignore: a client that asks for `logprobs` and silently gets none draws
+wrong conclusions. Fields the engine implements are typed; fields OpenAI defines, and vLLM's
+sampling extensions, that it does not implement are refused with a 400 naming them -- unless given
+at a value that turns them off (`best_of=1`, `presence_penalty=0`, chat's `logprobs=false`, the
+`repetition_penalty=1.0` vLLM's own benchmark client sends with every request); unknown fields are
+refused too.
 """
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+MAX_N = 128  # OpenAI's bound on `n`
+
 # fields the engine does not implement -> the values that mean "off": OpenAI's (chat's `logprobs` is a flag,
 # completions' a count), then vLLM's sampling extensions
 UNSUPPORTED: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,), "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,),
+    "best_of": (1,), "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,),
     "suffix": (None,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None,), "tools": (None,),
     "tool_choice": (None,), "functions": (None,), "function_call": (None,), "response_format": (None,),
     "parallel_tool_calls": (None,), "audio": (None,), "modalities": (None,), "prediction": (None,),
@@ -49,6 +51,7 @@ class _Common(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
     seed: int | None = None
+    n: int = Field(1, ge=1, le=MAX_N, strict=True)  # choices per prompt (OpenAI's bound)
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     stream: bool = False
@@ -75,23 +78,24 @@ class _Common(BaseModel):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """SamplingParams fields (max_tokens filled in by the route: the model's room left)."""
+    def sampling_kwargs(self, choice: int = 0) -> dict[str, Any]:
+        """SamplingParams fields of a prompt's `choice`-th sample (max_tokens filled in by the route: the model's room
+        left); with a seed, sample j draws from seed + j, as vLLM seeds its `n` samples."""
+        seed = None if self.seed is None else (self.seed + choice) % 2**63
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0),
-                "seed": self.seed, "stop": self.stop_list(), "ignore_eos": self.ignore_eos}
+                "seed": seed, "stop": self.stop_list(), "ignore_eos": self.ignore_eos}
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or a batch (a list of texts or of token-id lists)."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError("a batch of prompts is not supported: send one prompt per request")
-            return p[0]
-        return p
+            return list(p)
+        return [p]
 
 
 class ChatMessage(BaseModel):
