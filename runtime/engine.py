@@ -49,6 +49,16 @@ class MonotonicClock:
         return time.monotonic_ns()
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target (log-softmax of its raw logits, as vLLM's default
+    `raw_logprobs`) and the most likely tokens there."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first: `SamplingParams.logprobs` of them
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -59,12 +69,22 @@ class RequestOutput:
     error: str | None = None
     num_output_tokens: int = 0
     spec: dict = field(default_factory=dict)  # per-request speculative stats (on finish)
+    logprobs: list[TokenLogprob] | None = None  # per new token, with `SamplingParams.logprobs`
+
+
+def _token_logprobs(item: "_Tokens", n: int) -> list[TokenLogprob] | None:
+    """The first n tokens of a stream item with their log-probabilities (None where it has none)."""
+    if item.logprobs is None:
+        return None
+    tok, ids, lps = (a.tolist() for a in item.logprobs)
+    return [TokenLogprob(t, tok[j], list(zip(ids[j], lps[j]))) for j, t in enumerate(item.token_ids[:n])]
 
 
 @dataclass
 class _Tokens:
     """Stream item: token ids the pipeline appended to the request's output (not decoded)."""
     token_ids: list[int]
+    logprobs: tuple | None = None  # `OutputSink.on_tokens`' arrays
 
 
 @dataclass
@@ -98,10 +118,10 @@ class _Sink:
     def __init__(self, engine: "AsyncEngine"):
         self.engine = engine
 
-    def on_tokens(self, req: Request, token_ids: list[int]) -> None:
+    def on_tokens(self, req: Request, token_ids: list[int], logprobs: tuple | None = None) -> None:
         st = self.engine._streams.get(req.request_id)
         if st is not None and token_ids:
-            st.push(_Tokens(list(token_ids)))
+            st.push(_Tokens(list(token_ids), logprobs))
 
     def on_finish(self, req: Request) -> None:
         st = self.engine._streams.get(req.request_id)
@@ -381,7 +401,8 @@ class AsyncEngine:
                     item = st.items.popleft()
                     if isinstance(item, _Finished):
                         yield RequestOutput(rid, [], detok.flush(), True, item.reason, item.error,
-                                            item.num_output_tokens, item.spec)
+                                            item.num_output_tokens, item.spec,
+                                            None if params.logprobs is None else [])
                         return
                     keep, reason, text = detok.add(item.token_ids, params.stop)
                     kept += keep
@@ -389,10 +410,11 @@ class AsyncEngine:
                         stopped = True
                         self._pipeline.stop_request(rid, kept)
                         yield RequestOutput(rid, item.token_ids[:keep], text, True, reason, None,
-                                            kept, req.spec_stats())
+                                            kept, req.spec_stats(), _token_logprobs(item, keep))
                         return
                     if keep or text:
-                        yield RequestOutput(rid, item.token_ids[:keep], text, num_output_tokens=kept)
+                        yield RequestOutput(rid, item.token_ids[:keep], text, num_output_tokens=kept,
+                                            logprobs=_token_logprobs(item, keep))
                 st.event = anyio.Event()
                 if st.items:
                     continue
@@ -408,10 +430,11 @@ class AsyncEngine:
     async def generate_all(self, prompt: str | list[int], params: SamplingParams | None = None,
                            *, request_id: str | None = None) -> RequestOutput:
         """Convenience: run one request to completion; one output with all tokens and text."""
-        toks, text, last = [], [], None
+        toks, text, lps, last = [], [], [], None
         async for out in self.generate(prompt, params, request_id=request_id):
             toks += out.token_ids
             text.append(out.text)
+            lps += out.logprobs or []
             last = out
         return RequestOutput(last.request_id, toks, "".join(text), True, last.finish_reason,
-                             last.error, len(toks), last.spec)
+                             last.error, len(toks), last.spec, None if last.logprobs is None else lps)

@@ -33,7 +33,7 @@ from specsched.runtime.verify import (SyntheticDraws, greedy_verify, rejection_v
                                      threshold_verify)
 from specsched.runtime.worker_config import WorkerConfig
 from specsched.scheduler.messages import (AgreementMessage, AgreementResult, DraftMessage, DraftResult, FillMessage, FillResult, ForwardMessage,
-                                          ForwardResult, VerifyMessage, VerifyResult)
+                                          ForwardResult, TokenLogprobs, VerifyMessage, VerifyResult)
 from specsched.runtime.sync_guard import host_side, no_host_sync, to_device
 from specsched.runtime.token_state import SeqState, TokenBuffer
 from specsched.runtime.padding import Padding
@@ -51,6 +51,8 @@ def _as_numpy(result: Any) -> dict[str, Any]:
         v = getattr(result, f)
         if isinstance(v, torch.Tensor):
             out[f] = v.numpy()
+        elif isinstance(v, TokenLogprobs):
+            out[f] = replace(v, **_as_numpy(v))
     return out
 
 
@@ -219,7 +221,7 @@ class ModelWorker:
     def _register(self, msg: ForwardMessage) -> None:
         for r in msg.register:
             self.states[r.slot] = SeqState(float(r.temperature), int(r.top_k), float(r.top_p),
-                                           make_generator(r.seed, self.device), r.synthetic, r.key)
+                                           make_generator(r.seed, self.device), r.synthetic, r.key, r.logprobs)
             self.tokens.register(r.slot, list(r.token_ids))
             self.proposer.register(r.slot, r.token_ids)
 
@@ -276,6 +278,7 @@ class ModelWorker:
             logits_indices=to_device(last[sample_rows], self.device, torch.int64),
             return_hidden=self.proposer.needs_hidden, aux_layers=self.proposer.aux_layers,
         )
+        logprobs = None
         if sample_rows.size:
             srows = [self.states[slots[i]] for i in sample_rows.tolist()]
             new = sample_logits(out.logits, self.sampling_tensors(srows)).to(torch.int64)
@@ -285,6 +288,12 @@ class ModelWorker:
             else:
                 tokens = torch.full((len(slots),), -1, dtype=torch.int64, device=self.device)
                 tokens[to_device(sample_rows, self.device)] = new
+            if any(st.logprobs is not None for st in srows):
+                logits = out.logits
+                if sample_rows.size < len(slots):  # rows that sample nothing: their (unread) entries
+                    logits = logits.new_zeros((len(slots), logits.shape[-1])).index_copy_(
+                        0, to_device(sample_rows, self.device), logits)
+                logprobs = self._logprobs(srows, logits.unsqueeze(1), tokens.unsqueeze(1))
         else:
             tokens = torch.full((len(slots),), -1, dtype=torch.int64, device=self.device)
         if self.proposer.needs_hidden:
@@ -294,7 +303,7 @@ class ModelWorker:
                 self.proposer.keep_hidden(msg.slots, msg.start, plan.qo_indptr, out.hidden)
         host = self.to_host(tokens)
         self.proposer.emitted(slots, host, None)
-        return ForwardResult(host)
+        return ForwardResult(host, logprobs)
 
     # -- speculation ------------------------------------------------------------------------------
     def op_draft(self, msg: DraftMessage) -> DraftResult:
@@ -363,11 +372,26 @@ class ModelWorker:
         for st in rows:
             st.draft_len = 0
             st.draft_q = None
+        logprobs = None
+        if any(st.logprobs is not None for st in rows):
+            if self.spec.is_tree:  # emitted token j comes from the accepted node at depth j (the root: 0)
+                node = torch.cat([torch.zeros_like(res.num_accepted).unsqueeze(-1), res.accepted_nodes.clamp(min=0)], 1)
+                logits = logits.gather(1, node.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+            logprobs = self._logprobs(rows, logits, emitted)
         accepted, tokens = self.to_host(res.num_accepted), self.to_host(emitted)
         self.proposer.emitted(slots, tokens, accepted)
         t2 = time.monotonic_ns()
-        return VerifyResult(accepted, tokens, np.asarray(draft_lens, dtype=np.int64),
+        return VerifyResult(accepted, tokens, np.asarray(draft_lens, dtype=np.int64), logprobs,
                             substages=(("verify", t0, t1), ("accept", t1, t2)))
+
+    def _logprobs(self, rows: list[SeqState], logits: torch.Tensor, tokens: torch.Tensor) -> TokenLogprobs:
+        """The log-probabilities of the tokens [B, W] emitted from logits [B, W, V] (raw: before temperature, top-k
+        and top-p) and the most likely tokens there, as many as the rows ask for at most, on the host."""
+        k = max(st.logprobs for st in rows if st.logprobs is not None)
+        lsm = torch.log_softmax(logits.float(), dim=-1)
+        token = lsm.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        top = lsm.topk(k, dim=-1)
+        return TokenLogprobs(self.to_host(token), self.to_host(top.indices), self.to_host(top.values))
 
     def _verify_forward(self, plan: AttentionPlan, step: Any, positions: torch.Tensor, input_ids: torch.Tensor,
                         b: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:

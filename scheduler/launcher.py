@@ -90,12 +90,19 @@ class Launcher:
         return attrs
 
     # -- outcomes ------------------------------------------------------------------------------
-    def deliver(self, out: StepOutput) -> list[int]:
-        """New tokens to the sink, each finish to the device (released with the next launch), the trace and the sink.
-        Returns [B] tokens each row kept."""
+    def deliver(self, out: StepOutput, batch: StepBatch | None = None, result=None) -> list[int]:
+        """New tokens to the sink (with their log-probabilities where the step's `result` has them), each finish to
+        the device (released with the next launch), the trace and the sink. Returns [B] tokens each row kept."""
         on_tokens = self.sink.on_tokens
+        lp = getattr(result, "logprobs", None)
+        rows = {} if lp is None else {id(r): i for i, r in enumerate(batch.requests) if r.params.logprobs is not None}
         for r, tokens in out.tokens:
-            on_tokens(r, tokens)
+            i = rows.get(id(r)) if rows else None
+            if i is None:
+                on_tokens(r, tokens)
+            else:
+                n, k = len(tokens), r.params.logprobs
+                on_tokens(r, tokens, (lp.token[i, :n], lp.top_ids[i, :n, :k], lp.top[i, :n, :k]))
         if out.finished:
             self.release.extend([r.slot for r in out.finished])
             finish, on_finish = self.trace.tracer.finish, self.sink.on_finish

@@ -77,6 +77,7 @@ class Registration:
     seed: int | None
     synthetic: SyntheticAcceptance | None = None  # its own synthetic acceptance (SamplingParams.synthetic)
     key: int = 0  # its synthetic draws' key (`request_key` of its id)
+    logprobs: int | None = None  # `SamplingParams.logprobs`: its tokens' log-probabilities and this many top ones
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,8 +157,19 @@ class Result:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The log-probabilities of a step's emitted tokens, for the rows that asked (`Registration.logprobs`; the other
+    rows' entries are unread), position k of a row the k-th token it emitted."""
+
+    token: np.ndarray  # [B, W] each emitted token's log-probability under the target
+    top_ids: np.ndarray  # [B, W, K] the K most likely tokens there, most likely first
+    top: np.ndarray  # [B, W, K] their log-probabilities
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardResult(Result):
     tokens: np.ndarray  # [B] sampled token per row (-1 where the row does not sample)
+    logprobs: TokenLogprobs | None = None  # W = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +182,7 @@ class VerifyResult(Result):
     accepted: np.ndarray  # [B] drafts accepted per row
     tokens: np.ndarray  # [B, W] emitted tokens (accepted, then the bonus): row i's first accepted[i] + 1
     draft_lens: np.ndarray  # [B] drafts each row was scored on
+    logprobs: TokenLogprobs | None = None  # W as `tokens`
 
 
 @dataclass(frozen=True, slots=True)

@@ -101,8 +101,10 @@ class OutputSink(Protocol):
 
     wants_token_ids: bool
 
-    def on_tokens(self, req: "Request", token_ids: list[int]) -> None:
-        """The new token ids appended to `req.output_token_ids` (already cut at max_tokens / EOS)."""
+    def on_tokens(self, req: "Request", token_ids: list[int], logprobs: tuple | None = None) -> None:
+        """The new token ids appended to `req.output_token_ids` (already cut at max_tokens / EOS); for a request
+        with `SamplingParams.logprobs` k, their log-probabilities: arrays ([n] each token's, [n, k] the top ids,
+        [n, k] their log-probabilities)."""
         ...
 
     def on_finish(self, req: "Request") -> None: ...

@@ -9,6 +9,7 @@ from specsched.scheduler.synthetic import SyntheticAcceptance
 # torch.Generator.manual_seed overflows past 64 bits, failing the whole device op (every request batched with this
 # one), and wraps negative seeds; [0, 2**63): one seed per stream, and it fits the int64 of trace consumers.
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
 class SamplingParams(BaseModel):
@@ -23,13 +24,15 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, description="per-request generator seed")
     stop: list[str] = Field(default_factory=list, description="stop strings (not included)")
     ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+        "with each token its log-probability under the target (raw logits) and the this-many most likely"))
     # an engine with synthetic acceptance forces this request's to these (e.g. to alternate acceptance phases)
     synthetic_acceptance_length: float | None = Field(
         None, description="with synthetic acceptance: this request's acceptance length, bonus token counted")
     synthetic_acceptance_rates: list[float] | None = Field(
         None, description="with synthetic acceptance: this request's per-position rates, non-increasing")
 
-    @field_validator("max_tokens", "top_k", "seed", mode="before")
+    @field_validator("max_tokens", "top_k", "seed", "logprobs", mode="before")
     @classmethod
     def _no_bool(cls, v: object) -> object:
         if isinstance(v, bool):  # pydantic's lax mode would read True as 1

@@ -105,7 +105,7 @@ class StepOps:
             return
         t0 = l.now()
         # rows whose request finished while this step was in flight are left alone
-        out_counts = l.deliver(self.scheduler.update(batch, result, t0))
+        out_counts = l.deliver(self.scheduler.update(batch, result, t0), batch, result)
         l.host("output", batch.step, t0, **l.attrs(batch, computed_now(batch, self.table)), emitted=sum(out_counts))
         zeros = np.zeros(len(batch), dtype=np.int64)
         l.trace.step_done(batch, launch.t_step if launch.t_step is not None else t0, out_counts, zeros, zeros)
@@ -184,7 +184,7 @@ class StepOps:
             fill = l.launch(l.aux, fm)
         t0 = l.now()
         l.feed.verified(batch, draft_lens, accepted)
-        out_counts = l.deliver(self.scheduler.update(batch, result, t0))
+        out_counts = l.deliver(self.scheduler.update(batch, result, t0), batch, result)
         l.host("output", batch.step, t0, **l.attrs(batch, computed_now(batch, self.table)), emitted=sum(out_counts))
         l.trace.step_done(batch, plan.t_step, out_counts, draft_lens, accepted)
         return fill

@@ -122,7 +122,7 @@ class _Sink:
         self.freed = 0  # closed-loop seats freed since the driver last woke
         self.wake: asyncio.Future | None = None
 
-    def on_tokens(self, req, token_ids) -> None:
+    def on_tokens(self, req, token_ids, logprobs=None) -> None:
         pass
 
     def on_finish(self, req) -> None:

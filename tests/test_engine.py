@@ -5,6 +5,7 @@ detokenizes and applies stop strings) driven by a scripted pipeline, without a m
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import anyio
@@ -75,6 +76,44 @@ def test_preemption_with_tiny_page_pool_stays_lossless(tiny_family, reference, p
     cfg = _cfg(tiny_family, proposer=proposer, schedule=schedule, draft_len=d, num_pages=40)
     outs = anyio.run(_run_all, cfg, PROMPTS, params, True)
     assert [o.token_ids for o in outs] == reference
+
+
+@pytest.mark.parametrize("proposer,schedule,d", [("none", "plain_overlap", None), ("draft", "overlap", 3),
+                                                   ("draft", "eager_fill", 2), ("ngram", "sync", 3)])
+def test_logprobs_are_the_targets_under_every_proposer(tiny_family, proposer, schedule, d):
+    """Each emitted token's log-probability, and the 3 most likely tokens', are the target's: log-softmax of
+    transformers' logits over the prompt and the output, teacher-forced -- under plain decoding and speculation,
+    four requests at once, sampled or greedy."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    tok = Tokenizer(Path(tiny_family["target"]) / "tokenizer.json")
+    prompts = [tok.encode(p) for p in PROMPTS[:4]]
+    params = [SamplingParams(max_tokens=10, logprobs=3, ignore_eos=True),
+              SamplingParams(max_tokens=10, logprobs=3, ignore_eos=True, temperature=1.0, seed=1)]
+
+    async def main():
+        outs = [None] * 4
+        async with AsyncEngine(_cfg(tiny_family, proposer=proposer, schedule=schedule, draft_len=d)) as eng:
+            async def one(i):
+                outs[i] = await eng.generate_all(prompts[i], params[i % 2])
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(one, i)
+            plain = await eng.generate_all(prompts[0], SamplingParams(max_tokens=4))
+        return outs, plain
+
+    outs, plain = anyio.run(main)
+    assert plain.logprobs is None  # not asked for
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_family["target"]).eval()
+    for ids, out in zip(prompts, outs):
+        assert [lp.token_id for lp in out.logprobs] == out.token_ids and len(out.token_ids) == 10
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1 : -1].log_softmax(-1)
+        got = torch.tensor([lp.logprob for lp in out.logprobs])
+        torch.testing.assert_close(got, ref[torch.arange(10), torch.tensor(out.token_ids)], atol=1e-4, rtol=0)
+        top = torch.tensor([[v for _, v in lp.top] for lp in out.logprobs])
+        torch.testing.assert_close(top, ref.topk(3, dim=-1).values, atol=1e-4, rtol=0)
 
 
 def test_sampling_same_seed_same_output(tiny_family):

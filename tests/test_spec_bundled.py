@@ -140,3 +140,31 @@ def test_a_seeded_sampled_request_draws_the_same_tokens_whatever_shares_its_batc
 
     alone, together = anyio.run(main)
     assert together == alone
+
+
+def test_an_eagle_tree_emits_the_log_probabilities_plain_decoding_does(items):
+    """A tree's emitted tokens come from the target's distributions at its accepted nodes: their log-probabilities and
+    the top 2 equal plain decoding's."""
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, logprobs=2)
+
+    async def run(**kw):
+        async with AsyncEngine(EngineConfig.make(**kw)) as engine:
+            outs: list = [None] * 4
+
+            async def one(i: int) -> None:
+                outs[i] = await engine.generate_all(items[i].prompt, params)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(one, i)
+            return outs
+
+    tree, plain = anyio.run(lambda: run(proposer="eagle", schedule="eager_fill")), anyio.run(lambda: run())
+    assert [o.token_ids for o in tree] == [o.token_ids for o in plain]
+    for t, p in zip(tree, plain):
+        assert [lp.token_id for lp in t.logprobs] == t.token_ids
+        assert [[i for i, _ in lp.top] for lp in t.logprobs] == [[i for i, _ in lp.top] for lp in p.logprobs]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(t.logprobs, p.logprobs)) < 1e-4

@@ -88,7 +88,7 @@ class _Sink:
         self.done = anyio.Event()
         self.expected = 0
 
-    def on_tokens(self, req: Request, token_ids: list[int]) -> None:
+    def on_tokens(self, req: Request, token_ids: list[int], logprobs: tuple | None = None) -> None:
         pass
 
     def on_finish(self, req: Request) -> None:
