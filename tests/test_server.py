@@ -100,8 +100,12 @@ def test_bad_requests_get_openai_errors_naming_the_problem(server):
         c.completions.create(model="bundled/target", prompt="x", n=129)
     with pytest.raises(openai.BadRequestError, match="prompt 1: .*longer than the model allows"):
         c.completions.create(model="bundled/target", prompt=[[5, 6], [5] * 5000])
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        c.completions.create(model="bundled/target", prompt="x", logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="not supported by this server: echo"):
+        c.completions.create(model="bundled/target", prompt="x", echo=True)
+    with pytest.raises(openai.BadRequestError, match="logprobs: Input should be less than or equal to 20"):
+        c.completions.create(model="bundled/target", prompt="x", logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
+        c.chat.completions.create(model="bundled/target", messages=[{"role": "user", "content": "x"}], top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="unknown field.*frobnicate"):
         c.completions.create(model="bundled/target", prompt="x", extra_body={"frobnicate": 1})
     with pytest.raises(openai.BadRequestError, match="longer than the model allows"):
@@ -117,8 +121,8 @@ def test_bad_requests_get_openai_errors_naming_the_problem(server):
 
 def test_fields_at_the_values_that_turn_them_off_are_accepted_and_others_refused():
     """What vLLM's benchmark client sends with every request (`repetition_penalty: 1.0`, `logprobs: null`) and what
-    chat clients send by default (`logprobs: false`) are served; the same fields asking for something are refused
-    naming them (JSON's false is not the count 0: `logprobs: 0` asks for the sampled tokens' log-probabilities)."""
+    chat clients send by default (`logprobs: false`) are served; fields the server does not implement, asking for
+    something, are refused naming them (and JSON's true is not the count 1)."""
     from pydantic import ValidationError
 
     from specsched.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -130,12 +134,12 @@ def test_fields_at_the_values_that_turn_them_off_are_accepted_and_others_refused
                                       "min_tokens": 0, "stop_token_ids": [], "skip_special_tokens": True})
     ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "logprobs": False,
                                           "top_logprobs": 0})
-    for field, value in [("logprobs", 0), ("logprobs", 2), ("repetition_penalty", 1.2), ("min_tokens", 4),
+    for field, value in [("echo", True), ("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("min_tokens", 4),
                          ("best_of", 2), ("stop_token_ids", [7])]:
         with pytest.raises(ValidationError, match=f"not supported by this server: {field}"):
             CompletionRequest.model_validate({"prompt": "x", field: value})
-    with pytest.raises(ValidationError, match="not supported by this server: logprobs"):
-        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "logprobs": True})
+    with pytest.raises(ValidationError, match="logprobs\n  Input should be a valid integer"):
+        CompletionRequest.model_validate({"prompt": "x", "logprobs": True})
     with pytest.raises(ValidationError, match="n\n  Input should be a valid integer"):
         CompletionRequest.model_validate({"prompt": "x", "n": True})
 
@@ -176,6 +180,43 @@ def test_n_samples_of_a_seeded_chat_draw_from_seed_plus_j(server):
             assert choice.index in text or choice.delta.role == "assistant"  # each choice opens with the role
             text[choice.index] = text.get(choice.index, "") + (choice.delta.content or "")
     assert [text[j] for j in range(3)] == alone
+
+
+def test_logprobs_are_the_engines_in_openais_shapes(server):
+    """Completions' `logprobs: k` and chat's `logprobs` / `top_logprobs`: each token's log-probability (the embedded
+    engine's), the k most likely with it, the token texts making up the output, streamed alike."""
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    async def embedded():
+        async with AsyncEngine(EngineConfig()) as engine:
+            return await engine.generate_all(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, logprobs=2,
+                                                                        ignore_eos=True))
+
+    want = anyio.run(embedded)
+    c = client(server)
+    kw = dict(model="bundled/target", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, logprobs=2,
+              extra_body={"ignore_eos": True})
+    lp = c.completions.create(**kw).choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
+    assert "".join(lp.tokens) == want.text and lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(12)]
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and top[tok] == value and max(top.values()) == value  # greedy: the most likely
+    streamed = [ch.choices[0].logprobs for ch in c.completions.create(**kw, stream=True)]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    chat = dict(model="bundled/target", messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=6,
+                temperature=0, logprobs=True, top_logprobs=3)
+    r = c.chat.completions.create(**chat)
+    content = r.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == r.choices[0].message.content and len(content) == 6
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == t.logprob and bytes(t.bytes) == t.token.encode()
+               for t in content)
+    streamed = [t for ch in c.chat.completions.create(**chat, stream=True) if ch.choices and ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    assert c.chat.completions.create(**(chat | {"logprobs": False, "top_logprobs": None})).choices[0].logprobs is None
 
 
 def _metrics(url: str) -> dict:

@@ -7,6 +7,7 @@ next step); a request that fails is a 500 (or an error event in its stream) for 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -85,6 +86,8 @@ class _Choice:
     first: float | None = None
     output_tokens: int = 0
     text: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # TokenLogprob per token so far, where asked for
+    offset: int = 0  # completions' `text_offset` of the next token
     final: Any = None  # the finished RequestOutput
     done: bool = False  # counted in the metrics
 
@@ -96,6 +99,7 @@ class _Choice:
         self.last = now
         self.output_tokens += n
         self.text.append(out.text)
+        self.logprobs += out.logprobs or []
         if out.finished:
             self.final = out
             self.finish(metrics, _reason(out.finish_reason), out.spec)
@@ -117,6 +121,27 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
     (`engine.set_tracer(metrics)`); without one, a fresh one counts requests only."""
     app = FastAPI(title="specsched", docs_url=None, redoc_url=None)
     metrics = metrics or ServerMetrics(model_name)
+    token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: engine.tokenizer.decode([t]))
+
+    def logprobs_of(c: _Choice, lps: list | None, chat: bool) -> dict | None:
+        """OpenAI's `logprobs` of a choice's tokens `lps` (TokenLogprob each): chat's `content` list, or the
+        completions API's `tokens` / `token_logprobs` / `top_logprobs` / `text_offset`."""
+        if lps is None:
+            return None
+        if chat:
+            def entry(t: int, lp: float) -> dict:
+                s = token_text(t)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+            return {"content": [entry(x.token_id, x.logprob) | {"top_logprobs": [entry(i, v) for i, v in x.top]}
+                                for x in lps]}
+        tokens, offsets = [token_text(x.token_id) for x in lps], []
+        for s in tokens:
+            offsets.append(c.offset)
+            c.offset += len(s)
+        top = [{token_text(i): v for i, v in x.top} | {s: x.logprob} for s, x in zip(tokens, lps)]
+        return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps], "top_logprobs": top,
+                "text_offset": offsets}
 
     async def parse(request: Request, model: type):
         try:
@@ -175,7 +200,7 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
         body = []
         for c in choices:
             choice: dict[str, Any] = {"index": c.index, "finish_reason": _reason(c.final.finish_reason),
-                                      "logprobs": None}
+                                      "logprobs": logprobs_of(c, None if c.final.logprobs is None else c.logprobs, chat)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": "".join(c.text)}
             else:
@@ -235,11 +260,12 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
                 payload["usage"] = usage()
             return b"data: " + orjson.dumps(payload) + b"\n\n"
 
-        def choice(index: int, text: str, finish: str | None) -> dict:
+        def choice(c: _Choice, out, finish: str | None) -> dict:
+            lps = logprobs_of(c, out.logprobs, chat)
             if chat:
-                return {"index": index, "delta": {"content": text} if text else {}, "finish_reason": finish,
-                        "logprobs": None}
-            return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+                return {"index": c.index, "delta": {"content": out.text} if out.text else {}, "finish_reason": finish,
+                        "logprobs": lps}
+            return {"index": c.index, "text": out.text, "finish_reason": finish, "logprobs": lps}
 
         if chat:
             for c in choices:
@@ -250,15 +276,14 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
                 async for c, out in outs:
                     c.chunk(metrics, out)
                     if not out.finished:  # the finished output's text goes with its reason
-                        if out.text:
-                            yield event([choice(c.index, out.text, None)])
+                        if out.text or out.logprobs:  # tokens that make no text yet still have logprobs
+                            yield event([choice(c, out, None)])
                     elif out.finish_reason == "error":
                         yield b"data: " + orjson.dumps(error_body(f"the request failed: {out.error}",
                                                                   "internal_server_error", None, 500)) + b"\n\n"
                         break
                     else:
-                        yield event([choice(c.index, out.text, _reason(out.finish_reason))],
-                                    spec_decode=_spec(out.spec))
+                        yield event([choice(c, out, _reason(out.finish_reason))], spec_decode=_spec(out.spec))
                 else:
                     if include_usage:
                         yield event([], usage=usage())

@@ -1,11 +1,10 @@
 """The bodies of `/v1/completions` and `/v1/chat/completions`, as OpenAI's API defines them.
 
-Why refuse rather than ignore: a client that asks for `logprobs` and silently gets none draws
-wrong conclusions. Fields the engine implements are typed; fields OpenAI defines, and vLLM's
+Why refuse rather than ignore: a client that asks for `echo` or a penalty and silently gets none
+draws wrong conclusions. Fields the engine implements are typed; fields OpenAI defines, and vLLM's
 sampling extensions, that it does not implement are refused with a 400 naming them -- unless given
-at a value that turns them off (`best_of=1`, `presence_penalty=0`, chat's `logprobs=false`, the
-`repetition_penalty=1.0` vLLM's own benchmark client sends with every request); unknown fields are
-refused too.
+at a value that turns them off (`best_of=1`, `presence_penalty=0`, the `repetition_penalty=1.0`
+vLLM's own benchmark client sends with every request); unknown fields are refused too.
 """
 from __future__ import annotations
 
@@ -14,11 +13,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 128  # OpenAI's bound on `n`
+MAX_LOGPROBS = 20  # the engine's (SamplingParams.logprobs)
 
-# fields the engine does not implement -> the values that mean "off": OpenAI's (chat's `logprobs` is a flag,
-# completions' a count), then vLLM's sampling extensions
+# fields the engine does not implement -> the values that mean "off": OpenAI's, then vLLM's sampling extensions
 UNSUPPORTED: dict[str, tuple] = {
-    "best_of": (1,), "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,),
+    "best_of": (1,), "echo": (False,),
     "suffix": (None,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None,), "tools": (None,),
     "tool_choice": (None,), "functions": (None,), "function_call": (None,), "response_format": (None,),
     "parallel_tool_calls": (None,), "audio": (None,), "modalities": (None,), "prediction": (None,),
@@ -29,8 +28,8 @@ UNSUPPORTED: dict[str, tuple] = {
 
 
 def _is_off(value: Any, off: tuple) -> bool:
-    """Whether a body's `value` is one of `off` (True, False and None match only themselves: `logprobs: 0` asks
-    for the sampled tokens' log-probabilities, `false` does not)."""
+    """Whether a body's `value` is one of `off` (True, False and None match only themselves: `echo: 0` is not
+    `false`)."""
     if isinstance(value, bool) or value is None:
         return any(value is o for o in off)
     return any(not isinstance(o, bool) and o is not None and value == o for o in off)
@@ -83,12 +82,21 @@ class _Common(BaseModel):
         left); with a seed, sample j draws from seed + j, as vLLM seeds its `n` samples."""
         seed = None if self.seed is None else (self.seed + choice) % 2**63
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0),
-                "seed": seed, "stop": self.stop_list(), "ignore_eos": self.ignore_eos}
+                "seed": seed, "stop": self.stop_list(), "ignore_eos": self.ignore_eos,
+                "logprobs": self.num_logprobs()}
+
+    def num_logprobs(self) -> int | None:
+        """How many most likely tokens each generated token comes with, None: no log-probabilities."""
+        raise NotImplementedError
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)  # the top ones with each token
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one, or a batch (a list of texts or of token-id lists)."""
@@ -118,6 +126,17 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = Field(False, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
