@@ -17,17 +17,18 @@ class Detokenizer:
     incomplete UTF-8 character, so this class only adds the stop strings on top. A stop string
     may span tokens, so text that could be its start is held back (`_pending`) until it is
     resolved; the token that completes a stop string is the last one kept, and the text is cut
-    before the stop string (never streamed). Stop strings are also looked for in the text the
+    before the stop string (never streamed), or after it with `include_stop`. Stop strings are also looked for in the text the
     decoder holds back (bar its incomplete last character), so a token that completes a stop
     string and starts a multi-byte character still ends the request at that token.
     """
 
-    def __init__(self, tok: Tokenizer):
+    def __init__(self, tok: Tokenizer, include_stop: bool = False):
         # the text is that of the output ids alone, as `decode` gives it
         self._dec = tok.incremental_decoder()
         self._ids: list[int] = []
         self._pending = ""  # final text not streamed yet: it could be the start of a stop string
         self._stopped = False
+        self._include_stop = include_stop
 
     def add(self, token_ids: list[int], stops: list[str]) -> tuple[int, str | None, str]:
         """Returns (tokens to keep, "stop" or None, text to stream now)."""
@@ -40,9 +41,10 @@ class Detokenizer:
                 self._pending = ""
                 continue
             text = self._pending + self._dec.held.rstrip("\ufffd")  # bar the incomplete char
-            hits = [k for k in (text.find(s) for s in stops) if k >= 0]
+            hits = [(k, k + len(s)) for k, s in ((text.find(s), s) for s in stops) if k >= 0]
             if hits:
-                out.append(text[: min(hits)])
+                start, end = min(hits)
+                out.append(text[: end if self._include_stop else start])
                 self._pending = ""
                 self._stopped = True
                 return j + 1, "stop", "".join(out)

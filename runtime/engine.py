@@ -392,7 +392,8 @@ class AsyncEngine:
         req = Request(rid, ids, params, arrival_ns=time.monotonic_ns())
         self._pipeline.add_request(req)
         # This consumer detokenizes and applies the stop strings, off the pipeline's step loop.
-        detok = Detokenizer(self.tokenizer)
+        detok = Detokenizer(self.tokenizer, params.include_stop_str_in_output)
+        stop_ids = frozenset(params.stop_token_ids)
         kept = 0  # output tokens streamed so far
         stopped = False
         try:
@@ -404,9 +405,13 @@ class AsyncEngine:
                                             item.num_output_tokens, item.spec,
                                             None if params.logprobs is None else [])
                         return
-                    keep, reason, text = detok.add(item.token_ids, params.stop)
+                    ids = item.token_ids
+                    at = next((j for j, t in enumerate(ids) if t in stop_ids), None) if stop_ids else None
+                    keep, reason, text = detok.add(ids if at is None else ids[: at + 1], params.stop)
+                    if at is not None and reason is None:  # a stop token id, kept: the text held back too
+                        reason, text = "stop", text + detok.flush()
                     kept += keep
-                    if reason is not None:  # a stop string: the request ends at its last token
+                    if reason is not None:  # a stop string or token: the request ends at its last token
                         stopped = True
                         self._pipeline.stop_request(rid, kept)
                         yield RequestOutput(rid, item.token_ids[:keep], text, True, reason, None,

@@ -23,6 +23,8 @@ class SamplingParams(BaseModel):
     top_k: int = Field(0, ge=0, description="0 = off")
     seed: int | None = Field(None, description="per-request generator seed")
     stop: list[str] = Field(default_factory=list, description="stop strings (not included)")
+    include_stop_str_in_output: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end the request (included)")
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
         "with each token its log-probability under the target (raw logits) and the this-many most likely"))
@@ -52,6 +54,13 @@ class SamplingParams(BaseModel):
         # "" occurs in every text: it would end every request at its first token, with no text
         if any(s == "" for s in v):
             raise ValueError(f"stop strings must be non-empty, got {v!r}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v: list[int]) -> list[int]:
+        if any(isinstance(t, bool) or t < 0 for t in v):
+            raise ValueError(f"stop token ids must be non-negative integers, got {v!r}")
         return v
 
     @model_validator(mode="after")

@@ -145,6 +145,29 @@ def test_stop_strings_and_streaming(tiny_family, reference):
     anyio.run(main)
 
 
+def test_a_stop_token_id_ends_the_request_at_that_token_which_it_keeps(tiny_family, reference):
+    """vLLM's stop_token_ids: the output ends at the first of them, included, reason "stop", every page freed --
+    under speculation too, where the token may arrive in the middle of a step's accepted run."""
+    ref = reference[0]
+    j = next(j for j in range(4, len(ref)) if ref[j] not in ref[:j])
+    params = SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[ref[j], 10**6])
+
+    async def main(**kw):
+        async with AsyncEngine(_cfg(tiny_family, **kw)) as eng:
+            out = await eng.generate_all(PROMPTS[0], params)
+            for _ in range(200):  # the pipeline finishes it at its next step boundary
+                if not eng.num_unfinished_requests():
+                    break
+                await anyio.sleep(0.01)
+            return out, eng.kv_stats().num_used_pages
+
+    for kw in ({}, {"proposer": "draft", "draft_len": 3, "schedule": "overlap"}):
+        out, used = anyio.run(lambda: main(**kw))
+        assert (out.token_ids, out.finish_reason, used) == (ref[: j + 1], "stop", 0), kw
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        SamplingParams.make(stop_token_ids=[-1])
+
+
 def test_stop_string_finishes_the_request_in_the_pipeline(tiny_family, reference):
     """A stop string found by the consumer finishes the request in the pipeline too: it leaves
     the pipeline as "stop", frees its pages, and its output is cut to the tokens streamed
@@ -456,6 +479,13 @@ def test_detok_earliest_stop_string_wins(btok):
     assert btok.decode(ids[1:2]) == " return"  # completes both stop strings
     keep, reason, text = Detokenizer(btok).add(ids, ["rn", "et"])
     assert (keep, reason, text) == (2, "stop", "    r")
+
+
+def test_detok_keeps_the_stop_string_when_asked(btok):
+    """vLLM's include_stop_str_in_output: the text ends after the stop string instead of before it."""
+    ids = btok.encode("    return json.dumps(obj)")
+    keep, reason, text = Detokenizer(btok, include_stop=True).add(ids, ["json", "ret"])
+    assert (reason, text) == ("stop", "    ret") and btok.decode(ids[:keep]).startswith(text)
 
 
 def test_detok_decodes_a_bounded_window_per_token(monkeypatch):

@@ -22,7 +22,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "tool_choice": (None,), "functions": (None,), "function_call": (None,), "response_format": (None,),
     "parallel_tool_calls": (None,), "audio": (None,), "modalities": (None,), "prediction": (None,),
     "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "use_beam_search": (False,),
-    "length_penalty": (1,), "stop_token_ids": (None, []), "include_stop_str_in_output": (False,),
+    "length_penalty": (1,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,)}
 
@@ -52,6 +52,8 @@ class _Common(BaseModel):
     seed: int | None = None
     n: int = Field(1, ge=1, le=MAX_N, strict=True)  # choices per prompt (OpenAI's bound)
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's: token ids that end a choice (kept in it)
+    include_stop_str_in_output: bool = False  # vLLM's
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -83,6 +85,8 @@ class _Common(BaseModel):
         seed = None if self.seed is None else (self.seed + choice) % 2**63
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0),
                 "seed": seed, "stop": self.stop_list(), "ignore_eos": self.ignore_eos,
+                "stop_token_ids": list(self.stop_token_ids or []),
+                "include_stop_str_in_output": self.include_stop_str_in_output,
                 "logprobs": self.num_logprobs()}
 
     def num_logprobs(self) -> int | None:
