@@ -83,15 +83,12 @@ def _note_other_proposer(tr, proposer: str | None, acceptance: str, whose: str) 
                   + f"; capture a trace with {proposer!r} (or pass --profile) for its own")
 
 
-def _note_extrapolation(captured_trace, simulated) -> None:
-    """A replay whose decode steps held more or fewer rows than any of the trace it was fitted on priced them by
-    extrapolating its cost models: say so (on stderr)."""
-    from specsched.simulator.analysis import decode_batch_sizes
-
-    fitted, ran = decode_batch_sizes(captured_trace), decode_batch_sizes(simulated)
-    if fitted and ran and (ran.start < fitted.start or ran.stop > fitted.stop):
-        console.print(f"[yellow]note:[/] the replay ran decode steps of {ran.start}-{ran.stop - 1} rows, the trace's "
-                      f"held {fitted.start}-{fitted.stop - 1}: the costs of the others are extrapolated from those")
+def _note_extrapolation(fitted: list[int] | None, ran: list[int] | None, whose: str) -> None:
+    """A replay whose decode steps held more or fewer rows ([smallest, largest]) than any of the trace it was fitted on
+    priced them by extrapolating its cost models: say so (on stderr)."""
+    if fitted and ran and (ran[0] < fitted[0] or ran[1] > fitted[1]):
+        console.print(f"[yellow]note:[/] {whose} ran decode steps of {ran[0]}-{ran[1]} rows, the trace's "
+                      f"held {fitted[0]}-{fitted[1]}: the costs of the others are extrapolated from those")
 
 
 @app.command("replay")
@@ -132,7 +129,11 @@ def replay_cmd(
         _fail(str(e))
     _note_stand_ins(sim.header.extra["stand_ins"], "the replay")
     if profile is None:
-        _note_extrapolation(tr, sim)
+        from specsched.simulator.analysis import decode_batch_sizes
+
+        fitted, ran = decode_batch_sizes(tr), decode_batch_sizes(sim)
+        _note_extrapolation([fitted.start, fitted.stop - 1] if fitted else None,
+                            [ran.start, ran.stop - 1] if ran else None, "the replay")
     if trace_out:
         write_trace(sim, trace_out)
     if json_out:
@@ -260,6 +261,8 @@ def ab(
         _fail(str(e))
     for v in ("a", "b"):
         _note_stand_ins(res["stand_ins"][v], f"variant {v.upper()}")
+        if profile is None:
+            _note_extrapolation(res["decode_batch_sizes"]["trace"], res["decode_batch_sizes"][v], f"variant {v.upper()}")
     if json_out:
         _print_json(res)
         return

@@ -128,11 +128,12 @@ def _per_request(trace) -> tuple[dict, dict]:
 
 def _ab_pair(shared: tuple, r_seed: int) -> tuple:
     """One replicate: A and B with the same cost noise and acceptance draws (seed r_seed);
-    their metrics and per-request latencies."""
+    their metrics, per-request latencies, stand-ins and decode batch sizes."""
     trace, profile, a, b = shared
     ma, ta = replay(trace, profile.with_noise(r_seed), replace(a, seed=r_seed))
     mb, tb = replay(trace, profile.with_noise(r_seed), replace(b, seed=r_seed))
-    return ma, mb, _per_request(ta), _per_request(tb), (ta.header.extra["stand_ins"], tb.header.extra["stand_ins"])
+    return (ma, mb, _per_request(ta), _per_request(tb), (ta.header.extra["stand_ins"], tb.header.extra["stand_ins"]),
+            (decode_batch_sizes(ta), decode_batch_sizes(tb)))
 
 
 def ab(trace, a: ReplayConfig, b: ReplayConfig, *, profile: CostProfile | None = None,
@@ -147,7 +148,10 @@ def ab(trace, a: ReplayConfig, b: ReplayConfig, *, profile: CostProfile | None =
     ma = mb = None
     pairs = fan_out(_ab_pair, (trace, profile, a, b), [seed * 1000 + r for r in range(replicates)],
                     jobs=jobs, on_done=on_replicate)
-    for ma, mb, (fa, ga), (fb, gb), stand_ins in pairs:
+    ran = [[], []]  # each variant's decode batch sizes over the replicates
+    for ma, mb, (fa, ga), (fb, gb), stand_ins, sizes in pairs:
+        for seen, r in zip(ran, sizes):
+            seen += [r.start, r.stop - 1] if r else []
         thr.append(mb["output_tokens_per_s"] - ma["output_tokens_per_s"])
         ttft_d += [fb[k] - fa[k] for k in fa if k in fb]
         tpot_d += [gb[k] - ga[k] for k in ga if k in gb]
@@ -160,9 +164,13 @@ def ab(trace, a: ReplayConfig, b: ReplayConfig, *, profile: CostProfile | None =
             better = (mean > 0) if name == "output_tokens_per_s" else (mean < 0)
             verdict = "B better" if better else "A better"
         res[name] = {"diff_mean": mean, "ci95": [lo, hi], "verdict": verdict}
-    # what each variant priced with stand-ins (the last replicate's; see VirtualDevice.stand_ins)
+    # what each variant priced with stand-ins (the last replicate's; see VirtualDevice.stand_ins), and the smallest and
+    # largest decode batch each ran (the trace's: what its costs were fitted on)
+    captured = decode_batch_sizes(trace)
     return {"a": ma, "b": mb, "diff_b_minus_a": res, "replicates": replicates,
-            "stand_ins": {"a": stand_ins[0], "b": stand_ins[1]}}
+            "stand_ins": {"a": stand_ins[0], "b": stand_ins[1]},
+            "decode_batch_sizes": {"trace": [captured.start, captured.stop - 1] if captured else None,
+                                   **{v: [min(s), max(s)] if s else None for v, s in zip("ab", ran)}}}
 
 
 def accept_len(trace, d: int) -> float | None:

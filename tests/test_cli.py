@@ -161,6 +161,12 @@ def test_replay_notes_batch_sizes_its_trace_never_had():
     assert "decode steps of 1-4 rows, the trace's held 1-2" in " ".join(res.stderr.split())
     res = runner.invoke(app, ["replay", str(SAMPLE), "--json"], env={"COLUMNS": "400"})
     assert res.exit_code == 0 and "extrapolated" not in res.stderr
+    # an A/B says it of the variant that ran them
+    res = runner.invoke(app, ["ab", str(SAMPLE), "--a", "concurrency=4", "--b", "schedule=sync", "--replicates", "2",
+                              "--json"], env={"COLUMNS": "400"})
+    err = " ".join(res.stderr.split())
+    assert res.exit_code == 0 and "variant A ran decode steps of 1-4 rows, the trace's held 1-2" in err
+    assert "variant B" not in err and json.loads(res.stdout)["decode_batch_sizes"]["trace"] == [1, 2]
 
 
 def test_replay_with_another_proposer_says_whose_costs_it_uses(tmp_path):
