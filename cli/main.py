@@ -31,6 +31,7 @@ def generate(
     temperature: float = typer.Option(0.0),
     top_k: int = typer.Option(0, "--top-k"),
     top_p: float = typer.Option(1.0, "--top-p"),
+    min_p: float = typer.Option(0.0, "--min-p", help="drop tokens below this share of the most likely's probability"),
     seed: Optional[int] = typer.Option(None),
     stop: list[str] = typer.Option([], help="stop string (repeatable)"),
     spec: Optional[str] = typer.Option(None, help=f"proposer: {'|'.join(PROPOSERS)} (default: the "
@@ -71,7 +72,7 @@ def generate(
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     try:
         params = SamplingParams.make(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                     top_p=top_p, seed=seed, stop=list(stop))
+                                     top_p=top_p, min_p=min_p, seed=seed, stop=list(stop))
     except InvalidRequestError as e:
         _fail(str(e))
 

@@ -35,6 +35,9 @@ class RowParams(Protocol):
     @property
     def top_p(self) -> float: ...
 
+    @property
+    def min_p(self) -> float: ...
+
 
 @dataclass
 class SamplingTensors:
@@ -49,6 +52,7 @@ class SamplingTensors:
     any_top_k: bool | None = None  # None = derive from the tensors once, here
     any_top_p: bool | None = None
     max_top_k: int | None = None  # every row has 0 < top_k <= this (0: some row has no top-k)
+    min_p: torch.Tensor | None = None  # [B] float32 (0 = off), None where no row has one
 
     def __post_init__(self) -> None:
         b = self.temperature.shape[0]
@@ -99,6 +103,7 @@ class SamplingTensors:
             generators = make_generators([p.seed for p in params], device)
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
         return cls(
             temperature=to_device(temperature, torch.device(device), torch.float32),
             top_k=to_device(top_k, torch.device(device), torch.int64),
@@ -109,6 +114,7 @@ class SamplingTensors:
             any_top_k=any(k > 0 for k in top_k),
             any_top_p=bool((np.asarray(top_p, dtype=np.float32) < 1.0).any()),
             max_top_k=max(top_k, default=0) if all(k > 0 for k in top_k) else 0,
+            min_p=to_device(min_p, torch.device(device), torch.float32) if any(m > 0 for m in min_p) else None,
         )
 
     @classmethod
@@ -196,7 +202,8 @@ def apply_top_k_top_p(
 
 
 def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Logits [B, V] -> float32 probabilities [B, V]; greedy rows become one-hot at the argmax."""
+    """Logits [B, V] -> float32 probabilities [B, V]: temperature, top-k, top-p, then min-p (tokens below min_p times
+    the most likely one's probability dropped, vLLM's order); greedy rows become one-hot at the argmax."""
     if logits.dim() != 2 or logits.shape[0] != st.batch_size:
         raise ValueError(f"logits must be [B={st.batch_size}, V], got {tuple(logits.shape)}")
     if st.all_greedy:
@@ -206,6 +213,9 @@ def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     scaled = logits.float() / temperature.unsqueeze(-1)
     masked = apply_top_k_top_p(scaled, st.top_k, st.top_p, st.any_top_k, st.any_top_p, st.max_top_k)
     probs = masked.softmax(dim=-1)
+    if st.min_p is not None:
+        probs = probs.masked_fill(probs < st.min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     if st.any_greedy:
         probs = torch.where(greedy.unsqueeze(-1), _one_hot_argmax(logits), probs)
     return probs

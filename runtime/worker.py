@@ -221,7 +221,8 @@ class ModelWorker:
     def _register(self, msg: ForwardMessage) -> None:
         for r in msg.register:
             self.states[r.slot] = SeqState(float(r.temperature), int(r.top_k), float(r.top_p),
-                                           make_generator(r.seed, self.device), r.synthetic, r.key, r.logprobs)
+                                           make_generator(r.seed, self.device), r.synthetic, r.key, r.logprobs,
+                                           float(r.min_p))
             self.tokens.register(r.slot, list(r.token_ids))
             self.proposer.register(r.slot, r.token_ids)
 

@@ -78,6 +78,7 @@ class Registration:
     synthetic: SyntheticAcceptance | None = None  # its own synthetic acceptance (SamplingParams.synthetic)
     key: int = 0  # its synthetic draws' key (`request_key` of its id)
     logprobs: int | None = None  # `SamplingParams.logprobs`: its tokens' log-probabilities and this many top ones
+    min_p: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -21,6 +21,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass")
     top_k: int = Field(0, ge=0, description="0 = off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below this share of the most likely's probability")
     seed: int | None = Field(None, description="per-request generator seed")
     stop: list[str] = Field(default_factory=list, description="stop strings (not included)")
     include_stop_str_in_output: bool = False

@@ -117,7 +117,7 @@ def test_logprobs_are_the_targets_under_every_proposer(tiny_family, proposer, sc
 
 
 def test_sampling_same_seed_same_output(tiny_family):
-    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=123, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, min_p=0.05, seed=123, ignore_eos=True)
     a = anyio.run(_run_all, _cfg(tiny_family), PROMPTS[:2], params, True)
     b = anyio.run(_run_all, _cfg(tiny_family, proposer="draft", draft_len=3), PROMPTS[:2], params, True)
     assert [o.token_ids for o in a] == [o.token_ids for o in anyio.run(_run_all, _cfg(tiny_family), PROMPTS[:2], params, False)]

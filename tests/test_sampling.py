@@ -146,6 +146,22 @@ def test_sampled_frequencies_match_filtered_distribution() -> None:
     assert chi2_pvalue(tokens, wrong) < 1e-12
 
 
+def test_min_p_drops_tokens_below_its_share_of_the_most_likely() -> None:
+    """vLLM's min_p, after temperature, top-k and top-p: min_p 0.2 of a 0.5 token drops those under 0.1; sampled
+    frequencies follow the renormalized rest, not the unfiltered distribution; a row without min_p keeps them all."""
+    base = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    params = [SamplingParams(temperature=1.0, min_p=0.2)] * 20_000 + [SamplingParams(temperature=1.0)]
+    st = SamplingTensors.from_params(params)
+    probs = logits_to_probs(base.log().expand(len(params), -1).contiguous(), st)
+    expected = torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95
+    torch.testing.assert_close(probs[0], expected)
+    torch.testing.assert_close(probs[-1], base)
+    torch.manual_seed(0)
+    tokens = sample(probs[:-1], [None] * (len(params) - 1))
+    assert chi2_pvalue(tokens, expected) > 1e-3 and int((tokens == 3).sum()) == 0
+    assert SamplingTensors.from_params([SamplingParams(temperature=1.0)]).min_p is None  # no row: no work
+
+
 def test_sampled_frequencies_with_seeded_generators() -> None:
     probs = torch.tensor([0.5, 0.2, 0.2, 0.1])
     gens = make_generators(range(4000))

@@ -135,7 +135,7 @@ def test_fields_at_the_values_that_turn_them_off_are_accepted_and_others_refused
     ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "logprobs": False,
                                           "top_logprobs": 0})
     for field, value in [("echo", True), ("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("min_tokens", 4),
-                         ("best_of", 2), ("min_p", 0.1)]:
+                         ("best_of", 2), ("logit_bias", {"5": 1})]:
         with pytest.raises(ValidationError, match=f"not supported by this server: {field}"):
             CompletionRequest.model_validate({"prompt": "x", field: value})
     with pytest.raises(ValidationError, match="logprobs\n  Input should be a valid integer"):

@@ -21,7 +21,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "suffix": (None,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None,), "tools": (None,),
     "tool_choice": (None,), "functions": (None,), "function_call": (None,), "response_format": (None,),
     "parallel_tool_calls": (None,), "audio": (None,), "modalities": (None,), "prediction": (None,),
-    "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,), "use_beam_search": (False,),
+    "repetition_penalty": (1,), "min_tokens": (0,), "use_beam_search": (False,),
     "length_penalty": (1,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,)}
@@ -49,6 +49,7 @@ class _Common(BaseModel):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's
     seed: int | None = None
     n: int = Field(1, ge=1, le=MAX_N, strict=True)  # choices per prompt (OpenAI's bound)
     stop: str | list[str] | None = None
@@ -83,7 +84,7 @@ class _Common(BaseModel):
         """SamplingParams fields of a prompt's `choice`-th sample (max_tokens filled in by the route: the model's room
         left); with a seed, sample j draws from seed + j, as vLLM seeds its `n` samples."""
         seed = None if self.seed is None else (self.seed + choice) % 2**63
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0),
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0), "min_p": self.min_p,
                 "seed": seed, "stop": self.stop_list(), "ignore_eos": self.ignore_eos,
                 "stop_token_ids": list(self.stop_token_ids or []),
                 "include_stop_str_in_output": self.include_stop_str_in_output,
