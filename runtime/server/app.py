@@ -121,7 +121,11 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
     (`engine.set_tracer(metrics)`); without one, a fresh one counts requests only."""
     app = FastAPI(title="specsched", docs_url=None, redoc_url=None)
     metrics = metrics or ServerMetrics(model_name)
-    token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: engine.tokenizer.decode([t]))
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def token_text(t: int) -> str:
+        """A token's own text, a special token's named (as OpenAI lists them)."""
+        return engine.tokenizer.decode([t], skip_special_tokens=False)
 
     def logprobs_of(c: _Choice, lps: list | None, chat: bool) -> dict | None:
         """OpenAI's `logprobs` of a choice's tokens `lps` (TokenLogprob each): chat's `content` list, or the
