@@ -70,6 +70,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     spec: dict = field(default_factory=dict)  # per-request speculative stats (on finish)
     logprobs: list[TokenLogprob] | None = None  # per new token, with `SamplingParams.logprobs`
+    # with `SamplingParams.prompt_logprobs`, on the first output: per prompt token (None for the first, which nothing
+    # scores)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def _token_logprobs(item: "_Tokens", n: int) -> list[TokenLogprob] | None:
@@ -85,6 +88,13 @@ class _Tokens:
     """Stream item: token ids the pipeline appended to the request's output (not decoded)."""
     token_ids: list[int]
     logprobs: tuple | None = None  # `OutputSink.on_tokens`' arrays
+
+
+@dataclass
+class _PromptLogprobs:
+    """Stream item: prompt tokens first, first + 1, ... scored (`OutputSink.on_prompt_logprobs`)."""
+    first: int
+    logprobs: tuple
 
 
 @dataclass
@@ -122,6 +132,11 @@ class _Sink:
         st = self.engine._streams.get(req.request_id)
         if st is not None and token_ids:
             st.push(_Tokens(list(token_ids), logprobs))
+
+    def on_prompt_logprobs(self, req: Request, first: int, logprobs: tuple) -> None:
+        st = self.engine._streams.get(req.request_id)
+        if st is not None:
+            st.push(_PromptLogprobs(first, logprobs))
 
     def on_finish(self, req: Request) -> None:
         st = self.engine._streams.get(req.request_id)
@@ -394,20 +409,36 @@ class AsyncEngine:
         # This consumer detokenizes and applies the stop strings, off the pipeline's step loop.
         detok = Detokenizer(self.tokenizer, params.include_stop_str_in_output)
         stop_ids = frozenset(params.stop_token_ids)
+        # prompt token index -> TokenLogprob, until the first output carries them (a recomputed prompt scores again)
+        scored: dict[int, TokenLogprob] | None = None if params.prompt_logprobs is None else {}
+
+        def prompt_logprobs() -> list[TokenLogprob | None] | None:
+            nonlocal scored
+            if scored is None:
+                return None
+            out, scored = [None] + [scored.get(j) for j in range(1, len(ids))], None
+            return out
+
         kept = 0  # output tokens streamed so far
         stopped = False
         try:
             while True:
                 while st.items:
                     item = st.items.popleft()
+                    if isinstance(item, _PromptLogprobs):
+                        if scored is not None:
+                            tok, top_ids, top = (a.tolist() for a in item.logprobs)
+                            for j, (t, i, v) in enumerate(zip(tok, top_ids, top)):
+                                scored[item.first + j] = TokenLogprob(ids[item.first + j], t, list(zip(i, v)))
+                        continue
                     if isinstance(item, _Finished):
                         yield RequestOutput(rid, [], detok.flush(), True, item.reason, item.error,
                                             item.num_output_tokens, item.spec,
-                                            None if params.logprobs is None else [])
+                                            None if params.logprobs is None else [], prompt_logprobs())
                         return
-                    ids = item.token_ids
-                    at = next((j for j, t in enumerate(ids) if t in stop_ids), None) if stop_ids else None
-                    keep, reason, text = detok.add(ids if at is None else ids[: at + 1], params.stop)
+                    new = item.token_ids
+                    at = next((j for j, t in enumerate(new) if t in stop_ids), None) if stop_ids else None
+                    keep, reason, text = detok.add(new if at is None else new[: at + 1], params.stop)
                     if at is not None and reason is None:  # a stop token id, kept: the text held back too
                         reason, text = "stop", text + detok.flush()
                     kept += keep
@@ -415,11 +446,11 @@ class AsyncEngine:
                         stopped = True
                         self._pipeline.stop_request(rid, kept)
                         yield RequestOutput(rid, item.token_ids[:keep], text, True, reason, None,
-                                            kept, req.spec_stats(), _token_logprobs(item, keep))
+                                            kept, req.spec_stats(), _token_logprobs(item, keep), prompt_logprobs())
                         return
                     if keep or text:
                         yield RequestOutput(rid, item.token_ids[:keep], text, num_output_tokens=kept,
-                                            logprobs=_token_logprobs(item, keep))
+                                            logprobs=_token_logprobs(item, keep), prompt_logprobs=prompt_logprobs())
                 st.event = anyio.Event()
                 if st.items:
                     continue
@@ -435,11 +466,12 @@ class AsyncEngine:
     async def generate_all(self, prompt: str | list[int], params: SamplingParams | None = None,
                            *, request_id: str | None = None) -> RequestOutput:
         """Convenience: run one request to completion; one output with all tokens and text."""
-        toks, text, lps, last = [], [], [], None
+        toks, text, lps, last, prompt_lps = [], [], [], None, None
         async for out in self.generate(prompt, params, request_id=request_id):
             toks += out.token_ids
             text.append(out.text)
             lps += out.logprobs or []
+            prompt_lps = prompt_lps or out.prompt_logprobs
             last = out
         return RequestOutput(last.request_id, toks, "".join(text), True, last.finish_reason,
-                             last.error, len(toks), last.spec, None if last.logprobs is None else lps)
+                             last.error, len(toks), last.spec, None if last.logprobs is None else lps, prompt_lps)

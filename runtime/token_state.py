@@ -28,6 +28,8 @@ class SeqState:
     key: int = 0  # its synthetic draws' key (scheduler/synthetic.py `request_key`)
     logprobs: int | None = None  # `SamplingParams.logprobs`: its tokens' log-probabilities and this many top ones
     min_p: float = 0.0
+    prompt_logprobs: int | None = None  # `SamplingParams.prompt_logprobs`
+    prompt_len: int = 0
     carried: torch.Tensor | None = None  # [V] proposer logits for the next token
     draft_len: int = 0  # this step's drafts in the worker's draft buffer (known without a sync)
     draft_q: torch.Tensor | None = None  # [D, V] draft distributions (sampled requests)

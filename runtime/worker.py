@@ -53,6 +53,8 @@ def _as_numpy(result: Any) -> dict[str, Any]:
             out[f] = v.numpy()
         elif isinstance(v, TokenLogprobs):
             out[f] = replace(v, **_as_numpy(v))
+        elif f == "prompt_logprobs" and v:
+            out[f] = tuple((i, first, replace(t, **_as_numpy(t))) for i, first, t in v)
     return out
 
 
@@ -222,7 +224,7 @@ class ModelWorker:
         for r in msg.register:
             self.states[r.slot] = SeqState(float(r.temperature), int(r.top_k), float(r.top_p),
                                            make_generator(r.seed, self.device), r.synthetic, r.key, r.logprobs,
-                                           float(r.min_p))
+                                           float(r.min_p), r.prompt_logprobs, r.prompt_len)
             self.tokens.register(r.slot, list(r.token_ids))
             self.proposer.register(r.slot, r.token_ids)
 
@@ -274,15 +276,20 @@ class ModelWorker:
         plan, step, positions = self.plan(msg.plan)
         last = plan.qo_indptr[1:] - 1
         sample_rows = np.flatnonzero(msg.samples)
+        scored = self._prompt_scored(slots, msg.start, ends)
+        at = last[sample_rows]
+        if scored:  # the positions scoring prompt tokens too, after the sampling rows'
+            at = np.concatenate([at, *(plan.qo_indptr[i] + q - msg.start[i] + np.arange(n) for i, q, n in scored)])
         out = self.target(
-            input_ids, step, self.kv, positions,
-            logits_indices=to_device(last[sample_rows], self.device, torch.int64),
+            input_ids, step, self.kv, positions, logits_indices=to_device(at, self.device, torch.int64),
             return_hidden=self.proposer.needs_hidden, aux_layers=self.proposer.aux_layers,
         )
+        logits = out.logits[: sample_rows.size] if scored else out.logits
+        prompt_logprobs = self._prompt_logprobs(msg.slots, scored, out.logits[sample_rows.size:]) if scored else ()
         logprobs = None
         if sample_rows.size:
             srows = [self.states[slots[i]] for i in sample_rows.tolist()]
-            new = sample_logits(out.logits, self.sampling_tensors(srows)).to(torch.int64)
+            new = sample_logits(logits, self.sampling_tensors(srows)).to(torch.int64)
             self.tokens.write(msg.slots[sample_rows], ends[sample_rows], new)  # each row's next token
             if sample_rows.size == len(slots):
                 tokens = new
@@ -290,7 +297,6 @@ class ModelWorker:
                 tokens = torch.full((len(slots),), -1, dtype=torch.int64, device=self.device)
                 tokens[to_device(sample_rows, self.device)] = new
             if any(st.logprobs is not None for st in srows):
-                logits = out.logits
                 if sample_rows.size < len(slots):  # rows that sample nothing: their (unread) entries
                     logits = logits.new_zeros((len(slots), logits.shape[-1])).index_copy_(
                         0, to_device(sample_rows, self.device), logits)
@@ -304,7 +310,34 @@ class ModelWorker:
                 self.proposer.keep_hidden(msg.slots, msg.start, plan.qo_indptr, out.hidden)
         host = self.to_host(tokens)
         self.proposer.emitted(slots, host, None)
-        return ForwardResult(host, logprobs)
+        return ForwardResult(host, logprobs, prompt_logprobs)
+
+    def _prompt_scored(self, slots: list[int], starts: np.ndarray, ends: np.ndarray) -> list[tuple[int, int, int]]:
+        """(row, first position, count) of the positions whose logits score the next prompt token, for the rows of
+        requests with `prompt_logprobs` (position q scores prompt token q + 1)."""
+        out = []
+        for i, s in enumerate(slots):
+            st = self.states[s]
+            if st.prompt_logprobs is not None:
+                n = min(int(ends[i]), st.prompt_len - 1) - int(starts[i])
+                if n > 0:
+                    out.append((i, int(starts[i]), n))
+        return out
+
+    def _prompt_logprobs(self, slots: np.ndarray, scored: list[tuple[int, int, int]], logits: torch.Tensor
+                         ) -> tuple[tuple[int, int, TokenLogprobs], ...]:
+        """Per scored row: (row, index of the first prompt token scored, its tokens' TokenLogprobs [1, n, ...]) from
+        the logits [sum n, V] of the scoring positions (`_prompt_scored`)."""
+        rows = [self.states[int(slots[i])] for i, _, _ in scored]
+        k = max(st.prompt_logprobs for st in rows)
+        nxt = self.tokens.at(np.concatenate([np.full(n, slots[i]) for i, _, n in scored]),
+                             np.concatenate([q + 1 + np.arange(n) for _, q, n in scored]))
+        lp = self._logprobs(rows, logits.unsqueeze(0), nxt.unsqueeze(0), k)
+        out, a = [], 0
+        for i, q, n in scored:
+            out.append((i, q + 1, TokenLogprobs(lp.token[:, a : a + n], lp.top_ids[:, a : a + n], lp.top[:, a : a + n])))
+            a += n
+        return tuple(out)
 
     # -- speculation ------------------------------------------------------------------------------
     def op_draft(self, msg: DraftMessage) -> DraftResult:
@@ -385,10 +418,12 @@ class ModelWorker:
         return VerifyResult(accepted, tokens, np.asarray(draft_lens, dtype=np.int64), logprobs,
                             substages=(("verify", t0, t1), ("accept", t1, t2)))
 
-    def _logprobs(self, rows: list[SeqState], logits: torch.Tensor, tokens: torch.Tensor) -> TokenLogprobs:
+    def _logprobs(self, rows: list[SeqState], logits: torch.Tensor, tokens: torch.Tensor,
+                  k: int | None = None) -> TokenLogprobs:
         """The log-probabilities of the tokens [B, W] emitted from logits [B, W, V] (raw: before temperature, top-k
-        and top-p) and the most likely tokens there, as many as the rows ask for at most, on the host."""
-        k = max(st.logprobs for st in rows if st.logprobs is not None)
+        and top-p) and the k most likely tokens there (default: as many as the rows ask for at most), on the host."""
+        if k is None:
+            k = max(st.logprobs for st in rows if st.logprobs is not None)
         lsm = torch.log_softmax(logits.float(), dim=-1)
         token = lsm.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         top = lsm.topk(k, dim=-1)

@@ -94,6 +94,10 @@ class Launcher:
         """New tokens to the sink (with their log-probabilities where the step's `result` has them), each finish to
         the device (released with the next launch), the trace and the sink. Returns [B] tokens each row kept."""
         on_tokens = self.sink.on_tokens
+        for i, first, pl in getattr(result, "prompt_logprobs", ()):
+            r = batch.requests[i]
+            k = r.params.prompt_logprobs
+            self.sink.on_prompt_logprobs(r, first, (pl.token[0], pl.top_ids[0, :, :k], pl.top[0, :, :k]))
         lp = getattr(result, "logprobs", None)
         rows = {} if lp is None else {id(r): i for i, r in enumerate(batch.requests) if r.params.logprobs is not None}
         for r, tokens in out.tokens:

@@ -79,6 +79,8 @@ class Registration:
     key: int = 0  # its synthetic draws' key (`request_key` of its id)
     logprobs: int | None = None  # `SamplingParams.logprobs`: its tokens' log-probabilities and this many top ones
     min_p: float = 0.0
+    prompt_logprobs: int | None = None  # `SamplingParams.prompt_logprobs`
+    prompt_len: int = 0  # its prompt's tokens (`token_ids` holds its output too after a preemption)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -171,6 +173,9 @@ class TokenLogprobs:
 class ForwardResult(Result):
     tokens: np.ndarray  # [B] sampled token per row (-1 where the row does not sample)
     logprobs: TokenLogprobs | None = None  # W = 1
+    # rows computing prompt tokens of a request with `prompt_logprobs`: (row, index of the first prompt token scored,
+    # TokenLogprobs [1, n, ...] of prompt tokens first .. first + n - 1)
+    prompt_logprobs: tuple[tuple[int, int, TokenLogprobs], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,7 +69,8 @@ def registrations(batch: StepBatch) -> tuple[Registration, ...]:
         r = batch.requests[i]
         p = r.params
         out.append(Registration(r.slot, r.all_token_ids, p.temperature, p.top_k, p.top_p, p.seed, p.synthetic(),
-                                request_key(r.request_id), p.logprobs, p.min_p))
+                                request_key(r.request_id), p.logprobs, p.min_p, p.prompt_logprobs,
+                                r.num_prompt_tokens))
     return tuple(out)
 
 

@@ -109,6 +109,11 @@ class OutputSink(Protocol):
 
     def on_finish(self, req: "Request") -> None: ...
 
+    def on_prompt_logprobs(self, req: "Request", first: int, logprobs: tuple) -> None:
+        """For a request with `SamplingParams.prompt_logprobs` k: its prompt tokens first, first + 1, ...
+        scored as `on_tokens`' arrays (a recomputed prompt after a preemption scores them again)."""
+        ...
+
 
 class HostDrafter(Protocol):
     """Drafts made on the host (`ProposerRules.host_drafts`): the engine's looks them up, the simulator's draws how many

@@ -29,13 +29,15 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
         "with each token its log-probability under the target (raw logits) and the this-many most likely"))
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+        "the same for every prompt token after the first"))
     # an engine with synthetic acceptance forces this request's to these (e.g. to alternate acceptance phases)
     synthetic_acceptance_length: float | None = Field(
         None, description="with synthetic acceptance: this request's acceptance length, bonus token counted")
     synthetic_acceptance_rates: list[float] | None = Field(
         None, description="with synthetic acceptance: this request's per-position rates, non-increasing")
 
-    @field_validator("max_tokens", "top_k", "seed", "logprobs", mode="before")
+    @field_validator("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", mode="before")
     @classmethod
     def _no_bool(cls, v: object) -> object:
         if isinstance(v, bool):  # pydantic's lax mode would read True as 1

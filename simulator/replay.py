@@ -122,6 +122,9 @@ class _Sink:
         self.freed = 0  # closed-loop seats freed since the driver last woke
         self.wake: asyncio.Future | None = None
 
+    def on_prompt_logprobs(self, req, first, logprobs) -> None:
+        pass
+
     def on_tokens(self, req, token_ids, logprobs=None) -> None:
         pass
 

@@ -89,12 +89,14 @@ def test_logprobs_are_the_targets_under_every_proposer(tiny_family, proposer, sc
 
     tok = Tokenizer(Path(tiny_family["target"]) / "tokenizer.json")
     prompts = [tok.encode(p) for p in PROMPTS[:4]]
-    params = [SamplingParams(max_tokens=10, logprobs=3, ignore_eos=True),
+    params = [SamplingParams(max_tokens=10, logprobs=3, prompt_logprobs=2, ignore_eos=True),
               SamplingParams(max_tokens=10, logprobs=3, ignore_eos=True, temperature=1.0, seed=1)]
 
     async def main():
         outs = [None] * 4
-        async with AsyncEngine(_cfg(tiny_family, proposer=proposer, schedule=schedule, draft_len=d)) as eng:
+        # a step budget of 8 tokens: prompts prefill in chunks, each scoring its own prompt tokens
+        async with AsyncEngine(_cfg(tiny_family, proposer=proposer, schedule=schedule, draft_len=d,
+                                    max_num_batched_tokens=8)) as eng:
             async def one(i):
                 outs[i] = await eng.generate_all(prompts[i], params[i % 2])
             async with anyio.create_task_group() as tg:
@@ -104,12 +106,21 @@ def test_logprobs_are_the_targets_under_every_proposer(tiny_family, proposer, sc
         return outs, plain
 
     outs, plain = anyio.run(main)
-    assert plain.logprobs is None  # not asked for
+    assert plain.logprobs is None and plain.prompt_logprobs is None  # not asked for
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_family["target"]).eval()
-    for ids, out in zip(prompts, outs):
+    for i, (ids, out) in enumerate(zip(prompts, outs)):
         assert [lp.token_id for lp in out.logprobs] == out.token_ids and len(out.token_ids) == 10
         with torch.no_grad():
-            ref = hf(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1 : -1].log_softmax(-1)
+            whole = hf(torch.tensor([ids + out.token_ids])).logits[0].log_softmax(-1)
+        ref = whole[len(ids) - 1 : -1]
+        if i % 2 == 0:  # the prompt's tokens after the first, scored by the positions before them
+            assert out.prompt_logprobs[0] is None and [lp.token_id for lp in out.prompt_logprobs[1:]] == ids[1:]
+            got = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+            torch.testing.assert_close(got, whole[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], atol=1e-4, rtol=0)
+            top = torch.tensor([[v for _, v in lp.top] for lp in out.prompt_logprobs[1:]])
+            torch.testing.assert_close(top, whole[: len(ids) - 1].topk(2, dim=-1).values, atol=1e-4, rtol=0)
+        else:
+            assert out.prompt_logprobs is None
         got = torch.tensor([lp.logprob for lp in out.logprobs])
         torch.testing.assert_close(got, ref[torch.arange(10), torch.tensor(out.token_ids)], atol=1e-4, rtol=0)
         top = torch.tensor([[v for _, v in lp.top] for lp in out.logprobs])

@@ -100,8 +100,8 @@ def test_bad_requests_get_openai_errors_naming_the_problem(server):
         c.completions.create(model="bundled/target", prompt="x", n=129)
     with pytest.raises(openai.BadRequestError, match="prompt 1: .*longer than the model allows"):
         c.completions.create(model="bundled/target", prompt=[[5, 6], [5] * 5000])
-    with pytest.raises(openai.BadRequestError, match="not supported by this server: echo"):
-        c.completions.create(model="bundled/target", prompt="x", echo=True)
+    with pytest.raises(openai.BadRequestError, match="not supported by this server: best_of"):
+        c.completions.create(model="bundled/target", prompt="x", best_of=2)
     with pytest.raises(openai.BadRequestError, match="logprobs: Input should be less than or equal to 20"):
         c.completions.create(model="bundled/target", prompt="x", logprobs=21)
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs: true"):
@@ -134,7 +134,7 @@ def test_fields_at_the_values_that_turn_them_off_are_accepted_and_others_refused
                                       "min_tokens": 0, "stop_token_ids": [], "skip_special_tokens": True})
     ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "logprobs": False,
                                           "top_logprobs": 0})
-    for field, value in [("echo", True), ("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("min_tokens", 4),
+    for field, value in [("frequency_penalty", 0.5), ("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("min_tokens", 4),
                          ("best_of", 2), ("logit_bias", {"5": 1})]:
         with pytest.raises(ValidationError, match=f"not supported by this server: {field}"):
             CompletionRequest.model_validate({"prompt": "x", field: value})
@@ -217,6 +217,33 @@ def test_logprobs_are_the_engines_in_openais_shapes(server):
                 for t in ch.choices[0].logprobs.content]
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
     assert c.chat.completions.create(**(chat | {"logprobs": False, "top_logprobs": None})).choices[0].logprobs is None
+
+
+def test_echo_returns_the_prompt_and_with_logprobs_scores_it(server):
+    """What lm-evaluation-harness asks to score a continuation (echo, logprobs 1, max_tokens 1, temperature 0): the
+    text is the prompt and the token, every prompt token after the first scored as the embedded engine scores it
+    (the first null), streamed alike; echo alone returns the text without scores."""
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    async def embedded():
+        async with AsyncEngine(EngineConfig()) as engine:
+            return await engine.generate_all(PROMPTS[1], SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1))
+
+    want = anyio.run(embedded)
+    c = client(server)
+    kw = dict(model="bundled/target", prompt=PROMPTS[1], max_tokens=1, temperature=0, logprobs=1, echo=True)
+    r = c.completions.create(**kw).choices[0]
+    assert r.text == PROMPTS[1] + want.text and "".join(r.logprobs.tokens) == r.text
+    assert r.logprobs.token_logprobs[0] is None and r.logprobs.top_logprobs[0] is None
+    scores = [x.logprob for x in want.prompt_logprobs[1:]] + [want.logprobs[0].logprob]
+    assert r.logprobs.token_logprobs[1:] == pytest.approx(scores, abs=1e-4)
+    chunks = [ch.choices[0] for ch in c.completions.create(**kw, stream=True)]
+    assert "".join(ch.text for ch in chunks) == r.text
+    assert sum((ch.logprobs.tokens for ch in chunks), []) == r.logprobs.tokens
+    plain = c.completions.create(**(kw | {"logprobs": None, "max_tokens": 4})).choices[0]
+    assert plain.text.startswith(PROMPTS[1]) and plain.logprobs is None
 
 
 def _metrics(url: str) -> dict:

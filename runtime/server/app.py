@@ -14,6 +14,7 @@ import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, AsyncIterator
 
 import orjson
@@ -88,6 +89,8 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # TokenLogprob per token so far, where asked for
     offset: int = 0  # completions' `text_offset` of the next token
+    echo: str | None = None  # completions' `echo`: the prompt's text, until the first output carries it
+    prompt_logprobs: list | None = None  # with echo and logprobs: the prompt's (None for its first token)
     final: Any = None  # the finished RequestOutput
     done: bool = False  # counted in the metrics
 
@@ -100,6 +103,8 @@ class _Choice:
         self.output_tokens += n
         self.text.append(out.text)
         self.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.final = out
             self.finish(metrics, _reason(out.finish_reason), out.spec)
@@ -127,11 +132,15 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
         """A token's own text, a special token's named (as OpenAI lists them)."""
         return engine.tokenizer.decode([t], skip_special_tokens=False)
 
-    def logprobs_of(c: _Choice, lps: list | None, chat: bool) -> dict | None:
+    def logprobs_of(c: _Choice, lps: list | None, chat: bool, prompt: list | None = None) -> dict | None:
         """OpenAI's `logprobs` of a choice's tokens `lps` (TokenLogprob each): chat's `content` list, or the
-        completions API's `tokens` / `token_logprobs` / `top_logprobs` / `text_offset`."""
+        completions API's `tokens` / `token_logprobs` / `top_logprobs` / `text_offset`, after the prompt's with echo
+        (`prompt`: per prompt token a TokenLogprob, None for the first, which has none)."""
         if lps is None:
             return None
+        if prompt is not None:  # the prompt's token ids: its first has no TokenLogprob
+            prompt = [SimpleNamespace(token_id=c.ids[0], logprob=None, top=None), *prompt[1:]]
+            lps = prompt + lps
         if chat:
             def entry(t: int, lp: float) -> dict:
                 s = token_text(t)
@@ -143,7 +152,8 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
         for s in tokens:
             offsets.append(c.offset)
             c.offset += len(s)
-        top = [{token_text(i): v for i, v in x.top} | {s: x.logprob} for s, x in zip(tokens, lps)]
+        top = [None if x.top is None else {token_text(i): v for i, v in x.top} | {s: x.logprob}
+               for s, x in zip(tokens, lps)]
         return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps], "top_logprobs": top,
                 "text_offset": offsets}
 
@@ -183,6 +193,8 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
                     return _error(f"prompt {i}: {e}" if len(prompts) > 1 else str(e))
                 k = len(choices)
                 choices.append(_Choice(k, rid if len(prompts) * req.n == 1 else f"{rid}-{k}", ids, params))
+                if getattr(req, "echo", False):
+                    choices[-1].echo = prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)
         prompt_tokens = sum(len(c.ids) for c in choices[:: req.n])  # each prompt once, as OpenAI counts them
         created = int(time.time())
         if req.stream:
@@ -204,11 +216,12 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
         body = []
         for c in choices:
             choice: dict[str, Any] = {"index": c.index, "finish_reason": _reason(c.final.finish_reason),
-                                      "logprobs": logprobs_of(c, None if c.final.logprobs is None else c.logprobs, chat)}
+                                      "logprobs": logprobs_of(c, None if c.final.logprobs is None else c.logprobs, chat,
+                                                              c.prompt_logprobs)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": "".join(c.text)}
             else:
-                choice["text"] = "".join(c.text)
+                choice["text"] = (c.echo or "") + "".join(c.text)
             body.append(choice)
         return JSONResponse({
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
@@ -265,11 +278,12 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
             return b"data: " + orjson.dumps(payload) + b"\n\n"
 
         def choice(c: _Choice, out, finish: str | None) -> dict:
-            lps = logprobs_of(c, out.logprobs, chat)
+            lps = logprobs_of(c, out.logprobs, chat, out.prompt_logprobs)
             if chat:
                 return {"index": c.index, "delta": {"content": out.text} if out.text else {}, "finish_reason": finish,
                         "logprobs": lps}
-            return {"index": c.index, "text": out.text, "finish_reason": finish, "logprobs": lps}
+            text, c.echo = (c.echo or "") + out.text, None  # the first chunk carries the echoed prompt
+            return {"index": c.index, "text": text, "finish_reason": finish, "logprobs": lps}
 
         if chat:
             for c in choices:
@@ -280,7 +294,7 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
                 async for c, out in outs:
                     c.chunk(metrics, out)
                     if not out.finished:  # the finished output's text goes with its reason
-                        if out.text or out.logprobs:  # tokens that make no text yet still have logprobs
+                        if out.text or out.logprobs or c.echo:  # tokens that make no text yet still have logprobs
                             yield event([choice(c, out, None)])
                     elif out.finish_reason == "error":
                         yield b"data: " + orjson.dumps(error_body(f"the request failed: {out.error}",

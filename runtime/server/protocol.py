@@ -1,7 +1,7 @@
 """The bodies of `/v1/completions` and `/v1/chat/completions`, as OpenAI's API defines them.
 
-Why refuse rather than ignore: a client that asks for `echo` or a penalty and silently gets none
-draws wrong conclusions. Fields the engine implements are typed; fields OpenAI defines, and vLLM's
+Why refuse rather than ignore: a client that asks for a penalty or `best_of` and silently gets
+none draws wrong conclusions. Fields the engine implements are typed; fields OpenAI defines, and vLLM's
 sampling extensions, that it does not implement are refused with a 400 naming them -- unless given
 at a value that turns them off (`best_of=1`, `presence_penalty=0`, the `repetition_penalty=1.0`
 vLLM's own benchmark client sends with every request); unknown fields are refused too.
@@ -17,7 +17,7 @@ MAX_LOGPROBS = 20  # the engine's (SamplingParams.logprobs)
 
 # fields the engine does not implement -> the values that mean "off": OpenAI's, then vLLM's sampling extensions
 UNSUPPORTED: dict[str, tuple] = {
-    "best_of": (1,), "echo": (False,),
+    "best_of": (1,),
     "suffix": (None,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None,), "tools": (None,),
     "tool_choice": (None,), "functions": (None,), "function_call": (None,), "response_format": (None,),
     "parallel_tool_calls": (None,), "audio": (None,), "modalities": (None,), "prediction": (None,),
@@ -28,8 +28,8 @@ UNSUPPORTED: dict[str, tuple] = {
 
 
 def _is_off(value: Any, off: tuple) -> bool:
-    """Whether a body's `value` is one of `off` (True, False and None match only themselves: `echo: 0` is not
-    `false`)."""
+    """Whether a body's `value` is one of `off` (True, False and None match only themselves: `tools: false` is
+    not `null`)."""
     if isinstance(value, bool) or value is None:
         return any(value is o for o in off)
     return any(not isinstance(o, bool) and o is not None and value == o for o in off)
@@ -99,9 +99,14 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)  # the top ones with each token
+    echo: bool = Field(False, strict=True)  # the prompt before the completion (with logprobs: the prompt's too)
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def sampling_kwargs(self, choice: int = 0) -> dict[str, Any]:
+        kw = super().sampling_kwargs(choice)
+        return kw | {"prompt_logprobs": self.logprobs} if self.echo else kw
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one, or a batch (a list of texts or of token-id lists)."""

@@ -88,6 +88,9 @@ class _Sink:
         self.done = anyio.Event()
         self.expected = 0
 
+    def on_prompt_logprobs(self, req: Request, first: int, logprobs: tuple) -> None:
+        pass
+
     def on_tokens(self, req: Request, token_ids: list[int], logprobs: tuple | None = None) -> None:
         pass
 
