@@ -111,6 +111,7 @@ class ModelWorker:
                 raise ValueError("acceptance 'synthetic' needs its definition (WorkerConfig.synthetic)")
             self.synthetic = SyntheticDraws(c.synthetic, self.device, c.seed) if c.synthetic is not None else None
             self.states: dict[int, SeqState] = {}
+            self.scoring: set[int] = set()  # slots of requests asking for log-probabilities (a step looks no further)
             # request tokens live on the device, indexed by slot; a step's drafts sit right after
             # each row's last token, where the verify reads them with it in one gather
             self.draft_width = max(1, self.spec.num_candidates)
@@ -171,6 +172,7 @@ class ModelWorker:
         """Run one op on its typed message (scheduler/messages.py); `ping` takes anything."""
         for slot in getattr(batch, "release", ()):
             self.states.pop(slot, None)
+            self.scoring.discard(slot)
             self.proposer.release(slot)
         fn = getattr(self, f"op_{op}", None)
         if fn is None:
@@ -225,6 +227,10 @@ class ModelWorker:
             self.states[r.slot] = SeqState(float(r.temperature), int(r.top_k), float(r.top_p),
                                            make_generator(r.seed, self.device), r.synthetic, r.key, r.logprobs,
                                            float(r.min_p), r.prompt_logprobs, r.prompt_len)
+            if r.logprobs is not None or r.prompt_logprobs is not None:
+                self.scoring.add(r.slot)
+            else:
+                self.scoring.discard(r.slot)
             self.tokens.register(r.slot, list(r.token_ids))
             self.proposer.register(r.slot, r.token_ids)
 
@@ -296,7 +302,7 @@ class ModelWorker:
             else:
                 tokens = torch.full((len(slots),), -1, dtype=torch.int64, device=self.device)
                 tokens[to_device(sample_rows, self.device)] = new
-            if any(st.logprobs is not None for st in srows):
+            if self.scoring and any(st.logprobs is not None for st in srows):
                 if sample_rows.size < len(slots):  # rows that sample nothing: their (unread) entries
                     logits = logits.new_zeros((len(slots), logits.shape[-1])).index_copy_(
                         0, to_device(sample_rows, self.device), logits)
@@ -316,6 +322,8 @@ class ModelWorker:
         """(row, first position, count) of the positions whose logits score the next prompt token, for the rows of
         requests with `prompt_logprobs` (position q scores prompt token q + 1)."""
         out = []
+        if not self.scoring:
+            return out
         for i, s in enumerate(slots):
             st = self.states[s]
             if st.prompt_logprobs is not None:
@@ -407,7 +415,7 @@ class ModelWorker:
             st.draft_len = 0
             st.draft_q = None
         logprobs = None
-        if any(st.logprobs is not None for st in rows):
+        if self.scoring and any(st.logprobs is not None for st in rows):
             if self.spec.is_tree:  # emitted token j comes from the accepted node at depth j (the root: 0)
                 node = torch.cat([torch.zeros_like(res.num_accepted).unsqueeze(-1), res.accepted_nodes.clamp(min=0)], 1)
                 logits = logits.gather(1, node.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
