@@ -285,6 +285,23 @@ def test_disconnected_streams_free_their_pages_and_the_rest_match_solo_runs(serv
     assert m[("vllm:request_success_total", (("finished_reason", "abort"),))] >= 1
 
 
+def test_a_disconnected_stream_of_several_choices_aborts_them_all(server):
+    """A batch of 2 prompts x n = 3 streamed, the client gone after its first event: all 6 requests are aborted and
+    every page freed."""
+    before = _metrics(server).get(("vllm:request_success_total", (("finished_reason", "abort"),)), 0)
+    body = {"prompt": PROMPTS, "n": 3, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: {"))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = _metrics(server)
+        if m[("specsched:kv_pages_used", ())] == 0 and m[("vllm:num_requests_running", ())] == 0:
+            break
+        time.sleep(0.1)
+    assert m[("specsched:kv_pages_used", ())] == 0 and m[("vllm:num_requests_running", ())] == 0
+    assert m[("vllm:request_success_total", (("finished_reason", "abort"),))] - before == 6
+
+
 def test_metrics_spec_decode_counters_add_up(server):
     client(server).completions.create(model="bundled/target", prompt=PROMPTS[0], max_tokens=MAX_TOKENS)
     m = _metrics(server)
