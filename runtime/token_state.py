@@ -30,6 +30,8 @@ class SeqState:
     min_p: float = 0.0
     prompt_logprobs: int | None = None  # `SamplingParams.prompt_logprobs`
     prompt_len: int = 0
+    min_tokens: int = 0  # before this many output tokens, `suppress` (EOS, stop token ids) may not be generated
+    suppress: tuple[int, ...] = ()
     carried: torch.Tensor | None = None  # [V] proposer logits for the next token
     draft_len: int = 0  # this step's drafts in the worker's draft buffer (known without a sync)
     draft_q: torch.Tensor | None = None  # [D, V] draft distributions (sampled requests)

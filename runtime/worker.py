@@ -226,8 +226,9 @@ class ModelWorker:
         for r in msg.register:
             self.states[r.slot] = SeqState(float(r.temperature), int(r.top_k), float(r.top_p),
                                            make_generator(r.seed, self.device), r.synthetic, r.key, r.logprobs,
-                                           float(r.min_p), r.prompt_logprobs, r.prompt_len)
-            if r.logprobs is not None or r.prompt_logprobs is not None:
+                                           float(r.min_p), r.prompt_logprobs, r.prompt_len, r.min_tokens,
+                                           tuple(r.suppress))
+            if r.logprobs is not None or r.prompt_logprobs is not None or r.min_tokens:
                 self.scoring.add(r.slot)
             else:
                 self.scoring.discard(r.slot)
@@ -295,7 +296,9 @@ class ModelWorker:
         logprobs = None
         if sample_rows.size:
             srows = [self.states[slots[i]] for i in sample_rows.tolist()]
-            new = sample_logits(logits, self.sampling_tensors(srows)).to(torch.int64)
+            held = self._held_back(srows, ends[sample_rows][:, None]) if self.scoring else None
+            new = sample_logits(logits if held is None else _suppressed(logits.unsqueeze(1), held).squeeze(1),
+                                self.sampling_tensors(srows)).to(torch.int64)
             self.tokens.write(msg.slots[sample_rows], ends[sample_rows], new)  # each row's next token
             if sample_rows.size == len(slots):
                 tokens = new
@@ -317,6 +320,17 @@ class ModelWorker:
         host = self.to_host(tokens)
         self.proposer.emitted(slots, host, None)
         return ForwardResult(host, logprobs, prompt_logprobs)
+
+    def _held_back(self, rows: list[SeqState], positions: np.ndarray) -> list[tuple[int, np.ndarray, tuple]] | None:
+        """Per row with `min_tokens` not yet reached: (row, the columns of `positions` [B, W] -- where its emitted
+        tokens land -- still inside its first min_tokens outputs, the token ids held back there); None if none."""
+        out = []
+        for i, st in enumerate(rows):
+            if st.min_tokens:
+                cols = np.flatnonzero(positions[i] - st.prompt_len < st.min_tokens)
+                if cols.size:
+                    out.append((i, cols, st.suppress))
+        return out or None
 
     def _prompt_scored(self, slots: list[int], starts: np.ndarray, ends: np.ndarray) -> list[tuple[int, int, int]]:
         """(row, first position, count) of the positions whose logits score the next prompt token, for the rows of
@@ -377,6 +391,12 @@ class ModelWorker:
             grid = input_ids.new_zeros(b * width).index_copy_(0, at, input_ids).view(b, width)
             logits = logits.new_zeros((b * width, logits.shape[-1])).index_copy_(0, at, logits).view(b, width, -1)
         last, draft_t = grid[:, 0], grid[:, 1:]
+        raw = logits  # the log-probabilities' (before min_tokens holds a token back)
+        if self.scoring:  # column c emits the token at position start + 1 + its depth
+            depth = np.concatenate([[0], self.spec.tree_depths()]) if self.spec.is_tree else np.arange(width)
+            held = self._held_back(rows, msg.start[:, None] + 1 + depth[None, :])
+            if held is not None:
+                logits = _suppressed(logits, held)
         t1 = time.monotonic_ns()
         if self.spec.is_tree:
             res = self.proposer.accept_tree(msg, rows, draft_t, last, logits, plan, hidden)
@@ -418,8 +438,8 @@ class ModelWorker:
         if self.scoring and any(st.logprobs is not None for st in rows):
             if self.spec.is_tree:  # emitted token j comes from the accepted node at depth j (the root: 0)
                 node = torch.cat([torch.zeros_like(res.num_accepted).unsqueeze(-1), res.accepted_nodes.clamp(min=0)], 1)
-                logits = logits.gather(1, node.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-            logprobs = self._logprobs(rows, logits, emitted)
+                raw = raw.gather(1, node.unsqueeze(-1).expand(-1, -1, raw.shape[-1]))
+            logprobs = self._logprobs(rows, raw, emitted)
         accepted, tokens = self.to_host(res.num_accepted), self.to_host(emitted)
         self.proposer.emitted(slots, tokens, accepted)
         t2 = time.monotonic_ns()
@@ -466,3 +486,13 @@ class ModelWorker:
     def op_agreement(self, msg: AgreementMessage) -> AgreementResult:
         """Per output position: does the proposer's greedy guess equal the emitted token?"""
         return AgreementResult(self.proposer.agreement(msg.prompt, msg.output))
+
+
+def _suppressed(logits: torch.Tensor, held: list[tuple[int, np.ndarray, tuple]]) -> torch.Tensor:
+    """A copy of logits [B, W, V] with each held-back token at -inf in its row's columns (`ModelWorker._held_back`):
+    the target's distribution under min_tokens, which acceptance and sampling both read, so speculation stays
+    lossless (a draft of a held-back token is rejected)."""
+    logits = logits.clone()
+    for i, cols, ids in held:
+        logits[i, to_device(cols, logits.device, torch.int64).unsqueeze(-1), to_device(list(ids), logits.device, torch.int64)] = float("-inf")
+    return logits

@@ -81,6 +81,8 @@ class Registration:
     min_p: float = 0.0
     prompt_logprobs: int | None = None  # `SamplingParams.prompt_logprobs`
     prompt_len: int = 0  # its prompt's tokens (`token_ids` holds its output too after a preemption)
+    min_tokens: int = 0  # `SamplingParams.min_tokens`: before them, `suppress` may not be generated
+    suppress: tuple[int, ...] = ()  # EOS and the stop token ids, with min_tokens
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

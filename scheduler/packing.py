@@ -62,26 +62,27 @@ def _tables(blocks: BlockManager, slots: np.ndarray, model: str = "target") -> d
     return {"page_tables": table, "table_rows": slots, "table_lens": counts[slots]}
 
 
-def registrations(batch: StepBatch) -> tuple[Registration, ...]:
+def registrations(batch: StepBatch, eos: frozenset[int] = frozenset()) -> tuple[Registration, ...]:
     """Rows the device has no state for yet (nothing computed): prefill rows only."""
     out = []
     for i in (batch.start == 0).nonzero()[0].tolist():
         r = batch.requests[i]
         p = r.params
+        suppress = tuple(sorted(eos | set(p.stop_token_ids))) if p.min_tokens else ()
         out.append(Registration(r.slot, r.all_token_ids, p.temperature, p.top_k, p.top_p, p.seed, p.synthetic(),
                                 request_key(r.request_id), p.logprobs, p.min_p, p.prompt_logprobs,
-                                r.num_prompt_tokens))
+                                r.num_prompt_tokens, p.min_tokens, suppress))
     return tuple(out)
 
 
 def forward_message(batch: StepBatch, blocks: BlockManager, with_plan: bool = True,
-                    keep_hidden: bool = False) -> ForwardMessage:
+                    keep_hidden: bool = False, eos: frozenset[int] = frozenset()) -> ForwardMessage:
     ends = batch.start + batch.num_new
     plan = build_plan(batch.num_new, ends, page_size=blocks.page_size,
                       **_tables(blocks, batch.slots)) if with_plan else None
     return ForwardMessage(step=batch.step, slots=batch.slots, shape=batch_shape(batch, kind=batch.kind),
                           start=batch.start, num_new=batch.num_new, samples=batch.samples,
-                          register=registrations(batch), plan=plan, keep_hidden=keep_hidden)
+                          register=registrations(batch, eos), plan=plan, keep_hidden=keep_hidden)
 
 
 def verify_message(batch: StepBatch, blocks: BlockManager, spec: ProposerSpec,

@@ -26,6 +26,7 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list, description="stop strings (not included)")
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end the request (included)")
+    min_tokens: int = Field(0, ge=0, description="tokens before EOS or a stop token id may be generated")
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
         "with each token its log-probability under the target (raw logits) and the this-many most likely"))
@@ -37,7 +38,7 @@ class SamplingParams(BaseModel):
     synthetic_acceptance_rates: list[float] | None = Field(
         None, description="with synthetic acceptance: this request's per-position rates, non-increasing")
 
-    @field_validator("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", mode="before")
+    @field_validator("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "min_tokens", mode="before")
     @classmethod
     def _no_bool(cls, v: object) -> object:
         if isinstance(v, bool):  # pydantic's lax mode would read True as 1
@@ -65,6 +66,12 @@ class SamplingParams(BaseModel):
         if any(isinstance(t, bool) or t < 0 for t in v):
             raise ValueError(f"stop token ids must be non-negative integers, got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _min_tokens(self) -> "SamplingParams":
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
+        return self
 
     @model_validator(mode="after")
     def _synthetic(self) -> "SamplingParams":

@@ -67,7 +67,7 @@ class StepOps:
         lazy = self.lazy(batch)
         keep = (self.lazy_fills and spec.kv_ahead == 0
                 and (lazy or bool((t.proposer_computed[slots] < batch.start).any())))
-        msg = packing.forward_message(batch, self.blocks, l.with_plan, keep_hidden=keep)
+        msg = packing.forward_message(batch, self.blocks, l.with_plan, keep_hidden=keep, eos=self.scheduler.eos)
         if spec.kv_model is not None and not lazy:
             fill_msg = packing.prefill_fill_message(batch, self.blocks, spec, t.proposer_computed[slots], l.with_plan)
         l.host("plan", batch.step, t0, **shape)

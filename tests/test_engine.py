@@ -179,6 +179,25 @@ def test_a_stop_token_id_ends_the_request_at_that_token_which_it_keeps(tiny_fami
         SamplingParams.make(stop_token_ids=[-1])
 
 
+@pytest.mark.parametrize("proposer,schedule,d", [("none", "plain_overlap", None), ("draft", "overlap", 3),
+                                                   ("draft", "eager_fill", 3)])
+def test_min_tokens_holds_back_eos_and_stop_token_ids_until_reached(tiny_family, reference, proposer, schedule, d):
+    """vLLM's min_tokens: before it, a stop token id (as EOS) cannot be generated -- the target's next choice comes
+    instead -- and after it the stop token ends the request; speculation gives plain decoding's tokens (a draft of a
+    held-back token is rejected)."""
+    ref = reference[0]
+    j = next(j for j in range(4, len(ref)) if ref[j] not in ref[:j])
+    params = SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[ref[j]], min_tokens=j + 3)
+    out = anyio.run(_run_all, _cfg(tiny_family, proposer=proposer, schedule=schedule, draft_len=d), PROMPTS[:1],
+                    params, False)[0]
+    plain = anyio.run(_run_all, _cfg(tiny_family), PROMPTS[:1], params, False)[0]
+    assert out.token_ids == plain.token_ids and out.token_ids[:j] == ref[:j] and out.token_ids[j] != ref[j]
+    assert ref[j] not in out.token_ids[: j + 3]
+    assert out.finish_reason == ("stop" if ref[j] in out.token_ids else "length")
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams.make(max_tokens=4, min_tokens=5)
+
+
 def test_stop_string_finishes_the_request_in_the_pipeline(tiny_family, reference):
     """A stop string found by the consumer finishes the request in the pipeline too: it leaves
     the pipeline as "stop", frees its pages, and its output is cut to the tokens streamed

@@ -134,7 +134,7 @@ def test_fields_at_the_values_that_turn_them_off_are_accepted_and_others_refused
                                       "min_tokens": 0, "stop_token_ids": [], "skip_special_tokens": True})
     ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "logprobs": False,
                                           "top_logprobs": 0})
-    for field, value in [("frequency_penalty", 0.5), ("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("min_tokens", 4),
+    for field, value in [("frequency_penalty", 0.5), ("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("length_penalty", 2),
                          ("best_of", 2), ("logit_bias", {"5": 1})]:
         with pytest.raises(ValidationError, match=f"not supported by this server: {field}"):
             CompletionRequest.model_validate({"prompt": "x", field: value})

@@ -168,3 +168,26 @@ def test_an_eagle_tree_emits_the_log_probabilities_plain_decoding_does(items):
         assert [lp.token_id for lp in t.logprobs] == t.token_ids
         assert [[i for i, _ in lp.top] for lp in t.logprobs] == [[i for i, _ in lp.top] for lp in p.logprobs]
         assert max(abs(a.logprob - b.logprob) for a, b in zip(t.logprobs, p.logprobs)) < 1e-4
+
+
+def test_min_tokens_under_an_eagle_tree_gives_plain_decodings_tokens():
+    """A tree's nodes emit tokens at their depths: min_tokens holds EOS back at each of them as plain decoding does
+    (workload items 16 and 18 end on EOS at once without it)."""
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    items = load_workload(bundled.workload_path(), limit=20, max_tokens=MAX_TOKENS)
+    items = [items[i] for i in (16, 18, 0, 1)]
+
+    async def run(**kw):
+        async with AsyncEngine(EngineConfig.make(**kw)) as engine:
+            outs = []
+            for it in items:
+                plain_eos = await engine.generate_all(it.prompt, SamplingParams(max_tokens=MAX_TOKENS))
+                held = await engine.generate_all(it.prompt, SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS))
+                outs.append((plain_eos.token_ids, held.token_ids))
+            return outs
+
+    tree, plain = anyio.run(lambda: run(proposer="eagle", schedule="eager_fill")), anyio.run(lambda: run())
+    assert tree == plain and [len(eos) for eos, _ in plain[:2]] == [1, 1]
+    assert all(len(held) == MAX_TOKENS for _, held in plain)

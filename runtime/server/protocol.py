@@ -21,7 +21,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "suffix": (None,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None,), "tools": (None,),
     "tool_choice": (None,), "functions": (None,), "function_call": (None,), "response_format": (None,),
     "parallel_tool_calls": (None,), "audio": (None,), "modalities": (None,), "prediction": (None,),
-    "repetition_penalty": (1,), "min_tokens": (0,), "use_beam_search": (False,),
+    "repetition_penalty": (1,), "use_beam_search": (False,),
     "length_penalty": (1,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,)}
@@ -54,6 +54,7 @@ class _Common(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N, strict=True)  # choices per prompt (OpenAI's bound)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's: token ids that end a choice (kept in it)
+    min_tokens: int = Field(0, ge=0)  # vLLM's: tokens before EOS or a stop token id may come
     include_stop_str_in_output: bool = False  # vLLM's
     ignore_eos: bool = False
     stream: bool = False
@@ -86,7 +87,7 @@ class _Common(BaseModel):
         seed = None if self.seed is None else (self.seed + choice) % 2**63
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0), "min_p": self.min_p,
                 "seed": seed, "stop": self.stop_list(), "ignore_eos": self.ignore_eos,
-                "stop_token_ids": list(self.stop_token_ids or []),
+                "stop_token_ids": list(self.stop_token_ids or []), "min_tokens": self.min_tokens,
                 "include_stop_str_in_output": self.include_stop_str_in_output,
                 "logprobs": self.num_logprobs()}
 
