@@ -129,11 +129,9 @@ def replay_cmd(
         _fail(str(e))
     _note_stand_ins(sim.header.extra["stand_ins"], "the replay")
     if profile is None:
-        from specsched.simulator.analysis import decode_batch_sizes
+        from specsched.simulator.analysis import batch_span, decode_batch_sizes
 
-        fitted, ran = decode_batch_sizes(tr), decode_batch_sizes(sim)
-        _note_extrapolation([fitted.start, fitted.stop - 1] if fitted else None,
-                            [ran.start, ran.stop - 1] if ran else None, "the replay")
+        _note_extrapolation(batch_span(decode_batch_sizes(tr)), batch_span(decode_batch_sizes(sim)), "the replay")
     if trace_out:
         write_trace(sim, trace_out)
     if json_out:

@@ -15,15 +15,15 @@ import itertools
 import logging
 import time
 from pathlib import Path
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import anyio
 import numpy as np
 
 from specsched.runtime.detokenize import Detokenizer
+from specsched.runtime.outputs import (Finished, PromptLogprobs, RequestOutput, Stream, StreamSink, TokenLogprob,
+                                      token_logprobs)
 from specsched.runtime.engine_checks import check_engine
 from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.proposers.ngram import host_drafter
@@ -49,101 +49,6 @@ class MonotonicClock:
         return time.monotonic_ns()
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A generated token's log-probability under the target (log-softmax of its raw logits, as vLLM's default
-    `raw_logprobs`) and the most likely tokens there."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, log-probability), most likely first: `SamplingParams.logprobs` of them
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    token_ids: list[int]  # new tokens since the previous output
-    text: str  # new text since the previous output
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str | None = None
-    num_output_tokens: int = 0
-    spec: dict = field(default_factory=dict)  # per-request speculative stats (on finish)
-    logprobs: list[TokenLogprob] | None = None  # per new token, with `SamplingParams.logprobs`
-    # with `SamplingParams.prompt_logprobs`, on the first output: per prompt token (None for the first, which nothing
-    # scores)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-
-def _token_logprobs(item: "_Tokens", n: int) -> list[TokenLogprob] | None:
-    """The first n tokens of a stream item with their log-probabilities (None where it has none)."""
-    if item.logprobs is None:
-        return None
-    tok, ids, lps = (a.tolist() for a in item.logprobs)
-    return [TokenLogprob(t, tok[j], list(zip(ids[j], lps[j]))) for j, t in enumerate(item.token_ids[:n])]
-
-
-@dataclass
-class _Tokens:
-    """Stream item: token ids the pipeline appended to the request's output (not decoded)."""
-    token_ids: list[int]
-    logprobs: tuple | None = None  # `OutputSink.on_tokens`' arrays
-
-
-@dataclass
-class _PromptLogprobs:
-    """Stream item: prompt tokens first, first + 1, ... scored (`OutputSink.on_prompt_logprobs`)."""
-    first: int
-    logprobs: tuple
-
-
-@dataclass
-class _Finished:
-    """Stream item: the pipeline finished the request."""
-    reason: str | None
-    error: str | None
-    num_output_tokens: int
-    spec: dict
-
-
-class _Stream:
-    """Items of one request, from the pipeline to its consumer (`generate`); bounded by
-    max_tokens + 1 items by construction (each `_Tokens` holds at least one token)."""
-
-    def __init__(self) -> None:
-        self.items: deque[_Tokens | _Finished] = deque()
-        self.event = anyio.Event()
-
-    def push(self, item: _Tokens | _Finished) -> None:
-        self.items.append(item)
-        self.event.set()
-
-
-class _Sink:
-    """The pipeline's side of each request's stream: raw token ids and the finish go into it;
-    the step loop does no detokenizing (the consumer, `AsyncEngine.generate`, does)."""
-
-    wants_token_ids = True
-
-    def __init__(self, engine: "AsyncEngine"):
-        self.engine = engine
-
-    def on_tokens(self, req: Request, token_ids: list[int], logprobs: tuple | None = None) -> None:
-        st = self.engine._streams.get(req.request_id)
-        if st is not None and token_ids:
-            st.push(_Tokens(list(token_ids), logprobs))
-
-    def on_prompt_logprobs(self, req: Request, first: int, logprobs: tuple) -> None:
-        st = self.engine._streams.get(req.request_id)
-        if st is not None:
-            st.push(_PromptLogprobs(first, logprobs))
-
-    def on_finish(self, req: Request) -> None:
-        st = self.engine._streams.get(req.request_id)
-        if st is not None:
-            st.push(_Finished(req.finish_reason, req.error, req.num_output_tokens, req.spec_stats()))
-
-
 def _token_ids(prompt: object) -> list[int]:
     """A prompt given as token ids, as a list of ints; InvalidRequestError naming the first
     element that is not an integer id. No coercion: int() would run 5.9 as 5, and True as 1.
@@ -167,7 +72,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, *, tracer=None):
         self.config = config or EngineConfig()
         self.tracer = tracer or NULL_TRACER
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._ids = itertools.count()
         self._pipeline: Pipeline | None = None
         self._tg = None
@@ -247,7 +152,7 @@ class AsyncEngine:
             self._pipeline = build_pipeline(
                 spec, c.schedule, num_pages=c.num_pages, page_size=c.page_size,
                 max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-                device=self.device, clock=MonotonicClock(), sink=_Sink(self), tracer=self.tracer,
+                device=self.device, clock=MonotonicClock(), sink=StreamSink(self), tracer=self.tracer,
                 eos_token_ids=self.tokenizer.eos_token_ids, adaptive=c.adaptive, seed_costs=self._seed_costs,
                 drafter=host_drafter(spec, c.ngram_min, c.ngram_max), max_kept_tokens=c.max_kept_hidden_tokens,
                 uniform_verify=bool(c.graph_sizes()))
@@ -402,7 +307,7 @@ class AsyncEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
-        st = _Stream()
+        st = Stream()
         self._streams[rid] = st
         req = Request(rid, ids, params, arrival_ns=time.monotonic_ns())
         self._pipeline.add_request(req)
@@ -425,13 +330,14 @@ class AsyncEngine:
             while True:
                 while st.items:
                     item = st.items.popleft()
-                    if isinstance(item, _PromptLogprobs):
+                    if isinstance(item, PromptLogprobs):
                         if scored is not None:
-                            tok, top_ids, top = (a.tolist() for a in item.logprobs)
-                            for j, (t, i, v) in enumerate(zip(tok, top_ids, top)):
-                                scored[item.first + j] = TokenLogprob(ids[item.first + j], t, list(zip(i, v)))
+                            first = item.first
+                            for j, lp in enumerate(token_logprobs(ids[first : first + len(item.logprobs[0])],
+                                                                   item.logprobs)):
+                                scored[first + j] = lp
                         continue
-                    if isinstance(item, _Finished):
+                    if isinstance(item, Finished):
                         yield RequestOutput(rid, [], detok.flush(), True, item.reason, item.error,
                                             item.num_output_tokens, item.spec,
                                             None if params.logprobs is None else [], prompt_logprobs())
@@ -446,11 +352,13 @@ class AsyncEngine:
                         stopped = True
                         self._pipeline.stop_request(rid, kept)
                         yield RequestOutput(rid, item.token_ids[:keep], text, True, reason, None,
-                                            kept, req.spec_stats(), _token_logprobs(item, keep), prompt_logprobs())
+                                            kept, req.spec_stats(), token_logprobs(item.token_ids[:keep], item.logprobs),
+                                            prompt_logprobs())
                         return
                     if keep or text:
                         yield RequestOutput(rid, item.token_ids[:keep], text, num_output_tokens=kept,
-                                            logprobs=_token_logprobs(item, keep), prompt_logprobs=prompt_logprobs())
+                                            logprobs=token_logprobs(item.token_ids[:keep], item.logprobs),
+                                            prompt_logprobs=prompt_logprobs())
                 st.event = anyio.Event()
                 if st.items:
                     continue

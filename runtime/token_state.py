@@ -37,9 +37,20 @@ class SeqState:
     draft_q: torch.Tensor | None = None  # [D, V] draft distributions (sampled requests)
     extra: dict = field(default_factory=dict)  # proposer-specific state
 
+    @classmethod
+    def registered(cls, r: Any, generator: torch.Generator | None) -> "SeqState":
+        """A request's state from its registration (`scheduler.messages.Registration`)."""
+        return cls(float(r.temperature), int(r.top_k), float(r.top_p), generator, r.synthetic, r.key, r.logprobs,
+                   float(r.min_p), r.prompt_logprobs, r.prompt_len, r.min_tokens, tuple(r.suppress))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def scored(self) -> bool:
+        """Whether a step reads this row's logits beyond sampling: log-probabilities, or min_tokens holding tokens back."""
+        return self.logprobs is not None or self.prompt_logprobs is not None or self.min_tokens > 0
 
 
 class TokenBuffer:

@@ -18,7 +18,7 @@ Ops (scheduler/messages.py defines their typed messages and results):
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, is_dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -28,12 +28,13 @@ from specsched.runtime.attention import resolve_backend
 from specsched.runtime.dummy import load
 from specsched.runtime.layers import kernel_notes, pack_linears, use_cpu_kernels
 from specsched.runtime.proposers.factory import make_proposer
-from specsched.runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
+from specsched.runtime.logprobs import asked, prompt_logprobs, prompt_spans, token_logprobs
+from specsched.runtime.sampling import SamplingTensors, hold_back, logits_to_probs, make_generator, sample_logits
 from specsched.runtime.verify import (SyntheticDraws, greedy_verify, rejection_verify, synthetic_verify,
                                      threshold_verify)
 from specsched.runtime.worker_config import WorkerConfig
 from specsched.scheduler.messages import (AgreementMessage, AgreementResult, DraftMessage, DraftResult, FillMessage, FillResult, ForwardMessage,
-                                          ForwardResult, TokenLogprobs, VerifyMessage, VerifyResult)
+                                          ForwardResult, VerifyMessage, VerifyResult)
 from specsched.runtime.sync_guard import host_side, no_host_sync, to_device
 from specsched.runtime.token_state import SeqState, TokenBuffer
 from specsched.runtime.padding import Padding
@@ -45,16 +46,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _as_numpy(result: Any) -> dict[str, Any]:
-    """The result's tensor fields as numpy arrays, by field name (for `dataclasses.replace`)."""
+    """The result's tensor fields (its log-probabilities' too) as numpy arrays, by field name (for
+    `dataclasses.replace`)."""
     out = {}
     for f in getattr(result, "__dataclass_fields__", ()):
         v = getattr(result, f)
         if isinstance(v, torch.Tensor):
             out[f] = v.numpy()
-        elif isinstance(v, TokenLogprobs):
+        elif is_dataclass(v):
             out[f] = replace(v, **_as_numpy(v))
-        elif f == "prompt_logprobs" and v:
-            out[f] = tuple((i, first, replace(t, **_as_numpy(t))) for i, first, t in v)
     return out
 
 
@@ -111,10 +111,12 @@ class ModelWorker:
                 raise ValueError("acceptance 'synthetic' needs its definition (WorkerConfig.synthetic)")
             self.synthetic = SyntheticDraws(c.synthetic, self.device, c.seed) if c.synthetic is not None else None
             self.states: dict[int, SeqState] = {}
-            self.scoring: set[int] = set()  # slots of requests asking for log-probabilities (a step looks no further)
+            self.scoring: set[int] = set()  # slots whose state is `scored`: a step with none reads no further
             # request tokens live on the device, indexed by slot; a step's drafts sit right after
             # each row's last token, where the verify reads them with it in one gather
             self.draft_width = max(1, self.spec.num_candidates)
+            # a tree verify's columns: the last token (depth 0), then each node at its depth
+            self.column_depths = np.concatenate([[0], self.spec.tree_depths()]) if self.spec.is_tree else None
             # (room past the last position for a verify's window: its emitted columns, its drafts)
             self.tokens = TokenBuffer(self.target.config.max_position_embeddings + 1 + self.draft_width, self.device)
             self.ngram = c.ngram  # n-gram lookup lengths (the host drafts with them: `host_drafter`)
@@ -224,14 +226,8 @@ class ModelWorker:
 
     def _register(self, msg: ForwardMessage) -> None:
         for r in msg.register:
-            self.states[r.slot] = SeqState(float(r.temperature), int(r.top_k), float(r.top_p),
-                                           make_generator(r.seed, self.device), r.synthetic, r.key, r.logprobs,
-                                           float(r.min_p), r.prompt_logprobs, r.prompt_len, r.min_tokens,
-                                           tuple(r.suppress))
-            if r.logprobs is not None or r.prompt_logprobs is not None or r.min_tokens:
-                self.scoring.add(r.slot)
-            else:
-                self.scoring.discard(r.slot)
+            st = self.states[r.slot] = SeqState.registered(r, make_generator(r.seed, self.device))
+            (self.scoring.add if st.scored else self.scoring.discard)(r.slot)
             self.tokens.register(r.slot, list(r.token_ids))
             self.proposer.register(r.slot, r.token_ids)
 
@@ -283,33 +279,35 @@ class ModelWorker:
         plan, step, positions = self.plan(msg.plan)
         last = plan.qo_indptr[1:] - 1
         sample_rows = np.flatnonzero(msg.samples)
-        scored = self._prompt_scored(slots, msg.start, ends)
+        rows = [self.states[s] for s in slots] if self.scoring else []
+        spans = prompt_spans(rows, msg.start, ends)
         at = last[sample_rows]
-        if scored:  # the positions scoring prompt tokens too, after the sampling rows'
-            at = np.concatenate([at, *(plan.qo_indptr[i] + q - msg.start[i] + np.arange(n) for i, q, n in scored)])
+        if spans:  # the positions scoring prompt tokens too, after the sampling rows'
+            at = np.concatenate([at, *(plan.qo_indptr[i] + np.arange(n) for i, _, n in spans)])
         out = self.target(
             input_ids, step, self.kv, positions, logits_indices=to_device(at, self.device, torch.int64),
             return_hidden=self.proposer.needs_hidden, aux_layers=self.proposer.aux_layers,
         )
-        logits = out.logits[: sample_rows.size] if scored else out.logits
-        prompt_logprobs = self._prompt_logprobs(msg.slots, scored, out.logits[sample_rows.size:]) if scored else ()
+        logits = out.logits[: sample_rows.size] if spans else out.logits
+        scored, prompt_lps = (prompt_logprobs(rows, msg.slots, spans, out.logits[sample_rows.size:], self.tokens,
+                                               self.to_host) if spans else ((), None))
         logprobs = None
         if sample_rows.size:
             srows = [self.states[slots[i]] for i in sample_rows.tolist()]
-            held = self._held_back(srows, ends[sample_rows][:, None]) if self.scoring else None
-            new = sample_logits(logits if held is None else _suppressed(logits.unsqueeze(1), held).squeeze(1),
-                                self.sampling_tensors(srows)).to(torch.int64)
+            held = hold_back(logits.unsqueeze(1), srows, ends[sample_rows][:, None]).squeeze(1) if rows else logits
+            new = sample_logits(held, self.sampling_tensors(srows)).to(torch.int64)
             self.tokens.write(msg.slots[sample_rows], ends[sample_rows], new)  # each row's next token
             if sample_rows.size == len(slots):
                 tokens = new
             else:
                 tokens = torch.full((len(slots),), -1, dtype=torch.int64, device=self.device)
                 tokens[to_device(sample_rows, self.device)] = new
-            if self.scoring and any(st.logprobs is not None for st in srows):
+            k = asked(srows) if rows else None
+            if k is not None:
                 if sample_rows.size < len(slots):  # rows that sample nothing: their (unread) entries
                     logits = logits.new_zeros((len(slots), logits.shape[-1])).index_copy_(
                         0, to_device(sample_rows, self.device), logits)
-                logprobs = self._logprobs(srows, logits.unsqueeze(1), tokens.unsqueeze(1))
+                logprobs = token_logprobs(logits.unsqueeze(1), tokens.unsqueeze(1), k, self.to_host)
         else:
             tokens = torch.full((len(slots),), -1, dtype=torch.int64, device=self.device)
         if self.proposer.needs_hidden:
@@ -319,47 +317,7 @@ class ModelWorker:
                 self.proposer.keep_hidden(msg.slots, msg.start, plan.qo_indptr, out.hidden)
         host = self.to_host(tokens)
         self.proposer.emitted(slots, host, None)
-        return ForwardResult(host, logprobs, prompt_logprobs)
-
-    def _held_back(self, rows: list[SeqState], positions: np.ndarray) -> list[tuple[int, np.ndarray, tuple]] | None:
-        """Per row with `min_tokens` not yet reached: (row, the columns of `positions` [B, W] -- where its emitted
-        tokens land -- still inside its first min_tokens outputs, the token ids held back there); None if none."""
-        out = []
-        for i, st in enumerate(rows):
-            if st.min_tokens:
-                cols = np.flatnonzero(positions[i] - st.prompt_len < st.min_tokens)
-                if cols.size:
-                    out.append((i, cols, st.suppress))
-        return out or None
-
-    def _prompt_scored(self, slots: list[int], starts: np.ndarray, ends: np.ndarray) -> list[tuple[int, int, int]]:
-        """(row, first position, count) of the positions whose logits score the next prompt token, for the rows of
-        requests with `prompt_logprobs` (position q scores prompt token q + 1)."""
-        out = []
-        if not self.scoring:
-            return out
-        for i, s in enumerate(slots):
-            st = self.states[s]
-            if st.prompt_logprobs is not None:
-                n = min(int(ends[i]), st.prompt_len - 1) - int(starts[i])
-                if n > 0:
-                    out.append((i, int(starts[i]), n))
-        return out
-
-    def _prompt_logprobs(self, slots: np.ndarray, scored: list[tuple[int, int, int]], logits: torch.Tensor
-                         ) -> tuple[tuple[int, int, TokenLogprobs], ...]:
-        """Per scored row: (row, index of the first prompt token scored, its tokens' TokenLogprobs [1, n, ...]) from
-        the logits [sum n, V] of the scoring positions (`_prompt_scored`)."""
-        rows = [self.states[int(slots[i])] for i, _, _ in scored]
-        k = max(st.prompt_logprobs for st in rows)
-        nxt = self.tokens.at(np.concatenate([np.full(n, slots[i]) for i, _, n in scored]),
-                             np.concatenate([q + 1 + np.arange(n) for _, q, n in scored]))
-        lp = self._logprobs(rows, logits.unsqueeze(0), nxt.unsqueeze(0), k)
-        out, a = [], 0
-        for i, q, n in scored:
-            out.append((i, q + 1, TokenLogprobs(lp.token[:, a : a + n], lp.top_ids[:, a : a + n], lp.top[:, a : a + n])))
-            a += n
-        return tuple(out)
+        return ForwardResult(host, logprobs, scored, prompt_lps)
 
     # -- speculation ------------------------------------------------------------------------------
     def op_draft(self, msg: DraftMessage) -> DraftResult:
@@ -393,10 +351,8 @@ class ModelWorker:
         last, draft_t = grid[:, 0], grid[:, 1:]
         raw = logits  # the log-probabilities' (before min_tokens holds a token back)
         if self.scoring:  # column c emits the token at position start + 1 + its depth
-            depth = np.concatenate([[0], self.spec.tree_depths()]) if self.spec.is_tree else np.arange(width)
-            held = self._held_back(rows, msg.start[:, None] + 1 + depth[None, :])
-            if held is not None:
-                logits = _suppressed(logits, held)
+            depth = self.column_depths if self.spec.is_tree else np.arange(width)
+            logits = hold_back(logits, rows, msg.start[:, None] + 1 + depth[None, :])
         t1 = time.monotonic_ns()
         if self.spec.is_tree:
             res = self.proposer.accept_tree(msg, rows, draft_t, last, logits, plan, hidden)
@@ -434,28 +390,17 @@ class ModelWorker:
         for st in rows:
             st.draft_len = 0
             st.draft_q = None
-        logprobs = None
-        if self.scoring and any(st.logprobs is not None for st in rows):
+        logprobs, k = None, asked(rows) if self.scoring else None
+        if k is not None:
             if self.spec.is_tree:  # emitted token j comes from the accepted node at depth j (the root: 0)
                 node = torch.cat([torch.zeros_like(res.num_accepted).unsqueeze(-1), res.accepted_nodes.clamp(min=0)], 1)
                 raw = raw.gather(1, node.unsqueeze(-1).expand(-1, -1, raw.shape[-1]))
-            logprobs = self._logprobs(rows, raw, emitted)
+            logprobs = token_logprobs(raw, emitted, k, self.to_host)
         accepted, tokens = self.to_host(res.num_accepted), self.to_host(emitted)
         self.proposer.emitted(slots, tokens, accepted)
         t2 = time.monotonic_ns()
         return VerifyResult(accepted, tokens, np.asarray(draft_lens, dtype=np.int64), logprobs,
                             substages=(("verify", t0, t1), ("accept", t1, t2)))
-
-    def _logprobs(self, rows: list[SeqState], logits: torch.Tensor, tokens: torch.Tensor,
-                  k: int | None = None) -> TokenLogprobs:
-        """The log-probabilities of the tokens [B, W] emitted from logits [B, W, V] (raw: before temperature, top-k
-        and top-p) and the k most likely tokens there (default: as many as the rows ask for at most), on the host."""
-        if k is None:
-            k = max(st.logprobs for st in rows if st.logprobs is not None)
-        lsm = torch.log_softmax(logits.float(), dim=-1)
-        token = lsm.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        top = lsm.topk(k, dim=-1)
-        return TokenLogprobs(self.to_host(token), self.to_host(top.indices), self.to_host(top.values))
 
     def _verify_forward(self, plan: AttentionPlan, step: Any, positions: torch.Tensor, input_ids: torch.Tensor,
                         b: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -487,12 +432,3 @@ class ModelWorker:
         """Per output position: does the proposer's greedy guess equal the emitted token?"""
         return AgreementResult(self.proposer.agreement(msg.prompt, msg.output))
 
-
-def _suppressed(logits: torch.Tensor, held: list[tuple[int, np.ndarray, tuple]]) -> torch.Tensor:
-    """A copy of logits [B, W, V] with each held-back token at -inf in its row's columns (`ModelWorker._held_back`):
-    the target's distribution under min_tokens, which acceptance and sampling both read, so speculation stays
-    lossless (a draft of a held-back token is rejected)."""
-    logits = logits.clone()
-    for i, cols, ids in held:
-        logits[i, to_device(cols, logits.device, torch.int64).unsqueeze(-1), to_device(list(ids), logits.device, torch.int64)] = float("-inf")
-    return logits

@@ -94,10 +94,11 @@ class Launcher:
         """New tokens to the sink (with their log-probabilities where the step's `result` has them), each finish to
         the device (released with the next launch), the trace and the sink. Returns [B] tokens each row kept."""
         on_tokens = self.sink.on_tokens
-        for i, first, pl in getattr(result, "prompt_logprobs", ()):
+        at = 0
+        for i, first, n in getattr(result, "prompt_spans", ()):
             r = batch.requests[i]
-            k = r.params.prompt_logprobs
-            self.sink.on_prompt_logprobs(r, first, (pl.token[0], pl.top_ids[0, :, :k], pl.top[0, :, :k]))
+            self.sink.on_prompt_logprobs(r, first, result.prompt_logprobs.row(0, r.params.prompt_logprobs, n, at))
+            at += n
         lp = getattr(result, "logprobs", None)
         rows = {} if lp is None else {id(r): i for i, r in enumerate(batch.requests) if r.params.logprobs is not None}
         for r, tokens in out.tokens:
@@ -105,8 +106,7 @@ class Launcher:
             if i is None:
                 on_tokens(r, tokens)
             else:
-                n, k = len(tokens), r.params.logprobs
-                on_tokens(r, tokens, (lp.token[i, :n], lp.top_ids[i, :n, :k], lp.top[i, :n, :k]))
+                on_tokens(r, tokens, lp.row(i, r.params.logprobs, len(tokens)))
         if out.finished:
             self.release.extend([r.slot for r in out.finished])
             finish, on_finish = self.trace.tracer.finish, self.sink.on_finish

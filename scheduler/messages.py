@@ -170,14 +170,21 @@ class TokenLogprobs:
     top_ids: np.ndarray  # [B, W, K] the K most likely tokens there, most likely first
     top: np.ndarray  # [B, W, K] their log-probabilities
 
+    def row(self, i: int, k: int, n: int | None = None, start: int = 0) -> tuple:
+        """Row i's n positions from `start` (to its end: None) with its k most likely: ([n], [n, k] ids, [n, k]
+        log-probabilities), as `OutputSink.on_tokens` takes them."""
+        end = None if n is None else start + n
+        return self.token[i, start:end], self.top_ids[i, start:end, :k], self.top[i, start:end, :k]
+
 
 @dataclass(frozen=True, slots=True)
 class ForwardResult(Result):
     tokens: np.ndarray  # [B] sampled token per row (-1 where the row does not sample)
     logprobs: TokenLogprobs | None = None  # W = 1
     # rows computing prompt tokens of a request with `prompt_logprobs`: (row, index of the first prompt token scored,
-    # TokenLogprobs [1, n, ...] of prompt tokens first .. first + n - 1)
-    prompt_logprobs: tuple[tuple[int, int, TokenLogprobs], ...] = ()
+    # count n), their tokens' log-probabilities one row after another in `prompt_logprobs` (B = 1, W = the sum of n)
+    prompt_spans: tuple[tuple[int, int, int], ...] = ()
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)

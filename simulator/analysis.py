@@ -151,7 +151,7 @@ def ab(trace, a: ReplayConfig, b: ReplayConfig, *, profile: CostProfile | None =
     ran = [[], []]  # each variant's decode batch sizes over the replicates
     for ma, mb, (fa, ga), (fb, gb), stand_ins, sizes in pairs:
         for seen, r in zip(ran, sizes):
-            seen += [r.start, r.stop - 1] if r else []
+            seen += batch_span(r) or []
         thr.append(mb["output_tokens_per_s"] - ma["output_tokens_per_s"])
         ttft_d += [fb[k] - fa[k] for k in fa if k in fb]
         tpot_d += [gb[k] - ga[k] for k in ga if k in gb]
@@ -166,10 +166,9 @@ def ab(trace, a: ReplayConfig, b: ReplayConfig, *, profile: CostProfile | None =
         res[name] = {"diff_mean": mean, "ci95": [lo, hi], "verdict": verdict}
     # what each variant priced with stand-ins (the last replicate's; see VirtualDevice.stand_ins), and the smallest and
     # largest decode batch each ran (the trace's: what its costs were fitted on)
-    captured = decode_batch_sizes(trace)
     return {"a": ma, "b": mb, "diff_b_minus_a": res, "replicates": replicates,
             "stand_ins": {"a": stand_ins[0], "b": stand_ins[1]},
-            "decode_batch_sizes": {"trace": [captured.start, captured.stop - 1] if captured else None,
+            "decode_batch_sizes": {"trace": batch_span(decode_batch_sizes(trace)),
                                    **{v: [min(s), max(s)] if s else None for v, s in zip("ab", ran)}}}
 
 
@@ -209,6 +208,11 @@ def decode_batch_sizes(trace) -> range:
     costs fitted on it price a step without extrapolating."""
     sizes = [len(st.request_ids) for st in trace.steps if st.kind in ("spec", "decode")]
     return range(min(sizes), max(sizes) + 1) if sizes else range(0)
+
+
+def batch_span(sizes: range) -> list[int] | None:
+    """[smallest, largest] of a range of batch sizes, None if it is empty (as results and notes give them)."""
+    return [sizes.start, sizes.stop - 1] if sizes else None
 
 
 def tune(traces, *, profile: CostProfile | list[CostProfile] | None = None, draft_lens: list[int] | None = None,

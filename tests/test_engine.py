@@ -13,7 +13,8 @@ import pytest
 
 from specsched.runtime import bundled
 from specsched.runtime.detokenize import Detokenizer
-from specsched.runtime.engine import AsyncEngine, _Sink
+from specsched.runtime.engine import AsyncEngine
+from specsched.runtime.outputs import StreamSink
 from specsched.runtime.engine_config import EngineConfig
 from specsched.runtime.tokenizer import Tokenizer
 from specsched.scheduler.errors import ConfigurationError, InvalidRequestError
@@ -45,6 +46,14 @@ async def _run_all(cfg, prompts, params, concurrent=True):
         kv = eng.kv_stats()
         assert kv.num_free_pages == kv.num_pages and not kv.pages_by_request, "pages leaked"
     return outs
+
+
+async def _settled(eng) -> None:
+    """Until the engine has no unfinished request (at most 2 s)."""
+    for _ in range(200):
+        if not eng.num_unfinished_requests():
+            return
+        await anyio.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -166,10 +175,7 @@ def test_a_stop_token_id_ends_the_request_at_that_token_which_it_keeps(tiny_fami
     async def main(**kw):
         async with AsyncEngine(_cfg(tiny_family, **kw)) as eng:
             out = await eng.generate_all(PROMPTS[0], params)
-            for _ in range(200):  # the pipeline finishes it at its next step boundary
-                if not eng.num_unfinished_requests():
-                    break
-                await anyio.sleep(0.01)
+            await _settled(eng)  # the pipeline finishes a stopped request at its next step boundary
             return out, eng.kv_stats().num_used_pages
 
     for kw in ({}, {"proposer": "draft", "draft_len": 3, "schedule": "overlap"}):
@@ -223,10 +229,7 @@ def test_stop_string_finishes_the_request_in_the_pipeline(tiny_family, reference
             streamed = [t for o in outs for t in o.token_ids]
             assert streamed == reference[0][:len(streamed)] and len(streamed) < len(reference[0])
             assert outs[-1].num_output_tokens == len(streamed)
-            for _ in range(200):  # the pipeline finishes it at its next step boundary
-                if not eng.num_unfinished_requests():
-                    break
-                await anyio.sleep(0.01)
+            await _settled(eng)  # the pipeline finishes a stopped request at its next step boundary
             assert eng.num_unfinished_requests() == 0
             assert eng.kv_stats().num_used_pages == 0
             return streamed
@@ -250,10 +253,7 @@ def test_cancel_consumer_aborts_and_frees_pages(tiny_family):
                 while len(got) < 3:
                     await anyio.sleep(0.01)
                 tg.cancel_scope.cancel()
-            for _ in range(200):
-                if not eng.num_unfinished_requests():
-                    break
-                await anyio.sleep(0.01)
+            await _settled(eng)  # the pipeline finishes an aborted request at its next step boundary
             assert not eng.num_unfinished_requests()
             assert eng.kv_stats().num_free_pages == eng.kv_stats().num_pages
             # the engine still serves
@@ -563,7 +563,7 @@ def _consume(tiny_family, chunks, params, finish="stop"):
     (the outputs it yields, the scripted pipeline)."""
     async def main():
         eng = AsyncEngine(_cfg(tiny_family))
-        eng._pipeline = pipe = _ScriptedPipeline(_Sink(eng), chunks, finish)
+        eng._pipeline = pipe = _ScriptedPipeline(StreamSink(eng), chunks, finish)
         outs = [out async for out in eng.generate("x", params, request_id="r")]
         assert not eng._streams
         return outs, pipe
@@ -572,17 +572,17 @@ def _consume(tiny_family, chunks, params, finish="stop"):
 
 def test_sink_hands_the_stream_raw_token_ids(btok):
     """The pipeline's side does no detokenizing: it queues the token ids and the finish."""
-    from specsched.runtime.engine import _Finished, _Tokens
+    from specsched.runtime.outputs import Finished, Tokens
 
     items = []
     eng = SimpleNamespace(_streams={"r": SimpleNamespace(push=items.append)})
     req = SimpleNamespace(request_id="r", num_output_tokens=3, finish_reason="length", error=None,
                           spec_stats=lambda: {"drafts": 2})
-    sink = _Sink(eng)
+    sink = StreamSink(eng)
     assert sink.on_tokens(req, [5, 6, 7]) is None
     sink.on_tokens(req, [])  # nothing new: nothing queued
     sink.on_finish(req)
-    assert items == [_Tokens([5, 6, 7]), _Finished("length", None, 3, {"drafts": 2})]
+    assert items == [Tokens([5, 6, 7]), Finished("length", None, 3, {"drafts": 2})]
     sink.on_tokens(SimpleNamespace(request_id="gone"), [8])  # its consumer left: dropped
     assert len(items) == 2
 

@@ -255,6 +255,17 @@ def _metrics(url: str) -> dict:
     return out
 
 
+def _metrics_when_idle(url: str, timeout: float = 10.0) -> dict:
+    """The server's metrics once no request runs and no page is used (or at the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(url)
+        idle = m[("specsched:kv_pages_used", ())] == 0 and m[("vllm:num_requests_running", ())] == 0
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
 def test_disconnected_streams_free_their_pages_and_the_rest_match_solo_runs(server, embedded_texts):
     def stream(i: int, results: dict) -> None:
         with httpx.stream("POST", server + "/v1/completions", timeout=60,
@@ -275,12 +286,7 @@ def test_disconnected_streams_free_their_pages_and_the_rest_match_solo_runs(serv
     for t in threads:
         t.join(60)
     assert {i: results[i] for i in results} == {i: embedded_texts[i % 2] for i in range(16) if i % 3}
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        m = _metrics(server)
-        if m[("specsched:kv_pages_used", ())] == 0 and m[("vllm:num_requests_running", ())] == 0:
-            break
-        time.sleep(0.1)
+    m = _metrics_when_idle(server)
     assert m[("specsched:kv_pages_used", ())] == 0 and m[("vllm:num_requests_running", ())] == 0
     assert m[("vllm:request_success_total", (("finished_reason", "abort"),))] >= 1
 
@@ -292,12 +298,7 @@ def test_a_disconnected_stream_of_several_choices_aborts_them_all(server):
     body = {"prompt": PROMPTS, "n": 3, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60) as r:
         next(line for line in r.iter_lines() if line.startswith("data: {"))
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        m = _metrics(server)
-        if m[("specsched:kv_pages_used", ())] == 0 and m[("vllm:num_requests_running", ())] == 0:
-            break
-        time.sleep(0.1)
+    m = _metrics_when_idle(server)
     assert m[("specsched:kv_pages_used", ())] == 0 and m[("vllm:num_requests_running", ())] == 0
     assert m[("vllm:request_success_total", (("finished_reason", "abort"),))] - before == 6
 
