@@ -269,6 +269,9 @@ class AsyncEngine:
                 raise InvalidRequestError(f"token ids outside the vocabulary: {bad[:5]}")
         if not ids:
             raise InvalidRequestError("empty prompt")
+        bad = [t for t in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias names token ids outside the vocabulary ({self.vocab_size}): {bad[:5]}")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt of {len(ids)} tokens is longer than the model allows ({self.max_model_len - 1})"

@@ -284,23 +284,3 @@ def sample_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
             raise ValueError(f"logits must be [B={st.batch_size}, V], got {tuple(logits.shape)}")
         return logits.argmax(dim=-1)
     return sample(logits_to_probs(logits, st), st.generators, st.greedy if st.any_greedy else None)
-
-
-def hold_back(logits: torch.Tensor, rows: Sequence, positions: np.ndarray) -> torch.Tensor:
-    """vLLM's min_tokens: logits [B, W, V] whose column j of row i emits the token at positions[i, j] -- a copy with
-    the row's held-back ids (`suppress`: EOS and its stop token ids) at -inf wherever that token is among its first
-    `min_tokens` outputs; the logits themselves where no row holds anything back. Sampling and acceptance both read
-    the result, so speculation stays lossless (a draft of a held-back token is rejected)."""
-    held = []
-    for i, st in enumerate(rows):
-        if st.min_tokens:
-            cols = np.flatnonzero(positions[i] - st.prompt_len < st.min_tokens)
-            if cols.size:
-                held.append((i, cols, list(st.suppress)))
-    if not held:
-        return logits
-    logits = logits.clone()
-    for i, cols, ids in held:
-        logits[i, to_device(cols, logits.device, torch.int64).unsqueeze(-1),
-               to_device(ids, logits.device, torch.int64)] = float("-inf")
-    return logits

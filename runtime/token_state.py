@@ -32,6 +32,7 @@ class SeqState:
     prompt_len: int = 0
     min_tokens: int = 0  # before this many output tokens, `suppress` (EOS, stop token ids) may not be generated
     suppress: tuple[int, ...] = ()
+    adjust: Any = None  # its logit bias and penalties (a `LogitsAdjust`), None: none
     carried: torch.Tensor | None = None  # [V] proposer logits for the next token
     draft_len: int = 0  # this step's drafts in the worker's draft buffer (known without a sync)
     draft_q: torch.Tensor | None = None  # [D, V] draft distributions (sampled requests)
@@ -41,7 +42,7 @@ class SeqState:
     def registered(cls, r: Any, generator: torch.Generator | None) -> "SeqState":
         """A request's state from its registration (`scheduler.messages.Registration`)."""
         return cls(float(r.temperature), int(r.top_k), float(r.top_p), generator, r.synthetic, r.key, r.logprobs,
-                   float(r.min_p), r.prompt_logprobs, r.prompt_len, r.min_tokens, tuple(r.suppress))
+                   float(r.min_p), r.prompt_logprobs, r.prompt_len, r.min_tokens, tuple(r.suppress), r.adjust)
 
     @property
     def greedy(self) -> bool:
@@ -49,8 +50,10 @@ class SeqState:
 
     @property
     def scored(self) -> bool:
-        """Whether a step reads this row's logits beyond sampling: log-probabilities, or min_tokens holding tokens back."""
-        return self.logprobs is not None or self.prompt_logprobs is not None or self.min_tokens > 0
+        """Whether a step reads this row's logits beyond sampling: log-probabilities, or min_tokens holding tokens back,
+        or a logit bias or penalty changing them."""
+        return (self.logprobs is not None or self.prompt_logprobs is not None or self.min_tokens > 0
+                or self.adjust is not None)
 
 
 class TokenBuffer:

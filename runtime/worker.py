@@ -29,7 +29,8 @@ from specsched.runtime.dummy import load
 from specsched.runtime.layers import kernel_notes, pack_linears, use_cpu_kernels
 from specsched.runtime.proposers.factory import make_proposer
 from specsched.runtime.logprobs import asked, prompt_logprobs, prompt_spans, token_logprobs
-from specsched.runtime.sampling import SamplingTensors, hold_back, logits_to_probs, make_generator, sample_logits
+from specsched.runtime.logits_processors import process_logits, window_paths
+from specsched.runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
 from specsched.runtime.verify import (SyntheticDraws, greedy_verify, rejection_verify, synthetic_verify,
                                      threshold_verify)
 from specsched.runtime.worker_config import WorkerConfig
@@ -116,7 +117,10 @@ class ModelWorker:
             # each row's last token, where the verify reads them with it in one gather
             self.draft_width = max(1, self.spec.num_candidates)
             # a tree verify's columns: the last token (depth 0), then each node at its depth
-            self.column_depths = np.concatenate([[0], self.spec.tree_depths()]) if self.spec.is_tree else None
+            self.column_depths = (np.concatenate([[0], self.spec.tree_depths()]) if self.spec.is_tree
+                                  else np.arange(1 + self.draft_width))
+            # which of a verify's columns come before each on its path (the drafts a penalty counts)
+            self.window_paths = window_paths(len(self.column_depths), self.spec.tree_parents)
             # (room past the last position for a verify's window: its emitted columns, its drafts)
             self.tokens = TokenBuffer(self.target.config.max_position_embeddings + 1 + self.draft_width, self.device)
             self.ngram = c.ngram  # n-gram lookup lengths (the host drafts with them: `host_drafter`)
@@ -294,7 +298,8 @@ class ModelWorker:
         logprobs = None
         if sample_rows.size:
             srows = [self.states[slots[i]] for i in sample_rows.tolist()]
-            held = hold_back(logits.unsqueeze(1), srows, ends[sample_rows][:, None]).squeeze(1) if rows else logits
+            held = (process_logits(logits.unsqueeze(1), srows, self.tokens, msg.slots[sample_rows], ends[sample_rows],
+                                   np.zeros(1)).squeeze(1) if rows else logits)
             new = sample_logits(held, self.sampling_tensors(srows)).to(torch.int64)
             self.tokens.write(msg.slots[sample_rows], ends[sample_rows], new)  # each row's next token
             if sample_rows.size == len(slots):
@@ -349,10 +354,10 @@ class ModelWorker:
             grid = input_ids.new_zeros(b * width).index_copy_(0, at, input_ids).view(b, width)
             logits = logits.new_zeros((b * width, logits.shape[-1])).index_copy_(0, at, logits).view(b, width, -1)
         last, draft_t = grid[:, 0], grid[:, 1:]
-        raw = logits  # the log-probabilities' (before min_tokens holds a token back)
+        raw = logits  # the log-probabilities' (before min_tokens, a logit bias or a penalty changes them)
         if self.scoring:  # column c emits the token at position start + 1 + its depth
-            depth = self.column_depths if self.spec.is_tree else np.arange(width)
-            logits = hold_back(logits, rows, msg.start[:, None] + 1 + depth[None, :])
+            logits = process_logits(logits, rows, self.tokens, msg.slots, msg.start + 1, self.column_depths, grid,
+                                    self.window_paths)
         t1 = time.monotonic_ns()
         if self.spec.is_tree:
             res = self.proposer.accept_tree(msg, rows, draft_t, last, logits, plan, hidden)

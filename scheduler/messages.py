@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from specsched.scheduler.plan import AttentionPlan
+from specsched.scheduler.sampling_params import LogitsAdjust
 from specsched.scheduler.synthetic import SyntheticAcceptance
 
 
@@ -83,6 +84,7 @@ class Registration:
     prompt_len: int = 0  # its prompt's tokens (`token_ids` holds its output too after a preemption)
     min_tokens: int = 0  # `SamplingParams.min_tokens`: before them, `suppress` may not be generated
     suppress: tuple[int, ...] = ()  # EOS and the stop token ids, with min_tokens
+    adjust: LogitsAdjust | None = None  # `SamplingParams.logits_adjust()`: logit bias and penalties
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

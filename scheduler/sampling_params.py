@@ -1,6 +1,9 @@
 """Per-request sampling parameters (validated at the API boundary)."""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specsched.scheduler.errors import InvalidRequestError, field_errors
@@ -10,6 +13,20 @@ from specsched.scheduler.synthetic import SyntheticAcceptance
 # one), and wraps negative seeds; [0, 2**63): one seed per stream, and it fits the int64 of trace consumers.
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+
+
+@dataclass(frozen=True, slots=True)
+class LogitsAdjust:
+    """What a request changes in the target's logits before sampling and acceptance, vLLM's way: `logit_bias` added,
+    then the penalties -- a token in the prompt or the output so far has a positive logit divided by
+    `repetition_penalty` (a negative one multiplied), and every output token loses `frequency_penalty` per time it
+    was generated and `presence_penalty` once."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
 
 
 class SamplingParams(BaseModel):
@@ -28,6 +45,14 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end the request (included)")
     min_tokens: int = Field(0, ge=0, description="tokens before EOS or a stop token id may be generated")
     ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
+                                    description="subtracted from the logit of each token the output holds")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
+                                     description="subtracted from a token's logit once per time the output holds it")
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False, description=(
+        "divides the positive logits (multiplies the negative) of tokens in the prompt or the output; 1 = off"))
+    logit_bias: dict[int, float] = Field(default_factory=dict, description=(
+        "added to these token ids' logits before sampling, each in [-100, 100]"))
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
         "with each token its log-probability under the target (raw logits) and the this-many most likely"))
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
@@ -67,6 +92,15 @@ class SamplingParams(BaseModel):
             raise ValueError(f"stop token ids must be non-negative integers, got {v!r}")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[int, float]) -> dict[int, float]:
+        bad = [t for t, b in v.items() if t < 0 or not math.isfinite(b) or abs(b) > MAX_LOGIT_BIAS]
+        if bad:
+            raise ValueError(f"each logit_bias entry needs a token id >= 0 and a bias in [-100, 100]; bad: "
+                             f"{ {t: v[t] for t in bad[:5]} }")
+        return v
+
     @model_validator(mode="after")
     def _min_tokens(self) -> "SamplingParams":
         if self.min_tokens > self.max_tokens:
@@ -85,6 +119,13 @@ class SamplingParams(BaseModel):
         if length is None and rates is None:
             return None
         return SyntheticAcceptance(length, None if rates is None else tuple(rates), independent)
+
+    def logits_adjust(self) -> LogitsAdjust | None:
+        """The changes this request makes to the target's logits, None if it makes none."""
+        adjust = LogitsAdjust(float(self.presence_penalty), float(self.frequency_penalty),
+                              float(self.repetition_penalty), tuple(sorted((int(t), float(b))
+                                                                           for t, b in self.logit_bias.items() if b)))
+        return None if adjust == LogitsAdjust() else adjust
 
     @property
     def greedy(self) -> bool:

@@ -204,6 +204,83 @@ def test_min_tokens_holds_back_eos_and_stop_token_ids_until_reached(tiny_family,
         SamplingParams.make(max_tokens=4, min_tokens=5)
 
 
+# moderate frequency penalties: a token repeats a few times, then gives way -- where, depends on every count
+ADJUSTED = [dict(frequency_penalty=0.3), dict(frequency_penalty=0.1, repetition_penalty=1.1),
+            dict(logit_bias={40: 3.0, 41: -100.0}, presence_penalty=-0.5), dict(repetition_penalty=1.8)]
+
+
+async def _adjusted_outputs(cfg, plain_too: bool = False):
+    """PROMPTS[:4], each with its ADJUSTED parameters (greedy), at once (and each without them, one at a time)."""
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, **kw) for kw in ADJUSTED]
+    outs = [None] * 4
+    async with AsyncEngine(cfg) as eng:
+        async def one(i):
+            outs[i] = (await eng.generate_all(PROMPTS[i], params[i])).token_ids
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(one, i)
+        plain = [(await eng.generate_all(p, SamplingParams(max_tokens=24, ignore_eos=True))).token_ids
+                 for p in PROMPTS[:4]] if plain_too else None
+        kv = eng.kv_stats()
+        assert kv.num_free_pages == kv.num_pages and not kv.pages_by_request, "pages leaked"
+    return outs, plain
+
+
+@pytest.fixture(scope="module")
+def adjusted(tiny_family):
+    return anyio.run(lambda: _adjusted_outputs(_cfg(tiny_family), plain_too=True))
+
+
+def test_penalties_and_logit_bias_choose_the_greedy_token_of_the_adjusted_target_logits(tiny_family, adjusted):
+    """Each token of a greedy request with penalties or a logit bias is the argmax of transformers' logits there,
+    teacher-forced, after vLLM's adjustments written out here: bias added; a token in the prompt or the output so
+    far has a positive logit divided by repetition_penalty, a negative one multiplied; an output token loses
+    frequency_penalty per occurrence and presence_penalty once."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    tok = Tokenizer(Path(tiny_family["target"]) / "tokenizer.json")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_family["target"]).eval()
+    outs, plain = adjusted
+    for text, kw, out, base in zip(PROMPTS, ADJUSTED, outs, plain):
+        ids = tok.encode(text)
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + out])).logits[0, len(ids) - 1 : -1]
+        for j, t in enumerate(out):
+            row = logits[j].clone()
+            for b_id, b in kw.get("logit_bias", {}).items():
+                row[b_id] += b
+            counts = torch.bincount(torch.tensor(out[:j], dtype=torch.int64), minlength=row.numel()).float()
+            seen = counts > 0
+            seen[ids] = True
+            rep = kw.get("repetition_penalty", 1.0)
+            row = torch.where(seen, torch.where(row > 0, row / rep, row * rep), row)
+            row -= kw.get("frequency_penalty", 0.0) * counts + kw.get("presence_penalty", 0.0) * (counts > 0).float()
+            assert row[t] >= row.max() - 1e-4, (kw, j)
+        assert out != base, kw  # the adjustment changed the output
+    assert 41 not in outs[2]
+
+
+@pytest.mark.parametrize("proposer,schedule,d,pages", [("none", "plain_overlap", None, 512), ("draft", "overlap", 3, 512),
+                                                         ("draft", "eager_fill", 3, 512), ("ngram", "sync", 3, 512),
+                                                         ("draft", "sync", 3, 40)])
+def test_penalties_and_logit_bias_under_speculation_give_plain_decodings_tokens(tiny_family, adjusted, proposer,
+                                                                                schedule, d, pages):
+    """A verify's column counts the drafts before it as output (a repeated draft is penalized as plain decoding
+    would penalize it), four requests at once, also through preemption (40 pages)."""
+    cfg = _cfg(tiny_family, proposer=proposer, schedule=schedule, draft_len=d, num_pages=pages)
+    assert anyio.run(lambda: _adjusted_outputs(cfg))[0] == adjusted[0]
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused(tiny_family):
+    async def main():
+        async with AsyncEngine(_cfg(tiny_family)) as eng:
+            with pytest.raises(InvalidRequestError, match="logit_bias .*outside the vocabulary"):
+                await eng.generate_all(PROMPTS[0], SamplingParams(logit_bias={10**6: 1.0}))
+            assert (await eng.generate_all(PROMPTS[0], SamplingParams(max_tokens=2))).finish_reason == "length"
+    anyio.run(main)
+
+
 def test_stop_string_finishes_the_request_in_the_pipeline(tiny_family, reference):
     """A stop string found by the consumer finishes the request in the pipeline too: it leaves
     the pipeline as "stop", frees its pages, and its output is cut to the tokens streamed

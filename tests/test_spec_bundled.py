@@ -191,3 +191,29 @@ def test_min_tokens_under_an_eagle_tree_gives_plain_decodings_tokens():
     tree, plain = anyio.run(lambda: run(proposer="eagle", schedule="eager_fill")), anyio.run(lambda: run())
     assert tree == plain and [len(eos) for eos, _ in plain[:2]] == [1, 1]
     assert all(len(held) == MAX_TOKENS for _, held in plain)
+
+
+@pytest.mark.parametrize("proposer,schedule", [("eagle", "eager_fill"), ("mtp", "eager_fill")])
+def test_penalties_under_a_tree_and_a_head_give_plain_decodings_tokens(items, proposer, schedule):
+    """A tree's node counts the drafts on its own path (its ancestors) as output, a chain's column those before it:
+    frequency and repetition penalties give plain decoding's tokens, four requests at once."""
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    # penalties that favour repeats: drafts repeat, and whether a later node counts them decides its token
+    params = [SamplingParams(max_tokens=MAX_TOKENS, **kw) for kw in (
+        dict(presence_penalty=-1.0), dict(frequency_penalty=0.3), dict(repetition_penalty=0.8),
+        dict(frequency_penalty=-1.0))]
+
+    async def run(**kw):
+        outs = [None] * 4
+        async with AsyncEngine(EngineConfig.make(**kw)) as engine:
+            async def one(i):
+                outs[i] = (await engine.generate_all(items[i].prompt, params[i])).token_ids
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(one, i)
+        return outs
+
+    spec, plain = anyio.run(lambda: run(proposer=proposer, schedule=schedule, draft_len=3)), anyio.run(lambda: run())
+    assert spec == plain
