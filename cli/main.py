@@ -34,6 +34,12 @@ def generate(
     min_p: float = typer.Option(0.0, "--min-p", help="drop tokens below this share of the most likely's probability"),
     seed: Optional[int] = typer.Option(None),
     stop: list[str] = typer.Option([], help="stop string (repeatable)"),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty",
+                                             help="divide the positive logits of prompt and output tokens by this"),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty",
+                                            help="subtract this per occurrence of a token in the output"),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty",
+                                           help="subtract this from tokens the output holds"),
     spec: Optional[str] = typer.Option(None, help=f"proposer: {'|'.join(PROPOSERS)} (default: the "
                                        "--config file's, else none)"),
     draft_len: Optional[str] = typer.Option(None, "--draft-len", help="D, or 'auto': chosen per step "
@@ -72,7 +78,9 @@ def generate(
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     try:
         params = SamplingParams.make(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                     top_p=top_p, min_p=min_p, seed=seed, stop=list(stop))
+                                     top_p=top_p, min_p=min_p, seed=seed, stop=list(stop),
+                                     repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                                     presence_penalty=presence_penalty)
     except InvalidRequestError as e:
         _fail(str(e))
 

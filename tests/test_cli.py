@@ -131,6 +131,7 @@ def test_ab_gives_intervals_and_verdicts():
     (("serve", "a", "--model", "b"), "two models: 'a' and --model 'b'"),
     (("generate", "x", "--spec", "draft", "--draft-len", "4", "--max-num-batched-tokens", "2"),
      "max_num_batched_tokens (2) cannot hold one verification"),
+    (("generate", "x", "--presence-penalty", "3"), "presence_penalty: Input should be less than or equal to 2"),
     # and so does the demo (a request with fewer than 2 tokens left is never drafted for)
     (("demo", "--num-requests", "0"), "--num-requests"),
     (("demo", "--concurrency", "0"), "--concurrency"),

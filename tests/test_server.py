@@ -130,18 +130,52 @@ def test_fields_at_the_values_that_turn_them_off_are_accepted_and_others_refused
     vllm_bench = {"model": "m", "prompt": "x", "repetition_penalty": 1.0, "max_tokens": 8, "logprobs": None,
                   "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     assert CompletionRequest.model_validate(vllm_bench).max_tokens == 8
-    CompletionRequest.model_validate({"prompt": "x", "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
+    CompletionRequest.model_validate({"prompt": "x", "n": 1, "best_of": 1, "length_penalty": 1,
                                       "min_tokens": 0, "stop_token_ids": [], "skip_special_tokens": True})
     ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "logprobs": False,
                                           "top_logprobs": 0})
-    for field, value in [("frequency_penalty", 0.5), ("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("length_penalty", 2),
-                         ("best_of", 2), ("logit_bias", {"5": 1})]:
+    for field, value in [("length_penalty", 2), ("best_of", 2), ("tools", [{"type": "function"}]),
+                         ("skip_special_tokens", False)]:
         with pytest.raises(ValidationError, match=f"not supported by this server: {field}"):
             CompletionRequest.model_validate({"prompt": "x", field: value})
     with pytest.raises(ValidationError, match="logprobs\n  Input should be a valid integer"):
         CompletionRequest.model_validate({"prompt": "x", "logprobs": True})
     with pytest.raises(ValidationError, match="n\n  Input should be a valid integer"):
         CompletionRequest.model_validate({"prompt": "x", "n": True})
+
+
+def test_penalties_and_logit_bias_are_the_engines(server):
+    """OpenAI's presence_penalty, frequency_penalty and logit_bias (token ids as strings) and vLLM's
+    repetition_penalty give the embedded engine's text under the same parameters; a bias of 100 makes every token
+    that one; out-of-range values and keys that are not token ids are 400s naming the field."""
+    from specsched.runtime import bundled
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.runtime.tokenizer import Tokenizer
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.8, repetition_penalty=1.3)
+
+    async def embedded():
+        async with AsyncEngine(EngineConfig()) as engine:
+            return [(await engine.generate_all(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **kw))).text
+                    for p, kw in ((PROMPTS[1], penalties), (PROMPTS[1], {}))]
+
+    want, plain = anyio.run(embedded)
+    assert want != plain  # the penalties change this output
+    c = client(server)
+    kw = dict(model="bundled/target", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
+    r = c.completions.create(**kw, presence_penalty=0.5, frequency_penalty=0.8,
+                             extra_body={"repetition_penalty": 1.3, "ignore_eos": True})
+    assert r.choices[0].text == want
+    token = Tokenizer(bundled.tokenizer_path(bundled.target_dir())).encode(" banana")[0]
+    r = c.completions.create(**kw, logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == Tokenizer(bundled.tokenizer_path(bundled.target_dir())).decode([token] * MAX_TOKENS)
+    for body, field in [({"presence_penalty": 2.5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                        ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {str(token): 101}}, "logit_bias"),
+                        ({"logit_bias": {"99999999": 1}}, "logit_bias")]:
+        r = httpx.post(server + "/v1/completions", json={"prompt": "x", "max_tokens": 2, **body})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (body, r.text)
 
 
 def test_a_batch_of_prompts_times_n_gives_choice_i_times_n_plus_j(server, embedded_texts):

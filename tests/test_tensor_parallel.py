@@ -298,7 +298,9 @@ def test_generate_with_tp2_on_the_command_line_prints_the_tp1_text():
         assert res.exit_code == 0, res.output
         return json.loads(res.stdout)["token_ids"]
 
-    assert text("--tp", "2") == text()
+    # penalties too: every rank counts the same tokens
+    penalty = ("--frequency-penalty", "0.8", "--repetition-penalty", "1.2")
+    assert text("--tp", "2", *penalty) == text(*penalty)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

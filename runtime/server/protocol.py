@@ -1,10 +1,9 @@
 """The bodies of `/v1/completions` and `/v1/chat/completions`, as OpenAI's API defines them.
 
-Why refuse rather than ignore: a client that asks for a penalty or `best_of` and silently gets
+Why refuse rather than ignore: a client that asks for `best_of` or a tool call and silently gets
 none draws wrong conclusions. Fields the engine implements are typed; fields OpenAI defines, and vLLM's
 sampling extensions, that it does not implement are refused with a 400 naming them -- unless given
-at a value that turns them off (`best_of=1`, `presence_penalty=0`, the `repetition_penalty=1.0`
-vLLM's own benchmark client sends with every request); unknown fields are refused too.
+at a value that turns them off (`best_of=1`, `length_penalty=1`); unknown fields are refused too.
 """
 from __future__ import annotations
 
@@ -18,10 +17,10 @@ MAX_LOGPROBS = 20  # the engine's (SamplingParams.logprobs)
 # fields the engine does not implement -> the values that mean "off": OpenAI's, then vLLM's sampling extensions
 UNSUPPORTED: dict[str, tuple] = {
     "best_of": (1,),
-    "suffix": (None,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None,), "tools": (None,),
+    "suffix": (None,), "tools": (None,),
     "tool_choice": (None,), "functions": (None,), "function_call": (None,), "response_format": (None,),
     "parallel_tool_calls": (None,), "audio": (None,), "modalities": (None,), "prediction": (None,),
-    "repetition_penalty": (1,), "use_beam_search": (False,),
+    "use_beam_search": (False,),
     "length_penalty": (1,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,)}
@@ -57,6 +56,10 @@ class _Common(BaseModel):
     min_tokens: int = Field(0, ge=0)  # vLLM's: tokens before EOS or a stop token id may come
     include_stop_str_in_output: bool = False  # vLLM's
     ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key, a string) -> bias in [-100, 100]
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as every server does
@@ -76,6 +79,9 @@ class _Common(BaseModel):
             raise ValueError("; ".join(parts))
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream: true")
+        bad = [k for k in self.logit_bias or {} if not k.strip().isdigit()]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids, got {bad[:5]}")
         return self
 
     def stop_list(self) -> list[str]:
@@ -89,6 +95,9 @@ class _Common(BaseModel):
                 "seed": seed, "stop": self.stop_list(), "ignore_eos": self.ignore_eos,
                 "stop_token_ids": list(self.stop_token_ids or []), "min_tokens": self.min_tokens,
                 "include_stop_str_in_output": self.include_stop_str_in_output,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty,
+                "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()},
                 "logprobs": self.num_logprobs()}
 
     def num_logprobs(self) -> int | None:
