@@ -86,6 +86,7 @@ class AsyncEngine:
             self.model_dir = str(bundled.target_dir())
         setup = check_engine(self.config, self.model_dir, self._proposer_dir(), self._scheduler_config())
         self.tokenizer, self.max_model_len, self._seed_costs, self.vocab_size = setup
+        self._grammars = None  # the tokenizer's structured-output compiler, at the first structured request
 
     # -- setup --------------------------------------------------------------------------------
     def _shape_or(self, path: str) -> str:
@@ -253,6 +254,13 @@ class AsyncEngine:
             raise EngineClosedError("engine has not started: kv_stats() needs `async with AsyncEngine(...)`")
         return self._pipeline.scheduler.kv_stats()
 
+    def _grammar_index(self, pattern: str):
+        if self._grammars is None:
+            from specsched.runtime.structured_output import Grammars
+
+            self._grammars = Grammars(self.tokenizer.path, self.tokenizer.eos_token_ids)
+        return self._grammars.index(pattern)
+
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids if the request can be served, else InvalidRequestError saying
@@ -269,6 +277,8 @@ class AsyncEngine:
                 raise InvalidRequestError(f"token ids outside the vocabulary: {bad[:5]}")
         if not ids:
             raise InvalidRequestError("empty prompt")
+        if params.structured_outputs is not None:  # compiled here first: a grammar the vocabulary cannot follow
+            self._grammar_index(params.structured_outputs.pattern())
         bad = [t for t in params.logit_bias if t >= self.vocab_size]
         if bad:
             raise InvalidRequestError(f"logit_bias names token ids outside the vocabulary ({self.vocab_size}): {bad[:5]}")

@@ -1,5 +1,6 @@
-"""What requests change in the target's logits before sampling and acceptance, in vLLM's order: `min_tokens` holding
-EOS and the stop token ids back, `logit_bias`, then the penalties (repetition, frequency, presence).
+"""What requests change in the target's logits before sampling and acceptance, in vLLM's order: a structured output's
+grammar masking what it forbids (`runtime.structured_output`), `min_tokens` holding EOS and the stop token ids back,
+`logit_bias`, then the penalties (repetition, frequency, presence).
 
 A step's logits are [B, W, V]: column c of row i emits the token at position `ends[i] + depths[c]`, after the row's
 tokens before `ends[i]` and, in a verify, the drafts on the column's path (`window[i, j]` where `path[c, j]`: the
@@ -14,7 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from specsched.runtime.sync_guard import to_device
+from specsched.runtime.structured_output import apply_masks
+from specsched.runtime.sync_guard import read_now, to_device
 from specsched.runtime.token_state import SeqState, TokenBuffer
 from specsched.scheduler.plan import concat_ranges
 
@@ -34,9 +36,11 @@ def window_paths(width: int, tree_parents: Sequence[int] = ()) -> torch.Tensor:
 def process_logits(logits: torch.Tensor, rows: Sequence[SeqState], tokens: TokenBuffer, slots: np.ndarray,
                    ends: np.ndarray, depths: np.ndarray, window: torch.Tensor | None = None,
                    path: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [B, W, V] with each row's min_tokens, logit bias and penalties applied (a copy), or the logits
+    """logits [B, W, V] with each row's grammar, min_tokens, logit bias and penalties applied (a copy), or the logits
     themselves where no row asks for any (the module's docstring says which tokens each column sees)."""
     depths = np.asarray(depths[: logits.shape[1]], dtype=np.int64)
+    if any(st.guide is not None for st in rows):
+        logits = apply_masks(logits, rows, None if window is None else read_now(window).numpy(), path)
     logits = hold_back(logits, rows, ends[:, None] + depths[None, :])
     adjusted = [i for i, st in enumerate(rows) if st.adjust is not None]
     if not adjusted:

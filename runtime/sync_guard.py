@@ -59,6 +59,12 @@ def host_side(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def read_now(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values on the host now, waiting for the device where it must (a deliberate sync, for the steps that
+    need device values on the host inside an op: structured output's masks)."""
+    return host_side(t.detach().to("cpu", copy=True))
+
+
 class _Guard(TorchFunctionMode):
     def __init__(self, device: torch.device, what: str, record: list | None):
         super().__init__()

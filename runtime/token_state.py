@@ -33,6 +33,7 @@ class SeqState:
     min_tokens: int = 0  # before this many output tokens, `suppress` (EOS, stop token ids) may not be generated
     suppress: tuple[int, ...] = ()
     adjust: Any = None  # its logit bias and penalties (a `LogitsAdjust`), None: none
+    guide: Any = None  # its structured output's walk (`runtime.structured_output.Guide`), None: none
     carried: torch.Tensor | None = None  # [V] proposer logits for the next token
     draft_len: int = 0  # this step's drafts in the worker's draft buffer (known without a sync)
     draft_q: torch.Tensor | None = None  # [D, V] draft distributions (sampled requests)
@@ -51,9 +52,9 @@ class SeqState:
     @property
     def scored(self) -> bool:
         """Whether a step reads this row's logits beyond sampling: log-probabilities, or min_tokens holding tokens back,
-        or a logit bias or penalty changing them."""
+        or a logit bias, a penalty or a grammar changing them."""
         return (self.logprobs is not None or self.prompt_logprobs is not None or self.min_tokens > 0
-                or self.adjust is not None)
+                or self.adjust is not None or self.guide is not None)
 
 
 class TokenBuffer:

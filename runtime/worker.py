@@ -37,7 +37,9 @@ from specsched.runtime.worker_config import WorkerConfig
 from specsched.scheduler.messages import (AgreementMessage, AgreementResult, DraftMessage, DraftResult, FillMessage, FillResult, ForwardMessage,
                                           ForwardResult, VerifyMessage, VerifyResult)
 from specsched.runtime.sync_guard import host_side, no_host_sync, to_device
+from specsched.runtime.structured_output import Grammars, advance_guides
 from specsched.runtime.token_state import SeqState, TokenBuffer
+from specsched.runtime.tokenizer import Tokenizer
 from specsched.runtime.padding import Padding
 from specsched.scheduler.plan import AttentionPlan
 from specsched.scheduler.proposer import ProposerSpec
@@ -112,6 +114,7 @@ class ModelWorker:
                 raise ValueError("acceptance 'synthetic' needs its definition (WorkerConfig.synthetic)")
             self.synthetic = SyntheticDraws(c.synthetic, self.device, c.seed) if c.synthetic is not None else None
             self.states: dict[int, SeqState] = {}
+            self.model_dir, self._grammars = c.model_dir, None
             self.scoring: set[int] = set()  # slots whose state is `scored`: a step with none reads no further
             # request tokens live on the device, indexed by slot; a step's drafts sit right after
             # each row's last token, where the verify reads them with it in one gather
@@ -231,9 +234,19 @@ class ModelWorker:
     def _register(self, msg: ForwardMessage) -> None:
         for r in msg.register:
             st = self.states[r.slot] = SeqState.registered(r, make_generator(r.seed, self.device))
+            if r.grammar is not None:  # a walk that can step back over a verify's window
+                st.guide = self.grammars().guide(r.grammar, max_rollback=1 + self.draft_width)
+                st.guide.advance(r.token_ids[r.prompt_len:])  # its output so far, after a preemption
             (self.scoring.add if st.scored else self.scoring.discard)(r.slot)
             self.tokens.register(r.slot, list(r.token_ids))
             self.proposer.register(r.slot, r.token_ids)
+
+    def grammars(self) -> Grammars:
+        """The target tokenizer's grammar compiler, made at the first structured request."""
+        if self._grammars is None:
+            tok = Tokenizer(self.model_dir)
+            self._grammars = Grammars(tok.path, tok.eos_token_ids)
+        return self._grammars
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A result's copy on the host, read once the op's completion event is done: a
@@ -301,6 +314,7 @@ class ModelWorker:
             held = (process_logits(logits.unsqueeze(1), srows, self.tokens, msg.slots[sample_rows], ends[sample_rows],
                                    np.zeros(1)).squeeze(1) if rows else logits)
             new = sample_logits(held, self.sampling_tensors(srows)).to(torch.int64)
+            advance_guides(srows, new.unsqueeze(-1), None)
             self.tokens.write(msg.slots[sample_rows], ends[sample_rows], new)  # each row's next token
             if sample_rows.size == len(slots):
                 tokens = new
@@ -389,6 +403,7 @@ class ModelWorker:
         # columns past a row's count (-1 in the result) land beyond its end as token 0: a verify
         # of uniform width (padded steps) reads them as inputs whose outputs are never accepted
         emitted = res.output_tokens
+        advance_guides(rows, emitted, res.num_accepted)
         k = emitted.shape[1]
         self.tokens.write(np.repeat(msg.slots, k), (msg.start[:, None] + 1 + np.arange(k)).reshape(-1),
                           emitted.clamp(min=0))

@@ -85,6 +85,7 @@ class Registration:
     min_tokens: int = 0  # `SamplingParams.min_tokens`: before them, `suppress` may not be generated
     suppress: tuple[int, ...] = ()  # EOS and the stop token ids, with min_tokens
     adjust: LogitsAdjust | None = None  # `SamplingParams.logits_adjust()`: logit bias and penalties
+    grammar: str | None = None  # `SamplingParams.structured_outputs`: the regular expression its output matches
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,8 +1,10 @@
 """Per-request sampling parameters (validated at the API boundary)."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -29,6 +31,50 @@ class LogitsAdjust:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
 
 
+_REGEX_SPECIAL = frozenset("\\.^$|?*+()[]{}")
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `StructuredOutputsParams`: the output must match one of a JSON schema (`json`, a dict or its text), a
+    regular expression (`regex`), one of a list of strings (`choice`) or any JSON object (`json_object`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = [k for k, v in (("json", self.json_schema), ("regex", self.regex), ("choice", self.choice),
+                                ("json_object", self.json_object or None)) if v is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, regex, choice, json_object (got {given or 'none'})")
+        self.pattern()  # a schema the grammar cannot express: a ValueError naming it
+        return self
+
+    def pattern(self) -> str:
+        """The regular expression the output must match."""
+        if self.regex is not None:
+            if not self.regex:
+                raise ValueError("regex must not be empty")
+            return self.regex
+        if self.choice is not None:
+            if not self.choice or any(not c for c in self.choice):
+                raise ValueError("choice needs one or more non-empty strings")
+            return "(" + "|".join("".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in c)
+                                  for c in self.choice) + ")"
+        from outlines_core.json_schema import build_regex_from_schema
+
+        schema = self.json_schema if self.json_object is None else {"type": "object"}
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        try:
+            return build_regex_from_schema(text)
+        except (ValueError, TypeError) as e:  # outlines-core's message names the unsupported part
+            raise ValueError(f"json schema not supported: {e}") from None
+
+
 class SamplingParams(BaseModel):
     """What the caller asks for; mirrors vLLM's SamplingParams where names overlap."""
 
@@ -53,6 +99,8 @@ class SamplingParams(BaseModel):
         "divides the positive logits (multiplies the negative) of tokens in the prompt or the output; 1 = off"))
     logit_bias: dict[int, float] = Field(default_factory=dict, description=(
         "added to these token ids' logits before sampling, each in [-100, 100]"))
+    structured_outputs: StructuredOutputs | None = Field(None, description=(
+        "the output must match a JSON schema, a regex or a choice of strings"))
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
         "with each token its log-probability under the target (raw logits) and the this-many most likely"))
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(

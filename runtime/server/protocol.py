@@ -18,7 +18,7 @@ MAX_LOGPROBS = 20  # the engine's (SamplingParams.logprobs)
 UNSUPPORTED: dict[str, tuple] = {
     "best_of": (1,),
     "suffix": (None,), "tools": (None,),
-    "tool_choice": (None,), "functions": (None,), "function_call": (None,), "response_format": (None,),
+    "tool_choice": (None,), "functions": (None,), "function_call": (None,),
     "parallel_tool_calls": (None,), "audio": (None,), "modalities": (None,), "prediction": (None,),
     "use_beam_search": (False,),
     "length_penalty": (1,),
@@ -32,6 +32,26 @@ def _is_off(value: Any, off: tuple) -> bool:
     if isinstance(value, bool) or value is None:
         return any(value is o for o in off)
     return any(not isinstance(o, bool) and o is not None and value == o for o in off)
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)  # also `description`, `strict`
+    name: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON following `json_schema.schema`."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -60,6 +80,8 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key, a string) -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: one of json, regex, choice, json_object
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as every server does
@@ -79,6 +101,9 @@ class _Common(BaseModel):
             raise ValueError("; ".join(parts))
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream: true")
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("give response_format or structured_outputs, not both")
         bad = [k for k in self.logit_bias or {} if not k.strip().isdigit()]
         if bad:
             raise ValueError(f"logit_bias keys must be token ids, got {bad[:5]}")
@@ -98,7 +123,15 @@ class _Common(BaseModel):
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "repetition_penalty": self.repetition_penalty,
                 "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()},
+                "structured_outputs": self.structured(),
                 "logprobs": self.num_logprobs()}
+
+    def structured(self) -> dict[str, Any] | None:
+        """`SamplingParams.structured_outputs` from `response_format` or vLLM's `structured_outputs`."""
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return self.structured_outputs
+        return {"json_object": True} if fmt.type == "json_object" else {"json": fmt.json_schema.schema_}
 
     def num_logprobs(self) -> int | None:
         """How many most likely tokens each generated token comes with, None: no log-probabilities."""

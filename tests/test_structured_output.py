@@ -1,0 +1,169 @@
+"""Structured output: a grammar's masks on a step's columns (each after the drafts on its path) against a walk written
+out token by token, the vocabulary's bytes for byte-level and SentencePiece tokenizers, and end to end: outputs that
+match their schema, regex or choice, token-identical under every proposer to plain decoding with the same grammar."""
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from specsched.runtime import bundled
+from specsched.runtime.logits_processors import window_paths
+from specsched.runtime.structured_output import Grammars, apply_masks, token_bytes
+from specsched.runtime.tokenizer import Tokenizer
+from specsched.scheduler.errors import InvalidRequestError
+
+TOKENIZER = bundled.tokenizer_path(bundled.target_dir())
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    tok = Tokenizer(bundled.target_dir())
+    return Grammars(TOKENIZER, tok.eos_token_ids), tok
+
+
+
+
+def test_byte_level_tokens_are_their_bytes_and_sentencepiece_pieces_theirs():
+    table = token_bytes({"model": {"vocab": {"\u0120a": 0, "b\u010a": 1, "<|eos|>": 2}},
+                         "decoder": {"type": "ByteLevel"}, "added_tokens": [{"id": 2, "content": "<|eos|>"}]})
+    assert table == {b" a": [0], b"b\n": [1]}
+    sp = token_bytes({"model": {"vocab": {"\u2581the": 0, "<0x0A>": 1, "x": 2}}, "decoder": {"type": "Sequence"}})
+    assert sp == {b" the": [0], b"\n": [1], b"x": [2]}
+
+
+@pytest.mark.parametrize("tree_parents", [(), (-1, -1, 0, 1, 2)])
+def test_each_column_allows_what_the_grammar_allows_after_the_drafts_on_its_path(grammars, tree_parents):
+    g, tok = grammars
+    pattern = r'\{"n": (0|[1-9][0-9]*), "s": "(a|b)+"\}'
+    width = 1 + (len(tree_parents) or 4)
+    parents = [-1, *(p + 1 for p in tree_parents)] if tree_parents else [-1, *range(width - 1)]
+    text_tokens = tok.encode('{"n": 12, "s": "ab"}')
+    # row 0: drafts that follow the grammar; row 1: one forbidden draft at column 2; row 2: no grammar
+    window = np.array([[text_tokens[0]] + text_tokens[1:width], [text_tokens[0]] + text_tokens[1:width]])
+    window[1, 2] = tok.encode("zzz")[0]
+    window = np.concatenate([window, window[:1]])
+
+    class Row:
+        def __init__(self, guide):
+            self.guide = guide
+
+    rows = [Row(g.guide(pattern, 8)), Row(g.guide(pattern, 8)), Row(None)]
+    for r in rows[:2]:
+        r.guide.advance(text_tokens[:1])
+    vocab = 4096 + 7
+    logits = torch.zeros((3, width, vocab))
+    got = apply_masks(logits, rows, window, window_paths(width, tree_parents))
+    assert torch.equal(got[2], logits[2])
+    for i in range(2):
+        for c in range(width):
+            path, j = [], c
+            while j > 0:
+                path.insert(0, int(window[i, j]))
+                j = parents[j]
+            fresh = g.guide(pattern, 8)
+            fresh.advance(text_tokens[:1] + path)
+            if fresh.dead:  # a forbidden draft on the path: the column is never read, and nothing is masked
+                assert torch.isfinite(got[i, c]).all()
+                continue
+            want = fresh.masks([[]], vocab)[0]
+            assert torch.equal(torch.isfinite(got[i, c]), want), (i, c)
+            assert 0 < int(want.sum()) < 4096 and not want[4096:].any()
+    first = g.guide(pattern, 8)
+    first.advance(text_tokens[:1])
+    assert torch.equal(rows[1].guide.masks([[]], vocab), first.masks([[]], vocab))  # the walks left its state as it was
+
+
+def test_a_bad_grammar_is_refused_naming_it(grammars):
+    g, _ = grammars
+    with pytest.raises(InvalidRequestError, match="cannot be compiled"):
+        g.index("(")
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}},
+          "required": ["name", "ok"]}
+REGEX = r"[a-z]{1,5}( [a-z]{1,5}){0,2}\."
+CHOICE = ["return None", "pass", "raise ValueError"]
+PROMPTS = ["def main():\n    config = ", "# a short note:\n", "def f(x):\n    "]
+
+
+def _structured(temperature: float = 0.0):
+    from specsched.scheduler.sampling_params import SamplingParams, StructuredOutputs
+
+    kinds = [StructuredOutputs(json=SCHEMA), StructuredOutputs(regex=REGEX), StructuredOutputs(choice=CHOICE)]
+    return [SamplingParams(max_tokens=48, temperature=temperature, seed=i, structured_outputs=k)
+            for i, k in enumerate(kinds)]
+
+
+def _run(params, **cfg):
+    import anyio
+
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+
+    async def main():
+        outs = [None] * len(params)
+        async with AsyncEngine(EngineConfig.make(**cfg)) as engine:
+            async def one(i):
+                outs[i] = await engine.generate_all(PROMPTS[i], params[i])
+            async with anyio.create_task_group() as tg:
+                for i in range(len(params)):
+                    tg.start_soon(one, i)
+            assert engine.kv_stats().num_used_pages == 0
+        return outs
+
+    return anyio.run(main)
+
+
+def _check(outs):
+    jsonschema = pytest.importorskip("jsonschema")
+    obj, sentence, choice = (o.text for o in outs)
+    jsonschema.validate(json.loads(obj), SCHEMA)
+    assert re.fullmatch(REGEX, sentence) and choice in CHOICE
+    assert all(o.finish_reason == "stop" for o in outs), [o.finish_reason for o in outs]  # EOS once complete
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _run(_structured())
+
+
+def test_outputs_match_their_schema_regex_or_choice(plain):
+    _check(plain)
+    _check(_run(_structured(temperature=1.0)))  # sampled: the masks hold there too
+
+
+@pytest.mark.parametrize("proposer,schedule,d", [("ngram", "sync", 3), ("draft", "overlap", 3), ("mtp", "eager_fill", 3),
+                                                   ("eagle", "sync", 3)])
+def test_structured_outputs_under_speculation_give_plain_decodings_tokens(plain, proposer, schedule, d):
+    """Each verify column is masked after the drafts on its path: a forbidden draft is rejected, and the tokens are
+    plain decoding's; sampled requests still match their grammar."""
+    outs = _run(_structured(), proposer=proposer, schedule=schedule, draft_len=d)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    _check(_run(_structured(temperature=1.0), proposer=proposer, schedule=schedule, draft_len=d))
+
+
+def test_bad_structured_outputs_are_refused_naming_the_problem():
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    for so, named in [({"json": {"type": "frobnicate"}}, "json schema not supported"),
+                      ({"regex": "a", "choice": ["b"]}, "exactly one of"), ({"choice": []}, "choice needs"),
+                      ({}, "exactly one of")]:
+        with pytest.raises(InvalidRequestError, match=named):
+            SamplingParams.make(structured_outputs=so)
+    import anyio
+
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+
+    async def main():
+        async with AsyncEngine(EngineConfig()) as engine:
+            with pytest.raises(InvalidRequestError, match="cannot be compiled"):
+                await engine.generate_all("x", SamplingParams(structured_outputs={"regex": "(unclosed"}))
+            ok = await engine.generate_all("x", SamplingParams(max_tokens=4, structured_outputs={"choice": ["ab"]}))
+            assert ok.text == "ab"  # the engine serves on
+
+    anyio.run(main)
