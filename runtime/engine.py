@@ -261,6 +261,11 @@ class AsyncEngine:
             self._grammars = Grammars(self.tokenizer.path, self.tokenizer.eos_token_ids)
         return self._grammars.index(pattern)
 
+    def room(self, num_prompt_tokens: int) -> int:
+        """The most tokens a prompt of this length may ask for: the model's positions after it and after the
+        window a step computes past the last token (its drafts and the token after them)."""
+        return self.max_model_len - num_prompt_tokens - self.config.proposer_spec().num_candidates - 1
+
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids if the request can be served, else InvalidRequestError saying
@@ -287,11 +292,11 @@ class AsyncEngine:
                 f"prompt of {len(ids)} tokens is longer than the model allows ({self.max_model_len - 1})"
             )
         c = self.config
-        need = len(ids) + params.max_tokens + c.proposer_spec().num_candidates + 1
-        if need > self.max_model_len:
+        if params.max_tokens > self.room(len(ids)):
+            window = c.proposer_spec().num_candidates + 1
             raise InvalidRequestError(
-                f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"{self.max_model_len} positions"
+                f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) + a step's window ({window}) exceeds the "
+                f"model's {self.max_model_len} positions"
             )
         own = params.synthetic()
         if own is not None and c.proposer_spec().speculative:  # (plain decoding accepts nothing: no effect)

@@ -166,7 +166,7 @@ def test_check_workload_names_file_line_before_a_run(engine, tmp_path, prompt, m
 def test_check_workload_applies_the_engines_own_rules(tiny_family, tmp_path):
     p = _write(tmp_path, [{"prompt": "a", "max_tokens": 4}, {"prompt": "b", "max_tokens": 600}])
     items = load_workload(p)
-    with pytest.raises(InvalidRequestError, match=rf"{p}:2: prompt \(1\) \+ max_tokens \(600\) exceeds"):
+    with pytest.raises(InvalidRequestError, match=rf"{p}:2: prompt \(1\) \+ max_tokens \(600\) \+ a step.s window \(\d+\) exceeds"):
         check_workload(items, AsyncEngine(_cfg(tiny_family)).validate)
 
 

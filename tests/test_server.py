@@ -5,6 +5,7 @@ Prometheus text parses and its spec-decode counters add up; SIGTERM exits cleanl
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import threading
@@ -176,6 +177,40 @@ def test_penalties_and_logit_bias_are_the_engines(server):
                         ({"logit_bias": {"99999999": 1}}, "logit_bias")]:
         r = httpx.post(server + "/v1/completions", json={"prompt": "x", "max_tokens": 2, **body})
         assert r.status_code == 400 and field in r.json()["error"]["message"], (body, r.text)
+
+
+def test_response_format_and_structured_outputs_shape_the_text(server):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs (a choice, a regex): the text
+    follows it, from a server drafting with a draft model; a schema the grammar cannot express and a body giving
+    both are 400s naming the problem."""
+    jsonschema = pytest.importorskip("jsonschema")
+    c = client(server)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+              "required": ["name", "ok"]}
+    chat = dict(model="bundled/target", messages=[{"role": "user", "content": "A name:"}], max_tokens=64, temperature=0)
+    r = c.chat.completions.create(**chat, response_format={"type": "json_schema",
+                                                           "json_schema": {"name": "person", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = c.chat.completions.create(**(chat | {"max_tokens": 200}), response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+    # no max_tokens: the model's room after the prompt and a step's window
+    r = c.chat.completions.create(**{k: v for k, v in chat.items() if k != "max_tokens"},
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].message.content in ("yes", "no") and r.choices[0].finish_reason == "stop"
+    kw = dict(model="bundled/target", prompt="def f(x):\n    ", max_tokens=16, temperature=0)
+    r = c.completions.create(**kw, extra_body={"structured_outputs": {"choice": ["return x", "pass"]}})
+    assert r.choices[0].text in ("return x", "pass")
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        **kw, stream=True, extra_body={"structured_outputs": {"regex": "[a-z]+ = [0-9]+"}}))
+    assert re.fullmatch("[a-z]+ = [0-9]+", streamed) or re.fullmatch("[a-z]+ = [0-9]*", streamed)
+    for body, named in [({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+                         "json schema not supported"),
+                        ({"response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a"]}},
+                         "not both"),
+                        ({"structured_outputs": {"regex": "("}}, "cannot be compiled")]:
+        r = httpx.post(server + "/v1/completions", json={"prompt": "x", "max_tokens": 2, **body})
+        assert r.status_code == 400 and named in r.json()["error"]["message"], (body, r.text)
 
 
 def test_a_batch_of_prompts_times_n_gives_choice_i_times_n_plus_j(server, embedded_texts):

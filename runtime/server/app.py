@@ -177,7 +177,7 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
         limit = req.token_limit() if isinstance(req, ChatCompletionRequest) else req.max_tokens
         if limit is None:  # the model's room after the prompt, so the prompt's length first
             prompt = engine.validate(prompt, SamplingParams(max_tokens=1))
-            limit = max(engine.max_model_len - len(prompt), 1)
+            limit = max(engine.room(len(prompt)), 1)
         params = SamplingParams.make(max_tokens=limit, **req.sampling_kwargs(choice))
         return engine.validate(prompt, params), params
 
