@@ -58,6 +58,8 @@ TINY = {
     "vllm_compare.py": [],
     "server_overhead.py": ["--rounds", "1", "--concurrency", "2", "--num-requests", "2", "--max-tokens", "3"],  # no vLLM given here: it says so and exits 0
     "dummy_memory.py": ["--shapes", "llama-3.2-1b-draft", "--max-tokens", "2", "--num-pages", "8"],
+    "logits_processing.py": ["--rounds", "2", "--concurrency", "2", "--num-requests", "2", "--max-tokens", "6",
+                             "--spec", "ngram", "--draft-len", "2"],
 }
 
 
@@ -171,6 +173,18 @@ def _check_server_overhead(out):
     row = re.search(r"^ +2 +(\S+) +(\S+) +(\S+) +(\S+)-(\S+)  +(\S+) / +(\S+) +(\S+) / +(\S+)", out, re.M)
     assert row, out
     assert _pos(row[1]) and _pos(row[2]) and _ratio(row[3]) and all(_pos(row[i]) for i in range(6, 10))
+
+
+def _check_logits_processing(out):
+    """Each variant's row: tokens/s, its ratio to plain (1.00x for plain itself) within its range, and the same tokens
+    as plain -- penalties of 1e-6 and a grammar every text matches change none."""
+    _grab(out, r"^2 bundled requests x 6 tokens, proposer ngram D=2, 2 interleaved rounds")
+    rows = [r for r in _table_rows(out) if len(r) == 6]
+    assert [r[1] for r in rows] == ["plain", "penalties", "grammar"], out
+    for _, name, tps, ratio, span, same in rows:
+        lo, hi = (float(x) for x in span.split("-"))
+        assert _pos(tps) and _ratio(ratio) and lo <= _f(ratio) <= hi and same == "yes", out
+    assert rows[0][3] == "1.00x"
 
 
 def _check_vllm_compare(out):
