@@ -45,8 +45,9 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SeqState], tokens: Token
     adjusted = [i for i, st in enumerate(rows) if st.adjust is not None]
     if not adjusted:
         return logits
-    idx = to_device(np.asarray(adjusted, dtype=np.int64), logits.device)
-    sub = logits.index_select(0, idx)
+    every = len(adjusted) == len(rows)
+    idx = None if every else to_device(np.asarray(adjusted, dtype=np.int64), logits.device)
+    sub = logits.clone() if every else logits.index_select(0, idx)
     adj = [rows[i].adjust for i in adjusted]
     for k, a in enumerate(adj):
         if a.logit_bias:
@@ -55,44 +56,54 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SeqState], tokens: Token
     if any(a.repetition_penalty != 1.0 or a.frequency_penalty or a.presence_penalty for a in adj):
         sel = np.asarray(adjusted)
         prompt_lens = np.asarray([rows[i].prompt_len for i in adjusted], dtype=np.int64)
-        counts, in_prompt = _counts(tokens, slots[sel], prompt_lens, ends[sel], sub.shape[-1])
-        counts = counts.unsqueeze(1).repeat(1, sub.shape[1], 1)  # [P, W, V]
-        if window is not None and sub.shape[1] > 1:
-            w = sub.shape[1]
+        counts = _counts(tokens, slots[sel], prompt_lens, ends[sel], sub.shape[-1]).unsqueeze(1)  # [P, 1, V]
+        w = sub.shape[1]
+        if window is not None and w > 1:  # each column's own counts: the drafts on its path added
+            counts = counts.repeat(1, w, 1)
             on_path = path[:w, :w].to(sub.device, sub.dtype).unsqueeze(0).expand(len(adjusted), w, w)
-            drafts = window.index_select(0, idx)[:, :w].clamp(min=0).unsqueeze(1).expand(-1, w, -1)
-            counts.scatter_add_(2, drafts, on_path)
-        sub = _penalize(sub, counts, in_prompt, adj)
-    return logits.clone().index_copy_(0, idx, sub)
+            drafts = (window if every else window.index_select(0, idx))[:, :w].clamp(min=0)
+            counts.scatter_add_(2, drafts.unsqueeze(1).expand(-1, w, -1), on_path)
+        sub = _penalize(sub, counts, [rows[i] for i in adjusted], tokens, slots[sel])
+    return sub if every else logits.clone().index_copy_(0, idx, sub)
 
 
 def _counts(tokens: TokenBuffer, slots: np.ndarray, prompt_lens: np.ndarray, ends: np.ndarray,
-            vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: how often each token is in its output before `ends` ([P, V] float), and whether it is in its prompt
-    ([P, V] bool)."""
-    dev = tokens.device
+            vocab: int) -> torch.Tensor:
+    """Per row: how often each token is in its output before `ends` ([P, V] float)."""
     out_lens = np.maximum(ends - prompt_lens, 0)
-    counts = torch.zeros((len(slots), vocab), dtype=torch.float32, device=dev)
-    if out_lens.sum():
-        ids = tokens.at(np.repeat(slots, out_lens), concat_ranges(prompt_lens, out_lens))
-        rows = to_device(np.repeat(np.arange(len(slots)), out_lens), dev, torch.int64)
-        counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
-    in_prompt = torch.zeros((len(slots), vocab), dtype=torch.bool, device=dev)
-    ids = tokens.at(np.repeat(slots, prompt_lens), concat_ranges(np.zeros_like(prompt_lens), prompt_lens))
-    in_prompt[to_device(np.repeat(np.arange(len(slots)), prompt_lens), dev, torch.int64), ids] = True
-    return counts, in_prompt
+    ids = tokens.at(np.repeat(slots, out_lens), concat_ranges(prompt_lens, out_lens))
+    rows = to_device(np.repeat(np.arange(len(slots), dtype=np.int64) * vocab, out_lens), tokens.device)
+    return torch.bincount(rows + ids, minlength=len(slots) * vocab).view(len(slots), vocab).float()
 
 
-def _penalize(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, adj: Sequence) -> torch.Tensor:
-    """vLLM's `apply_penalties` on logits [P, W, V] with each column's output counts [P, W, V]."""
+def _in_prompt(st: SeqState, tokens: TokenBuffer, slot: int, vocab: int) -> torch.Tensor:
+    """[V] bool: the tokens of the row's prompt (made once, kept with its state)."""
+    if st.prompt_seen is None or st.prompt_seen.shape[0] != vocab:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=tokens.device)
+        seen[tokens.at(np.full(st.prompt_len, slot), np.arange(st.prompt_len))] = True
+        st.prompt_seen = seen
+    return st.prompt_seen
+
+
+def _penalize(logits: torch.Tensor, counts: torch.Tensor, rows: Sequence[SeqState], tokens: TokenBuffer,
+              slots: np.ndarray) -> torch.Tensor:
+    """vLLM's `apply_penalties` on logits [P, W, V] with each column's output counts [P, W or 1, V]; each penalty
+    only where a row has it."""
+    adj = [st.adjust for st in rows]
+
     def per_row(name: str) -> torch.Tensor:
         return torch.tensor([getattr(a, name) for a in adj], dtype=logits.dtype).to(logits.device).view(-1, 1, 1)
 
-    rep = per_row("repetition_penalty")
-    seen = (counts > 0) | in_prompt.unsqueeze(1)
-    scale = torch.where(seen, rep, torch.ones_like(rep))
-    logits = torch.where(logits > 0, logits / scale, logits * scale)
-    return logits - per_row("frequency_penalty") * counts - per_row("presence_penalty") * (counts > 0).to(logits.dtype)
+    if any(a.repetition_penalty != 1.0 for a in adj):
+        vocab = logits.shape[-1]
+        in_prompt = torch.stack([_in_prompt(st, tokens, int(s), vocab) for st, s in zip(rows, slots)]).unsqueeze(1)
+        rep = torch.where((counts > 0) | in_prompt, per_row("repetition_penalty"), 1.0)
+        logits = torch.where(logits > 0, logits / rep, logits * rep)
+    if any(a.frequency_penalty for a in adj):
+        logits = logits - per_row("frequency_penalty") * counts
+    if any(a.presence_penalty for a in adj):
+        logits = logits - per_row("presence_penalty") * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def hold_back(logits: torch.Tensor, rows: Sequence, positions: np.ndarray) -> torch.Tensor:

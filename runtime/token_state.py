@@ -34,6 +34,7 @@ class SeqState:
     suppress: tuple[int, ...] = ()
     adjust: Any = None  # its logit bias and penalties (a `LogitsAdjust`), None: none
     guide: Any = None  # its structured output's walk (`runtime.structured_output.Guide`), None: none
+    prompt_seen: torch.Tensor | None = None  # [V] bool, its prompt's tokens (for repetition_penalty), made at first use
     carried: torch.Tensor | None = None  # [V] proposer logits for the next token
     draft_len: int = 0  # this step's drafts in the worker's draft buffer (known without a sync)
     draft_q: torch.Tensor | None = None  # [D, V] draft distributions (sampled requests)
