@@ -6,6 +6,7 @@ heads in cli/train_cmds.py; importing those modules registers their commands on 
 """
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
@@ -21,6 +22,17 @@ from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG
                                   engine_config, fail_if_requests_failed, parse_draft_len, synthetic_summary,
                                   user_errors)
 from specsched.traces.names import PROPOSERS
+
+def _schema_arg(value: str | None):
+    """--json-schema: a file holding a JSON schema, or the schema's JSON itself."""
+    if value is None:
+        return None
+    text = Path(value).read_text() if not value.lstrip().startswith("{") and Path(value).is_file() else value
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        _fail(f"--json-schema: not a JSON schema file or JSON ({e})")
+
 
 @app.command()
 @user_errors
@@ -40,6 +52,10 @@ def generate(
                                             help="subtract this per occurrence of a token in the output"),
     presence_penalty: float = typer.Option(0.0, "--presence-penalty",
                                            help="subtract this from tokens the output holds"),
+    json_schema: Optional[str] = typer.Option(None, "--json-schema",
+                                              help="structured output: a JSON schema (a file, or the JSON itself)"),
+    regex: Optional[str] = typer.Option(None, help="structured output: a regular expression the text matches"),
+    choice: list[str] = typer.Option([], help="structured output: one of these strings (repeatable)"),
     spec: Optional[str] = typer.Option(None, help=f"proposer: {'|'.join(PROPOSERS)} (default: the "
                                        "--config file's, else none)"),
     draft_len: Optional[str] = typer.Option(None, "--draft-len", help="D, or 'auto': chosen per step "
@@ -76,11 +92,13 @@ def generate(
                         worker_ops=worker_ops,
                         enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes,
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    structured = {k: v for k, v in (("json", _schema_arg(json_schema)), ("regex", regex), ("choice", list(choice)))
+                  if v}
     try:
         params = SamplingParams.make(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                      top_p=top_p, min_p=min_p, seed=seed, stop=list(stop),
                                      repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                                     presence_penalty=presence_penalty)
+                                     presence_penalty=presence_penalty, structured_outputs=structured or None)
     except InvalidRequestError as e:
         _fail(str(e))
 

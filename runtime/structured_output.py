@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -95,10 +96,16 @@ class Grammars:
     def index(self, pattern: str):
         from outlines_core import Index
 
+        vocabulary = self.vocabulary
         try:
-            return Index(pattern, self.vocabulary)
+            return Index(pattern, vocabulary)
         except ValueError as e:
-            raise InvalidRequestError(f"structured output: the grammar cannot be compiled for this vocabulary ({e})")
+            why = str(e)
+        try:  # a syntax error: Python's message says where
+            re.compile(pattern)
+        except re.error as syntax:
+            why = str(syntax)
+        raise InvalidRequestError(f"structured output: the grammar cannot be compiled ({why})")
 
     def guide(self, pattern: str, max_rollback: int) -> "Guide":
         from outlines_core import Guide as _Guide

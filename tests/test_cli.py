@@ -353,6 +353,17 @@ def test_a_config_files_proposer_holds_unless_spec_is_given(tmp_path):
     assert code == 2 and "empty prompt" in out and "Traceback" not in out
 
 
+def test_generate_follows_a_choice_or_a_json_schema(tmp_path):
+    out = run_json("generate", "def f(x):", "--choice", "return x", "--choice", "pass", "--spec", "ngram")
+    assert out["text"] in ("return x", "pass") and out["finish_reason"] == "stop"
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))
+    out = run_json("generate", "A flag:", "--json-schema", schema)
+    assert isinstance(json.loads(out["text"])["ok"], bool)
+    code, out = run("generate", "x", "--regex", "(")
+    assert code == 2 and "cannot be compiled (missing ), unterminated subpattern" in " ".join(out.split())
+
+
 def test_bench_checks_every_workload_prompt_before_the_run(tmp_path):
     wl = tmp_path / "w.jsonl"
     wl.write_text('{"prompt": "def f():", "max_tokens": 3}\n{"prompt": [99999, 5], "max_tokens": 3}\n')
