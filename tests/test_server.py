@@ -213,6 +213,45 @@ def test_response_format_and_structured_outputs_shape_the_text(server):
         assert r.status_code == 400 and named in r.json()["error"]["message"], (body, r.text)
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"]}}}
+NOOP = {"type": "function", "function": {"name": "noop"}}
+
+
+def test_tool_choice_named_or_required_gives_tool_calls_that_follow_their_schemas(server):
+    """A named tool_choice calls that function with arguments following its parameters' schema; `required`, one or
+    more of the tools as a JSON list of {name, parameters} (vLLM's way, by structured output); streamed, the calls
+    arrive whole in the last delta. `auto` (the default with tools) needs a model's tool-call parser: refused."""
+    jsonschema = pytest.importorskip("jsonschema")
+    c = client(server)
+    chat = dict(model="bundled/target", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=64,
+                temperature=0, tools=[WEATHER, NOOP])
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        r = c.chat.completions.create(**chat, tool_choice=choice)
+        m = r.choices[0].message
+        assert m.content is None and m.tool_calls and r.choices[0].finish_reason == "stop", m
+        for call in m.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            spec = {"get_weather": WEATHER, "noop": NOOP}[call.function.name]["function"]
+            jsonschema.validate(json.loads(call.function.arguments), spec.get("parameters", {"type": "object"}))
+        if choice != "required":
+            assert [t.function.name for t in m.tool_calls] == ["get_weather"]
+        streamed = [ch.choices[0] for ch in c.chat.completions.create(**chat, tool_choice=choice, stream=True)
+                    if ch.choices]
+        calls = [t for ch in streamed if ch.delta.tool_calls for t in ch.delta.tool_calls]
+        assert [(t.function.name, t.function.arguments) for t in calls] == [
+            (t.function.name, t.function.arguments) for t in m.tool_calls]
+        assert not any(ch.delta.content for ch in streamed)
+    r = c.chat.completions.create(**chat, tool_choice="none")
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    for body, named in [({"tools": [WEATHER]}, "tool_choice 'auto'"), ({"tool_choice": "required"}, "needs tools"),
+                        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+                         "not among the tools")]:
+        r = httpx.post(server + "/v1/chat/completions", json={"messages": chat["messages"], **body})
+        assert r.status_code == 400 and named in r.json()["error"]["message"], (body, r.text)
+
+
 def test_a_batch_of_prompts_times_n_gives_choice_i_times_n_plus_j(server, embedded_texts):
     """OpenAI's batch of prompts and `n`: choice i * n + j is sample j of prompt i (greedy: every sample the engine's
     output for its prompt); the usage counts each prompt once and every choice's tokens; streamed the same."""

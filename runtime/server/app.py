@@ -31,9 +31,9 @@ from specsched.scheduler.sampling_params import SamplingParams
 PLAIN_CHAT_TEMPLATE = "{role}: {content}\n"  # each message; then "assistant:" opens the reply
 
 
-def render_chat(messages, template: str | None) -> str:
-    """The prompt of a chat: the tokenizer's chat template (Jinja, as transformers renders it) when
-    the model ships one, else each message as "role: content" on its own line, then "assistant:"."""
+def render_chat(messages, template: str | None, tools: list[dict] | None = None) -> str:
+    """The prompt of a chat: the tokenizer's chat template (Jinja, as transformers renders it, `tools` given to it)
+    when the model ships one, else each message as "role: content" on its own line, then "assistant:"."""
     if template is not None:
         import jinja2.sandbox
 
@@ -43,7 +43,7 @@ def render_chat(messages, template: str | None) -> str:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
         return env.from_string(template).render(messages=[{"role": m.role, "content": m.text()} for m in messages],
-                                                add_generation_prompt=True, bos_token="", eos_token="")
+                                                add_generation_prompt=True, bos_token="", eos_token="", tools=tools)
     return "".join(PLAIN_CHAT_TEMPLATE.format(role=m.role, content=m.text()) for m in messages) + "assistant:"
 
 
@@ -69,6 +69,29 @@ def _validation_message(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def tool_calls(text: str, call: str | None) -> list[dict] | None:
+    """The calls of a tool-calling choice's text (`ChatCompletionRequest.tool_call`): the named function with the
+    text as its arguments, or each {name, parameters} of the `required` JSON list; None for text (no tools, or a
+    call cut short by max_tokens)."""
+    if call is None:
+        return None
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return None
+    named = [(call, text)] if call != "required" else [(x["name"], json.dumps(x["parameters"])) for x in parsed]
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": n, "arguments": a}}
+            for n, a in named]
+
+
+def chat_message(text: str, call: str | None) -> dict:
+    """A chat choice's message (the delta of a stream's last chunk carries the same fields): its text, or its tool
+    calls."""
+    calls = tool_calls(text, call)
+    return {"role": "assistant", "content": text} if calls is None else {"role": "assistant", "content": None,
+                                                                           "tool_calls": calls}
+
+
 def _reason(finish_reason: str | None) -> str | None:
     return {"abort": "abort", "error": "error", "length": "length"}.get(finish_reason or "", "stop")
 
@@ -92,6 +115,7 @@ class _Choice:
     echo: str | None = None  # completions' `echo`: the prompt's text, until the first output carries it
     prompt_logprobs: list | None = None  # with echo and logprobs: the prompt's (None for its first token)
     final: Any = None  # the finished RequestOutput
+    tool_call: str | None = None  # chat with tools: the function it calls, or "required" (its text is held back)
     done: bool = False  # counted in the metrics
 
     def chunk(self, metrics: ServerMetrics, out) -> None:
@@ -192,7 +216,8 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
                 except (InvalidRequestError, ValueError) as e:
                     return _error(f"prompt {i}: {e}" if len(prompts) > 1 else str(e))
                 k = len(choices)
-                choices.append(_Choice(k, rid if len(prompts) * req.n == 1 else f"{rid}-{k}", ids, params))
+                choices.append(_Choice(k, rid if len(prompts) * req.n == 1 else f"{rid}-{k}", ids, params,
+                                       tool_call=req.tool_call() if chat else None))
                 if getattr(req, "echo", False):
                     choices[-1].echo = prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)
         prompt_tokens = sum(len(c.ids) for c in choices[:: req.n])  # each prompt once, as OpenAI counts them
@@ -219,7 +244,7 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
                                       "logprobs": logprobs_of(c, None if c.final.logprobs is None else c.logprobs, chat,
                                                               c.prompt_logprobs)}
             if chat:
-                choice["message"] = {"role": "assistant", "content": "".join(c.text)}
+                choice["message"] = chat_message("".join(c.text), c.tool_call)
             else:
                 choice["text"] = (c.echo or "") + "".join(c.text)
             body.append(choice)
@@ -279,6 +304,13 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
 
         def choice(c: _Choice, out, finish: str | None) -> dict:
             lps = logprobs_of(c, out.logprobs, chat, out.prompt_logprobs)
+            if c.tool_call is not None:  # held back until the call is whole: its message in one delta
+                delta = chat_message("".join(c.text), c.tool_call)
+                del delta["role"]
+                if delta.get("tool_calls"):
+                    delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(delta["tool_calls"])]
+                lps = logprobs_of(c, None if out.logprobs is None else c.logprobs, chat)
+                return {"index": c.index, "delta": delta, "finish_reason": finish, "logprobs": lps}
             if chat:
                 return {"index": c.index, "delta": {"content": out.text} if out.text else {}, "finish_reason": finish,
                         "logprobs": lps}
@@ -294,7 +326,7 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
                 async for c, out in outs:
                     c.chunk(metrics, out)
                     if not out.finished:  # the finished output's text goes with its reason
-                        if out.text or out.logprobs or c.echo:  # tokens that make no text yet still have logprobs
+                        if c.tool_call is None and (out.text or out.logprobs or c.echo):  # tokens that make no text yet still have logprobs
                             yield event([choice(c, out, None)])
                     elif out.finish_reason == "error":
                         yield b"data: " + orjson.dumps(error_body(f"the request failed: {out.error}",
@@ -323,7 +355,8 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
         if err is not None:
             return err
         try:
-            prompt = render_chat(req.messages, chat_template)
+            prompt = render_chat(req.messages, chat_template,
+                                 [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)
         except ValueError as e:
             return _error(str(e), param="messages")
         except Exception as e:  # noqa: BLE001 - a template error is the server's, and this request's alone

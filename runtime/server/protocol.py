@@ -1,6 +1,6 @@
 """The bodies of `/v1/completions` and `/v1/chat/completions`, as OpenAI's API defines them.
 
-Why refuse rather than ignore: a client that asks for `best_of` or a tool call and silently gets
+Why refuse rather than ignore: a client that asks for `best_of` or an automatic tool call and silently gets
 none draws wrong conclusions. Fields the engine implements are typed; fields OpenAI defines, and vLLM's
 sampling extensions, that it does not implement are refused with a 400 naming them -- unless given
 at a value that turns them off (`best_of=1`, `length_penalty=1`); unknown fields are refused too.
@@ -176,17 +176,84 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")  # `description`, `strict`
+    name: str = Field(min_length=1)
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (none: an empty object)
+
+    def arguments_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = Field(False, strict=True)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; `required` may give several calls either way
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice(self) -> "ChatCompletionRequest":
+        choice = self.tool_choice
+        if choice in (None, "none"):
+            if self.tools and choice is None:
+                raise ValueError("tool_choice 'auto' (the default with tools) needs a tool-call parser for the model, "
+                                 "which this server does not have: give 'required', a named function or 'none'")
+            return self
+        if not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if choice == "auto":
+            raise ValueError("tool_choice 'auto' needs a tool-call parser for the model, which this server does not "
+                             "have: give 'required', a named function or 'none'")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        if self.structured_outputs is not None or (self.response_format and self.response_format.type != "text"):
+            raise ValueError("give tool_choice or response_format / structured_outputs, not both")
+        return self
+
+    def tool_call(self) -> str | None:
+        """The function every choice calls (a named tool_choice), "required" (one or more of the tools, as a JSON
+        list of {name, parameters}), or None: text."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        return "required" if choice == "required" else None
+
+    def structured(self) -> dict[str, Any] | None:
+        call = self.tool_call()
+        if call is None:
+            return super().structured()
+        if call != "required":  # the named function's arguments
+            return {"json": next(t.function for t in self.tools if t.function.name == call).arguments_schema()}
+        return {"json": {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+            {"properties": {"name": {"type": "string", "enum": [t.function.name]},
+                            "parameters": t.function.arguments_schema()},
+             "required": ["name", "parameters"]} for t in self.tools]}}}
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
