@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from specsched.runtime.structured_output import apply_masks
+from specsched.runtime.structured_output import apply_masks, column_drafts
 from specsched.runtime.sync_guard import read_now, to_device
 from specsched.runtime.token_state import SeqState, TokenBuffer
 from specsched.scheduler.plan import concat_ranges
@@ -40,7 +40,8 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SeqState], tokens: Token
     themselves where no row asks for any (the module's docstring says which tokens each column sees)."""
     depths = np.asarray(depths[: logits.shape[1]], dtype=np.int64)
     if any(st.guide is not None for st in rows):
-        logits = apply_masks(logits, rows, None if window is None else read_now(window).numpy(), path)
+        w = logits.shape[1]
+        logits = apply_masks(logits, rows, None if window is None else column_drafts(read_now(window).numpy(), path, w))
     logits = hold_back(logits, rows, ends[:, None] + depths[None, :])
     adjusted = [i for i, st in enumerate(rows) if st.adjust is not None]
     if not adjusted:

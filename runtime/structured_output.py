@@ -5,7 +5,9 @@ The grammar is a regular expression compiled against the tokenizer's vocabulary 
 automaton); each request walks it with a `Guide`. In a verify, column c is masked by the state after the drafts on its
 path (a chain's columns before it, a tree's ancestors), so a draft the grammar forbids is rejected and every column
 scores its draft with the distribution plain decoding would have sampled from: speculation stays lossless. After the
-step the guide advances by the tokens the request kept.
+step the guide advances by the tokens the request kept. The proposers mask their own logits the same way while they
+draft (`apply_masks` on a draft's or a tree node's logits), so drafts are text the grammar allows: forced tokens are
+drafted, and accepted.
 
 The masks need the drafts and the kept tokens on the host: a step with a structured row reads them there (a sync on a
 GPU, for that step only); steps without one are untouched.
@@ -153,20 +155,21 @@ class Guide:
         return ((bits.unsqueeze(-1) >> _BITS) & 1).bool().view(len(paths), -1)[:, :vocab]
 
 
-def apply_masks(logits: torch.Tensor, rows: Sequence, window: np.ndarray | None, path: torch.Tensor | None
-                ) -> torch.Tensor:
-    """logits [B, W, V] with -inf where a structured row's grammar forbids the token at that column (`window` [B, W]
-    the columns' tokens on the host, `path` [W, W] which come before each); the logits themselves without one."""
-    guided = [(i, st.guide) for i, st in enumerate(rows) if getattr(st, "guide", None) is not None]
-    if not guided:
-        return logits
-    w, vocab = logits.shape[1], logits.shape[-1]
-    on_path = path[:w, :w].tolist() if path is not None and w > 1 else [[False] * w for _ in range(w)]
+def column_drafts(window: np.ndarray, path: torch.Tensor, width: int) -> list[list[list[int]]]:
+    """Per row of a verify, per column: the drafts on the column's path (`window` [B, W] the columns' tokens on the
+    host, `path` [W, W] which come before each)."""
+    on_path = path[:width, :width].tolist()
+    return [[[int(row[j]) for j in range(width) if on_path[c][j]] for c in range(width)] for row in window]
+
+
+def apply_masks(logits: torch.Tensor, rows: Sequence, drafts: Sequence | None = None) -> torch.Tensor:
+    """logits [B, W, V] with -inf where a structured row's grammar forbids the token at that column, after the drafts
+    on the column's path (`drafts[i][c]`, `column_drafts`; None: none); the logits themselves without such a row."""
     out = None
-    for i, guide in guided:
-        drafts = [] if window is None else window[i]
-        paths = [[int(drafts[j]) for j in range(w) if on_path[c][j]] for c in range(w)]
-        allowed = guide.masks(paths, vocab)
+    for i, st in enumerate(rows):
+        if getattr(st, "guide", None) is None:
+            continue
+        allowed = st.guide.masks([[]] * logits.shape[1] if drafts is None else drafts[i], logits.shape[-1])
         if allowed is None:
             continue
         out = logits.clone() if out is None else out

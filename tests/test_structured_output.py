@@ -12,7 +12,7 @@ import torch
 
 from specsched.runtime import bundled
 from specsched.runtime.logits_processors import window_paths
-from specsched.runtime.structured_output import Grammars, apply_masks, token_bytes
+from specsched.runtime.structured_output import Grammars, apply_masks, column_drafts, token_bytes
 from specsched.runtime.tokenizer import Tokenizer
 from specsched.scheduler.errors import InvalidRequestError
 
@@ -56,7 +56,7 @@ def test_each_column_allows_what_the_grammar_allows_after_the_drafts_on_its_path
         r.guide.advance(text_tokens[:1])
     vocab = 4096 + 7
     logits = torch.zeros((3, width, vocab))
-    got = apply_masks(logits, rows, window, window_paths(width, tree_parents))
+    got = apply_masks(logits, rows, column_drafts(window, window_paths(width, tree_parents), width))
     assert torch.equal(got[2], logits[2])
     for i in range(2):
         for c in range(width):
@@ -167,3 +167,17 @@ def test_bad_structured_outputs_are_refused_naming_the_problem():
             assert ok.text == "ab"  # the engine serves on
 
     anyio.run(main)
+
+
+@pytest.mark.parametrize("proposer,schedule", [("draft", "overlap"), ("mtp", "eager_fill"), ("eagle", "sync")])
+def test_drafts_follow_the_grammar_so_a_forced_text_is_drafted_and_accepted_whole(proposer, schedule):
+    """Proposers draft from their logits masked by the row's grammar after the drafts before (a chain's, or a tree
+    node's ancestors): where the grammar allows one text, every draft is that text's next token and is accepted (but
+    those of the last step past the text's end)."""
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    text = "raise ValueError(message)"
+    params = [SamplingParams(max_tokens=32, structured_outputs={"choice": [text]})]
+    [out] = _run(params, proposer=proposer, schedule=schedule, draft_len=3)
+    assert out.text == text and out.finish_reason == "stop"
+    assert out.spec["drafts"] > 1 and out.spec["accepted_tokens"] >= out.spec["drafted_tokens"] - 3, out.spec

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from specsched.runtime.sampling import logits_to_probs, sample
-from specsched.runtime.sync_guard import to_device
+from specsched.runtime.structured_output import apply_masks
+from specsched.runtime.sync_guard import read_now, to_device
 from specsched.scheduler.plan import build_plan
 
 if TYPE_CHECKING:
@@ -130,6 +131,7 @@ class DraftCollector:
         self.greedy = all(st.greedy for st in rows)
         # every row drafts as many: each step runs over all rows (`active` None below)
         self.uniform = len(set(draft_lens)) <= 1
+        self.guided = any(st.guide is not None for st in rows)  # structured rows draft what their grammar allows
 
     def first(self, logits: torch.Tensor) -> None:
         """The first draft token of every row from [B, V] (a row drafting none draws nothing: a seeded row's
@@ -153,6 +155,10 @@ class DraftCollector:
     def extend(self, active: list[int] | None, k: int, logits: torch.Tensor) -> None:
         """Draft token k (0-based column) for rows `active` (None: all) from logits [len(active), V]."""
         rows = self.rows if active is None else [self.rows[i] for i in active]
+        if self.guided:  # each structured row's grammar after its drafts so far (read on the host)
+            drafted = read_now(self.tokens[:, :k]).tolist()
+            which = range(len(self.rows)) if active is None else active
+            logits = apply_masks(logits.unsqueeze(1), rows, [[drafted[i]] for i in which]).squeeze(1)
         toks, probs = sample_next(self.worker, rows, logits, self.greedy)
         if active is None:
             self.tokens[:, k] = toks

@@ -30,7 +30,8 @@ import torch
 from specsched.runtime.dummy import load_head_for
 from specsched.runtime.proposers.base import DraftCollector, Proposer, one_hot_or, one_token_forwards, window_reads
 from specsched.runtime.proposers.hidden_log import HiddenLog
-from specsched.runtime.sync_guard import to_device
+from specsched.runtime.structured_output import apply_masks
+from specsched.runtime.sync_guard import read_now, to_device
 from specsched.runtime.sampling import logits_to_probs, sample
 from specsched.runtime.tree_verify import TreeSpec, greedy_tree_verify, sampled_tree_verify, synthetic_tree_verify
 from specsched.scheduler.messages import DraftMessage, FillMessage
@@ -186,7 +187,8 @@ class EagleProposer(HeadProposer):
         b, t = len(rows), len(self.depths)
         tokens = torch.zeros(b, t, dtype=torch.int64, device=w.device)
         draw = None if all(st.greedy for st in rows) else _TreeDraws(w, rows, t, msg.draft_lens.tolist())
-        self._expand(-1, torch.stack([st.carried for st in rows]), tokens, draw)
+        guided = rows if any(st.guide is not None for st in rows) else None  # structured rows: their grammar's nodes
+        self._expand(-1, torch.stack([st.carried for st in rows]), tokens, draw, guided)
         node_hidden: dict[int, torch.Tensor] = {}
         run_slot: dict[int, int] = {}  # node -> head-tree slot (after the L-1 prefix slots)
         carried_hidden = torch.stack([st.extra["hidden"] for st in rows])
@@ -216,19 +218,28 @@ class EagleProposer(HeadProposer):
             hs = out.hidden.view(b, len(run), -1)
             for r, n in enumerate(run):
                 node_hidden[n] = hs[:, r]
-                self._expand(n, logits[:, r], tokens, draw)
+                self._expand(n, logits[:, r], tokens, draw, guided)
         counts = [t if d > 0 else 0 for d in msg.draft_lens.tolist()]
         w.set_drafts(slots, msg.start, tokens, counts)
         for i, st in enumerate(rows):
             st.draft_q = None if draw is None or st.greedy else draw.q[i]
         return np.asarray(counts, dtype=np.int64)
 
-    def _expand(self, parent: int, logits: torch.Tensor, tokens: torch.Tensor, draw: "_TreeDraws | None") -> None:
+    def _expand(self, parent: int, logits: torch.Tensor, tokens: torch.Tensor, draw: "_TreeDraws | None",
+                guided: list | None = None) -> None:
         """The children of `parent` from its logits [B, V]: its top-k tokens, or for sampled rows
-        (`draw`) k independent draws from the head's distribution there."""
+        (`draw`) k independent draws from the head's distribution there; `guided`: the rows, some structured, whose
+        grammar after the nodes down to `parent` masks the head's logits first."""
         kids = self.children.get(parent, [])
         if not kids:
             return
+        if guided is not None:
+            path, a = [], parent
+            while a >= 0:
+                path.insert(0, a)
+                a = self.spec.tree_parents[a]
+            drafted = read_now(tokens[:, path]).tolist() if path else [[] for _ in guided]
+            logits = apply_masks(logits.unsqueeze(1), guided, [[d] for d in drafted]).squeeze(1)
         top = logits.topk(len(kids), dim=-1).indices
         tokens[:, kids] = top if draw is None else draw.children(kids, logits, top)
 
