@@ -58,6 +58,7 @@ TINY = {
     "vllm_compare.py": [],
     "server_overhead.py": ["--rounds", "1", "--concurrency", "2", "--num-requests", "2", "--max-tokens", "3"],  # no vLLM given here: it says so and exits 0
     "dummy_memory.py": ["--shapes", "llama-3.2-1b-draft", "--max-tokens", "2", "--num-pages", "8"],
+    "structured_spec.py": ["--rounds", "1", "--num-requests", "1", "--max-tokens", "24", "--only", "mtp"],
     "logits_processing.py": ["--rounds", "2", "--concurrency", "2", "--num-requests", "2", "--max-tokens", "6",
                              "--spec", "ngram", "--draft-len", "2"],
 }
@@ -185,6 +186,17 @@ def _check_logits_processing(out):
         lo, hi = (float(x) for x in span.split("-"))
         assert _pos(tps) and _ratio(ratio) and lo <= _f(ratio) <= hi and same == "yes", out
     assert rows[0][3] == "1.00x"
+
+
+def _check_structured_spec(out):
+    """plain and the MTP head's rows: tokens/s, an acceptance length (1 for plain, more for a head drafting forced
+    tokens), the ratio to plain and the same tokens as plain."""
+    _grab(out, r"^1 bundled prompts, each a JSON object of a 4-field schema \(<= 24 tokens\), greedy, 1 concurrent")
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["plain"], ["mtp"])]
+    assert [r[0] for r in rows] == ["plain", "mtp"], out
+    (_, p_tps, p_al, p_ratio, _, p_same), (_, m_tps, m_al, m_ratio, span, m_same) = rows
+    assert _pos(p_tps) and _f(p_al) == 1.0 and p_ratio == "1.00x" and p_same == "yes"
+    assert _pos(m_tps) and _f(m_al) > 1.5 and _ratio(m_ratio) and m_same == "yes", out
 
 
 def _check_vllm_compare(out):
