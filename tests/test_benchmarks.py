@@ -58,7 +58,8 @@ TINY = {
     "vllm_compare.py": [],
     "server_overhead.py": ["--rounds", "1", "--concurrency", "2", "--num-requests", "2", "--max-tokens", "3"],  # no vLLM given here: it says so and exits 0
     "dummy_memory.py": ["--shapes", "llama-3.2-1b-draft", "--max-tokens", "2", "--num-pages", "8"],
-    "structured_spec.py": ["--rounds", "1", "--num-requests", "1", "--max-tokens", "24", "--only", "mtp"],
+    "structured_spec.py": ["--rounds", "1", "--num-requests", "1", "--max-tokens", "24", "--only", "mtp",
+                           "--baseline", "."],
     "logits_processing.py": ["--rounds", "2", "--concurrency", "2", "--num-requests", "2", "--max-tokens", "6",
                              "--spec", "ngram", "--draft-len", "2"],
 }
@@ -190,13 +191,14 @@ def _check_logits_processing(out):
 
 def _check_structured_spec(out):
     """plain and the MTP head's rows: tokens/s, an acceptance length (1 for plain, more for a head drafting forced
-    tokens), the ratio to plain and the same tokens as plain."""
+    tokens), the ratio to plain and the same tokens as plain; the baseline's (this checkout again) the same."""
     _grab(out, r"^1 bundled prompts, each a JSON object of a 4-field schema \(<= 24 tokens\), greedy, 1 concurrent")
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["plain"], ["mtp"])]
     assert [r[0] for r in rows] == ["plain", "mtp"], out
-    (_, p_tps, p_al, p_ratio, _, p_same), (_, m_tps, m_al, m_ratio, span, m_same) = rows
-    assert _pos(p_tps) and _f(p_al) == 1.0 and p_ratio == "1.00x" and p_same == "yes"
-    assert _pos(m_tps) and _f(m_al) > 1.5 and _ratio(m_ratio) and m_same == "yes", out
+    (_, p_tps, p_al, p_ratio, _, p_same, pb_al, pb_ratio), (_, m_tps, m_al, m_ratio, _, m_same, mb_al, mb_ratio) = rows
+    assert _pos(p_tps) and _f(p_al) == _f(pb_al) == 1.0 and p_ratio == pb_ratio == "1.00x" and p_same == "yes"
+    assert _pos(m_tps) and _f(m_al) > 1.5 and _f(mb_al) == _f(m_al) and _ratio(m_ratio) and _ratio(mb_ratio), out
+    assert m_same == "yes"
 
 
 def _check_vllm_compare(out):
