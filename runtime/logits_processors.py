@@ -53,7 +53,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SeqState], tokens: Token
     for k, a in enumerate(adj):
         if a.logit_bias:
             ids, bias = zip(*a.logit_bias)
-            sub[k, :, to_device(ids, sub.device, torch.int64)] += torch.tensor(bias, dtype=sub.dtype).to(sub.device)
+            sub[k, :, to_device(ids, sub.device, torch.int64)] += to_device(bias, sub.device, sub.dtype)
     if any(a.repetition_penalty != 1.0 or a.frequency_penalty or a.presence_penalty for a in adj):
         sel = np.asarray(adjusted)
         prompt_lens = np.asarray([rows[i].prompt_len for i in adjusted], dtype=np.int64)
@@ -61,7 +61,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SeqState], tokens: Token
         w = sub.shape[1]
         if window is not None and w > 1:  # each column's own counts: the drafts on its path added
             counts = counts.repeat(1, w, 1)
-            on_path = path[:w, :w].to(sub.device, sub.dtype).unsqueeze(0).expand(len(adjusted), w, w)
+            on_path = to_device(path[:w, :w], sub.device, sub.dtype).unsqueeze(0).expand(len(adjusted), w, w)
             drafts = (window if every else window.index_select(0, idx))[:, :w].clamp(min=0)
             counts.scatter_add_(2, drafts.unsqueeze(1).expand(-1, w, -1), on_path)
         sub = _penalize(sub, counts, [rows[i] for i in adjusted], tokens, slots[sel])
@@ -93,7 +93,7 @@ def _penalize(logits: torch.Tensor, counts: torch.Tensor, rows: Sequence[SeqStat
     adj = [st.adjust for st in rows]
 
     def per_row(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(a, name) for a in adj], dtype=logits.dtype).to(logits.device).view(-1, 1, 1)
+        return to_device([getattr(a, name) for a in adj], logits.device, logits.dtype).view(-1, 1, 1)
 
     if any(a.repetition_penalty != 1.0 for a in adj):
         vocab = logits.shape[-1]

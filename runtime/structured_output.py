@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specsched.runtime.sync_guard import read_now
+from specsched.runtime.sync_guard import host_side, read_now, to_device
 from specsched.scheduler.errors import InvalidRequestError
 
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -158,7 +158,7 @@ class Guide:
 def column_drafts(window: np.ndarray, path: torch.Tensor, width: int) -> list[list[list[int]]]:
     """Per row of a verify, per column: the drafts on the column's path (`window` [B, W] the columns' tokens on the
     host, `path` [W, W] which come before each)."""
-    on_path = path[:width, :width].tolist()
+    on_path = host_side(path[:width, :width]).tolist()
     return [[[int(row[j]) for j in range(width) if on_path[c][j]] for c in range(width)] for row in window]
 
 
@@ -173,7 +173,7 @@ def apply_masks(logits: torch.Tensor, rows: Sequence, drafts: Sequence | None = 
         if allowed is None:
             continue
         out = logits.clone() if out is None else out
-        out[i].masked_fill_(~allowed.to(out.device), float("-inf"))
+        out[i].masked_fill_(~to_device(allowed, out.device), float("-inf"))
     return logits if out is None else out
 
 

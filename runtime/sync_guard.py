@@ -60,9 +60,17 @@ def host_side(t: torch.Tensor) -> torch.Tensor:
 
 
 def read_now(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s values on the host now, waiting for the device where it must (a deliberate sync, for the steps that
-    need device values on the host inside an op: structured output's masks)."""
-    return host_side(t.detach().to("cpu", copy=True))
+    """`t`'s values on the host now, waiting for the device where it must: the one deliberate sync an op may make
+    (structured output's masks need its drafts and kept tokens), allowed under `no_host_sync` and CUDA's sync
+    debug mode alike."""
+    if t.device.type != "cuda":
+        return host_side(t.detach().clone())
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        return host_side(t.detach().to("cpu"))
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 class _Guard(TorchFunctionMode):

@@ -83,3 +83,25 @@ def test_a_verify_in_two_micro_batches_emits_the_same_tokens(kind, plain):
             assert got == _serve(one, schedule, temperature), (schedule, temperature)
             if temperature == 0.0:
                 assert got == plain
+
+
+def test_penalties_read_nothing_on_the_host_and_structured_output_only_its_declared_reads():
+    """Under the guard: penalties and logit bias run on the device alone; a structured request reads its drafts and
+    kept tokens through `read_now`, the one sync an op may make, and its text follows its grammar."""
+    import anyio
+
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+
+    async def main():
+        async with AsyncEngine(EngineConfig(proposer="draft", draft_len=3, schedule="overlap",
+                                            sync_guard=True)) as eng:
+            pen = await eng.generate_all(PROMPTS[0], SamplingParams(max_tokens=12, frequency_penalty=0.5,
+                                                                    repetition_penalty=1.2, logit_bias={5: 1.0}))
+            choice = await eng.generate_all(PROMPTS[1], SamplingParams(
+                max_tokens=12, structured_outputs={"choice": ["return None", "pass"]}))
+            return pen, choice
+
+    pen, choice = anyio.run(main)
+    assert pen.finish_reason in ("length", "stop") and len(pen.token_ids) > 0, pen.error
+    assert choice.finish_reason == "stop" and choice.text in ("return None", "pass"), choice.error
