@@ -32,11 +32,17 @@ class LogitsAdjust:
 
 
 _REGEX_SPECIAL = frozenset("\\.^$|?*+()[]{}")
+_SCALAR = {"type": ["string", "number", "boolean", "null"]}
+# `json_object`: any object two levels deep (values: scalars, or arrays or objects of scalars) -- outlines-core's
+# generic object nests deeper, and its automaton takes seconds to build where this one takes a tenth of one
+ANY_OBJECT = {"type": "object", "additionalProperties": {"anyOf": [
+    _SCALAR, {"type": "array", "items": _SCALAR}, {"type": "object", "additionalProperties": _SCALAR}]}}
 
 
 class StructuredOutputs(BaseModel):
     """vLLM's `StructuredOutputsParams`: the output must match one of a JSON schema (`json`, a dict or its text), a
-    regular expression (`regex`), one of a list of strings (`choice`) or any JSON object (`json_object`)."""
+    regular expression (`regex`), one of a list of strings (`choice`) or any JSON object two levels deep
+    (`json_object`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -67,7 +73,7 @@ class StructuredOutputs(BaseModel):
                                   for c in self.choice) + ")"
         from outlines_core.json_schema import build_regex_from_schema
 
-        schema = self.json_schema if self.json_object is None else {"type": "object"}
+        schema = self.json_schema if self.json_object is None else ANY_OBJECT
         text = schema if isinstance(schema, str) else json.dumps(schema)
         try:
             return build_regex_from_schema(text)
