@@ -460,7 +460,8 @@ def test_every_benchmark_has_a_smoke_setting():
 # the slow suite, so the default one stays within its budget
 SLOW_SMOKE = {"hf_compare.py", "train_throughput.py", "engine_warmup.py", "schedules.py", "tensor_parallel.py",
               "dummy_memory.py", "worker_libs.py", "server_overhead.py", "engine_ab.py", "tune_accuracy.py",
-              "agreement.py", "worker_spin.py", "proposers.py", "simulator_fidelity.py"}
+              "agreement.py", "worker_spin.py", "proposers.py", "simulator_fidelity.py", "logits_processing.py",
+              "structured_spec.py"}
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SMOKE else s

@@ -136,8 +136,9 @@ def test_outputs_match_their_schema_regex_or_choice(plain):
     _check(_run(_structured(temperature=1.0)))  # sampled: the masks hold there too
 
 
-@pytest.mark.parametrize("proposer,schedule,d", [("ngram", "sync", 3), ("draft", "overlap", 3), ("mtp", "eager_fill", 3),
-                                                   ("eagle", "sync", 3)])
+@pytest.mark.parametrize("proposer,schedule,d", [
+    pytest.param("ngram", "sync", 3, marks=pytest.mark.slow), pytest.param("draft", "overlap", 3, marks=pytest.mark.slow),
+    ("mtp", "eager_fill", 3), ("eagle", "sync", 3)])
 def test_structured_outputs_under_speculation_give_plain_decodings_tokens(plain, proposer, schedule, d):
     """Each verify column is masked after the drafts on its path: a forbidden draft is rejected, and the tokens are
     plain decoding's; sampled requests still match their grammar."""
