@@ -321,6 +321,8 @@ class AsyncEngine:
         if self._closed or self._pipeline is None:
             raise EngineClosedError("engine is not running (use `async with AsyncEngine(...)`)")
         params = params or SamplingParams()
+        if params.structured_outputs is not None:  # a large grammar compiles off the event loop (validate finds it)
+            await anyio.to_thread.run_sync(self._grammar_index, params.structured_outputs.pattern())
         ids = self.validate(prompt, params)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:
