@@ -258,7 +258,7 @@ class AsyncEngine:
         if self._grammars is None:
             from specsched.runtime.structured_output import Grammars
 
-            self._grammars = Grammars(self.tokenizer.path, self.tokenizer.eos_token_ids)
+            self._grammars = Grammars(self.tokenizer)
         return self._grammars.index(pattern)
 
     def room(self, num_prompt_tokens: int) -> int:
@@ -283,7 +283,7 @@ class AsyncEngine:
         if not ids:
             raise InvalidRequestError("empty prompt")
         if params.structured_outputs is not None:  # compiled here first: a grammar the vocabulary cannot follow
-            self._grammar_index(params.structured_outputs.pattern())
+            self._grammar_index(params.structured_outputs.pattern)
         bad = [t for t in params.logit_bias if t >= self.vocab_size]
         if bad:
             raise InvalidRequestError(f"logit_bias names token ids outside the vocabulary ({self.vocab_size}): {bad[:5]}")
@@ -322,7 +322,7 @@ class AsyncEngine:
             raise EngineClosedError("engine is not running (use `async with AsyncEngine(...)`)")
         params = params or SamplingParams()
         if params.structured_outputs is not None:  # a large grammar compiles off the event loop (validate finds it)
-            await anyio.to_thread.run_sync(self._grammar_index, params.structured_outputs.pattern())
+            await anyio.to_thread.run_sync(self._grammar_index, params.structured_outputs.pattern)
         ids = self.validate(prompt, params)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:

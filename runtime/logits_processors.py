@@ -18,18 +18,18 @@ import torch
 from specsched.runtime.structured_output import apply_masks, column_drafts
 from specsched.runtime.sync_guard import read_now, to_device
 from specsched.runtime.token_state import SeqState, TokenBuffer
+from specsched.runtime.tree_verify import TreeSpec
 from specsched.scheduler.plan import concat_ranges
 
 
 def window_paths(width: int, tree_parents: Sequence[int] = ()) -> torch.Tensor:
     """[W, W] bool: path[c, j] -- the window's column j (a draft; column 0 is the last emitted token) comes before
-    column c on its path. A chain's columns 1..c; a tree's (node i at column i + 1, `tree_parents` as
-    `ProposerSpec.tree_parents`) the ancestors of column c and itself."""
-    path = torch.zeros((width, width), dtype=torch.bool)
-    parents = [-1, *(p + 1 for p in tree_parents)] if tree_parents else [-1, *range(width - 1)]
-    for c in range(1, width):
-        path[c] = path[parents[c]]
-        path[c, c] = True
+    column c on its path: the tree's ancestor-or-self mask (`TreeSpec.mask`; a chain's for linear drafts, node i of
+    `tree_parents` at column i + 1) without the root's column."""
+    tree = (TreeSpec.from_parents([-1, *(p + 1 for p in tree_parents)]) if tree_parents
+            else TreeSpec.chain(width - 1))
+    path = tree.mask.clone()
+    path[:, 0] = False
     return path
 
 

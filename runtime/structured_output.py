@@ -18,12 +18,11 @@ import functools
 import json
 import re
 from collections.abc import Sequence
-from typing import Any
-
 import numpy as np
 import torch
 
 from specsched.runtime.sync_guard import host_side, read_now, to_device
+from specsched.runtime.tokenizer import Tokenizer
 from specsched.scheduler.errors import InvalidRequestError
 
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -73,9 +72,9 @@ def token_bytes(tokenizer_json: dict) -> dict[bytes, list[int]]:
 class Grammars:
     """A tokenizer's grammar compiler: regex -> outlines-core `Index`, cached (a request's pattern compiles once)."""
 
-    def __init__(self, tokenizer_path: Any, eos_token_ids: Sequence[int]):
-        self.tokenizer_path = tokenizer_path
-        self.eos = next(iter(eos_token_ids), None)
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer_path = tokenizer.path
+        self.eos = next(iter(tokenizer.eos_token_ids), None)
         self._vocabulary = None
 
     @property
@@ -167,7 +166,7 @@ def apply_masks(logits: torch.Tensor, rows: Sequence, drafts: Sequence | None = 
     on the column's path (`drafts[i][c]`, `column_drafts`; None: none); the logits themselves without such a row."""
     out = None
     for i, st in enumerate(rows):
-        if getattr(st, "guide", None) is None:
+        if st.guide is None:
             continue
         allowed = st.guide.masks([[]] * logits.shape[1] if drafts is None else drafts[i], logits.shape[-1])
         if allowed is None:
@@ -177,10 +176,16 @@ def apply_masks(logits: torch.Tensor, rows: Sequence, drafts: Sequence | None = 
     return logits if out is None else out
 
 
+def mask_next(logits: torch.Tensor, rows: Sequence, drafted: torch.Tensor) -> torch.Tensor:
+    """A proposer's logits [B, V] for each row's next draft, masked by its grammar after its drafts so far (`drafted`
+    [B, k] on the device, read here)."""
+    return apply_masks(logits.unsqueeze(1), rows, [[d] for d in read_now(drafted).tolist()]).squeeze(1)
+
+
 def advance_guides(rows: Sequence, emitted: torch.Tensor, num_accepted: torch.Tensor | None) -> None:
     """Each structured row's guide advanced by the tokens it kept: emitted [B, K] up to num_accepted + 1 (a verify's
     accepted drafts and the token after them), or all K."""
-    if not any(getattr(st, "guide", None) is not None for st in rows):
+    if not any(st.guide is not None for st in rows):
         return
     tokens = read_now(emitted).tolist()
     kept = [len(t) for t in tokens] if num_accepted is None else [n + 1 for n in read_now(num_accepted).tolist()]

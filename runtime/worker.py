@@ -244,8 +244,7 @@ class ModelWorker:
     def grammars(self) -> Grammars:
         """The target tokenizer's grammar compiler, made at the first structured request."""
         if self._grammars is None:
-            tok = Tokenizer(self.model_dir)
-            self._grammars = Grammars(tok.path, tok.eos_token_ids)
+            self._grammars = Grammars(Tokenizer(self.model_dir))
         return self._grammars
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:

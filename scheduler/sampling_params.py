@@ -1,6 +1,7 @@
 """Per-request sampling parameters (validated at the API boundary)."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -57,11 +58,12 @@ class StructuredOutputs(BaseModel):
                                 ("json_object", self.json_object or None)) if v is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of json, regex, choice, json_object (got {given or 'none'})")
-        self.pattern()  # a schema the grammar cannot express: a ValueError naming it
+        self.pattern  # a schema the grammar cannot express: a ValueError naming it
         return self
 
+    @functools.cached_property
     def pattern(self) -> str:
-        """The regular expression the output must match."""
+        """The regular expression the output must match (made once: a schema's is rebuilt by no later reader)."""
         if self.regex is not None:
             if not self.regex:
                 raise ValueError("regex must not be empty")

@@ -16,13 +16,12 @@ from specsched.runtime.structured_output import Grammars, apply_masks, column_dr
 from specsched.runtime.tokenizer import Tokenizer
 from specsched.scheduler.errors import InvalidRequestError
 
-TOKENIZER = bundled.tokenizer_path(bundled.target_dir())
 
 
 @pytest.fixture(scope="module")
 def grammars():
     tok = Tokenizer(bundled.target_dir())
-    return Grammars(TOKENIZER, tok.eos_token_ids), tok
+    return Grammars(tok), tok
 
 
 

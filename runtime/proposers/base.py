@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from specsched.runtime.sampling import logits_to_probs, sample
-from specsched.runtime.structured_output import apply_masks
-from specsched.runtime.sync_guard import read_now, to_device
+from specsched.runtime.structured_output import mask_next
+from specsched.runtime.sync_guard import to_device
 from specsched.scheduler.plan import build_plan
 
 if TYPE_CHECKING:
@@ -155,10 +155,9 @@ class DraftCollector:
     def extend(self, active: list[int] | None, k: int, logits: torch.Tensor) -> None:
         """Draft token k (0-based column) for rows `active` (None: all) from logits [len(active), V]."""
         rows = self.rows if active is None else [self.rows[i] for i in active]
-        if self.guided:  # each structured row's grammar after its drafts so far (read on the host)
-            drafted = read_now(self.tokens[:, :k]).tolist()
-            which = range(len(self.rows)) if active is None else active
-            logits = apply_masks(logits.unsqueeze(1), rows, [[drafted[i]] for i in which]).squeeze(1)
+        if self.guided:  # each structured row's grammar after its drafts so far
+            drafted = self.tokens[:, :k] if active is None else self.tokens[to_device(active, self.worker.device), :k]
+            logits = mask_next(logits, rows, drafted)
         toks, probs = sample_next(self.worker, rows, logits, self.greedy)
         if active is None:
             self.tokens[:, k] = toks

@@ -30,8 +30,8 @@ import torch
 from specsched.runtime.dummy import load_head_for
 from specsched.runtime.proposers.base import DraftCollector, Proposer, one_hot_or, one_token_forwards, window_reads
 from specsched.runtime.proposers.hidden_log import HiddenLog
-from specsched.runtime.structured_output import apply_masks
-from specsched.runtime.sync_guard import read_now, to_device
+from specsched.runtime.structured_output import mask_next
+from specsched.runtime.sync_guard import to_device
 from specsched.runtime.sampling import logits_to_probs, sample
 from specsched.runtime.tree_verify import TreeSpec, greedy_tree_verify, sampled_tree_verify, synthetic_tree_verify
 from specsched.scheduler.messages import DraftMessage, FillMessage
@@ -173,6 +173,8 @@ class EagleProposer(HeadProposer):
         parents = list(spec.tree_parents)
         self.tree = TreeSpec.from_parents([-1] + [p + 1 for p in parents])  # node 0 = root
         self.depths = [int(d) for d in spec.tree_depths()]
+        # each tree node's drafts from depth 1 down to it, as columns of a draft's tokens (node n at column n - 1)
+        self.node_paths = [[n - 1 for n in path if n > 0] for path in self.tree.paths.tolist()]
         self._draft_step = None  # step of the latest draft: its verify is the same step's
         self.children: dict[int, list[int]] = {}
         for n, p in enumerate(parents):
@@ -234,12 +236,7 @@ class EagleProposer(HeadProposer):
         if not kids:
             return
         if guided is not None:
-            path, a = [], parent
-            while a >= 0:
-                path.insert(0, a)
-                a = self.spec.tree_parents[a]
-            drafted = read_now(tokens[:, path]).tolist() if path else [[] for _ in guided]
-            logits = apply_masks(logits.unsqueeze(1), guided, [[d] for d in drafted]).squeeze(1)
+            logits = mask_next(logits, guided, tokens[:, self.node_paths[parent + 1]])
         top = logits.topk(len(kids), dim=-1).indices
         tokens[:, kids] = top if draw is None else draw.children(kids, logits, top)
 
