@@ -120,8 +120,11 @@ def hold_back(logits: torch.Tensor, rows: Sequence, positions: np.ndarray) -> to
                 held.append((i, cols, list(st.suppress)))
     if not held:
         return logits
-    logits = logits.clone()
+    out = logits.clone()
     for i, cols, ids in held:
-        logits[i, to_device(cols, logits.device, torch.int64).unsqueeze(-1),
-               to_device(ids, logits.device, torch.int64)] = float("-inf")
-    return logits
+        c = to_device(cols, logits.device, torch.int64)
+        out[i, c.unsqueeze(-1), to_device(ids, logits.device, torch.int64)] = float("-inf")
+        if rows[i].guide is not None:  # where the grammar allows only a stop, it ends the output: min_tokens yields
+            ended = ~torch.isfinite(out[i, c]).any(-1, keepdim=True)
+            out[i, c] = torch.where(ended, logits[i, c], out[i, c])
+    return out

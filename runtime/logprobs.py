@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from specsched.runtime.sync_guard import to_device
 from specsched.runtime.token_state import SeqState, TokenBuffer
 from specsched.scheduler.messages import TokenLogprobs
 
@@ -28,6 +29,33 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int, to_host: 
 def asked(rows: list[SeqState]) -> int | None:
     """The most top tokens any of the rows asks for with its emitted tokens; None if none asks."""
     return max((st.logprobs for st in rows if st.logprobs is not None), default=None)
+
+
+def forward_logprobs(rows: list[SeqState], sample_rows: np.ndarray, logits: torch.Tensor, tokens: torch.Tensor,
+                     to_host: ToHost) -> TokenLogprobs | None:
+    """A forward's, [B, 1]: of its sampled tokens [B] (-1 where a row samples nothing) under the logits [S, V] of
+    its sampling rows `sample_rows` (their states `rows`); None if none asks."""
+    k = asked(rows)
+    if k is None:
+        return None
+    if sample_rows.size < tokens.shape[0]:  # rows that sample nothing: their (unread) entries
+        logits = logits.new_zeros((tokens.shape[0], logits.shape[-1])).index_copy_(
+            0, to_device(sample_rows, logits.device), logits)
+    return token_logprobs(logits.unsqueeze(1), tokens.unsqueeze(1), k, to_host)
+
+
+def verify_logprobs(rows: list[SeqState], logits: torch.Tensor, emitted: torch.Tensor,
+                    accepted_nodes: torch.Tensor | None, to_host: ToHost) -> TokenLogprobs | None:
+    """A verify's: of its emitted tokens [B, W] under its columns' raw logits [B, W, V] -- a tree's, emitted token j
+    from the accepted node at depth j (`accepted_nodes` [B, depth]; the root at 0), a chain's column j (None); None
+    if none of `rows` asks."""
+    k = asked(rows)
+    if k is None:
+        return None
+    if accepted_nodes is not None:
+        node = torch.cat([torch.zeros_like(accepted_nodes[:, :1]), accepted_nodes.clamp(min=0)], 1)
+        logits = logits.gather(1, node.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    return token_logprobs(logits, emitted, k, to_host)
 
 
 def prompt_spans(rows: list[SeqState], starts: np.ndarray, ends: np.ndarray) -> list[tuple[int, int, int]]:

@@ -113,6 +113,21 @@ def no_host_sync(device: torch.device | str, what: str = "op", record: list | No
         yield
 
 
+@contextmanager
+def guarded(device: torch.device, what: str = "op") -> Iterator[None]:
+    """`no_host_sync(device)`, and on CUDA its sync debug mode set to "error" too: torch's own syncs fail as well."""
+    cuda = device.type == "cuda"
+    if cuda:
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with no_host_sync(device, what=what):
+            yield
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(mode)
+
+
 def _caller() -> str:
     """The innermost frame outside torch and this module: where the read is."""
     for frame in reversed(traceback.extract_stack()[:-2]):

@@ -92,6 +92,14 @@ class TokenBuffer:
     def write(self, slots: Any, positions: Any, values: torch.Tensor) -> None:
         self.data.view(-1)[self._flat(slots, positions)] = values.to(torch.int64).reshape(-1)
 
+    def after(self, slots: Any, starts: Any, width: int) -> torch.Tensor:
+        """[B, width] the tokens right after each row's position starts[i] (a step's drafts)."""
+        return self.at(*_after(slots, starts, width)).view(len(slots), width)
+
+    def write_after(self, slots: Any, starts: Any, values: torch.Tensor) -> None:
+        """values [B, w] right after each row's position starts[i] (a step's drafts, its emitted tokens)."""
+        self.write(*_after(slots, starts, values.shape[1]), values)
+
     def _flat(self, slots: Any, positions: Any) -> torch.Tensor:
         """One index into the flattened buffer (one index costs less than two)."""
         if isinstance(slots, torch.Tensor) or isinstance(positions, torch.Tensor):
@@ -100,3 +108,8 @@ class TokenBuffer:
             return (s * self.max_len + p).reshape(-1)
         flat = np.asarray(slots, dtype=np.int64) * self.max_len + np.asarray(positions, dtype=np.int64)
         return to_device(np.ascontiguousarray(flat.reshape(-1)), self.device)
+
+
+def _after(slots: Any, starts: Any, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(slots, positions) of `width` tokens after each row's position starts[i]."""
+    return np.repeat(np.asarray(slots), width), (np.asarray(starts)[:, None] + 1 + np.arange(width)).reshape(-1)

@@ -253,18 +253,27 @@ def synthetic_tree_verify(
     target_probs: torch.Tensor,
     num_accepted: torch.Tensor,
     generators: Sequence[torch.Generator | None],
+    allowed: torch.Tensor | None = None,
 ) -> TreeVerifyResult:
     """Forced acceptance on a tree (`runtime.verify.synthetic_verify`'s for chains): row i keeps
     the path to the first node (lowest index) at depth num_accepted[i], then the target's token
     after it, drawn from p there (a greedy row's is its argmax). tree_tokens [B, T],
-    target_probs [B, T, V] (row j: after node j), num_accepted [B] drawn on the device."""
+    target_probs [B, T, V] (row j: after node j), num_accepted [B] drawn on the device.
+    `allowed` [B, T-1]: whether the request allows each node's token (`allowed_drafts`); a path
+    keeps none it forbids (the deepest allowed path up to the drawn depth, the first there)."""
     spec = tree.to(tree_tokens.device)
     b, t = tree_tokens.shape
     nodes = torch.arange(t, device=tree_tokens.device)
-    first = torch.full((spec.max_depth + 1,), t, dtype=torch.int64, device=tree_tokens.device)
-    first = first.scatter_reduce(0, spec.depths, nodes, reduce="amin")  # the first node at each depth
     depth = num_accepted.to(tree_tokens.device).clamp(0, spec.max_depth)
-    best = first[depth]
+    if allowed is None:
+        first = torch.full((spec.max_depth + 1,), t, dtype=torch.int64, device=tree_tokens.device)
+        best = first.scatter_reduce(0, spec.depths, nodes, reduce="amin")[depth]  # the first node at that depth
+    else:  # [B, T] every node on the path allowed; of those within the depth, the deepest, then the first
+        ok = torch.cat([allowed.new_ones((b, 1)), allowed.to(tree_tokens.device)], 1)
+        on_path = (spec.paths < 0) | ok[:, spec.paths.clamp(min=0)]
+        fits = on_path.all(-1) & (spec.depths <= depth.unsqueeze(-1))
+        best = torch.where(fits, spec.depths * t + (t - 1 - nodes), -1).argmax(-1)
+        depth = spec.depths[best]
     path = spec.paths[best]
     tokens = torch.where(path >= 0, tree_tokens.to(torch.int64).gather(1, path.clamp(min=0)), -1)
     bonus = sample(target_probs[torch.arange(b, device=tree_tokens.device), best].float(), generators)

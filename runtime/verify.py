@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from specsched.runtime.sampling import sample, uniform_noise
-from specsched.runtime.sync_guard import to_device
+from specsched.runtime.sampling import logits_to_probs, sample, uniform_noise
+from specsched.runtime.sync_guard import host_side, to_device
 from specsched.scheduler.synthetic import accepted_counts
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -216,11 +216,60 @@ class SyntheticDraws:
 
 
 def synthetic_verify(draft_tokens: torch.Tensor, draft_lens: torch.Tensor, target_probs: torch.Tensor,
-                     num_accepted: torch.Tensor, generators: Sequence[torch.Generator | None]) -> VerifyResult:
+                     num_accepted: torch.Tensor, generators: Sequence[torch.Generator | None],
+                     allowed: torch.Tensor | None = None) -> VerifyResult:
     """Forced acceptance: row i keeps its first num_accepted[i] drafts (at most draft_lens[i]),
     then the target's token after them, drawn from p there (`sample`: a greedy row's is its
-    argmax) -- the drafts at accepted positions and the target's bonus token, as vLLM emits."""
+    argmax) -- the drafts at accepted positions and the target's bonus token, as vLLM emits.
+    `allowed` [B, D]: whether the request allows each draft (`allowed_drafts`); none past the
+    first it forbids is kept (a grammar, min_tokens or a banned token stays obeyed)."""
     _check_linear(draft_tokens, draft_lens, target_probs, "target_probs")
     accepted = torch.minimum(num_accepted.to(draft_lens.device), draft_lens).to(target_probs.device)
+    if allowed is not None:
+        accepted = _accepted_prefix(allowed.to(accepted.device), accepted)
     rows = torch.arange(draft_tokens.shape[0], device=target_probs.device)
     return _emit(draft_tokens, accepted, sample(target_probs[rows, accepted].float(), generators))
+
+
+def allowed_drafts(logits: torch.Tensor, drafts: torch.Tensor, parents: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, D] whether each draft [B, D] has a finite logit where it is scored -- a chain's draft j at column j of
+    logits [B, 1+D, V], a tree's node j+1 at its parent's column (`parents` [1+D], the root's -1) -- after the
+    request's grammar, min_tokens and logit bias: False where the request forbids it."""
+    cols = torch.arange(drafts.shape[1], device=logits.device) if parents is None else parents[1:].to(logits.device)
+    scored = logits[:, cols.clamp(min=0)].gather(-1, drafts.clamp(min=0).to(torch.int64).unsqueeze(-1)).squeeze(-1)
+    return torch.isfinite(scored)
+
+
+def as_grid(qo_indptr: np.ndarray, input_ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verify's rows, row i's tokens [qo_indptr[i], qo_indptr[i+1]) of `input_ids` [N] and `logits` [N, V], as
+    grids [B, W] and [B, W, V], W the longest row's (a shorter row's columns past its end: zeros, never read)."""
+    qo = np.diff(qo_indptr)
+    b, width = qo.size, int(qo.max())
+    if int(qo.min()) == width:
+        return input_ids.view(b, width), logits.view(b, width, -1)
+    at = to_device(np.repeat(np.arange(b) * width - qo_indptr[:-1], qo) + np.arange(int(qo_indptr[-1])),
+                   input_ids.device, torch.int64)
+    grid = input_ids.new_zeros(b * width).index_copy_(0, at, input_ids).view(b, width)
+    return grid, logits.new_zeros((b * width, logits.shape[-1])).index_copy_(0, at, logits).view(b, width, -1)
+
+
+def accept_chain(w: Any, msg: Any, rows: Sequence[Any], drafts: torch.Tensor, logits: torch.Tensor,
+                 draft_lens: list[int]) -> VerifyResult:
+    """A verify's linear drafts [B, D] against its (processed) logits [B, 1+D, V], row i's first draft_lens[i]
+    counting, by the worker `w`'s acceptance: synthetic draws, a threshold, greedy where every row is, else lossless
+    rejection sampling against the proposer's draft distributions. The chain's counterpart of a tree proposer's
+    `accept_tree`; `rows` are the rows' SeqStates, `msg` the VerifyMessage."""
+    b, width = logits.shape[:2]
+    nd = torch.tensor(draft_lens, dtype=torch.int64)  # counts known on the host
+    nd = host_side(nd) if w.device.type == "cpu" else to_device(nd, w.device)
+    if w.acceptance not in ("synthetic", "threshold") and all(st.greedy for st in rows):
+        return greedy_verify(drafts, nd, logits)
+    probs = logits_to_probs(logits.reshape(b * width, -1), w.sampling_tensors(rows, width)).view(b, width, -1)
+    generators = [st.generator for st in rows]
+    if w.acceptance == "synthetic":
+        drawn = w.synthetic.accepted(width - 1, [st.key for st in rows], msg.start, [st.synthetic for st in rows])
+        return synthetic_verify(drafts, nd, probs, drawn, generators, allowed_drafts(logits, drafts))
+    if w.acceptance == "threshold":
+        return threshold_verify(drafts, nd, probs, w.threshold, generators=generators)
+    q = w.proposer.draft_probs(rows, msg.slots.tolist(), msg.start, width - 1)
+    return rejection_verify(drafts, nd, q, probs, generators, row_lens=draft_lens)

@@ -18,6 +18,7 @@ Ops (scheduler/messages.py defines their typed messages and results):
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, is_dataclass, replace
 from typing import Any
 
@@ -28,15 +29,14 @@ from specsched.runtime.attention import resolve_backend
 from specsched.runtime.dummy import load
 from specsched.runtime.layers import kernel_notes, pack_linears, use_cpu_kernels
 from specsched.runtime.proposers.factory import make_proposer
-from specsched.runtime.logprobs import asked, prompt_logprobs, prompt_spans, token_logprobs
+from specsched.runtime.logprobs import forward_logprobs, prompt_logprobs, prompt_spans, verify_logprobs
 from specsched.runtime.logits_processors import process_logits, window_paths
-from specsched.runtime.sampling import SamplingTensors, logits_to_probs, make_generator, sample_logits
-from specsched.runtime.verify import (SyntheticDraws, greedy_verify, rejection_verify, synthetic_verify,
-                                     threshold_verify)
+from specsched.runtime.sampling import SamplingTensors, make_generator, sample_logits
+from specsched.runtime.verify import SyntheticDraws, accept_chain, as_grid
 from specsched.runtime.worker_config import WorkerConfig
 from specsched.scheduler.messages import (AgreementMessage, AgreementResult, DraftMessage, DraftResult, FillMessage, FillResult, ForwardMessage,
                                           ForwardResult, VerifyMessage, VerifyResult)
-from specsched.runtime.sync_guard import host_side, no_host_sync, to_device
+from specsched.runtime.sync_guard import guarded, host_side, to_device
 from specsched.runtime.structured_output import Grammars, advance_guides
 from specsched.runtime.token_state import SeqState, TokenBuffer
 from specsched.runtime.tokenizer import Tokenizer
@@ -191,20 +191,9 @@ class ModelWorker:
             shape = getattr(batch, "shape", None)
             tp.current = (device_span_name(op, shape.attrs()) if shape is not None else op, getattr(batch, "step", None))
             comm0 = (tp.stats.broadcast_ns, tp.stats.all_reduce_ns)
-        with torch.inference_mode():
-            if not (self.sync_guard and hasattr(batch, "shape")):  # the pipeline's ops are guarded
-                result = fn(batch)
-            else:
-                cuda = self.device.type == "cuda"
-                if cuda:
-                    mode = torch.cuda.get_sync_debug_mode()
-                    torch.cuda.set_sync_debug_mode("error")
-                try:
-                    with no_host_sync(self.device, what=f"op {op}"):
-                        result = fn(batch)
-                finally:
-                    if cuda:
-                        torch.cuda.set_sync_debug_mode(mode)
+        guard = self.sync_guard and hasattr(batch, "shape")  # the pipeline's ops are guarded
+        with torch.inference_mode(), (guarded(self.device, f"op {op}") if guard else nullcontext()):
+            result = fn(batch)
         # The result goes back as a new (frozen) result with its final values, in one replace:
         # on a tensor-parallel device with the other ranks' intervals and the op's communication
         # time; on the CPU, where an op has finished when it returns, with its host-side tensors
@@ -259,17 +248,10 @@ class ModelWorker:
     def set_drafts(self, slots: list[int], starts: np.ndarray, drafts: torch.Tensor, counts: list[int]) -> None:
         """This step's drafts [B, draft_width] (columns past a row's count: any valid token) go
         right after each row's last token (at starts[i]); their counts are kept on the host."""
-        w = drafts.shape[1]
-        if slots and w:
-            pos = (np.asarray(starts)[:, None] + 1 + np.arange(w)).reshape(-1)
-            self.tokens.write(np.repeat(np.asarray(slots), w), pos, drafts)
+        if slots and drafts.shape[1]:
+            self.tokens.write_after(slots, starts, drafts)
         for s, n in zip(slots, counts):
             self.states[s].draft_len = n
-
-    def get_drafts(self, slots: list[int], starts: np.ndarray, width: int) -> torch.Tensor:
-        """[B, width] the rows' drafts (positions past a row's count hold other tokens)."""
-        pos = (np.asarray(starts)[:, None] + 1 + np.arange(width)).reshape(-1)
-        return self.tokens.at(np.repeat(np.asarray(slots), width), pos).view(len(slots), width)
 
     def sampling_tensors(self, rows: list[SeqState], repeat: int = 1) -> SamplingTensors:
         """The rows' sampling parameters on this device, each row repeated `repeat` times."""
@@ -320,12 +302,8 @@ class ModelWorker:
             else:
                 tokens = torch.full((len(slots),), -1, dtype=torch.int64, device=self.device)
                 tokens[to_device(sample_rows, self.device)] = new
-            k = asked(srows) if rows else None
-            if k is not None:
-                if sample_rows.size < len(slots):  # rows that sample nothing: their (unread) entries
-                    logits = logits.new_zeros((len(slots), logits.shape[-1])).index_copy_(
-                        0, to_device(sample_rows, self.device), logits)
-                logprobs = token_logprobs(logits.unsqueeze(1), tokens.unsqueeze(1), k, self.to_host)
+            if rows:
+                logprobs = forward_logprobs(srows, sample_rows, logits, tokens, self.to_host)
         else:
             tokens = torch.full((len(slots),), -1, dtype=torch.int64, device=self.device)
         if self.proposer.needs_hidden:
@@ -359,13 +337,7 @@ class ModelWorker:
         # accepted, their KV overwritten)
         input_ids = self.tokens.ranges(msg.slots, msg.start, msg.start + qo)
         logits, hidden = self._verify_forward(plan, step, positions, input_ids, b, width)
-        if int(qo.min()) == width:
-            grid, logits = input_ids.view(b, width), logits.view(b, width, -1)
-        else:  # rows of fewer positions: [B, width] grids, their columns past a row's end unread
-            at = to_device((np.repeat(np.arange(b) * width, qo) + np.arange(int(plan.qo_indptr[-1]))
-                            - np.repeat(plan.qo_indptr[:-1], qo)), self.device, torch.int64)
-            grid = input_ids.new_zeros(b * width).index_copy_(0, at, input_ids).view(b, width)
-            logits = logits.new_zeros((b * width, logits.shape[-1])).index_copy_(0, at, logits).view(b, width, -1)
+        grid, logits = as_grid(plan.qo_indptr, input_ids, logits)
         last, draft_t = grid[:, 0], grid[:, 1:]
         raw = logits  # the log-probabilities' (before min_tokens, a logit bias or a penalty changes them)
         if self.scoring:  # column c emits the token at position start + 1 + its depth
@@ -375,25 +347,7 @@ class ModelWorker:
         if self.spec.is_tree:
             res = self.proposer.accept_tree(msg, rows, draft_t, last, logits, plan, hidden)
         else:
-            nd = torch.tensor(draft_lens, dtype=torch.int64)  # counts known on the host
-            nd = host_side(nd) if self.device.type == "cpu" else to_device(nd, self.device)
-            all_greedy = all(st.greedy for st in rows)
-            if self.acceptance == "synthetic":
-                probs = logits_to_probs(logits.reshape(b * width, -1), self.sampling_tensors(rows, width))
-                drawn = self.synthetic.accepted(width - 1, [st.key for st in rows], msg.start,
-                                                [st.synthetic for st in rows])
-                res = synthetic_verify(draft_t, nd, probs.view(b, width, -1), drawn, [st.generator for st in rows])
-            elif self.acceptance == "threshold":
-                probs = logits_to_probs(logits.reshape(b * width, -1), self.sampling_tensors(rows, width))
-                res = threshold_verify(draft_t, nd, probs.view(b, width, -1), self.threshold,
-                                       generators=[st.generator for st in rows])
-            elif all_greedy:
-                res = greedy_verify(draft_t, nd, logits)
-            else:
-                probs = logits_to_probs(logits.reshape(b * width, -1), self.sampling_tensors(rows, width))
-                q = self.proposer.draft_probs(rows, slots, msg.start, width - 1)
-                res = rejection_verify(draft_t, nd, q, probs.view(b, width, -1),
-                                       [st.generator for st in rows], row_lens=draft_lens)
+            res = accept_chain(self, msg, rows, draft_t, logits, draft_lens)
             if self.proposer.needs_hidden:
                 self.last_hidden = {"step": msg.step, "op": "verify", "hidden": hidden,
                                     "qo_indptr": plan.qo_indptr, "slots": slots}
@@ -403,18 +357,12 @@ class ModelWorker:
         # of uniform width (padded steps) reads them as inputs whose outputs are never accepted
         emitted = res.output_tokens
         advance_guides(rows, emitted, res.num_accepted)
-        k = emitted.shape[1]
-        self.tokens.write(np.repeat(msg.slots, k), (msg.start[:, None] + 1 + np.arange(k)).reshape(-1),
-                          emitted.clamp(min=0))
+        self.tokens.write_after(msg.slots, msg.start, emitted.clamp(min=0))
         for st in rows:
             st.draft_len = 0
             st.draft_q = None
-        logprobs, k = None, asked(rows) if self.scoring else None
-        if k is not None:
-            if self.spec.is_tree:  # emitted token j comes from the accepted node at depth j (the root: 0)
-                node = torch.cat([torch.zeros_like(res.num_accepted).unsqueeze(-1), res.accepted_nodes.clamp(min=0)], 1)
-                raw = raw.gather(1, node.unsqueeze(-1).expand(-1, -1, raw.shape[-1]))
-            logprobs = token_logprobs(raw, emitted, k, self.to_host)
+        logprobs = (verify_logprobs(rows, raw, emitted, res.accepted_nodes if self.spec.is_tree else None,
+                                    self.to_host) if self.scoring else None)
         accepted, tokens = self.to_host(res.num_accepted), self.to_host(emitted)
         self.proposer.emitted(slots, tokens, accepted)
         t2 = time.monotonic_ns()

@@ -97,7 +97,7 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list, description="stop strings (not included)")
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end the request (included)")
-    min_tokens: int = Field(0, ge=0, description="tokens before EOS or a stop token id may be generated")
+    min_tokens: int = Field(0, ge=0, description="tokens before EOS or a stop token id may be generated (a structured output's grammar that allows nothing but a stop ends the output sooner)")
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False,
                                     description="subtracted from the logit of each token the output holds")

@@ -148,7 +148,7 @@ def test_draft_tree_matches_dense_branches(head_family):
     toks = tokens_of(worker, req.num_tokens)
     L = len(toks)
     worker.execute("draft", device_messages.draft(3, blocks.page_table(0, "mtp"), PAGE, L))
-    drafts = worker.get_drafts([0], np.array([L - 1]), len(TREE))[0].tolist()
+    drafts = worker.tokens.after([0], np.array([L - 1]), len(TREE))[0].tolist()
     head, target = worker.proposer.head, worker.target
     seq = torch.tensor([toks])
     _, hidden = target.forward_full(seq)

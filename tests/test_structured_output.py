@@ -86,7 +86,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "ok"]}
 REGEX = r"[a-z]{1,5}( [a-z]{1,5}){0,2}\."
 CHOICE = ["return None", "pass", "raise ValueError"]
-PROMPTS = ["def main():\n    config = ", "# a short note:\n", "def f(x):\n    "]
+PROMPTS = ["def main():\n    config = ", "# a short note:\n", "def f(x):\n    ", "class A:\n    def f(self):\n"]
 
 
 def _structured(temperature: float = 0.0):
@@ -181,3 +181,26 @@ def test_drafts_follow_the_grammar_so_a_forced_text_is_drafted_and_accepted_whol
     [out] = _run(params, proposer=proposer, schedule=schedule, draft_len=3)
     assert out.text == text and out.finish_reason == "stop"
     assert out.spec["drafts"] > 1 and out.spec["accepted_tokens"] >= out.spec["drafted_tokens"] - 3, out.spec
+
+
+def test_a_grammar_that_ends_before_min_tokens_ends_the_output():
+    """min_tokens holds back EOS, but where the grammar allows nothing else the grammar wins: the output is its text,
+    finished by EOS (not a token the grammar forbids)."""
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    [out] = _run([SamplingParams(max_tokens=16, min_tokens=8, structured_outputs={"choice": ["pass"]})])
+    assert out.text == "pass" and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("proposer,schedule", [("ngram", "sync"), pytest.param("eagle", "sync", marks=pytest.mark.slow)])
+def test_synthetic_acceptance_keeps_no_token_the_grammar_or_min_tokens_forbids(proposer, schedule):
+    """Forced acceptance of every draft still keeps none the request forbids: the n-gram lookup drafts blind to the
+    grammar, and no proposer drafts by min_tokens (here holding back a stop at each line's end)."""
+    from specsched.scheduler.sampling_params import SamplingParams
+
+    [newline] = Tokenizer(bundled.target_dir()).encode("\n")
+    params = _structured() + [SamplingParams(max_tokens=24, min_tokens=20, stop_token_ids=[newline])]
+    outs = _run(params, proposer=proposer, schedule=schedule, draft_len=3, acceptance="synthetic",
+                synthetic_acceptance_rates=[1.0, 1.0, 1.0])
+    _check(outs[:3])
+    assert len(outs[3].token_ids) >= 20

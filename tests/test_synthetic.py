@@ -295,6 +295,32 @@ def test_a_synthetic_tree_verify_keeps_the_first_path_of_each_depth():
     assert res.to_lists() == [[40], [11, 41], [11, 13, 43], [11, 13, 16, 46]]
 
 
+def test_synthetic_acceptance_keeps_no_draft_the_request_forbids():
+    """A draft whose logit is -inf where it is scored (a grammar, min_tokens or a ban forbids it) is never kept: a
+    chain keeps the drawn prefix up to it, a tree the deepest path within the drawn depth that avoids it."""
+    import torch
+
+    from specsched.runtime.tree_verify import TreeSpec, synthetic_tree_verify
+    from specsched.runtime.verify import allowed_drafts, synthetic_verify
+
+    logits = torch.zeros(2, 4, 50)
+    logits[0, 1, 12] = float("-inf")  # row 0: the second draft (scored at column 1) is forbidden
+    drafts = torch.tensor([[11, 12, 13], [11, 12, 13]])
+    probs = torch.softmax(logits, -1)
+    res = synthetic_verify(drafts, torch.tensor([3, 3]), probs, torch.tensor([3, 3]), [None, None],
+                           allowed_drafts(logits, drafts))
+    assert res.num_accepted.tolist() == [1, 3]
+    tree = TreeSpec.from_parents([-1, 0, 0, 1, 1, 2, 3])  # depths 0, 1, 1, 2, 2, 2, 3
+    tokens = torch.tensor([[100, 11, 12, 13, 14, 15, 16]] * 3)
+    logits = torch.zeros(3, 7, 50)
+    logits[1, 0, 11] = float("-inf")  # row 1: node 1 (scored at the root) forbidden: its subtree too
+    logits[2, 0, 11] = logits[2, 2, 15] = float("-inf")  # row 2: node 5 (under node 2) as well
+    res = synthetic_tree_verify(tokens, tree, torch.softmax(logits, -1), torch.tensor([3, 3, 3]), [None] * 3,
+                                allowed_drafts(logits, tokens[:, 1:], tree.parents))
+    assert res.best_node.tolist() == [6, 5, 2] and res.num_accepted.tolist() == [3, 2, 1]
+    assert res.to_lists()[1][:2] == [12, 15]
+
+
 def test_a_request_s_own_acceptance_is_checked(tiny_family):
     """Its own acceptance needs an engine that speculates to have synthetic acceptance (plain
     decoding has nothing to accept) and a reachable length; a malformed one is refused when the

@@ -214,7 +214,7 @@ def one_hot_or(worker: "ModelWorker", rows: list["SeqState"], slots: list[int], 
     their drafts (from the token buffer, on the device)."""
     if all(st.draft_q is None for st in rows):
         return None
-    drafts = worker.get_drafts(slots, starts, num)
+    drafts = worker.tokens.after(slots, starts, num)
     out = torch.zeros(len(rows), num, vocab, device=worker.device)
     out.scatter_(2, drafts.unsqueeze(-1), 1.0)  # one-hot everywhere; sampled rows overwritten
     for i, st in enumerate(rows):

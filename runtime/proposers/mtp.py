@@ -34,6 +34,7 @@ from specsched.runtime.structured_output import mask_next
 from specsched.runtime.sync_guard import to_device
 from specsched.runtime.sampling import logits_to_probs, sample
 from specsched.runtime.tree_verify import TreeSpec, greedy_tree_verify, sampled_tree_verify, synthetic_tree_verify
+from specsched.runtime.verify import allowed_drafts
 from specsched.scheduler.messages import DraftMessage, FillMessage
 from specsched.scheduler.plan import build_plan
 
@@ -258,7 +259,7 @@ class EagleProposer(HeadProposer):
             drawn = w.synthetic.accepted(self.tree.max_depth, [st.key for st in rows], msg.start,
                                          [st.synthetic for st in rows])
             res = synthetic_tree_verify(tokens, self.tree, probs.view(b, width, -1), torch.where(whole, drawn, 0),
-                                        [st.generator for st in rows])
+                                        [st.generator for st in rows], allowed_drafts(logits, drafts, self.tree.parents))
         elif all(st.greedy for st in rows):
             res = greedy_tree_verify(tokens, self.tree, logits)
         else:
