@@ -87,6 +87,7 @@ class AsyncEngine:
         setup = check_engine(self.config, self.model_dir, self._proposer_dir(), self._scheduler_config())
         self.tokenizer, self.max_model_len, self._seed_costs, self.vocab_size = setup
         self._grammars = None  # the tokenizer's structured-output compiler, at the first structured request
+        self._shipped: dict[str, None] = {}  # patterns whose automaton a request has carried to the worker
 
     # -- setup --------------------------------------------------------------------------------
     def _shape_or(self, path: str) -> str:
@@ -261,6 +262,11 @@ class AsyncEngine:
             self._grammars = Grammars(self.tokenizer)
         return self._grammars.index(pattern)
 
+    def _grammar_to_ship(self, pattern: str) -> bytes | None:
+        """The pattern compiled, pickled for the worker unless a request has taken it there already."""
+        self._grammar_index(pattern)
+        return None if pattern in self._shipped else self._grammars.compiled(pattern)
+
     def room(self, num_prompt_tokens: int) -> int:
         """The most tokens a prompt of this length may ask for: the model's positions after it and after the
         window a step computes past the last token (its drafts and the token after them)."""
@@ -321,8 +327,9 @@ class AsyncEngine:
         if self._closed or self._pipeline is None:
             raise EngineClosedError("engine is not running (use `async with AsyncEngine(...)`)")
         params = params or SamplingParams()
-        if params.structured_outputs is not None:  # a large grammar compiles off the event loop (validate finds it)
-            await anyio.to_thread.run_sync(self._grammar_index, params.structured_outputs.pattern)
+        shipped = None  # a large grammar compiles off the event loop (validate finds it), and once
+        if params.structured_outputs is not None:
+            shipped = await anyio.to_thread.run_sync(self._grammar_to_ship, params.structured_outputs.pattern)
         ids = self.validate(prompt, params)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:
@@ -330,6 +337,11 @@ class AsyncEngine:
         st = Stream()
         self._streams[rid] = st
         req = Request(rid, ids, params, arrival_ns=time.monotonic_ns())
+        if shipped is not None:  # the worker takes the automaton with the request instead of compiling it in a step
+            req.grammar_index = shipped
+            self._shipped[params.structured_outputs.pattern] = None
+            if len(self._shipped) > self._grammars.CACHED:  # as many as the worker keeps (another compiles there again)
+                del self._shipped[next(iter(self._shipped))]
         self._pipeline.add_request(req)
         # This consumer detokenizes and applies the stop strings, off the pipeline's step loop.
         detok = Detokenizer(self.tokenizer, params.include_stop_str_in_output)

@@ -14,10 +14,12 @@ GPU, for that step only); steps without one are untouched.
 """
 from __future__ import annotations
 
-import functools
 import json
+import pickle
 import re
 from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -70,12 +72,17 @@ def token_bytes(tokenizer_json: dict) -> dict[bytes, list[int]]:
 
 
 class Grammars:
-    """A tokenizer's grammar compiler: regex -> outlines-core `Index`, cached (a request's pattern compiles once)."""
+    """A tokenizer's grammar compiler: regex -> outlines-core `Index`, cached (a request's pattern compiles once per
+    process); an `Index` compiled elsewhere is taken as is (`compiled` / `adopt`: the engine's, shipped to its worker
+    with the first request of a pattern, so the worker's step does not stall while it compiles)."""
+
+    CACHED = 64  # patterns kept, the most recently used
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer_path = tokenizer.path
         self.eos = next(iter(tokenizer.eos_token_ids), None)
         self._vocabulary = None
+        self._indexes: dict[str, Any] = {}  # pattern -> Index, least recently used first
 
     @property
     def vocabulary(self):
@@ -93,8 +100,29 @@ class Grammars:
             self._vocabulary = Vocabulary(self.eos, {b: ids for b, ids in table.items() if ids})
         return self._vocabulary
 
-    @functools.lru_cache(maxsize=64)
     def index(self, pattern: str):
+        """The pattern's automaton (compiled at its first use here, unless adopted)."""
+        index = self._indexes.pop(pattern, None)
+        if index is None:
+            index = self._compile(pattern)
+        self._keep(pattern, index)
+        return index
+
+    def compiled(self, pattern: str) -> bytes:
+        """The pattern's automaton, pickled for another process's `adopt`."""
+        return pickle.dumps(self.index(pattern))
+
+    def adopt(self, pattern: str, compiled: bytes) -> None:
+        """Take the automaton `compiled` made elsewhere for the pattern (unless it is here already)."""
+        if pattern not in self._indexes:
+            self._keep(pattern, pickle.loads(compiled))
+
+    def _keep(self, pattern: str, index) -> None:
+        self._indexes[pattern] = index
+        if len(self._indexes) > self.CACHED:
+            del self._indexes[next(iter(self._indexes))]
+
+    def _compile(self, pattern: str):
         from outlines_core import Index
 
         vocabulary = self.vocabulary

@@ -224,6 +224,8 @@ class ModelWorker:
         for r in msg.register:
             st = self.states[r.slot] = SeqState.registered(r, make_generator(r.seed, self.device))
             if r.grammar is not None:  # a walk that can step back over a verify's window
+                if r.grammar_index is not None:  # compiled by the engine: no compile inside this step
+                    self.grammars().adopt(r.grammar, r.grammar_index)
                 st.guide = self.grammars().guide(r.grammar, max_rollback=1 + self.draft_width)
                 st.guide.advance(r.token_ids[r.prompt_len:])  # its output so far, after a preemption
             (self.scoring.add if st.scored else self.scoring.discard)(r.slot)

@@ -86,6 +86,7 @@ class Registration:
     suppress: tuple[int, ...] = ()  # EOS and the stop token ids, with min_tokens
     adjust: LogitsAdjust | None = None  # `SamplingParams.logits_adjust()`: logit bias and penalties
     grammar: str | None = None  # `SamplingParams.structured_outputs`: the regular expression its output matches
+    grammar_index: bytes | None = None  # its automaton as the engine compiled it (`Request.grammar_index`)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -72,7 +72,7 @@ def registrations(batch: StepBatch, eos: frozenset[int] = frozenset()) -> tuple[
         out.append(Registration(r.slot, r.all_token_ids, p.temperature, p.top_k, p.top_p, p.seed, p.synthetic(),
                                 request_key(r.request_id), p.logprobs, p.min_p, p.prompt_logprobs,
                                 r.num_prompt_tokens, p.min_tokens, suppress, p.logits_adjust(),
-                                p.structured_outputs.pattern if p.structured_outputs else None))
+                                p.structured_outputs.pattern if p.structured_outputs else None, r.grammar_index))
     return tuple(out)
 
 

@@ -46,7 +46,7 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "params", "arrival_ns", "slot", "state",
                  "output_token_ids", "abort_requested", "stop_at", "num_preemptions",
-                 "first_token_ns", "finish_ns", "finish_reason", "error", "_table", "_row", "_own")
+                 "first_token_ns", "finish_ns", "finish_reason", "error", "grammar_index", "_table", "_row", "_own")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_ns: int, *, num_computed_tokens: int = 0):
@@ -64,6 +64,7 @@ class Request:
         self.finish_ns: int | None = None
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
         self.error: str | None = None
+        self.grammar_index: bytes | None = None  # its grammar compiled by the engine, for the worker (pickled)
         # without a slot (not queued, or finished) the counters are the handle's own
         self._table: SlotTable | None = None
         self._row = -1

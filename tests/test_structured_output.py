@@ -204,3 +204,42 @@ def test_synthetic_acceptance_keeps_no_token_the_grammar_or_min_tokens_forbids(p
                 synthetic_acceptance_rates=[1.0, 1.0, 1.0])
     _check(outs[:3])
     assert len(outs[3].token_ids) >= 20
+
+
+def test_the_worker_takes_the_engines_compiled_grammar_instead_of_compiling_it(grammars, monkeypatch):
+    """A registration that carries its automaton (the engine's, pickled) needs no compile in the worker's step: with
+    outlines-core's compiler out of reach there, the first token still follows the grammar; without it, the worker
+    would compile (here: fail)."""
+    import outlines_core
+    from dataclasses import replace
+
+    from specsched.runtime.worker import ModelWorker
+    from specsched.scheduler.block_manager import BlockManager
+    from specsched.scheduler.plan import build_plan
+    from tests import device_messages
+
+    g, tok = grammars
+    pattern = "(raise ValueError|pass)"
+    shipped = g.compiled(pattern)
+    worker = ModelWorker(str(bundled.target_dir()), {"kind": "none", "draft_len": 0}, page_size=4, num_pages=64)
+
+    class NoCompiler:  # loads a pickled automaton, compiles none
+        from_binary = outlines_core.Index.from_binary
+
+        def __init__(self, *args):
+            raise AssertionError("the worker compiled a grammar it was given")
+
+    monkeypatch.setattr(outlines_core, "Index", NoCompiler)
+    prompt = tok.encode("def f(x):\n    ")
+    blocks = BlockManager(64, 4, ("target",))
+    blocks.allocate(np.array([0]), {"target": len(prompt) + 1})
+    msg = device_messages.prefill_forward(prompt, build_plan([len(prompt)], [len(prompt)], [blocks.page_table(0)], 4))
+    for index, fails in ((None, True), (shipped, False)):
+        reg = replace(msg.register[0], grammar=pattern, grammar_index=index, prompt_len=len(prompt))
+        if fails:
+            with pytest.raises(AssertionError, match="compiled a grammar"):
+                worker.execute("forward", replace(msg, register=(reg,)))
+            continue
+        out = worker.execute("forward", replace(msg, register=(reg,)))
+        first = tok.decode([int(out.tokens[0])])
+        assert first and any(text.startswith(first) for text in ("raise ValueError", "pass")), first
