@@ -45,6 +45,10 @@ def serve(
                                        "(default: on when OTEL_EXPORTER_OTLP_ENDPOINT is set)"),
     shutdown_timeout: float = typer.Option(10.0, "--shutdown-timeout", min=0.0, help="on SIGTERM/SIGINT: "
                                            "seconds in-flight requests may finish before they are aborted"),
+    enable_auto_tool_choice: bool = typer.Option(False, "--enable-auto-tool-choice", help="answer chat requests with "
+                                                 "tools and tool_choice 'auto' (needs --tool-call-parser), as vLLM"),
+    tool_call_parser: Optional[str] = typer.Option(None, "--tool-call-parser", help="the model's tool-call format, "
+                                                   "for --enable-auto-tool-choice: hermes|llama3_json"),
 ) -> None:
     """Serve the engine over HTTP: OpenAI's /v1/completions and /v1/chat/completions (streaming
     too), /v1/models, /health and Prometheus /metrics."""
@@ -67,6 +71,18 @@ def serve(
         raise typer.BadParameter(f"--port must be in 1..65535, got {port}")
     check_output_path(trace, "--trace")
     check_otlp_option(otlp)
+    tool_parser = None
+    if enable_auto_tool_choice:
+        from specsched.runtime.server.tool_parsers import make_parser
+
+        if tool_call_parser is None:
+            raise typer.BadParameter("--enable-auto-tool-choice needs --tool-call-parser (hermes|llama3_json)")
+        try:
+            tool_parser = make_parser(tool_call_parser)
+        except ValueError as e:
+            raise typer.BadParameter(f"--tool-call-parser: {e}")
+    elif tool_call_parser is not None:
+        raise typer.BadParameter("--tool-call-parser is used with --enable-auto-tool-choice")
     cfg = engine_config(model=model, proposer=spec, draft_len=parse_draft_len(draft_len), max_draft_len=max_draft_len,
                         draft=draft, mtp_head=mtp_head, schedule=schedule, tensor_parallel_size=tp,
                         config_file=config_file, speculative_config=speculative_config, load_format=load_format,
@@ -94,7 +110,7 @@ def serve(
             live = live_tracer(header, otlp)
             if recorder is not None or live is not None:
                 engine.set_tracer(MultiTracer(metrics, *(t for t in (recorder, live) if t is not None)))
-            server = uvicorn.Server(uvicorn.Config(build_app(engine, name, template, metrics), host=host, port=port,
+            server = uvicorn.Server(uvicorn.Config(build_app(engine, name, template, metrics, tool_parser), host=host, port=port,
                                                    log_level="warning", timeout_graceful_shutdown=shutdown_timeout,
                                                    lifespan="off"))
             console.print(f"specsched: serving {name!r} on http://{host}:{port} (OpenAI API under /v1)")

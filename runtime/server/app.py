@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from specsched.runtime.server.metrics import ServerMetrics
 from specsched.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from specsched.runtime.server.tool_parsers import ToolParser
 from specsched.scheduler.errors import InvalidRequestError
 from specsched.scheduler.sampling_params import SamplingParams
 
@@ -69,27 +70,35 @@ def _validation_message(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def tool_calls(text: str, call: str | None) -> list[dict] | None:
-    """The calls of a tool-calling choice's text (`ChatCompletionRequest.tool_call`): the named function with the
-    text as its arguments, or each {name, parameters} of the `required` JSON list; None for text (no tools, or a
-    call cut short by max_tokens)."""
-    if call is None:
-        return None
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        return None
-    named = [(call, text)] if call != "required" else [(x["name"], json.dumps(x["parameters"])) for x in parsed]
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": n, "arguments": a}}
-            for n, a in named]
+def tool_calls(text: str, call: str | None, parser: ToolParser | None = None) -> tuple[str | None, list[dict]]:
+    """A chat choice's content and calls (`ChatCompletionRequest.tool_call`): the named function with the text as its
+    arguments, or each {name, parameters} of the `required` JSON list (no content; none but text for a call cut
+    short by max_tokens), or what the server's tool-call parser finds (`auto`)."""
+    if call == "auto":
+        content, named = parser.parse(text)
+    elif call is None:
+        return text, []
+    else:
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            return text, []
+        content = None
+        named = [(call, text)] if call != "required" else [(x["name"], json.dumps(x["parameters"])) for x in parsed]
+    return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": n, "arguments": a}} for n, a in named]
 
 
-def chat_message(text: str, call: str | None) -> dict:
+def chat_message(text: str, call: str | None, parser: ToolParser | None = None) -> dict:
     """A chat choice's message (the delta of a stream's last chunk carries the same fields): its text, or its tool
-    calls."""
-    calls = tool_calls(text, call)
-    return {"role": "assistant", "content": text} if calls is None else {"role": "assistant", "content": None,
-                                                                           "tool_calls": calls}
+    calls (and the text before them, with `auto`)."""
+    content, calls = tool_calls(text, call, parser)
+    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+
+
+def _chat_reason(reason: str | None, call: str | None, message: dict) -> str | None:
+    """An `auto` choice that called a tool finishes with `tool_calls` (OpenAI's, vLLM's); the others as they did."""
+    return "tool_calls" if call == "auto" and reason == "stop" and message.get("tool_calls") else reason
 
 
 def _reason(finish_reason: str | None) -> str | None:
@@ -115,7 +124,8 @@ class _Choice:
     echo: str | None = None  # completions' `echo`: the prompt's text, until the first output carries it
     prompt_logprobs: list | None = None  # with echo and logprobs: the prompt's (None for its first token)
     final: Any = None  # the finished RequestOutput
-    tool_call: str | None = None  # chat with tools: the function it calls, or "required" (its text is held back)
+    tool_call: str | None = None  # chat with tools: the function it calls, "required" or "auto" (text held back)
+    sent: int = 0  # with `auto`: the characters of content a stream has sent (the rest may begin a call)
     done: bool = False  # counted in the metrics
 
     def chunk(self, metrics: ServerMetrics, out) -> None:
@@ -144,10 +154,11 @@ class _Choice:
 
 
 def build_app(engine, model_name: str, chat_template: str | None = None,
-              metrics: ServerMetrics | None = None) -> FastAPI:
+              metrics: ServerMetrics | None = None, tool_parser: ToolParser | None = None) -> FastAPI:
     """The server's routes over `engine` (entered by the caller, which also closes it).
     `metrics`: the engine's tracer too, for the per-step spec-decode counters
-    (`engine.set_tracer(metrics)`); without one, a fresh one counts requests only."""
+    (`engine.set_tracer(metrics)`); without one, a fresh one counts requests only. `tool_parser`: finds the calls of
+    `tool_choice: auto` (runtime/server/tool_parsers.py); without one, `auto` is refused."""
     app = FastAPI(title="specsched", docs_url=None, redoc_url=None)
     metrics = metrics or ServerMetrics(model_name)
 
@@ -189,7 +200,7 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
         if not isinstance(body, dict):
             return None, _error("the body must be a JSON object")
         try:
-            req = model.model_validate(body)
+            req = model.model_validate(body, context={"tool_parser": tool_parser is not None})
         except ValidationError as e:
             return None, _error(_validation_message(e))
         if req.model is not None and req.model != model_name:
@@ -244,7 +255,8 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
                                       "logprobs": logprobs_of(c, None if c.final.logprobs is None else c.logprobs, chat,
                                                               c.prompt_logprobs)}
             if chat:
-                choice["message"] = chat_message("".join(c.text), c.tool_call)
+                choice["message"] = chat_message("".join(c.text), c.tool_call, tool_parser)
+                choice["finish_reason"] = _chat_reason(choice["finish_reason"], c.tool_call, choice["message"])
             else:
                 choice["text"] = (c.echo or "") + "".join(c.text)
             body.append(choice)
@@ -304,11 +316,19 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
 
         def choice(c: _Choice, out, finish: str | None) -> dict:
             lps = logprobs_of(c, out.logprobs, chat, out.prompt_logprobs)
-            if c.tool_call is not None:  # held back until the call is whole: its message in one delta
-                delta = chat_message("".join(c.text), c.tool_call)
+            if c.tool_call == "auto" and finish is None:  # the content that cannot begin a call yet
+                text = "".join(c.text)
+                end = tool_parser.content_end(text)
+                delta, c.sent = ({"content": text[c.sent:end]} if end > c.sent else {}), max(c.sent, end)
+                return {"index": c.index, "delta": delta, "finish_reason": None, "logprobs": None}
+            if c.tool_call is not None:  # held back until the call is whole: its message (the rest) in one delta
+                delta = chat_message("".join(c.text), c.tool_call, tool_parser)
                 del delta["role"]
+                finish = _chat_reason(finish, c.tool_call, delta)
                 if delta.get("tool_calls"):
                     delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(delta["tool_calls"])]
+                if delta["content"] is not None:
+                    delta["content"] = delta["content"][c.sent:]
                 lps = logprobs_of(c, None if out.logprobs is None else c.logprobs, chat)
                 return {"index": c.index, "delta": delta, "finish_reason": finish, "logprobs": lps}
             if chat:
@@ -328,6 +348,10 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
                     if not out.finished:  # the finished output's text goes with its reason
                         if c.tool_call is None and (out.text or out.logprobs or c.echo):  # tokens that make no text yet still have logprobs
                             yield event([choice(c, out, None)])
+                        elif c.tool_call == "auto" and out.text:
+                            part = choice(c, out, None)
+                            if part["delta"]:
+                                yield event([part])
                     elif out.finish_reason == "error":
                         yield b"data: " + orjson.dumps(error_body(f"the request failed: {out.error}",
                                                                   "internal_server_error", None, 500)) + b"\n\n"

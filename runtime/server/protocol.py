@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 MAX_N = 128  # OpenAI's bound on `n`
 MAX_LOGPROBS = 20  # the engine's (SamplingParams.logprobs)
@@ -218,18 +218,19 @@ class ChatCompletionRequest(_Common):
         return self
 
     @model_validator(mode="after")
-    def _tool_choice(self) -> "ChatCompletionRequest":
+    def _tool_choice(self, info: ValidationInfo) -> "ChatCompletionRequest":
+        """`auto` (the default with tools) needs the server's tool-call parser (validation context `tool_parser`)."""
         choice = self.tool_choice
-        if choice in (None, "none"):
-            if self.tools and choice is None:
-                raise ValueError("tool_choice 'auto' (the default with tools) needs a tool-call parser for the model, "
-                                 "which this server does not have: give 'required', a named function or 'none'")
+        if choice == "none" or (choice is None and not self.tools):
             return self
         if not self.tools:
             raise ValueError("tool_choice needs tools")
-        if choice == "auto":
-            raise ValueError("tool_choice 'auto' needs a tool-call parser for the model, which this server does not "
-                             "have: give 'required', a named function or 'none'")
+        if choice in (None, "auto"):
+            if not (info.context or {}).get("tool_parser"):
+                raise ValueError("tool_choice 'auto' (the default with tools) needs the model's tool-call parser: "
+                                 "serve with --enable-auto-tool-choice --tool-call-parser NAME, or give 'required', "
+                                 "a named function or 'none'")
+            return self
         if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
         if self.structured_outputs is not None or (self.response_format and self.response_format.type != "text"):
@@ -238,15 +239,18 @@ class ChatCompletionRequest(_Common):
 
     def tool_call(self) -> str | None:
         """The function every choice calls (a named tool_choice), "required" (one or more of the tools, as a JSON
-        list of {name, parameters}), or None: text."""
+        list of {name, parameters}), "auto" (the model's choice, found by the server's tool-call parser), or None:
+        text."""
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice):
             return choice.function.name
-        return "required" if choice == "required" else None
+        if choice == "required":
+            return choice
+        return "auto" if self.tools and choice != "none" else None
 
     def structured(self) -> dict[str, Any] | None:
         call = self.tool_call()
-        if call is None:
+        if call in (None, "auto"):
             return super().structured()
         if call != "required":  # the named function's arguments
             return {"json": next(t.function for t in self.tools if t.function.name == call).arguments_schema()}
