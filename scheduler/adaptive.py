@@ -55,12 +55,9 @@ class Acceptance:
             self.mine = np.concatenate([self.mine, np.zeros((slot + 1 - len(self.mine),) + self.mine.shape[1:])])
         self.mine[slot] = 0.0
 
-    def engine_wide(self) -> np.ndarray:
-        return self.hits / self.seen
-
     def of(self, slots: np.ndarray, z: float = 0.0) -> np.ndarray:
         """[n, Dmax] p[i, k]; `z` standard errors of the engine-wide estimate higher."""
-        g = self.engine_wide()
+        g = self.hits / self.seen  # the engine-wide estimate
         if z:
             g = np.minimum(g + z * np.sqrt(g * (1.0 - g) / self.seen), 1.0)
         m = self.mine[slots]

@@ -74,9 +74,8 @@ class Launcher:
 
     def host(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
         """End of a host stage: charge its modelled cost (simulator), then record its span."""
-        if self.host_cost is not None:
-            self.clock.advance_ns(int(self.host_cost(name, attrs)))
-        self.trace.tracer.span("host", name, step, start_ns, self.now(), **attrs)
+        self.charge(name, attrs)
+        self.span(name, step, start_ns, **attrs)
 
     def span(self, name: str, step: int, start_ns: int, **attrs: Any) -> None:
         self.trace.tracer.span("host", name, step, start_ns, self.now(), **attrs)

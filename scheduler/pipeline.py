@@ -63,7 +63,6 @@ class Pipeline:
         *,
         drafter: Any = None,
     ):
-        self.config = config
         spec = config.proposer
         if spec.rules.host_drafts and drafter is None:
             raise ValueError(f"proposer {spec.kind!r} drafts on the host: the pipeline needs a drafter")
@@ -94,15 +93,6 @@ class Pipeline:
     @tracer.setter
     def tracer(self, tracer: Any) -> None:  # a benchmark may attach one after a warm-up
         self.trace.tracer = tracer
-
-    @property
-    def host_cost(self) -> Any:
-        """Simulator hook: virtual nanoseconds a host stage costs (`Launcher.host_cost`)."""
-        return self.launcher.host_cost
-
-    @host_cost.setter
-    def host_cost(self, cost: Any) -> None:
-        self.launcher.host_cost = cost
 
     # -- requests ----------------------------------------------------------------------------
     @property

@@ -49,7 +49,7 @@ class Request:
                  "first_token_ns", "finish_ns", "finish_reason", "error", "grammar_index", "_table", "_row", "_own")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_ns: int, *, num_computed_tokens: int = 0):
+                 arrival_ns: int):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -69,7 +69,6 @@ class Request:
         self._table: SlotTable | None = None
         self._row = -1
         self._own = own_counters(len(prompt_token_ids), params.max_tokens)
-        self._own["computed"] = num_computed_tokens
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, state={self.state.value}, prompt={self.num_prompt_tokens}, "

@@ -54,10 +54,6 @@ class SlotTable:
         self._next = 0  # slots ever handed out
 
     @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    @property
     def num_used(self) -> int:
         return self._next - len(self._free)
 

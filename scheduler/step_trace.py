@@ -68,10 +68,6 @@ class StepTrace:
         self._steps_done: list[tuple] = []
         self._first_step: int | None = None  # the first step whose launches were recorded
 
-    @property
-    def enabled(self) -> bool:
-        return self.tracer.enabled
-
     def launched(self, launch: Launch, t0: int) -> None:
         """The host-side `launch` span; the device span follows once the event is done."""
         launch_id = f"{launch.step}:{launch.op}"

@@ -238,7 +238,7 @@ async def _replay(trace: Trace, profile: CostProfile, cfg: ReplayConfig, resolve
             return 0.0
         return profile.host_ns(key, attrs, m) if noisy else m.price(attrs)
 
-    pipe.host_cost = host_cost
+    pipe.launcher.host_cost = host_cost
     workload = trace.header.extra.get("workload", {})
     concurrency = cfg.concurrency or workload.get("concurrency")
     start = clock.now_ns()

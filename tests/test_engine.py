@@ -22,8 +22,11 @@ from specsched.scheduler.sampling_params import SamplingParams
 
 PROMPTS = ["def encode(self, o):", "import json\n", "    return", "class JSONDecoder(object):\n    \"\"\"",
            "if x is None:", "for key, value in", "# Copyright", "def _make_iterencode("]
-COMBOS = [("none", "sync", None), ("none", "plain_overlap", None), ("draft", "sync", 1),
-          ("draft", "sync", 3), ("draft", "overlap", 5), ("draft", "eager_fill", 3), ("ngram", "sync", 3)]
+# the pairs tests/test_spec_bundled.py runs by default on the bundled family too: in the slow suite here
+ALSO_BUNDLED = pytest.mark.slow
+COMBOS = [("none", "sync", None), pytest.param("none", "plain_overlap", None, marks=ALSO_BUNDLED),
+          pytest.param("draft", "sync", 1, marks=ALSO_BUNDLED), ("draft", "sync", 3), ("draft", "overlap", 5),
+          pytest.param("draft", "eager_fill", 3, marks=ALSO_BUNDLED), pytest.param("ngram", "sync", 3, marks=ALSO_BUNDLED)]
 
 
 def _cfg(fam, **kw) -> EngineConfig:
