@@ -51,14 +51,15 @@ def serve(
                                                    "for --enable-auto-tool-choice: hermes|llama3_json"),
 ) -> None:
     """Serve the engine over HTTP: OpenAI's /v1/completions and /v1/chat/completions (streaming
-    too), /v1/models, /health and Prometheus /metrics."""
+    too), /v1/models, vLLM's /tokenize and /detokenize, /health and Prometheus /metrics."""
     import anyio
     import uvicorn
 
     from specsched.runtime import bundled
     from specsched.runtime.bench import make_header, model_label
     from specsched.runtime.engine import AsyncEngine
-    from specsched.runtime.server.app import build_app, chat_template_of
+    from specsched.runtime.server.app import build_app
+    from specsched.runtime.server.chat import chat_template_of
     from specsched.runtime.server.metrics import ServerMetrics
     from specsched.traces.hook import MultiTracer
     from specsched.traces.otel_export import live_tracer

@@ -275,12 +275,13 @@ class AsyncEngine:
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids if the request can be served, else InvalidRequestError saying
-        why. Needs no running device: workloads are checked with it before a run starts
+        why. A text prompt is encoded with the tokenizer's own special tokens (Llama's BOS), as transformers and
+        vLLM encode one; token ids are taken as they are. Needs no running device: workloads are checked with it before a run starts
         (`specsched.runtime.workload.check_workload`)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("empty prompt")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, special_tokens=True)  # as transformers and vLLM: Llama's BOS
         else:
             ids = _token_ids(prompt)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]

@@ -58,6 +58,10 @@ class Tokenizer:
                 return tid
         return None
 
+    def token(self, token_id: int | None) -> str:
+        """A token's text as the vocabulary spells it (a special token's name); "" for None."""
+        return "" if token_id is None else self._tok.id_to_token(token_id) or ""
+
     @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
@@ -66,8 +70,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_bos: bool = False, special_tokens: bool = False) -> list[int]:
+        """`text`'s token ids; `special_tokens`: with those the tokenizer's post-processor adds (Llama's BOS; none for
+        Qwen), as transformers and vLLM encode a prompt."""
+        ids = self._tok.encode(text, add_special_tokens=special_tokens).ids
         if add_bos:
             if self.bos_token_id is None:
                 raise TokenizerError(f"add_bos=True but {self.path} has no BOS token")

@@ -510,7 +510,7 @@ def test_a_request_that_fails_on_the_device_is_a_500_for_it_alone(monkeypatch):
 
 
 def test_chat_prompts_use_the_models_template_or_the_plain_one(tmp_path):
-    from specsched.runtime.server.app import chat_template_of, render_chat
+    from specsched.runtime.server.chat import chat_template_of, render_chat
     from specsched.runtime.server.protocol import ChatMessage
 
     msgs = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content=[{"type": "text",

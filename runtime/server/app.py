@@ -13,7 +13,6 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, AsyncIterator
 
@@ -23,39 +22,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
+from specsched.runtime.server.chat import chat_message, chat_prompt, chat_reason
 from specsched.runtime.server.metrics import ServerMetrics
-from specsched.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from specsched.runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                              TokenizeRequest, error_body)
 from specsched.runtime.server.tool_parsers import ToolParser
 from specsched.scheduler.errors import InvalidRequestError
 from specsched.scheduler.sampling_params import SamplingParams
-
-PLAIN_CHAT_TEMPLATE = "{role}: {content}\n"  # each message; then "assistant:" opens the reply
-
-
-def render_chat(messages, template: str | None, tools: list[dict] | None = None) -> str:
-    """The prompt of a chat: the tokenizer's chat template (Jinja, as transformers renders it, `tools` given to it)
-    when the model ships one, else each message as "role: content" on its own line, then "assistant:"."""
-    if template is not None:
-        import jinja2.sandbox
-
-        def raise_exception(message: str):  # what Hugging Face templates call on a conversation they refuse
-            raise ValueError(f"the chat template refuses these messages: {message}")
-
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(template).render(messages=[{"role": m.role, "content": m.text()} for m in messages],
-                                                add_generation_prompt=True, bos_token="", eos_token="", tools=tools)
-    return "".join(PLAIN_CHAT_TEMPLATE.format(role=m.role, content=m.text()) for m in messages) + "assistant:"
-
-
-def chat_template_of(model_dir: str | Path) -> str | None:
-    """The `chat_template` of a checkpoint's tokenizer_config.json (None when it has none)."""
-    path = Path(model_dir) / "tokenizer_config.json"
-    if not path.is_file():
-        return None
-    template = json.loads(path.read_text()).get("chat_template")
-    return template if isinstance(template, str) else None
-
 
 def _error(message: str, status: int = 400, type_: str = "invalid_request_error", param: str | None = None):
     return JSONResponse(error_body(message, type_, param, status), status_code=status)
@@ -68,37 +41,6 @@ def _validation_message(e: ValidationError) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
-
-
-def tool_calls(text: str, call: str | None, parser: ToolParser | None = None) -> tuple[str | None, list[dict]]:
-    """A chat choice's content and calls (`ChatCompletionRequest.tool_call`): the named function with the text as its
-    arguments, or each {name, parameters} of the `required` JSON list (no content; none but text for a call cut
-    short by max_tokens), or what the server's tool-call parser finds (`auto`)."""
-    if call == "auto":
-        content, named = parser.parse(text)
-    elif call is None:
-        return text, []
-    else:
-        try:
-            parsed = json.loads(text)
-        except ValueError:
-            return text, []
-        content = None
-        named = [(call, text)] if call != "required" else [(x["name"], json.dumps(x["parameters"])) for x in parsed]
-    return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": n, "arguments": a}} for n, a in named]
-
-
-def chat_message(text: str, call: str | None, parser: ToolParser | None = None) -> dict:
-    """A chat choice's message (the delta of a stream's last chunk carries the same fields): its text, or its tool
-    calls (and the text before them, with `auto`)."""
-    content, calls = tool_calls(text, call, parser)
-    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-
-
-def _chat_reason(reason: str | None, call: str | None, message: dict) -> str | None:
-    """An `auto` choice that called a tool finishes with `tool_calls` (OpenAI's, vLLM's); the others as they did."""
-    return "tool_calls" if call == "auto" and reason == "stop" and message.get("tool_calls") else reason
 
 
 def _reason(finish_reason: str | None) -> str | None:
@@ -209,6 +151,8 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
         return req, None
 
     def prepare(req, prompt, choice: int) -> tuple[list[int], SamplingParams]:
+        if isinstance(prompt, str) and req.add_special_tokens is False:  # vLLM's: the text's tokens alone
+            prompt = engine.tokenizer.encode(prompt)
         limit = req.token_limit() if isinstance(req, ChatCompletionRequest) else req.max_tokens
         if limit is None:  # the model's room after the prompt, so the prompt's length first
             prompt = engine.validate(prompt, SamplingParams(max_tokens=1))
@@ -256,7 +200,7 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
                                                               c.prompt_logprobs)}
             if chat:
                 choice["message"] = chat_message("".join(c.text), c.tool_call, tool_parser)
-                choice["finish_reason"] = _chat_reason(choice["finish_reason"], c.tool_call, choice["message"])
+                choice["finish_reason"] = chat_reason(choice["finish_reason"], c.tool_call, choice["message"])
             else:
                 choice["text"] = (c.echo or "") + "".join(c.text)
             body.append(choice)
@@ -324,7 +268,7 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
             if c.tool_call is not None:  # held back until the call is whole: its message (the rest) in one delta
                 delta = chat_message("".join(c.text), c.tool_call, tool_parser)
                 del delta["role"]
-                finish = _chat_reason(finish, c.tool_call, delta)
+                finish = chat_reason(finish, c.tool_call, delta)
                 if delta.get("tool_calls"):
                     delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(delta["tool_calls"])]
                 if delta["content"] is not None:
@@ -378,14 +322,51 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
         req, err = await parse(request, ChatCompletionRequest)
         if err is not None:
             return err
-        try:
-            prompt = render_chat(req.messages, chat_template,
-                                 [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)
-        except ValueError as e:
-            return _error(str(e), param="messages")
-        except Exception as e:  # noqa: BLE001 - a template error is the server's, and this request's alone
-            return _error(f"the chat template failed: {type(e).__name__}: {e}", 500, "internal_server_error")
+        prompt, err = prompt_of(req)
+        if err is not None:
+            return err
         return await respond(req, [prompt], chat=True)
+
+    def prompt_of(req) -> tuple[list[int] | None, Any]:
+        """A chat's prompt as token ids (`chat.chat_prompt`), or the error response."""
+        try:
+            return chat_prompt(engine.tokenizer, chat_template, req), None
+        except ValueError as e:
+            return None, _error(str(e), param="messages")
+        except Exception as e:  # noqa: BLE001 - a template error is the server's, and this request's alone
+            return None, _error(f"the chat template failed: {type(e).__name__}: {e}", 500, "internal_server_error")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: a prompt's token ids as the completion or chat endpoint would encode it."""
+        req, err = await parse(request, TokenizeRequest)
+        if err is not None:
+            return err
+        if req.messages is not None:
+            ids, err = prompt_of(req)
+            if err is not None:
+                return err
+        else:
+            ids = engine.tokenizer.encode(req.prompt, special_tokens=req.add_special_tokens is not False)
+        body = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = [engine.tokenizer.token(t) for t in ids]
+        return body
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's: token ids' text."""
+        req, err = await parse(request, DetokenizeRequest)
+        if err is not None:
+            return err
+        bad = [t for t in req.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            return _error(f"token ids outside the vocabulary: {bad[:5]}", param="tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
 
     @app.get("/v1/models")
     async def models():
@@ -403,6 +384,16 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
         return Response(metrics.render(engine), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as of
+
+    try:
+        return of("specsched")
+    except PackageNotFoundError:  # run from a checkout without installing it
+        return "unknown"
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -85,6 +85,8 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as every server does
+    add_special_tokens: bool | None = None  # vLLM's: the tokenizer's special tokens on a text prompt (completions:
+    # yes, Llama's BOS; chat: only with the plain format, a chat template writes its own)
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> "_Common":
@@ -264,6 +266,31 @@ class ChatCompletionRequest(_Common):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize`: a completion's `prompt` or a chat's `messages` (and `tools`), encoded as those endpoints
+    encode them."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's `/detokenize`: token ids' text."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
