@@ -90,7 +90,8 @@ class ModelConfig(BaseModel):
             raise ConfigError(
                 f"sliding_window {self.sliding_window} is shorter than the {max_len} positions the engine "
                 "would serve, and the attention does not implement a sliding window (a checkpoint whose "
-                "config sets sliding_window null, or at least max_position_embeddings, is served)")
+                "config sets sliding_window null, or at least max_position_embeddings, is served; or serve it with "
+                "max_model_len at most the window)")
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

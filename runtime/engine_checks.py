@@ -21,7 +21,7 @@ from specsched.scheduler.proposer import RULES
 
 class EngineSetup(NamedTuple):
     tokenizer: Tokenizer  # the target's
-    max_model_len: int  # the target's max_position_embeddings
+    max_model_len: int  # EngineConfig.max_model_len, or the target's max_position_embeddings
     seed_costs: dict | None  # the adaptive draft length's cost profile (`draft_profile`), checked
     vocab_size: int  # the target's: the token ids a prompt may hold
 
@@ -37,16 +37,20 @@ def check_engine(c: EngineConfig, model_dir: str, proposer_dir: str | None,
         check_tokenizers(c, model_dir, proposer_dir, tok)
     config = load_config(model_dir)
     max_len = config.max_position_embeddings
-    check_attention_window(c, config, model_dir, proposer_dir)
+    if c.max_model_len is not None:
+        if c.max_model_len > max_len:
+            raise ConfigurationError(f"max_model_len {c.max_model_len} exceeds the model's max_position_embeddings "
+                                     f"{max_len} ({model_dir})")
+        max_len = c.max_model_len
+    check_attention_window(c, config, max_len, model_dir, proposer_dir)
     check_smallest_request_fits(c, model_dir, max_len, scheduler)
     check_tensor_parallel(c, model_dir)
     return EngineSetup(tok, max_len, draft_profile(c), config.vocab_size)
 
 
-def check_attention_window(c: EngineConfig, target, model_dir: str, proposer_dir: str | None) -> None:
-    """A model with a sliding window shorter than the context served (the `target` config's
-    positions): the attention attends to every position, so it would compute other logits than
-    the model's past the window."""
+def check_attention_window(c: EngineConfig, target, max_len: int, model_dir: str, proposer_dir: str | None) -> None:
+    """A model with a sliding window shorter than the context served (`max_len` positions): the attention attends to
+    every position, so it would compute other logits than the model's past the window."""
     from specsched.runtime.checkpoint import load_config
     from specsched.runtime.config import ConfigError
 
@@ -55,7 +59,7 @@ def check_attention_window(c: EngineConfig, target, model_dir: str, proposer_dir
         configs.append(("draft", proposer_dir, load_config(proposer_dir)))
     for option, path, config in configs:
         try:
-            config.check_servable(target.max_position_embeddings)
+            config.check_servable(max_len)
         except ConfigError as e:
             raise ConfigurationError(f"{option} {path}: {e}") from None
 

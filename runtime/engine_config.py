@@ -33,6 +33,8 @@ class EngineConfig(RunConfig):
     attention: Literal["auto", "torch", "cpu", "flashinfer"] = Field("auto", description="'auto': 'cpu' (a C "
                                                                     "kernel) for float32 on the host, else 'torch'")
     dtype: Literal["float32", "bfloat16"] = "float32"
+    max_model_len: int | None = Field(None, ge=2, description="the longest sequence (prompt and output) served, as "
+                                      "vLLM's; default and most: the model's max_position_embeddings")
     worker_threads: int = Field(1, ge=1)
     worker_spin_ms: float = Field(5.0, ge=0, description="host device: the worker polls for its next launch this "
                                   "long before blocking (an idle core runs the next op slower); 0 = block at once")

@@ -190,3 +190,36 @@ def test_schedule_mtp_is_the_old_name_of_eager_fill():
 def test_a_config_without_a_schedule_takes_the_proposers_default(proposer: str, schedule: str):
     # plain decoding one step ahead, as vLLM's async scheduling by default
     assert EngineConfig(proposer=proposer).schedule == schedule
+
+
+def test_max_model_len_caps_what_is_served_and_lets_a_windowed_model_serve_within_its_window(tmp_path):
+    """vLLM's max_model_len: at most the model's positions; requests beyond it are refused naming it; a model with a
+    sliding window shorter than its positions (refused: the attention has no window) is served within the window."""
+    import json
+
+    import anyio
+
+    from specsched.runtime import bundled
+
+    src = bundled.target_dir()
+    with pytest.raises(ConfigurationError, match="max_model_len 4096 exceeds the model's max_position_embeddings 1024"):
+        AsyncEngine(EngineConfig(max_model_len=4096))
+    short = AsyncEngine(EngineConfig(max_model_len=64))
+    assert short.max_model_len == 64
+    with pytest.raises(InvalidRequestError, match="64"):
+        short.validate(list(range(5, 65)), SamplingParams(max_tokens=8))
+    windowed = tmp_path / "mistral"
+    windowed.mkdir()
+    for name in ("tokenizer.json", "model.safetensors"):
+        (windowed / name).symlink_to(src / name)
+    config = json.loads((src / "config.json").read_text())
+    (windowed / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"],
+                                                      "model_type": "mistral", "sliding_window": 128}))
+    with pytest.raises(ConfigurationError, match="sliding_window 128 .* max_model_len at most the window"):
+        AsyncEngine(EngineConfig(model=str(windowed)))
+
+    async def run(**kw):
+        async with AsyncEngine(EngineConfig(num_pages=64, **kw)) as eng:
+            return (await eng.generate_all([5, 6, 7, 8], SamplingParams(max_tokens=12, ignore_eos=True))).token_ids
+
+    assert anyio.run(lambda: run(model=str(windowed), max_model_len=128)) == anyio.run(run)  # the same weights
