@@ -50,6 +50,10 @@ def serve(
                                                  "tools and tool_choice 'auto' (needs --tool-call-parser), as vLLM"),
     tool_call_parser: Optional[str] = typer.Option(None, "--tool-call-parser", help="the model's tool-call format, "
                                                    "for --enable-auto-tool-choice: hermes|llama3_json"),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template", help="a Jinja chat template, or a file "
+                                                "holding one, instead of the model's (tokenizer_config.json)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECSCHED_API_KEY", help="answer /v1 requests "
+                                          "only with `Authorization: Bearer KEY`, as vLLM's --api-key"),
 ) -> None:
     """Serve the engine over HTTP: OpenAI's /v1/completions and /v1/chat/completions (streaming
     too), /v1/models, vLLM's /tokenize and /detokenize, /health and Prometheus /metrics."""
@@ -94,14 +98,16 @@ def serve(
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         max_model_len=max_model_len)
     name = served_model_name or (cfg.model if cfg.model else model_label(str(bundled.target_dir())))
-    template = chat_template_of(cfg.model or bundled.target_dir())
+    template, whose = chat_template_of(cfg.model or bundled.target_dir()), "the model's chat_template (tokenizer_config.json)"
+    if chat_template is not None:
+        template, whose = _chat_template_arg(chat_template)
     if template is not None:
         import jinja2.sandbox
 
         try:
             jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(template)
         except jinja2.TemplateError as e:
-            _fail(f"the model's chat_template (tokenizer_config.json) does not compile: {e}")
+            _fail(f"{whose} does not compile: {e}")
 
     async def main() -> None:
         recorder = live = None
@@ -113,7 +119,7 @@ def serve(
             live = live_tracer(header, otlp)
             if recorder is not None or live is not None:
                 engine.set_tracer(MultiTracer(metrics, *(t for t in (recorder, live) if t is not None)))
-            server = uvicorn.Server(uvicorn.Config(build_app(engine, name, template, metrics, tool_parser), host=host, port=port,
+            server = uvicorn.Server(uvicorn.Config(build_app(engine, name, template, metrics, tool_parser, api_key), host=host, port=port,
                                                    log_level="warning", timeout_graceful_shutdown=shutdown_timeout,
                                                    lifespan="off"))
             console.print(f"specsched: serving {name!r} on http://{host}:{port} (OpenAI API under /v1)")
@@ -130,3 +136,15 @@ def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     anyio.run(main)
+
+
+def _chat_template_arg(value: str) -> tuple[str, str]:
+    """--chat-template's template and how to name it: a file's text, or the value itself if it is a template."""
+    try:
+        if Path(value).is_file():
+            return Path(value).read_text(), value
+    except OSError:  # a template too long for a file name
+        pass
+    if "{" not in value:
+        raise typer.BadParameter(f"--chat-template {value!r}: no such file, and not a Jinja template")
+    return value, "--chat-template"

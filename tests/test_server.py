@@ -524,3 +524,38 @@ def test_chat_prompts_use_the_models_template_or_the_plain_one(tmp_path):
     assert render_chat(msgs, template) == "<|system|>Be brief.\n<|user|>hi\n<|assistant|>"
     with pytest.raises(ValueError, match="refuses these messages: system first"):
         render_chat(msgs[::-1], template)
+
+
+def test_an_api_key_guards_the_v1_routes_alone():
+    """`--api-key`: /v1 answers only `Authorization: Bearer <key>` (401 in OpenAI's error shape otherwise, which the
+    OpenAI client raises as AuthenticationError); /health and /metrics stay open."""
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.runtime.server.app import build_app
+
+    async def main():
+        async with AsyncEngine(EngineConfig(num_pages=64)) as eng:
+            app = build_app(eng, "bundled/target", api_key="s3cret")
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                    r = await c.get("/v1/models", headers=headers)
+                    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+                assert (await c.get("/v1/models", headers={"Authorization": "Bearer s3cret"})).status_code == 200
+                assert (await c.get("/health")).status_code == 200 and (await c.get("/metrics")).status_code == 200
+            oai = openai.AsyncOpenAI(base_url="http://t/v1", api_key="wrong", max_retries=0,
+                                     http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=app)))
+            with pytest.raises(openai.AuthenticationError):
+                await oai.completions.create(model="bundled/target", prompt="x", max_tokens=1)
+
+    anyio.run(main)
+
+
+@pytest.mark.parametrize("value,named", [("no/such/template.jinja", "no such file, and not a Jinja template"),
+                                         ("{% if %}", "--chat-template does not compile")])
+def test_serve_refuses_a_chat_template_that_is_neither_a_file_nor_a_template(value, named):
+    from typer.testing import CliRunner
+
+    from specsched.cli.main import app
+
+    res = CliRunner().invoke(app, ["serve", "--chat-template", value], env={"COLUMNS": "400"})
+    assert res.exit_code in (1, 2) and named in " ".join(res.output.split()), res.output

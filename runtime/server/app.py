@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import secrets
 import time
 import uuid
 from contextlib import aclosing
@@ -96,13 +97,25 @@ class _Choice:
 
 
 def build_app(engine, model_name: str, chat_template: str | None = None,
-              metrics: ServerMetrics | None = None, tool_parser: ToolParser | None = None) -> FastAPI:
+              metrics: ServerMetrics | None = None, tool_parser: ToolParser | None = None,
+              api_key: str | None = None) -> FastAPI:
     """The server's routes over `engine` (entered by the caller, which also closes it).
     `metrics`: the engine's tracer too, for the per-step spec-decode counters
     (`engine.set_tracer(metrics)`); without one, a fresh one counts requests only. `tool_parser`: finds the calls of
-    `tool_choice: auto` (runtime/server/tool_parsers.py); without one, `auto` is refused."""
+    `tool_choice: auto` (runtime/server/tool_parsers.py); without one, `auto` is refused. `api_key`: the routes
+    under /v1 answer only requests with `Authorization: Bearer <api_key>` (a 401 otherwise), as vLLM's."""
     app = FastAPI(title="specsched", docs_url=None, redoc_url=None)
     metrics = metrics or ServerMetrics(model_name)
+
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path.startswith("/v1") and not secrets.compare_digest(given, expected):
+                return _error("a missing or wrong API key (Authorization: Bearer <key>)", 401, "authentication_error")
+            return await call_next(request)
 
     @functools.lru_cache(maxsize=1 << 16)
     def token_text(t: int) -> str:
