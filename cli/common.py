@@ -40,6 +40,7 @@ CUDA_GRAPH_SIZES = typer.Option(None, "--cuda-graph-sizes", help="pad steps of u
 SPECULATIVE_CONFIG = typer.Option(None, "--speculative-config", help="vLLM's speculative config as JSON, e.g. "
                                   "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
 MAX_NUM_SEQS = typer.Option(None, "--max-num-seqs", min=1, help="requests a step may hold, as vLLM's (default 64)")
+DTYPE = typer.Option(None, "--dtype", help="the models' weights and activations: float32 (default) | bfloat16")
 MAX_MODEL_LEN = typer.Option(None, "--max-model-len", min=2, help="the longest sequence (prompt and output) served, "
                              "as vLLM's (default: the model's max_position_embeddings)")
 MAX_NUM_BATCHED_TOKENS = typer.Option(None, "--max-num-batched-tokens", min=1, help="tokens a step may compute, "

@@ -16,7 +16,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, MAX_NUM_SEQS, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, WORKER_MALLOC, WORKER_OPENMP, WORKER_LINEAR, WORKER_OPS, ENFORCE_EAGER, CUDA_GRAPH_SIZES,
+from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, MAX_NUM_SEQS, MAX_MODEL_LEN, DTYPE, MAX_NUM_BATCHED_TOKENS, WORKER_MALLOC, WORKER_OPENMP, WORKER_LINEAR, WORKER_OPS, ENFORCE_EAGER, CUDA_GRAPH_SIZES,
                                   _fail,
                                   _metrics_table, _print_json, acceptance_note, app, check_otlp_option, check_output_path, console,
                                   engine_config, fail_if_requests_failed, parse_draft_len, synthetic_summary,
@@ -76,6 +76,7 @@ def generate(
     cuda_graph_sizes: Optional[str] = CUDA_GRAPH_SIZES,
     max_num_seqs: Optional[int] = MAX_NUM_SEQS,
     max_model_len: Optional[int] = MAX_MODEL_LEN,
+    dtype: Optional[str] = DTYPE,
     max_num_batched_tokens: Optional[int] = MAX_NUM_BATCHED_TOKENS,
     json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -93,7 +94,7 @@ def generate(
                         worker_ops=worker_ops,
                         enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes,
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        max_model_len=max_model_len)
+                        max_model_len=max_model_len, dtype=dtype)
     structured = {k: v for k, v in (("json", _schema_arg(json_schema)), ("regex", regex), ("choice", list(choice)))
                   if v}
     try:
@@ -208,6 +209,7 @@ def bench(
     cuda_graph_sizes: Optional[str] = CUDA_GRAPH_SIZES,
     max_num_seqs: Optional[int] = MAX_NUM_SEQS,
     max_model_len: Optional[int] = MAX_MODEL_LEN,
+    dtype: Optional[str] = DTYPE,
     max_num_batched_tokens: Optional[int] = MAX_NUM_BATCHED_TOKENS,
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="drive a running OpenAI-compatible server "
                                            "at this URL (e.g. http://127.0.0.1:8000) over streaming HTTP "
@@ -239,7 +241,7 @@ def bench(
                        "--otlp": otlp, "--config": config_file, "--load-format": load_format,
                        "--speculative-config": speculative_config, "--worker-malloc": worker_malloc,
                        "--worker-openmp": worker_openmp, "--worker-linear": worker_linear, "--worker-ops": worker_ops, "--enforce-eager": enforce_eager or None,
-                       "--cuda-graph-sizes": cuda_graph_sizes, "--max-num-seqs": max_num_seqs, "--max-model-len": max_model_len,
+                       "--cuda-graph-sizes": cuda_graph_sizes, "--max-num-seqs": max_num_seqs, "--max-model-len": max_model_len, "--dtype": dtype,
                        "--max-num-batched-tokens": max_num_batched_tokens}
         given = [k for k, v in engine_only.items() if v is not None]
         if given:
@@ -258,7 +260,7 @@ def bench(
                         worker_ops=worker_ops,
                         enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes,
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        max_model_len=max_model_len)
+                        max_model_len=max_model_len, dtype=dtype)
     items = _workload(workload, num_requests, max_tokens, temperature)
     from specsched.runtime.engine import AsyncEngine
     from specsched.runtime.workload import check_workload

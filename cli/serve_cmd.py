@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, MAX_NUM_SEQS, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, WORKER_MALLOC, WORKER_OPENMP, WORKER_LINEAR, WORKER_OPS, ENFORCE_EAGER, CUDA_GRAPH_SIZES, _fail, app,
+from specsched.cli.common import (LOAD_FORMAT, SCHEDULE_HELP, SPECULATIVE_CONFIG, MAX_NUM_SEQS, MAX_MODEL_LEN, DTYPE, MAX_NUM_BATCHED_TOKENS, WORKER_MALLOC, WORKER_OPENMP, WORKER_LINEAR, WORKER_OPS, ENFORCE_EAGER, CUDA_GRAPH_SIZES, _fail, app,
                                   check_otlp_option, check_output_path, console, engine_config, parse_draft_len, user_errors)
 from specsched.traces.names import PROPOSERS
 
@@ -40,6 +40,7 @@ def serve(
     cuda_graph_sizes: Optional[str] = CUDA_GRAPH_SIZES,
     max_num_seqs: Optional[int] = MAX_NUM_SEQS,
     max_model_len: Optional[int] = MAX_MODEL_LEN,
+    dtype: Optional[str] = DTYPE,
     max_num_batched_tokens: Optional[int] = MAX_NUM_BATCHED_TOKENS,
     trace: Optional[Path] = typer.Option(None, help="record the served requests' trace (JSONL), as bench --trace"),
     otlp: Optional[str] = typer.Option(None, help="export spans live over OTLP/HTTP to this URL, as bench --otlp "
@@ -96,7 +97,7 @@ def serve(
                         worker_ops=worker_ops,
                         enforce_eager=enforce_eager, cuda_graph_sizes=cuda_graph_sizes,
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        max_model_len=max_model_len)
+                        max_model_len=max_model_len, dtype=dtype)
     name = served_model_name or (cfg.model if cfg.model else model_label(str(bundled.target_dir())))
     template, whose = chat_template_of(cfg.model or bundled.target_dir()), "the model's chat_template (tokenizer_config.json)"
     if chat_template is not None:

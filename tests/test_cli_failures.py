@@ -154,3 +154,12 @@ def test_train_mtp_refuses_aux_layers_the_target_lacks(tmp_path, layers, message
     assert res.returncode == 2
     assert message in " ".join(res.stderr.replace("│", " ").split())
     assert not (tmp_path / "head").exists()  # refused before any training
+
+
+@pytest.mark.parametrize("args,named", [
+    (["generate", "x", "--dtype", "float16"], "dtype: Input should be 'float32' or 'bfloat16'"),
+    (["serve", "--max-model-len", "4096"], "max_model_len 4096 exceeds the model's max_position_embeddings 1024"),
+    (["bench", "--endpoint", "http://127.0.0.1:1", "--max-model-len", "64"], "--max-model-len configure an embedded")])
+def test_dtype_and_max_model_len_are_checked_by_name(args, named):
+    res = _cli(*args)
+    assert res.returncode in (1, 2) and named in " ".join(res.stderr.split()), res.stderr
