@@ -27,7 +27,8 @@ SCHEMA = {"type": "object", "properties": {
                                                  "maxItems": 3}},
     "required": ["name", "kind", "public", "arguments"]}
 PROPOSERS = {"plain": {"proposer": "none"}, "draft": {"proposer": "draft", "schedule": "overlap"},
-             "mtp": {"proposer": "mtp", "schedule": "eager_fill"}, "eagle": {"proposer": "eagle", "schedule": "eager_fill"}}
+             "mtp": {"proposer": "mtp", "schedule": "eager_fill"}, "eagle": {"proposer": "eagle", "schedule": "eager_fill"},
+             "ngram": {"proposer": "ngram", "schedule": "sync"}}
 
 
 def _run(items, concurrency: int, engine_kw: dict):

@@ -169,11 +169,12 @@ def test_bad_structured_outputs_are_refused_naming_the_problem():
     anyio.run(main)
 
 
-@pytest.mark.parametrize("proposer,schedule", [("draft", "overlap"), ("mtp", "eager_fill"), ("eagle", "sync")])
+@pytest.mark.parametrize("proposer,schedule", [("draft", "overlap"), ("mtp", "eager_fill"), ("eagle", "sync"),
+                                               ("ngram", "sync")])
 def test_drafts_follow_the_grammar_so_a_forced_text_is_drafted_and_accepted_whole(proposer, schedule):
     """Proposers draft from their logits masked by the row's grammar after the drafts before (a chain's, or a tree
-    node's ancestors): where the grammar allows one text, every draft is that text's next token and is accepted (but
-    those of the last step past the text's end)."""
+    node's ancestors), the n-gram lookup each token the grammar forces: where the grammar allows one text, every
+    draft is that text's next token and is accepted (but those of the last step past the text's end)."""
     from specsched.scheduler.sampling_params import SamplingParams
 
     text = "raise ValueError(message)"
