@@ -91,3 +91,38 @@ def test_serve_refuses_auto_tool_choice_without_a_known_parser(args, named):
 
     res = CliRunner().invoke(app, ["serve", *args], env={"COLUMNS": "400"})
     assert res.exit_code == 2 and named in " ".join(res.output.split()), res.output
+
+
+def test_a_conversation_carries_its_calls_and_their_results_to_the_template():
+    """An agent's next turn sends back the assistant's calls (content null) and each tool's result: the chat template
+    reads the calls' arguments as objects (transformers' and vLLM's way); a message without content otherwise, or
+    with arguments that are not JSON, is a 400 naming it."""
+    from specsched.runtime.engine import AsyncEngine
+    from specsched.runtime.engine_config import EngineConfig
+    from specsched.runtime.server.app import build_app
+
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}"
+                "CALL {{ c['function']['name'] }}({{ c['function']['arguments']['city'] }}){% endfor %}"
+                "{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}<|assistant|>")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C, clear"}]
+
+    async def main():
+        async with AsyncEngine(EngineConfig(num_pages=64)) as eng:
+            app = build_app(eng, "bundled/target", template, tool_parser=make_parser("hermes"))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                ids = (await c.post("/tokenize", json={"messages": messages})).json()["tokens"]
+                text = (await c.post("/detokenize", json={"tokens": ids})).json()["prompt"]
+                assert text == "<|user|>Weather in Paris?<|assistant|>CALL get_weather(Paris)<|tool|>18 C, clear<|assistant|>"
+                r = await c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                for bad, named in [([{"role": "user", "content": None}], "a user message needs content"),
+                                   ([{**messages[1], "tool_calls": [{**call, "function": {**call["function"],
+                                                                                         "arguments": "{city"}}]}],
+                                    "arguments are not JSON")]:
+                    r = await c.post("/v1/chat/completions", json={"messages": bad, "max_tokens": 2})
+                    assert r.status_code == 400 and named in r.json()["error"]["message"], r.text
+
+    anyio.run(main)

@@ -7,6 +7,7 @@ at a value that turns them off (`best_of=1`, `length_penalty=1`); unknown fields
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
@@ -161,13 +162,58 @@ class CompletionRequest(_Common):
         return [p]
 
 
+class ToolCall(BaseModel):
+    """An assistant message's call, as the server answered it (`message.tool_calls`), sent back in a conversation."""
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: "CalledFunction"
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+
+def _json_object(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise ValueError(f"a tool call's arguments are not JSON: {text[:80]!r}") from None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None  # None: an assistant's message of tool calls
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, sent back with the conversation
+    tool_call_id: str | None = None  # a tool's message: the call it answers
+
+    @model_validator(mode="after")
+    def _content(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant's calls may come without)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls belong to an assistant's message")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it (transformers' and vLLM's way: a call's arguments as an object)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _json_object(c.function.arguments)}} for c in self.tool_calls]
+        return out
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
