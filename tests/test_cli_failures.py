@@ -83,7 +83,7 @@ def test_generate_with_a_killed_worker_exits_1(tmp_path):
     assert "error: 1 of 1 requests failed; first error:" in " ".join(err.decode().split())
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig,code", [pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow), (signal.SIGTERM, 143)])
 def test_bench_interrupted_keeps_its_trace(tmp_path, sig, code):
     trace = tmp_path / "t.jsonl"
     p = subprocess.Popen(CLI + ["bench", "--num-requests", "64", "--max-tokens", "64", "--concurrency", "4",

@@ -22,10 +22,11 @@ from specsched.scheduler.sampling_params import SamplingParams
 
 PROMPTS = ["def encode(self, o):", "import json\n", "    return", "class JSONDecoder(object):\n    \"\"\"",
            "if x is None:", "for key, value in", "# Copyright", "def _make_iterencode("]
-# the pairs tests/test_spec_bundled.py runs by default on the bundled family too: in the slow suite here
+# pairs the default suite runs elsewhere (the same proposer and schedule, here at another draft length or in
+# tests/test_spec_bundled.py on the bundled family): in the slow suite here
 ALSO_BUNDLED = pytest.mark.slow
 COMBOS = [("none", "sync", None), pytest.param("none", "plain_overlap", None, marks=ALSO_BUNDLED),
-          pytest.param("draft", "sync", 1, marks=ALSO_BUNDLED), ("draft", "sync", 3), ("draft", "overlap", 5),
+          pytest.param("draft", "sync", 1, marks=ALSO_BUNDLED), ("draft", "sync", 3), pytest.param("draft", "overlap", 5, marks=ALSO_BUNDLED),
           pytest.param("draft", "eager_fill", 3, marks=ALSO_BUNDLED), pytest.param("ngram", "sync", 3, marks=ALSO_BUNDLED)]
 
 
@@ -188,7 +189,8 @@ def test_a_stop_token_id_ends_the_request_at_that_token_which_it_keeps(tiny_fami
         SamplingParams.make(stop_token_ids=[-1])
 
 
-@pytest.mark.parametrize("proposer,schedule,d", [("none", "plain_overlap", None), ("draft", "overlap", 3),
+@pytest.mark.parametrize("proposer,schedule,d", [("none", "plain_overlap", None),
+                                                   pytest.param("draft", "overlap", 3, marks=pytest.mark.slow),
                                                    ("draft", "eager_fill", 3)])
 def test_min_tokens_holds_back_eos_and_stop_token_ids_until_reached(tiny_family, reference, proposer, schedule, d):
     """vLLM's min_tokens: before it, a stop token id (as EOS) cannot be generated -- the target's next choice comes

@@ -137,7 +137,7 @@ def test_outputs_match_their_schema_regex_or_choice(plain):
 
 @pytest.mark.parametrize("proposer,schedule,d", [
     pytest.param("ngram", "sync", 3, marks=pytest.mark.slow), pytest.param("draft", "overlap", 3, marks=pytest.mark.slow),
-    ("mtp", "eager_fill", 3), ("eagle", "sync", 3)])
+    pytest.param("mtp", "eager_fill", 3, marks=pytest.mark.slow), ("eagle", "sync", 3)])
 def test_structured_outputs_under_speculation_give_plain_decodings_tokens(plain, proposer, schedule, d):
     """Each verify column is masked after the drafts on its path: a forbidden draft is rejected, and the tokens are
     plain decoding's; sampled requests still match their grammar."""

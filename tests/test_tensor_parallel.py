@@ -99,7 +99,7 @@ def test_tp2_with_padded_steps(plain):
         worker.close()
 
 
-@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("heads", [(8, 2), pytest.param((4, 4), marks=pytest.mark.slow)])
 def test_tp2_on_random_gqa_llamas_with_a_draft_model(tmp_path, heads):
     hq, hkv = heads
     cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
