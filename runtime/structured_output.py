@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,6 +84,7 @@ class Grammars:
         self.eos = next(iter(tokenizer.eos_token_ids), None)
         self._vocabulary = None
         self._indexes: dict[str, Any] = {}  # pattern -> Index, least recently used first
+        self._lock = threading.Lock()  # the engine compiles in worker threads while its step loop reads
 
     @property
     def vocabulary(self):
@@ -102,7 +104,8 @@ class Grammars:
 
     def index(self, pattern: str):
         """The pattern's automaton (compiled at its first use here, unless adopted)."""
-        index = self._indexes.pop(pattern, None)
+        with self._lock:
+            index = self._indexes.pop(pattern, None)
         if index is None:
             index = self._compile(pattern)
         self._keep(pattern, index)
@@ -118,9 +121,10 @@ class Grammars:
             self._keep(pattern, pickle.loads(compiled))
 
     def _keep(self, pattern: str, index) -> None:
-        self._indexes[pattern] = index
-        if len(self._indexes) > self.CACHED:
-            del self._indexes[next(iter(self._indexes))]
+        with self._lock:
+            self._indexes[pattern] = index
+            if len(self._indexes) > self.CACHED:
+                del self._indexes[next(iter(self._indexes))]
 
     def _compile(self, pattern: str):
         from outlines_core import Index
