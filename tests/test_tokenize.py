@@ -12,7 +12,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from specsched.runtime import bundled
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}{% if enable_thinking is false %}/no_think{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,11 @@ def test_text_prompts_and_chats_get_the_special_tokens_transformers_and_vllm_giv
                 ids = (await c.post("/tokenize", json=chat)).json()["tokens"]
                 assert ids[0] == bos and bos not in ids[1:]  # the template's BOS, once
                 assert ids == hf.encode("<|bos|><|user|>hi\n<|assistant|>", add_special_tokens=False).ids
+                for extra, want in [({"add_generation_prompt": False}, "<|bos|><|user|>hi\n"),
+                                    ({"chat_template_kwargs": {"enable_thinking": False}},
+                                     "<|bos|><|user|>hi\n<|assistant|>/no_think")]:  # vLLM's chat fields
+                    got = (await c.post("/tokenize", json={**chat, **extra})).json()["tokens"]
+                    assert got == hf.encode(want, add_special_tokens=False).ids, extra
                 r = await c.post("/v1/chat/completions", json={**chat, "max_tokens": 2})
                 assert r.json()["usage"]["prompt_tokens"] == len(ids)
                 r = await c.post("/v1/completions", json={"prompt": text, "max_tokens": 2, "add_special_tokens": False})

@@ -13,10 +13,10 @@ PLAIN_CHAT_TEMPLATE = "{role}: {content}\n"  # each message; then "assistant:" o
 
 
 def render_chat(messages, template: str | None, tools: list[dict] | None = None, bos_token: str = "",
-                eos_token: str = "") -> str:
-    """The prompt of a chat: the tokenizer's chat template (Jinja, as transformers renders it, `tools` and the special
-    tokens' texts given to it) when the model ships one, else each message as "role: content" on its own line, then
-    "assistant:"."""
+                eos_token: str = "", add_generation_prompt: bool = True, kwargs: dict | None = None) -> str:
+    """The prompt of a chat: the tokenizer's chat template (Jinja, as transformers renders it, `tools`, the special
+    tokens' texts and vLLM's `chat_template_kwargs` -- Qwen3's `enable_thinking` -- given to it) when the model ships
+    one, else each message as "role: content" on its own line, then "assistant:" (with `add_generation_prompt`)."""
     if template is not None:
         import jinja2.sandbox
 
@@ -25,11 +25,12 @@ def render_chat(messages, template: str | None, tools: list[dict] | None = None,
 
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(template).render(messages=[m.for_template() for m in messages],
-                                                add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token,
-                                                tools=tools)
+        return env.from_string(template).render(**(kwargs or {}), messages=[m.for_template() for m in messages],
+                                                add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+                                                eos_token=eos_token, tools=tools)
     return "".join(PLAIN_CHAT_TEMPLATE.format(role=m.role, content=m.text() or json.dumps(
-        [c.function.model_dump() for c in m.tool_calls or ()])) for m in messages) + "assistant:"
+        [c.function.model_dump() for c in m.tool_calls or ()])) for m in messages) + (
+        "assistant:" if add_generation_prompt else "")
 
 
 def chat_template_of(model_dir: str | Path) -> str | None:
@@ -46,7 +47,8 @@ def chat_prompt(tok: Tokenizer, template: str | None, req) -> list[int]:
     and none are added on encoding, as vLLM; the plain format is encoded as a completion's prompt. vLLM's
     `add_special_tokens` adds the tokenizer's own, or leaves them out. ValueError: messages the template refuses."""
     text = render_chat(req.messages, template, [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
-                       tok.token(tok.bos_token_id), tok.token(tok.eos_token_id))
+                       tok.token(tok.bos_token_id), tok.token(tok.eos_token_id), req.add_generation_prompt,
+                       req.chat_template_kwargs)
     special = req.add_special_tokens if req.add_special_tokens is not None else template is None
     return tok.encode(text, special_tokens=special)
 
