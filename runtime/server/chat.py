@@ -25,9 +25,9 @@ def render_chat(messages, template: str | None, tools: list[dict] | None = None,
 
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(template).render(**(kwargs or {}), messages=[m.for_template() for m in messages],
-                                                add_generation_prompt=add_generation_prompt, bos_token=bos_token,
-                                                eos_token=eos_token, tools=tools)
+        return env.from_string(template).render({**(kwargs or {}), "messages": [m.for_template() for m in messages],
+                                                 "add_generation_prompt": add_generation_prompt,
+                                                 "bos_token": bos_token, "eos_token": eos_token, "tools": tools})
     return "".join(PLAIN_CHAT_TEMPLATE.format(role=m.role, content=m.text() or json.dumps(
         [c.function.model_dump() for c in m.tool_calls or ()])) for m in messages) + (
         "assistant:" if add_generation_prompt else "")
