@@ -258,8 +258,9 @@ class EagleProposer(HeadProposer):
             probs = logits_to_probs(logits.reshape(b * width, -1), w.sampling_tensors(rows, width))
             drawn = w.synthetic.accepted(self.tree.max_depth, [st.key for st in rows], msg.start,
                                          [st.synthetic for st in rows])
+            allowed = allowed_drafts(logits, drafts, self.tree.to(w.device).parents)  # the tree's copy on the device
             res = synthetic_tree_verify(tokens, self.tree, probs.view(b, width, -1), torch.where(whole, drawn, 0),
-                                        [st.generator for st in rows], allowed_drafts(logits, drafts, self.tree.parents))
+                                        [st.generator for st in rows], allowed)
         elif all(st.greedy for st in rows):
             res = greedy_tree_verify(tokens, self.tree, logits)
         else:
