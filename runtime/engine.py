@@ -26,6 +26,7 @@ from specsched.runtime.outputs import (Finished, PromptLogprobs, RequestOutput, 
                                       token_logprobs)
 from specsched.runtime.engine_checks import check_engine
 from specsched.runtime.engine_config import EngineConfig
+from specsched.runtime.grammars import Grammars
 from specsched.runtime.proposers.ngram import host_drafter
 from specsched.scheduler.scheduler import SchedulerConfig, max_pages_needed
 from specsched.scheduler.block_manager import KVPoolStats
@@ -86,8 +87,7 @@ class AsyncEngine:
             self.model_dir = str(bundled.target_dir())
         setup = check_engine(self.config, self.model_dir, self._proposer_dir(), self._scheduler_config())
         self.tokenizer, self.max_model_len, self._seed_costs, self.vocab_size = setup
-        self._grammars = None  # the tokenizer's structured-output compiler, at the first structured request
-        self._shipped: dict[str, None] = {}  # patterns whose automaton a request has carried to the worker
+        self.grammars = Grammars(self.tokenizer)  # structured output's compiler (its vocabulary read at first use)
 
     # -- setup --------------------------------------------------------------------------------
     def _shape_or(self, path: str) -> str:
@@ -156,7 +156,7 @@ class AsyncEngine:
                 max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                 device=self.device, clock=MonotonicClock(), sink=StreamSink(self), tracer=self.tracer,
                 eos_token_ids=self.tokenizer.eos_token_ids, adaptive=c.adaptive, seed_costs=self._seed_costs,
-                drafter=host_drafter(spec, c.ngram_min, c.ngram_max, self._grammar_index), max_kept_tokens=c.max_kept_hidden_tokens,
+                drafter=host_drafter(spec, c.ngram_min, c.ngram_max, self.grammars.index), max_kept_tokens=c.max_kept_hidden_tokens,
                 uniform_verify=bool(c.graph_sizes()))
         except BaseException:
             # `async with` never calls __aexit__ when __aenter__ raises: without this the
@@ -255,18 +255,6 @@ class AsyncEngine:
             raise EngineClosedError("engine has not started: kv_stats() needs `async with AsyncEngine(...)`")
         return self._pipeline.scheduler.kv_stats()
 
-    def _grammar_index(self, pattern: str):
-        if self._grammars is None:
-            from specsched.runtime.structured_output import Grammars
-
-            self._grammars = Grammars(self.tokenizer)
-        return self._grammars.index(pattern)
-
-    def _grammar_to_ship(self, pattern: str) -> bytes | None:
-        """The pattern compiled, pickled for the worker unless a request has taken it there already."""
-        self._grammar_index(pattern)
-        return None if pattern in self._shipped else self._grammars.compiled(pattern)
-
     def room(self, num_prompt_tokens: int) -> int:
         """The most tokens a prompt of this length may ask for: the model's positions after it and after the
         window a step computes past the last token (its drafts and the token after them)."""
@@ -290,7 +278,7 @@ class AsyncEngine:
         if not ids:
             raise InvalidRequestError("empty prompt")
         if params.structured_outputs is not None:  # compiled here first: a grammar the vocabulary cannot follow
-            self._grammar_index(params.structured_outputs.pattern)
+            self.grammars.index(params.structured_outputs.pattern)
         bad = [t for t in params.logit_bias if t >= self.vocab_size]
         if bad:
             raise InvalidRequestError(f"logit_bias names token ids outside the vocabulary ({self.vocab_size}): {bad[:5]}")
@@ -330,7 +318,7 @@ class AsyncEngine:
         params = params or SamplingParams()
         shipped = None  # a large grammar compiles off the event loop (validate finds it), and once
         if params.structured_outputs is not None:
-            shipped = await anyio.to_thread.run_sync(self._grammar_to_ship, params.structured_outputs.pattern)
+            shipped = await anyio.to_thread.run_sync(self.grammars.for_worker, params.structured_outputs.pattern)
         ids = self.validate(prompt, params)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:
@@ -338,11 +326,7 @@ class AsyncEngine:
         st = Stream()
         self._streams[rid] = st
         req = Request(rid, ids, params, arrival_ns=time.monotonic_ns())
-        if shipped is not None:  # the worker takes the automaton with the request instead of compiling it in a step
-            req.grammar_index = shipped
-            self._shipped[params.structured_outputs.pattern] = None
-            if len(self._shipped) > self._grammars.CACHED:  # as many as the worker keeps (another compiles there again)
-                del self._shipped[next(iter(self._shipped))]
+        req.grammar_index = shipped  # the worker takes the automaton with the request instead of compiling it
         self._pipeline.add_request(req)
         # This consumer detokenizes and applies the stop strings, off the pipeline's step loop.
         detok = Detokenizer(self.tokenizer, params.include_stop_str_in_output)

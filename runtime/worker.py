@@ -37,7 +37,8 @@ from specsched.runtime.worker_config import WorkerConfig
 from specsched.scheduler.messages import (AgreementMessage, AgreementResult, DraftMessage, DraftResult, FillMessage, FillResult, ForwardMessage,
                                           ForwardResult, VerifyMessage, VerifyResult)
 from specsched.runtime.sync_guard import guarded, host_side, to_device
-from specsched.runtime.structured_output import Grammars, advance_guides
+from specsched.runtime.grammars import Grammars
+from specsched.runtime.structured_output import advance_guides
 from specsched.runtime.token_state import SeqState, TokenBuffer
 from specsched.runtime.tokenizer import Tokenizer
 from specsched.runtime.padding import Padding

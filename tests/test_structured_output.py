@@ -12,7 +12,8 @@ import torch
 
 from specsched.runtime import bundled
 from specsched.runtime.logits_processors import window_paths
-from specsched.runtime.structured_output import Grammars, apply_masks, column_drafts, token_bytes
+from specsched.runtime.grammars import Grammars, token_bytes
+from specsched.runtime.structured_output import apply_masks, column_drafts
 from specsched.runtime.tokenizer import Tokenizer
 from specsched.scheduler.errors import InvalidRequestError
 
@@ -221,7 +222,7 @@ def test_the_worker_takes_the_engines_compiled_grammar_instead_of_compiling_it(g
 
     g, tok = grammars
     pattern = "(raise ValueError|pass)"
-    shipped = g.compiled(pattern)
+    shipped = g.for_worker(pattern)
     worker = ModelWorker(str(bundled.target_dir()), {"kind": "none", "draft_len": 0}, page_size=4, num_pages=64)
 
     class NoCompiler:  # loads a pickled automaton, compiles none
