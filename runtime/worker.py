@@ -126,7 +126,8 @@ class ModelWorker:
             # which of a verify's columns come before each on its path (the drafts a penalty counts)
             self.window_paths = window_paths(len(self.column_depths), self.spec.tree_parents)
             # (room past the last position for a verify's window: its emitted columns, its drafts)
-            self.tokens = TokenBuffer(self.target.config.max_position_embeddings + 1 + self.draft_width, self.device)
+            self.tokens = TokenBuffer((c.max_model_len or self.target.config.max_position_embeddings) + 1
+                                      + self.draft_width, self.device)
             self.ngram = c.ngram  # n-gram lookup lengths (the host drafts with them: `host_drafter`)
             self.proposer = make_proposer(self, self.spec, c.proposer_dir, c.num_pages, c.ngram)
             # float32 CPU linears also keep their weights packed for a faster kernel, and decoder layers

@@ -35,6 +35,7 @@ class WorkerConfig:
     synthetic: SyntheticAcceptance | None = None  # with acceptance "synthetic": what it forces
     seed: int = 0  # the engine's seed: its synthetic draws
     ngram: tuple[int, int] = (1, 3)  # n-gram lookup lengths (min, max)
+    max_model_len: int | None = None  # the longest sequence served (None: the target's positions)
     num_threads: int | None = None  # torch's intra-op threads (None: torch's default)
     sync_guard: bool = False
     verify_micro_batches: int = 1
@@ -86,6 +87,7 @@ class WorkerConfig:
             synthetic=c.synthetic(),
             seed=c.seed,
             ngram=(c.ngram_min, c.ngram_max),
+            max_model_len=c.max_model_len,
             num_threads=c.worker_threads,
             sync_guard=c.sync_guard,
             verify_micro_batches=c.verify_micro_batches,
