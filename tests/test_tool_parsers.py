@@ -3,6 +3,7 @@ text, and how much of a stream is surely content; end to end through the server 
 from __future__ import annotations
 
 import json
+import re
 
 import anyio
 import httpx
@@ -72,6 +73,11 @@ def test_auto_tool_choice_through_the_server_gives_the_parsed_calls_streamed_or_
             assert [(t.function.name, t.function.arguments) for t in calls] == [
                 (t.function.name, t.function.arguments) for t in m.tool_calls]
             assert parts[-1].finish_reason == "tool_calls"
+            two = {"structured_outputs": {"regex": r"(<tool_call>\n\{\"name\": \"get_weather\", \"arguments\": \{\}\}"
+                                                    r"\n</tool_call>\n){2}"}}
+            both = await c.chat.completions.create(**chat, extra_body=two)
+            one = await c.chat.completions.create(**chat, extra_body=two, parallel_tool_calls=False)
+            assert (len(both.choices[0].message.tool_calls), len(one.choices[0].message.tool_calls)) == (2, 1)
             plain = await c.chat.completions.create(**{**chat, "max_tokens": 8})
             assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
             assert plain.choices[0].finish_reason in ("length", "stop")
@@ -126,3 +132,18 @@ def test_a_conversation_carries_its_calls_and_their_results_to_the_template():
                     assert r.status_code == 400 and named in r.json()["error"]["message"], r.text
 
     anyio.run(main)
+
+
+def test_parallel_tool_calls_false_lets_required_draw_one_call():
+    """`required` is a JSON list of calls drawn by its schema: with parallel_tool_calls false, a list of one."""
+    from specsched.runtime.server.protocol import ChatCompletionRequest
+    from specsched.scheduler.sampling_params import StructuredOutputs
+
+    tool = {"type": "function", "function": {"name": "noop"}}
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [tool], "tool_choice": "required"}
+    one = '[{"name": "noop", "parameters": {}}]'
+    two = '[{"name": "noop", "parameters": {}}, {"name": "noop", "parameters": {}}]'
+    for parallel, both in ((None, True), (False, False)):
+        req = ChatCompletionRequest.model_validate({**body, "parallel_tool_calls": parallel})
+        pattern = StructuredOutputs(**req.structured()).pattern
+        assert re.fullmatch(pattern, one) and bool(re.fullmatch(pattern, two)) == both, parallel

@@ -69,6 +69,7 @@ class _Choice:
     final: Any = None  # the finished RequestOutput
     tool_call: str | None = None  # chat with tools: the function it calls, "required" or "auto" (text held back)
     sent: int = 0  # with `auto`: the characters of content a stream has sent (the rest may begin a call)
+    one_call: bool = False  # `parallel_tool_calls: false`: the first call alone
     done: bool = False  # counted in the metrics
 
     def chunk(self, metrics: ServerMetrics, out) -> None:
@@ -185,7 +186,8 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
                     return _error(f"prompt {i}: {e}" if len(prompts) > 1 else str(e))
                 k = len(choices)
                 choices.append(_Choice(k, rid if len(prompts) * req.n == 1 else f"{rid}-{k}", ids, params,
-                                       tool_call=req.tool_call() if chat else None))
+                                       tool_call=req.tool_call() if chat else None,
+                                       one_call=chat and req.parallel_tool_calls is False))
                 if getattr(req, "echo", False):
                     choices[-1].echo = prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)
         prompt_tokens = sum(len(c.ids) for c in choices[:: req.n])  # each prompt once, as OpenAI counts them
@@ -212,7 +214,7 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
                                       "logprobs": logprobs_of(c, None if c.final.logprobs is None else c.logprobs, chat,
                                                               c.prompt_logprobs)}
             if chat:
-                choice["message"] = chat_message("".join(c.text), c.tool_call, tool_parser)
+                choice["message"] = chat_message("".join(c.text), c.tool_call, tool_parser, c.one_call)
                 choice["finish_reason"] = chat_reason(choice["finish_reason"], c.tool_call, choice["message"])
             else:
                 choice["text"] = (c.echo or "") + "".join(c.text)
@@ -279,7 +281,7 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
                 delta, c.sent = ({"content": text[c.sent:end]} if end > c.sent else {}), max(c.sent, end)
                 return {"index": c.index, "delta": delta, "finish_reason": None, "logprobs": None}
             if c.tool_call is not None:  # held back until the call is whole: its message (the rest) in one delta
-                delta = chat_message("".join(c.text), c.tool_call, tool_parser)
+                delta = chat_message("".join(c.text), c.tool_call, tool_parser, c.one_call)
                 del delta["role"]
                 finish = chat_reason(finish, c.tool_call, delta)
                 if delta.get("tool_calls"):

@@ -53,12 +53,15 @@ def chat_prompt(tok: Tokenizer, template: str | None, req) -> list[int]:
     return tok.encode(text, special_tokens=special)
 
 
-def tool_calls(text: str, call: str | None, parser: ToolParser | None = None) -> tuple[str | None, list[dict]]:
+def tool_calls(text: str, call: str | None, parser: ToolParser | None = None,
+               one: bool = False) -> tuple[str | None, list[dict]]:
     """A chat choice's content and calls (`ChatCompletionRequest.tool_call`): the named function with the text as its
     arguments, or each {name, parameters} of the `required` JSON list (no content; none but text for a call cut
-    short by max_tokens), or what the server's tool-call parser finds (`auto`)."""
+    short by max_tokens), or what the server's tool-call parser finds (`auto`; the first alone with `one`:
+    `parallel_tool_calls: false`)."""
     if call == "auto":
         content, named = parser.parse(text)
+        named = named[:1] if one else named
     elif call is None:
         return text, []
     else:
@@ -72,10 +75,10 @@ def tool_calls(text: str, call: str | None, parser: ToolParser | None = None) ->
                       "function": {"name": n, "arguments": a}} for n, a in named]
 
 
-def chat_message(text: str, call: str | None, parser: ToolParser | None = None) -> dict:
+def chat_message(text: str, call: str | None, parser: ToolParser | None = None, one: bool = False) -> dict:
     """A chat choice's message (the delta of a stream's last chunk carries the same fields): its text, or its tool
     calls (and the text before them, with `auto`)."""
-    content, calls = tool_calls(text, call, parser)
+    content, calls = tool_calls(text, call, parser, one)
     return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
 
 

@@ -257,7 +257,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted; `required` may give several calls either way
+    parallel_tool_calls: bool | None = None  # false: one call at most (`required` draws one, `auto` keeps the first)
     add_generation_prompt: bool = True  # vLLM's: the template opens the assistant's reply
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the template (enable_thinking)
 
@@ -304,7 +304,8 @@ class ChatCompletionRequest(_Common):
             return super().structured()
         if call != "required":  # the named function's arguments
             return {"json": next(t.function for t in self.tools if t.function.name == call).arguments_schema()}
-        return {"json": {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+        one = {"maxItems": 1} if self.parallel_tool_calls is False else {}
+        return {"json": {"type": "array", "minItems": 1, **one, "items": {"type": "object", "anyOf": [
             {"properties": {"name": {"type": "string", "enum": [t.function.name]},
                             "parameters": t.function.arguments_schema()},
              "required": ["name", "parameters"]} for t in self.tools]}}}
