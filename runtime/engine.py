@@ -156,7 +156,8 @@ class AsyncEngine:
                 max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                 device=self.device, clock=MonotonicClock(), sink=StreamSink(self), tracer=self.tracer,
                 eos_token_ids=self.tokenizer.eos_token_ids, adaptive=c.adaptive, seed_costs=self._seed_costs,
-                drafter=host_drafter(spec, c.ngram_min, c.ngram_max, self.grammars.index), max_kept_tokens=c.max_kept_hidden_tokens,
+                drafter=host_drafter(spec, c.ngram_min, c.ngram_max, self.grammars),
+                max_kept_tokens=c.max_kept_hidden_tokens,
                 uniform_verify=bool(c.graph_sizes()))
         except BaseException:
             # `async with` never calls __aexit__ when __aenter__ raises: without this the

@@ -8,6 +8,7 @@ import json
 import pickle
 import re
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from specsched.runtime.tokenizer import Tokenizer
@@ -57,7 +58,7 @@ def token_bytes(tokenizer_json: dict) -> dict[bytes, list[int]]:
 
 class Grammars:
     """A tokenizer's grammar compiler: regex -> outlines-core `Index`, cached (a request's pattern compiles once per
-    process); an `Index` compiled elsewhere is taken as is (`compiled` / `adopt`: the engine's, shipped to its worker
+    process); an `Index` compiled elsewhere is taken as is (`for_worker` / `adopt`: the engine's, shipped to its worker
     with the first request of a pattern, so the worker's step does not stall while it compiles)."""
 
     CACHED = 64  # patterns kept, the most recently used
@@ -69,6 +70,7 @@ class Grammars:
         self._indexes: dict[str, Any] = {}  # pattern -> Index, least recently used first
         self._lock = threading.Lock()  # the engine compiles in worker threads while its step loop reads
         self._shipped: dict[str, None] = {}  # patterns whose automaton a request has carried to the worker
+        self._forced: dict[str, dict[int, int | None]] = {}  # pattern -> state -> the one token it allows, or None
 
     @property
     def vocabulary(self):
@@ -104,7 +106,9 @@ class Grammars:
         with self._lock:
             self._indexes[pattern] = index
             if len(self._indexes) > self.CACHED:
-                del self._indexes[next(iter(self._indexes))]
+                dropped = next(iter(self._indexes))
+                del self._indexes[dropped]
+                self._forced.pop(dropped, None)
 
     def _compile(self, pattern: str):
         from outlines_core import Index
@@ -120,13 +124,15 @@ class Grammars:
             why = str(syntax)
         raise InvalidRequestError(f"structured output: the grammar cannot be compiled ({why})")
 
-    def guide(self, pattern: str, max_rollback: int):
-        """A request's walk through the pattern's automaton, in the worker (`structured_output.Guide`)."""
-        from outlines_core import Guide as _Guide
+    def walk(self, pattern: str, max_rollback: int, kind: type["Walk"] | None = None) -> "Walk":
+        """A request's walk through the pattern's automaton, stepping back over up to `max_rollback` tokens; `kind`: a
+        Walk that does more (the worker's `structured_output.Guide`, which masks)."""
+        from outlines_core import Guide
 
-        from specsched.runtime.structured_output import Guide
-
-        return Guide(_Guide(self.index(pattern), max_rollback=max(max_rollback, 1)))
+        index = self.index(pattern)
+        with self._lock:
+            forced = self._forced.setdefault(pattern, {})
+        return (kind or Walk)(Guide(index, max_rollback=max(max_rollback, 1)), forced)
 
     def for_worker(self, pattern: str) -> bytes | None:
         """The pattern's automaton, compiled here (InvalidRequestError for a grammar that cannot be), pickled for the
@@ -139,3 +145,52 @@ class Grammars:
             if len(self._shipped) > self.CACHED:  # as many as the worker keeps (one it dropped compiles there again)
                 del self._shipped[next(iter(self._shipped))]
         return pickle.dumps(index)
+
+
+class Walk:
+    """One request's walk through its grammar: advanced by the tokens it keeps, dead after one its grammar does not
+    allow (a stop past its end); `draft` proposes the tokens the grammar allows next (the host's n-gram lookup)."""
+
+    def __init__(self, guide, forced: dict[int, int | None]):
+        self._g = guide  # outlines-core's Guide
+        self._forced = forced  # the pattern's states -> their forced token (shared by its walks)
+        self.dead = False
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            if self.dead:
+                return
+            if not self._g.accepts_tokens([int(t)]):
+                self.dead = True
+                return
+            self._g.advance(int(t), return_tokens=False)
+
+    def forced(self) -> int | None:
+        """The one token the grammar allows now (a schema's key, its punctuation, EOS at the end), or None."""
+        state = self._g.get_state()
+        if state not in self._forced:
+            allowed = self._g.get_tokens()
+            self._forced[state] = allowed[0] if len(allowed) == 1 else None
+        return self._forced[state]
+
+    def draft(self, proposal: Sequence[int], d: int) -> list[int]:
+        """Up to `d` drafts from the state now (which it leaves as it was): each forced token, else the proposal's
+        next while the grammar allows it and no forced token displaced the proposal."""
+        out, follow, walked = [], True, 0
+        for k in range(d):  # d <= the walk's max_rollback
+            t = self.forced()
+            if t is None:
+                if not follow or k >= len(proposal) or not self._g.accepts_tokens([int(proposal[k])]):
+                    break
+                t = int(proposal[k])
+            elif k >= len(proposal) or proposal[k] != t:
+                follow = False
+            out.append(t)
+            try:
+                self._g.advance(t, return_tokens=False)
+            except ValueError:  # the end of the text (EOS): nothing follows
+                break
+            walked += 1
+        if walked:
+            self._g.rollback_state(walked)
+        return out

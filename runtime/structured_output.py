@@ -19,27 +19,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from specsched.runtime.grammars import Walk
 from specsched.runtime.sync_guard import host_side, read_now, to_device
 
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
-class Guide:
-    """One request's walk through its grammar: the allowed tokens now, after a path of drafts, and the advance by the
-    tokens it keeps."""
-
-    def __init__(self, guide):
-        self._g = guide
-        self.dead = False  # a kept token the grammar did not allow (a stop past its end): no mask from here on
-
-    def advance(self, tokens: Sequence[int]) -> None:
-        for t in tokens:
-            if self.dead:
-                return
-            if not self._g.accepts_tokens([int(t)]):
-                self.dead = True
-                return
-            self._g.advance(int(t), return_tokens=False)
+class Guide(Walk):
+    """One request's walk through its grammar in the worker (`Walk`: the advance by the tokens it keeps; dead, no mask
+    from there on), and the tokens it allows after each path of drafts."""
 
     def masks(self, paths: Sequence[Sequence[int]], vocab: int) -> torch.Tensor | None:
         """[len(paths), vocab] bool: the tokens allowed after each path of drafts (from the state now; a path through

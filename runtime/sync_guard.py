@@ -21,7 +21,7 @@ where every tensor is on the device, those marks are the only exemption.
 from __future__ import annotations
 
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 import torch
@@ -65,12 +65,19 @@ def read_now(t: torch.Tensor) -> torch.Tensor:
     debug mode alike."""
     if t.device.type != "cuda":
         return host_side(t.detach().clone())
-    mode = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(0)
-    try:
+    with _cuda_sync_debug(0):
         return host_side(t.detach().to("cpu"))
+
+
+@contextmanager
+def _cuda_sync_debug(mode: int | str) -> Iterator[None]:
+    """CUDA's sync debug mode set to `mode` within the block, the one before restored after."""
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
     finally:
-        torch.cuda.set_sync_debug_mode(mode)
+        torch.cuda.set_sync_debug_mode(before)
 
 
 class _Guard(TorchFunctionMode):
@@ -116,16 +123,8 @@ def no_host_sync(device: torch.device | str, what: str = "op", record: list | No
 @contextmanager
 def guarded(device: torch.device, what: str = "op") -> Iterator[None]:
     """`no_host_sync(device)`, and on CUDA its sync debug mode set to "error" too: torch's own syncs fail as well."""
-    cuda = device.type == "cuda"
-    if cuda:
-        mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        with no_host_sync(device, what=what):
-            yield
-    finally:
-        if cuda:
-            torch.cuda.set_sync_debug_mode(mode)
+    with _cuda_sync_debug("error") if device.type == "cuda" else nullcontext(), no_host_sync(device, what=what):
+        yield
 
 
 def _caller() -> str:

@@ -265,15 +265,14 @@ def synthetic_tree_verify(
     b, t = tree_tokens.shape
     nodes = torch.arange(t, device=tree_tokens.device)
     depth = num_accepted.to(tree_tokens.device).clamp(0, spec.max_depth)
-    if allowed is None:
-        first = torch.full((spec.max_depth + 1,), t, dtype=torch.int64, device=tree_tokens.device)
-        best = first.scatter_reduce(0, spec.depths, nodes, reduce="amin")[depth]  # the first node at that depth
-    else:  # [B, T] every node on the path allowed; of those within the depth, the deepest, then the first
-        ok = torch.cat([allowed.new_ones((b, 1)), allowed.to(tree_tokens.device)], 1)
-        on_path = (spec.paths < 0) | ok[:, spec.paths.clamp(min=0)]
-        fits = on_path.all(-1) & (spec.depths <= depth.unsqueeze(-1))
-        best = torch.where(fits, spec.depths * t + (t - 1 - nodes), -1).argmax(-1)
-        depth = spec.depths[best]
+    ok = torch.ones((b, t), dtype=torch.bool, device=tree_tokens.device)  # the root, and every node unless forbidden
+    if allowed is not None:
+        ok[:, 1:] = allowed.to(tree_tokens.device)
+    # the nodes whose whole path is allowed, within the drawn depth: the deepest, then the first (every depth has a
+    # node, so with nothing forbidden the first node at the drawn depth)
+    fits = ((spec.paths < 0) | ok[:, spec.paths.clamp(min=0)]).all(-1) & (spec.depths <= depth.unsqueeze(-1))
+    best = torch.where(fits, spec.depths * t + (t - 1 - nodes), -1).argmax(-1)
+    depth = spec.depths[best]
     path = spec.paths[best]
     tokens = torch.where(path >= 0, tree_tokens.to(torch.int64).gather(1, path.clamp(min=0)), -1)
     bonus = sample(target_probs[torch.arange(b, device=tree_tokens.device), best].float(), generators)

@@ -38,7 +38,7 @@ from specsched.scheduler.messages import (AgreementMessage, AgreementResult, Dra
                                           ForwardResult, VerifyMessage, VerifyResult)
 from specsched.runtime.sync_guard import guarded, host_side, to_device
 from specsched.runtime.grammars import Grammars
-from specsched.runtime.structured_output import advance_guides
+from specsched.runtime.structured_output import Guide, advance_guides
 from specsched.runtime.token_state import SeqState, TokenBuffer
 from specsched.runtime.tokenizer import Tokenizer
 from specsched.runtime.padding import Padding
@@ -228,7 +228,7 @@ class ModelWorker:
             if r.grammar is not None:  # a walk that can step back over a verify's window
                 if r.grammar_index is not None:  # compiled by the engine: no compile inside this step
                     self.grammars().adopt(r.grammar, r.grammar_index)
-                st.guide = self.grammars().guide(r.grammar, max_rollback=1 + self.draft_width)
+                st.guide = self.grammars().walk(r.grammar, 1 + self.draft_width, Guide)
                 st.guide.advance(r.token_ids[r.prompt_len:])  # its output so far, after a preemption
             (self.scoring.add if st.scored else self.scoring.discard)(r.slot)
             self.tokens.register(r.slot, list(r.token_ids))

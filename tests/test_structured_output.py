@@ -13,7 +13,7 @@ import torch
 from specsched.runtime import bundled
 from specsched.runtime.logits_processors import window_paths
 from specsched.runtime.grammars import Grammars, token_bytes
-from specsched.runtime.structured_output import apply_masks, column_drafts
+from specsched.runtime.structured_output import Guide, apply_masks, column_drafts
 from specsched.runtime.tokenizer import Tokenizer
 from specsched.scheduler.errors import InvalidRequestError
 
@@ -51,7 +51,7 @@ def test_each_column_allows_what_the_grammar_allows_after_the_drafts_on_its_path
         def __init__(self, guide):
             self.guide = guide
 
-    rows = [Row(g.guide(pattern, 8)), Row(g.guide(pattern, 8)), Row(None)]
+    rows = [Row(g.walk(pattern, 8, Guide)), Row(g.walk(pattern, 8, Guide)), Row(None)]
     for r in rows[:2]:
         r.guide.advance(text_tokens[:1])
     vocab = 4096 + 7
@@ -64,7 +64,7 @@ def test_each_column_allows_what_the_grammar_allows_after_the_drafts_on_its_path
             while j > 0:
                 path.insert(0, int(window[i, j]))
                 j = parents[j]
-            fresh = g.guide(pattern, 8)
+            fresh = g.walk(pattern, 8, Guide)
             fresh.advance(text_tokens[:1] + path)
             if fresh.dead:  # a forbidden draft on the path: the column is never read, and nothing is masked
                 assert torch.isfinite(got[i, c]).all()
@@ -72,7 +72,7 @@ def test_each_column_allows_what_the_grammar_allows_after_the_drafts_on_its_path
             want = fresh.masks([[]], vocab)[0]
             assert torch.equal(torch.isfinite(got[i, c]), want), (i, c)
             assert 0 < int(want.sum()) < 4096 and not want[4096:].any()
-    first = g.guide(pattern, 8)
+    first = g.walk(pattern, 8, Guide)
     first.advance(text_tokens[:1])
     assert torch.equal(rows[1].guide.masks([[]], vocab), first.masks([[]], vocab))  # the walks left its state as it was
 

@@ -11,7 +11,7 @@ no Python loop runs over positions.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -95,17 +95,15 @@ class NgramHostDrafter:
     that arrived since the last lookup: rebuilding prompt + output as a list and converting it
     every step costs O(context) per row (~70 us at 4k tokens), the lookup itself ~10 us.
 
-    A structured request (`SamplingParams.structured_outputs`; `grammar`: its pattern's compiled automaton, the
-    engine's) drafts by its grammar, walked here with the tokens it keeps: a token the grammar forces (the only one
-    it allows: a schema's keys, its punctuation) is drafted whatever the lookup says -- the target, masked to it,
-    emits it -- and the lookup's tokens are drafted while the grammar allows them and no forced token displaced
-    them."""
+    A structured request (`SamplingParams.structured_outputs`; `grammars`: the engine's compiler) drafts by its
+    grammar, walked here with the tokens it keeps (`Walk.draft`): a token the grammar forces (the only one it allows:
+    a schema's keys, its punctuation) is drafted whatever the lookup says -- the target, masked to it, emits it --
+    and the lookup's tokens are drafted while the grammar allows them and no forced token displaced them."""
 
-    def __init__(self, min_n: int, max_n: int, num_tokens: int, grammar: Callable[[str], Any] | None = None) -> None:
+    def __init__(self, min_n: int, max_n: int, num_tokens: int, grammars: Any = None) -> None:
         self.lookup = NgramProposer(min_n, max_n, num_tokens)
-        self.grammar = grammar
+        self.grammars = grammars  # the engine's `runtime.grammars.Grammars`
         self._rows: dict[int, _HostTokens] = {}  # slot -> the tokens of the request there
-        self._forced: dict[str, dict[int, int | None]] = {}  # pattern -> state -> its forced token, or None
 
     def tokens(self, req) -> np.ndarray:
         """The request's prompt and output tokens as an array (a view of the slot's buffer)."""
@@ -115,44 +113,15 @@ class NgramHostDrafter:
         if row is None or row.request is not req or n < row.filled:
             row = self._rows[req.slot] = _HostTokens(req, np.asarray(req.all_token_ids, dtype=np.int64))
             so = req.params.structured_outputs
-            if so is not None and self.grammar is not None:
-                from outlines_core import Guide
-
-                row.pattern, row.guide = so.pattern, Guide(self.grammar(so.pattern), max_rollback=64)
-                row.walk(out)
+            if so is not None and self.grammars is not None:
+                row.walk = self.grammars.walk(so.pattern, 64)  # steps back over any draft
+                row.walk.advance(out)
         elif n > row.filled:
             new = out[row.filled - len(req.prompt_token_ids):]
             row.extend(new)
-            row.walk(new)
+            if row.walk is not None:
+                row.walk.advance(new)
         return row.buf[: row.filled]
-
-    def _by_grammar(self, row: "_HostTokens", proposal: np.ndarray, d: int) -> list[int]:
-        """Up to `d` drafts the row's grammar allows: each forced token, else the lookup's next while it follows."""
-        g, out, follow, walked = row.guide, [], True, 0
-        forced = self._forced.setdefault(row.pattern, {})
-        if len(self._forced) > 64:  # as many patterns as the engine keeps compiled
-            del self._forced[next(iter(self._forced))]
-        for k in range(min(d, 64)):
-            state = g.get_state()
-            if state not in forced:
-                allowed = g.get_tokens()
-                forced[state] = allowed[0] if len(allowed) == 1 else None
-            t = forced[state]
-            if t is None:
-                if not follow or k >= len(proposal) or not g.accepts_tokens([int(proposal[k])]):
-                    break
-                t = int(proposal[k])
-            elif k >= len(proposal) or proposal[k] != t:
-                follow = False
-            out.append(t)
-            try:
-                g.advance(t, return_tokens=False)
-            except ValueError:  # the end of the text (EOS): nothing follows
-                break
-            walked += 1
-        if walked:
-            g.rollback_state(walked)
-        return out
 
     def draft(self, batch) -> tuple[np.ndarray, np.ndarray]:
         nd = batch.draft_lens.tolist()
@@ -164,9 +133,9 @@ class NgramHostDrafter:
                 seq = self.tokens(req)
                 n, start = find(seq)
                 got = seq[start : start + d] if n else seq[:0]
-                guided = self._rows[req.slot]
-                if guided.guide is not None:
-                    got = self._by_grammar(guided, got, d)
+                walk = self._rows[req.slot].walk
+                if walk is not None and not walk.dead:
+                    got = walk.draft(got, d)
                 tokens[i, : len(got)] = got
                 counts[i] = len(got)
         return tokens, counts
@@ -175,25 +144,14 @@ class NgramHostDrafter:
 class _HostTokens:
     """One request's tokens in a buffer that doubles when full."""
 
-    __slots__ = ("request", "buf", "filled", "pattern", "guide")
+    __slots__ = ("request", "buf", "filled", "walk")
 
     def __init__(self, request, tokens: np.ndarray) -> None:
         self.request = request
         self.buf = np.empty(max(64, 2 * len(tokens)), dtype=np.int64)
         self.buf[: len(tokens)] = tokens
         self.filled = len(tokens)
-        self.pattern: str | None = None
-        self.guide = None  # a structured request's walk through its grammar (outlines-core's Guide)
-
-    def walk(self, kept: Sequence[int]) -> None:
-        """The grammar's walk advanced by tokens the request kept (one it does not allow ends the walk)."""
-        for t in kept:
-            if self.guide is None:
-                return
-            if not self.guide.accepts_tokens([int(t)]):
-                self.guide = None
-                return
-            self.guide.advance(int(t), return_tokens=False)
+        self.walk = None  # a structured request's walk through its grammar (`runtime.grammars.Walk`)
 
     def extend(self, new: list[int]) -> None:
         end = self.filled + len(new)
@@ -205,7 +163,7 @@ class _HostTokens:
         self.filled = end
 
 
-def host_drafter(spec, min_n: int, max_n: int, grammar: Callable[[str], Any] | None = None) -> NgramHostDrafter | None:
+def host_drafter(spec, min_n: int, max_n: int, grammars: Any = None) -> NgramHostDrafter | None:
     """The pipeline's drafter for `spec` (a ProposerSpec): the lookup where its proposer drafts
-    on the host (`ProposerRules.host_drafts`), else None; `grammar`: a pattern's compiled automaton."""
-    return NgramHostDrafter(min_n, max_n, spec.draft_len, grammar) if spec.rules.host_drafts else None
+    on the host (`ProposerRules.host_drafts`), else None; `grammars`: structured requests' compiler."""
+    return NgramHostDrafter(min_n, max_n, spec.draft_len, grammars) if spec.rules.host_drafts else None

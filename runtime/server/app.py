@@ -164,9 +164,15 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
                                 404, "NotFoundError", "model")
         return req, None
 
+    def encode(prompt, add_special_tokens: bool | None) -> list[int]:
+        """A completion's prompt as token ids: a text with the tokenizer's special tokens unless vLLM's
+        `add_special_tokens` is false (as the engine encodes one); token ids as they are."""
+        if not isinstance(prompt, str):
+            return prompt
+        return engine.tokenizer.encode(prompt, special_tokens=add_special_tokens is not False)
+
     def prepare(req, prompt, choice: int) -> tuple[list[int], SamplingParams]:
-        if isinstance(prompt, str) and req.add_special_tokens is False:  # vLLM's: the text's tokens alone
-            prompt = engine.tokenizer.encode(prompt)
+        prompt = encode(prompt, req.add_special_tokens)
         limit = req.token_limit() if isinstance(req, ChatCompletionRequest) else req.max_tokens
         if limit is None:  # the model's room after the prompt, so the prompt's length first
             prompt = engine.validate(prompt, SamplingParams(max_tokens=1))
@@ -362,7 +368,7 @@ def build_app(engine, model_name: str, chat_template: str | None = None,
             if err is not None:
                 return err
         else:
-            ids = engine.tokenizer.encode(req.prompt, special_tokens=req.add_special_tokens is not False)
+            ids = encode(req.prompt, req.add_special_tokens)
         body = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = [engine.tokenizer.token(t) for t in ids]
